@@ -1,0 +1,39 @@
+# The two commands a newcomer types: `make demo` and `make test`.
+# Both create .venv and install on first use; later runs skip the install
+# unless pyproject.toml or constraints.txt changed.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rayline demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(BIN)/pytest -m unit $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/ingest.py
+
+clean:
+	rm -rf $(VENV) rayline-data .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,74 @@
+"""Flow ``prepare-data``: ingest raw objects, then decode/normalise/split them."""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.artifacts import create_table_artifact
+from pydantic import BaseModel
+
+from ray_workloads.images import ImageSpec
+from ray_workloads.ingest import IngestConfig, IngestResult
+from ray_workloads.preprocess import PreprocessConfig, PreprocessResult, error_sample
+from rayline import storage
+from rayline.config import get_settings
+from tasks.ingest import ingest_objects
+from tasks.preprocess import preprocess_images
+
+RAW_DIR = "raw"
+INGESTED_DIR = "ingested"
+PREPROCESSED_DIR = "preprocessed"
+
+
+class PrepareDataResult(BaseModel):
+    ingest: IngestResult
+    preprocess: PreprocessResult
+
+
+def _publish_summary(ingested: IngestResult, prepared: PreprocessResult) -> None:
+    rows = [{"split": split, "images": count} for split, count in prepared.counts.items()]
+    rows.append({"split": "errors", "images": prepared.error_count})
+    rows.append({"split": "total objects", "images": ingested.object_count})
+    create_table_artifact(
+        key="prepare-data-counts",
+        table=rows,
+        description=(
+            f"Source `{ingested.source_uri}` (content hash `{ingested.content_hash[:12]}`) → "
+            f"`{prepared.output_uri}`. Classes: {', '.join(prepared.classes)}."
+        ),
+    )
+    sample = error_sample(prepared, limit=20)
+    if sample:
+        create_table_artifact(
+            key="prepare-data-errors",
+            table=[{k: row[k] for k in ("uri", "stage", "error_type", "error_message")} for row in sample],
+            description=f"{prepared.error_count} objects could not be used: first {len(sample)} shown.",
+        )
+
+
+@flow(name="prepare-data")
+def prepare_data(
+    source_uri: str | None = None,
+    image_size: int = 32,
+    force: bool = False,
+) -> PrepareDataResult:
+    """Ingest ``source_uri`` (default ``<storage>/raw``) and preprocess it for training."""
+    settings = get_settings()
+    root = storage.storage_root()
+    ingested = ingest_objects(
+        IngestConfig(
+            source_uri=source_uri or storage.join(root, RAW_DIR),
+            output_root=storage.join(root, INGESTED_DIR),
+            io_concurrency=settings.io_concurrency,
+            force=force,
+        )
+    )
+    prepared = preprocess_images(
+        PreprocessConfig(
+            ingest_manifest_uri=ingested.manifest_uri,
+            output_root=storage.join(root, PREPROCESSED_DIR),
+            image=ImageSpec(size=image_size),
+            force=force,
+        )
+    )
+    _publish_summary(ingested, prepared)
+    return PrepareDataResult(ingest=ingested, preprocess=prepared)

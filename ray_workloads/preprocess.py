@@ -1,0 +1,300 @@
+"""Preprocess: ingest shards → decoded, normalised train/val/test shards.
+
+Ray Data reads the ingest shards, decodes every image in its own
+try/except inside ``map_batches`` (one bad image is one error row, never a
+failed job nor a dropped block), and a custom datasink routes rows to
+``<split>/`` and ``errors/`` files. The split is a hash of the object key, so
+an image keeps its split when new objects arrive.
+
+Output layout (committed by ``manifest.json``, written last)::
+
+    <output>/train/part-*.parquet  val/…  test/…   uri, key, etag, label, label_index, image
+    <output>/errors/part-*.parquet                   uri, key, stage, error_type, error_message
+    <output>/summary.json                            counts per split and class, error count
+    <output>/manifest.json                           files + summary: the commit point
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+from pydantic import BaseModel, Field, model_validator
+from ray.data.block import BlockAccessor
+from ray.data.datasource import Datasink, WriteResult
+
+from ray_workloads import ingest
+from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
+from rayline import storage
+from rayline.errors import InputDataError, StorageError
+
+SPLITS = ("train", "val", "test")
+ERRORS = "errors"
+MANIFEST = "manifest.json"
+SUMMARY = "summary.json"
+
+
+class SplitFractions(BaseModel):
+    train: float = Field(0.8, ge=0, le=1)
+    val: float = Field(0.1, ge=0, le=1)
+    test: float = Field(0.1, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _sum_to_one(self) -> SplitFractions:
+        total = self.train + self.val + self.test
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"split fractions must sum to 1, got {total:g}")
+        return self
+
+
+class PreprocessConfig(BaseModel):
+    ingest_manifest_uri: str
+    output_root: str
+    image: ImageSpec = Field(default_factory=ImageSpec)
+    splits: SplitFractions = Field(default_factory=SplitFractions)
+    batch_size: int = Field(128, ge=1)
+    num_cpus_per_task: float = Field(0.5, gt=0)
+    force: bool = False
+
+
+class PreprocessResult(BaseModel):
+    input_manifest_uri: str
+    input_content_hash: str
+    output_uri: str
+    manifest_uri: str
+    summary_uri: str
+    errors_uri: str
+    classes: list[str]
+    counts: dict[str, int]
+    class_counts: dict[str, dict[str, int]]
+    error_count: int
+    error_types: dict[str, int]
+    files: dict[str, list[str]]
+    cached: bool = False
+    elapsed_s: float = 0.0
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.counts.values()) + self.error_count
+
+
+def split_for_key(key: str, fractions: SplitFractions) -> str:
+    """Stable split from a hash of the key: independent of what else is in the dataset."""
+    point = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+    if point < fractions.train:
+        return "train"
+    if point < fractions.train + fractions.val:
+        return "val"
+    return "test"
+
+
+def ordered_classes(labels: Iterable[str]) -> list[str]:
+    """Class names in a stable order: numeric when every label is a number."""
+    unique = sorted(set(labels))
+    if all(label.lstrip("-").isdigit() for label in unique):
+        return sorted(unique, key=int)
+    return unique
+
+
+def decode_batch(
+    batch: dict[str, np.ndarray], spec: ImageSpec, fractions: SplitFractions, classes: list[str]
+) -> dict[str, np.ndarray]:
+    """Decode one batch; every input row yields exactly one output row (ok or error)."""
+    class_index = {name: i for i, name in enumerate(classes)}
+    n = len(batch["uri"])
+    images = np.zeros((n, 3, spec.size, spec.size), dtype=np.float32)
+    ok = np.zeros(n, dtype=bool)
+    stage: list[str | None] = [None] * n
+    error_type: list[str | None] = [None] * n
+    message: list[str | None] = [None] * n
+    for i in range(n):
+        if batch["error_type"][i] is not None:  # the fetch already failed in ingest
+            stage[i], error_type[i], message[i] = "fetch", batch["error_type"][i], batch["error_message"][i]
+            continue
+        try:
+            images[i] = decode_image(batch["data"][i], spec)
+            ok[i] = True
+        except ImageDecodeError as exc:
+            stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
+        except Exception as exc:  # an unexpected decoder failure is still one bad sample
+            stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
+    labels = batch["label"]
+    return {
+        "uri": batch["uri"],
+        "key": batch["key"],
+        "etag": batch["etag"],
+        "label": labels,
+        "label_index": np.array([class_index.get(lbl, -1) if lbl else -1 for lbl in labels], dtype=np.int64),
+        "split": np.array([split_for_key(k, fractions) for k in batch["key"]], dtype=object),
+        "image": images,
+        "ok": ok,
+        "stage": np.array(stage, dtype=object),
+        "error_type": np.array(error_type, dtype=object),
+        "error_message": np.array(message, dtype=object),
+    }
+
+
+_SAMPLE_COLUMNS = ["uri", "key", "etag", "label", "label_index", "image"]
+_ERROR_COLUMNS = ["uri", "key", "stage", "error_type", "error_message"]
+
+
+class SplitShardSink(Datasink[dict[str, Any]]):
+    """Writes each task's rows to ``<split>/part-<task>.parquet`` and ``errors/``.
+
+    Returns per-file facts to the driver, which commits them in a manifest.
+    """
+
+    def __init__(self, output_uri: str) -> None:
+        self.output_uri = output_uri
+        self.result: WriteResult[dict[str, Any]] | None = None
+
+    def get_name(self) -> str:
+        return "RaylineSplitShards"
+
+    def write(self, blocks: Iterable[Any], ctx: Any) -> dict[str, Any]:
+        tables = [BlockAccessor.for_block(b).to_arrow() for b in blocks]
+        tables = [t for t in tables if t.num_rows]
+        report: dict[str, Any] = {"files": {}, "rows": 0, "class_counts": {}, "error_types": {}}
+        if not tables:
+            return report
+        table = pa.concat_tables(tables, promote_options="default")
+        report["rows"] = table.num_rows
+        ok = table.column("ok").to_numpy(zero_copy_only=False)
+        split = np.asarray(table.column("split").to_pylist(), dtype=object)
+        name = f"part-{ctx.task_idx:05d}.parquet"
+        for part in SPLITS:
+            mask = ok & (split == part)
+            if mask.any():
+                rows = table.filter(pa.array(mask)).select(_SAMPLE_COLUMNS)
+                uri = storage.join(self.output_uri, part, name)
+                storage.write_parquet_atomic(uri, rows)
+                report["files"][part] = {"uri": uri, "rows": rows.num_rows}
+                report["class_counts"][part] = dict(Counter(rows.column("label").to_pylist()))
+        if (~ok).any():
+            errors = table.filter(pa.array(~ok)).select(_ERROR_COLUMNS)
+            uri = storage.join(self.output_uri, ERRORS, name)
+            storage.write_parquet_atomic(uri, errors)
+            report["files"][ERRORS] = {"uri": uri, "rows": errors.num_rows}
+            report["error_types"] = dict(Counter(errors.column("error_type").to_pylist()))
+        return report
+
+    def on_write_complete(self, write_result: WriteResult[dict[str, Any]]) -> None:
+        self.result = write_result
+
+
+def _params_hash(cfg: PreprocessConfig, classes: list[str]) -> str:
+    params = {"image": cfg.image.model_dump(), "splits": cfg.splits.model_dump(), "classes": classes}
+    return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def _summarise(reports: list[dict[str, Any]], classes: list[str]) -> dict[str, Any]:
+    files: dict[str, list[str]] = defaultdict(list)
+    counts: Counter[str] = Counter()
+    class_counts: dict[str, Counter[str]] = {s: Counter() for s in SPLITS}
+    error_types: Counter[str] = Counter()
+    for report in reports:
+        for part, info in report["files"].items():
+            files[part].append(info["uri"])
+            counts[part] += info["rows"]
+        for part, per_class in report["class_counts"].items():
+            class_counts[part].update({k: v for k, v in per_class.items() if k is not None})
+        error_types.update(report["error_types"])
+    error_count = counts.pop(ERRORS, 0)
+    return {
+        "classes": classes,
+        "counts": {s: counts.get(s, 0) for s in SPLITS},
+        "class_counts": {s: {c: class_counts[s].get(c, 0) for c in classes} for s in SPLITS},
+        "error_count": error_count,
+        "error_types": dict(sorted(error_types.items())),
+        "files": {k: sorted(v) for k, v in sorted(files.items())},
+    }
+
+
+def _result(manifest: dict[str, Any], manifest_uri: str, cached: bool, elapsed: float) -> PreprocessResult:
+    output = manifest["output_uri"]
+    return PreprocessResult(
+        input_manifest_uri=manifest["input_manifest_uri"],
+        input_content_hash=manifest["input_content_hash"],
+        output_uri=output,
+        manifest_uri=manifest_uri,
+        summary_uri=storage.join(output, SUMMARY),
+        errors_uri=storage.join(output, ERRORS),
+        classes=manifest["summary"]["classes"],
+        counts={s: manifest["summary"]["counts"].get(s, 0) for s in SPLITS},
+        class_counts=manifest["summary"]["class_counts"],
+        error_count=manifest["summary"]["error_count"],
+        error_types=manifest["summary"]["error_types"],
+        files=manifest["summary"]["files"],
+        cached=cached,
+        elapsed_s=elapsed,
+    )
+
+
+def read_manifest(manifest_uri: str) -> PreprocessResult:
+    manifest = storage.read_json(manifest_uri)
+    if manifest.get("kind") != "rayline.preprocess":
+        raise InputDataError(f"{manifest_uri} is not a preprocess manifest")
+    return _result(manifest, manifest_uri, cached=True, elapsed=0.0)
+
+
+def run(cfg: PreprocessConfig) -> PreprocessResult:
+    """Decode, normalise and split every ingested object; commit with a manifest."""
+    started = time.perf_counter()
+    source = ingest.read_manifest(cfg.ingest_manifest_uri)
+    classes = ordered_classes(source.labels)
+    dataset_name = f"{source.output_uri.rstrip('/').rsplit('/', 1)[-1]}-{_params_hash(cfg, classes)}"
+    output = storage.join(storage.normalize(cfg.output_root), dataset_name)
+    manifest_uri = storage.join(output, MANIFEST)
+    if not cfg.force and storage.exists(manifest_uri):
+        manifest = storage.read_json(manifest_uri)
+        if manifest.get("input_content_hash") == source.content_hash:
+            return _result(manifest, manifest_uri, True, time.perf_counter() - started)
+
+    storage.remove_tree(output)  # leftovers of an uncommitted run
+    fs, _ = storage.arrow_filesystem(source.shard_uris[0])
+    paths = [storage.arrow_filesystem(uri)[1] for uri in source.shard_uris]
+    decoded = ray.data.read_parquet(paths, filesystem=fs, override_num_blocks=len(paths)).map_batches(
+        functools.partial(decode_batch, spec=cfg.image, fractions=cfg.splits, classes=classes),
+        batch_size=cfg.batch_size,
+        batch_format="numpy",
+        num_cpus=cfg.num_cpus_per_task,
+    )
+    sink = SplitShardSink(output)
+    decoded.write_datasink(sink, ray_remote_args={"num_cpus": cfg.num_cpus_per_task})
+    if sink.result is None:
+        raise StorageError(f"preprocess wrote nothing for {cfg.ingest_manifest_uri}")
+    summary = _summarise(list(sink.result.write_returns), classes)
+    written = sum(summary["counts"].values()) + summary["error_count"]
+    if written != source.object_count:
+        raise StorageError(f"preprocess wrote {written} rows for {source.object_count} ingested objects")
+
+    storage.write_json_atomic(storage.join(output, SUMMARY), {k: v for k, v in summary.items() if k != "files"})
+    manifest = {
+        "kind": "rayline.preprocess",
+        "version": 1,
+        "input_manifest_uri": cfg.ingest_manifest_uri,
+        "input_content_hash": source.content_hash,
+        "output_uri": output,
+        "parameters": {"image": cfg.image.model_dump(), "splits": cfg.splits.model_dump()},
+        "summary": summary,
+    }
+    storage.write_json_atomic(manifest_uri, manifest)  # the commit point
+    return _result(manifest, manifest_uri, False, time.perf_counter() - started)
+
+
+def error_sample(result: PreprocessResult, limit: int = 20) -> list[dict[str, Any]]:
+    """The first ``limit`` error rows (uri, stage, type, message) for reports."""
+    rows: list[dict[str, Any]] = []
+    for uri in result.files.get(ERRORS, []):
+        rows.extend(storage.read_parquet([uri]).to_pylist())
+        if len(rows) >= limit:
+            break
+    return rows[:limit]

@@ -1,0 +1,119 @@
+"""Environment settings: where data lives, which Ray and Prefect to talk to.
+
+Per-stage parameters (image size, shard size …) are pydantic models next to
+each workload; this module holds only what depends on the environment.
+Secrets are never fields here: S3 credentials come from the standard AWS
+variables (or an instance role) and are read by botocore/the AWS SDK itself.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from rayline.errors import ConfigError
+
+DEFAULT_STORAGE = "./rayline-data"
+
+
+class Settings(BaseSettings):
+    """rayline's environment, read from ``RAYLINE_*`` and standard variables."""
+
+    model_config = SettingsConfigDict(env_prefix="RAYLINE_", extra="ignore", frozen=True)
+
+    storage: str = Field(
+        DEFAULT_STORAGE,
+        description="Storage root URI: a local folder or s3://bucket/prefix.",
+    )
+    aws_endpoint_url: str | None = Field(
+        None,
+        validation_alias=AliasChoices("RAYLINE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL"),
+        description="S3 endpoint for S3-compatible stores (standard AWS_ENDPOINT_URL).",
+    )
+    aws_region: str | None = Field(
+        None,
+        validation_alias=AliasChoices("AWS_REGION", "AWS_DEFAULT_REGION"),
+        description="S3 region (standard AWS_REGION / AWS_DEFAULT_REGION).",
+    )
+    ray_address: str | None = Field(
+        None,
+        validation_alias=AliasChoices("RAYLINE_RAY_ADDRESS", "RAY_ADDRESS"),
+        description="Ray cluster to join; unset starts an embedded local cluster.",
+    )
+    ray_cpu_oversubscription: float = Field(
+        2.0,
+        gt=0,
+        description=(
+            "Logical CPUs per physical core for the embedded cluster, so that "
+            "Data, Train and Serve do not starve each other on small machines."
+        ),
+    )
+    io_concurrency: int = Field(64, ge=1, le=1024, description="Concurrent object reads per task.")
+    prefect_api_url: str | None = Field(
+        None,
+        validation_alias=AliasChoices("PREFECT_API_URL"),
+        description="Prefect API; unset uses Prefect's ephemeral API.",
+    )
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_scheme_is_supported(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            raise ValueError("must not be empty")
+        if "://" in value and not value.startswith(("s3://", "file://")):
+            raise ValueError(f"unsupported scheme in {value!r}; use a local path or s3://bucket/prefix")
+        if value.startswith("s3://") and not value[len("s3://") :].strip("/"):
+            raise ValueError(f"{value!r} names no bucket")
+        return value.rstrip("/") if value != "/" else value
+
+    @property
+    def embedded_num_cpus(self) -> int:
+        """Logical CPUs to declare when rayline starts its own Ray cluster."""
+        cores = os.cpu_count() or 1
+        return max(2, round(cores * self.ray_cpu_oversubscription))
+
+
+PROCESS_DEFAULTS = {
+    # Prefect's ephemeral API can miss its 20 s start-up on a fresh database.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    # No phoning home: these machines only talk to loopback, and the
+    # telemetry writer also contends for the SQLite lock.
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def apply_process_defaults() -> None:
+    """Environment defaults for entry points (CLI, served deployments); explicit values win.
+
+    Called by entry points only, never at import.
+    """
+    for key, value in PROCESS_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def load_settings() -> Settings:
+    """Read settings from the environment, failing with a readable message."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid rayline settings: {problems}") from exc
+
+
+@lru_cache(maxsize=1)
+def _cached_settings(_key: tuple[tuple[str, str], ...]) -> Settings:
+    return load_settings()
+
+
+def get_settings() -> Settings:
+    """Settings for the current environment, re-read when relevant variables change."""
+    prefixes = ("RAYLINE_", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "RAY_ADDRESS", "PREFECT_API_URL")
+    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(prefixes)))
+    return _cached_settings(key)

@@ -1,0 +1,130 @@
+"""rayline's exception tree.
+
+Every error rayline raises on purpose is one of these, chained ``from exc``
+to the library error that caused it::
+
+    RaylineError
+    ├── ConfigError            bad settings or stage parameters (not retried)
+    ├── InputDataError         the input itself is wrong: empty prefix, bad URI,
+    │                          unreadable manifest (not retried)
+    ├── StorageError           a storage operation failed for good
+    └── TransientError         worth retrying at the task level
+        ├── TransientStorageError   S3 throttling / 5xx / connection reset
+        └── ClusterError            Ray unreachable, workers or nodes lost
+
+Per-sample problems (one undecodable image) are *not* exceptions at this
+level: workloads record them as error rows and carry on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+class RaylineError(Exception):
+    """Base of every error rayline raises on purpose."""
+
+
+class ConfigError(RaylineError):
+    """Settings or stage parameters are invalid."""
+
+
+class InputDataError(RaylineError):
+    """The input data (prefix, manifest, URI) is unusable as given."""
+
+
+class StorageError(RaylineError):
+    """A storage read or write failed and retrying will not help."""
+
+
+class TransientError(RaylineError):
+    """A failure that is expected to go away on retry."""
+
+
+class TransientStorageError(TransientError, StorageError):
+    """S3 throttling, a 5xx answer or a dropped connection."""
+
+
+class ClusterError(TransientError):
+    """The Ray cluster could not be reached or lost workers mid-job."""
+
+
+_TRANSIENT_BUILTINS: tuple[type[BaseException], ...] = (
+    ConnectionError,
+    TimeoutError,
+)
+
+# Names rather than imports: Ray and botocore are heavy, and the classifier
+# must work on exceptions that crossed a process boundary.
+_TRANSIENT_NAMES = frozenset(
+    {
+        # Ray: lost workers, actors, nodes, objects
+        "WorkerCrashedError",
+        "ActorDiedError",
+        "ActorUnavailableError",
+        "NodeDiedError",
+        "ObjectLostError",
+        "OwnerDiedError",
+        "ObjectReconstructionFailedError",
+        "RaySystemError",
+        "GetTimeoutError",
+        # botocore / aiohttp transport problems
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "ServerDisconnectedError",
+        "ClientConnectorError",
+        "ClientOSError",
+    }
+)
+
+_TRANSIENT_S3_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "503",
+        "500",
+        "502",
+        "504",
+    }
+)
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _s3_error_code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        return str(code) if code is not None else None
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when ``exc`` (or anything in its cause chain) is worth retrying.
+
+    Deliberate rayline errors decide by their class; a config or input error
+    anywhere in the chain wins over a transient-looking cause.
+    """
+    for err in _causes(exc):
+        if isinstance(err, ConfigError | InputDataError):
+            return False
+        if isinstance(err, (TransientError, *_TRANSIENT_BUILTINS)):
+            return True
+        if type(err).__name__ in _TRANSIENT_NAMES:
+            return True
+        if _s3_error_code(err) in _TRANSIENT_S3_CODES:
+            return True
+    return False

@@ -1,0 +1,103 @@
+"""Lineage records: which inputs, parameters and code produced which outputs.
+
+One JSON record per stage run under ``<storage>/lineage/<stage>/``, written
+atomically. Records stand on their own (Prefect's open-source server has no
+lineage view); later stages reference earlier outputs by URI and content hash,
+so the graph can be walked from any output back to raw objects.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from rayline import storage
+
+LINEAGE_DIR = "lineage"
+
+
+class DatasetRef(BaseModel):
+    """A dataset a stage read or wrote, pinned to a version."""
+
+    uri: str
+    content_hash: str | None = None
+    etag: str | None = None
+    facets: dict[str, Any] = Field(default_factory=dict)
+
+
+class RunContext(BaseModel):
+    """Where a stage ran: orchestrator and cluster identifiers."""
+
+    flow_run_id: str | None = None
+    flow_name: str | None = None
+    task_run_id: str | None = None
+    task_name: str | None = None
+    ray_job_id: str | None = None
+    ray_address: str | None = None
+
+
+class LineageRecord(BaseModel):
+    """One stage run: inputs, outputs, parameters, code version and run ids."""
+
+    record_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    stage: str
+    started_at: datetime
+    ended_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    inputs: list[DatasetRef]
+    outputs: list[DatasetRef]
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    code_version: str
+    run: RunContext = Field(default_factory=RunContext)
+    status: str = "COMPLETED"
+    cached: bool = False
+
+
+@functools.cache
+def code_version() -> str:
+    """The git commit of rayline's source (``+dirty`` when modified), else the package version."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=5,
+        ).stdout.strip()
+        return f"git:{sha}{'+dirty' if dirty else ''}"
+    except (OSError, subprocess.SubprocessError):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"pkg:rayline=={version('rayline')}"
+        except PackageNotFoundError:
+            return "unknown"
+
+
+def lineage_dir(stage: str | None = None) -> str:
+    base = storage.join(storage.storage_root(), LINEAGE_DIR)
+    return storage.join(base, stage) if stage else base
+
+
+def write_record(record: LineageRecord) -> str:
+    """Store ``record`` and return its URI. Names sort by time."""
+    stamp = record.ended_at.strftime("%Y%m%dT%H%M%S%fZ")
+    uri = storage.join(lineage_dir(record.stage), f"{stamp}-{record.record_id}.json")
+    storage.write_json_atomic(uri, record.model_dump(mode="json"))
+    return uri
+
+
+def read_records(stage: str) -> list[LineageRecord]:
+    """All records of one stage, oldest first."""
+    objects = storage.list_objects(lineage_dir(stage))
+    return [LineageRecord.model_validate(storage.read_json(o.uri)) for o in objects if o.key.endswith(".json")]

@@ -1,0 +1,266 @@
+"""Storage URIs: one place that turns a URI into the filesystems Ray needs.
+
+URIs are either local paths (``/data/x``, ``./x``, ``file:///x``) or
+``s3://bucket/prefix``. S3 endpoints come from settings (``AWS_ENDPOINT_URL``);
+credentials are left to botocore / the AWS SDK so they never pass through here.
+
+Small files (JSON, manifests, Parquet shards) are written atomically: a reader
+sees the old object or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import posixpath
+import tempfile
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import lru_cache
+from typing import Any
+from urllib.parse import urlparse
+
+import fsspec
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from rayline.config import get_settings
+from rayline.errors import InputDataError, StorageError, TransientStorageError, is_transient
+
+S3 = "s3://"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: its URI, key relative to the listed prefix, and version facts."""
+
+    uri: str
+    key: str
+    size: int
+    etag: str
+    last_modified: str
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith(S3)
+
+
+def normalize(uri: str) -> str:
+    """Absolute, scheme-explicit form: local paths become absolute, no trailing slash."""
+    if is_s3(uri):
+        return uri.rstrip("/")
+    if uri.startswith("file://"):
+        uri = urlparse(uri).path
+    if "://" in uri:
+        raise InputDataError(f"unsupported storage URI {uri!r}: use a local path or s3://bucket/prefix")
+    return os.path.abspath(os.path.expanduser(uri))
+
+
+def join(base: str, *parts: str) -> str:
+    """Join path segments onto a URI with '/' whatever the OS."""
+    clean = [p.strip("/") for p in parts if p and p.strip("/")]
+    return posixpath.join(base.rstrip("/"), *clean) if clean else base.rstrip("/")
+
+
+def storage_root() -> str:
+    """The configured storage root in normalized form."""
+    return normalize(get_settings().storage)
+
+
+def _strip_scheme(uri: str) -> str:
+    return uri[len(S3) :] if is_s3(uri) else normalize(uri)
+
+
+@lru_cache(maxsize=8)
+def _s3fs(endpoint_url: str | None, region: str | None) -> fsspec.AbstractFileSystem:
+    client_kwargs: dict[str, Any] = {}
+    if endpoint_url:
+        client_kwargs["endpoint_url"] = endpoint_url
+    if region:
+        client_kwargs["region_name"] = region
+    # listings are always fresh: a stale cache would hide new arrivals
+    return fsspec.filesystem("s3", client_kwargs=client_kwargs, use_listings_cache=False, skip_instance_cache=True)
+
+
+def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """An fsspec filesystem for ``uri`` and the path to use with it."""
+    if is_s3(uri):
+        settings = get_settings()
+        return _s3fs(settings.aws_endpoint_url, settings.aws_region), _strip_scheme(uri)
+    return fsspec.filesystem("file"), normalize(uri)
+
+
+@lru_cache(maxsize=8)
+def _arrow_s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
+    kwargs: dict[str, Any] = {"region": region or "us-east-1"}
+    if endpoint_url:
+        parsed = urlparse(endpoint_url)
+        kwargs["endpoint_override"] = parsed.netloc or endpoint_url
+        kwargs["scheme"] = parsed.scheme or "https"
+    return pafs.S3FileSystem(**kwargs)
+
+
+def arrow_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem (what Ray Data's readers take) and the path to use with it."""
+    if is_s3(uri):
+        settings = get_settings()
+        return _arrow_s3(settings.aws_endpoint_url, settings.aws_region), _strip_scheme(uri)
+    return pafs.LocalFileSystem(), normalize(uri)
+
+
+def _wrap(exc: Exception, action: str, uri: str) -> Exception:
+    if isinstance(exc, FileNotFoundError):
+        return InputDataError(f"{action} {uri}: not found")
+    if is_transient(exc):
+        return TransientStorageError(f"{action} {uri}: {type(exc).__name__}: {exc}")
+    return StorageError(f"{action} {uri}: {type(exc).__name__}: {exc}")
+
+
+def exists(uri: str) -> bool:
+    fs, path = filesystem(uri)
+    try:
+        return bool(fs.exists(path))
+    except Exception as exc:
+        raise _wrap(exc, "checking", uri) from exc
+
+
+def read_bytes(uri: str) -> bytes:
+    fs, path = filesystem(uri)
+    try:
+        return bytes(fs.cat_file(path))
+    except Exception as exc:
+        raise _wrap(exc, "reading", uri) from exc
+
+
+def write_bytes_atomic(uri: str, data: bytes) -> None:
+    """Write ``data`` so that readers see either nothing/the old object or all of it.
+
+    Local: a temp file in the same folder, fsynced, then ``os.replace``.
+    S3: a single PUT is already atomic for readers.
+    """
+    fs, path = filesystem(uri)
+    try:
+        if is_s3(uri):
+            fs.pipe_file(path, data)
+            return
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    except Exception as exc:
+        raise _wrap(exc, "writing", uri) from exc
+
+
+def write_json_atomic(uri: str, payload: Any) -> None:
+    data = json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
+    write_bytes_atomic(uri, data + b"\n")
+
+
+def read_json(uri: str) -> Any:
+    raw = read_bytes(uri)
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InputDataError(f"{uri} is not valid JSON: {exc}") from exc
+
+
+def write_parquet_atomic(uri: str, table: pa.Table) -> int:
+    """Write ``table`` as one Parquet file atomically; returns the file's size in bytes."""
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    data = buffer.getvalue()
+    write_bytes_atomic(uri, data)
+    return len(data)
+
+
+def read_parquet(uris: Iterable[str]) -> pa.Table:
+    """Read and concatenate small Parquet files (manifests name them; no globbing)."""
+    tables = []
+    for uri in uris:
+        fs, path = arrow_filesystem(uri)
+        try:
+            tables.append(pq.read_table(path, filesystem=fs))
+        except Exception as exc:
+            raise _wrap(exc, "reading", uri) from exc
+    return pa.concat_tables(tables) if tables else pa.table({})
+
+
+def remove_tree(uri: str) -> None:
+    """Delete everything under ``uri``; a missing prefix is not an error."""
+    fs, path = filesystem(uri)
+    try:
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        return
+    except Exception as exc:
+        raise _wrap(exc, "deleting", uri) from exc
+
+
+def _etag(info: dict[str, Any]) -> str:
+    etag = info.get("ETag") or info.get("etag")
+    if etag:
+        return str(etag).strip('"')
+    # local files have no ETag: size and mtime identify a version, as HTTP servers do
+    mtime = info.get("mtime") or info.get("created") or 0
+    return f"{int(info.get('size') or 0):x}-{int(float(mtime) * 1e9):x}"
+
+
+def _last_modified(info: dict[str, Any]) -> str:
+    value = info.get("LastModified") or info.get("mtime")
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).isoformat()
+    if isinstance(value, int | float):
+        return datetime.fromtimestamp(value, UTC).isoformat()
+    return str(value or "")
+
+
+def list_objects(prefix_uri: str) -> list[ObjectInfo]:
+    """Every object under ``prefix_uri`` (recursive), sorted by key.
+
+    Keys are relative to the prefix, so a dataset keeps its identity when the
+    storage root moves. Hidden names (``.tmp-…``, ``_SUCCESS``) are skipped.
+    """
+    prefix_uri = normalize(prefix_uri)
+    fs, path = filesystem(prefix_uri)
+    try:
+        found: dict[str, dict[str, Any]] = fs.find(path, detail=True)
+    except FileNotFoundError:
+        found = {}
+    except Exception as exc:
+        raise _wrap(exc, "listing", prefix_uri) from exc
+    base = path.rstrip("/") + "/"
+    objects = []
+    for full, info in found.items():
+        if info.get("type") == "directory" or not full.startswith(base):
+            continue
+        key = full[len(base) :]
+        if any(part.startswith((".", "_")) for part in key.split("/")):
+            continue
+        objects.append(
+            ObjectInfo(
+                uri=join(prefix_uri, key),
+                key=key,
+                size=int(info.get("size") or 0),
+                etag=_etag(info),
+                last_modified=_last_modified(info),
+            )
+        )
+    return sorted(objects, key=lambda o: o.key)
+
+
+def unique_suffix() -> str:
+    return uuid.uuid4().hex[:12]

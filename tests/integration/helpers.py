@@ -1,0 +1,41 @@
+"""Assertions shared by integration tests: read outputs back the way a user would."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from ray_workloads.preprocess import ERRORS, SPLITS, PreprocessResult
+from rayline import storage
+from rayline.seed import EXPECTED_ERROR_TYPE, SeedResult
+
+DIGITS = 1797
+
+
+def read_outputs(result: PreprocessResult) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(good rows without pixels, error rows) of a committed preprocess output."""
+    good: list[dict[str, Any]] = []
+    for split in SPLITS:
+        table = storage.read_parquet(result.files.get(split, []))
+        if table.num_rows:
+            rows = table.drop_columns(["image"]).to_pylist()
+            good.extend({**row, "split": split} for row in rows)
+    errors = storage.read_parquet(result.files.get(ERRORS, [])).to_pylist()
+    return good, errors
+
+
+def assert_exactly_one_row_per_object(result: PreprocessResult, seeded: SeedResult) -> None:
+    good, errors = read_outputs(result)
+    all_uris = [r["uri"] for r in good] + [r["uri"] for r in errors]
+    assert len(all_uris) == len(set(all_uris)), "an object produced more than one row"
+    expected = {storage.join(seeded.uri, o.key) for o in storage.list_objects(seeded.uri)}
+    assert set(all_uris) == expected
+    assert len(good) == seeded.digits == DIGITS, "a good image was lost"
+    corrupt_uris = {storage.join(seeded.uri, key): kind for key, kind in seeded.corrupt.items()}
+    assert {r["uri"] for r in errors} == set(corrupt_uris)
+    for row in errors:
+        assert row["error_type"] == EXPECTED_ERROR_TYPE[corrupt_uris[row["uri"]]], row
+        assert row["stage"] == "decode" and row["error_message"]
+    assert Counter(r["label"] for r in good) == Counter(
+        {str(d): n for d, n in enumerate([178, 182, 177, 183, 181, 182, 181, 179, 174, 180])}
+    )

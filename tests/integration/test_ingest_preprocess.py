@@ -1,0 +1,90 @@
+"""Ingest and preprocess workloads on a real Ray cluster, local and S3 storage."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_workloads import ingest, preprocess
+from rayline import storage
+from rayline.errors import InputDataError
+from rayline.seed import CORRUPT_KINDS, seed
+from tests.integration.helpers import assert_exactly_one_row_per_object
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request: pytest.FixtureRequest) -> str:
+    fixture = "local_storage" if request.param == "local" else "s3_storage"
+    return str(request.getfixturevalue(fixture))
+
+
+def _run(root: str, force: bool = False) -> tuple[ingest.IngestResult, preprocess.PreprocessResult]:
+    ingested = ingest.run(
+        ingest.IngestConfig(source_uri=storage.join(root, "raw"), output_root=storage.join(root, "ingested"), force=force)
+    )
+    prepared = preprocess.run(
+        preprocess.PreprocessConfig(
+            ingest_manifest_uri=ingested.manifest_uri, output_root=storage.join(root, "pre"), force=force
+        )
+    )
+    return ingested, prepared
+
+
+def test_every_object_yields_exactly_one_row_and_bad_ones_are_errors(root: str) -> None:
+    corrupt = 2 * len(CORRUPT_KINDS)
+    seeded = seed(storage.join(root, "raw"), corrupt=corrupt)
+    ingested, prepared = _run(root)
+    assert ingested.object_count == seeded.total == 1797 + corrupt
+    assert prepared.error_count == corrupt
+    assert sum(prepared.counts.values()) == 1797
+    assert_exactly_one_row_per_object(prepared, seeded)
+    summary = storage.read_json(prepared.summary_uri)
+    assert summary["error_count"] == corrupt
+    assert summary["counts"] == prepared.counts
+    assert sum(summary["class_counts"]["train"].values()) == prepared.counts["train"]
+
+
+def test_rerun_on_unchanged_input_reuses_output_and_force_rewrites_same_files(local_storage: str) -> None:
+    seed(storage.join(local_storage, "raw"), corrupt=3)
+    first_ingest, first = _run(local_storage)
+    files_before = {o.key for o in storage.list_objects(local_storage)}
+    again_ingest, again = _run(local_storage)
+    assert again_ingest.cached and again.cached
+    assert again_ingest.content_hash == first_ingest.content_hash
+    assert {o.key for o in storage.list_objects(local_storage)} == files_before
+
+    forced_ingest, forced = _run(local_storage, force=True)
+    assert not forced.cached
+    assert forced_ingest.content_hash == first_ingest.content_hash
+    assert storage.read_json(forced_ingest.manifest_uri) == storage.read_json(first_ingest.manifest_uri)
+    assert {o.key for o in storage.list_objects(local_storage)} == files_before
+
+
+def test_new_objects_change_the_hash_but_keep_existing_splits(local_storage: str) -> None:
+    raw = storage.join(local_storage, "raw")
+    seed(raw)
+    _, before = _run(local_storage)
+    seed(raw, synthetic=20)
+    _, after = _run(local_storage)
+    assert after.input_content_hash != before.input_content_hash
+    assert after.output_uri != before.output_uri
+    assert after.counts["train"] + after.counts["val"] + after.counts["test"] == 1797 + 20
+    assert all(after.counts[s] >= before.counts[s] for s in before.counts)
+
+
+def test_uncommitted_leftovers_are_replaced(local_storage: str) -> None:
+    raw = storage.join(local_storage, "raw")
+    seed(raw)
+    objects = storage.list_objects(raw)
+    output = storage.join(local_storage, "ingested", ingest.dataset_id(raw, ingest.content_hash(objects)))
+    storage.write_bytes_atomic(storage.join(output, "shards", "part-99999.parquet"), b"half-written junk")
+    ingested, _ = _run(local_storage)
+    shard_keys = {o.key for o in storage.list_objects(storage.join(output, "shards"))}
+    assert "part-99999.parquet" not in shard_keys
+    assert len(shard_keys) == len(ingested.shards)
+
+
+def test_empty_prefix_is_a_clear_error(local_storage: str) -> None:
+    with pytest.raises(InputDataError, match="no objects found under .*nothing-here"):
+        ingest.run(ingest.IngestConfig(source_uri=storage.join(local_storage, "nothing-here"), output_root=local_storage))

@@ -1,0 +1,81 @@
+"""The prepare-data flow against a real Prefect API, on local and S3 storage."""
+
+from __future__ import annotations
+
+import asyncio
+
+import boto3
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+from flows.prepare_data import prepare_data
+from rayline import lineage, storage
+from rayline.seed import seed
+from tests.integration.helpers import assert_exactly_one_row_per_object
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
+
+
+async def _artifact_keys() -> set[str]:
+    async with get_client() as client:
+        artifacts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prepare-data-counts", "prepare-data-errors"]))
+        )
+    return {a.key for a in artifacts if a.key}
+
+
+def test_flow_on_local_storage_records_lineage_and_artifacts(local_storage: str) -> None:
+    seeded = seed(storage.join(local_storage, "raw"), corrupt=4)
+    result = prepare_data()
+    assert_exactly_one_row_per_object(result.preprocess, seeded)
+    assert asyncio.run(_artifact_keys()) == {"prepare-data-counts", "prepare-data-errors"}
+
+    (ingest_record,) = lineage.read_records("ingest")
+    (pre_record,) = lineage.read_records("preprocess")
+    assert ingest_record.inputs[0].uri == seeded.uri
+    assert ingest_record.inputs[0].content_hash == result.ingest.content_hash
+    assert ingest_record.outputs[0].uri == result.ingest.manifest_uri
+    assert set(ingest_record.outputs[0].facets["shards"]) == set(result.ingest.shard_uris)
+    assert pre_record.inputs[0].uri == result.ingest.manifest_uri
+    assert pre_record.inputs[0].content_hash == result.ingest.content_hash
+    assert pre_record.outputs[0].uri == result.preprocess.manifest_uri
+    for record in (ingest_record, pre_record):
+        assert record.code_version.startswith(("git:", "pkg:"))
+        assert record.run.flow_name == "prepare-data"
+        assert record.run.flow_run_id and record.run.task_run_id and record.run.ray_job_id
+        assert record.parameters
+    assert ingest_record.run.flow_run_id == pre_record.run.flow_run_id
+    assert ingest_record.run.task_run_id != pre_record.run.task_run_id
+
+    # the shards themselves pin every raw object to its etag
+    shard_rows = storage.read_parquet(result.ingest.shard_uris).select(["uri", "etag"]).to_pylist()
+    listed = {storage.join(seeded.uri, o.key): o.etag for o in storage.list_objects(seeded.uri)}
+    assert {r["uri"]: r["etag"] for r in shard_rows} == listed
+
+
+def test_flow_on_s3_writes_everything_to_the_bucket(s3_storage: str, s3_bucket: str, s3_endpoint: str) -> None:
+    seeded = seed(storage.join(s3_storage, "raw"), corrupt=4)
+    result = prepare_data()
+    assert result.ingest.manifest_uri.startswith(f"s3://{s3_bucket}/root/ingested/")
+    assert_exactly_one_row_per_object(result.preprocess, seeded)
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    keys = {
+        obj["Key"]
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket)
+        for obj in page.get("Contents", [])
+    }
+    prefix = result.preprocess.output_uri.removeprefix(f"s3://{s3_bucket}/")
+    assert f"{prefix}/manifest.json" in keys and f"{prefix}/summary.json" in keys
+    assert any(k.startswith(f"{prefix}/errors/") for k in keys)
+    assert any(k.startswith(f"{prefix}/train/") for k in keys)
+    assert sum(k.startswith("root/ingested/") and k.endswith(".parquet") for k in keys) == len(result.ingest.shards)
+    assert any(k.startswith("root/lineage/ingest/") for k in keys)
+
+    # a rerun on unchanged input: same hashes, no new or rewritten objects
+    etags = {o.key: o.etag for o in storage.list_objects(s3_storage) if "/lineage/" not in f"/{o.key}"}
+    again = prepare_data()
+    assert again.ingest.content_hash == result.ingest.content_hash
+    assert again.preprocess.manifest_uri == result.preprocess.manifest_uri
+    assert {o.key: o.etag for o in storage.list_objects(s3_storage) if "/lineage/" not in f"/{o.key}"} == etags

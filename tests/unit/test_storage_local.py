@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from rayline import storage
+from rayline.errors import InputDataError
+
+pytestmark = pytest.mark.unit
+
+
+def test_join_and_normalize() -> None:
+    assert storage.join("s3://b/p/", "a", "/b/") == "s3://b/p/a/b"
+    assert storage.normalize("s3://b/p/") == "s3://b/p"
+    assert storage.normalize("file:///tmp/x") == "/tmp/x"
+    assert os.path.isabs(storage.normalize("./relative"))
+    with pytest.raises(InputDataError, match="unsupported storage URI"):
+        storage.normalize("gs://bucket/x")
+
+
+def test_atomic_write_leaves_no_temp_files(tmp_path: Path) -> None:
+    target = str(tmp_path / "deep" / "x.json")
+    storage.write_json_atomic(target, {"a": 1})
+    storage.write_json_atomic(target, {"a": 2})
+    assert storage.read_json(target) == {"a": 2}
+    assert os.listdir(tmp_path / "deep") == ["x.json"]
+
+
+def test_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
+    target = str(tmp_path / "x.json")
+    storage.write_json_atomic(target, {"ok": True})
+
+    class Unserialisable:
+        def __str__(self) -> str:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        storage.write_json_atomic(target, {"bad": Unserialisable()})
+    assert storage.read_json(target) == {"ok": True}
+    assert os.listdir(tmp_path) == ["x.json"]
+
+
+def test_list_objects_is_recursive_sorted_and_skips_hidden(tmp_path: Path) -> None:
+    for rel in ["b/2.png", "a/1.png", "a/.tmp-x", "_SUCCESS", "c.png"]:
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"12345")
+    listed = storage.list_objects(str(tmp_path))
+    assert [o.key for o in listed] == ["a/1.png", "b/2.png", "c.png"]
+    assert all(o.size == 5 and o.etag for o in listed)
+    assert listed[0].uri == str(tmp_path / "a/1.png")
+
+
+def test_missing_prefix_lists_nothing_and_missing_file_is_named(tmp_path: Path) -> None:
+    assert storage.list_objects(str(tmp_path / "nope")) == []
+    with pytest.raises(InputDataError, match="nope.json: not found"):
+        storage.read_json(str(tmp_path / "nope.json"))
+
+
+def test_parquet_round_trip(tmp_path: Path) -> None:
+    uri = str(tmp_path / "t.parquet")
+    size = storage.write_parquet_atomic(uri, pa.table({"x": [1, 2, 3]}))
+    assert size > 0
+    assert storage.read_parquet([uri]).column("x").to_pylist() == [1, 2, 3]
