@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from rayline import storage
-from rayline.config import apply_process_defaults
+from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import RaylineError
 
 app = typer.Typer(
@@ -65,6 +65,7 @@ def prepare_data_command(
     from flows.prepare_data import prepare_data
 
     try:
+        get_settings()  # fail fast, before Prefect and Ray start
         result = prepare_data(source_uri=source, image_size=image_size, force=force)
     except RaylineError as exc:
         _fail(exc)
@@ -97,6 +98,7 @@ def demo(
     from rayline.seed import seed as write_seed
 
     try:
+        get_settings()  # fail fast, before Prefect and Ray start
         root = storage.storage_root()
         raw = storage.join(root, RAW_DIR)
         seeded = write_seed(raw, corrupt=corrupt)

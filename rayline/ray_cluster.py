@@ -87,12 +87,14 @@ def connect(settings: Settings | None = None) -> RayConnection:
     global _embedded
     import ray
 
+    settings = settings or get_settings()
     with _lock:
         if not ray.is_initialized():
-            _embedded = _start(settings or get_settings())
+            _embedded = _start(settings)
         context = ray.get_runtime_context()
         return RayConnection(
-            address=str(context.gcs_address),
+            # the address users know the cluster by; GCS may report another interface
+            address=settings.ray_address if not _embedded and settings.ray_address else str(context.gcs_address),
             job_id=str(context.get_job_id()),
             embedded=bool(_embedded),
             num_cpus=float(ray.cluster_resources().get("CPU", 0.0)),  # type: ignore[no-untyped-call]

@@ -40,17 +40,21 @@ def wait_for_http(url: str, timeout_s: float = 30.0) -> None:
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
-    """End a process we started (and its own process group), by PID."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    """End a process we started in its own session, by PID.
+
+    SIGTERM goes to the leader alone so it can stop its children in order;
+    whatever of its process group is left after ``timeout_s`` is killed.
+    """
+    if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=timeout_s)
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=timeout_s)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,9 @@ def root(request: pytest.FixtureRequest) -> str:
 
 def _run(root: str, force: bool = False) -> tuple[ingest.IngestResult, preprocess.PreprocessResult]:
     ingested = ingest.run(
-        ingest.IngestConfig(source_uri=storage.join(root, "raw"), output_root=storage.join(root, "ingested"), force=force)
+        ingest.IngestConfig(
+            source_uri=storage.join(root, "raw"), output_root=storage.join(root, "ingested"), force=force
+        )
     )
     prepared = preprocess.run(
         preprocess.PreprocessConfig(
@@ -87,4 +89,6 @@ def test_uncommitted_leftovers_are_replaced(local_storage: str) -> None:
 
 def test_empty_prefix_is_a_clear_error(local_storage: str) -> None:
     with pytest.raises(InputDataError, match="no objects found under .*nothing-here"):
-        ingest.run(ingest.IngestConfig(source_uri=storage.join(local_storage, "nothing-here"), output_root=local_storage))
+        ingest.run(
+            ingest.IngestConfig(source_uri=storage.join(local_storage, "nothing-here"), output_root=local_storage)
+        )

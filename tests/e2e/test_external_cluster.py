@@ -1,0 +1,104 @@
+"""prepare-data through the CLI against an external `ray start --head` cluster and S3."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from ray_workloads import preprocess
+from rayline import lineage, storage
+from rayline.seed import seed
+from tests.integration.helpers import assert_exactly_one_row_per_object
+from tests.support import free_port, stop_process
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("ray_session")]
+
+BIN = Path(sys.executable).parent
+
+
+def _wait_for_port(port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.fixture
+def external_cluster(s3_endpoint: str) -> Iterator[str]:
+    """A head node of our own: loopback, free ports, its own temp dir; stopped by PID."""
+    temp_dir = tempfile.mkdtemp(prefix="rl-ext-", dir="/tmp")  # short: unix socket paths are limited
+    port = free_port()
+    # The head gets credentials but NOT the endpoint: the driver must forward it.
+    env = {k: v for k, v in os.environ.items() if k not in ("AWS_ENDPOINT_URL", "RAY_ADDRESS")}
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "2"  # nothing to drain in a test
+    args = [
+        str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+        f"--temp-dir={temp_dir}", f"--ray-client-server-port={free_port()}",
+        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+        "--min-worker-port=20000", "--max-worker-port=20999",
+    ]  # fmt: skip
+    head = subprocess.Popen(args, env=env, cwd=temp_dir, start_new_session=True)
+    try:
+        _wait_for_port(port)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_process(head, timeout_s=60)
+        deadline = time.monotonic() + 30
+        while _pids_mentioning(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _pids_mentioning(temp_dir) == [], "processes of the external cluster survived its stop"
+
+
+def test_prepare_data_runs_on_an_external_cluster(
+    external_cluster: str, s3_storage: str, s3_endpoint: str, prefect_api: str
+) -> None:
+    seeded = seed(storage.join(s3_storage, "raw"), corrupt=4)
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": external_cluster,
+        "RAY_AUTH_MODE": "token",
+        "RAYLINE_STORAGE": s3_storage,
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "PREFECT_API_URL": prefect_api,
+    }
+    # run from outside the repo: workers must get rayline from runtime_env, not the cwd
+    done = subprocess.run(
+        [str(BIN / "rayline"), "prepare-data"], env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "prepare-data finished" in done.stdout
+
+    (record,) = lineage.read_records("preprocess")
+    assert record.run.ray_address == external_cluster
+    result = preprocess.read_manifest(record.outputs[0].uri)
+    assert_exactly_one_row_per_object(result, seeded)
+    # the session's own embedded cluster was not disturbed
+    assert ray.get(ray.put(41)) + 1 == 42
