@@ -117,21 +117,16 @@ def plan_shards(objects: Sequence[ObjectInfo], cfg: IngestConfig) -> list[list[O
     return shards
 
 
-def fetch_many(objects: Sequence[ObjectInfo], concurrency: int) -> list[bytes | BaseException]:
-    """Fetch objects concurrently; a failed read comes back as its exception."""
-    if not objects:
-        return []
-    fs, _ = storage.filesystem(objects[0].uri)
-    paths = [storage.filesystem(o.uri)[1] for o in objects]
-    kwargs: dict[str, Any] = {"on_error": "return"}
-    if storage.is_s3(objects[0].uri):
-        kwargs["batch_size"] = concurrency
-    found = fs.cat(paths, **kwargs)
-    results: list[bytes | BaseException] = []
-    for path in paths:
-        value = found.get(path, FileNotFoundError(path))
-        results.append(value if isinstance(value, BaseException) else bytes(value))
-    return results
+class ObjectChangedError(Exception):
+    """The object was replaced between listing and reading; the next run picks it up."""
+
+
+def _as_payload(obj: ObjectInfo, fetched: storage.Fetched) -> bytes | BaseException:
+    if fetched.error is not None:
+        return fetched.error
+    if fetched.etag is not None and fetched.etag != obj.etag:
+        return ObjectChangedError(f"etag changed from {obj.etag} to {fetched.etag} while ingesting")
+    return fetched.data or b""
 
 
 def pack_shard(objects: Sequence[ObjectInfo], payloads: Sequence[bytes | BaseException]) -> pa.Table:
@@ -152,7 +147,8 @@ def pack_shard(objects: Sequence[ObjectInfo], payloads: Sequence[bytes | BaseExc
 
 @ray.remote(max_retries=3, retry_exceptions=False)
 def _fetch_and_write_shard(objects: list[ObjectInfo], shard_uri: str, concurrency: int) -> dict[str, Any]:
-    table = pack_shard(objects, fetch_many(objects, concurrency))
+    fetched = storage.fetch_many([o.uri for o in objects], concurrency)
+    table = pack_shard(objects, [_as_payload(o, f) for o, f in zip(objects, fetched, strict=True)])
     size = storage.write_parquet_atomic(shard_uri, table)
     fetched_ok = table.column("error_type").null_count
     labels = Counter(label for label in table.column("label").to_pylist() if label is not None)

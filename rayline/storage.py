@@ -17,6 +17,7 @@ import posixpath
 import tempfile
 import uuid
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -264,3 +265,65 @@ def list_objects(prefix_uri: str) -> list[ObjectInfo]:
 
 def unique_suffix() -> str:
     return uuid.uuid4().hex[:12]
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """One object's bytes and the version actually read (S3 ETag), or why it failed."""
+
+    data: bytes | None
+    etag: str | None = None
+    error: BaseException | None = None
+
+
+@lru_cache(maxsize=8)
+def _s3_client(endpoint_url: str | None, region: str | None, pool: int) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        max_pool_connections=pool,
+        # standard mode retries throttling, 5xx and dropped connections with backoff
+        retries={"mode": "standard", "max_attempts": 5},
+    )
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
+
+
+def _split_s3(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri[len(S3) :].partition("/")
+    return bucket, key
+
+
+def _fetch_s3(uri: str, client: Any) -> Fetched:
+    bucket, key = _split_s3(uri)
+    try:
+        response = client.get_object(Bucket=bucket, Key=key)
+        return Fetched(data=response["Body"].read(), etag=str(response.get("ETag", "")).strip('"') or None)
+    except Exception as exc:
+        return Fetched(data=None, error=exc)
+
+
+def _fetch_local(uri: str) -> Fetched:
+    try:
+        with open(normalize(uri), "rb") as handle:
+            return Fetched(data=handle.read())
+    except Exception as exc:
+        return Fetched(data=None, error=exc)
+
+
+def fetch_many(uris: list[str], concurrency: int) -> list[Fetched]:
+    """Read many small objects concurrently, in order; failures are returned, not raised.
+
+    Per-object latency dominates with many small objects, so reads overlap on
+    a thread pool (botocore releases the GIL while waiting on the network).
+    """
+    if not uris:
+        return []
+    workers = max(1, min(concurrency, len(uris)))
+    if all(is_s3(u) for u in uris):
+        settings = get_settings()
+        client = _s3_client(settings.aws_endpoint_url, settings.aws_region, workers)
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(lambda u: _fetch_s3(u, client), uris))
+    with ThreadPoolExecutor(min(workers, 8)) as pool:
+        return list(pool.map(_fetch_local, uris))

@@ -57,8 +57,14 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None
     proc.wait(timeout=timeout_s)
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def s3_server() -> Iterator[str]:
+def s3_server(pid_out: list[int] | None = None) -> Iterator[str]:
     """A real S3-protocol server (moto's server mode) on a free loopback port.
 
     Runs in its own process so that it neither shares the GIL with the test
@@ -72,6 +78,8 @@ def s3_server() -> Iterator[str]:
         start_new_session=True,
     )
     endpoint = f"http://127.0.0.1:{port}"
+    if pid_out is not None:
+        pid_out.append(proc.pid)
     try:
         wait_for_http(f"{endpoint}/moto-api/")
         yield endpoint
