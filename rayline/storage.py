@@ -289,6 +289,12 @@ def _s3_client(endpoint_url: str | None, region: str | None, pool: int) -> Any:
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
 
 
+def s3_client(pool: int = 10) -> Any:
+    """A botocore S3 client for the configured endpoint (shared, thread-safe)."""
+    settings = get_settings()
+    return _s3_client(settings.aws_endpoint_url, settings.aws_region, pool)
+
+
 def _split_s3(uri: str) -> tuple[str, str]:
     bucket, _, key = uri[len(S3) :].partition("/")
     return bucket, key
@@ -321,8 +327,7 @@ def fetch_many(uris: list[str], concurrency: int) -> list[Fetched]:
         return []
     workers = max(1, min(concurrency, len(uris)))
     if all(is_s3(u) for u in uris):
-        settings = get_settings()
-        client = _s3_client(settings.aws_endpoint_url, settings.aws_region, workers)
+        client = s3_client(workers)
         with ThreadPoolExecutor(workers) as pool:
             return list(pool.map(lambda u: _fetch_s3(u, client), uris))
     with ThreadPoolExecutor(min(workers, 8)) as pool:

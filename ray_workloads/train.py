@@ -1,0 +1,218 @@
+"""Training: Ray Train's TorchTrainer (V2 API) over the preprocessed shards.
+
+The per-worker function takes a typed config and knows nothing of Scaling or
+Run configs; the driver (:func:`run`) builds those. Checkpoints go to the
+storage root (local or S3), the best N are kept, a worker crash resumes from
+the latest checkpoint (``FailureConfig``), and running again with the same
+run name resumes instead of starting over.
+
+CPU budget on small machines: each worker asks for ``cpus_per_worker``
+logical CPUs (0.5 by default) and uses one torch thread, so two workers plus
+Ray Data's feeding tasks fit in the embedded cluster's oversubscribed CPUs
+without starving each other.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+import torch
+from pydantic import BaseModel, Field
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from ray_workloads import preprocess
+from ray_workloads.models import build_model
+from ray_workloads.training_loop import (
+    TrainLoopConfig,
+    inject_failure_if_due,
+    make_optimizer,
+    run_epoch,
+)
+from rayline import storage
+from rayline.errors import ClusterError, InputDataError
+
+WEIGHTS_FILE = "weights.pt"
+STATE_FILE = "train_state.pt"
+SCORE = "val_accuracy"
+
+
+class TrainConfig(BaseModel):
+    """A training run: data, hyper-parameters and compute shape."""
+
+    data_manifest_uri: str
+    output_root: str
+    run_name: str
+    loop: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
+    num_workers: int = Field(2, ge=1)
+    cpus_per_worker: float = Field(0.5, gt=0)
+    use_gpu: bool | None = Field(None, description="None: use GPUs when the cluster has them.")
+    max_failures: int = Field(2, ge=0)
+    keep_checkpoints: int = Field(2, ge=1)
+
+
+class TrainResult(BaseModel):
+    run_name: str
+    run_uri: str
+    checkpoint_uri: str
+    weights_uri: str
+    metrics: dict[str, float]
+    history: list[dict[str, float]]
+    epochs: int
+    elapsed_s: float
+    samples_per_s: float
+
+
+def dataset_for_split(prepared: preprocess.PreprocessResult, split: str) -> ray.data.Dataset:
+    """The preprocessed rows of one split as a Ray Dataset (image, label_index)."""
+    uris = prepared.files.get(split, [])
+    if not uris:
+        raise InputDataError(f"preprocessed data {prepared.output_uri} has no {split!r} split")
+    fs, _ = storage.arrow_filesystem(uris[0])
+    paths = [storage.arrow_filesystem(u)[1] for u in uris]
+    return ray.data.read_parquet(paths, filesystem=fs, columns=["image", "label_index"])
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module under a DistributedDataParallel wrapper."""
+    inner = getattr(model, "module", model)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
+def _save_checkpoint(
+    folder: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    weights = {k: v.detach().cpu() for k, v in _unwrap(model).state_dict().items()}
+    torch.save(weights, os.path.join(folder, WEIGHTS_FILE))
+    torch.save({**state, "optimizer": optimizer.state_dict()}, os.path.join(folder, STATE_FILE))
+
+
+def _restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as folder:
+        _unwrap(model).load_state_dict(torch.load(os.path.join(folder, WEIGHTS_FILE), weights_only=True))
+        state: dict[str, Any] = torch.load(os.path.join(folder, STATE_FILE), weights_only=True)
+    optimizer.load_state_dict(state.pop("optimizer"))
+    return state
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Runs on every Ray Train worker: resume if a checkpoint exists, then train and report per epoch."""
+    cfg = TrainLoopConfig.model_validate(config)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(1)  # workers share few cores; more threads only contend
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    device = ray.train.torch.get_device()
+    model = ray.train.torch.prepare_model(build_model(cfg.model))
+    optimizer = make_optimizer(model, cfg)
+    state = _restore(model, optimizer) or {"epoch": -1, "history": []}
+    start_epoch = int(state["epoch"]) + 1
+    history: list[dict[str, float]] = list(state["history"])
+    train_shard = ray.train.get_dataset_shard("train")
+    val_shard = ray.train.get_dataset_shard("val")
+
+    for epoch in range(start_epoch, cfg.epochs):
+        if rank == 0:
+            inject_failure_if_due(cfg, epoch)
+        batches = train_shard.iter_torch_batches(
+            batch_size=cfg.batch_size,
+            local_shuffle_buffer_size=cfg.shuffle_buffer_rows,
+            local_shuffle_seed=cfg.seed * 1000 + epoch,
+        )
+        train = run_epoch(model, batches, device, optimizer)
+        val = run_epoch(model, val_shard.iter_torch_batches(batch_size=256), device)
+        metrics = {
+            "epoch": float(epoch),
+            "attempt_start_epoch": float(start_epoch),
+            "train_loss": train.loss,
+            "train_accuracy": train.accuracy,
+            "val_loss": val.loss,
+            SCORE: val.accuracy,
+            "train_samples": float(train.samples),
+            "train_seconds": train.seconds,
+        }
+        history.append(metrics)
+        with tempfile.TemporaryDirectory() as folder:
+            checkpoint = None
+            if rank == 0:
+                _save_checkpoint(folder, model, optimizer, {"epoch": epoch, "history": history})
+                checkpoint = ray.train.Checkpoint.from_directory(folder)
+            ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def _checkpoint_uri(path: str, like: str) -> str:
+    return f"s3://{path.lstrip('/')}" if storage.is_s3(like) else path
+
+
+def _use_gpu(cfg: TrainConfig) -> bool:
+    if cfg.use_gpu is not None:
+        return cfg.use_gpu
+    return float(ray.cluster_resources().get("GPU", 0)) > 0  # type: ignore[no-untyped-call]
+
+
+def run(cfg: TrainConfig) -> TrainResult:
+    """Fit with Ray Train; resumes from this run name's checkpoints if any exist."""
+    started = time.perf_counter()
+    prepared = preprocess.read_manifest(cfg.data_manifest_uri)
+    loop = cfg.loop.model_copy(
+        update={"model": cfg.loop.model.model_copy(update={"num_classes": len(prepared.classes)})}
+    )
+    output_root = storage.normalize(cfg.output_root)
+    run_uri = storage.join(output_root, cfg.run_name)
+    if loop.fail_once_at_epoch is not None and loop.fail_marker_uri is None:
+        loop = loop.model_copy(update={"fail_marker_uri": storage.join(run_uri, "_fault_drill_done")})
+    fs, storage_path = storage.arrow_filesystem(output_root)
+    use_gpu = _use_gpu(cfg)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop.model_dump(mode="json"),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.num_workers,
+            use_gpu=use_gpu,
+            resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+        ),
+        run_config=RunConfig(
+            name=cfg.run_name,
+            storage_path=storage_path,
+            storage_filesystem=fs,
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=cfg.keep_checkpoints,
+                checkpoint_score_attribute=SCORE,
+                checkpoint_score_order="max",
+            ),
+        ),
+        datasets={"train": dataset_for_split(prepared, "train"), "val": dataset_for_split(prepared, "val")},
+    )
+    result = trainer.fit()
+    if result.error is not None:
+        raise ClusterError(f"training run {cfg.run_name} failed: {result.error}") from result.error
+    best = result.get_best_checkpoint(metric=SCORE, mode="max")
+    if best is None or result.checkpoint is None:
+        raise InputDataError(f"training run {cfg.run_name} produced no checkpoint")
+    with result.checkpoint.as_directory() as folder:
+        history = torch.load(Path(folder) / STATE_FILE, weights_only=True)["history"]
+    best_uri = _checkpoint_uri(best.path, output_root)
+    samples = sum(h["train_samples"] for h in history)
+    seconds = sum(h["train_seconds"] for h in history)
+    best_metrics = next((h for h in history if h[SCORE] == max(x[SCORE] for x in history)), history[-1])
+    return TrainResult(
+        run_name=cfg.run_name,
+        run_uri=run_uri,
+        checkpoint_uri=best_uri,
+        weights_uri=storage.join(best_uri, WEIGHTS_FILE),
+        metrics={k: float(v) for k, v in best_metrics.items()},
+        history=[{k: float(v) for k, v in h.items()} for h in history],
+        epochs=len(history),
+        elapsed_s=time.perf_counter() - started,
+        samples_per_s=samples / seconds if seconds else 0.0,
+    )

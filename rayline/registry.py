@@ -1,0 +1,258 @@
+"""Model registry: immutable versions, movable aliases, a promotion gate.
+
+Layout under ``<storage>/models/<name>/``::
+
+    v<N>/weights.pt      state dict (tensors only)
+    v<N>/version.json    model spec, classes, metrics, data hash, code version,
+                         producing run ids — written last: the version's commit
+    aliases/<alias>.json {"version": N, ...} — replaced atomically
+
+Version numbers are claimed with a create-if-absent write (``O_EXCL``
+locally, ``If-None-Match: *`` on S3), so concurrent writers never get the
+same number. A claimed number without ``version.json`` is an unfinished
+registration and is never served.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from rayline import storage
+from rayline.errors import ConfigError, InputDataError, StorageError
+
+MODELS_DIR = "models"
+VERSION_FILE = "version.json"
+WEIGHTS_FILE = "weights.pt"
+CLAIM_FILE = "_claim"
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+class ModelVersion(BaseModel):
+    """Everything needed to load, judge and trace one registered model."""
+
+    name: str
+    version: int
+    uri: str
+    weights_uri: str
+    model_spec: dict[str, Any]
+    image_spec: dict[str, Any]
+    classes: list[str]
+    metrics: dict[str, float]
+    data_manifest_uri: str
+    data_content_hash: str
+    code_version: str
+    training_run_uri: str | None = None
+    flow_run_id: str | None = None
+    registered_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
+class AliasMove(BaseModel):
+    name: str
+    alias: str
+    version: int
+    previous: int | None
+    reason: str
+    moved_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
+class GateDecision(BaseModel):
+    promoted: bool
+    reason: str
+    candidate: int
+    champion: int | None
+    metric: str
+    candidate_score: float
+    champion_score: float | None
+
+
+def _check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise ConfigError(f"model name {name!r} must be lowercase letters, digits and '-' (at most 63)")
+    return name
+
+
+def model_root(name: str) -> str:
+    return storage.join(storage.storage_root(), MODELS_DIR, _check_name(name))
+
+
+def _claimed_versions(name: str) -> list[int]:
+    fs, path = storage.filesystem(model_root(name))
+    try:
+        entries = fs.ls(path, detail=False) if fs.exists(path) else []
+    except FileNotFoundError:
+        entries = []
+    numbers = []
+    for entry in entries:
+        match = _VERSION_DIR.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
+        if match:
+            numbers.append(int(match.group(1)))
+    return sorted(numbers)
+
+
+def _create_exclusive(uri: str, data: bytes) -> bool:
+    """Write ``uri`` only if it does not exist; False if someone else did first."""
+    if storage.is_s3(uri):
+        from botocore.exceptions import ClientError
+
+        client = storage.s3_client()
+        bucket, _, key = uri[len(storage.S3) :].partition("/")
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            return True
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise StorageError(f"claiming {uri}: {exc}") from exc
+    path = storage.normalize(uri)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    return True
+
+
+def _claim_next_version(name: str) -> int:
+    candidate = (max(_claimed_versions(name), default=0)) + 1
+    for _ in range(1000):
+        claim = storage.join(model_root(name), f"v{candidate}", CLAIM_FILE)
+        if _create_exclusive(claim, datetime.now(UTC).isoformat().encode()):
+            return candidate
+        candidate += 1
+    raise StorageError(f"could not claim a version number for model {name}")
+
+
+def register(
+    name: str,
+    weights: bytes,
+    *,
+    model_spec: dict[str, Any],
+    image_spec: dict[str, Any],
+    classes: list[str],
+    metrics: dict[str, float],
+    data_manifest_uri: str,
+    data_content_hash: str,
+    code_version: str,
+    training_run_uri: str | None = None,
+    flow_run_id: str | None = None,
+) -> ModelVersion:
+    """Store a new immutable version; ``version.json`` is written last."""
+    number = _claim_next_version(name)
+    uri = storage.join(model_root(name), f"v{number}")
+    weights_uri = storage.join(uri, WEIGHTS_FILE)
+    storage.write_bytes_atomic(weights_uri, weights)
+    version = ModelVersion(
+        name=name,
+        version=number,
+        uri=uri,
+        weights_uri=weights_uri,
+        model_spec=model_spec,
+        image_spec=image_spec,
+        classes=classes,
+        metrics=metrics,
+        data_manifest_uri=data_manifest_uri,
+        data_content_hash=data_content_hash,
+        code_version=code_version,
+        training_run_uri=training_run_uri,
+        flow_run_id=flow_run_id,
+    )
+    storage.write_json_atomic(storage.join(uri, VERSION_FILE), version.model_dump(mode="json"))
+    return version
+
+
+def get_version(name: str, version: int) -> ModelVersion:
+    uri = storage.join(model_root(name), f"v{version}", VERSION_FILE)
+    if not storage.exists(uri):
+        raise InputDataError(f"model {name} has no registered version {version}")
+    return ModelVersion.model_validate(storage.read_json(uri))
+
+
+def list_versions(name: str) -> list[ModelVersion]:
+    """Committed versions, oldest first (claimed-but-unfinished ones are skipped)."""
+    found = []
+    for number in _claimed_versions(name):
+        uri = storage.join(model_root(name), f"v{number}", VERSION_FILE)
+        if storage.exists(uri):
+            found.append(ModelVersion.model_validate(storage.read_json(uri)))
+    return found
+
+
+def _alias_uri(name: str, alias: str) -> str:
+    if not _NAME.match(alias):
+        raise ConfigError(f"alias {alias!r} must be lowercase letters, digits and '-'")
+    return storage.join(model_root(name), "aliases", f"{alias}.json")
+
+
+def alias_version(name: str, alias: str) -> int | None:
+    uri = _alias_uri(name, alias)
+    if not storage.exists(uri):
+        return None
+    return int(storage.read_json(uri)["version"])
+
+
+def resolve(name: str, ref: str | int) -> ModelVersion:
+    """A version from an alias (``champion``), ``v3``/``3``, or a number."""
+    if isinstance(ref, int) or str(ref).lstrip("v").isdigit():
+        return get_version(name, int(str(ref).lstrip("v")))
+    number = alias_version(name, str(ref))
+    if number is None:
+        raise InputDataError(f"model {name} has no {ref!r} alias yet")
+    return get_version(name, number)
+
+
+def set_alias(name: str, alias: str, version: int, reason: str) -> AliasMove:
+    """Point ``alias`` at ``version`` (one atomic write); returns the move for lineage."""
+    get_version(name, version)  # only committed versions can be aliased
+    move = AliasMove(name=name, alias=alias, version=version, previous=alias_version(name, alias), reason=reason)
+    storage.write_json_atomic(_alias_uri(name, alias), move.model_dump(mode="json"))
+    return move
+
+
+def gate(
+    candidate: ModelVersion,
+    champion: ModelVersion | None,
+    *,
+    metric: str,
+    candidate_score: float,
+    champion_score: float | None,
+    margin: float,
+    floor: float,
+) -> GateDecision:
+    """Decide promotion: beat the champion by ``margin`` on the same split, or pass ``floor`` if none."""
+
+    def decide(promoted: bool, reason: str) -> GateDecision:
+        return GateDecision(
+            promoted=promoted,
+            reason=reason,
+            candidate=candidate.version,
+            champion=champion.version if champion else None,
+            metric=metric,
+            candidate_score=candidate_score,
+            champion_score=champion_score,
+        )
+
+    if champion is None or champion_score is None:
+        if candidate_score >= floor:
+            return decide(True, f"first champion: {metric} {candidate_score:.4f} >= floor {floor:.4f}")
+        return decide(False, f"{metric} {candidate_score:.4f} is below the floor {floor:.4f}")
+    if candidate_score >= champion_score + margin:
+        return decide(
+            True,
+            f"{metric} {candidate_score:.4f} beats champion v{champion.version} "
+            f"({champion_score:.4f}) by >= {margin:.4f}",
+        )
+    return decide(
+        False,
+        f"{metric} {candidate_score:.4f} does not beat champion v{champion.version} "
+        f"({champion_score:.4f}) by {margin:.4f}",
+    )
