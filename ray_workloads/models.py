@@ -81,7 +81,11 @@ def state_dict_bytes(model: nn.Module) -> bytes:
 
 def load_state_dict(uri: str) -> dict[str, Any]:
     """Read a state dict from a file or S3 URI without unpickling arbitrary objects."""
-    data = storage.read_bytes(uri)
+    return state_dict_from_bytes(storage.read_bytes(uri), uri)
+
+
+def state_dict_from_bytes(data: bytes, uri: str) -> dict[str, Any]:
+    """Parse a serialised state dict, refusing anything but tensors; ``uri`` names it in errors."""
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

@@ -31,9 +31,11 @@ from ray_workloads import preprocess
 from ray_workloads.models import build_model
 from ray_workloads.training_loop import (
     TrainLoopConfig,
+    epoch_batches,
     inject_failure_if_due,
     make_optimizer,
     run_epoch,
+    set_epoch_lr,
 )
 from rayline import storage
 from rayline.errors import ClusterError, InputDataError
@@ -117,19 +119,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     state = _restore(model, optimizer) or {"epoch": -1, "history": []}
     start_epoch = int(state["epoch"]) + 1
     history: list[dict[str, float]] = list(state["history"])
-    train_shard = ray.train.get_dataset_shard("train")
-    val_shard = ray.train.get_dataset_shard("val")
+    train_batches = epoch_batches(ray.train.get_dataset_shard("train").iter_torch_batches, cfg, shuffle=True)
+    val_batches = epoch_batches(ray.train.get_dataset_shard("val").iter_torch_batches, cfg, shuffle=False)
 
     for epoch in range(start_epoch, cfg.epochs):
         if rank == 0:
             inject_failure_if_due(cfg, epoch)
-        batches = train_shard.iter_torch_batches(
-            batch_size=cfg.batch_size,
-            local_shuffle_buffer_size=cfg.shuffle_buffer_rows,
-            local_shuffle_seed=cfg.seed * 1000 + epoch,
-        )
-        train = run_epoch(model, batches, device, optimizer)
-        val = run_epoch(model, val_shard.iter_torch_batches(batch_size=256), device)
+        set_epoch_lr(optimizer, cfg, epoch)
+        train = run_epoch(model, train_batches(epoch), device, optimizer)
+        val = run_epoch(model, val_batches(epoch), device)
         metrics = {
             "epoch": float(epoch),
             "attempt_start_epoch": float(start_epoch),

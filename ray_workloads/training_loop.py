@@ -6,8 +6,9 @@ nothing of Scaling or Run configs, nor where the batches come from.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,11 +27,14 @@ class TrainLoopConfig(BaseModel):
     model: ModelSpec = Field(default_factory=ModelSpec)
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(1e-4, ge=0)
-    batch_size: int = Field(64, ge=1)
-    epochs: int = Field(8, ge=1)
+    batch_size: int = Field(32, ge=1, description="Per worker.")
+    epochs: int = Field(12, ge=1)
     seed: int = 0
     # Shards are sorted by key (i.e. by class): batches must be shuffled.
     shuffle_buffer_rows: int = Field(4096, ge=1)
+    # Hold each worker's shard in memory after the first pass: small data sets
+    # then skip Ray Data's per-epoch start-up; large ones should stream.
+    cache_data: bool = True
     # Fault drill: raise once at the start of this epoch (marker in storage makes it once).
     fail_once_at_epoch: int | None = None
     fail_marker_uri: str | None = None
@@ -50,6 +54,14 @@ class EpochStats:
 
 def make_optimizer(model: nn.Module, cfg: TrainLoopConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def set_epoch_lr(optimizer: torch.optim.Optimizer, cfg: TrainLoopConfig, epoch: int) -> float:
+    """Cosine decay from ``cfg.lr``: a function of the epoch alone, so resuming needs no scheduler state."""
+    lr = cfg.lr * 0.5 * (1.0 + math.cos(math.pi * epoch / cfg.epochs))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 def _reduce(values: list[float]) -> list[float]:
@@ -94,6 +106,58 @@ def run_epoch(
         samples=samples,
         seconds=time.perf_counter() - started,
     )
+
+
+def materialize(batches: Iterable[Batch]) -> Batch:
+    """Concatenate a stream of batches into one in-memory batch."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for batch in batches:
+        for key, value in batch.items():
+            parts.setdefault(key, []).append(value)
+    return {key: torch.cat(values) for key, values in parts.items()}
+
+
+def in_memory_batches(data: Batch, batch_size: int, seed: int | None) -> Iterator[Batch]:
+    """Batches over an in-memory batch, shuffled when a seed is given."""
+    size = len(next(iter(data.values()))) if data else 0
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(seed)) if seed is not None else None
+    for start in range(0, size, batch_size):
+        index = order[start : start + batch_size] if order is not None else slice(start, start + batch_size)
+        yield {key: value[index] for key, value in data.items()}
+
+
+EpochBatches = Callable[[int], Iterable[Batch]]
+
+
+def epoch_batches(stream: Callable[..., Iterable[Batch]], cfg: TrainLoopConfig, shuffle: bool) -> EpochBatches:
+    """Per-epoch batch source over a Ray Data iterator's ``iter_torch_batches``.
+
+    Shuffled with a seed per epoch; cached in memory after the first pass
+    when ``cfg.cache_data`` is set.
+    """
+    batch_size = cfg.batch_size if shuffle else 256
+
+    def seed_for(epoch: int) -> int | None:
+        return cfg.seed * 1000 + epoch if shuffle else None
+
+    if cfg.cache_data:
+        cached: list[Batch] = []
+
+        def from_cache(epoch: int) -> Iterable[Batch]:
+            if not cached:
+                cached.append(materialize(stream(batch_size=1024)))
+            return in_memory_batches(cached[0], batch_size, seed_for(epoch))
+
+        return from_cache
+
+    def streamed(epoch: int) -> Iterable[Batch]:
+        if not shuffle:
+            return stream(batch_size=batch_size)
+        return stream(
+            batch_size=batch_size, local_shuffle_buffer_size=cfg.shuffle_buffer_rows, local_shuffle_seed=seed_for(epoch)
+        )
+
+    return streamed
 
 
 def inject_failure_if_due(cfg: TrainLoopConfig, epoch: int) -> None:

@@ -1,0 +1,113 @@
+"""Prefect task: register a trained model and run the promotion gate."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
+
+from ray_workloads import evaluate, preprocess
+from ray_workloads.models import ModelSpec, state_dict_from_bytes
+from ray_workloads.train import TrainResult
+from rayline import lineage, ray_cluster, registry, storage
+from rayline.lineage import DatasetRef
+from tasks.common import DEFAULT_TIMEOUT_S, RETRY_DELAYS_S, record_lineage, retry_if_transient, run_context
+
+GATE_METRIC = "test_accuracy"
+
+
+class RegistrationResult(BaseModel):
+    version: registry.ModelVersion
+    decision: registry.GateDecision
+    champion: int | None
+
+
+def _champion_score(name: str, candidate: registry.ModelVersion) -> tuple[registry.ModelVersion | None, float | None]:
+    """The champion's score on the candidate's test split (re-evaluated if it was trained on other data)."""
+    number = registry.alias_version(name, registry.CHAMPION)
+    if number is None or number == candidate.version:
+        return None, None
+    champion = registry.get_version(name, number)
+    if champion.data_content_hash == candidate.data_content_hash and GATE_METRIC in champion.metrics:
+        return champion, champion.metrics[GATE_METRIC]
+    spec = ModelSpec.model_validate(champion.model_spec)
+    return champion, evaluate.run(spec, champion.weights_uri, candidate.data_manifest_uri).accuracy
+
+
+@task(
+    name="register-and-gate",
+    retries=len(RETRY_DELAYS_S),
+    retry_delay_seconds=RETRY_DELAYS_S,
+    retry_condition_fn=retry_if_transient,
+    timeout_seconds=DEFAULT_TIMEOUT_S,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def register_and_gate(
+    name: str,
+    spec: ModelSpec,
+    trained: TrainResult,
+    evaluation: evaluate.EvaluationResult,
+    margin: float = 0.0,
+    floor: float = 0.9,
+) -> RegistrationResult:
+    started = datetime.now(UTC)
+    connection = ray_cluster.connect()
+    prepared = preprocess.read_manifest(evaluation.data_manifest_uri)
+    weights = storage.read_bytes(trained.weights_uri)
+    state_dict_from_bytes(weights, trained.weights_uri)  # refuse anything but tensors before registering
+    record_context = run_context(connection)
+    version = registry.register(
+        name,
+        weights,
+        model_spec=spec.model_copy(update={"num_classes": len(prepared.classes)}).model_dump(),
+        image_spec=storage.read_json(evaluation.data_manifest_uri)["parameters"]["image"],
+        classes=prepared.classes,
+        metrics={GATE_METRIC: evaluation.accuracy, **{f"best_{k}": v for k, v in trained.metrics.items()}},
+        data_manifest_uri=evaluation.data_manifest_uri,
+        data_content_hash=prepared.input_content_hash,
+        code_version=lineage.code_version(),
+        training_run_uri=trained.run_uri,
+        flow_run_id=record_context.flow_run_id,
+    )
+    champion, champion_score = _champion_score(name, version)
+    decision = registry.gate(
+        version,
+        champion,
+        metric=GATE_METRIC,
+        candidate_score=evaluation.accuracy,
+        champion_score=champion_score,
+        margin=margin,
+        floor=floor,
+    )
+    moves = [registry.set_alias(name, registry.CHALLENGER, version.version, "newly registered candidate")]
+    if decision.promoted:
+        moves.append(registry.set_alias(name, registry.CHAMPION, version.version, decision.reason))
+    get_run_logger().info("registered %s v%d; gate: %s", name, version.version, decision.reason)
+    create_markdown_artifact(
+        key="model-gate",
+        markdown=(
+            f"### {name} v{version.version}: {'promoted to champion' if decision.promoted else 'not promoted'}\n\n"
+            f"{decision.reason}\n\nweights `{version.weights_uri}`"
+        ),
+    )
+    record_lineage(
+        stage="registry",
+        started_at=started,
+        inputs=[DatasetRef(uri=trained.checkpoint_uri), DatasetRef(uri=evaluation.data_manifest_uri)],
+        outputs=[
+            DatasetRef(
+                uri=version.uri,
+                content_hash=prepared.input_content_hash,
+                facets={"moves": [m.model_dump(mode="json") for m in moves], "gate": decision.model_dump()},
+            )
+        ],
+        parameters={"name": name, "margin": margin, "floor": floor, "metric": GATE_METRIC},
+        connection=connection,
+    )
+    return RegistrationResult(
+        version=version, decision=decision, champion=registry.alias_version(name, registry.CHAMPION)
+    )

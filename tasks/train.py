@@ -1,0 +1,110 @@
+"""Prefect tasks: train with Ray Train, evaluate on the held-out split."""
+
+from __future__ import annotations
+
+import base64
+from datetime import UTC, datetime
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from ray_workloads import evaluate, train
+from ray_workloads.models import ModelSpec
+from rayline import ray_cluster, storage
+from rayline.lineage import DatasetRef
+from tasks.common import DEFAULT_TIMEOUT_S, RETRY_DELAYS_S, RETRY_JITTER, record_lineage, retry_if_transient
+
+
+def png_markdown(title: str, png: bytes, link: str | None = None) -> str:
+    """Markdown with the PNG inline, so the Prefect UI shows it without access to storage."""
+    encoded = base64.b64encode(png).decode()
+    where = f"\n\nStored at `{link}`" if link else ""
+    return f"### {title}\n\n![{title}](data:image/png;base64,{encoded}){where}\n"
+
+
+@task(
+    name="train",
+    retries=len(RETRY_DELAYS_S),
+    retry_delay_seconds=RETRY_DELAYS_S,
+    retry_jitter_factor=RETRY_JITTER,
+    retry_condition_fn=retry_if_transient,
+    timeout_seconds=DEFAULT_TIMEOUT_S,
+    cache_policy=NO_CACHE,  # reruns resume from the run's own checkpoints instead
+    persist_result=False,
+)
+def train_model_task(config: train.TrainConfig) -> train.TrainResult:
+    started = datetime.now(UTC)
+    connection = ray_cluster.connect()
+    result = train.run(config)
+    logger = get_run_logger()
+    for epoch in result.history:
+        logger.info(
+            "epoch %d: train loss %.4f acc %.4f, val loss %.4f acc %.4f",
+            int(epoch["epoch"]),
+            epoch["train_loss"],
+            epoch["train_accuracy"],
+            epoch["val_loss"],
+            epoch["val_accuracy"],
+        )
+    create_table_artifact(
+        key="train-epochs",
+        table=[{k: round(v, 4) for k, v in h.items()} for h in result.history],
+        description=f"Ray Train run `{result.run_name}`: best checkpoint `{result.checkpoint_uri}`",
+    )
+    curves = {
+        "train accuracy": [(h["epoch"], h["train_accuracy"]) for h in result.history],
+        "val accuracy": [(h["epoch"], h["val_accuracy"]) for h in result.history],
+        "train loss": [(h["epoch"], h["train_loss"]) for h in result.history],
+    }
+    png = evaluate.curves_png(curves, "value", f"training curves: {result.run_name}")
+    png_uri = storage.join(result.run_uri, "curves.png")
+    storage.write_bytes_atomic(png_uri, png)
+    create_markdown_artifact(key="train-curves", markdown=png_markdown("Training curves", png, png_uri))
+    record_lineage(
+        stage="train",
+        started_at=started,
+        inputs=[DatasetRef(uri=config.data_manifest_uri)],
+        outputs=[DatasetRef(uri=result.checkpoint_uri, facets={"metrics": result.metrics})],
+        parameters=config.model_dump(mode="json"),
+        connection=connection,
+    )
+    return result
+
+
+@task(
+    name="evaluate",
+    retries=len(RETRY_DELAYS_S),
+    retry_delay_seconds=RETRY_DELAYS_S,
+    retry_condition_fn=retry_if_transient,
+    timeout_seconds=DEFAULT_TIMEOUT_S,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def evaluate_task(
+    spec: ModelSpec, weights_uri: str, data_manifest_uri: str, output_uri: str, artifact_prefix: str = "evaluation"
+) -> evaluate.EvaluationResult:
+    started = datetime.now(UTC)
+    connection = ray_cluster.connect()
+    result = evaluate.run(spec, weights_uri, data_manifest_uri, output_uri)
+    get_run_logger().info("test accuracy %.4f on %d samples", result.accuracy, result.samples)
+    create_table_artifact(
+        key=f"{artifact_prefix}-per-class",
+        table=[c.model_dump() for c in result.per_class],
+        description=f"Accuracy {result.accuracy:.4f} on {result.samples} {result.split} images",
+    )
+    if result.confusion_png_uri:
+        png = storage.read_bytes(result.confusion_png_uri)
+        create_markdown_artifact(
+            key=f"{artifact_prefix}-confusion",
+            markdown=png_markdown("Confusion matrix", png, result.confusion_png_uri),
+        )
+    record_lineage(
+        stage="evaluate",
+        started_at=started,
+        inputs=[DatasetRef(uri=weights_uri), DatasetRef(uri=data_manifest_uri)],
+        outputs=[DatasetRef(uri=result.report_uri or output_uri, facets={"accuracy": result.accuracy})],
+        parameters={"split": result.split, "model": spec.model_dump()},
+        connection=connection,
+    )
+    return result

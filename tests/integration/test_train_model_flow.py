@@ -1,0 +1,41 @@
+"""train-model end to end on a real Ray cluster and Prefect API: accuracy, fault recovery, gate."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.train_model import train_model
+from rayline import lineage, registry, storage
+from rayline.seed import seed
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
+
+
+def test_train_recovers_from_a_worker_failure_and_the_gate_keeps_the_best(local_storage: str) -> None:
+    seed(storage.join(local_storage, "raw"), corrupt=2)
+
+    weak = train_model(epochs=1, floor=0.0)  # anything passes a zero floor: first champion
+    assert weak.registration.version.version == 1 and weak.registration.decision.promoted
+
+    strong = train_model(epochs=12, fail_once_at_epoch=2)
+    history = strong.trained.history
+    assert [int(h["epoch"]) for h in history] == list(range(12)), "each epoch reported once"
+    assert {int(h["attempt_start_epoch"]) for h in history[2:]} == {2}, "resumed from the epoch-1 checkpoint"
+    assert strong.evaluation.accuracy >= 0.95, strong.evaluation.accuracy
+    assert strong.evaluation.samples == sum(strong.data.preprocess.class_counts["test"].values())
+    assert strong.registration.decision.promoted
+    assert registry.alias_version("digits", registry.CHAMPION) == 2
+
+    # same data and parameters as `weak`: the finished run is reused, not retrained, and loses the gate
+    again = train_model(epochs=1, floor=0.0)
+    assert again.trained.checkpoint_uri == weak.trained.checkpoint_uri
+    assert not again.registration.decision.promoted
+    assert "does not beat champion v2" in again.registration.decision.reason
+    assert registry.alias_version("digits", registry.CHAMPION) == 2
+    assert registry.alias_version("digits", registry.CHALLENGER) == 3
+
+    moves = [m for r in lineage.read_records("registry") for m in r.outputs[0].facets["moves"]]
+    assert [(m["alias"], m["version"]) for m in moves if m["alias"] == "champion"] == [("champion", 1), ("champion", 2)]
+    card = registry.get_version("digits", 2)
+    assert card.data_content_hash == strong.data.ingest.content_hash
+    assert card.code_version.startswith(("git:", "pkg:")) and card.flow_run_id
