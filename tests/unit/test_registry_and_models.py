@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import io
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from ray_workloads.models import (
+    ModelSpec,
+    UnsafeCheckpointError,
+    build_model,
+    load_model,
+    state_dict_bytes,
+)
+from rayline import registry, storage
+from rayline.errors import ConfigError, InputDataError
+
+pytestmark = pytest.mark.unit
+
+
+class _Payload:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("echo this must never run",))
+
+
+def _register(weights: bytes, accuracy: float) -> registry.ModelVersion:
+    return registry.register(
+        "digits",
+        weights,
+        model_spec=ModelSpec().model_dump(),
+        image_spec={"size": 32},
+        classes=[str(i) for i in range(10)],
+        metrics={"test_accuracy": accuracy},
+        data_manifest_uri="/data/manifest.json",
+        data_content_hash="abc",
+        code_version="git:deadbeef",
+    )
+
+
+@pytest.mark.parametrize("arch", ["small_cnn", "resnet18", "mobilenet_v3_small", "resnet152"])
+def test_architectures_build_without_download(arch: str) -> None:
+    model = build_model(ModelSpec(arch=arch, num_classes=7)).eval()
+    with torch.no_grad():
+        assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 7)
+
+
+def test_unknown_architecture_is_named() -> None:
+    with pytest.raises(ConfigError, match="unknown model architecture 'vgg99'"):
+        build_model(ModelSpec(arch="vgg99"))
+
+
+def test_weights_round_trip_through_a_file(tmp_path: object) -> None:
+    spec = ModelSpec(arch="mobilenet_v3_small", num_classes=10)
+    uri = os.path.join(str(tmp_path), "w.pt")
+    original = build_model(spec)
+    storage.write_bytes_atomic(uri, state_dict_bytes(original))
+    loaded = load_model(spec, uri)
+    for key, value in original.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key])
+
+
+def test_pickled_objects_in_a_checkpoint_are_refused(tmp_path: object) -> None:
+    uri = os.path.join(str(tmp_path), "evil.pt")
+    buffer = io.BytesIO()
+    torch.save({"weight": _Payload()}, buffer)
+    storage.write_bytes_atomic(uri, buffer.getvalue())
+    with pytest.raises(UnsafeCheckpointError, match="refusing checkpoint .*evil.pt"):
+        load_model(ModelSpec(), uri)
+
+
+def test_weights_of_another_architecture_are_named(tmp_path: object) -> None:
+    uri = os.path.join(str(tmp_path), "w.pt")
+    storage.write_bytes_atomic(uri, state_dict_bytes(build_model(ModelSpec(width=16))))
+    with pytest.raises(InputDataError, match="do not fit small_cnn"):
+        load_model(ModelSpec(width=32), uri)
+
+
+def test_versions_are_unique_under_concurrent_registration(local_storage: str) -> None:
+    weights = state_dict_bytes(build_model(ModelSpec(width=4)))
+    with ThreadPoolExecutor(8) as pool:
+        versions = list(pool.map(lambda i: _register(weights, 0.5).version, range(16)))
+    assert sorted(versions) == list(range(1, 17))
+    assert [v.version for v in registry.list_versions("digits")] == list(range(1, 17))
+
+
+def test_gate_and_aliases(local_storage: str) -> None:
+    weights = state_dict_bytes(build_model(ModelSpec(width=4)))
+    first, worse, better = _register(weights, 0.95), _register(weights, 0.90), _register(weights, 0.97)
+    assert not registry.gate(
+        first, None, metric="m", candidate_score=0.8, champion_score=None, margin=0, floor=0.9
+    ).promoted
+    assert registry.gate(
+        first, None, metric="m", candidate_score=0.95, champion_score=None, margin=0, floor=0.9
+    ).promoted
+    registry.set_alias("digits", registry.CHAMPION, first.version, "first")
+    decision = registry.gate(worse, first, metric="m", candidate_score=0.90, champion_score=0.95, margin=0, floor=0.9)
+    assert not decision.promoted and "does not beat champion v1" in decision.reason
+    assert not registry.gate(
+        better, first, metric="m", candidate_score=0.97, champion_score=0.95, margin=0.05, floor=0.9
+    ).promoted
+    assert registry.gate(
+        better, first, metric="m", candidate_score=0.97, champion_score=0.95, margin=0.01, floor=0.9
+    ).promoted
+    move = registry.set_alias("digits", registry.CHAMPION, better.version, "beat v1")
+    assert move.previous == first.version
+    assert registry.resolve("digits", "champion").version == better.version
+    assert registry.resolve("digits", "v2").version == worse.version
+
+
+def test_unfinished_versions_are_never_resolved(local_storage: str) -> None:
+    storage.write_bytes_atomic(storage.join(registry.model_root("digits"), "v1", registry.CLAIM_FILE), b"x")
+    assert registry.list_versions("digits") == []
+    with pytest.raises(InputDataError, match="no registered version 1"):
+        registry.set_alias("digits", registry.CHAMPION, 1, "nope")
+    with pytest.raises(InputDataError, match="no 'champion' alias"):
+        registry.resolve("digits", "champion")
+    with pytest.raises(ConfigError, match="model name"):
+        registry.model_root("Bad Name")
