@@ -14,15 +14,19 @@ from ray_workloads.evaluate import EvaluationResult
 from ray_workloads.models import ModelSpec
 from ray_workloads.train import TrainConfig, TrainResult
 from ray_workloads.training_loop import TrainLoopConfig
+from ray_workloads.tune import TuneJobConfig, TuneResult
 from rayline import storage
 from tasks.register import RegistrationResult, register_and_gate
 from tasks.train import evaluate_task, train_model_task
+from tasks.tune import tune_task
 
 TRAINING_DIR = "training"
+TUNING_DIR = "tuning"
 
 
 class TrainModelResult(BaseModel):
     data: PrepareDataResult
+    tuned: TuneResult | None = None
     trained: TrainResult
     evaluation: EvaluationResult
     registration: RegistrationResult
@@ -49,8 +53,14 @@ def train_model(
     margin: float = 0.0,
     floor: float = 0.9,
     fail_once_at_epoch: int | None = None,
+    tune_samples: int = 0,
+    tune_max_epochs: int = 4,
 ) -> TrainModelResult:
-    """Train a classifier on ``source_uri`` (default ``<storage>/raw``) and gate it into the registry."""
+    """Train a classifier on ``source_uri`` (default ``<storage>/raw``) and gate it into the registry.
+
+    With ``tune_samples > 0`` an ASHA search runs first and its best
+    hyper-parameters are trained to completion for ``epochs`` epochs.
+    """
     data = prepare_data(source_uri=source_uri)
     loop = TrainLoopConfig(
         model=ModelSpec(arch=arch, width=width),
@@ -61,6 +71,27 @@ def train_model(
         fail_once_at_epoch=fail_once_at_epoch,
     )
     manifest = data.preprocess.manifest_uri
+    searched: TuneResult | None = None
+    if tune_samples > 0:
+        searched = tune_task(
+            TuneJobConfig(
+                data_manifest_uri=manifest,
+                output_root=storage.join(storage.storage_root(), TUNING_DIR),
+                experiment_name=run_name(f"{model_name}-tune{tune_samples}", data.ingest.content_hash, loop),
+                num_samples=tune_samples,
+                max_epochs=tune_max_epochs,
+            ),
+            loop,
+        )
+        best = searched.best_config
+        loop = loop.model_copy(
+            update={
+                "model": best.model,
+                "lr": best.lr,
+                "batch_size": best.batch_size,
+                "weight_decay": best.weight_decay,
+            }
+        )
     trained = train_model_task(
         TrainConfig(
             data_manifest_uri=manifest,
@@ -84,4 +115,6 @@ def train_model(
             {"item": "weights", "value": registration.version.weights_uri},
         ],
     )
-    return TrainModelResult(data=data, trained=trained, evaluation=evaluation, registration=registration)
+    return TrainModelResult(
+        data=data, tuned=searched, trained=trained, evaluation=evaluation, registration=registration
+    )

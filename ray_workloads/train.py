@@ -87,16 +87,17 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
-def _save_checkpoint(
-    folder: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-) -> None:
+def save_state(folder: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Write weights (tensors only) and the resumable training state into ``folder``."""
     weights = {k: v.detach().cpu() for k, v in _unwrap(model).state_dict().items()}
     torch.save(weights, os.path.join(folder, WEIGHTS_FILE))
     torch.save({**state, "optimizer": optimizer.state_dict()}, os.path.join(folder, STATE_FILE))
 
 
-def _restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    checkpoint = ray.train.get_checkpoint()
+def restore_state(
+    checkpoint: ray.train.Checkpoint | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any] | None:
+    """Load what :func:`save_state` wrote; None when there is no checkpoint to resume from."""
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as folder:
@@ -116,7 +117,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     model = ray.train.torch.prepare_model(build_model(cfg.model))
     optimizer = make_optimizer(model, cfg)
-    state = _restore(model, optimizer) or {"epoch": -1, "history": []}
+    state = restore_state(ray.train.get_checkpoint(), model, optimizer) or {"epoch": -1, "history": []}
     start_epoch = int(state["epoch"]) + 1
     history: list[dict[str, float]] = list(state["history"])
     train_batches = epoch_batches(ray.train.get_dataset_shard("train").iter_torch_batches, cfg, shuffle=True)
@@ -142,7 +143,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         with tempfile.TemporaryDirectory() as folder:
             checkpoint = None
             if rank == 0:
-                _save_checkpoint(folder, model, optimizer, {"epoch": epoch, "history": history})
+                save_state(folder, model, optimizer, {"epoch": epoch, "history": history})
                 checkpoint = ray.train.Checkpoint.from_directory(folder)
             ray.train.report(metrics, checkpoint=checkpoint)
 

@@ -1,0 +1,202 @@
+"""Hyper-parameter search: Ray Tune with the ASHA scheduler.
+
+Each trial is a plain function trial running the same epoch loop as the
+Ray Train workers (``training_loop``) over the same preprocessed datasets
+(``train.dataset_for_split``): no second copy of data preparation, and no
+TorchTrainer start-up per trial. Trials checkpoint every epoch, so an
+interrupted search restores with ``Tuner.restore`` and finished trials are
+not run again.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any
+
+import ray
+import torch
+from pydantic import BaseModel, Field
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler
+from ray.tune.search.basic_variant import BasicVariantGenerator
+
+from ray_workloads import preprocess
+from ray_workloads.models import ModelSpec, build_model
+from ray_workloads.train import SCORE, dataset_for_split, restore_state, save_state
+from ray_workloads.training_loop import TrainLoopConfig, epoch_batches, make_optimizer, run_epoch, set_epoch_lr
+from rayline import storage
+from rayline.errors import ClusterError
+
+
+class SearchSpace(BaseModel):
+    """What Tune samples; ranges are log-uniform, lists are choices."""
+
+    lr: tuple[float, float] = (1e-3, 2e-2)
+    weight_decay: tuple[float, float] = (1e-5, 1e-3)
+    batch_size: list[int] = Field(default_factory=lambda: [32, 64])
+    width: list[int] = Field(default_factory=lambda: [16, 32])
+    arch: list[str] = Field(default_factory=lambda: ["small_cnn"])
+
+
+class TuneJobConfig(BaseModel):
+    """A search: data, space, budget and compute shape."""
+
+    data_manifest_uri: str
+    output_root: str
+    experiment_name: str
+    space: SearchSpace = Field(default_factory=SearchSpace)
+    num_samples: int = Field(8, ge=1)
+    max_epochs: int = Field(6, ge=1)
+    grace_period: int = Field(1, ge=1)
+    reduction_factor: float = Field(2.0, gt=1)
+    cpus_per_trial: float = Field(0.5, ge=0.1, description="Tune refuses 0; 0.1 is the floor.")
+    max_concurrent_trials: int | None = Field(None, ge=1)
+    seed: int = 0
+
+
+class TrialSummary(BaseModel):
+    trial_id: str
+    config: dict[str, Any]
+    epochs: int
+    val_accuracy: float
+    status: str
+    curve: list[float] = Field(default_factory=list, description="Validation accuracy per epoch.")
+
+
+class TuneResult(BaseModel):
+    experiment_uri: str
+    best_config: TrainLoopConfig
+    best_metrics: dict[str, float]
+    trials: list[TrialSummary]
+    restored: bool
+    elapsed_s: float
+
+
+def loop_config(trial: dict[str, Any], base: TrainLoopConfig) -> TrainLoopConfig:
+    """A trial's sampled values applied to the base training config."""
+    model = base.model.model_copy(update={"arch": trial["arch"], "width": trial["width"]})
+    return base.model_copy(
+        update={
+            "model": model,
+            "lr": trial["lr"],
+            "weight_decay": trial["weight_decay"],
+            "batch_size": trial["batch_size"],
+        }
+    )
+
+
+def trial_fn(
+    config: dict[str, Any], train_ds: ray.data.Dataset, val_ds: ray.data.Dataset, base: dict[str, Any]
+) -> None:
+    """One Tune trial: the shared epoch loop, reporting and checkpointing every epoch."""
+    cfg = loop_config(config, TrainLoopConfig.model_validate(base))
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    model = build_model(cfg.model)
+    optimizer = make_optimizer(model, cfg)
+    state = restore_state(tune.get_checkpoint(), model, optimizer) or {"epoch": -1, "history": []}
+    train_batches = epoch_batches(train_ds.iter_torch_batches, cfg, shuffle=True)
+    val_batches = epoch_batches(val_ds.iter_torch_batches, cfg, shuffle=False)
+    for epoch in range(int(state["epoch"]) + 1, cfg.epochs):
+        set_epoch_lr(optimizer, cfg, epoch)
+        train = run_epoch(model, train_batches(epoch), device, optimizer)
+        val = run_epoch(model, val_batches(epoch), device)
+        metrics = {"epoch": float(epoch), "train_loss": train.loss, "val_loss": val.loss, SCORE: val.accuracy}
+        with tempfile.TemporaryDirectory() as folder:
+            save_state(folder, model, optimizer, {"epoch": epoch, "history": []})
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
+
+
+def _curve(result: Any) -> list[float]:
+    frame = result.metrics_dataframe
+    if frame is None or SCORE not in frame:
+        return []
+    return [float(v) for v in frame[SCORE].tolist()]
+
+
+def _param_space(space: SearchSpace) -> dict[str, Any]:
+    return {
+        "lr": tune.loguniform(*space.lr),
+        "weight_decay": tune.loguniform(*space.weight_decay),
+        "batch_size": tune.choice(space.batch_size),
+        "width": tune.choice(space.width),
+        "arch": tune.choice(space.arch),
+    }
+
+
+def _trainable(cfg: TuneJobConfig, base: TrainLoopConfig) -> Any:
+    prepared = preprocess.read_manifest(cfg.data_manifest_uri)
+    train_ds = dataset_for_split(prepared, "train").materialize()
+    val_ds = dataset_for_split(prepared, "val").materialize()
+    fn = tune.with_parameters(trial_fn, train_ds=train_ds, val_ds=val_ds, base=base.model_dump(mode="json"))
+    return tune.with_resources(fn, {"cpu": cfg.cpus_per_trial})
+
+
+def run(cfg: TuneJobConfig, base: TrainLoopConfig | None = None) -> TuneResult:
+    """Search, or continue an interrupted search of the same name, and report the best config."""
+    started = time.perf_counter()
+    prepared = preprocess.read_manifest(cfg.data_manifest_uri)
+    num_classes = len(prepared.classes)
+    base = (base or TrainLoopConfig()).model_copy(
+        update={"epochs": cfg.max_epochs, "seed": cfg.seed, "model": ModelSpec(num_classes=num_classes)}
+    )
+    output_root = storage.normalize(cfg.output_root)
+    fs, storage_path = storage.arrow_filesystem(output_root)
+    experiment_uri = storage.join(output_root, cfg.experiment_name)
+    experiment_path = storage.join(storage_path, cfg.experiment_name)
+    trainable = _trainable(cfg, base)
+    restored = bool(tune.Tuner.can_restore(experiment_path, storage_filesystem=fs))
+    if restored:
+        tuner = tune.Tuner.restore(experiment_path, trainable=trainable, resume_errored=True, storage_filesystem=fs)
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space=_param_space(cfg.space),
+            tune_config=tune.TuneConfig(
+                metric=SCORE,
+                mode="max",
+                scheduler=ASHAScheduler(
+                    time_attr="training_iteration",
+                    max_t=cfg.max_epochs,
+                    grace_period=cfg.grace_period,
+                    reduction_factor=cfg.reduction_factor,
+                ),
+                num_samples=cfg.num_samples,
+                max_concurrent_trials=cfg.max_concurrent_trials,
+                search_alg=BasicVariantGenerator(random_state=cfg.seed),  # same seed, same trials
+            ),
+            run_config=tune.RunConfig(
+                name=cfg.experiment_name,
+                storage_path=storage_path,
+                storage_filesystem=fs,
+                checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+                verbose=0,
+            ),
+        )
+    grid = tuner.fit()
+    results = [grid[i] for i in range(len(grid))]
+    trials = [
+        TrialSummary(
+            trial_id=str(r.metrics.get("trial_id", "")) if r.metrics else "",
+            config=dict(r.config or {}),
+            epochs=int(r.metrics.get("training_iteration", 0)) if r.metrics else 0,
+            val_accuracy=float(r.metrics.get(SCORE, 0.0)) if r.metrics else 0.0,
+            status="ERROR" if r.error else "TERMINATED",
+            curve=_curve(r),
+        )
+        for r in results
+    ]
+    ok = [t for t in trials if t.status != "ERROR" and t.epochs > 0]
+    if not ok:
+        raise ClusterError(f"every Tune trial of {cfg.experiment_name} failed: {grid.errors[:1]}")
+    best = max(ok, key=lambda t: (t.val_accuracy, t.epochs))
+    return TuneResult(
+        experiment_uri=experiment_uri,
+        best_config=loop_config(best.config, base),
+        best_metrics={"val_accuracy": best.val_accuracy, "epochs": float(best.epochs)},
+        trials=trials,
+        restored=restored,
+        elapsed_s=time.perf_counter() - started,
+    )

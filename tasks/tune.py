@@ -1,0 +1,71 @@
+"""Prefect task: hyper-parameter search with Ray Tune (ASHA)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from ray_workloads import evaluate, tune
+from ray_workloads.training_loop import TrainLoopConfig
+from rayline import ray_cluster, storage
+from rayline.lineage import DatasetRef
+from tasks.common import DEFAULT_TIMEOUT_S, RETRY_DELAYS_S, RETRY_JITTER, record_lineage, retry_if_transient
+from tasks.train import png_markdown
+
+
+@task(
+    name="tune",
+    retries=len(RETRY_DELAYS_S),
+    retry_delay_seconds=RETRY_DELAYS_S,
+    retry_jitter_factor=RETRY_JITTER,
+    retry_condition_fn=retry_if_transient,
+    timeout_seconds=DEFAULT_TIMEOUT_S,
+    cache_policy=NO_CACHE,  # a rerun restores the experiment; finished trials are not rerun
+    persist_result=False,
+)
+def tune_task(config: tune.TuneJobConfig, base: TrainLoopConfig) -> tune.TuneResult:
+    started = datetime.now(UTC)
+    connection = ray_cluster.connect()
+    result = tune.run(config, base)
+    get_run_logger().info(
+        "tune %s: %d trials%s, best val accuracy %.4f with lr %.4g, batch %d, width %d, arch %s",
+        config.experiment_name,
+        len(result.trials),
+        " (restored)" if result.restored else "",
+        result.best_metrics["val_accuracy"],
+        result.best_config.lr,
+        result.best_config.batch_size,
+        result.best_config.model.width,
+        result.best_config.model.arch,
+    )
+    create_table_artifact(
+        key="tune-trials",
+        table=[
+            {
+                "trial": t.trial_id,
+                "epochs": t.epochs,
+                "val_accuracy": round(t.val_accuracy, 4),
+                "status": t.status,
+                **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in t.config.items()},
+            }
+            for t in sorted(result.trials, key=lambda t: -t.val_accuracy)
+        ],
+        description=f"ASHA search `{config.experiment_name}`; trials stopped early ran fewer epochs",
+    )
+    series = {f"{t.trial_id or i}": [(float(t.epochs), t.val_accuracy)] for i, t in enumerate(result.trials)}
+    png = evaluate.curves_png(series, "val accuracy at last epoch", "Tune trials (ASHA)")
+    png_uri = storage.join(result.experiment_uri, "trials.png")
+    storage.write_bytes_atomic(png_uri, png)
+    create_markdown_artifact(key="tune-trials-plot", markdown=png_markdown("Tune trials", png, png_uri))
+    record_lineage(
+        stage="tune",
+        started_at=started,
+        inputs=[DatasetRef(uri=config.data_manifest_uri)],
+        outputs=[DatasetRef(uri=result.experiment_uri, facets={"best": result.best_config.model_dump(mode="json")})],
+        parameters=config.model_dump(mode="json"),
+        connection=connection,
+    )
+    return result
