@@ -32,7 +32,7 @@ from rayline.errors import ClusterError
 class SearchSpace(BaseModel):
     """What Tune samples; ranges are log-uniform, lists are choices."""
 
-    lr: tuple[float, float] = (1e-3, 2e-2)
+    lr: tuple[float, float] = (1e-3, 1e-2)
     weight_decay: tuple[float, float] = (1e-5, 1e-3)
     batch_size: list[int] = Field(default_factory=lambda: [32, 64])
     width: list[int] = Field(default_factory=lambda: [16, 32])

@@ -86,14 +86,36 @@ def _print_prepare_summary(result: Any) -> None:
     typer.echo(f"  errors table       {pre.errors_uri}")
 
 
+def _print_model_summary(result: Any) -> None:
+    reg, trained = result.registration, result.trained
+    typer.echo("")
+    typer.secho("train-model finished", bold=True)
+    if result.tuned is not None:
+        best = result.tuned.best_config
+        stopped = sum(t.epochs < max(x.epochs for x in result.tuned.trials) for t in result.tuned.trials)
+        typer.echo(
+            f"  tune (ASHA)        {len(result.tuned.trials)} trials, {stopped} stopped early; best lr {best.lr:.4g}, "
+            f"batch {best.batch_size}, width {best.model.width}"
+        )
+    typer.echo(f"  trained            {trained.epochs} epochs with Ray Train, {trained.samples_per_s:.0f} samples/s")
+    typer.echo(f"  test accuracy      {result.evaluation.accuracy:.4f} on {result.evaluation.samples} held-out images")
+    typer.echo(f"  registered         {reg.version.name} v{reg.version.version}: {reg.decision.reason}")
+    typer.echo(f"  champion           v{reg.champion}" if reg.champion else "  champion           none yet")
+    typer.echo(f"  weights            {reg.version.weights_uri}")
+    typer.echo(f"  evaluation         {result.evaluation.report_uri}")
+
+
 @app.command()
 def demo(
     corrupt: Annotated[int, typer.Option(min=0, help="Broken objects mixed into the digits.")] = 4,
+    tune_samples: Annotated[int, typer.Option(min=0, help="ASHA trials before training (0: no search).")] = 4,
+    epochs: Annotated[int, typer.Option(min=1, help="Epochs of the final training run.")] = 12,
 ) -> None:
     """Seed the digits into the configured storage and run the lifecycle on them."""
     apply_process_defaults()
     _quiet_ray()
-    from flows.prepare_data import RAW_DIR, prepare_data
+    from flows.prepare_data import RAW_DIR
+    from flows.train_model import train_model
     from rayline.lineage import lineage_dir
     from rayline.seed import seed as write_seed
 
@@ -103,10 +125,11 @@ def demo(
         raw = storage.join(root, RAW_DIR)
         seeded = write_seed(raw, corrupt=corrupt)
         typer.echo(f"seeded {seeded.total} objects under {raw} ({seeded.written} new)")
-        result = prepare_data(source_uri=raw)
+        result = train_model(source_uri=raw, tune_samples=tune_samples, epochs=epochs)
     except RaylineError as exc:
         _fail(exc)
-    _print_prepare_summary(result)
+    _print_prepare_summary(result.data)
+    _print_model_summary(result)
     typer.echo(f"  lineage records    {lineage_dir()}")
     api = os.environ.get("PREFECT_API_URL")
     typer.echo("")

@@ -28,6 +28,12 @@ def test_demo_on_embedded_defaults(tmp_path: Path, prefect_api: str) -> None:
     assert "objects ingested   1801" in out
     assert "train 1447, val 175, test 175" in out
     assert "errors             4" in out
+    assert "train-model finished" in out
+    assert "4 trials" in out and "stopped early" in out
+    accuracy = float(out.split("test accuracy")[1].split()[0])
+    assert accuracy >= 0.95, out
+    assert "registered         digits v1: first champion" in out
+    assert (data / "models" / "digits" / "v1" / "weights.pt").is_file()
     data = tmp_path / "rayline-data"
     assert (data / "lineage" / "ingest").is_dir() and (data / "lineage" / "preprocess").is_dir()
     assert len(list(data.glob("preprocessed/*/manifest.json"))) == 1
