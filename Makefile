@@ -34,6 +34,7 @@ unit: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/ingest.py
+	$(BIN)/python bench/train.py
 
 clean:
 	rm -rf $(VENV) rayline-data .pytest_cache .mypy_cache .ruff_cache

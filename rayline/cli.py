@@ -86,6 +86,41 @@ def _print_prepare_summary(result: Any) -> None:
     typer.echo(f"  errors table       {pre.errors_uri}")
 
 
+@app.command("train-model")
+def train_model_command(
+    source: Annotated[str | None, typer.Option(help="Prefix of labelled images; default <storage>/raw.")] = None,
+    model_name: Annotated[str, typer.Option(help="Registry name.")] = "digits",
+    arch: Annotated[str, typer.Option(help="small_cnn, resnet18, mobilenet_v3_small, …")] = "small_cnn",
+    epochs: Annotated[int, typer.Option(min=1)] = 12,
+    num_workers: Annotated[int, typer.Option(min=1, help="Ray Train workers.")] = 2,
+    tune_samples: Annotated[int, typer.Option(min=0, help="ASHA trials first (0: no search).")] = 0,
+    tune_max_epochs: Annotated[int, typer.Option(min=1)] = 4,
+    margin: Annotated[float, typer.Option(help="Accuracy a candidate must gain over the champion.")] = 0.0,
+    floor: Annotated[float, typer.Option(help="Accuracy the first champion needs.")] = 0.9,
+) -> None:
+    """Run the train-model flow: prepare data, (tune,) train, evaluate, register, gate."""
+    apply_process_defaults()
+    _quiet_ray()
+    from flows.train_model import train_model
+
+    try:
+        get_settings()
+        result = train_model(
+            model_name=model_name,
+            source_uri=source,
+            arch=arch,
+            epochs=epochs,
+            num_workers=num_workers,
+            tune_samples=tune_samples,
+            tune_max_epochs=tune_max_epochs,
+            margin=margin,
+            floor=floor,
+        )
+    except RaylineError as exc:
+        _fail(exc)
+    _print_model_summary(result)
+
+
 def _print_model_summary(result: Any) -> None:
     reg, trained = result.registration, result.trained
     typer.echo("")

@@ -33,8 +33,8 @@ def test_demo_on_embedded_defaults(tmp_path: Path, prefect_api: str) -> None:
     accuracy = float(out.split("test accuracy")[1].split()[0])
     assert accuracy >= 0.95, out
     assert "registered         digits v1: first champion" in out
-    assert (data / "models" / "digits" / "v1" / "weights.pt").is_file()
     data = tmp_path / "rayline-data"
+    assert (data / "models" / "digits" / "v1" / "weights.pt").is_file()
     assert (data / "lineage" / "ingest").is_dir() and (data / "lineage" / "preprocess").is_dir()
     assert len(list(data.glob("preprocessed/*/manifest.json"))) == 1
 

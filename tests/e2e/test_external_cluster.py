@@ -47,7 +47,7 @@ def _pids_mentioning(text: str) -> list[int]:
     return found
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def external_cluster(s3_endpoint: str) -> Iterator[str]:
     """A head node of our own: loopback, free ports, its own temp dir; stopped by PID."""
     temp_dir = tempfile.mkdtemp(prefix="rl-ext-", dir="/tmp")  # short: unix socket paths are limited
@@ -102,3 +102,30 @@ def test_prepare_data_runs_on_an_external_cluster(
     assert_exactly_one_row_per_object(result, seeded)
     # the session's own embedded cluster was not disturbed
     assert ray.get(ray.put(41)) + 1 == 42
+
+
+def test_train_and_tune_run_on_an_external_cluster(
+    external_cluster: str, s3_storage: str, s3_endpoint: str, prefect_api: str
+) -> None:
+    seed(storage.join(s3_storage, "raw"))
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": external_cluster,
+        "RAY_AUTH_MODE": "token",
+        "RAYLINE_STORAGE": s3_storage,
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "PREFECT_API_URL": prefect_api,
+    }
+    args = ["train-model", "--epochs", "2", "--tune-samples", "2", "--tune-max-epochs", "1", "--floor", "0"]
+    done = subprocess.run(
+        [str(BIN / "rayline"), *args], env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "train-model finished" in done.stdout and "2 trials" in done.stdout
+
+    (trained,) = lineage.read_records("train")
+    (tuned,) = lineage.read_records("tune")
+    assert trained.run.ray_address == tuned.run.ray_address == external_cluster
+    assert trained.outputs[0].uri.startswith(f"{s3_storage}/training/")  # checkpoints live in the bucket
+    assert tuned.outputs[0].uri.startswith(f"{s3_storage}/tuning/")
+    assert storage.list_objects(storage.join(s3_storage, "models", "digits", "v1"))
