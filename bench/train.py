@@ -57,6 +57,11 @@ def main() -> None:
         )
     )
     ray_wall = time.perf_counter() - started
+    fit_started_at = time.time() - ray_wall
+    first, last = result.history[0], result.history[-1]
+    startup_s = first["attempt_started_at"] - fit_started_at
+    epochs_s = last["epoch_ended_at"] - first["attempt_started_at"]
+    teardown_s = ray_wall - startup_s - epochs_s
     samples = sum(h["train_samples"] for h in result.history)
     ray_loop_s = sum(h["train_seconds"] for h in result.history)
     accuracy = evaluate.run(loop.model, result.weights_uri, prepared.manifest_uri).accuracy
@@ -90,6 +95,10 @@ def main() -> None:
     print(f"{EPOCHS} epochs over {int(samples / EPOCHS)} training images")
     print(f"Ray Train, 2 workers: {ray_rate:8.1f} samples/s over the whole fit ({ray_wall:.1f}s)")
     print(f"                      {samples / ray_loop_s:8.1f} samples/s inside the epochs ({ray_loop_s:.1f}s)")
+    print(
+        f"  of which start-up {startup_s:.1f}s, epochs incl. validation and checkpoints {epochs_s:.1f}s, "
+        f"teardown {teardown_s:.1f}s"
+    )
     print(f"plain PyTorch loop:   {plain_rate:8.1f} samples/s ({plain_wall:.1f}s)")
     print(f"ratio {figures['ratio']:.2f} (target >= 0.7); epochs-only ratio {samples / ray_loop_s / plain_rate:.2f}")
     print(f"test accuracy of the Ray-trained model: {accuracy:.4f}")

@@ -123,6 +123,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     train_batches = epoch_batches(ray.train.get_dataset_shard("train").iter_torch_batches, cfg, shuffle=True)
     val_batches = epoch_batches(ray.train.get_dataset_shard("val").iter_torch_batches, cfg, shuffle=False)
 
+    attempt_started = time.time()
     for epoch in range(start_epoch, cfg.epochs):
         if rank == 0:
             inject_failure_if_due(cfg, epoch)
@@ -138,6 +139,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             SCORE: val.accuracy,
             "train_samples": float(train.samples),
             "train_seconds": train.seconds,
+            # wall-clock marks (unix time) to see where a fit's time goes
+            "attempt_started_at": attempt_started,
+            "epoch_ended_at": time.time(),
         }
         history.append(metrics)
         with tempfile.TemporaryDirectory() as folder:

@@ -97,6 +97,9 @@ def train_model_command(
     tune_max_epochs: Annotated[int, typer.Option(min=1)] = 4,
     margin: Annotated[float, typer.Option(help="Accuracy a candidate must gain over the champion.")] = 0.0,
     floor: Annotated[float, typer.Option(help="Accuracy the first champion needs.")] = 0.9,
+    fail_once_at_epoch: Annotated[
+        int | None, typer.Option(help="Fault drill: a worker raises once at this epoch, then training resumes.")
+    ] = None,
 ) -> None:
     """Run the train-model flow: prepare data, (tune,) train, evaluate, register, gate."""
     apply_process_defaults()
@@ -115,6 +118,7 @@ def train_model_command(
             tune_max_epochs=tune_max_epochs,
             margin=margin,
             floor=floor,
+            fail_once_at_epoch=fail_once_at_epoch,
         )
     except RaylineError as exc:
         _fail(exc)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
-from prefect import Task
+from prefect import Task, task
+from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.runtime import flow_run, task_run
 
@@ -20,6 +22,33 @@ RETRY_DELAYS_S: list[float] = [5.0, 20.0, 60.0]
 RETRY_JITTER = 0.5
 # Every task that waits on Ray gets a timeout: a starved cluster hangs silently.
 DEFAULT_TIMEOUT_S = 3600
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def ray_task(name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Callable[[Callable[P, R]], Task[P, R]]:
+    """The one retry/timeout/caching policy of every task that runs a Ray workload.
+
+    No Prefect result caching: workloads skip committed outputs themselves
+    (content-addressed folders, resumable runs), which also survives a lost
+    Prefect database.
+    """
+
+    def decorate(fn: Callable[P, R]) -> Task[P, R]:
+        return task(
+            name=name,
+            retries=len(RETRY_DELAYS_S),
+            retry_delay_seconds=RETRY_DELAYS_S,
+            retry_jitter_factor=RETRY_JITTER,
+            retry_condition_fn=retry_if_transient,
+            timeout_seconds=timeout_s,
+            cache_policy=NO_CACHE,
+            persist_result=False,
+        )(fn)
+
+    return decorate
 
 
 def retry_if_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:

@@ -4,25 +4,15 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 
 from ray_workloads import ingest
 from rayline import ray_cluster
 from rayline.lineage import DatasetRef
-from tasks.common import DEFAULT_TIMEOUT_S, RETRY_DELAYS_S, RETRY_JITTER, record_lineage, retry_if_transient
+from tasks.common import ray_task, record_lineage
 
 
-@task(
-    name="ingest",
-    retries=len(RETRY_DELAYS_S),
-    retry_delay_seconds=RETRY_DELAYS_S,
-    retry_jitter_factor=RETRY_JITTER,
-    retry_condition_fn=retry_if_transient,
-    timeout_seconds=DEFAULT_TIMEOUT_S,
-    cache_policy=NO_CACHE,  # the workload itself reuses committed output
-    persist_result=False,
-)
+@ray_task("ingest")
 def ingest_objects(config: ingest.IngestConfig) -> ingest.IngestResult:
     started = datetime.now(UTC)
     connection = ray_cluster.connect()

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from ray_workloads import evaluate, preprocess
@@ -14,7 +13,7 @@ from ray_workloads.models import ModelSpec, state_dict_from_bytes
 from ray_workloads.train import TrainResult
 from rayline import lineage, ray_cluster, registry, storage
 from rayline.lineage import DatasetRef
-from tasks.common import DEFAULT_TIMEOUT_S, RETRY_DELAYS_S, record_lineage, retry_if_transient, run_context
+from tasks.common import ray_task, record_lineage, run_context
 
 GATE_METRIC = "test_accuracy"
 
@@ -37,15 +36,7 @@ def _champion_score(name: str, candidate: registry.ModelVersion) -> tuple[regist
     return champion, evaluate.run(spec, champion.weights_uri, candidate.data_manifest_uri).accuracy
 
 
-@task(
-    name="register-and-gate",
-    retries=len(RETRY_DELAYS_S),
-    retry_delay_seconds=RETRY_DELAYS_S,
-    retry_condition_fn=retry_if_transient,
-    timeout_seconds=DEFAULT_TIMEOUT_S,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-)
+@ray_task("register-and-gate")
 def register_and_gate(
     name: str,
     spec: ModelSpec,

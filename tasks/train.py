@@ -5,15 +5,14 @@ from __future__ import annotations
 import base64
 from datetime import UTC, datetime
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
 
 from ray_workloads import evaluate, train
 from ray_workloads.models import ModelSpec
 from rayline import ray_cluster, storage
 from rayline.lineage import DatasetRef
-from tasks.common import DEFAULT_TIMEOUT_S, RETRY_DELAYS_S, RETRY_JITTER, record_lineage, retry_if_transient
+from tasks.common import ray_task, record_lineage
 
 
 def png_markdown(title: str, png: bytes, link: str | None = None) -> str:
@@ -23,16 +22,7 @@ def png_markdown(title: str, png: bytes, link: str | None = None) -> str:
     return f"### {title}\n\n![{title}](data:image/png;base64,{encoded}){where}\n"
 
 
-@task(
-    name="train",
-    retries=len(RETRY_DELAYS_S),
-    retry_delay_seconds=RETRY_DELAYS_S,
-    retry_jitter_factor=RETRY_JITTER,
-    retry_condition_fn=retry_if_transient,
-    timeout_seconds=DEFAULT_TIMEOUT_S,
-    cache_policy=NO_CACHE,  # reruns resume from the run's own checkpoints instead
-    persist_result=False,
-)
+@ray_task("train")
 def train_model_task(config: train.TrainConfig) -> train.TrainResult:
     started = datetime.now(UTC)
     connection = ray_cluster.connect()
@@ -72,15 +62,7 @@ def train_model_task(config: train.TrainConfig) -> train.TrainResult:
     return result
 
 
-@task(
-    name="evaluate",
-    retries=len(RETRY_DELAYS_S),
-    retry_delay_seconds=RETRY_DELAYS_S,
-    retry_condition_fn=retry_if_transient,
-    timeout_seconds=DEFAULT_TIMEOUT_S,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-)
+@ray_task("evaluate")
 def evaluate_task(
     spec: ModelSpec, weights_uri: str, data_manifest_uri: str, output_uri: str, artifact_prefix: str = "evaluation"
 ) -> evaluate.EvaluationResult:

@@ -4,28 +4,18 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
 
 from ray_workloads import evaluate, tune
 from ray_workloads.training_loop import TrainLoopConfig
 from rayline import ray_cluster, storage
 from rayline.lineage import DatasetRef
-from tasks.common import DEFAULT_TIMEOUT_S, RETRY_DELAYS_S, RETRY_JITTER, record_lineage, retry_if_transient
+from tasks.common import ray_task, record_lineage
 from tasks.train import png_markdown
 
 
-@task(
-    name="tune",
-    retries=len(RETRY_DELAYS_S),
-    retry_delay_seconds=RETRY_DELAYS_S,
-    retry_jitter_factor=RETRY_JITTER,
-    retry_condition_fn=retry_if_transient,
-    timeout_seconds=DEFAULT_TIMEOUT_S,
-    cache_policy=NO_CACHE,  # a rerun restores the experiment; finished trials are not rerun
-    persist_result=False,
-)
+@ray_task("tune")
 def tune_task(config: tune.TuneJobConfig, base: TrainLoopConfig) -> tune.TuneResult:
     started = datetime.now(UTC)
     connection = ray_cluster.connect()

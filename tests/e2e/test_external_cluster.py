@@ -35,6 +35,18 @@ def _wait_for_port(port: int, timeout_s: float = 60.0) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
+def _driver_env(cluster: str, root: str, endpoint: str, prefect_api: str) -> dict[str, str]:
+    """A driver joining the external cluster with token auth, storing in the bucket."""
+    return {
+        **os.environ,
+        "RAY_ADDRESS": cluster,
+        "RAY_AUTH_MODE": "token",
+        "RAYLINE_STORAGE": root,
+        "AWS_ENDPOINT_URL": endpoint,
+        "PREFECT_API_URL": prefect_api,
+    }
+
+
 def _pids_mentioning(text: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -80,14 +92,7 @@ def test_prepare_data_runs_on_an_external_cluster(
     external_cluster: str, s3_storage: str, s3_endpoint: str, prefect_api: str
 ) -> None:
     seeded = seed(storage.join(s3_storage, "raw"), corrupt=4)
-    env = {
-        **os.environ,
-        "RAY_ADDRESS": external_cluster,
-        "RAY_AUTH_MODE": "token",
-        "RAYLINE_STORAGE": s3_storage,
-        "AWS_ENDPOINT_URL": s3_endpoint,
-        "PREFECT_API_URL": prefect_api,
-    }
+    env = _driver_env(external_cluster, s3_storage, s3_endpoint, prefect_api)
     # run from outside the repo: workers must get rayline from runtime_env, not the cwd
     done = subprocess.run(
         [str(BIN / "rayline"), "prepare-data"], env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True,
@@ -108,14 +113,7 @@ def test_train_and_tune_run_on_an_external_cluster(
     external_cluster: str, s3_storage: str, s3_endpoint: str, prefect_api: str
 ) -> None:
     seed(storage.join(s3_storage, "raw"))
-    env = {
-        **os.environ,
-        "RAY_ADDRESS": external_cluster,
-        "RAY_AUTH_MODE": "token",
-        "RAYLINE_STORAGE": s3_storage,
-        "AWS_ENDPOINT_URL": s3_endpoint,
-        "PREFECT_API_URL": prefect_api,
-    }
+    env = _driver_env(external_cluster, s3_storage, s3_endpoint, prefect_api)
     args = ["train-model", "--epochs", "2", "--tune-samples", "2", "--tune-max-epochs", "1", "--floor", "0"]
     done = subprocess.run(
         [str(BIN / "rayline"), *args], env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=900

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from flows.train_model import train_model
 from rayline import lineage, registry, storage
 from rayline.seed import seed
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
+
+
+ARTIFACTS = ["train-epochs", "train-curves", "evaluation-per-class", "evaluation-confusion", "model-gate"]
+
+
+async def _artifact_keys() -> set[str]:
+    async with get_client() as client:
+        found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=ARTIFACTS)))
+    return {a.key for a in found if a.key}
 
 
 def test_train_recovers_from_a_worker_failure_and_the_gate_keeps_the_best(local_storage: str) -> None:
@@ -33,6 +46,10 @@ def test_train_recovers_from_a_worker_failure_and_the_gate_keeps_the_best(local_
     assert "does not beat champion v2" in again.registration.decision.reason
     assert registry.alias_version("digits", registry.CHAMPION) == 2
     assert registry.alias_version("digits", registry.CHALLENGER) == 3
+
+    assert asyncio.run(_artifact_keys()) == set(ARTIFACTS)
+    assert storage.exists(strong.evaluation.confusion_png_uri or "")
+    assert storage.exists(storage.join(strong.trained.run_uri, "curves.png"))
 
     moves = [m for r in lineage.read_records("registry") for m in r.outputs[0].facets["moves"]]
     assert [(m["alias"], m["version"]) for m in moves if m["alias"] == "champion"] == [("champion", 1), ("champion", 2)]
