@@ -91,6 +91,8 @@ def main() -> None:
         "plain_samples_s": round(plain_rate, 1),
         "ratio": round(ray_rate / plain_rate, 3),
         "test_accuracy": round(accuracy, 4),
+        "ratio_epochs_only": round(samples / ray_loop_s / plain_rate, 3),
+        "ray_fixed_overhead_s": round(startup_s + teardown_s, 1),
     }
     print(f"{EPOCHS} epochs over {int(samples / EPOCHS)} training images")
     print(f"Ray Train, 2 workers: {ray_rate:8.1f} samples/s over the whole fit ({ray_wall:.1f}s)")

@@ -43,8 +43,17 @@ class RayConnection:
     num_cpus: float
 
 
+# Ray defaults that cost seconds per run on small jobs; explicit settings win.
+_RAY_DEFAULTS = {
+    # the Train controller notices finished/failed workers after this long (default 2 s)
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+}
+
+
 def _runtime_env(remote: bool) -> dict[str, Any]:
-    env: dict[str, Any] = {"env_vars": {k: os.environ[k] for k in _FORWARDED_ENV if os.environ.get(k)}}
+    env_vars = {k: os.environ[k] for k in _FORWARDED_ENV if os.environ.get(k)}
+    env_vars.update({k: os.environ.get(k, v) for k, v in _RAY_DEFAULTS.items()})
+    env: dict[str, Any] = {"env_vars": env_vars}
     if remote:
         import ray_workloads
         import rayline
