@@ -15,7 +15,6 @@ import json
 import os
 import posixpath
 import tempfile
-import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -261,10 +260,6 @@ def list_objects(prefix_uri: str) -> list[ObjectInfo]:
             )
         )
     return sorted(objects, key=lambda o: o.key)
-
-
-def unique_suffix() -> str:
-    return uuid.uuid4().hex[:12]
 
 
 @dataclass(frozen=True)
