@@ -153,10 +153,12 @@ def demo(
     """Seed the digits into the configured storage and run the lifecycle on them."""
     apply_process_defaults()
     _quiet_ray()
+    from flows.nightly_inference import INCOMING_DIR, nightly_inference, partition_for, yesterday_utc
     from flows.prepare_data import RAW_DIR
     from flows.train_model import train_model
     from rayline.lineage import lineage_dir
     from rayline.seed import seed as write_seed
+    from rayline.seed import seed_incoming
 
     try:
         get_settings()  # fail fast, before Prefect and Ray start
@@ -165,10 +167,22 @@ def demo(
         seeded = write_seed(raw, corrupt=corrupt)
         typer.echo(f"seeded {seeded.total} objects under {raw} ({seeded.written} new)")
         result = train_model(source_uri=raw, tune_samples=tune_samples, epochs=epochs)
+        day = yesterday_utc()
+        incoming = storage.join(root, INCOMING_DIR, partition_for(day))
+        arrivals = seed_incoming(incoming, corrupt=corrupt)
+        typer.echo(f"dropped {arrivals.total} arrivals under {incoming}")
+        predictions = nightly_inference(date=day.isoformat())
     except RaylineError as exc:
         _fail(exc)
     _print_prepare_summary(result.data)
     _print_model_summary(result)
+    typer.echo("")
+    typer.secho("nightly-inference finished", bold=True)
+    typer.echo(
+        f"  {predictions.inputs} inputs → {predictions.predictions} predictions + {predictions.errors} errors "
+        f"with {predictions.model} in {predictions.elapsed_s:.1f}s"
+    )
+    typer.echo(f"  committed          {predictions.manifest_uri}")
     typer.echo(f"  lineage records    {lineage_dir()}")
     api = os.environ.get("PREFECT_API_URL")
     typer.echo("")

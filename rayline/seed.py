@@ -34,12 +34,13 @@ class SeedResult:
     digits: int = 0
     corrupt: dict[str, str] = field(default_factory=dict)  # key -> kind
     synthetic: int = 0
+    photos: int = 0
     written: int = 0
     skipped: int = 0
 
     @property
     def total(self) -> int:
-        return self.digits + len(self.corrupt) + self.synthetic
+        return self.digits + len(self.corrupt) + self.synthetic + self.photos
 
 
 def png_bytes(pixels: np.ndarray) -> bytes:
@@ -108,6 +109,30 @@ def seed(to_uri: str, corrupt: int = 0, synthetic: int = 0, size: int = 32, seed
     result.skipped = len(wanted) - len(to_write)
     _write_many(target, to_write)
     result.written = len(to_write)
+    return result
+
+
+def sample_photos() -> Iterator[tuple[str, bytes]]:
+    """scikit-learn's two real JPEG photos (china, flower), re-encoded as JPEG."""
+    from sklearn.datasets import load_sample_images
+
+    for index, photo in enumerate(load_sample_images().images):
+        buffer = io.BytesIO()
+        Image.fromarray(photo).save(buffer, format="JPEG", quality=90)
+        yield f"photos/photo-{index}.jpg", buffer.getvalue()
+
+
+def seed_incoming(to_uri: str, corrupt: int = 4, seed_value: int = 1) -> SeedResult:
+    """A day of arrivals for batch inference: the digits, the two sample photos, broken objects."""
+    result = seed(to_uri)
+    rng = np.random.default_rng(seed_value)
+    extra = dict(sample_photos())  # real photos, nothing like the digits
+    for key, data, kind in corrupt_objects(corrupt, 32, rng):
+        extra[key] = data
+        result.corrupt[key] = kind
+    present = {o.key: o.size for o in storage.list_objects(result.uri)}
+    _write_many(result.uri, {k: v for k, v in extra.items() if present.get(k) != len(v)})
+    result.photos = len(list(sample_photos()))
     return result
 
 

@@ -35,6 +35,9 @@ def test_demo_on_embedded_defaults(tmp_path: Path, prefect_api: str) -> None:
     assert "registered         digits v1: first champion" in out
     data = tmp_path / "rayline-data"
     assert (data / "models" / "digits" / "v1" / "weights.pt").is_file()
+    assert "nightly-inference finished" in out
+    assert "1803 inputs → 1799 predictions + 4 errors with digits v1" in out
+    assert len(list(data.glob("predictions/dt=*/_SUCCESS"))) == 1
     assert (data / "lineage" / "ingest").is_dir() and (data / "lineage" / "preprocess").is_dir()
     assert len(list(data.glob("preprocessed/*/manifest.json"))) == 1
 

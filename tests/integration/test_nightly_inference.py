@@ -1,0 +1,89 @@
+"""nightly-inference: exactly one row per input, atomic commit, idempotent reruns, error budget."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from flows.nightly_inference import nightly_inference
+from ray_workloads.batch_inference import MANIFEST, SUCCESS, read_partition
+from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
+from rayline import registry, storage
+from rayline.seed import seed_incoming
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
+
+DAY = "2026-11-28"
+
+
+def _register_model() -> None:
+    """An untrained model is enough to check delivery guarantees (accuracy is tested elsewhere)."""
+    version = registry.register(
+        "digits",
+        state_dict_bytes(build_model(ModelSpec(num_classes=10, width=8))),
+        model_spec=ModelSpec(num_classes=10, width=8).model_dump(),
+        image_spec={"size": 32},
+        classes=[str(i) for i in range(10)],
+        metrics={"test_accuracy": 0.1},
+        data_manifest_uri="-",
+        data_content_hash="-",
+        code_version="test",
+    )
+    registry.set_alias("digits", registry.CHAMPION, version.version, "test")
+
+
+def _incoming(root: str, corrupt: int) -> tuple[str, set[str]]:
+    incoming = storage.join(root, "incoming", f"dt={DAY}")
+    seed_incoming(incoming, corrupt=corrupt)
+    return incoming, {o.uri for o in storage.list_objects(incoming)}
+
+
+def _rows(partition: str) -> tuple[list[str], list[str], Counter[str]]:
+    predictions, errors = read_partition(partition)
+    return (
+        predictions.column("uri").to_pylist(),
+        errors.column("uri").to_pylist(),
+        Counter(errors.column("error_type").to_pylist()),
+    )
+
+
+def test_every_input_once_and_reruns_replace_the_partition(local_storage: str) -> None:
+    _register_model()
+    _, inputs = _incoming(local_storage, corrupt=8)
+    result = nightly_inference(date=DAY, max_error_fraction=0.05)
+    predicted, errored, error_types = _rows(result.partition_uri)
+    assert len(predicted) + len(errored) == len(inputs) == 1797 + 2 + 8
+    assert set(predicted) | set(errored) == inputs and not set(predicted) & set(errored)
+    assert len(errored) == 8 and error_types == {
+        "EmptyImageError": 2,
+        "CorruptImageError": 2,
+        "UnsupportedFormatError": 4,
+    }
+    assert storage.exists(storage.join(result.partition_uri, SUCCESS))
+    manifest = storage.read_json(storage.join(result.partition_uri, MANIFEST))
+    assert manifest["model"]["version"] == 1 and manifest["inputs"] == len(inputs)
+
+    # a crashed run's leftovers never show: the committed partition is read by its manifest
+    leftover = storage.join(result.partition_uri, "run-crashed", "predictions", "part-00000.parquet")
+    storage.write_bytes_atomic(leftover, b"half a file")
+    assert _rows(result.partition_uri)[0] == predicted
+
+    again = nightly_inference(date=DAY)
+    predicted_again, errored_again, _ = _rows(again.partition_uri)
+    assert sorted(predicted_again) == sorted(predicted) and sorted(errored_again) == sorted(errored)
+    runs = [o.key.split("/")[0] for o in storage.list_objects(again.partition_uri) if o.key.startswith("run-")]
+    assert set(runs) == {f"run-{again.run_id}"}, "old and crashed runs are removed after the switch"
+
+
+def test_error_budget_fails_the_flow_after_writing_errors(local_storage: str) -> None:
+    _register_model()
+    _incoming(local_storage, corrupt=200)  # 200 / 1999 ≈ 10%
+    state = nightly_inference(date=DAY, max_error_fraction=0.05, return_state=True)
+    assert state.is_failed()
+    message = str(state.message) + repr(state.result(raise_on_failure=False))
+    assert "200 of 1999 inputs failed (10.0%, budget 5.0%)" in message
+    assert "errors" in message
+    partition = storage.join(local_storage, "predictions", f"dt={DAY}")
+    assert len(_rows(partition)[1]) == 200, "the errors table is written before the flow fails"
+    assert nightly_inference(date=DAY, max_error_fraction=0.2, return_state=True).is_completed()
