@@ -87,3 +87,58 @@ def test_error_budget_fails_the_flow_after_writing_errors(local_storage: str) ->
     partition = storage.join(local_storage, "predictions", f"dt={DAY}")
     assert len(_rows(partition)[1]) == 200, "the errors table is written before the flow fails"
     assert nightly_inference(date=DAY, max_error_fraction=0.2, return_state=True).is_completed()
+
+
+def _predictor_pids() -> list[int]:
+    """Processes of this session's predictor actors (Ray titles them ray::MapWorker(...Predictor))."""
+    from pathlib import Path
+
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"Predictor" in (entry / "cmdline").read_bytes() and b"ray::" in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_a_killed_predictor_actor_loses_no_row(local_storage: str) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    from ray_workloads import batch_inference as bi
+
+    _register_model()
+    incoming, inputs = _incoming(local_storage, corrupt=4)
+    version = registry.resolve("digits", "champion")
+    config = bi.InferenceConfig(
+        input_uri=incoming,
+        output_root=storage.join(local_storage, "predictions"),
+        partition=f"dt={DAY}",
+        model=bi.ModelRef(**version.model_dump(include=set(bi.ModelRef.model_fields))),
+        batch_size=16,  # many small batches: the run lasts long enough to lose an actor mid-way
+        objects_per_task=64,
+    )
+    before = set(_predictor_pids())
+    outcome: dict[str, object] = {}
+    runner = threading.Thread(target=lambda: outcome.update(result=bi.run(config)))
+    runner.start()
+    killed = None
+    deadline = time.monotonic() + 60
+    while killed is None and runner.is_alive() and time.monotonic() < deadline:
+        fresh = [p for p in _predictor_pids() if p not in before]
+        if fresh:
+            time.sleep(1.0)  # let it take batches first
+            killed = fresh[0]
+            os.kill(killed, signal.SIGKILL)
+        time.sleep(0.1)
+    runner.join(timeout=300)
+    assert killed is not None, "no predictor actor was seen to kill"
+    result = outcome["result"]
+    assert isinstance(result, bi.InferenceResult)
+    predicted, errored, _ = _rows(result.partition_uri)
+    assert sorted(predicted + errored) == sorted(inputs)
