@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_link_artifact, create_table_artifact
 
-from ray_workloads.batch_inference import InferenceConfig, InferenceResult, ModelRef
+from ray_workloads.batch_inference import InferenceConfig, InferenceResult
 from rayline import lineage, registry, storage
 from rayline.config import get_settings
 from rayline.errors import InputDataError
@@ -58,14 +58,7 @@ def nightly_inference(
             input_uri=input_uri or storage.join(root, INCOMING_DIR, partition),
             output_root=storage.join(root, PREDICTIONS_DIR),
             partition=partition,
-            model=ModelRef(
-                name=version.name,
-                version=version.version,
-                weights_uri=version.weights_uri,
-                model_spec=version.model_spec,
-                image_spec=version.image_spec,
-                classes=version.classes,
-            ),
+            model=version,
             actors=actors,
             batch_size=batch_size,
             io_concurrency=get_settings().io_concurrency,

@@ -41,27 +41,17 @@ from ray_workloads.ingest import content_hash
 from ray_workloads.models import ModelSpec, load_model
 from rayline import storage
 from rayline.errors import InputDataError, StorageError
+from rayline.registry import ModelVersion
 
 MANIFEST = "manifest.json"
 SUCCESS = "_SUCCESS"
-
-
-class ModelRef(BaseModel):
-    """The registered model to run (from the registry), without importing the registry here."""
-
-    name: str
-    version: int
-    weights_uri: str
-    model_spec: dict[str, Any]
-    image_spec: dict[str, Any]
-    classes: list[str]
 
 
 class InferenceConfig(BaseModel):
     input_uri: str
     output_root: str
     partition: str = Field(description="Folder name of the output partition, e.g. dt=2026-11-28.")
-    model: ModelRef
+    model: ModelVersion
     batch_size: int = Field(64, ge=1)
     actors: int = Field(2, ge=1)
     cpus_per_actor: float = Field(0.5, gt=0)
@@ -129,7 +119,7 @@ def fetch_and_decode(batch: dict[str, np.ndarray], spec: ImageSpec, concurrency:
 class Predictor:
     """Actor-pool UDF: loads the model once, predicts the decoded rows of each batch."""
 
-    def __init__(self, model: ModelRef, top_k: int) -> None:
+    def __init__(self, model: ModelVersion, top_k: int) -> None:
         torch.set_num_threads(1)
         self.model_ref = model
         self.top_k = min(top_k, len(model.classes))

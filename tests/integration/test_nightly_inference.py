@@ -119,7 +119,7 @@ def test_a_killed_predictor_actor_loses_no_row(local_storage: str) -> None:
         input_uri=incoming,
         output_root=storage.join(local_storage, "predictions"),
         partition=f"dt={DAY}",
-        model=bi.ModelRef(**version.model_dump(include=set(bi.ModelRef.model_fields))),
+        model=version,
         batch_size=16,  # many small batches: the run lasts long enough to lose an actor mid-way
         objects_per_task=64,
     )
