@@ -78,6 +78,7 @@ class PreprocessResult(BaseModel):
     error_count: int
     error_types: dict[str, int]
     files: dict[str, list[str]]
+    image: ImageSpec = Field(default_factory=ImageSpec, description="How the images were decoded.")
     cached: bool = False
     elapsed_s: float = 0.0
 
@@ -233,6 +234,7 @@ def _result(manifest: dict[str, Any], manifest_uri: str, cached: bool, elapsed: 
         error_count=manifest["summary"]["error_count"],
         error_types=manifest["summary"]["error_types"],
         files=manifest["summary"]["files"],
+        image=ImageSpec.model_validate(manifest["parameters"]["image"]),
         cached=cached,
         elapsed_s=elapsed,
     )

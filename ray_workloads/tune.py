@@ -126,8 +126,7 @@ def _param_space(space: SearchSpace) -> dict[str, Any]:
     }
 
 
-def _trainable(cfg: TuneJobConfig, base: TrainLoopConfig) -> Any:
-    prepared = preprocess.read_manifest(cfg.data_manifest_uri)
+def _trainable(cfg: TuneJobConfig, prepared: preprocess.PreprocessResult, base: TrainLoopConfig) -> Any:
     train_ds = dataset_for_split(prepared, "train").materialize()
     val_ds = dataset_for_split(prepared, "val").materialize()
     fn = tune.with_parameters(trial_fn, train_ds=train_ds, val_ds=val_ds, base=base.model_dump(mode="json"))
@@ -146,7 +145,7 @@ def run(cfg: TuneJobConfig, base: TrainLoopConfig | None = None) -> TuneResult:
     fs, storage_path = storage.arrow_filesystem(output_root)
     experiment_uri = storage.join(output_root, cfg.experiment_name)
     experiment_path = storage.join(storage_path, cfg.experiment_name)
-    trainable = _trainable(cfg, base)
+    trainable = _trainable(cfg, prepared, base)
     restored = bool(tune.Tuner.can_restore(experiment_path, storage_filesystem=fs))
     if restored:
         tuner = tune.Tuner.restore(experiment_path, trainable=trainable, resume_errored=True, storage_filesystem=fs)

@@ -55,7 +55,7 @@ def register_and_gate(
         name,
         weights,
         model_spec=spec.model_copy(update={"num_classes": len(prepared.classes)}).model_dump(),
-        image_spec=storage.read_json(evaluation.data_manifest_uri)["parameters"]["image"],
+        image_spec=prepared.image.model_dump(),
         classes=prepared.classes,
         metrics={GATE_METRIC: evaluation.accuracy, **{f"best_{k}": v for k, v in trained.metrics.items()}},
         data_manifest_uri=evaluation.data_manifest_uri,

@@ -97,7 +97,8 @@ def _predictor_pids() -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if b"Predictor" in (entry / "cmdline").read_bytes() and b"ray::" in (entry / "cmdline").read_bytes():
+                cmdline = (entry / "cmdline").read_bytes()
+                if b"ray::" in cmdline and b"Predictor" in cmdline:
                     pids.append(int(entry.name))
             except OSError:
                 continue
