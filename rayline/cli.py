@@ -144,6 +144,47 @@ def _print_model_summary(result: Any) -> None:
     typer.echo(f"  evaluation         {result.evaluation.report_uri}")
 
 
+@app.command("nightly-inference")
+def nightly_inference_command(
+    date: Annotated[str | None, typer.Option(help="Day to predict, YYYY-MM-DD; default yesterday (UTC).")] = None,
+    model: Annotated[str, typer.Option(help="Registry alias (champion) or version (v3).")] = "champion",
+    model_name: Annotated[str, typer.Option(help="Registry name.")] = "digits",
+    source: Annotated[str | None, typer.Option(help="Input prefix; default <storage>/incoming/dt=<date>.")] = None,
+    max_error_fraction: Annotated[float, typer.Option(min=0.0, max=1.0, help="Error budget.")] = 0.05,
+    actors: Annotated[int, typer.Option(min=1, help="Predictor actors.")] = 2,
+    batch_size: Annotated[int, typer.Option(min=1, help="Images per model call.")] = 64,
+) -> None:
+    """Run the nightly-inference flow once: predict a day of arrivals and commit the partition."""
+    apply_process_defaults()
+    _quiet_ray()
+    from flows.nightly_inference import nightly_inference
+
+    try:
+        get_settings()
+        result = nightly_inference(
+            date=date,
+            model=model,
+            model_name=model_name,
+            input_uri=source,
+            max_error_fraction=max_error_fraction,
+            actors=actors,
+            batch_size=batch_size,
+        )
+    except RaylineError as exc:
+        _fail(exc)
+    _print_inference_summary(result)
+
+
+def _print_inference_summary(result: Any) -> None:
+    typer.echo("")
+    typer.secho("nightly-inference finished", bold=True)
+    typer.echo(
+        f"  {result.inputs} inputs → {result.predictions} predictions + {result.errors} errors "
+        f"with {result.model} in {result.elapsed_s:.1f}s"
+    )
+    typer.echo(f"  committed          {result.manifest_uri}")
+
+
 @app.command()
 def demo(
     corrupt: Annotated[int, typer.Option(min=0, help="Broken objects mixed into the digits.")] = 4,
@@ -176,13 +217,7 @@ def demo(
         _fail(exc)
     _print_prepare_summary(result.data)
     _print_model_summary(result)
-    typer.echo("")
-    typer.secho("nightly-inference finished", bold=True)
-    typer.echo(
-        f"  {predictions.inputs} inputs → {predictions.predictions} predictions + {predictions.errors} errors "
-        f"with {predictions.model} in {predictions.elapsed_s:.1f}s"
-    )
-    typer.echo(f"  committed          {predictions.manifest_uri}")
+    _print_inference_summary(predictions)
     typer.echo(f"  lineage records    {lineage_dir()}")
     api = os.environ.get("PREFECT_API_URL")
     typer.echo("")

@@ -1,8 +1,9 @@
-"""prepare-data through the CLI against an external `ray start --head` cluster and S3."""
+"""The CLI against an external `ray start --head` cluster and S3: prepare-data, train-model, nightly-inference."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,9 +16,10 @@ import pytest
 import ray
 
 from ray_workloads import preprocess
+from ray_workloads.batch_inference import MANIFEST, SUCCESS, read_partition
 from rayline import lineage, storage
-from rayline.seed import seed
-from tests.integration.helpers import assert_exactly_one_row_per_object
+from rayline.seed import seed, seed_incoming
+from tests.integration.helpers import assert_exactly_one_row_per_object, register_untrained_champion
 from tests.support import free_port, stop_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("ray_session")]
@@ -127,3 +129,56 @@ def test_train_and_tune_run_on_an_external_cluster(
     assert trained.outputs[0].uri.startswith(f"{s3_storage}/training/")  # checkpoints live in the bucket
     assert tuned.outputs[0].uri.startswith(f"{s3_storage}/tuning/")
     assert storage.list_objects(storage.join(s3_storage, "models", "digits", "v1"))
+
+
+def _committed(partition: str) -> tuple[bytes, bytes]:
+    return storage.read_bytes(storage.join(partition, MANIFEST)), storage.read_bytes(storage.join(partition, SUCCESS))
+
+
+def _run_folders(partition: str) -> set[str]:
+    return {o.key.split("/")[0] for o in storage.list_objects(partition) if o.key.startswith("run-")}
+
+
+def test_nightly_inference_on_an_external_cluster_survives_a_driver_killed_before_commit(
+    external_cluster: str, s3_storage: str, s3_endpoint: str, prefect_api: str
+) -> None:
+    day = "2026-11-28"
+    register_untrained_champion()
+    arrivals = seed_incoming(storage.join(s3_storage, "incoming", f"dt={day}"), corrupt=4)
+    inputs = {storage.join(arrivals.uri, o.key) for o in storage.list_objects(arrivals.uri)}
+    partition = storage.join(s3_storage, "predictions", f"dt={day}")
+    env = _driver_env(external_cluster, s3_storage, s3_endpoint, prefect_api)
+    command = [str(BIN / "rayline"), "nightly-inference", "--date", day]
+
+    def predicted_once() -> None:
+        predictions, errors = read_partition(partition)
+        uris = predictions.column("uri").to_pylist() + errors.column("uri").to_pylist()
+        assert sorted(uris) == sorted(inputs) and errors.num_rows == 4
+
+    done = subprocess.run(command, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"{len(inputs)} inputs → {len(inputs) - 4} predictions + 4 errors" in done.stdout
+    predicted_once()
+    committed, committed_runs = _committed(partition), _run_folders(partition)
+
+    # A second run for the same day, its driver killed once it has staged output but before it commits.
+    slow = [*command, "--batch-size", "8", "--actors", "1"]  # many small batches: a wide window to kill in
+    driver = subprocess.Popen(slow, env=env, cwd=tempfile.gettempdir(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not _run_folders(partition) - committed_runs and time.monotonic() < deadline:
+            assert driver.poll() is None, "the run ended before it staged anything"
+            time.sleep(0.2)
+        assert _committed(partition) == committed, "the run committed before it could be killed"
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver's whole session: it started nothing else
+        driver.wait(timeout=60)
+    assert _run_folders(partition) - committed_runs, "staged output of the killed run is there"
+    assert _committed(partition) == committed, "the killed run changed the committed partition"
+    predicted_once()
+
+    done = subprocess.run(command, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    predicted_once()
+    assert len(_run_folders(partition)) == 1, "the rerun removed the killed and the replaced runs"
+    assert _committed(partition) != committed

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from ray_workloads.preprocess import ERRORS, SPLITS, PreprocessResult
-from rayline import storage
+from rayline import registry, storage
 from rayline.seed import EXPECTED_ERROR_TYPE, SeedResult
 
 DIGITS = 1797
@@ -39,3 +40,21 @@ def assert_exactly_one_row_per_object(result: PreprocessResult, seeded: SeedResu
     assert Counter(r["label"] for r in good) == Counter(
         {str(d): n for d, n in enumerate([178, 182, 177, 183, 181, 182, 181, 179, 174, 180])}
     )
+
+
+def register_untrained_champion(name: str = "digits") -> registry.ModelVersion:
+    """An untrained model is enough to check delivery guarantees (accuracy is tested elsewhere)."""
+    spec = ModelSpec(num_classes=10, width=8)
+    version = registry.register(
+        name,
+        state_dict_bytes(build_model(spec)),
+        model_spec=spec.model_dump(),
+        image_spec={"size": 32},
+        classes=[str(i) for i in range(10)],
+        metrics={"test_accuracy": 0.1},
+        data_manifest_uri="-",
+        data_content_hash="-",
+        code_version="test",
+    )
+    registry.set_alias(name, registry.CHAMPION, version.version, "test")
+    return version

@@ -8,29 +8,13 @@ import pytest
 
 from flows.nightly_inference import nightly_inference
 from ray_workloads.batch_inference import MANIFEST, SUCCESS, read_partition
-from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from rayline import registry, storage
 from rayline.seed import seed_incoming
+from tests.integration.helpers import register_untrained_champion
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 
 DAY = "2026-11-28"
-
-
-def _register_model() -> None:
-    """An untrained model is enough to check delivery guarantees (accuracy is tested elsewhere)."""
-    version = registry.register(
-        "digits",
-        state_dict_bytes(build_model(ModelSpec(num_classes=10, width=8))),
-        model_spec=ModelSpec(num_classes=10, width=8).model_dump(),
-        image_spec={"size": 32},
-        classes=[str(i) for i in range(10)],
-        metrics={"test_accuracy": 0.1},
-        data_manifest_uri="-",
-        data_content_hash="-",
-        code_version="test",
-    )
-    registry.set_alias("digits", registry.CHAMPION, version.version, "test")
 
 
 def _incoming(root: str, corrupt: int) -> tuple[str, set[str]]:
@@ -49,7 +33,7 @@ def _rows(partition: str) -> tuple[list[str], list[str], Counter[str]]:
 
 
 def test_every_input_once_and_reruns_replace_the_partition(local_storage: str) -> None:
-    _register_model()
+    register_untrained_champion()
     _, inputs = _incoming(local_storage, corrupt=8)
     result = nightly_inference(date=DAY, max_error_fraction=0.05)
     predicted, errored, error_types = _rows(result.partition_uri)
@@ -77,7 +61,7 @@ def test_every_input_once_and_reruns_replace_the_partition(local_storage: str) -
 
 
 def test_error_budget_fails_the_flow_after_writing_errors(local_storage: str) -> None:
-    _register_model()
+    register_untrained_champion()
     _incoming(local_storage, corrupt=200)  # 200 / 1999 ≈ 10%
     state = nightly_inference(date=DAY, max_error_fraction=0.05, return_state=True)
     assert state.is_failed()
@@ -113,7 +97,7 @@ def test_a_killed_predictor_actor_loses_no_row(local_storage: str) -> None:
 
     from ray_workloads import batch_inference as bi
 
-    _register_model()
+    register_untrained_champion()
     incoming, inputs = _incoming(local_storage, corrupt=4)
     version = registry.resolve("digits", "champion")
     config = bi.InferenceConfig(
