@@ -35,6 +35,8 @@ unit: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/ingest.py
 	$(BIN)/python bench/train.py
+	$(BIN)/python bench/batch_inference.py
+	$(BIN)/python bench/serve.py
 
 clean:
 	rm -rf $(VENV) rayline-data .pytest_cache .mypy_cache .ruff_cache

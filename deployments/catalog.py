@@ -1,17 +1,38 @@
 """Every deployment, from one small table (deployments as code).
 
 ``build_deployments()`` turns the table into Prefect ``RunnerDeployment``s;
-a long-running process serves them with ``prefect.serve(*build_deployments())``.
+a long-running process serves them with ``prefect.serve(*build_deployments())``
+(``rayline up`` runs one). ``prefect.yaml`` at the repository root is the same
+table for teams that deploy with ``prefect deploy`` to a work pool.
+
+How the lifecycle runs itself:
+
+* ``nightly-inference`` on a cron (02:00 UTC), yesterday's partition;
+* ``prepare-data`` hourly: an ingest that finds new objects emits
+  ``rayline.data.arrived`` (labelled ``rayline.retrain=true`` when enough of them
+  are labelled);
+* ``retrain`` (the ``train-model`` flow, its winner made ``challenger``) on that
+  event or on ``rayline.drift.detected`` from the monitor — debounced: a burst of
+  events within ``RETRAIN_DEBOUNCE`` starts one run;
+* ``serve-rollout`` when a challenger is registered (or by hand);
+* ``monitor`` every 15 minutes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
-from prefect.schedules import Cron
+from prefect.events import DeploymentEventTrigger
+from prefect.events.schemas.automations import Posture
+from prefect.schedules import Cron, Interval, Schedule
+
+from tasks import events
+
+RETRAIN_DEBOUNCE = timedelta(minutes=30)
 
 
 @dataclass(frozen=True)
@@ -19,14 +40,38 @@ class DeploymentSpec:
     name: str
     flow: Flow[..., Any]
     cron: str | None = None
+    interval: timedelta | None = None
     timezone: str = "UTC"
     parameters: dict[str, Any] = field(default_factory=dict)
+    triggers: list[Any] = field(default_factory=list)  # Prefect's trigger union
     description: str = ""
+
+    def schedule(self) -> Schedule | None:
+        if self.cron:
+            return Cron(self.cron, timezone=self.timezone)
+        if self.interval:
+            return Interval(self.interval, timezone=self.timezone)
+        return None
+
+
+def _on(event: str, name: str, within: timedelta, match: dict[str, str] | None = None, **parameters: Any) -> Any:
+    """A reactive trigger: fires on the first matching event, then ignores matches for ``within``."""
+    return DeploymentEventTrigger(
+        name=name,
+        expect={event},
+        match=match or {},
+        posture=Posture.Reactive,
+        threshold=1,
+        within=within,
+        parameters=parameters or None,
+    )
 
 
 def deployment_table() -> list[DeploymentSpec]:
+    from flows.monitor import monitor
     from flows.nightly_inference import nightly_inference
     from flows.prepare_data import prepare_data
+    from flows.serve_rollout import serve_rollout
     from flows.train_model import train_model
 
     return [
@@ -36,8 +81,43 @@ def deployment_table() -> list[DeploymentSpec]:
             cron="0 2 * * *",
             description="Yesterday's arrivals (UTC) through the champion, committed to predictions/dt=…",
         ),
-        DeploymentSpec(name="prepare-data", flow=prepare_data, description="Ingest and preprocess raw/ on demand"),
+        DeploymentSpec(
+            name="prepare-data",
+            flow=prepare_data,
+            interval=timedelta(hours=1),
+            description="Ingest and preprocess raw/; announces new objects (rayline.data.arrived)",
+        ),
         DeploymentSpec(name="train-model", flow=train_model, description="Tune, train, evaluate, register, gate"),
+        DeploymentSpec(
+            name="retrain",
+            flow=train_model,
+            parameters={"tune_samples": 4, "promote_to": "challenger"},
+            triggers=[
+                _on(events.DATA_ARRIVED, "retrain-on-labelled-data", RETRAIN_DEBOUNCE, {events.RETRAIN_LABEL: "true"}),
+                _on(events.DRIFT_DETECTED, "retrain-on-drift", RETRAIN_DEBOUNCE),
+            ],
+            description="Retrain when labelled data arrives or drift is detected; a winner becomes challenger",
+        ),
+        DeploymentSpec(
+            name="serve-rollout",
+            flow=serve_rollout,
+            triggers=[
+                _on(
+                    events.CHALLENGER_REGISTERED,
+                    "roll-out-new-challenger",
+                    timedelta(0),
+                    candidate="v{{ event.payload.version }}",
+                    model_name="{{ event.payload.model }}",
+                )
+            ],
+            description="Canary a challenger 10 → 50 → 100 %, promote or roll back",
+        ),
+        DeploymentSpec(
+            name="monitor",
+            flow=monitor,
+            interval=timedelta(minutes=15),
+            description="Serving health and prediction drift; emits rayline.drift.detected",
+        ),
     ]
 
 
@@ -45,8 +125,9 @@ def build_deployments() -> list[RunnerDeployment]:
     return [
         spec.flow.to_deployment(  # type: ignore[misc]  # sync call returns the deployment itself
             name=spec.name,
-            schedule=Cron(spec.cron, timezone=spec.timezone) if spec.cron else None,
+            schedule=spec.schedule(),
             parameters=spec.parameters,
+            triggers=spec.triggers or None,
             description=spec.description,
         )
         for spec in deployment_table()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Literal
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
@@ -55,11 +56,14 @@ def train_model(
     fail_once_at_epoch: int | None = None,
     tune_samples: int = 0,
     tune_max_epochs: int = 4,
+    promote_to: Literal["champion", "challenger"] = "champion",
 ) -> TrainModelResult:
     """Train a classifier on ``source_uri`` (default ``<storage>/raw``) and gate it into the registry.
 
     With ``tune_samples > 0`` an ASHA search runs first and its best
-    hyper-parameters are trained to completion for ``epochs`` epochs.
+    hyper-parameters are trained to completion for ``epochs`` epochs. A model
+    that passes the gate becomes ``promote_to``: ``champion``, or
+    ``challenger`` when a serve rollout is to promote it.
     """
     data = prepare_data(source_uri=source_uri)
     loop = TrainLoopConfig(
@@ -103,7 +107,9 @@ def train_model(
         )
     )
     evaluation = evaluate_task(loop.model, trained.weights_uri, manifest, trained.run_uri)
-    registration = register_and_gate(model_name, loop.model, trained, evaluation, margin=margin, floor=floor)
+    registration = register_and_gate(
+        model_name, loop.model, trained, evaluation, margin=margin, floor=floor, promote_to=promote_to
+    )
     create_table_artifact(
         key="train-model-summary",
         table=[

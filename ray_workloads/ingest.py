@@ -234,3 +234,35 @@ def run(cfg: IngestConfig) -> IngestResult:
     }
     storage.write_json_atomic(manifest_uri, manifest)  # the commit point
     return _result_from_manifest(manifest, manifest_uri, False, time.perf_counter() - started)
+
+
+class Arrivals(BaseModel):
+    """Objects of an ingest that the previous ingest of the same source did not have (or had another etag)."""
+
+    source_uri: str
+    new_objects: int
+    new_labelled: int
+    labels: dict[str, int]
+
+
+def arrivals(current: IngestResult, previous: IngestResult | None) -> Arrivals:
+    """What changed between two ingests of one source, by (key, etag)."""
+    columns = ["key", "etag", "label"]
+    before = set()
+    if previous is not None:
+        old = storage.read_parquet(previous.shard_uris, columns=columns)
+        before = set(zip(old.column("key").to_pylist(), old.column("etag").to_pylist(), strict=True))
+    now = storage.read_parquet(current.shard_uris, columns=columns)
+    labels: Counter[str] = Counter()
+    new = 0
+    for key, etag, label in zip(*(now.column(c).to_pylist() for c in columns), strict=True):
+        if (key, etag) not in before:
+            new += 1
+            if label is not None:
+                labels[label] += 1
+    return Arrivals(
+        source_uri=current.source_uri,
+        new_objects=new,
+        new_labelled=sum(labels.values()),
+        labels=dict(sorted(labels.items())),
+    )

@@ -2,33 +2,21 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from typing import Annotated, Any
 
 import typer
 
-from rayline import storage
+from rayline import cli_ops, storage
+from rayline.cli_common import fail as _fail
+from rayline.cli_common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
-from rayline.errors import RaylineError
+from rayline.errors import ConfigError, RaylineError
 
 app = typer.Typer(
     help="rayline: Prefect flows orchestrating Ray workloads for image classification.", no_args_is_help=True
 )
-
-
-def _quiet_ray() -> None:
-    import ray.data
-
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    for name in ("ray", "ray.data", "ray.data._internal"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def _fail(exc: BaseException) -> None:
-    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code=2) from exc
 
 
 @app.command("seed-data")
@@ -100,6 +88,9 @@ def train_model_command(
     fail_once_at_epoch: Annotated[
         int | None, typer.Option(help="Fault drill: a worker raises once at this epoch, then training resumes.")
     ] = None,
+    promote_to: Annotated[
+        str, typer.Option(help="Alias a model that passes the gate gets: champion, or challenger for a rollout.")
+    ] = "champion",
 ) -> None:
     """Run the train-model flow: prepare data, (tune,) train, evaluate, register, gate."""
     apply_process_defaults()
@@ -108,7 +99,9 @@ def train_model_command(
 
     try:
         get_settings()
-        result = train_model(
+        if promote_to not in ("champion", "challenger"):
+            raise ConfigError(f"--promote-to must be champion or challenger, got {promote_to!r}")
+        result = train_model(  # type: ignore[call-overload]  # promote_to: a str the flow validates
             model_name=model_name,
             source_uri=source,
             arch=arch,
@@ -119,6 +112,7 @@ def train_model_command(
             margin=margin,
             floor=floor,
             fail_once_at_epoch=fail_once_at_epoch,
+            promote_to=promote_to,
         )
     except RaylineError as exc:
         _fail(exc)
@@ -139,7 +133,8 @@ def _print_model_summary(result: Any) -> None:
     typer.echo(f"  trained            {trained.epochs} epochs with Ray Train, {trained.samples_per_s:.0f} samples/s")
     typer.echo(f"  test accuracy      {result.evaluation.accuracy:.4f} on {result.evaluation.samples} held-out images")
     typer.echo(f"  registered         {reg.version.name} v{reg.version.version}: {reg.decision.reason}")
-    typer.echo(f"  champion           v{reg.champion}" if reg.champion else "  champion           none yet")
+    typer.echo(f"  alias              {reg.alias or 'none (gate not passed)'}")
+    typer.echo(f"  champion then      v{reg.champion}" if reg.champion else "  champion then      none yet")
     typer.echo(f"  weights            {reg.version.weights_uri}")
     typer.echo(f"  evaluation         {result.evaluation.report_uri}")
 
@@ -189,9 +184,12 @@ def _print_inference_summary(result: Any) -> None:
 def demo(
     corrupt: Annotated[int, typer.Option(min=0, help="Broken objects mixed into the digits.")] = 4,
     tune_samples: Annotated[int, typer.Option(min=0, help="ASHA trials before training (0: no search).")] = 4,
-    epochs: Annotated[int, typer.Option(min=1, help="Epochs of the final training run.")] = 12,
+    epochs: Annotated[int, typer.Option(min=1, help="Epochs of the tuned challenger's training run.")] = 12,
+    baseline_epochs: Annotated[int, typer.Option(min=1, help="Epochs of the first, untuned champion.")] = 4,
+    soak_s: Annotated[float, typer.Option(min=0.1, help="Seconds each rollout step holds.")] = 5.0,
 ) -> None:
-    """Seed the digits into the configured storage and run the lifecycle on them."""
+    """The whole lifecycle on the digits: data, a first champion, a tuned challenger, serving with a
+    canary rollout under load, and a night of batch inference."""
     apply_process_defaults()
     _quiet_ray()
     from flows.nightly_inference import INCOMING_DIR, nightly_inference, partition_for, yesterday_utc
@@ -207,7 +205,10 @@ def demo(
         raw = storage.join(root, RAW_DIR)
         seeded = write_seed(raw, corrupt=corrupt)
         typer.echo(f"seeded {seeded.total} objects under {raw} ({seeded.written} new)")
-        result = train_model(source_uri=raw, tune_samples=tune_samples, epochs=epochs)
+        baseline = train_model(source_uri=raw, epochs=baseline_epochs, floor=0.8)
+        typer.echo(f"baseline: {baseline.registration.decision.reason}")
+        result = train_model(source_uri=raw, tune_samples=tune_samples, epochs=epochs, promote_to="challenger")
+        rollout = _serve_and_roll_out(result, raw, soak_s)
         day = yesterday_utc()
         incoming = storage.join(root, INCOMING_DIR, partition_for(day))
         arrivals = seed_incoming(incoming, corrupt=corrupt)
@@ -217,6 +218,8 @@ def demo(
         _fail(exc)
     _print_prepare_summary(result.data)
     _print_model_summary(result)
+    if rollout is not None:
+        cli_ops.print_rollout_summary(rollout)
     _print_inference_summary(predictions)
     typer.echo(f"  lineage records    {lineage_dir()}")
     api = os.environ.get("PREFECT_API_URL")
@@ -226,6 +229,51 @@ def demo(
     else:
         typer.echo("Flow runs and artifacts were recorded by Prefect's ephemeral API in ~/.prefect;")
         typer.echo("see them with `.venv/bin/prefect server start` and http://127.0.0.1:4200")
+
+
+def _serve_and_roll_out(trained: Any, probe_uri: str, soak_s: float) -> Any:
+    """Serve the champion, keep a small load on it, and canary the tuned challenger next to it."""
+    import threading
+
+    from flows.serve_rollout import serve_config, serve_rollout
+    from ray_workloads import rollout
+    from ray_workloads.images import ImageSpec
+    from rayline import ray_cluster, registry
+    from rayline.errors import RolloutRolledBack
+
+    candidate = trained.registration
+    if candidate.alias != registry.CHALLENGER:
+        typer.echo(f"no rollout: v{candidate.version.version} did not pass the gate ({candidate.decision.reason})")
+        return None
+    ray_cluster.connect()
+    cfg = serve_config()
+    champion = registry.resolve(candidate.version.name, registry.CHAMPION)
+    url = rollout.serve(champion, cfg)
+    typer.echo(f"serving v{champion.version} at {url}; rolling out v{candidate.version.version} under load")
+    images = rollout.load_probe_images(probe_uri, 32, ImageSpec.model_validate(champion.image_spec))
+    load, stop = rollout.ProbeClient(url, images, rps=10.0), threading.Event()
+    clients = threading.Thread(target=load.run_for, args=(3600.0, stop), daemon=True)
+    clients.start()
+    try:
+        result = serve_rollout(candidate=registry.CHALLENGER, model_name=champion.name, soak_s=soak_s)
+    except RolloutRolledBack as exc:
+        typer.secho(f"rollout rolled back: {exc}", fg=typer.colors.YELLOW)
+        result = None
+    finally:
+        stop.set()
+        clients.join(timeout=60)
+        load.close()
+    statuses = ", ".join(f"{code}: {n}" for code, n in sorted(load.statuses.items()))
+    typer.echo(
+        f"load during the rollout: {load.sent} requests ({statuses}); connection errors: {load.connection_errors}"
+    )
+    return result
+
+
+app.command()(cli_ops.up)
+app.command()(cli_ops.down)
+app.command("lineage")(cli_ops.lineage_command)
+app.add_typer(cli_ops.serve_app, name="serve")
 
 
 def main() -> None:

@@ -52,6 +52,18 @@ class Settings(BaseSettings):
         ),
     )
     io_concurrency: int = Field(64, ge=1, le=1024, description="Concurrent object reads per task.")
+    retrain_min_new_labelled: int = Field(
+        100, ge=1, description="New labelled objects in one arrival that make it worth retraining."
+    )
+    state_dir: str | None = Field(
+        None, description="Local folder of `rayline up` (PID files, logs, SQLite); default <storage>/state."
+    )
+    prefect_port: int = Field(4200, ge=1, le=65535, description="Port of the Prefect server `rayline up` starts.")
+    ray_port: int = Field(6379, ge=1, le=65535, description="GCS port of the Ray head `rayline up` starts.")
+    dashboard_host: str = Field("127.0.0.1", description="Interface of the Ray dashboard (loopback by default).")
+    dashboard_port: int = Field(8265, ge=1, le=65535)
+    serve_host: str = Field("127.0.0.1", description="Interface of the Serve HTTP proxy (loopback by default).")
+    serve_port: int = Field(8000, ge=1, le=65535, description="Port of the Serve HTTP proxy.")
     prefect_api_url: str | None = Field(
         None,
         validation_alias=AliasChoices("PREFECT_API_URL"),

@@ -8,6 +8,8 @@ to the library error that caused it::
     ├── InputDataError         the input itself is wrong: empty prefix, bad URI,
     │                          unreadable manifest (not retried)
     ├── StorageError           a storage operation failed for good
+    ├── RolloutRolledBack      a canary gate failed; traffic went back to the
+    │                          incumbent (not retried)
     └── TransientError         worth retrying at the task level
         ├── TransientStorageError   S3 throttling / 5xx / connection reset
         └── ClusterError            Ray unreachable, workers or nodes lost
@@ -35,6 +37,10 @@ class InputDataError(RaylineError):
 
 class StorageError(RaylineError):
     """A storage read or write failed and retrying will not help."""
+
+
+class RolloutRolledBack(RaylineError):
+    """A rollout gate refused the candidate; it was taken out of serving."""
 
 
 class TransientError(RaylineError):

@@ -15,8 +15,10 @@ registration and is never served.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -29,6 +31,7 @@ MODELS_DIR = "models"
 VERSION_FILE = "version.json"
 WEIGHTS_FILE = "weights.pt"
 CLAIM_FILE = "_claim"
+ROLLOUT_LEASE = "rollout.lease"
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -120,6 +123,33 @@ def _create_exclusive(uri: str, data: bytes) -> bool:
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
     return True
+
+
+def acquire_rollout_lease(name: str, holder: str, ttl_s: float) -> bool:
+    """One rollout per model at a time: True if ``holder`` now holds the lease.
+
+    A lease older than ``ttl_s`` (its holder crashed) is broken and taken over.
+    """
+    uri = storage.join(model_root(name), ROLLOUT_LEASE)
+    lease = {"holder": holder, "expires_at": time.time() + ttl_s}
+    if _create_exclusive(uri, json.dumps(lease).encode()):
+        return True
+    try:
+        current = storage.read_json(uri)
+    except (StorageError, InputDataError, ValueError):
+        return False  # being replaced right now: try again later
+    if current.get("holder") == holder:
+        return True
+    if float(current.get("expires_at", 0)) < time.time():
+        storage.remove_tree(uri)
+        return _create_exclusive(uri, json.dumps(lease).encode())
+    return False
+
+
+def release_rollout_lease(name: str, holder: str) -> None:
+    uri = storage.join(model_root(name), ROLLOUT_LEASE)
+    if storage.exists(uri) and storage.read_json(uri).get("holder") == holder:
+        storage.remove_tree(uri)
 
 
 def _claim_next_version(name: str) -> int:

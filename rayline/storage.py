@@ -186,13 +186,13 @@ def write_parquet_atomic(uri: str, table: pa.Table) -> int:
     return len(data)
 
 
-def read_parquet(uris: Iterable[str]) -> pa.Table:
+def read_parquet(uris: Iterable[str], columns: list[str] | None = None) -> pa.Table:
     """Read and concatenate small Parquet files (manifests name them; no globbing)."""
     tables = []
     for uri in uris:
         fs, path = arrow_filesystem(uri)
         try:
-            tables.append(pq.read_table(path, filesystem=fs))
+            tables.append(pq.read_table(path, filesystem=fs, columns=columns))
         except Exception as exc:
             raise _wrap(exc, "reading", uri) from exc
     return pa.concat_tables(tables) if tables else pa.table({})

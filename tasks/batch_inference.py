@@ -15,7 +15,7 @@ from tasks.common import ray_task, record_lineage
 @ray_task("batch-inference")
 def batch_inference_task(config: batch_inference.InferenceConfig) -> batch_inference.InferenceResult:
     started = datetime.now(UTC)
-    connection = ray_cluster.connect()
+    connection = ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD)
     result = batch_inference.run(config)
     get_run_logger().info(
         "%s: %d inputs → %d predictions, %d errors %s with %s in %.1fs",

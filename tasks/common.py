@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ParamSpec, TypeVar
 
@@ -11,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.runtime import flow_run, task_run
 
-from rayline import lineage
+from rayline import lineage, openlineage_events
 from rayline.errors import is_transient
 from rayline.lineage import DatasetRef, LineageRecord, RunContext
 from rayline.ray_cluster import RayConnection
@@ -37,6 +41,13 @@ def ray_task(name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Callable[[Calla
     """
 
     def decorate(fn: Callable[P, R]) -> Task[P, R]:
+        @functools.wraps(fn)
+        def run_with_openlineage(*args: P.args, **kwargs: P.kwargs) -> R:
+            with openlineage_run(name):
+                return fn(*args, **kwargs)
+
+        # Prefect keys the task by this function's code, not the wrapper's.
+        setattr(run_with_openlineage, "__prefect_task_source__", fn)  # noqa: B010
         return task(
             name=name,
             retries=len(RETRY_DELAYS_S),
@@ -46,7 +57,7 @@ def ray_task(name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Callable[[Calla
             timeout_seconds=timeout_s,
             cache_policy=NO_CACHE,
             persist_result=False,
-        )(fn)
+        )(run_with_openlineage)
 
     return decorate
 
@@ -72,6 +83,51 @@ def run_context(connection: RayConnection | None) -> RunContext:
     )
 
 
+@dataclass
+class _OpenLineageRun:
+    """The OpenLineage run of the task running now, and the datasets its lineage records named."""
+
+    identity: openlineage_events.RunIdentity
+    inputs: list[DatasetRef] = field(default_factory=list)
+    outputs: list[DatasetRef] = field(default_factory=list)
+
+
+_current_run: ContextVar[_OpenLineageRun | None] = ContextVar("rayline_openlineage_run", default=None)
+
+
+def _run_identity(job_name: str) -> openlineage_events.RunIdentity:
+    """The Prefect task run is the OpenLineage run (a new id outside Prefect); its flow run is the parent."""
+    return openlineage_events.RunIdentity(
+        run_id=openlineage_events.as_run_id(_str_or_none(task_run.get_id())),
+        job_name=job_name,
+        parent_run_id=_str_or_none(flow_run.get_id()),
+        parent_job_name=_str_or_none(flow_run.get_flow_name()),
+    )
+
+
+@contextmanager
+def openlineage_run(job_name: str) -> Iterator[None]:
+    """Emit START now, then COMPLETE with the datasets recorded meanwhile, or FAIL/ABORT on an exception.
+
+    The exception is re-raised; emission itself never raises.
+    """
+    run = _OpenLineageRun(_run_identity(job_name))
+    token = _current_run.set(run)
+    openlineage_events.emit("START", run.identity)
+    try:
+        yield
+    except Exception as exc:
+        openlineage_events.emit("FAIL", run.identity, run.inputs, run.outputs, error=exc)
+        raise
+    except BaseException as exc:  # cancelled or interrupted: not the stage's own failure
+        openlineage_events.emit("ABORT", run.identity, run.inputs, run.outputs, error=exc)
+        raise
+    else:
+        openlineage_events.emit("COMPLETE", run.identity, run.inputs, run.outputs)
+    finally:
+        _current_run.reset(token)
+
+
 def record_lineage(
     stage: str,
     started_at: datetime,
@@ -92,7 +148,14 @@ def record_lineage(
         run=run_context(connection),
         cached=cached,
     )
-    return lineage.write_record(record)
+    uri = lineage.write_record(record)
+    run = _current_run.get()
+    if run is None:  # no openlineage_run around: this record is the whole run
+        openlineage_events.emit("COMPLETE", _run_identity(stage), inputs, outputs)
+    else:  # COMPLETE (or FAIL, if the task fails later) is emitted when the task returns
+        run.inputs.extend(inputs)
+        run.outputs.extend(outputs)
+    return uri
 
 
 def _str_or_none(value: object) -> str | None:

@@ -7,8 +7,9 @@ from datetime import UTC, datetime
 from prefect import get_run_logger
 
 from ray_workloads import ingest
-from rayline import ray_cluster
+from rayline import lineage, ray_cluster
 from rayline.lineage import DatasetRef
+from tasks import events
 from tasks.common import ray_task, record_lineage
 
 
@@ -44,4 +45,28 @@ def ingest_objects(config: ingest.IngestConfig) -> ingest.IngestResult:
         connection=connection,
         cached=result.cached,
     )
+    if not result.cached:  # a new input version: say what arrived since the last one
+        news = ingest.arrivals(result, _previous_ingest(result))
+        if news.new_objects:
+            eligible = events.data_arrived(news)
+            get_run_logger().info(
+                "%d new objects (%d labelled) under %s%s",
+                news.new_objects,
+                news.new_labelled,
+                news.source_uri,
+                ": enough to retrain" if eligible else "",
+            )
     return result
+
+
+def _previous_ingest(current: ingest.IngestResult) -> ingest.IngestResult | None:
+    """The latest earlier ingest of the same source with other content, from lineage."""
+    earlier = [
+        r
+        for r in lineage.read_records("ingest")
+        if r.inputs and r.inputs[0].uri == current.source_uri and r.outputs[0].content_hash != current.content_hash
+    ]
+    if not earlier:
+        return None
+    latest = max(earlier, key=lambda r: r.ended_at)
+    return ingest.read_manifest(latest.outputs[0].uri)

@@ -12,7 +12,9 @@ from ray_workloads import evaluate, preprocess
 from ray_workloads.models import ModelSpec, state_dict_from_bytes
 from ray_workloads.train import TrainResult
 from rayline import lineage, ray_cluster, registry, storage
+from rayline.errors import ConfigError
 from rayline.lineage import DatasetRef
+from tasks import events
 from tasks.common import ray_task, record_lineage, run_context
 
 GATE_METRIC = "test_accuracy"
@@ -22,6 +24,7 @@ class RegistrationResult(BaseModel):
     version: registry.ModelVersion
     decision: registry.GateDecision
     champion: int | None
+    alias: str | None = None  # the alias the candidate got, if it passed the gate
 
 
 def _champion_score(name: str, candidate: registry.ModelVersion) -> tuple[registry.ModelVersion | None, float | None]:
@@ -44,7 +47,16 @@ def register_and_gate(
     evaluation: evaluate.EvaluationResult,
     margin: float = 0.0,
     floor: float = 0.9,
+    promote_to: str = registry.CHAMPION,
 ) -> RegistrationResult:
+    """Register the trained weights and gate them.
+
+    A candidate that passes becomes ``promote_to``: ``champion`` directly, or
+    ``challenger`` when serving decides (a canary rollout moves the champion
+    later). The first model that passes the floor is champion either way.
+    """
+    if promote_to not in (registry.CHAMPION, registry.CHALLENGER):
+        raise ConfigError(f"promote_to must be champion or challenger, got {promote_to!r}")
     started = datetime.now(UTC)
     connection = ray_cluster.connect()
     prepared = preprocess.read_manifest(evaluation.data_manifest_uri)
@@ -74,14 +86,23 @@ def register_and_gate(
         margin=margin,
         floor=floor,
     )
-    moves = [registry.set_alias(name, registry.CHALLENGER, version.version, "newly registered candidate")]
+    moves = []
+    alias = None
     if decision.promoted:
-        moves.append(registry.set_alias(name, registry.CHAMPION, version.version, decision.reason))
+        alias = registry.CHAMPION if champion is None or promote_to == registry.CHAMPION else registry.CHALLENGER
+        moves.append(registry.set_alias(name, alias, version.version, decision.reason))
+    if alias == registry.CHALLENGER:  # serving canaries it: the serve-rollout deployment listens
+        events.emit(
+            events.CHALLENGER_REGISTERED,
+            events.model_resource(name, version.version),
+            payload={"model": name, "version": version.version, "reason": decision.reason},
+            labels={"rayline.model": name},
+        )
     get_run_logger().info("registered %s v%d; gate: %s", name, version.version, decision.reason)
     create_markdown_artifact(
         key="model-gate",
         markdown=(
-            f"### {name} v{version.version}: {'promoted to champion' if decision.promoted else 'not promoted'}\n\n"
+            f"### {name} v{version.version}: {f'passed, now {alias}' if alias else 'not promoted'}\n\n"
             f"{decision.reason}\n\nweights `{version.weights_uri}`"
         ),
     )
@@ -100,5 +121,5 @@ def register_and_gate(
         connection=connection,
     )
     return RegistrationResult(
-        version=version, decision=decision, champion=registry.alias_version(name, registry.CHAMPION)
+        version=version, decision=decision, champion=registry.alias_version(name, registry.CHAMPION), alias=alias
     )

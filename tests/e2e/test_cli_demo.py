@@ -32,11 +32,17 @@ def test_demo_on_embedded_defaults(tmp_path: Path, prefect_api: str) -> None:
     assert "4 trials" in out and "stopped early" in out
     accuracy = float(out.split("test accuracy")[1].split()[0])
     assert accuracy >= 0.95, out
-    assert "registered         digits v1: first champion" in out
+    assert "baseline: first champion" in out
+    assert "registered         digits v2: test_accuracy" in out and "alias              challenger" in out
     data = tmp_path / "rayline-data"
-    assert (data / "models" / "digits" / "v1" / "weights.pt").is_file()
+    assert (data / "models" / "digits" / "v2" / "weights.pt").is_file()
+    assert "serving v1 at http://127.0.0.1:" in out and "rolling out v2 under load" in out
+    assert "serve-rollout finished" in out and "v2 passed 3 steps and is champion" in out
+    load = out.split("load during the rollout: ")[1].splitlines()[0]
+    sent = int(load.split()[0])
+    assert sent > 50 and f"(200: {sent})" in load and load.endswith("connection errors: 0"), load
     assert "nightly-inference finished" in out
-    assert "1803 inputs → 1799 predictions + 4 errors with digits v1" in out
+    assert "1803 inputs → 1799 predictions + 4 errors with digits v2" in out
     assert len(list(data.glob("predictions/dt=*/_SUCCESS"))) == 1
     assert (data / "lineage" / "ingest").is_dir() and (data / "lineage" / "preprocess").is_dir()
     assert len(list(data.glob("preprocessed/*/manifest.json"))) == 1

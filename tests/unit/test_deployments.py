@@ -1,16 +1,62 @@
+"""Every deployment builds from the one table, with the schedules and triggers the lifecycle relies on."""
+
 from __future__ import annotations
+
+from datetime import timedelta
 
 import pytest
 
-from deployments.catalog import build_deployments
+from deployments.catalog import RETRAIN_DEBOUNCE, build_deployments
+from tasks import events
 
 pytestmark = pytest.mark.unit
 
 
 def test_every_deployment_builds_with_its_schedule() -> None:
     built = {d.name: d for d in build_deployments()}
-    assert set(built) >= {"nightly-inference", "prepare-data", "train-model"}
-    (schedule,) = built["nightly-inference"].schedules
-    assert schedule.schedule.cron == "0 2 * * *"
-    assert schedule.schedule.timezone == "UTC"
-    assert not built["train-model"].schedules
+    assert set(built) == {"nightly-inference", "prepare-data", "train-model", "retrain", "serve-rollout", "monitor"}
+    (nightly,) = built["nightly-inference"].schedules
+    assert nightly.schedule.cron == "0 2 * * *" and nightly.schedule.timezone == "UTC"
+    (monitoring,) = built["monitor"].schedules
+    assert monitoring.schedule.interval == timedelta(minutes=15)
+    (hourly,) = built["prepare-data"].schedules
+    assert hourly.schedule.interval == timedelta(hours=1)
+    assert not built["train-model"].schedules and not built["retrain"].schedules
+
+
+def test_retraining_and_rollout_are_event_triggered() -> None:
+    built = {d.name: d for d in build_deployments()}
+    retrain = built["retrain"]
+    assert retrain.parameters == {"tune_samples": 4, "promote_to": "challenger"}
+    by_event = {next(iter(t.expect)): t for t in retrain.triggers}
+    assert set(by_event) == {events.DATA_ARRIVED, events.DRIFT_DETECTED}
+    arrived = by_event[events.DATA_ARRIVED]
+    assert arrived.match.model_dump() == {events.RETRAIN_LABEL: "true"}, "only arrivals above the threshold"
+    for trigger in retrain.triggers:  # debounced: the first event fires, the rest of the window is ignored
+        assert trigger.posture.value == "Reactive" and trigger.threshold == 1 and trigger.within == RETRAIN_DEBOUNCE
+
+    (rollout,) = built["serve-rollout"].triggers
+    assert rollout.expect == {events.CHALLENGER_REGISTERED}
+    assert rollout.parameters == {
+        "candidate": "v{{ event.payload.version }}",
+        "model_name": "{{ event.payload.model }}",
+    }
+
+
+def test_prefect_yaml_is_the_table_and_valid_for_prefect_deploy() -> None:
+    import yaml
+    from prefect.cli.deploy._models import PrefectYamlModel
+    from prefect.events.schemas.deployment_triggers import DeploymentTriggerTypes
+    from pydantic import TypeAdapter
+
+    from deployments.prefect_yaml import ROOT, render
+
+    committed = (ROOT / "prefect.yaml").read_text()
+    assert committed == render(), "prefect.yaml is stale: run `python -m deployments.prefect_yaml > prefect.yaml`"
+    model = PrefectYamlModel.model_validate(yaml.safe_load(committed))
+    assert {d.name for d in model.deployments} == {d.name for d in build_deployments()}
+    triggers = TypeAdapter(DeploymentTriggerTypes)
+    for deployment in model.deployments:
+        assert deployment.entrypoint and (ROOT / deployment.entrypoint.split(":")[0]).is_file()
+        for trigger in deployment.triggers or []:
+            triggers.validate_python(trigger)

@@ -1,0 +1,122 @@
+"""Flow ``serve-rollout``: canary a candidate next to the serving version, promote or roll back."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from prefect import flow
+from prefect.runtime import flow_run
+from pydantic import BaseModel
+
+from flows.prepare_data import RAW_DIR
+from ray_workloads.rollout import GateConfig, RolloutConfig, StepReport
+from ray_workloads.serve_app import ServeConfig
+from rayline import registry, storage
+from rayline.config import get_settings
+from rayline.errors import RolloutRolledBack
+from tasks.serve import prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
+
+LEASE_TTL_S = 3600.0  # longer than any rollout; a crashed holder's lease is broken after it
+
+
+class RolloutResult(BaseModel):
+    model: str
+    candidate: int
+    incumbent: int
+    promoted: bool
+    reason: str
+    steps: list[StepReport]
+
+
+def serve_config() -> ServeConfig:
+    """The serving instance of this environment (host and port from settings)."""
+    settings = get_settings()
+    return ServeConfig(host=settings.serve_host, port=settings.serve_port)
+
+
+@flow(name="serve-rollout")
+def serve_rollout(
+    candidate: str = "challenger",
+    model_name: str = "digits",
+    steps: list[float] | None = None,
+    soak_s: float = 10.0,
+    probe_rps: float = 20.0,
+    probe_uri: str | None = None,
+    max_error_rate: float = 0.01,
+    max_p95_ratio: float = 1.5,
+    min_agreement: float = 0.9,
+    min_requests: int = 20,
+    lease_wait_s: float = 1800.0,
+) -> RolloutResult:
+    """Step ``candidate`` (alias or version) through the traffic ``steps`` (default 10 → 50 → 100 %).
+
+    Each step soaks for ``soak_s`` seconds with canary probes from ``probe_uri``
+    (default: the labelled raw images) and is judged on error rate, p95 latency
+    and — at the first step — agreement with the serving version. A failed gate
+    rolls back and fails the flow with the reason; a full pass makes the
+    candidate champion and retires the old version's deployment.
+    """
+    serve = serve_config()
+    cfg = RolloutConfig(
+        steps=steps or [10.0, 50.0, 100.0],
+        soak_s=soak_s,
+        probe_rps=probe_rps,
+        probe_uri=probe_uri or storage.join(storage.storage_root(), RAW_DIR),
+        gates=GateConfig(
+            max_error_rate=max_error_rate,
+            max_p95_ratio=max_p95_ratio,
+            min_agreement=min_agreement,
+            min_requests=min_requests,
+        ),
+        serve=serve,
+    )
+    version = registry.resolve(model_name, candidate)
+    holder = _wait_for_lease(model_name, lease_wait_s)
+    try:
+        return _roll_out(cfg, version, serve)
+    finally:
+        registry.release_rollout_lease(model_name, holder)
+
+
+def _wait_for_lease(model_name: str, wait_s: float) -> str:
+    """One rollout per model at a time: a second one (a trigger firing twice) waits, then finds its work done."""
+    holder = str(flow_run.get_id() or uuid.uuid4())
+    deadline = time.monotonic() + wait_s
+    while not registry.acquire_rollout_lease(model_name, holder, ttl_s=LEASE_TTL_S):
+        if time.monotonic() > deadline:
+            raise RolloutRolledBack(f"another rollout of {model_name} still holds the lease after {wait_s:.0f} s")
+        time.sleep(2.0)
+    return holder
+
+
+def _roll_out(cfg: RolloutConfig, version: registry.ModelVersion, serve: ServeConfig) -> RolloutResult:
+    prepared = prepare_rollout_task(version, serve)
+    if prepared.incumbent.version == prepared.candidate.version:
+        return RolloutResult(
+            model=version.name,
+            candidate=version.version,
+            incumbent=version.version,
+            promoted=True,
+            reason=f"v{version.version} already serves all traffic",
+            steps=[],
+        )
+    reports: list[StepReport] = []
+    baseline: float | None = None
+    for weight in cfg.steps:
+        report = rollout_step_task(cfg, prepared, weight, baseline, check_agreement=not reports)
+        reports.append(report)
+        baseline = report.incumbent_p95_ms
+        if not report.passed:
+            reason = f"v{prepared.candidate.version} failed the gate at {weight:g}%: {report.reason}"
+            roll_back_task(prepared, reports, reason, serve)
+            raise RolloutRolledBack(f"{reason}; all traffic is back on v{prepared.incumbent.version}")
+    promote_task(prepared, reports, serve)
+    return RolloutResult(
+        model=version.name,
+        candidate=prepared.candidate.version,
+        incumbent=prepared.incumbent.version,
+        promoted=True,
+        reason=f"v{prepared.candidate.version} passed {len(reports)} steps and is champion",
+        steps=reports,
+    )

@@ -1,0 +1,269 @@
+"""Canary rollout behind the weighted router: step the candidate's weight, soak, judge, then promote or roll back.
+
+Each step sets the candidate's share of traffic, holds it for a soak window
+while canary probes (real images sent through the router, like any client)
+run next to whatever live traffic there is, and judges the candidate on the
+window's per-version stats:
+
+* error rate (5xx answers of the candidate) at most ``max_error_rate``;
+* p95 latency at most ``max_p95_ratio`` × the incumbent's (+ a small absolute
+  slack: ratios of millisecond latencies are mostly noise);
+* at the first step, agreement with the incumbent on the same images (each
+  sent pinned to both versions) at least ``min_agreement``;
+* at least ``min_requests`` answers from the candidate: no evidence, no
+  promotion.
+
+The incumbent is the version serving the largest share now (deployed at
+100% first when nothing serves). Nothing here touches the registry or
+Prefect: the caller moves aliases and records the outcome.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+
+import httpx
+from pydantic import BaseModel, Field, field_validator
+
+from ray_workloads import serve_control
+from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
+from ray_workloads.serve_app import ServeConfig
+from ray_workloads.serve_control import VersionStats
+from rayline import storage
+from rayline.errors import InputDataError
+from rayline.registry import ModelVersion
+
+VERSION_HEADER = "X-Rayline-Version"
+
+
+class GateConfig(BaseModel):
+    max_error_rate: float = Field(0.01, ge=0.0, le=1.0)
+    max_p95_ratio: float = Field(1.5, gt=0.0, description="Candidate p95 / incumbent p95.")
+    p95_slack_ms: float = Field(15.0, ge=0.0, description="Absolute latency slack added to the ratio bound.")
+    min_agreement: float = Field(0.9, ge=0.0, le=1.0)
+    min_requests: int = Field(20, ge=1, description="Candidate answers a window needs before it can pass.")
+
+
+class RolloutConfig(BaseModel):
+    steps: list[float] = Field(default_factory=lambda: [10.0, 50.0, 100.0])
+    soak_s: float = Field(10.0, gt=0.0, description="How long each step holds before it is judged.")
+    probe_rps: float = Field(20.0, ge=0.0, description="Canary requests per second sent during each soak.")
+    probe_uri: str = Field(description="Prefix of images used for canary probes and the agreement check.")
+    probe_images: int = Field(64, ge=1)
+    gates: GateConfig = Field(default_factory=GateConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+
+    @field_validator("steps")
+    @classmethod
+    def _steps_rise_to_100(cls, steps: list[float]) -> list[float]:
+        if not steps or any(not 0 < s <= 100 for s in steps) or steps != sorted(set(steps)) or steps[-1] != 100:
+            raise ValueError(f"steps must rise strictly within (0, 100] and end at 100, got {steps}")
+        return steps
+
+
+class StepReport(BaseModel):
+    weight: float
+    candidate: VersionStats | None
+    incumbent: VersionStats | None
+    incumbent_p95_ms: float | None
+    agreement: float | None
+    passed: bool
+    reason: str
+
+
+def judge(
+    candidate: VersionStats | None,
+    incumbent_p95_ms: float | None,
+    agreement: float | None,
+    gates: GateConfig,
+) -> tuple[bool, str]:
+    """One window's verdict on the candidate, with the reason in words."""
+    if agreement is not None and agreement < gates.min_agreement:
+        return False, f"agreement with the incumbent {agreement:.1%} is below {gates.min_agreement:.1%}"
+    if candidate is None or candidate.requests < gates.min_requests:
+        seen = candidate.requests if candidate else 0
+        return False, f"only {seen} candidate requests in the window (need {gates.min_requests}) — no evidence"
+    if candidate.error_rate > gates.max_error_rate:
+        return False, (
+            f"error rate {candidate.error_rate:.1%} ({candidate.errors}/{candidate.requests}) "
+            f"is above {gates.max_error_rate:.1%}"
+        )
+    if incumbent_p95_ms is not None and candidate.p95_ms is not None:
+        bound = incumbent_p95_ms * gates.max_p95_ratio + gates.p95_slack_ms
+        if candidate.p95_ms > bound:
+            return False, (
+                f"p95 latency {candidate.p95_ms:.1f} ms is above {bound:.1f} ms "
+                f"({gates.max_p95_ratio}× the incumbent's {incumbent_p95_ms:.1f} ms + {gates.p95_slack_ms} ms)"
+            )
+    return True, (
+        f"{candidate.requests} requests, error rate {candidate.error_rate:.1%}, p95 "
+        f"{candidate.p95_ms if candidate.p95_ms is None else round(candidate.p95_ms, 1)} ms"
+        + (f", agreement {agreement:.1%}" if agreement is not None else "")
+    )
+
+
+def load_probe_images(uri: str, count: int, spec: ImageSpec) -> list[bytes]:
+    """Up to ``count`` decodable images under ``uri`` (sorted by key: the same set every run)."""
+    objects = sorted(storage.list_objects(uri), key=lambda o: o.key)
+    images: list[bytes] = []
+    for fetched in storage.fetch_many([o.uri for o in objects[: count * 2]], concurrency=16):
+        if fetched.error is None and fetched.data is not None:
+            try:
+                decode_image(fetched.data, spec)
+            except ImageDecodeError:
+                continue
+            images.append(fetched.data)
+        if len(images) == count:
+            break
+    if not images:
+        raise InputDataError(f"no decodable probe images under {uri}")
+    return images
+
+
+def incumbent_version(cfg: ServeConfig) -> int | None:
+    """The live version with the largest share of traffic, if any serves."""
+    weights = {v: w for v, w in serve_control.get_weights(cfg).items() if w > 0}
+    return max(weights, key=lambda v: weights[v]) if weights else None
+
+
+def start(cfg: ServeConfig) -> str:
+    """Serve and the router up (idempotent); the base URL."""
+    return serve_control.start(cfg)
+
+
+def serve(version: ModelVersion, cfg: ServeConfig) -> str:
+    """Make sure ``version`` is deployed; it takes all traffic if nothing serves yet. The base URL."""
+    base_url = start(cfg)
+    serve_control.deploy_version(version, cfg)
+    if incumbent_version(cfg) is None:
+        serve_control.set_weights({version.version: 100.0}, cfg)
+    return base_url
+
+
+def prepare(incumbent: ModelVersion, candidate: ModelVersion, cfg: ServeConfig) -> str:
+    """Serve the incumbent and deploy the candidate at 0%; the base URL."""
+    base_url = serve(incumbent, cfg)
+    serve_control.deploy_version(candidate, cfg)
+    return base_url
+
+
+def agreement(base_url: str, images: Iterable[bytes], incumbent: int, candidate: int) -> float:
+    """Fraction of images on which both versions (each pinned) predict the same class."""
+    same = compared = 0
+    with httpx.Client(base_url=base_url, timeout=30.0) as client:
+        for image in images:
+            answers = [
+                client.post("/predict", content=image, headers={VERSION_HEADER: str(v)}) for v in (incumbent, candidate)
+            ]
+            if all(a.status_code == 200 for a in answers):
+                compared += 1
+                same += answers[0].json()["class_index"] == answers[1].json()["class_index"]
+            elif answers[0].status_code == 200:
+                compared += 1  # the candidate failed where the incumbent answered: a disagreement
+    return same / compared if compared else 0.0
+
+
+class ProbeClient:
+    """Paced requests through the router (unpinned: they follow the weights, like any client).
+
+    The rollout's canary probes, and the demo's background load; every answer's status is tallied.
+    """
+
+    def __init__(self, base_url: str, images: list[bytes], rps: float) -> None:
+        self.client = httpx.Client(base_url=base_url, timeout=30.0)
+        self.images = images
+        self.interval = 1.0 / rps if rps > 0 else None
+        self.sent = 0
+        self.statuses: Counter[int] = Counter()
+        self.connection_errors = 0
+
+    def run_for(self, seconds: float, stop: threading.Event | None = None) -> None:
+        if self.interval is None:
+            time.sleep(seconds)
+            return
+        started, n = time.monotonic(), 0
+        while time.monotonic() - started < seconds and not (stop and stop.is_set()):
+            try:
+                answer = self.client.post("/predict", content=self.images[self.sent % len(self.images)])
+                self.statuses[answer.status_code] += 1
+            except httpx.HTTPError:
+                self.connection_errors += 1  # the router's stats are the gate's record; this is the client's
+            self.sent, n = self.sent + 1, n + 1
+            time.sleep(max(0.0, started + n * self.interval - time.monotonic()))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def soak(cfg: RolloutConfig, base_url: str, images: list[bytes], candidate: int) -> dict[int, VersionStats]:
+    """Hold the current weights for ``soak_s`` (longer, up to 3×, until the candidate has
+    ``min_requests`` answers); the window's per-version stats."""
+    window_start = time.time()
+    probes = ProbeClient(base_url, images, cfg.probe_rps)
+    started = time.monotonic()
+    try:
+        probes.run_for(cfg.soak_s)
+        while True:
+            window = serve_control.stats(cfg.serve, since=window_start)  # waits for every router's flush
+            seen = window.get(candidate)
+            enough = seen is not None and seen.requests >= cfg.gates.min_requests
+            if enough or time.monotonic() - started >= 3 * cfg.soak_s:
+                return window
+            probes.run_for(1.0)
+    finally:
+        probes.close()
+
+
+def run_step(
+    cfg: RolloutConfig,
+    base_url: str,
+    incumbent: int,
+    candidate: int,
+    weight: float,
+    images: list[bytes],
+    incumbent_p95_ms: float | None,
+    check_agreement: bool,
+) -> StepReport:
+    """Give the candidate ``weight`` % of traffic, soak, and judge the window."""
+    agreed = agreement(base_url, images, incumbent, candidate) if check_agreement else None
+    if agreed is not None and agreed < cfg.gates.min_agreement:  # no live traffic for a model that disagrees
+        passed, reason = judge(None, incumbent_p95_ms, agreed, cfg.gates)
+        return StepReport(
+            weight=weight,
+            candidate=None,
+            incumbent=None,
+            incumbent_p95_ms=incumbent_p95_ms,
+            agreement=agreed,
+            passed=passed,
+            reason=reason,
+        )
+    serve_control.set_weights({incumbent: 100.0 - weight, candidate: weight}, cfg.serve)
+    window = soak(cfg, base_url, images, candidate)
+    seen = window.get(incumbent)
+    if seen is not None and seen.p95_ms is not None and seen.requests >= cfg.gates.min_requests:
+        incumbent_p95_ms = seen.p95_ms  # the freshest baseline; at 100% the last one stands
+    passed, reason = judge(window.get(candidate), incumbent_p95_ms, agreed, cfg.gates)
+    return StepReport(
+        weight=weight,
+        candidate=window.get(candidate),
+        incumbent=seen,
+        incumbent_p95_ms=incumbent_p95_ms,
+        agreement=agreed,
+        passed=passed,
+        reason=reason,
+    )
+
+
+def roll_back(incumbent: int, candidate: int, cfg: ServeConfig) -> None:
+    """All traffic back to the incumbent, then the candidate's deployment goes."""
+    serve_control.set_weights({incumbent: 100.0}, cfg)
+    serve_control.remove_version(candidate, cfg)
+
+
+def retire(old: int, new: int, cfg: ServeConfig) -> None:
+    """After promotion: the new version takes everything, the old deployment goes."""
+    serve_control.set_weights({new: 100.0}, cfg)
+    serve_control.remove_version(old, cfg)

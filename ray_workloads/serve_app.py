@@ -1,0 +1,388 @@
+"""Online serving: one Serve application per model version, one HTTP router in front of them.
+
+What runs on the cluster for a serving instance named ``rayline`` (``ServeConfig.name``)::
+
+    rayline                    ingress application, route "/": Router replicas (HTTP API)
+    rayline-<model>-v<N>       one application per live version, no HTTP route: ModelServer
+                               replicas (deploying or removing one never touches the others)
+    rayline-control            a named, detached Ray actor (serve_state.ServeControl) holding
+                               the routing table {version: weight} and the aggregated stats
+
+Every ``SYNC_INTERVAL_S`` each router replica makes one call to the control actor: it flushes
+its per-request samples and gets the routing table back. Weights therefore change without
+redeploying anything, in-flight requests finish where they started, and per-version stats
+are right with any number of routers.
+
+HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
+
+* ``POST /predict`` with the image as the raw body or a multipart form part (named ``file``
+  or ``image``, or the only part). Optional headers: ``X-Rayline-Key`` (sticky: one key sees
+  one version while weights are unchanged), ``X-Rayline-Version: N`` (pin a live version;
+  404 if not live). Answer: class index and name, confidence, top-k, model, version,
+  latency; the version also in ``X-Rayline-Model-Version``.
+  413 body over ``max_body_bytes``, 400 empty body or bad multipart, 415 not an image,
+  422 truncated/corrupt image or over ``max_pixels`` (decompression bomb), 500 the model
+  failed on the input, 503 no version with traffic or the version's replicas are gone.
+* ``GET /healthz``: 200 when some version has traffic weight, else 503.
+* ``GET /stats[?since=<unix time>]``: per-version requests, errors, rejected, latency p50/p95/p99.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from typing import Any, Literal
+
+import numpy as np
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve.exceptions import ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ray_workloads.images import DEFAULT_MAX_PIXELS, ImageDecodeError, ImageSpec, decode_image
+
+# "X as X": re-exported (callers and tests import these from here)
+from ray_workloads.serve_http import ANSWER_HEADER as ANSWER_HEADER
+from ray_workloads.serve_http import DECODE_STATUS, error_response, read_body
+from ray_workloads.serve_http import KEY_HEADER as KEY_HEADER
+from ray_workloads.serve_http import VERSION_HEADER as VERSION_HEADER
+from ray_workloads.serve_http import HttpError as HttpError
+from ray_workloads.serve_http import choose_version as choose_version
+from ray_workloads.serve_http import multipart_image as multipart_image
+from ray_workloads.serve_state import ERROR as ERROR
+from ray_workloads.serve_state import OK as OK
+from ray_workloads.serve_state import REJECTED as REJECTED
+from ray_workloads.serve_state import RoutingTable as RoutingTable
+from rayline.ray_cluster import NAMESPACE
+from rayline.registry import ModelVersion
+
+logger = logging.getLogger("ray.serve")
+
+MODEL_DEPLOYMENT = "ModelServer"
+ROUTER_DEPLOYMENT = "Router"
+SYNC_INTERVAL_S = 0.5
+MAX_PENDING_SAMPLES = 100_000
+HEALTH_PROBE_IDLE_S = 30.0  # a model replica idle this long proves itself with a forward pass
+# the replica died under the request: worth one retry on another (or the replacement) replica
+_REPLICA_LOST: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ReplicaUnavailableError)
+
+
+class ServeConfig(BaseModel):
+    """One serving instance: its names, HTTP endpoint, input limits and compute shape."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str = Field("rayline", pattern=r"^[a-z0-9][a-z0-9-]{0,30}$", description="Prefix of apps and actor.")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    proxy_location: Literal["HeadOnly", "EveryNode"] = "HeadOnly"
+    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    max_pixels: int = Field(
+        DEFAULT_MAX_PIXELS, ge=1, description="Declared pixels above this are refused (422); overrides image_spec."
+    )
+    replicas: int = Field(1, ge=1, description="ModelServer replicas per version.")
+    cpus_per_replica: float = Field(0.25, gt=0)
+    max_ongoing_requests: int = Field(64, ge=1, description="Per ModelServer replica (>= max_batch_size).")
+    router_replicas: int = Field(1, ge=1)
+    router_cpus: float = Field(0.25, gt=0)
+    router_max_ongoing_requests: int = Field(256, ge=1)
+    max_batch_size: int = Field(16, ge=1)
+    batch_wait_timeout_s: float = Field(0.005, ge=0)
+    top_k: int = Field(3, ge=1)
+    request_timeout_s: float = Field(30.0, gt=0, description="A version slower than this answers 504.")
+    access_log: bool = Field(True, description="Serve's per-request log lines (router and model replicas).")
+    deploy_timeout_s: float = Field(300.0, gt=0)
+
+    @property
+    def control_actor_name(self) -> str:
+        return f"{self.name}-control"
+
+    def version_app(self, model: str, version: int) -> str:
+        return f"{self.name}-{model}-v{version}"
+
+
+class ModelOutputError(RuntimeError):
+    """The model produced scores that are not finite (NaN/inf): the version is broken."""
+
+
+class ModelTimeoutError(TimeoutError):
+    """A version did not answer within ``ServeConfig.request_timeout_s``."""
+
+
+async def _awaited(response: Any) -> Any:
+    return await response
+
+
+class ModelServer:
+    """One registered model version: weights read once per replica, requests batched."""
+
+    def __init__(self, model: dict[str, Any], top_k: int, max_pixels: int) -> None:
+        # torch only here: router replicas and the control actor never pay for importing it
+        import torch
+
+        from ray_workloads.models import ModelSpec, load_model
+
+        torch.set_num_threads(1)
+        self._torch = torch
+        self.model = ModelVersion.model_validate(model)
+        spec = ImageSpec.model_validate(self.model.image_spec)
+        self.image_spec = spec.model_copy(update={"max_pixels": max_pixels})
+        # weights_only loading; a checkpoint with pickled objects is refused
+        self.net = load_model(ModelSpec.model_validate(self.model.model_spec), self.model.weights_uri)
+        self.top_k = min(top_k, len(self.model.classes))
+        self._probe = np.zeros((1, 3, spec.size, spec.size), dtype=np.float32)
+        self._last_forward = 0.0
+
+    async def reconfigure(self, config: dict[str, Any]) -> None:
+        """``user_config``: batching parameters change without restarting the replica."""
+        batcher: Any = self._forward
+        batcher.set_max_batch_size(int(config["max_batch_size"]))
+        batcher.set_batch_wait_timeout_s(float(config["batch_wait_timeout_s"]))
+
+    async def check_health(self) -> None:
+        """The model must run: a recent batch, else a forward pass on a blank image; else Serve replaces us."""
+        if time.monotonic() - self._last_forward > HEALTH_PROBE_IDLE_S:
+            await asyncio.to_thread(self._run, self._probe)
+
+    async def predict(self, data: bytes) -> dict[str, Any]:
+        """Bytes → prediction; bad input is an answer (``ok`` False), a broken model raises."""
+        try:
+            image = await asyncio.to_thread(decode_image, data, self.image_spec)
+        except ImageDecodeError as exc:
+            return {
+                "ok": False,
+                "status": DECODE_STATUS.get(type(exc), 422),
+                "error": type(exc).__name__,
+                "detail": str(exc),
+            }
+        except Exception as exc:  # whatever else the decoder raised, it is this input's fault
+            return {"ok": False, "status": 422, "error": type(exc).__name__, "detail": f"undecodable image: {exc}"}
+        probs: np.ndarray = await self._forward(image)
+        if not np.isfinite(probs).all():
+            raise ModelOutputError(f"model {self.model.name} v{self.model.version} produced non-finite scores")
+        top = np.argsort(-probs, kind="stable")[: self.top_k]
+        classes = self.model.classes
+        return {
+            "ok": True,
+            "class_index": int(top[0]),
+            "class_name": classes[int(top[0])],
+            "confidence": float(probs[top[0]]),
+            "top_k": [{"index": int(i), "name": classes[int(i)], "prob": float(probs[i])} for i in top],
+            "model": self.model.name,
+            "version": self.model.version,
+        }
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    async def _forward(self, images: list[np.ndarray]) -> list[np.ndarray]:
+        # off the event loop, so requests keep queueing (into the next batch) meanwhile
+        return list(await asyncio.to_thread(self._run, np.stack(images)))
+
+    def _run(self, batch: np.ndarray) -> np.ndarray:
+        torch = self._torch
+        with torch.no_grad():
+            probs: np.ndarray = torch.softmax(self.net(torch.from_numpy(batch)), dim=1).numpy()
+        self._last_forward = time.monotonic()
+        return probs
+
+
+class Router:
+    """HTTP ingress: routes each request to a live version by weight, key or pin; records samples."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = ServeConfig.model_validate(cfg)
+        self.router_id = uuid.uuid4().hex[:12]
+        self._table = RoutingTable()
+        self._synced = asyncio.Event()
+        self._handles: dict[int, DeploymentHandle[Any]] = {}
+        self._samples: list[tuple[int, float, float, int]] = []
+        self._rng = random.Random()
+        self._control: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._ensure_sync()
+
+    def _ensure_sync(self) -> None:
+        if self._task is None or self._task.done():
+            try:
+                self._task = asyncio.get_running_loop().create_task(self._sync_forever())
+            except RuntimeError:  # no loop yet: the first request or health check starts it
+                pass
+
+    async def _sync_forever(self) -> None:
+        while True:
+            await self._sync_once()
+            await asyncio.sleep(SYNC_INTERVAL_S)
+
+    async def _sync_once(self) -> None:
+        samples, self._samples = self._samples, []
+        try:
+            if self._control is None:
+                self._control = ray.get_actor(self.cfg.control_actor_name, namespace=NAMESPACE)
+            table: RoutingTable = await self._control.sync.remote(self.router_id, self._table.generation, samples)
+        except Exception as exc:  # keep routing by the last table; keep the samples for the next try
+            self._samples = (samples + self._samples)[-MAX_PENDING_SAMPLES:]
+            self._control = None
+            logger.warning("router %s: control actor unreachable (%s: %s)", self.router_id, type(exc).__name__, exc)
+            return
+        if table.generation != self._table.generation:
+            self._handles = {v: h for v, h in self._handles.items() if table.apps.get(v) == self._table.apps.get(v)}
+        self._table = table
+        self._synced.set()
+
+    async def check_health(self) -> None:
+        self._ensure_sync()
+
+    async def __call__(self, request: Request) -> JSONResponse:
+        self._ensure_sync()
+        started = time.perf_counter()
+        path = request.url.path.rstrip("/") or "/"
+        routes = {"/predict": "POST", "/healthz": "GET", "/stats": "GET"}
+        try:
+            if path not in routes:
+                raise HttpError(404, "NotFound", f"no route {path}; routes: POST /predict, GET /healthz, GET /stats")
+            if request.method != routes[path]:
+                raise HttpError(405, "MethodNotAllowed", f"use {routes[path]} {path}")
+            if path == "/predict":
+                return await self._predict(request, started)
+            if path == "/healthz":
+                return await self._healthz()
+            return await self._stats(request)
+        except HttpError as exc:
+            return error_response(exc.status, exc.error, exc.detail)
+        except Exception as exc:  # a bug of ours: still a JSON answer, and logged
+            logger.exception("router %s failed on %s %s", self.router_id, request.method, path)
+            return error_response(500, type(exc).__name__, str(exc)[:500])
+
+    async def _routing_table(self) -> RoutingTable:
+        try:
+            await asyncio.wait_for(self._synced.wait(), timeout=10)
+        except TimeoutError as exc:
+            raise HttpError(503, "NotReady", "the router has no routing table yet") from exc
+        return self._table
+
+    def _pick(self, table: RoutingTable, request: Request) -> int:
+        pinned = request.headers.get(VERSION_HEADER)
+        if pinned is not None:
+            text = pinned.strip().lstrip("vV")
+            if not text.isdigit():
+                raise HttpError(400, "BadRequest", f"{VERSION_HEADER} must be a version number, got {pinned!r}")
+            if int(text) not in table.apps:
+                live = sorted(table.apps)
+                raise HttpError(404, "VersionNotLive", f"version {int(text)} is not live; live versions: {live}")
+            return int(text)
+        version = choose_version(table.weights, request.headers.get(KEY_HEADER), self._rng)
+        if version is None:
+            raise HttpError(503, "NoLiveVersion", "no model version has a traffic weight above 0")
+        return version
+
+    async def _call_model(self, table: RoutingTable, version: int, image: bytes) -> dict[str, Any]:
+        for attempt in (1, 2):
+            handle = self._handles.get(version)
+            if handle is None:
+                handle = serve.get_deployment_handle(MODEL_DEPLOYMENT, app_name=table.apps[version])
+                self._handles[version] = handle
+            response = handle.predict.remote(image)
+            try:
+                result: dict[str, Any] = await asyncio.wait_for(_awaited(response), self.cfg.request_timeout_s)
+                return result
+            except TimeoutError as exc:
+                response.cancel()  # type: ignore[no-untyped-call]
+                raise ModelTimeoutError(f"v{version} did not answer within {self.cfg.request_timeout_s} s") from exc
+            except _REPLICA_LOST as exc:
+                if attempt == 2:
+                    raise
+                logger.warning("v%s replica lost mid-request (%s); retrying once", version, type(exc).__name__)
+        raise AssertionError("unreachable")
+
+    async def _predict(self, request: Request, started: float) -> JSONResponse:
+        body = await read_body(request, self.cfg.max_body_bytes)
+        content_type = request.headers.get("content-type", "")
+        image = multipart_image(body, content_type) if content_type.startswith("multipart/") else body
+        if not image:
+            raise HttpError(400, "EmptyBody", "no image bytes: send the image as the body or a multipart 'file' part")
+        table = await self._routing_table()
+        version = self._pick(table, request)
+        try:
+            result = await self._call_model(table, version, image)
+        except Exception as exc:
+            cause = getattr(exc, "cause", None) or exc
+            status = 503 if isinstance(exc, _REPLICA_LOST) else 504 if isinstance(exc, ModelTimeoutError) else 500
+            self._record(version, started, ERROR)
+            logger.warning("v%s failed on a request: %s: %s", version, type(cause).__name__, cause)
+            return error_response(status, type(cause).__name__, str(cause).strip()[-500:], version)
+        if not result.pop("ok"):
+            self._record(version, started, REJECTED)
+            return error_response(result["status"], result["error"], result["detail"], version)
+        result["latency_ms"] = self._record(version, started, OK)
+        return JSONResponse(result, headers={ANSWER_HEADER: str(version)})
+
+    def _record(self, version: int, started: float, outcome: int) -> float:
+        latency_ms = (time.perf_counter() - started) * 1000
+        if len(self._samples) < MAX_PENDING_SAMPLES:
+            self._samples.append((version, time.time(), latency_ms, outcome))
+        return round(latency_ms, 3)
+
+    async def _healthz(self) -> JSONResponse:
+        table = self._table
+        body = {
+            "status": "ok" if any(w > 0 for w in table.weights.values()) else "unavailable",
+            "model": table.model,
+            "live_versions": sorted(table.apps),
+            "weights": {str(v): w for v, w in sorted(table.weights.items())},
+            "generation": table.generation,
+        }
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    async def _stats(self, request: Request) -> JSONResponse:
+        raw = request.query_params.get("since")
+        try:
+            since = float(raw) if raw is not None else None
+        except ValueError as exc:
+            raise HttpError(400, "BadRequest", f"since must be a unix timestamp, got {raw!r}") from exc
+        if self._control is None:
+            raise HttpError(503, "NotReady", "the control actor is unreachable")
+        stats: dict[int, dict[str, Any]] = await self._control.stats.remote(since)
+        table = self._table
+        return JSONResponse(
+            {
+                "model": table.model,
+                "weights": {str(v): w for v, w in sorted(table.weights.items())},
+                "since": since,
+                "versions": {str(v): s for v, s in sorted(stats.items())},
+            }
+        )
+
+
+def model_app(model: ModelVersion, cfg: ServeConfig) -> Any:
+    """The Serve application of one version (bound, not yet run)."""
+    deployment = serve.deployment(
+        name=MODEL_DEPLOYMENT,
+        num_replicas=cfg.replicas,
+        ray_actor_options={"num_cpus": cfg.cpus_per_replica},
+        max_ongoing_requests=max(cfg.max_ongoing_requests, cfg.max_batch_size),
+        user_config={"max_batch_size": cfg.max_batch_size, "batch_wait_timeout_s": cfg.batch_wait_timeout_s},
+        health_check_period_s=10,
+        health_check_timeout_s=30,
+        max_constructor_retry_count=3,
+        logging_config={"enable_access_log": cfg.access_log},
+    )(ModelServer)
+    return deployment.bind(model.model_dump(mode="json"), cfg.top_k, cfg.max_pixels)
+
+
+def router_app(cfg: ServeConfig) -> Any:
+    """The ingress application (bound, not yet run)."""
+    deployment = serve.deployment(
+        name=ROUTER_DEPLOYMENT,
+        num_replicas=cfg.router_replicas,
+        ray_actor_options={"num_cpus": cfg.router_cpus},
+        max_ongoing_requests=cfg.router_max_ongoing_requests,
+        health_check_period_s=5,
+        max_constructor_retry_count=3,
+        logging_config={"enable_access_log": cfg.access_log},
+    )(Router)
+    return deployment.bind(cfg.model_dump(mode="json"))

@@ -1,0 +1,345 @@
+"""Driver-side control of online serving: what the rollout flow calls.
+
+Starts Serve, the router and the control actor (``serve_state.ServeControl``, the single
+writer of the routing table), deploys versions and moves traffic by talking to that actor.
+
+Weights are relative (``{1: 90, 2: 10}`` and ``{1: 0.9, 2: 0.1}`` route the same); a live
+version left out of ``set_weights`` gets 0. ``set_weights`` returns once every router
+replica has picked the new table up (they sync every ``SYNC_INTERVAL_S``).
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.serve.schema import ApplicationStatus, ServeInstanceDetails
+
+from ray_workloads.images import ImageSpec
+from ray_workloads.serve_app import SYNC_INTERVAL_S, ServeConfig, model_app, router_app
+from ray_workloads.serve_state import RoutingTable, ServeControl
+from rayline import storage
+from rayline.errors import ClusterError, ConfigError, InputDataError, RaylineError
+from rayline.ray_cluster import NAMESPACE
+from rayline.registry import ModelVersion
+
+__all__ = [
+    "ServeConfig",
+    "ServeControl",
+    "VersionStats",
+    "deploy_version",
+    "deploy_versions",
+    "get_weights",
+    "live_versions",
+    "remove_version",
+    "replica_pids",
+    "reset_stats",
+    "set_weights",
+    "shutdown",
+    "start",
+    "stats",
+]
+
+_CALL_TIMEOUT_S = 30.0
+
+
+class VersionStats(BaseModel):
+    """Requests a version answered; latency percentiles over successful answers only."""
+
+    version: int
+    requests: int
+    errors: int = 0
+    rejected: int = 0
+    p50_ms: float | None = None
+    p95_ms: float | None = None
+    p99_ms: float | None = None
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+
+def _require_ray() -> None:
+    if not ray.is_initialized():
+        raise ClusterError("not connected to Ray: call rayline.ray_cluster.connect() first")
+
+
+def _control(cfg: ServeConfig, *, create: bool = False) -> Any:
+    _require_ray()
+    if create:
+        actor = ray.remote(ServeControl).options(
+            name=cfg.control_actor_name,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=-1,
+            max_task_retries=-1,
+        )
+        return actor.remote(cfg.name)
+    try:
+        return ray.get_actor(cfg.control_actor_name, namespace=NAMESPACE)
+    except ValueError as exc:
+        raise ConfigError(f"serving instance {cfg.name!r} is not started: call serve_control.start(cfg) first") from exc
+
+
+def _call(ref: Any, what: str) -> Any:
+    """``ray.get`` on a control-actor call, mapping failures onto rayline's errors."""
+    try:
+        return ray.get(ref, timeout=_CALL_TIMEOUT_S)
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, RaylineError):
+            raise type(cause)(str(cause)) from exc
+        raise ClusterError(f"{what} failed: {type(cause).__name__}: {cause}") from exc
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+        raise ClusterError(f"{what}: the serving control actor did not answer: {exc}") from exc
+
+
+def _app_status(name: str) -> ApplicationStatus | None:
+    app = serve.status().applications.get(name)
+    return app.status if app is not None else None
+
+
+def _run_and_wait(targets: list[tuple[str, Any, str | None]], timeout_s: float) -> dict[str, str]:
+    """Deploy Serve applications ``(name, app, route_prefix)`` together and wait until each is RUNNING.
+
+    Returns ``{name: why}`` of those that failed or timed out; they are deleted again.
+    """
+    if not targets:
+        return {}
+    try:
+        serve.run_many(
+            [serve.RunTarget(app, name=name, route_prefix=prefix) for name, app, prefix in targets],
+            wait_for_applications_running=False,
+        )
+    except Exception as exc:
+        raise ClusterError(f"could not submit Serve applications: {type(exc).__name__}: {exc}") from exc
+    deadline = time.monotonic() + timeout_s
+    settled = (ApplicationStatus.RUNNING, ApplicationStatus.DEPLOY_FAILED)
+    while True:
+        apps = serve.status().applications
+        overviews = {name: apps.get(name) for name, _, _ in targets}
+        if all(o is not None and o.status in settled for o in overviews.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    failures: dict[str, str] = {}
+    for name, overview in overviews.items():
+        if overview is None or overview.status != ApplicationStatus.RUNNING:
+            state = overview.status.value if overview is not None else "MISSING"
+            detail = overview.message.strip()[-2000:] if overview is not None else ""
+            failures[name] = f"{state} after {timeout_s:.0f} s: {detail}" if state != "DEPLOY_FAILED" else detail
+            serve.delete(name, _blocking=False)
+    return failures
+
+
+def _raise_deploy_failures(failures: dict[str, str]) -> None:
+    if not failures:
+        return
+    text = "; ".join(f"{name}: {why}" for name, why in failures.items())
+    if any(n in text for n in ("InputDataError", "UnsafeCheckpointError", "ConfigError")):
+        raise InputDataError(f"Serve applications failed to deploy (bad model or weights): {text}")
+    raise ClusterError(f"Serve applications failed to deploy: {text}")
+
+
+def _wait_routers(control: Any, generation: int, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while behind := _call(control.routers_behind.remote(generation), "checking routers"):
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"router replicas {behind} did not pick up routing generation {generation} in {wait_s} s"
+            )
+        time.sleep(SYNC_INTERVAL_S / 4)
+
+
+def start(cfg: ServeConfig) -> str:
+    """Serve with its HTTP proxy on ``cfg.host:cfg.port``, the control actor and the router; the base URL.
+
+    Idempotent: a running router with the same configuration is left alone.
+    """
+    _require_ray()
+    try:
+        serve.start(proxy_location=cfg.proxy_location, http_options={"host": cfg.host, "port": cfg.port})
+    except Exception as exc:
+        raise ClusterError(f"could not start Ray Serve on {cfg.host}:{cfg.port}: {type(exc).__name__}: {exc}") from exc
+    client = serve.context._get_global_client()
+    http = client.http_config if client is not None else None  # HTTP options are fixed once Serve runs
+    if http is not None and (http.host, http.port) != (cfg.host, cfg.port):
+        raise ConfigError(
+            f"Ray Serve already runs with its HTTP proxy on {http.host}:{http.port}, not {cfg.host}:{cfg.port}; "
+            "use that address or shut Serve down first"
+        )
+    control = _control(cfg, create=True)
+    _call(control.prune.remote(list(serve.status().applications)), "reconciling the routing table")
+    wanted = cfg.model_dump(mode="json")
+    deployed = _call(control.router_config.remote(), "reading the router config")
+    if deployed != wanted or _app_status(cfg.name) != ApplicationStatus.RUNNING:
+        _raise_deploy_failures(_run_and_wait([(cfg.name, router_app(cfg), "/")], cfg.deploy_timeout_s))
+        _call(control.set_router_config.remote(wanted), "saving the router config")
+    base_url = f"http://{cfg.host}:{cfg.port}"
+    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + 30
+    while True:  # the proxy answers once it has the route; /healthz is 503 until a version has weight
+        try:
+            with no_proxy.open(f"{base_url}/healthz", timeout=5):
+                return base_url
+        except urllib.error.HTTPError as exc:
+            if exc.code in (200, 503) and exc.headers.get("content-type", "").startswith("application/json"):
+                return base_url
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"the Serve HTTP proxy does not answer on {base_url} (was Serve already started on another port?)"
+            )
+        time.sleep(0.2)
+
+
+def deploy_version(model: ModelVersion, cfg: ServeConfig, *, wait_s: float = 10.0) -> None:
+    """Deploy ``model`` as its own application at weight 0; returns once it is healthy and routable.
+
+    Idempotent: a running application of that version is left alone.
+    """
+    deploy_versions([model], cfg, wait_s=wait_s)
+
+
+def deploy_versions(models: Sequence[ModelVersion], cfg: ServeConfig, *, wait_s: float = 10.0) -> None:
+    """:func:`deploy_version` for several versions at once (their replicas start in parallel)."""
+    from ray_workloads.models import ModelSpec  # torch: the driver only, never the control actor
+
+    control = _control(cfg)
+    table: RoutingTable = _call(control.table.remote(), "reading the routing table")
+    names = {m.name for m in models} | ({table.model} if table.model and table.apps else set())
+    if len(names) > 1:
+        raise ConfigError(f"serving instance {cfg.name!r} serves one model; got {sorted(names)}")
+    for model in models:
+        try:
+            ModelSpec.model_validate(model.model_spec)
+            ImageSpec.model_validate(model.image_spec)
+        except ValidationError as exc:
+            raise ConfigError(f"{model.name} v{model.version} has an invalid spec: {exc}") from exc
+        if not storage.exists(model.weights_uri):
+            raise InputDataError(f"weights of {model.name} v{model.version} not found at {model.weights_uri}")
+    wanted = {cfg.version_app(m.name, m.version): m for m in models}
+    apps = serve.status().applications
+    failures = _run_and_wait(
+        [
+            (name, model_app(m, cfg), None)
+            for name, m in wanted.items()
+            if name not in apps or apps[name].status != ApplicationStatus.RUNNING
+        ],
+        cfg.deploy_timeout_s,
+    )
+    generation = table.generation
+    for name, m in wanted.items():
+        if name not in failures:
+            generation = _call(control.register.remote(m.name, m.version, name), "registering a version")
+    _wait_routers(control, generation, wait_s)
+    _raise_deploy_failures(failures)
+
+
+def set_weights(weights: Mapping[int, float], cfg: ServeConfig | None = None, *, wait_s: float = 10.0) -> None:
+    """Switch traffic weights atomically; returns once every router routes by them."""
+    control = _control(cfg or ServeConfig())
+    generation = _call(control.set_weights.remote({int(v): float(w) for v, w in weights.items()}), "setting weights")
+    _wait_routers(control, generation, wait_s)
+
+
+def get_weights(cfg: ServeConfig | None = None) -> dict[int, float]:
+    table: RoutingTable = _call(_control(cfg or ServeConfig()).table.remote(), "reading weights")
+    return dict(table.weights)
+
+
+def live_versions(cfg: ServeConfig | None = None) -> list[int]:
+    table: RoutingTable = _call(_control(cfg or ServeConfig()).table.remote(), "reading live versions")
+    return sorted(table.apps)
+
+
+def stats(cfg: ServeConfig | None = None, *, since: float | None = None, fresh: bool = True) -> dict[int, VersionStats]:
+    """Per-version stats since the last reset (or since ``since``, a unix time).
+
+    ``fresh`` waits (about ``SYNC_INTERVAL_S``) until every router has flushed, so every
+    request answered before the call is counted; without it, stats lag by up to that long.
+    """
+    control = _control(cfg or ServeConfig())
+    if fresh:
+        mark = _call(control.clock.remote(), "reading the control clock")
+        deadline = time.monotonic() + 10
+        while _call(control.routers_not_synced_since.remote(mark), "waiting for routers to flush"):
+            if time.monotonic() > deadline:
+                raise ClusterError("router replicas did not flush their stats within 10 s")
+            time.sleep(SYNC_INTERVAL_S / 4)
+    raw = _call(control.stats.remote(since), "reading stats")
+    return {int(v): VersionStats.model_validate(s) for v, s in raw.items()}
+
+
+def reset_stats(cfg: ServeConfig | None = None) -> float:
+    """Start a fresh stats window; returns its start (unix time)."""
+    return float(_call(_control(cfg or ServeConfig()).reset_stats.remote(), "resetting stats"))
+
+
+def remove_version(version: int, cfg: ServeConfig | None = None, *, wait_s: float = 10.0) -> None:
+    """Take a version with weight 0 out of routing, then delete its app (Serve drains its requests)."""
+    cfg = cfg or ServeConfig()
+    control = _control(cfg)
+    table: RoutingTable = _call(control.table.remote(), "reading the routing table")
+    app = table.apps.get(version) or (cfg.version_app(table.model, version) if table.model else None)
+    generation = _call(control.retire.remote(version), f"retiring version {version}")
+    _wait_routers(control, generation, wait_s)
+    if app is not None and _app_status(app) is not None:
+        try:
+            serve.delete(app)
+        except Exception as exc:
+            raise ClusterError(f"could not delete Serve application {app}: {type(exc).__name__}: {exc}") from exc
+
+
+def replica_pids(cfg: ServeConfig | None = None) -> dict[str, list[int]]:
+    """PIDs of the running replicas of each of this instance's applications."""
+    cfg = cfg or ServeConfig()
+    _require_ray()
+    # Serve's own client: the public status() carries no replica details
+    client = serve.context._get_global_client()
+    if client is None:
+        return {}
+    details = ServeInstanceDetails(**client.get_serve_details())
+    out: dict[str, list[int]] = {}
+    for app_name, app in details.applications.items():
+        if app_name == cfg.name or app_name.startswith(f"{cfg.name}-"):
+            pids = [r.pid for d in app.deployments.values() for r in d.replicas if r.state == "RUNNING" and r.pid]
+            out[app_name] = sorted(pids)
+    return out
+
+
+def shutdown(cfg: ServeConfig | None = None) -> None:
+    """Delete this instance's applications and control actor; stop Serve if nothing else runs on it."""
+    cfg = cfg or ServeConfig()
+    if not ray.is_initialized():
+        return
+    apps = [cfg.name]
+    try:
+        control = ray.get_actor(cfg.control_actor_name, namespace=NAMESPACE)
+    except ValueError:
+        control = None
+    if control is not None:
+        table: RoutingTable = _call(control.table.remote(), "reading the routing table")
+        apps += list(table.apps.values())
+    running = serve.status().applications
+    doomed = [app for app in apps if app in running]
+    for app in doomed:  # all at once: each drains for a few seconds
+        serve.delete(app, _blocking=False)
+    deadline = time.monotonic() + 120
+    while any(app in serve.status().applications for app in doomed):
+        if time.monotonic() > deadline:
+            raise ClusterError(f"Serve applications {doomed} were not deleted within 120 s")
+        time.sleep(0.2)
+    if control is not None:
+        _call(control.forget.remote(), "clearing the routing table")
+        ray.kill(control, no_restart=True)
+    if not serve.status().applications:
+        serve.shutdown()  # type: ignore[no-untyped-call]

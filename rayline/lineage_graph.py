@@ -1,0 +1,318 @@
+"""The upstream graph of any stored output, built from the lineage records.
+
+Every stage run wrote a record naming its inputs and outputs by URI
+(:mod:`rayline.lineage`). Walking from an output back through the records
+that produced each input gives, for a predictions partition::
+
+    predictions → model version → training run → preprocessed shards
+                → ingested shards → raw prefix → raw objects with etags
+
+Three things are not in the records themselves and are read where they are:
+a model version's ``version.json`` (its training run and data manifest), and
+an ingest manifest's shards, whose rows pin every raw object to its etag.
+
+URIs match by folder as well as exactly: a committed folder is named by its
+``manifest.json``, so ``predictions/dt=2026-11-28`` finds the record whose
+output is ``predictions/dt=2026-11-28/manifest.json``, and a file inside a
+recorded output (a shard, ``weights.pt``) finds the record of that output.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from rayline import lineage, registry, storage
+from rayline.errors import InputDataError
+from rayline.lineage import DatasetRef, LineageRecord
+
+MANIFEST = "manifest.json"
+# What a stage's output is, for people reading the tree.
+STAGE_KINDS = {
+    "ingest": "ingested shards",
+    "preprocess": "preprocessed shards",
+    "train": "training run",
+    "tune": "tuning experiment",
+    "evaluate": "evaluation",
+    "registry": "model version",
+    "batch_inference": "predictions",
+}
+_MODEL_VERSION = re.compile(rf"^(.*/{registry.MODELS_DIR}/[a-z0-9][a-z0-9-]*/v\d+)(?:/.*)?$")
+_RECORD_READS = 32  # concurrent record reads: many small JSON objects on S3
+
+
+class NoLineageError(InputDataError):
+    """No lineage record (nor model version) produced the URI asked about."""
+
+
+class LineageNode(BaseModel):
+    """One dataset in the upstream graph and what it came from."""
+
+    uri: str
+    kind: str
+    stage: str | None = Field(None, description="The stage whose run produced it; None for external inputs.")
+    record_uri: str | None = None
+    produced_at: datetime | None = None
+    content_hash: str | None = None
+    etag: str | None = None
+    details: dict[str, Any] = Field(default_factory=dict)
+    upstream: list[LineageNode] = Field(default_factory=list)
+    omitted: int = Field(0, description="Upstream entries left out (raw objects beyond the limit).")
+    repeated: bool = Field(False, description="Expanded elsewhere in this tree; not repeated here.")
+    cycle: bool = Field(False, description="Its own ancestor; not expanded again.")
+
+
+@dataclass(frozen=True)
+class _Produced:
+    """One output of one record, under the key it is matched by."""
+
+    key: str
+    ref: DatasetRef
+    record: LineageRecord
+    record_uri: str
+
+
+def _key(uri: str) -> str:
+    """A committed folder is matched by the folder, not by its manifest."""
+    uri = storage.normalize(uri)
+    return posixpath.dirname(uri) if posixpath.basename(uri) == MANIFEST else uri
+
+
+def _inside(uri: str, folder: str) -> bool:
+    return uri.startswith(folder.rstrip("/") + "/")
+
+
+class LineageIndex:
+    """Every recorded output by key; the latest record wins when several produced the same output."""
+
+    def __init__(self, produced: Iterable[_Produced]) -> None:
+        self.by_key: dict[str, _Produced] = {}
+        for item in produced:
+            current = self.by_key.get(item.key)
+            if current is None or item.record.ended_at > current.record.ended_at:
+                self.by_key[item.key] = item
+
+    @classmethod
+    def from_records(cls, records: Iterable[tuple[str, LineageRecord]]) -> LineageIndex:
+        """Index (record URI, record) pairs. An output that is also an input was annotated, not produced."""
+        produced = []
+        for record_uri, record in records:
+            inputs = {storage.normalize(r.uri) for r in record.inputs}
+            for ref in record.outputs:
+                if storage.normalize(ref.uri) not in inputs:
+                    produced.append(_Produced(_key(ref.uri), ref, record, record_uri))
+        return cls(produced)
+
+    @classmethod
+    def load(cls) -> LineageIndex:
+        """Read every stage's records under ``<storage>/lineage/`` (OpenLineage events excluded)."""
+        from rayline.openlineage_events import EVENTS_DIR
+
+        objects = [
+            o
+            for o in storage.list_objects(lineage.lineage_dir())
+            if o.key.endswith(".json") and not o.key.startswith(f"{EVENTS_DIR}/")
+        ]
+        fetched = storage.fetch_many([o.uri for o in objects], _RECORD_READS)
+        records = []
+        for obj, item in zip(objects, fetched, strict=True):
+            if item.error is not None or item.data is None:
+                raise InputDataError(f"reading lineage record {obj.uri}: {item.error}") from item.error
+            records.append((obj.uri, LineageRecord.model_validate(json.loads(item.data))))
+        return cls.from_records(records)
+
+    def producers(self, uri: str) -> list[_Produced]:
+        """The record outputs ``uri`` names: the closest output containing it, else the outputs inside it."""
+        key = _key(uri)
+        containing = [p for k, p in self.by_key.items() if k == key or _inside(key, k)]
+        if containing:
+            return [max(containing, key=lambda p: len(p.key))]
+        return sorted((p for k, p in self.by_key.items() if _inside(k, key)), key=lambda p: p.key)
+
+
+def _model_version_root(uri: str) -> str | None:
+    match = _MODEL_VERSION.match(storage.normalize(uri))
+    if match and storage.exists(storage.join(match.group(1), registry.VERSION_FILE)):
+        return match.group(1)
+    return None
+
+
+def _is_uri(value: str | None) -> bool:
+    """Version fields may hold placeholders ("-") where nothing upstream is known."""
+    return bool(value) and (storage.is_s3(str(value)) or str(value).startswith(("/", "file://")))
+
+
+def _most_specific(refs: list[DatasetRef]) -> list[DatasetRef]:
+    """Drop repeats and any URI that is a folder of another (a training run and its checkpoint)."""
+    unique = {storage.normalize(r.uri): r for r in reversed(refs)}
+    return [r for u, r in reversed(unique.items()) if not any(_inside(other, u) for other in unique)]
+
+
+def _record_details(item: _Produced) -> dict[str, Any]:
+    run = item.record.run
+    details = {
+        "record_id": item.record.record_id,
+        "code_version": item.record.code_version,
+        "flow": run.flow_name,
+        "flow_run_id": run.flow_run_id,
+        "task_run_id": run.task_run_id,
+        "ray_job_id": run.ray_job_id,
+        "cached": item.record.cached or None,
+    }
+    return {k: v for k, v in details.items() if v is not None}
+
+
+class _Builder:
+    def __init__(self, index: LineageIndex, max_objects: int | None) -> None:
+        self.index = index
+        self.max_objects = max_objects
+        self.expanded: set[str] = set()
+
+    def node(self, ref: DatasetRef, ancestors: frozenset[str] = frozenset()) -> LineageNode:
+        version_root = _model_version_root(ref.uri)
+        producers = [] if version_root else self.index.producers(ref.uri)
+        key = version_root or (producers[0].key if len(producers) == 1 else _key(ref.uri))
+        node = self._shell(ref, version_root, producers)
+        if key in ancestors:
+            return node.model_copy(update={"cycle": True})
+        if key in self.expanded:
+            return node.model_copy(update={"repeated": True})
+        self.expanded.add(key)
+        inner = ancestors | {key}
+        if version_root:
+            node.upstream = [self.node(r, inner) for r in self._model_inputs(version_root)]
+        elif len(producers) == 1:
+            node.upstream = self._record_inputs(producers[0], inner)
+        else:
+            node.upstream = [self.node(p.ref, inner) for p in producers]
+        return node
+
+    def _shell(self, ref: DatasetRef, version_root: str | None, producers: list[_Produced]) -> LineageNode:
+        """The node without its upstream."""
+        if version_root:
+            version = registry.ModelVersion.model_validate(
+                storage.read_json(storage.join(version_root, registry.VERSION_FILE))
+            )
+            made = self.index.by_key.get(version_root)
+            return LineageNode(
+                uri=version_root,
+                kind="model version",
+                stage=made.record.stage if made else None,
+                record_uri=made.record_uri if made else None,
+                produced_at=version.registered_at,
+                details={
+                    "name": version.name,
+                    "version": version.version,
+                    "code_version": version.code_version,
+                    "flow_run_id": version.flow_run_id,
+                    "data_content_hash": version.data_content_hash,
+                    "metrics": version.metrics,
+                },
+            )
+        if len(producers) == 1:
+            item = producers[0]
+            return LineageNode(
+                uri=item.ref.uri,
+                kind=STAGE_KINDS.get(item.record.stage, item.record.stage),
+                stage=item.record.stage,
+                record_uri=item.record_uri,
+                produced_at=item.record.ended_at,
+                content_hash=item.ref.content_hash,
+                etag=item.ref.etag,
+                details=_record_details(item),
+            )
+        kind = "folder" if producers else "external input"
+        return LineageNode(uri=storage.normalize(ref.uri), kind=kind, content_hash=ref.content_hash, etag=ref.etag)
+
+    def _model_inputs(self, version_root: str) -> list[DatasetRef]:
+        """What the registry record read, and the training run and data its version.json names."""
+        version = storage.read_json(storage.join(version_root, registry.VERSION_FILE))
+        made = self.index.by_key.get(version_root)
+        refs = list(made.record.inputs) if made else []
+        refs += [
+            DatasetRef(uri=version[f]) for f in ("training_run_uri", "data_manifest_uri") if _is_uri(version.get(f))
+        ]
+        return _most_specific(refs)
+
+    def _record_inputs(self, item: _Produced, ancestors: frozenset[str]) -> list[LineageNode]:
+        nodes = [self.node(ref, ancestors) for ref in _most_specific(list(item.record.inputs))]
+        if item.record.stage == "ingest":
+            for node in nodes:
+                if node.kind == "external input" and not node.upstream:
+                    node.upstream, node.omitted = self._raw_objects(item.ref.uri)
+                    node.kind = "raw objects"
+        return nodes
+
+    def _raw_objects(self, manifest_uri: str) -> tuple[list[LineageNode], int]:
+        """The objects an ingest read, each pinned to its etag by the shard rows."""
+        shards = [s["uri"] for s in storage.read_json(manifest_uri).get("shards", [])]
+        table = storage.read_parquet(shards)
+        rows = table.select(["uri", "etag"]).to_pylist() if table.num_rows else []
+        shown = rows if self.max_objects is None else rows[: self.max_objects]
+        nodes = [LineageNode(uri=r["uri"], kind="raw object", etag=r["etag"]) for r in shown]
+        return nodes, len(rows) - len(shown)
+
+
+def build_graph(uri: str, max_objects: int | None = None, index: LineageIndex | None = None) -> LineageNode:
+    """The upstream graph of ``uri`` as a tree; a relative path is tried against the storage root too.
+
+    ``max_objects`` limits the raw objects listed per ingest (None: all).
+    Raises :class:`NoLineageError` when nothing recorded produced ``uri``.
+    """
+    index = index or LineageIndex.load()
+    candidates = [uri]
+    if not storage.is_s3(uri) and not uri.startswith(("/", "file://", "~")):
+        candidates.append(storage.join(storage.storage_root(), uri))
+    for candidate in candidates:
+        if _model_version_root(candidate) or index.producers(candidate):
+            return _Builder(index, max_objects).node(DatasetRef(uri=candidate))
+    raise NoLineageError(
+        f"no lineage for {uri}: no record under {lineage.lineage_dir()} names it (or a folder of it) as an output"
+    )
+
+
+def _label(node: LineageNode) -> str:
+    facts = []
+    if node.details.get("name") and node.kind == "model version":
+        facts.append(f"{node.details['name']} v{node.details['version']}")
+    if node.stage:
+        facts.append(f"{node.stage} run")
+    if node.produced_at:
+        facts.append(node.produced_at.strftime("%Y-%m-%d %H:%M:%SZ"))
+    if node.details.get("flow"):
+        facts.append(f"flow {node.details['flow']} {str(node.details.get('flow_run_id', ''))[:8]}".rstrip())
+    if node.content_hash:
+        facts.append(f"content {node.content_hash[:12]}")
+    if node.etag:
+        facts.append(f"etag {node.etag}")
+    if node.repeated:
+        facts.append("shown above")
+    if node.cycle:
+        facts.append("cycle: its own ancestor")
+    return f"{node.kind}  {node.uri}" + (f"  ({', '.join(facts)})" if facts else "")
+
+
+def render_text(node: LineageNode) -> str:
+    """An indented tree, one line per dataset, root first."""
+    lines = [_label(node)]
+    _render_children(node, "", lines)
+    return "\n".join(lines)
+
+
+def _render_children(node: LineageNode, prefix: str, lines: list[str]) -> None:
+    entries: list[LineageNode | str] = [*node.upstream]
+    if node.omitted:
+        entries.append(f"… {node.omitted} more")
+    for i, entry in enumerate(entries):
+        last = i == len(entries) - 1
+        branch, indent = ("└── ", "    ") if last else ("├── ", "│   ")
+        lines.append(prefix + branch + (entry if isinstance(entry, str) else _label(entry)))
+        if isinstance(entry, LineageNode):
+            _render_children(entry, prefix + indent, lines)

@@ -1,0 +1,44 @@
+"""rayline's Prefect events: what stages announce, for automations (retraining, rollouts) and for people.
+
+Prefect triggers match resource *labels* (strings, globs), not numbers, so
+an event that an automation must threshold carries the decision as a label:
+``rayline.data.arrived`` has ``rayline.retrain = "true"`` when its new
+labelled objects reach ``RAYLINE_RETRAIN_MIN_NEW_LABELLED``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.events import emit_event
+
+from ray_workloads.ingest import Arrivals
+from rayline.config import get_settings
+
+DATA_ARRIVED = "rayline.data.arrived"
+DRIFT_DETECTED = "rayline.drift.detected"
+HEALTH_DEGRADED = "rayline.serve.unhealthy"
+CHALLENGER_REGISTERED = "rayline.model.challenger"
+ROLLED_BACK = "rayline.rollout.rolled_back"
+PROMOTED = "rayline.rollout.promoted"
+RETRAIN_LABEL = "rayline.retrain"
+
+
+def emit(event: str, resource_id: str, payload: dict[str, Any], labels: dict[str, str] | None = None) -> None:
+    emit_event(event=event, resource={"prefect.resource.id": resource_id, **(labels or {})}, payload=payload)
+
+
+def model_resource(name: str, version: int) -> str:
+    return f"rayline.model.{name}.v{version}"
+
+
+def data_arrived(arrivals: Arrivals) -> bool:
+    """Announce new objects under a prefix; True when they are enough to retrain on."""
+    eligible = arrivals.new_labelled >= get_settings().retrain_min_new_labelled
+    emit(
+        DATA_ARRIVED,
+        f"rayline.data.{arrivals.source_uri}",
+        payload=arrivals.model_dump(),
+        labels={RETRAIN_LABEL: "true" if eligible else "false", "rayline.prefix": arrivals.source_uri},
+    )
+    return eligible

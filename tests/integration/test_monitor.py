@@ -1,0 +1,97 @@
+"""monitor on real committed partitions: images unlike training drift, digits don't; the drift event is emitted."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from flows.monitor import monitor
+from flows.nightly_inference import nightly_inference
+from flows.prepare_data import prepare_data
+from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
+from ray_workloads.training_loop import TrainLoopConfig, in_memory_batches, make_optimizer, run_epoch
+from rayline import registry, storage
+from rayline.seed import digit_objects, seed, synthetic_objects
+from tasks import events
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
+
+
+def _train_champion(root: str) -> None:
+    """A few in-process epochs on the prepared digits: a model that knows them, registered as champion."""
+    prepared = prepare_data(source_uri=storage.join(root, "raw")).preprocess
+    table = storage.read_parquet(prepared.files["train"])
+    data = {
+        "image": torch.from_numpy(table.column("image").combine_chunks().to_numpy_ndarray().copy()),
+        "label_index": torch.from_numpy(table.column("label_index").to_numpy().copy()),
+    }
+    spec = ModelSpec(num_classes=len(prepared.classes), width=16)
+    model, loop = build_model(spec), TrainLoopConfig(model=spec, lr=3e-3)
+    optimizer = make_optimizer(model, loop)
+    for epoch in range(4):
+        run_epoch(model, in_memory_batches(data, 32, epoch), torch.device("cpu"), optimizer)
+    version = registry.register(
+        "digits",
+        state_dict_bytes(model),
+        model_spec=spec.model_dump(),
+        image_spec=prepared.image.model_dump(),
+        classes=prepared.classes,
+        metrics={},
+        data_manifest_uri=prepared.manifest_uri,
+        data_content_hash=prepared.input_content_hash,
+        code_version="test",
+    )
+    registry.set_alias("digits", registry.CHAMPION, version.version, "test")
+
+
+def _drop(root: str, day: str, objects: list[tuple[str, bytes]]) -> None:
+    for key, data in objects:
+        storage.write_bytes_atomic(storage.join(root, "incoming", f"dt={day}", key), data)
+
+
+async def _drift_events(api: str, since: float) -> list[dict[str, object]]:
+    async with httpx.AsyncClient(base_url=api) as client:
+        answer = await client.post(
+            "/events/filter",
+            json={"filter": {"event": {"name": [events.DRIFT_DETECTED]}, "occurred": {"since": _iso(since)}}},
+        )
+        answer.raise_for_status()
+        return list(answer.json()["events"])
+
+
+def _iso(unix: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(unix, UTC).isoformat()
+
+
+def test_drift_is_detected_on_unfamiliar_images_only(local_storage: str, prefect_api: str) -> None:
+    import asyncio
+
+    seed(storage.join(local_storage, "raw"))
+    _train_champion(local_storage)
+    _drop(local_storage, "2026-11-27", list(digit_objects(32))[::3])  # like training
+    _drop(local_storage, "2026-11-28", list(synthetic_objects(600, 32, np.random.default_rng(5))))  # unlike it
+    for day in ("2026-11-27", "2026-11-28"):
+        nightly_inference(date=day, max_error_fraction=0.0)
+
+    started = time.time()
+    result = monitor(partitions=2, check_serving=False)
+    verdicts = {p.partition_uri.rsplit("/", 1)[-1]: p for p in result.partitions}
+    familiar, unfamiliar = verdicts["dt=2026-11-27"], verdicts["dt=2026-11-28"]
+    assert not familiar.drifted and familiar.psi < 0.1, familiar
+    assert unfamiliar.drifted and unfamiliar.reasons, unfamiliar
+
+    metrics = storage.read_bytes(result.metrics_uri).decode()
+    assert 'rayline_predictions_class_psi{flow_run="' in metrics and 'partition="dt=2026-11-28"' in metrics
+
+    deadline = time.monotonic() + 30  # events reach the server's store asynchronously
+    while not (found := asyncio.run(_drift_events(prefect_api, started))) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert [e["resource"]["prefect.resource.id"] for e in found] == [  # type: ignore[index]
+        f"rayline.predictions.{unfamiliar.partition_uri}"
+    ]

@@ -1,0 +1,156 @@
+"""serve-rollout on real Serve, Prefect and storage: promote under load with no failed request; roll back a bad one.
+
+The module serves an untrained champion (v1) on a free loopback port; each test
+registers its own challenger and runs the flow while client threads keep
+sending requests through the router.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+import torch
+
+from flows.serve_rollout import serve_config, serve_rollout
+from ray_workloads import serve_control
+from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
+from ray_workloads.serve_app import ANSWER_HEADER
+from rayline import lineage, registry, storage
+from rayline.registry import ModelVersion
+from rayline.seed import digit_objects
+from tests.support import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
+
+SPEC = ModelSpec(num_classes=10, width=8)
+FAST = {"soak_s": 3.0, "min_requests": 10}  # short windows; the gates are the production ones
+
+
+def _register(seed: int, broken: bool = False) -> ModelVersion:
+    """An untrained SmallCNN (``seed`` fixes its weights); ``broken`` answers every input with NaNs."""
+    torch.manual_seed(seed)
+    model = build_model(SPEC)
+    if broken:
+        with torch.no_grad():
+            model.head[-1].weight.fill_(float("nan"))
+    return registry.register(
+        "digits",
+        state_dict_bytes(model),
+        model_spec=SPEC.model_dump(),
+        image_spec={"size": 32},
+        classes=[str(i) for i in range(10)],
+        metrics={"test_accuracy": 0.1},
+        data_manifest_uri="-",
+        data_content_hash="-",
+        code_version="test",
+    )
+
+
+@pytest.fixture(scope="module")
+def champion_serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """v1 serving all traffic; storage and Serve port set for the flow through settings."""
+    root = str(tmp_path_factory.mktemp("rollout") / "storage")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAYLINE_STORAGE", root)
+        env.setenv("RAYLINE_SERVE_PORT", str(free_port()))
+        probes = storage.join(root, "raw")
+        for key, data in list(digit_objects(32))[:200]:
+            storage.write_bytes_atomic(storage.join(probes, key), data)
+        champion = _register(seed=0)
+        registry.set_alias("digits", registry.CHAMPION, champion.version, "test")
+        cfg = serve_config()
+        try:
+            url = serve_control.start(cfg)
+            serve_control.deploy_version(champion, cfg)
+            serve_control.set_weights({champion.version: 100.0}, cfg)
+            yield url
+        finally:
+            serve_control.shutdown(cfg)
+
+
+@dataclass
+class Load:
+    """Client threads posting images through the router until stopped; every outcome kept."""
+
+    url: str
+    image: bytes
+    statuses: Counter[int] = field(default_factory=Counter)
+    by_version: Counter[tuple[str, int]] = field(default_factory=Counter)
+    connection_errors: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def _client_loop(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            while not self.stop.is_set():
+                try:
+                    answer = client.post("/predict", content=self.image)
+                except httpx.HTTPError as exc:
+                    self.connection_errors.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                self.statuses[answer.status_code] += 1
+                self.by_version[(answer.headers.get(ANSWER_HEADER, "?"), answer.status_code)] += 1
+
+    def __enter__(self) -> Load:
+        self.threads = [threading.Thread(target=self._client_loop, daemon=True) for _ in range(3)]
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+
+def _probe_image() -> bytes:
+    return next(iter(digit_objects(32)))[1]
+
+
+def test_rollout_under_load_promotes_with_no_failed_request(champion_serving: str) -> None:
+    incumbent = registry.resolve("digits", registry.CHAMPION)
+    twin = _register(seed=0)  # same weights: agrees with the champion everywhere
+    registry.set_alias("digits", registry.CHALLENGER, twin.version, "test")
+
+    with Load(champion_serving, _probe_image()) as load:
+        result = serve_rollout(**FAST)  # type: ignore[arg-type]
+
+    assert result.promoted and [s.weight for s in result.steps] == [10.0, 50.0, 100.0]
+    assert all(s.passed for s in result.steps) and result.steps[0].agreement == 1.0
+    assert load.connection_errors == [] and set(load.statuses) == {200}, (load.statuses, load.connection_errors[:3])
+    assert sum(load.statuses.values()) > 100
+    assert {v for v, _ in load.by_version} == {str(incumbent.version), str(twin.version)}
+    assert registry.alias_version("digits", registry.CHAMPION) == twin.version
+    cfg = serve_config()
+    assert serve_control.live_versions(cfg) == [twin.version], "the old version's deployment is retired"
+    (record,) = [r for r in lineage.read_records("serve_rollout") if r.outputs[0].uri == twin.uri]
+    assert record.outputs[0].facets["outcome"] == "promoted"
+
+
+def test_a_broken_challenger_is_rolled_back_at_the_first_step(champion_serving: str) -> None:
+    incumbent = registry.resolve("digits", registry.CHAMPION)
+    broken = _register(seed=3, broken=True)
+    registry.set_alias("digits", registry.CHALLENGER, broken.version, "test")
+
+    with Load(champion_serving, _probe_image()) as load:
+        # agreement off: the live error-rate gate must catch it on its own
+        state = serve_rollout(min_agreement=0.0, return_state=True, **FAST)  # type: ignore[arg-type]
+
+    assert state.is_failed()
+    message = str(state.message)
+    assert f"v{broken.version} failed the gate at 10%: error rate 100.0%" in message, message
+    assert f"all traffic is back on v{incumbent.version}" in message
+    assert load.connection_errors == []
+    answered = {(v, s) for v, s in load.by_version}
+    assert all(s == 200 for v, s in answered if v == str(incumbent.version)), "the champion kept serving"
+    assert all(v == str(broken.version) for v, s in answered if s != 200), answered
+    cfg = serve_control.ServeConfig(port=serve_config().port)
+    assert serve_control.live_versions(cfg) == [incumbent.version]
+    assert serve_control.get_weights(cfg) == {incumbent.version: 100.0}
+    assert registry.alias_version("digits", registry.CHAMPION) == incumbent.version
+    (record,) = [r for r in lineage.read_records("serve_rollout") if r.outputs[0].uri == broken.uri]
+    assert record.outputs[0].facets["outcome"] == "rolled back"

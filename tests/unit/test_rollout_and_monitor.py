@@ -1,0 +1,87 @@
+"""Pure parts of rollout gating and monitoring: verdicts, PSI, Prometheus text."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from ray_workloads.monitor import PartitionDrift, prometheus_text, psi, shares
+from ray_workloads.rollout import GateConfig, RolloutConfig, judge
+from ray_workloads.serve_control import VersionStats
+
+pytestmark = pytest.mark.unit
+
+GATES = GateConfig(max_error_rate=0.01, max_p95_ratio=1.5, p95_slack_ms=10, min_agreement=0.9, min_requests=20)
+
+
+def _stats(requests: int, errors: int = 0, p95: float = 20.0) -> VersionStats:
+    return VersionStats(version=2, requests=requests, errors=errors, p50_ms=p95 / 2, p95_ms=p95, p99_ms=p95)
+
+
+def test_a_healthy_candidate_passes() -> None:
+    passed, reason = judge(_stats(100), incumbent_p95_ms=20.0, agreement=0.97, gates=GATES)
+    assert passed and "100 requests" in reason and "agreement 97.0%" in reason
+
+
+@pytest.mark.parametrize(
+    ("stats", "agreement", "expected"),
+    [
+        (_stats(100, errors=5), None, "error rate 5.0% (5/100) is above 1.0%"),
+        (_stats(100, p95=80.0), None, "p95 latency 80.0 ms is above 40.0 ms"),
+        (_stats(100), 0.5, "agreement with the incumbent 50.0% is below 90.0%"),
+        (_stats(3), None, "only 3 candidate requests in the window (need 20)"),
+        (None, None, "only 0 candidate requests"),
+    ],
+)
+def test_each_gate_fails_with_its_reason(stats: VersionStats | None, agreement: float | None, expected: str) -> None:
+    passed, reason = judge(stats, incumbent_p95_ms=20.0, agreement=agreement, gates=GATES)
+    assert not passed and expected in reason
+
+
+@pytest.mark.parametrize("steps", [[], [10, 50], [50, 10, 100], [0, 100], [10, 10, 100], [10, 150]])
+def test_steps_must_rise_to_100(steps: list[float]) -> None:
+    with pytest.raises(ValidationError, match="steps must rise"):
+        RolloutConfig(steps=steps, probe_uri="/tmp/x")
+
+
+def test_psi_is_zero_for_equal_shares_and_grows_with_shift() -> None:
+    reference = shares({"0": 50, "1": 50})
+    assert psi(reference, shares({"0": 50, "1": 50})) == pytest.approx(0.0)
+    assert 0.0 < psi(reference, shares({"0": 60, "1": 40})) < 0.1
+    assert psi(reference, shares({"0": 100})) > 0.2  # a class disappearing is a large shift, but finite
+
+
+def test_prometheus_text_is_labelled_by_flow_run_stage_and_version() -> None:
+    drift = PartitionDrift(
+        partition_uri="s3://b/predictions/dt=2026-11-28",
+        model="v3",
+        inputs=10,
+        predictions=9,
+        errors=1,
+        class_share={"0": 1.0},
+        reference_share={"0": 0.5, "1": 0.5},
+        psi=0.5,
+        mean_confidence=0.4,
+        low_confidence_share=0.6,
+        drifted=True,
+        reasons=["x"],
+    )
+    text = prometheus_text(None, [drift], flow_run="run-1")
+    assert "# TYPE rayline_predictions_class_psi gauge" in text
+    labels = 'flow_run="run-1",stage="batch_inference",model_version="v3",partition="dt=2026-11-28"'
+    assert f"rayline_predictions_class_psi{{{labels}}} 0.5" in text
+    assert f"rayline_predictions_error_fraction{{{labels}}} 0.1" in text
+
+
+def test_one_rollout_lease_per_model(local_storage: str) -> None:
+    from rayline import registry
+
+    assert registry.acquire_rollout_lease("digits", "run-a", ttl_s=60)
+    assert not registry.acquire_rollout_lease("digits", "run-b", ttl_s=60), "held by run-a"
+    assert registry.acquire_rollout_lease("digits", "run-a", ttl_s=60), "re-entrant for its holder"
+    assert registry.acquire_rollout_lease("other-model", "run-b", ttl_s=60), "per model"
+    registry.release_rollout_lease("digits", "run-b")  # not the holder: no effect
+    assert not registry.acquire_rollout_lease("digits", "run-b", ttl_s=60)
+    registry.release_rollout_lease("digits", "run-a")
+    assert registry.acquire_rollout_lease("digits", "run-b", ttl_s=-1)  # expires at once: as if it crashed
+    assert registry.acquire_rollout_lease("digits", "run-c", ttl_s=60), "a stale lease is taken over"
