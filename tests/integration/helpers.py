@@ -42,19 +42,35 @@ def assert_exactly_one_row_per_object(result: PreprocessResult, seeded: SeedResu
     )
 
 
-def register_untrained_champion(name: str = "digits") -> registry.ModelVersion:
-    """An untrained model is enough to check delivery guarantees (accuracy is tested elsewhere)."""
+def register_untrained(
+    name: str = "digits", seed: int = 0, broken: bool = False, class_prefix: str = ""
+) -> registry.ModelVersion:
+    """An untrained SmallCNN (``seed`` fixes its weights); ``broken`` answers every input with NaNs.
+
+    Enough to check delivery and serving guarantees (accuracy is tested elsewhere).
+    """
+    import torch
+
     spec = ModelSpec(num_classes=10, width=8)
-    version = registry.register(
+    torch.manual_seed(seed)
+    model = build_model(spec)
+    if broken:
+        with torch.no_grad():
+            model.head[-1].weight.fill_(float("nan"))
+    return registry.register(
         name,
-        state_dict_bytes(build_model(spec)),
+        state_dict_bytes(model),
         model_spec=spec.model_dump(),
         image_spec={"size": 32},
-        classes=[str(i) for i in range(10)],
+        classes=[f"{class_prefix}{i}" for i in range(10)],
         metrics={"test_accuracy": 0.1},
         data_manifest_uri="-",
         data_content_hash="-",
         code_version="test",
     )
+
+
+def register_untrained_champion(name: str = "digits") -> registry.ModelVersion:
+    version = register_untrained(name)
     registry.set_alias(name, registry.CHAMPION, version.version, "test")
     return version

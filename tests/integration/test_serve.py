@@ -23,11 +23,9 @@ import httpx
 import numpy as np
 import pytest
 import ray
-import torch
 from PIL import Image
 
 from ray_workloads import serve_control
-from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from ray_workloads.serve_app import (
     ANSWER_HEADER,
     KEY_HEADER,
@@ -37,10 +35,10 @@ from ray_workloads.serve_app import (
     multipart_image,
 )
 from ray_workloads.serve_control import ServeConfig
-from rayline import registry
 from rayline.errors import ConfigError
 from rayline.ray_cluster import NAMESPACE
 from rayline.registry import ModelVersion
+from tests.integration.helpers import register_untrained
 from tests.support import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
@@ -57,24 +55,7 @@ class Serving:
 
 
 def _register(seed: int, broken: bool = False) -> ModelVersion:
-    """An untrained SmallCNN; ``broken`` has NaN head weights, so every answer is non-finite."""
-    spec = ModelSpec(num_classes=10, width=8)
-    torch.manual_seed(seed)
-    model = build_model(spec)
-    if broken:
-        with torch.no_grad():
-            model.head[-1].weight.fill_(float("nan"))
-    return registry.register(
-        MODEL,
-        state_dict_bytes(model),
-        model_spec=spec.model_dump(),
-        image_spec={"size": 32},
-        classes=[f"digit-{i}" for i in range(10)],
-        metrics={"test_accuracy": 0.1},
-        data_manifest_uri="-",
-        data_content_hash="-",
-        code_version="test",
-    )
+    return register_untrained(MODEL, seed=seed, broken=broken, class_prefix="digit-")
 
 
 @pytest.fixture(scope="module")

@@ -14,41 +14,23 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-import torch
 
 from flows.serve_rollout import serve_config, serve_rollout
 from ray_workloads import serve_control
-from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from ray_workloads.serve_app import ANSWER_HEADER
 from rayline import lineage, registry, storage
 from rayline.registry import ModelVersion
 from rayline.seed import digit_objects
+from tests.integration.helpers import register_untrained
 from tests.support import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 
-SPEC = ModelSpec(num_classes=10, width=8)
 FAST = {"soak_s": 3.0, "min_requests": 10}  # short windows; the gates are the production ones
 
 
 def _register(seed: int, broken: bool = False) -> ModelVersion:
-    """An untrained SmallCNN (``seed`` fixes its weights); ``broken`` answers every input with NaNs."""
-    torch.manual_seed(seed)
-    model = build_model(SPEC)
-    if broken:
-        with torch.no_grad():
-            model.head[-1].weight.fill_(float("nan"))
-    return registry.register(
-        "digits",
-        state_dict_bytes(model),
-        model_spec=SPEC.model_dump(),
-        image_spec={"size": 32},
-        classes=[str(i) for i in range(10)],
-        metrics={"test_accuracy": 0.1},
-        data_manifest_uri="-",
-        data_content_hash="-",
-        code_version="test",
-    )
+    return register_untrained("digits", seed=seed, broken=broken)
 
 
 @pytest.fixture(scope="module")
