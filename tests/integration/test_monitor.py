@@ -14,6 +14,7 @@ from flows.nightly_inference import nightly_inference
 from flows.prepare_data import prepare_data
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from ray_workloads.training_loop import TrainLoopConfig, in_memory_batches, make_optimizer, run_epoch
+from ray_workloads.monitor import DriftThresholds
 from rayline import registry, storage
 from rayline.seed import digit_objects, seed, synthetic_objects
 from tasks import events
@@ -24,15 +25,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "p
 def _train_champion(root: str) -> None:
     """A few in-process epochs on the prepared digits: a model that knows them, registered as champion."""
     prepared = prepare_data(source_uri=storage.join(root, "raw")).preprocess
-    table = storage.read_parquet(prepared.files["train"])
+    table = storage.read_parquet(prepared.files["train"]).sort_by("key")  # shard order varies run to run
     data = {
         "image": torch.from_numpy(table.column("image").combine_chunks().to_numpy_ndarray().copy()),
         "label_index": torch.from_numpy(table.column("label_index").to_numpy().copy()),
     }
     spec = ModelSpec(num_classes=len(prepared.classes), width=16)
+    torch.manual_seed(0)  # a fixed start: the familiar partition's PSI must not depend on the draw
     model, loop = build_model(spec), TrainLoopConfig(model=spec, lr=3e-3)
     optimizer = make_optimizer(model, loop)
-    for epoch in range(4):
+    for epoch in range(12):
         run_epoch(model, in_memory_batches(data, 32, epoch), torch.device("cpu"), optimizer)
     version = registry.register(
         "digits",
@@ -83,7 +85,7 @@ def test_drift_is_detected_on_unfamiliar_images_only(local_storage: str, prefect
     result = monitor(partitions=2, check_serving=False)
     verdicts = {p.partition_uri.rsplit("/", 1)[-1]: p for p in result.partitions}
     familiar, unfamiliar = verdicts["dt=2026-11-27"], verdicts["dt=2026-11-28"]
-    assert not familiar.drifted and familiar.psi < 0.1, familiar
+    assert not familiar.drifted and familiar.psi < DriftThresholds().psi / 2, familiar
     assert unfamiliar.drifted and unfamiliar.reasons, unfamiliar
 
     metrics = storage.read_bytes(result.metrics_uri).decode()
