@@ -13,8 +13,8 @@ from flows.monitor import monitor
 from flows.nightly_inference import nightly_inference
 from flows.prepare_data import prepare_data
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
-from ray_workloads.training_loop import TrainLoopConfig, in_memory_batches, make_optimizer, run_epoch
 from ray_workloads.monitor import DriftThresholds
+from ray_workloads.training_loop import TrainLoopConfig, in_memory_batches, make_optimizer, run_epoch
 from rayline import registry, storage
 from rayline.seed import digit_objects, seed, synthetic_objects
 from tasks import events
