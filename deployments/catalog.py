@@ -93,7 +93,13 @@ def deployment_table() -> list[DeploymentSpec]:
             flow=train_model,
             parameters={"tune_samples": 4, "promote_to": "challenger"},
             triggers=[
-                _on(events.DATA_ARRIVED, "retrain-on-labelled-data", RETRAIN_DEBOUNCE, {events.RETRAIN_LABEL: "true"}),
+                _on(
+                    events.DATA_ARRIVED,
+                    "retrain-on-labelled-data",
+                    RETRAIN_DEBOUNCE,
+                    {events.RETRAIN_LABEL: "true"},
+                    source_uri="{{ event.payload.source_uri }}",  # train on what arrived
+                ),
                 _on(events.DRIFT_DETECTED, "retrain-on-drift", RETRAIN_DEBOUNCE),
             ],
             description="Retrain when labelled data arrives or drift is detected; a winner becomes challenger",

@@ -50,8 +50,14 @@ def prepare_data(
     source_uri: str | None = None,
     image_size: int = 32,
     force: bool = False,
+    announce_retrain: bool = True,
 ) -> PrepareDataResult:
-    """Ingest ``source_uri`` (default ``<storage>/raw``) and preprocess it for training."""
+    """Ingest ``source_uri`` (default ``<storage>/raw``) and preprocess it for training.
+
+    New objects are announced (``rayline.data.arrived``); with ``announce_retrain``
+    False the announcement never asks for a retraining — the caller is about to
+    train on this data itself (``train_model``), so a triggered run would repeat it.
+    """
     settings = get_settings()
     root = storage.storage_root()
     ingested = ingest_objects(
@@ -60,7 +66,8 @@ def prepare_data(
             output_root=storage.join(root, INGESTED_DIR),
             io_concurrency=settings.io_concurrency,
             force=force,
-        )
+        ),
+        announce_retrain=announce_retrain,
     )
     prepared = preprocess_images(
         PreprocessConfig(

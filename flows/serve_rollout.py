@@ -72,11 +72,16 @@ def serve_rollout(
         serve=serve,
     )
     version = registry.resolve(model_name, candidate)
+    asked = time.monotonic()
     holder = _wait_for_lease(model_name, lease_wait_s)
+    waited_s = time.monotonic() - asked
     try:
-        return _roll_out(cfg, version, serve)
+        result = _roll_out(cfg, version, serve)
     finally:
         registry.release_rollout_lease(model_name, holder)
+    if not result.steps and waited_s > 1.0:  # say why there was nothing to do
+        result.reason += f" (another rollout promoted it while this one waited {waited_s:.0f} s for the lease)"
+    return result
 
 
 def _wait_for_lease(model_name: str, wait_s: float) -> str:

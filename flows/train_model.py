@@ -65,7 +65,7 @@ def train_model(
     that passes the gate becomes ``promote_to``: ``champion``, or
     ``challenger`` when a serve rollout is to promote it.
     """
-    data = prepare_data(source_uri=source_uri)
+    data = prepare_data(source_uri=source_uri, announce_retrain=False)  # training on it now
     loop = TrainLoopConfig(
         model=ModelSpec(arch=arch, width=width),
         lr=lr,

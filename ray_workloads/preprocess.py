@@ -81,6 +81,7 @@ class PreprocessResult(BaseModel):
     image: ImageSpec = Field(default_factory=ImageSpec, description="How the images were decoded.")
     cached: bool = False
     elapsed_s: float = 0.0
+    ray_data_stats: str = Field("", description="Ray Data's execution stats of this run (empty when reused).")
 
     @property
     def total_rows(self) -> int:
@@ -289,7 +290,9 @@ def run(cfg: PreprocessConfig) -> PreprocessResult:
         "summary": summary,
     }
     storage.write_json_atomic(manifest_uri, manifest)  # the commit point
-    return _result(manifest, manifest_uri, False, time.perf_counter() - started)
+    result = _result(manifest, manifest_uri, False, time.perf_counter() - started)
+    # the workers' own stats never reach the caller's logs by themselves
+    return result.model_copy(update={"ray_data_stats": decoded.stats()})
 
 
 def error_sample(result: PreprocessResult, limit: int = 20) -> list[dict[str, Any]]:

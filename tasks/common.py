@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ParamSpec, TypeVar
 
-from prefect import Task, task
+from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.runtime import flow_run, task_run
@@ -160,3 +160,9 @@ def record_lineage(
 
 def _str_or_none(value: object) -> str | None:
     return None if value is None else str(value)
+
+
+def log_ray_data_stats(stats: str) -> None:
+    """Ray Data's per-operator execution stats, in the Prefect task's log (Ray keeps them in its own)."""
+    if stats.strip():
+        get_run_logger().info("Ray Data execution stats:\n%s", stats.strip())

@@ -32,9 +32,12 @@ def model_resource(name: str, version: int) -> str:
     return f"rayline.model.{name}.v{version}"
 
 
-def data_arrived(arrivals: Arrivals) -> bool:
-    """Announce new objects under a prefix; True when they are enough to retrain on."""
-    eligible = arrivals.new_labelled >= get_settings().retrain_min_new_labelled
+def data_arrived(arrivals: Arrivals, may_retrain: bool = True) -> bool:
+    """Announce new objects under a prefix; True when they are enough to retrain on.
+
+    ``may_retrain`` False: announced, but never labelled for retraining (the caller trains on them).
+    """
+    eligible = may_retrain and arrivals.new_labelled >= get_settings().retrain_min_new_labelled
     emit(
         DATA_ARRIVED,
         f"rayline.data.{arrivals.source_uri}",

@@ -14,7 +14,7 @@ from tasks.common import ray_task, record_lineage
 
 
 @ray_task("ingest")
-def ingest_objects(config: ingest.IngestConfig) -> ingest.IngestResult:
+def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -> ingest.IngestResult:
     started = datetime.now(UTC)
     connection = ray_cluster.connect()
     result = ingest.run(config)
@@ -48,7 +48,7 @@ def ingest_objects(config: ingest.IngestConfig) -> ingest.IngestResult:
     if not result.cached:  # a new input version: say what arrived since the last one
         news = ingest.arrivals(result, _previous_ingest(result))
         if news.new_objects:
-            eligible = events.data_arrived(news)
+            eligible = events.data_arrived(news, may_retrain=announce_retrain)
             get_run_logger().info(
                 "%d new objects (%d labelled) under %s%s",
                 news.new_objects,

@@ -9,7 +9,7 @@ from prefect import get_run_logger
 from ray_workloads import preprocess
 from rayline import ray_cluster
 from rayline.lineage import DatasetRef
-from tasks.common import ray_task, record_lineage
+from tasks.common import log_ray_data_stats, ray_task, record_lineage
 
 
 @ray_task("preprocess")
@@ -25,6 +25,7 @@ def preprocess_images(config: preprocess.PreprocessConfig) -> preprocess.Preproc
         " (reused)" if result.cached else "",
         result.elapsed_s,
     )
+    log_ray_data_stats(result.ray_data_stats)
     record_lineage(
         stage="preprocess",
         started_at=started,

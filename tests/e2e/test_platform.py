@@ -1,8 +1,15 @@
-"""`rayline up` / `rayline down` on loopback, and event-driven retraining against the real Prefect server it runs."""
+"""The operated system on loopback: `rayline up`, the demo against it, the Prefect UI, event-driven retraining,
+cancellation reaching Ray, and `rayline down` leaving no process behind.
+
+One `up` for the module (it costs a Prefect server, a Ray head and the deployments process); the tests run in
+file order, each on what the previous ones left, as a user's session would.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -10,15 +17,18 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rayline.platform import SERVICES, ServiceRecord, ray_temp_dir
-from tests.support import free_port
+from tests.support import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent
-_OUTSIDE = ("RAY_ADDRESS", "PREFECT_API_URL", "AWS_ENDPOINT_URL")
+_OUTSIDE = ("RAY_ADDRESS", "PREFECT_API_URL", "AWS_ENDPOINT_URL", "PREFECT_API_AUTH_STRING")
+AUTH = "rayline:platform-test-secret"  # the Prefect API asks for it (PREFECT_SERVER_API_AUTH_STRING)
+SCREENSHOTS = Path(os.environ.get("RAYLINE_TEST_ARTIFACTS", REPO_ROOT / "test-artifacts"))
 
 
 def _rayline(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -26,6 +36,12 @@ def _rayline(args: list[str], env: dict[str, str], timeout: float = 300) -> subp
         [str(BIN / "rayline"), *args], env=env, cwd=env["RAYLINE_STORAGE"], capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
+
+
+def _python(code: str, env: dict[str, str], timeout: float = 180) -> str:
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
 
 
 def _records(root: Path) -> dict[str, ServiceRecord]:
@@ -48,7 +64,10 @@ def _processes_under(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """`rayline up` on free loopback ports in a fresh storage root; `rayline down` after, checked by PID."""
+    """`rayline up` (API basic auth on) on free loopback ports in a fresh storage root; `down` after, by PID.
+
+    Yields the environment a user exports to work against it (README: "The operated system").
+    """
     root = tmp_path_factory.mktemp("platform") / "data"
     root.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in _OUTSIDE and not k.startswith("RAYLINE_")}
@@ -58,12 +77,19 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
         RAYLINE_RAY_PORT=str(free_port()),
         RAYLINE_DASHBOARD_PORT=str(free_port()),
         RAYLINE_SERVE_PORT=str(free_port()),
+        PREFECT_SERVER_API_AUTH_STRING=AUTH,
     )
     started = _rayline(["up"], env)
     try:
         assert started.returncode == 0, started.stdout + started.stderr
         assert all(f"{name:<12} started" in started.stdout for name in SERVICES), started.stdout
-        yield {**env, "PREFECT_API_URL": f"http://127.0.0.1:{env['RAYLINE_PREFECT_PORT']}/api"}
+        yield {
+            **env,
+            "PREFECT_API_URL": f"http://127.0.0.1:{env['RAYLINE_PREFECT_PORT']}/api",
+            "PREFECT_API_AUTH_STRING": AUTH,
+            "RAY_ADDRESS": f"127.0.0.1:{env['RAYLINE_RAY_PORT']}",
+            "RAY_AUTH_MODE": "token",
+        }
     finally:
         records = _records(root)
         stopped = _rayline(["down"], env)
@@ -86,6 +112,13 @@ def test_up_twice_starts_nothing_new(platform: dict[str, str]) -> None:
     assert f"Prefect UI       http://127.0.0.1:{platform['RAYLINE_PREFECT_PORT']}" in again.stdout
 
 
+def test_the_prefect_api_asks_for_basic_auth(platform: dict[str, str]) -> None:
+    api = platform["PREFECT_API_URL"]
+    assert httpx.post(f"{api}/flows/filter", json={}).status_code == 401
+    assert httpx.post(f"{api}/flows/filter", json={}, auth=tuple(AUTH.split(":", 1))).status_code == 200  # type: ignore[arg-type]
+    assert httpx.get(f"{api}/health").status_code == 200, "probes stay open"
+
+
 EMIT_AND_COUNT = textwrap.dedent(
     """
     import asyncio, sys, time
@@ -101,15 +134,16 @@ EMIT_AND_COUNT = textwrap.dedent(
         async with get_client() as client:
             found = await client.read_flow_runs(
                 deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["retrain"])))
-        return len(found)
+        return [r.parameters.get("source_uri") for r in found]
 
-    arrival("s3://bucket/small", "false")   # below the threshold: no run
+    prefix = sys.argv[1]
+    arrival(prefix + "-small", "false")       # below the threshold: no run
     time.sleep(3)
-    print("below", asyncio.run(retrain_runs()))
+    print("below", len(asyncio.run(retrain_runs())))
     for _ in range(5):                        # a burst above it: one run
-        arrival("s3://bucket/raw", "true")
+        arrival(prefix, "true")
     deadline = time.monotonic() + 60
-    while asyncio.run(retrain_runs()) == 0 and time.monotonic() < deadline:
+    while not asyncio.run(retrain_runs()) and time.monotonic() < deadline:
         time.sleep(1)
     time.sleep(5)                             # would a second run appear?
     print("burst", asyncio.run(retrain_runs()))
@@ -118,8 +152,199 @@ EMIT_AND_COUNT = textwrap.dedent(
 
 
 def test_a_burst_of_labelled_arrivals_starts_exactly_one_retraining(platform: dict[str, str]) -> None:
+    # a prefix with nothing under it: the triggered run fails at once instead of training for minutes
+    prefix = str(Path(platform["RAYLINE_STORAGE"]) / "arrivals-for-the-burst-test")
     done = subprocess.run(
-        [sys.executable, "-c", EMIT_AND_COUNT], env=platform, capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", EMIT_AND_COUNT, prefix], env=platform, capture_output=True, text=True, timeout=180
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "below 0" in done.stdout and "burst 1" in done.stdout, done.stdout
+    assert "below 0" in done.stdout, done.stdout
+    assert f"burst {[prefix]!r}" in done.stdout, "one run, on the prefix that arrived: " + done.stdout
+
+
+def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
+    """`rayline demo` against `up` (README): the whole lifecycle on its cluster, recorded by its Prefect server."""
+    done = _rayline(["demo"], platform, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "prepare-data finished" in out
+    assert "objects ingested   1801" in out
+    assert "train 1447, val 175, test 175" in out
+    assert "errors             4" in out
+    assert "train-model finished" in out
+    assert "4 trials" in out and "stopped early" in out
+    accuracy = float(out.split("test accuracy")[1].split()[0])
+    assert accuracy >= 0.95, out
+    assert "baseline: first champion" in out
+    assert "registered         digits v2: test_accuracy" in out and "alias              challenger" in out
+    data = Path(platform["RAYLINE_STORAGE"])
+    assert (data / "models" / "digits" / "v2" / "weights.pt").is_file()
+    assert f"serving v1 at http://127.0.0.1:{platform['RAYLINE_SERVE_PORT']}" in out
+    assert "rolling out v2 under load" in out
+    # v2 became champion under load: by the demo's own rollout, or by the serve-rollout deployment that
+    # registering the challenger triggered (one rollout per model at a time: the other waits, then finds it done)
+    assert "serve-rollout finished" in out, out
+    assert "v2 passed 3 steps and is champion" in out or "v2 already serves all traffic (another rollout" in out, out
+    load = out.split("load during the rollout: ")[1].splitlines()[0]
+    sent = int(load.split()[0])
+    assert sent > 50 and f"(200: {sent})" in load and load.endswith("connection errors: 0"), load
+    assert "nightly-inference finished" in out
+    assert "1803 inputs → 1799 predictions + 4 errors with digits v2" in out
+    assert len(list(data.glob("predictions/dt=*/_SUCCESS"))) == 1
+    assert f"the Prefect UI of {platform['PREFECT_API_URL']}" in out
+    # the triggered rollout ended well too, whichever of the two did the work
+    deadline = time.monotonic() + 120
+    while (states := _deployment_run_states("serve-rollout", platform)) != ["COMPLETED"]:
+        assert time.monotonic() < deadline and len(states) <= 1, states
+        time.sleep(2)
+
+
+DEPLOYMENT_RUN_STATES = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    async def states():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[sys.argv[1]])))
+        return [r.state.type.value for r in runs if r.state]
+
+    print(json.dumps(asyncio.run(states())))
+    """
+)
+
+
+def _deployment_run_states(deployment: str, env: dict[str, str]) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", DEPLOYMENT_RUN_STATES, deployment], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+NEWEST_COMPLETED_RUN = textwrap.dedent(
+    """
+    import asyncio
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    async def newest():
+        async with get_client() as client:
+            done = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["COMPLETED"])))
+            return await client.read_flow_runs(flow_run_filter=done, sort=FlowRunSort.START_TIME_DESC)
+
+    runs = asyncio.run(newest())
+    print(len(runs), runs[0].name if runs else "")
+    """
+)
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("Debian's chromium is missing: .ci/run installs it (apt-get install chromium)")
+        pytest.skip("needs Debian's chromium (apt-get install chromium)")
+    return found
+
+
+def test_the_prefect_ui_shows_the_runs(platform: dict[str, str]) -> None:
+    """Headless Chromium logs into the UI with the auth string and finds the demo's runs on the runs page."""
+    from playwright.sync_api import expect, sync_playwright
+
+    count, newest = _python(NEWEST_COMPLETED_RUN, platform).split()
+    assert int(count) >= 4, "prepare-data, train-model, serve-rollout, nightly-inference at least"
+    ui = f"http://127.0.0.1:{platform['RAYLINE_PREFECT_PORT']}"
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    shot = SCREENSHOTS / "prefect-ui-runs.png"
+    with sync_playwright() as driver:
+        browser = driver.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{ui}/runs")
+            password = page.locator("input[type=password]")
+            expect(password).to_be_visible(timeout=30_000)  # the API asks for auth: the UI shows its login
+            password.fill(AUTH)
+            password.press("Enter")
+            page.goto(f"{ui}/runs")
+            expect(page.get_by_text(newest).first).to_be_visible(timeout=60_000)
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000
+
+
+RAY_IN_PREFECT_LOGS = textwrap.dedent(
+    """
+    import asyncio, json
+    from prefect.client.orchestration import get_client
+
+    MARKERS = ["Ray Data execution stats:", "Ray Tune trials (best first):", "epoch 11: train loss"]
+
+    async def found():
+        seen, offset = set(), 0
+        async with get_client() as client:
+            while page := await client.read_logs(limit=200, offset=offset):
+                seen |= {m for m in MARKERS for log in page if log.message.startswith(m) and log.task_run_id}
+                offset += len(page)
+        return sorted(seen)
+
+    print(json.dumps(asyncio.run(found())))
+    """
+)
+
+
+def test_ray_stats_epochs_and_trials_reach_the_prefect_task_logs(platform: dict[str, str]) -> None:
+    """What Ray's workers log stays in Ray's files; rayline's tasks put the essentials into Prefect's logs."""
+    seen = json.loads(_python(RAY_IN_PREFECT_LOGS, platform).strip().splitlines()[-1])
+    assert seen == sorted(["Ray Data execution stats:", "Ray Tune trials (best first):", "epoch 11: train loss"])
+
+
+CANCEL_AND_WATCH = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    import ray
+    from ray.util.state import list_actors
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    def train_actors():
+        return [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                if "Train" in a.class_name]
+
+    run = run_deployment("train-model/train-model", parameters={"epochs": 200}, timeout=0)
+    deadline = time.monotonic() + 240
+    while "RayTrainWorker" not in train_actors() and time.monotonic() < deadline:
+        time.sleep(1)
+    print("training", sorted(set(train_actors())), flush=True)
+
+    async def cancel():
+        async with get_client() as client:
+            await client.set_flow_run_state(run.id, Cancelling(), force=True)
+
+    asyncio.run(cancel())
+    deadline = time.monotonic() + 90
+    while train_actors() and time.monotonic() < deadline:
+        time.sleep(1)
+    print("after cancel", sorted(set(train_actors())), flush=True)
+
+    async def state():
+        async with get_client() as client:
+            return (await client.read_flow_run(run.id)).state.type.value
+    deadline = time.monotonic() + 60
+    while (final := asyncio.run(state())) != "CANCELLED" and time.monotonic() < deadline:
+        time.sleep(1)
+    print("state", final)
+    """
+)
+
+
+def test_cancelling_a_flow_run_stops_its_ray_work(platform: dict[str, str]) -> None:
+    out = _python(CANCEL_AND_WATCH, platform, timeout=420)
+    assert "training ['" in out and "RayTrainWorker" in out, out
+    assert "after cancel []" in out, "Ray Train actors outlived the cancelled flow run: " + out
+    assert "state CANCELLED" in out, out

@@ -55,11 +55,10 @@ def _drop(root: str, day: str, objects: list[tuple[str, bytes]]) -> None:
         storage.write_bytes_atomic(storage.join(root, "incoming", f"dt={day}", key), data)
 
 
-async def _drift_events(api: str, since: float) -> list[dict[str, object]]:
+async def _events(api: str, name: str, since: float) -> list[dict[str, object]]:
     async with httpx.AsyncClient(base_url=api) as client:
         answer = await client.post(
-            "/events/filter",
-            json={"filter": {"event": {"name": [events.DRIFT_DETECTED]}, "occurred": {"since": _iso(since)}}},
+            "/events/filter", json={"filter": {"event": {"name": [name]}, "occurred": {"since": _iso(since)}}}
         )
         answer.raise_for_status()
         return list(answer.json()["events"])
@@ -74,6 +73,7 @@ def _iso(unix: float) -> str:
 def test_drift_is_detected_on_unfamiliar_images_only(local_storage: str, prefect_api: str) -> None:
     import asyncio
 
+    began = time.time()
     seed(storage.join(local_storage, "raw"))
     _train_champion(local_storage)
     _drop(local_storage, "2026-11-27", list(digit_objects(32))[::3])  # like training
@@ -92,8 +92,13 @@ def test_drift_is_detected_on_unfamiliar_images_only(local_storage: str, prefect
     assert 'rayline_predictions_class_psi{flow_run="' in metrics and 'partition="dt=2026-11-28"' in metrics
 
     deadline = time.monotonic() + 30  # events reach the server's store asynchronously
-    while not (found := asyncio.run(_drift_events(prefect_api, started))) and time.monotonic() < deadline:
+    while not (found := asyncio.run(_events(prefect_api, events.DRIFT_DETECTED, started))):
+        assert time.monotonic() < deadline, "no drift event"
         time.sleep(1)
     assert [e["resource"]["prefect.resource.id"] for e in found] == [  # type: ignore[index]
         f"rayline.predictions.{unfamiliar.partition_uri}"
     ]
+    # the standalone prepare-data of the seed announced 1797 labelled arrivals, enough to retrain on
+    (arrived,) = asyncio.run(_events(prefect_api, events.DATA_ARRIVED, began))
+    assert arrived["resource"][events.RETRAIN_LABEL] == "true", arrived  # type: ignore[index]
+    assert arrived["payload"]["new_labelled"] == 1797, arrived  # type: ignore[index]

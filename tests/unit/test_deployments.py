@@ -32,6 +32,7 @@ def test_retraining_and_rollout_are_event_triggered() -> None:
     assert set(by_event) == {events.DATA_ARRIVED, events.DRIFT_DETECTED}
     arrived = by_event[events.DATA_ARRIVED]
     assert arrived.match.model_dump() == {events.RETRAIN_LABEL: "true"}, "only arrivals above the threshold"
+    assert arrived.parameters == {"source_uri": "{{ event.payload.source_uri }}"}, "trains on the prefix that arrived"
     for trigger in retrain.triggers:  # debounced: the first event fires, the rest of the window is ignored
         assert trigger.posture.value == "Reactive" and trigger.threshold == 1 and trigger.within == RETRAIN_DEBOUNCE
 

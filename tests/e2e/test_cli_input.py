@@ -1,0 +1,29 @@
+"""CLI input checking, as a user meets it. (The demo itself runs in test_platform, against `rayline up`.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+RAYLINE = str(Path(sys.executable).parent / "rayline")
+
+
+def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("RAYLINE_")}
+    full_env.update(env)
+    return subprocess.run([RAYLINE, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def test_bad_storage_setting_is_named(tmp_path: Path) -> None:
+    done = _run(["seed-data", "--to", "gs://nope/raw"], tmp_path)
+    assert done.returncode == 2
+    assert "unsupported storage URI 'gs://nope/raw'" in done.stderr
+    done = _run(["prepare-data"], tmp_path, RAYLINE_STORAGE="ftp://host/x")
+    assert done.returncode == 2
+    assert "invalid rayline settings: storage" in done.stderr
