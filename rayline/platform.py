@@ -35,6 +35,7 @@ from pydantic import BaseModel
 from rayline import storage
 from rayline.config import Settings, get_settings
 from rayline.errors import ClusterError, ConfigError
+from rayline.ray_cluster import RAY_ENV_DEFAULTS
 
 SERVICES = ("prefect", "ray", "deployments")
 
@@ -250,6 +251,8 @@ def _up(
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
         env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "5")
+        for key, value in RAY_ENV_DEFAULTS.items():  # the head's own processes (Serve's controller, proxy) too
+            env.setdefault(key, value)
         record, proc = _start(state, "ray", _ray_command(state, settings), env, ends.dashboard)
         port = settings.ray_port
         _wait(f"port {port}", _until(lambda: _port_open(port), proc, timeout_s), record, timeout_s)

@@ -45,9 +45,17 @@ class RayConnection:
 
 
 # Ray defaults that cost seconds per run on small jobs; explicit settings win.
-_RAY_DEFAULTS = {
+RAY_ENV_DEFAULTS = {
     # the Train controller notices finished/failed workers after this long (default 2 s)
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    # Serve's lower-latency request path (part of RAY_SERVE_THROUGHPUT_OPTIMIZED, without its direct
+    # ingress, which would drop the HTTP proxy): user code and the handle router on the replica's own
+    # event loop instead of extra threads, and handle calls over gRPC rather than as Ray actor calls.
+    # rayline's replicas run blocking work (decode, forward pass) in worker threads, so the loop stays free.
+    # bench/serve.py: both the router path and the direct path get faster; see README, "Serving".
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
 }
 
 
@@ -56,7 +64,7 @@ def _remote_runtime_env() -> dict[str, Any]:
     import rayline
 
     env_vars = {k: os.environ[k] for k in _FORWARDED_ENV if os.environ.get(k)}
-    env_vars.update({k: os.environ.get(k, v) for k, v in _RAY_DEFAULTS.items()})
+    env_vars.update({k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()})
     return {"env_vars": env_vars, "py_modules": [rayline, ray_workloads]}
 
 
@@ -74,7 +82,7 @@ def _start(settings: Settings, preload: Sequence[str]) -> bool:
         # The embedded cluster's processes inherit this environment, so no runtime_env: with one,
         # Ray cannot hand out the workers it prestarts (their runtime env differs) and every actor
         # waits for a fresh process (~1.5 s on 2 cores).
-        for key, value in _RAY_DEFAULTS.items():
+        for key, value in RAY_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         ray.init(
             address="local",
