@@ -5,8 +5,8 @@ What is compared (issue 4, point 7):
 * **rayline**: ``ray_workloads.batch_inference.run``, the workload of the
   ``nightly-inference`` flow, on an embedded Ray cluster started the way its
   task starts it (``ray_cluster.connect(preload=WORKER_PRELOAD)``): list the
-  prefix; predictor actors fetch, decode, predict and write Parquet; verify
-  exactly-once; commit the manifest.
+  prefix; predictor actors (a Ray Data actor pool) fetch, decode, predict and
+  write Parquet; verify exactly-once; commit the manifest.
 * **plain**: one process, no Ray: the seed article's ``TorchPredictor`` loop
   run by hand. It lists the same prefix with the same function, reads the
   files one after another (on S3: one GET after another), decodes each with
@@ -256,9 +256,8 @@ def plain_loop(objects: list[Any], read: Callable[[str], bytes], version: Any, o
     import pyarrow as pa
     import torch
 
-    from ray_workloads.batch_inference import prepare_for_inference
     from ray_workloads.images import ImageSpec, decode_image
-    from ray_workloads.models import ModelSpec, load_model
+    from ray_workloads.models import ModelSpec, load_model, prepare_for_inference
     from rayline import storage
 
     spec = ImageSpec.model_validate(version.image_spec)
@@ -318,8 +317,7 @@ def choose_torch_threads(version: Any, prepared: bool) -> int:
     """The faster of 1 thread and torch's default for this model, so the plain loop is at its best."""
     import torch
 
-    from ray_workloads.batch_inference import prepare_for_inference
-    from ray_workloads.models import ModelSpec, build_model
+    from ray_workloads.models import ModelSpec, build_model, prepare_for_inference
 
     model = build_model(ModelSpec.model_validate(version.model_spec)).eval()
     batch = torch.randn(BATCH_SIZE, 3, IMAGE_SIZE, IMAGE_SIZE)

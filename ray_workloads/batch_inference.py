@@ -1,28 +1,32 @@
 """Batch inference: every input object gets exactly one prediction row or one error row.
 
-The listing is cut into blocks and handed to a pool of predictor actors. An
-actor loads the model once; for each block it fetches the objects
-concurrently, decodes them one by one (a bad image becomes an error row, not a
-failed job), predicts the decoded ones in batches and writes the block's
-predictions and errors as Parquet under a run folder of the partition, then
-reports the files it wrote. The run is then verified (predictions ∪ errors ==
-listed inputs, each once) and committed: ``manifest.json`` naming the
-reported files, then ``_SUCCESS``. Readers go by the manifest, so they see the
-previous committed run or this one, never a mix (nor a file of a killed,
-retried attempt); a rerun replaces the manifest and then removes the old
-run's files.
+The listing is cut into blocks of ``objects_per_task`` URIs. A Ray Data
+dataset holds one row per block, and one ``map_batches`` stage runs
+:class:`~ray_workloads.inference_predictor.PredictorUDF` over it in an actor
+pool: an actor loads the model once, then for each block fetches, decodes,
+predicts and writes the block's predictions and errors as Parquet under a run
+folder of the partition, and returns a report of the files it wrote. The
+driver collects the reports, verifies the run (predictions ∪ errors == listed
+inputs, each once) and commits it: ``manifest.json`` naming the reported
+files, then ``_SUCCESS``. Readers go by the manifest, so they see the previous
+committed run or this one, never a mix (nor a file of a killed, retried
+attempt); a rerun replaces the manifest and then removes the old run's files.
 
-Why plain Ray actors rather than a Ray Data pipeline: the inputs are URIs and
-the outputs a few file names, so there is nothing for Ray Data to stream,
-while on a small node a night's fixed cost (worker processes starting and
-importing) weighs as much as its throughput. The Ray Data version started
-processes per stage (fetch tasks, write tasks), imported ``ray.data`` in each
-and started its own helper actors: ~7 s before the first row on 2 idle cores,
-~12 s on busy ones. Here one actor call does a whole block, a small input
-gets no more actors than it has blocks, the first actor starts while the
-prefix is listed, and a process that asks for ``WORKER_PRELOAD`` gets actors
-that already have torch. A killed actor is restarted by Ray and its block
-retried. ``bench/batch_inference.py`` measures it against a plain loop.
+Why Ray Data, and why one stage of whole blocks: Ray Data gives the actor
+pool, its scheduling, and the restart of a lost actor with the retry of its
+block (bounded here: ``_ACTOR_RESTARTS``). The inputs are URIs and the outputs
+a few file names, so only those cross the object store, never images. An
+earlier version with separate fetch, predict and write stages streamed the
+images through the object store and started processes per stage: ~7 s before
+the first row on 2 idle cores and 19 GB RSS at 100k images. Here a small input
+gets no more actors than it has blocks, and a process that asks for
+``WORKER_PRELOAD`` gets actors that already have what they import.
+
+What Ray Data costs on top of a plain pool of actors: three helper actors of
+its own (stats, autoscaling coordinator, actor locations; detached, so once
+per cluster), each a worker process, and the driver's scheduling loop (~1 CPU
+second per 20k images). On a fresh 2-core cluster that is a few CPU seconds
+per run. ``bench/batch_inference.py`` measures it against a plain loop.
 
 Layout::
 
@@ -36,38 +40,38 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 from pydantic import BaseModel, Field
 
-from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
+from ray_workloads.inference_predictor import BLOCK_COLUMNS, PredictorUDF, WrittenFile
 from ray_workloads.ingest import content_hash
 from rayline import storage
 from rayline.errors import ClusterError, InputDataError, RaylineError, StorageError
 from rayline.registry import ModelVersion
 
 if TYPE_CHECKING:
-    from torch import nn
+    from ray.data import Dataset
 
 MANIFEST = "manifest.json"
 SUCCESS = "_SUCCESS"
-# Blocks queued on each actor: the next one is already there when a call ends.
-_BLOCKS_IN_FLIGHT_PER_ACTOR = 2
-# A lost actor (OOM, node loss, killed) is restarted and its blocks retried;
+# A lost actor (OOM, node loss, killed) is restarted and its block retried;
 # an input that kills its actor every time fails the run after this many.
+# (Ray Data's default is to restart and retry forever.)
 _ACTOR_RESTARTS = 3
 # What a process that runs batch inference asks its embedded Ray cluster to
-# import in every worker at start (``ray_cluster.connect(preload=...)``): the
-# predictor actors then skip the torch import, most of their start-up.
-WORKER_PRELOAD = ("torch",)
+# import in every worker at start (``ray_cluster.connect(preload=...)``), so
+# that a predictor actor starts in ~0.3 s rather than ~1.5 s (2 idle cores):
+# torch for the model; ray.data, and ray.util.state that unpickling Ray Data's
+# context imports, for the actor pool's worker; the UDF's own module.
+WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "ray_workloads.inference_predictor")
 
 
 class InferenceConfig(BaseModel):
@@ -99,6 +103,7 @@ class InferenceResult(BaseModel):
     files: dict[str, list[str]]
     elapsed_s: float
     phase_s: dict[str, float] = Field(default_factory=dict, description="Wall-clock seconds per phase of the run.")
+    ray_data_stats: str = Field("", description="Ray Data's execution stats of the predict-and-write stage.")
 
     @property
     def error_fraction(self) -> float:
@@ -107,251 +112,6 @@ class InferenceResult(BaseModel):
     @property
     def errors_uri(self) -> str:
         return storage.join(self.partition_uri, f"run-{self.run_id}", "errors")
-
-
-@dataclass(frozen=True)
-class Block:
-    """A slice of the listing: what one actor call fetches, predicts and writes."""
-
-    uris: list[str]
-    etags: list[str]
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    """One Parquet file an actor call wrote, as reported to the driver."""
-
-    kind: str  # "predictions" or "errors"
-    uri: str
-    rows: int
-    error_types: dict[str, int] = field(default_factory=dict)
-
-
-def _read_local(path: str) -> storage.Fetched:
-    try:
-        with open(path, "rb") as handle:
-            return storage.Fetched(data=handle.read())
-    except Exception as exc:
-        return storage.Fetched(data=None, error=exc)
-
-
-def fetch(uris: list[str], concurrency: int) -> list[storage.Fetched]:
-    """The objects' bytes in order; a failed read is returned, not raised.
-
-    S3 objects are fetched concurrently (latency is per request). Local files
-    are read one after another: from the page cache each read takes ~15 µs,
-    less than handing it to a thread pool costs (~80 µs of CPU).
-    """
-    if any(storage.is_s3(u) for u in uris):
-        return storage.fetch_many(uris, concurrency)
-    return [_read_local(u) for u in uris]
-
-
-def fetch_and_decode(uris: list[str], spec: ImageSpec, concurrency: int) -> dict[str, np.ndarray]:
-    """Fetch the objects and decode each image; failures become error fields, not exceptions."""
-    fetched = fetch(uris, concurrency)
-    n = len(uris)
-    images = np.zeros((n, 3, spec.size, spec.size), dtype=np.float32)
-    stage: list[str | None] = [None] * n
-    error_type: list[str | None] = [None] * n
-    message: list[str | None] = [None] * n
-    for i, item in enumerate(fetched):
-        if item.error is not None:
-            stage[i], error_type[i], message[i] = "fetch", type(item.error).__name__, str(item.error)[:500]
-            continue
-        try:
-            images[i] = decode_image(item.data, spec)
-        except ImageDecodeError as exc:
-            stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
-        except Exception as exc:  # one bad sample, whatever the decoder raised
-            stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
-    return {
-        "image": images,
-        "ok": np.array([t is None for t in error_type], dtype=bool),
-        "stage": np.array(stage, dtype=object),
-        "error_type": np.array(error_type, dtype=object),
-        "error_message": np.array(message, dtype=object),
-    }
-
-
-def prepare_for_inference(model: nn.Module) -> nn.Module:
-    """The same model (same weights, outputs equal to ~1e-7), cheaper to run for inference.
-
-    Batch norms are folded into the convolutions before them and the weights
-    go channels-last, the layout of oneDNN's fast CPU convolutions. Measured
-    on this project's 2-core machines: ~3.5x fewer CPU seconds per image for
-    ``small_cnn``, about the same for resnet18 and mobilenet_v3_small at
-    32 px. Feed it channels-last input. A model that cannot be traced is only
-    re-laid out.
-    """
-    import torch
-    from torch.fx.experimental.optimization import fuse
-
-    try:
-        model = fuse(model)  # eval mode only: folds running statistics into the conv weights
-    except Exception:  # e.g. data-dependent control flow; folding is an optimisation, not a requirement
-        pass
-    return model.to(memory_format=torch.channels_last)
-
-
-class Predictor:
-    """Actor: loads the model once; each call handles one block end to end and reports its files."""
-
-    def __init__(
-        self,
-        model: ModelVersion,
-        top_k: int,
-        batch_size: int,
-        io_concurrency: int,
-        run_uri: str,
-        constants: dict[str, Any],
-    ) -> None:
-        import torch  # here, not at module level: only the actors need it
-
-        from ray_workloads.models import ModelSpec, load_model
-
-        torch.set_num_threads(1)
-        self.spec = ImageSpec.model_validate(model.image_spec)
-        self.top_k = min(top_k, len(model.classes))
-        self.names = np.array(model.classes, dtype=object)
-        self.batch_size = batch_size
-        self.io_concurrency = io_concurrency
-        self.run_uri = run_uri
-        self.constants = constants
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.load_error: Exception | None = None
-        try:
-            loaded = load_model(ModelSpec.model_validate(model.model_spec), model.weights_uri)
-            self.model = prepare_for_inference(loaded.to(self.device))
-        except Exception as exc:
-            # raised by each call instead: an actor whose __init__ fails tells the driver only that it
-            # died (which reads as transient), not that the checkpoint is bad
-            self.load_error = exc
-
-    def run_block(self, block: Block) -> list[WrittenFile]:
-        if self.load_error is not None:
-            raise self.load_error
-        rows = fetch_and_decode(block.uris, self.spec, self.io_concurrency)
-        rows["uri"] = np.array(block.uris, dtype=object)
-        rows["etag"] = np.array(block.etags, dtype=object)
-        self.predict(rows)
-        return write_block(rows, self.run_uri, self.constants)
-
-    def predict(self, rows: dict[str, np.ndarray]) -> None:
-        """Add top-k predictions to the decoded rows, ``batch_size`` images per model call.
-
-        A model call that fails turns its rows into ``predict`` errors.
-        """
-        n, ok = len(rows["ok"]), rows["ok"]
-        rows["predicted_index"] = np.full(n, -1, dtype=np.int64)
-        rows["confidence"] = np.zeros(n, dtype=np.float32)
-        rows["top_k_index"] = np.full((n, self.top_k), -1, dtype=np.int64)
-        rows["top_k_prob"] = np.zeros((n, self.top_k), dtype=np.float32)
-        rows["inference_ms"] = np.zeros(n, dtype=np.float32)
-        decoded = np.flatnonzero(ok)
-        for start in range(0, len(decoded), self.batch_size):
-            batch = decoded[start : start + self.batch_size]
-            try:
-                self._predict_batch(rows, batch)
-            except Exception as exc:  # the model call failed as a whole: each of its samples is an error row
-                ok[batch] = False
-                rows["stage"][batch], rows["error_type"][batch] = "predict", type(exc).__name__
-                rows["error_message"][batch] = str(exc)[:500]
-        names = [self.names[p] if p >= 0 else None for p in rows["predicted_index"]]
-        rows["predicted_class"] = np.array(names, dtype=object)
-
-    def _predict_batch(self, rows: dict[str, np.ndarray], batch: np.ndarray) -> None:
-        import torch
-
-        started = time.perf_counter()
-        with torch.no_grad():
-            images = torch.from_numpy(rows["image"][batch]).to(self.device)
-            logits = self.model(images.contiguous(memory_format=torch.channels_last))
-            values, indices = torch.softmax(logits, dim=1).topk(self.top_k, dim=1)
-        rows["top_k_index"][batch], rows["top_k_prob"][batch] = indices.cpu().numpy(), values.cpu().numpy()
-        rows["predicted_index"][batch] = rows["top_k_index"][batch, 0]
-        rows["confidence"][batch] = rows["top_k_prob"][batch, 0]
-        rows["inference_ms"][batch] = (time.perf_counter() - started) * 1000 / len(batch)
-
-
-_ERROR_COLUMNS = ["uri", "stage", "error_type", "error_message"]
-
-
-def _prediction_table(rows: dict[str, np.ndarray], selected: np.ndarray, constants: dict[str, Any]) -> pa.Table:
-    n = int(selected.sum())
-    columns: dict[str, pa.Array] = {
-        "uri": pa.array(rows["uri"][selected].tolist(), pa.string()),
-        "etag": pa.array(rows["etag"][selected].tolist(), pa.string()),
-        "predicted_index": pa.array(rows["predicted_index"][selected]),
-        "predicted_class": pa.array(rows["predicted_class"][selected].tolist(), pa.string()),
-        "confidence": pa.array(rows["confidence"][selected]),
-        # plain list columns (not tensors), so any Parquet reader understands them
-        "top_k_index": pa.array(rows["top_k_index"][selected].tolist(), pa.list_(pa.int64())),
-        "top_k_prob": pa.array(rows["top_k_prob"][selected].tolist(), pa.list_(pa.float64())),
-        "inference_ms": pa.array(rows["inference_ms"][selected]),
-    }
-    columns.update({key: pa.array([value] * n) for key, value in constants.items()})
-    return pa.table(columns)
-
-
-def _error_table(rows: dict[str, np.ndarray], selected: np.ndarray) -> pa.Table:
-    return pa.table({name: pa.array(rows[name][selected].tolist(), pa.string()) for name in _ERROR_COLUMNS})
-
-
-def write_block(rows: dict[str, np.ndarray], run_uri: str, constants: dict[str, Any]) -> list[WrittenFile]:
-    """Write a block's predictions and errors, one Parquet file each (when not empty)."""
-    ok = rows["ok"]
-    name = f"part-{uuid.uuid4().hex[:16]}.parquet"  # unique per attempt: a retried block never overwrites
-    written = []
-    if ok.any():
-        uri = storage.join(run_uri, "predictions", name)
-        storage.write_parquet_atomic(uri, table := _prediction_table(rows, ok, constants))
-        written.append(WrittenFile("predictions", uri, table.num_rows))
-    if (~ok).any():
-        uri = storage.join(run_uri, "errors", name)
-        storage.write_parquet_atomic(uri, table := _error_table(rows, ~ok))
-        types = Counter(str(t) for t in table.column("error_type").to_pylist())
-        written.append(WrittenFile("errors", uri, table.num_rows, dict(types)))
-    return written
-
-
-def _blocks(objects: list[storage.ObjectInfo], size: int) -> list[Block]:
-    return [
-        Block([o.uri for o in objects[i : i + size]], [o.etag for o in objects[i : i + size]])
-        for i in range(0, len(objects), size)
-    ]
-
-
-class _PredictorPool:
-    """The predictor actors of one run: started ahead of need, killed when the run ends, however it ends."""
-
-    def __init__(self, cfg: InferenceConfig, run_uri: str) -> None:
-        self.cfg = cfg
-        self.actor_class = ray.remote(Predictor).options(
-            num_cpus=cfg.cpus_per_actor,
-            num_gpus=cfg.gpus_per_actor,
-            max_restarts=_ACTOR_RESTARTS,
-            max_task_retries=_ACTOR_RESTARTS,
-        )
-        self.args = (cfg.model, cfg.top_k, cfg.batch_size, cfg.io_concurrency, run_uri, _constants(cfg))
-        self.actors: list[Any] = []
-
-    def __enter__(self) -> _PredictorPool:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for actor in self.actors:
-            ray.kill(actor)
-
-    def grow(self, size: int) -> None:
-        """Start actors (asynchronously: each is a process that imports torch) until there are ``size``."""
-        while len(self.actors) < size:
-            self.actors.append(self.actor_class.remote(*self.args))
-
-    def run(self, blocks: list[Block]) -> list[WrittenFile]:
-        # a small night needs no more actors than it has blocks: each costs a process and a torch import
-        self.grow(min(self.cfg.actors, len(blocks)))
-        return _dispatch(self.actors, blocks)
 
 
 def _constants(cfg: InferenceConfig) -> dict[str, Any]:
@@ -364,37 +124,63 @@ def _constants(cfg: InferenceConfig) -> dict[str, Any]:
     }
 
 
-def _dispatch(actors: list[Any], blocks: list[Block]) -> list[WrittenFile]:
-    """Keep every actor fed with up to ``_BLOCKS_IN_FLIGHT_PER_ACTOR`` blocks until all are done."""
-    todo = deque(blocks)
-    running: dict[Any, Any] = {}  # call ref -> actor
-
-    def feed(actor: Any) -> None:
-        if todo:
-            running[actor.run_block.remote(todo.popleft())] = actor
-
-    for actor in actors:
-        for _ in range(_BLOCKS_IN_FLIGHT_PER_ACTOR):
-            feed(actor)
-    written: list[WrittenFile] = []
-    while running:
-        [ref], _ = ray.wait(list(running), num_returns=1)
-        actor = running.pop(ref)
-        written.extend(_result(ref))
-        feed(actor)
-    return written
+def _blocks(objects: list[storage.ObjectInfo], size: int) -> list[dict[str, list[str]]]:
+    """One row (URIs and ETags) per block of ``size`` objects."""
+    parts = (objects[i : i + size] for i in range(0, len(objects), size))
+    return [dict(zip(BLOCK_COLUMNS, ([o.uri for o in p], [o.etag for o in p]), strict=True)) for p in parts]
 
 
-def _result(ref: Any) -> list[WrittenFile]:
-    """``ray.get`` of one actor call, surfacing rayline's own errors as themselves."""
+def _predict_and_write(cfg: InferenceConfig, objects: list[storage.ObjectInfo], run_uri: str) -> Dataset:
+    """Run the predictor actors over every block; the result holds their reports, materialized."""
+    import ray.data  # here: the driver process needs it only while it runs inference
+
+    blocks = _blocks(objects, cfg.objects_per_task)
+    dataset = ray.data.from_items(blocks, override_num_blocks=len(blocks))  # one Ray Data block per block
+    context = dataset.context  # this dataset's own copy: the process-wide settings stay as they are
+    context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
+    context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
+    reports = dataset.map_batches(
+        PredictorUDF,
+        fn_constructor_args=(cfg.model, cfg.top_k, cfg.batch_size, cfg.io_concurrency, run_uri, _constants(cfg)),
+        batch_size=1,  # one block per call: it writes one file of each kind
+        batch_format="pyarrow",
+        # a small night needs no more actors than it has blocks: each costs a process and a model load
+        compute=ray.data.ActorPoolStrategy(size=min(cfg.actors, len(blocks))),
+        num_cpus=cfg.cpus_per_actor,
+        num_gpus=cfg.gpus_per_actor,
+        max_restarts=_ACTOR_RESTARTS,
+        max_task_retries=_ACTOR_RESTARTS,
+    )
+    return _surfacing_errors(reports.materialize)
+
+
+def _surfacing_errors(execute: Callable[[], Dataset]) -> Dataset:
+    """Run ``execute``; rayline's errors raised in an actor come out as themselves, lost actors as ClusterError."""
     try:
-        return list(ray.get(ref))
-    except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, RaylineError):
-            raise exc.cause from exc
+        return execute()
+    except Exception as exc:
+        causes = list(_causes(exc))
+        # the remote exception itself, not Ray's RayTaskError(...) subclass that wraps it
+        ours = [e for e in causes if isinstance(e, RaylineError) and not isinstance(e, ray.exceptions.RayTaskError)]
+        if ours:
+            raise ours[0] from exc
+        if any(isinstance(e, ray.exceptions.RayActorError) for e in causes):
+            raise ClusterError(
+                f"a predictor actor died more than {_ACTOR_RESTARTS} times (out of memory, a lost node, or an "
+                f"input that crashes the decoder or the model): {exc}"
+            ) from exc
         raise
-    except ray.exceptions.RayActorError as exc:
-        raise ClusterError(f"a predictor actor was lost more than {_ACTOR_RESTARTS} times: {exc}") from exc
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what caused it, across Ray's task-error wrappers."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        wrapped = getattr(current, "cause", None)  # RayTaskError keeps the remote exception here
+        current = wrapped if isinstance(wrapped, BaseException) else current.__cause__ or current.__context__
 
 
 def _read_uris(uris: list[str]) -> list[str]:
@@ -442,13 +228,13 @@ def run(cfg: InferenceConfig) -> InferenceResult:
     source = storage.normalize(cfg.input_uri)
     partition_uri = storage.join(storage.normalize(cfg.output_root), cfg.partition)
     run_id = datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
-    with _PredictorPool(cfg, storage.join(partition_uri, f"run-{run_id}")) as pool:
-        pool.grow(1)  # every run needs one: its start-up overlaps the listing
-        objects = storage.list_objects(source)
-        if not objects:
-            raise InputDataError(f"no input objects under {source}")
-        phases.lap("list")
-        written = pool.run(_blocks(objects, cfg.objects_per_task))
+    objects = storage.list_objects(source)
+    if not objects:
+        raise InputDataError(f"no input objects under {source}")
+    phases.lap("list")
+    reports = _predict_and_write(cfg, objects, storage.join(partition_uri, f"run-{run_id}"))
+    ray_data_stats = reports.stats()  # before reading the reports: iterating adds its own stats
+    written = [WrittenFile.from_report(row) for row in reports.iter_rows()]
     phases.lap("predict_and_write")
     files: dict[str, list[str]] = {"predictions": [], "errors": []}
     counts: Counter[str] = Counter()
@@ -494,6 +280,7 @@ def run(cfg: InferenceConfig) -> InferenceResult:
         files=manifest["files"],
         elapsed_s=time.perf_counter() - started,
         phase_s=phases.seconds,
+        ray_data_stats=ray_data_stats,
     )
 
 

@@ -68,6 +68,17 @@ def _remote_runtime_env() -> dict[str, Any]:
     return {"env_vars": env_vars, "py_modules": [rayline, ray_workloads]}
 
 
+def _preload_config(preload: Sequence[str], num_cpus: int) -> dict[str, Any]:
+    """System config for workers that import ``preload`` as they start.
+
+    Ray prestarts one worker per logical CPU, but only as many at a time as
+    there are cores, and the rest never: on 2 cores, 2 of 4. A Ray Data actor
+    pool wants its actors plus two helper actors of Ray Data's, so the other
+    prestarted workers are the ones its actors would otherwise wait for.
+    """
+    return {"preload_python_modules": list(preload), "worker_maximum_startup_concurrency": num_cpus}
+
+
 def _start(settings: Settings, preload: Sequence[str]) -> bool:
     import ray
 
@@ -91,7 +102,7 @@ def _start(settings: Settings, preload: Sequence[str]) -> bool:
             include_dashboard=False,
             # loopback only: nothing of the embedded cluster should face the network
             _node_ip_address="127.0.0.1",
-            _system_config={"preload_python_modules": list(preload)} if preload else None,
+            _system_config=_preload_config(preload, settings.embedded_num_cpus) if preload else None,
         )
         return True
     except Exception as exc:

@@ -305,25 +305,29 @@ def _fetch_s3(uri: str, client: Any) -> Fetched:
 
 
 def _fetch_local(uri: str) -> Fetched:
+    path = uri if uri.startswith("/") else normalize(uri)  # listed URIs are absolute already
     try:
-        with open(normalize(uri), "rb") as handle:
+        with open(path, "rb") as handle:
             return Fetched(data=handle.read())
     except Exception as exc:
         return Fetched(data=None, error=exc)
 
 
 def fetch_many(uris: list[str], concurrency: int) -> list[Fetched]:
-    """Read many small objects concurrently, in order; failures are returned, not raised.
+    """Read many small objects, in order; failures are returned, not raised.
 
-    Per-object latency dominates with many small objects, so reads overlap on
-    a thread pool (botocore releases the GIL while waiting on the network).
+    S3 reads overlap on a thread pool: per-request latency dominates with many
+    small objects (botocore releases the GIL while waiting on the network).
+    Local files are read one after another: from the page cache a read takes
+    ~15 µs, less than handing it to a thread pool costs (~80 µs of CPU).
     """
-    if not uris:
-        return []
+    if not any(is_s3(u) for u in uris):
+        return [_fetch_local(u) for u in uris]
     workers = max(1, min(concurrency, len(uris)))
-    if all(is_s3(u) for u in uris):
-        client = s3_client(workers)
-        with ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(lambda u: _fetch_s3(u, client), uris))
-    with ThreadPoolExecutor(min(workers, 8)) as pool:
-        return list(pool.map(_fetch_local, uris))
+    client = s3_client(workers)
+
+    def fetch(uri: str) -> Fetched:
+        return _fetch_s3(uri, client) if is_s3(uri) else _fetch_local(uri)
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fetch, uris))

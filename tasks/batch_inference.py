@@ -17,7 +17,8 @@ def batch_inference_task(config: batch_inference.InferenceConfig) -> batch_infer
     started = datetime.now(UTC)
     connection = ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD)
     result = batch_inference.run(config)
-    get_run_logger().info(
+    logger = get_run_logger()
+    logger.info(
         "%s: %d inputs → %d predictions, %d errors %s with %s in %.1fs",
         result.partition_uri,
         result.inputs,
@@ -27,6 +28,8 @@ def batch_inference_task(config: batch_inference.InferenceConfig) -> batch_infer
         result.model,
         result.elapsed_s,
     )
+    # Ray Data's own logs stay in the Ray workers and its session folder: publish its stats from here
+    logger.info("phases (s): %s; Ray Data execution stats:\n%s", result.phase_s, result.ray_data_stats)
     record_lineage(
         stage="batch_inference",
         started_at=started,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Any
 
+from ray_workloads.inference_predictor import PredictorUDF, WrittenFile
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from ray_workloads.preprocess import ERRORS, SPLITS, PreprocessResult
 from rayline import registry, storage
@@ -74,3 +76,15 @@ def register_untrained_champion(name: str = "digits") -> registry.ModelVersion:
     version = register_untrained(name)
     registry.set_alias(name, registry.CHAMPION, version.version, "test")
     return version
+
+
+POISON = "poison"
+
+
+class CrashingPredictor(PredictorUDF):
+    """The batch-inference UDF, except that its process dies on any block holding an object named ``POISON``."""
+
+    def run_block(self, uris: list[str], etags: list[str]) -> list[WrittenFile]:
+        if any(POISON in uri for uri in uris):
+            os._exit(1)  # like a decoder segfault or the OOM killer: no exception, no cleanup
+        return super().run_block(uris, etags)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from flows.nightly_inference import nightly_inference
 from ray_workloads.batch_inference import MANIFEST, SUCCESS, read_partition
 from rayline import registry, storage
-from rayline.seed import seed_incoming
-from tests.integration.helpers import register_untrained_champion
+from rayline.errors import ClusterError
+from rayline.seed import seed_incoming, synthetic_objects
+from tests.integration.helpers import POISON, CrashingPredictor, register_untrained_champion
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 
@@ -127,3 +129,24 @@ def test_a_killed_predictor_actor_loses_no_row(local_storage: str) -> None:
     assert isinstance(result, bi.InferenceResult)
     predicted, errored, _ = _rows(result.partition_uri)
     assert sorted(predicted + errored) == sorted(inputs)
+
+
+def test_an_input_that_kills_its_actor_every_time_fails_the_run_after_bounded_retries(
+    local_storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ray_workloads import batch_inference as bi
+
+    register_untrained_champion()
+    incoming = storage.join(local_storage, "incoming", f"dt={DAY}")
+    for key, data in [*synthetic_objects(12, 32, np.random.default_rng(0)), (f"0/{POISON}.png", b"any")]:
+        storage.write_bytes_atomic(storage.join(incoming, key), data)
+    monkeypatch.setattr(bi, "PredictorUDF", CrashingPredictor)
+    config = bi.InferenceConfig(
+        input_uri=incoming,
+        output_root=storage.join(local_storage, "predictions"),
+        partition=f"dt={DAY}",
+        model=registry.resolve("digits", "champion"),
+    )
+    with pytest.raises(ClusterError, match="predictor actor died more than 3 times"):
+        bi.run(config)
+    assert not storage.exists(storage.join(config.output_root, config.partition, MANIFEST)), "nothing committed"

@@ -65,3 +65,16 @@ def test_parquet_round_trip(tmp_path: Path) -> None:
     size = storage.write_parquet_atomic(uri, pa.table({"x": [1, 2, 3]}))
     assert size > 0
     assert storage.read_parquet([uri]).column("x").to_pylist() == [1, 2, 3]
+
+
+def test_fetch_many_reads_local_files_in_order_in_this_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("a", "b"):
+        (tmp_path / name).write_bytes(name.encode())
+
+    def no_pool(*args: object, **kwargs: object) -> None:
+        raise AssertionError("local reads go through no thread pool")
+
+    monkeypatch.setattr(storage, "ThreadPoolExecutor", no_pool)
+    fetched = storage.fetch_many([str(tmp_path / "b"), str(tmp_path / "missing"), str(tmp_path / "a")], 64)
+    assert [f.data for f in fetched] == [b"b", None, b"a"]
+    assert isinstance(fetched[1].error, FileNotFoundError)
