@@ -41,7 +41,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -53,7 +53,7 @@ from pydantic import BaseModel, Field
 
 from ray_workloads.inference_predictor import BLOCK_COLUMNS, PredictorUDF, WrittenFile
 from ray_workloads.ingest import content_hash
-from rayline import storage
+from rayline import errors, storage
 from rayline.errors import ClusterError, InputDataError, RaylineError, StorageError
 from rayline.registry import ModelVersion
 
@@ -159,7 +159,7 @@ def _surfacing_errors(execute: Callable[[], Dataset]) -> Dataset:
     try:
         return execute()
     except Exception as exc:
-        causes = list(_causes(exc))
+        causes = list(errors.causes(exc))
         # the remote exception itself, not Ray's RayTaskError(...) subclass that wraps it
         ours = [e for e in causes if isinstance(e, RaylineError) and not isinstance(e, ray.exceptions.RayTaskError)]
         if ours:
@@ -170,17 +170,6 @@ def _surfacing_errors(execute: Callable[[], Dataset]) -> Dataset:
                 f"input that crashes the decoder or the model): {exc}"
             ) from exc
         raise
-
-
-def _causes(exc: BaseException) -> Iterator[BaseException]:
-    """``exc`` and what caused it, across Ray's task-error wrappers."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        wrapped = getattr(current, "cause", None)  # RayTaskError keeps the remote exception here
-        current = wrapped if isinstance(wrapped, BaseException) else current.__cause__ or current.__context__
 
 
 def _read_uris(uris: list[str]) -> list[str]:

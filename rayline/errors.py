@@ -101,13 +101,15 @@ _TRANSIENT_S3_CODES = frozenset(
 )
 
 
-def _causes(exc: BaseException) -> Iterator[BaseException]:
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what caused it, across Ray's task-error wrappers."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         yield current
-        current = current.__cause__ or current.__context__
+        wrapped = getattr(current, "cause", None)  # RayTaskError keeps the remote exception here
+        current = wrapped if isinstance(wrapped, BaseException) else current.__cause__ or current.__context__
 
 
 def _s3_error_code(exc: BaseException) -> str | None:
@@ -124,7 +126,7 @@ def is_transient(exc: BaseException) -> bool:
     Deliberate rayline errors decide by their class; a config or input error
     anywhere in the chain wins over a transient-looking cause.
     """
-    for err in _causes(exc):
+    for err in causes(exc):
         if isinstance(err, ConfigError | InputDataError):
             return False
         if isinstance(err, (TransientError, *_TRANSIENT_BUILTINS)):
