@@ -126,8 +126,9 @@ def _constants(cfg: InferenceConfig) -> dict[str, Any]:
 
 def _blocks(objects: list[storage.ObjectInfo], size: int) -> list[dict[str, list[str]]]:
     """One row (URIs and ETags) per block of ``size`` objects."""
+    uris, etags = BLOCK_COLUMNS
     parts = (objects[i : i + size] for i in range(0, len(objects), size))
-    return [dict(zip(BLOCK_COLUMNS, ([o.uri for o in p], [o.etag for o in p]), strict=True)) for p in parts]
+    return [{uris: [o.uri for o in part], etags: [o.etag for o in part]} for part in parts]
 
 
 def _predict_and_write(cfg: InferenceConfig, objects: list[storage.ObjectInfo], run_uri: str) -> Dataset:
