@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Self
 
 from ray_workloads.inference_predictor import PredictorUDF, WrittenFile
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
@@ -88,3 +90,22 @@ class CrashingPredictor(PredictorUDF):
         if any(POISON in uri for uri in uris):
             os._exit(1)  # like a decoder segfault or the OOM killer: no exception, no cleanup
         return super().run_block(uris, etags)
+
+
+class ClientThreads:
+    """Client threads running ``loop`` until the ``with`` block ends (load for serving tests)."""
+
+    def __init__(self, loop: Callable[[int], None], count: int, join_timeout_s: float = 120.0) -> None:
+        self.stop = threading.Event()
+        self.join_timeout_s = join_timeout_s
+        self.threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(count)]
+
+    def __enter__(self) -> Self:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=self.join_timeout_s)

@@ -38,7 +38,7 @@ from ray_workloads.serve_control import ServeConfig
 from rayline.errors import ConfigError
 from rayline.ray_cluster import NAMESPACE
 from rayline.registry import ModelVersion
-from tests.integration.helpers import register_untrained
+from tests.integration.helpers import ClientThreads, register_untrained
 from tests.support import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
@@ -293,26 +293,15 @@ def test_broken_version_answers_5xx_counted_in_stats(serving: Serving) -> None:
         assert _predict(client, _png(0), **{VERSION_HEADER: "3"}).status_code == 404
 
 
-class _Load:
+class _Load(ClientThreads):
     """Clients sending predictions until stopped; each failure retried once (like a real client)."""
 
     def __init__(self, serving: Serving, workers: int, retry: bool) -> None:
         self.serving, self.retry = serving, retry
-        self.stop = threading.Event()
         self.lock = threading.Lock()
         self.results: list[tuple[float, float, int | None]] = []  # started, finished, version (None: failed)
         self.first_failures: list[str] = []
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
-
-    def __enter__(self) -> _Load:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(timeout=120)
+        super().__init__(self._run, workers)
 
     def _attempt(self, client: httpx.Client, image: bytes) -> tuple[int | None, str]:
         try:

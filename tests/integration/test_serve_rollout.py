@@ -7,10 +7,8 @@ sending requests through the router.
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -21,7 +19,7 @@ from ray_workloads.serve_app import ANSWER_HEADER
 from rayline import lineage, registry, storage
 from rayline.registry import ModelVersion
 from rayline.seed import digit_objects
-from tests.integration.helpers import register_untrained
+from tests.integration.helpers import ClientThreads, register_untrained
 from tests.support import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
@@ -55,18 +53,17 @@ def champion_serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             serve_control.shutdown(cfg)
 
 
-@dataclass
-class Load:
+class Load(ClientThreads):
     """Client threads posting images through the router until stopped; every outcome kept."""
 
-    url: str
-    image: bytes
-    statuses: Counter[int] = field(default_factory=Counter)
-    by_version: Counter[tuple[str, int]] = field(default_factory=Counter)
-    connection_errors: list[str] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
+    def __init__(self, url: str, image: bytes) -> None:
+        self.url, self.image = url, image
+        self.statuses: Counter[int] = Counter()
+        self.by_version: Counter[tuple[str, int]] = Counter()
+        self.connection_errors: list[str] = []
+        super().__init__(self._client_loop, 3, join_timeout_s=60)
 
-    def _client_loop(self) -> None:
+    def _client_loop(self, _: int) -> None:
         with httpx.Client(base_url=self.url, timeout=30) as client:
             while not self.stop.is_set():
                 try:
@@ -76,17 +73,6 @@ class Load:
                     continue
                 self.statuses[answer.status_code] += 1
                 self.by_version[(answer.headers.get(ANSWER_HEADER, "?"), answer.status_code)] += 1
-
-    def __enter__(self) -> Load:
-        self.threads = [threading.Thread(target=self._client_loop, daemon=True) for _ in range(3)]
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(timeout=60)
 
 
 def _probe_image() -> bytes:
