@@ -124,8 +124,8 @@ def load_probe_images(uri: str, count: int, spec: ImageSpec) -> list[bytes]:
 
 
 def incumbent_version(cfg: ServeConfig) -> int | None:
-    """The live version with the largest share of traffic, if any serves."""
-    weights = {v: w for v, w in serve_control.get_weights(cfg).items() if w > 0}
+    """The live version with the largest share of traffic (routers route by it already), if any serves."""
+    weights = {v: w for v, w in serve_control.get_weights(cfg, settled=True).items() if w > 0}
     return max(weights, key=lambda v: weights[v]) if weights else None
 
 
@@ -179,6 +179,7 @@ class ProbeClient:
         self.sent = 0
         self.statuses: Counter[int] = Counter()
         self.connection_errors = 0
+        self.first_failures: list[str] = []  # what the first few failed requests got, for the report
 
     def run_for(self, seconds: float, stop: threading.Event | None = None) -> None:
         if self.interval is None:
@@ -189,10 +190,17 @@ class ProbeClient:
             try:
                 answer = self.client.post("/predict", content=self.images[self.sent % len(self.images)])
                 self.statuses[answer.status_code] += 1
-            except httpx.HTTPError:
+                if answer.status_code >= 400:
+                    self._note_failure(f"{answer.status_code} {answer.text[:200]}")
+            except httpx.HTTPError as exc:
                 self.connection_errors += 1  # the router's stats are the gate's record; this is the client's
+                self._note_failure(f"{type(exc).__name__}: {exc}")
             self.sent, n = self.sent + 1, n + 1
             time.sleep(max(0.0, started + n * self.interval - time.monotonic()))
+
+    def _note_failure(self, what: str) -> None:
+        if len(self.first_failures) < 5:
+            self.first_failures.append(what)
 
     def close(self) -> None:
         self.client.close()

@@ -369,6 +369,7 @@ def model_app(model: ModelVersion, cfg: ServeConfig) -> Any:
         health_check_period_s=10,
         health_check_timeout_s=30,
         max_constructor_retry_count=3,
+        max_surge_percent=100,  # a restart (new config) starts replacements before stopping old replicas
         logging_config={"enable_access_log": cfg.access_log},
     )(ModelServer)
     return deployment.bind(model.model_dump(mode="json"), cfg.top_k, cfg.max_pixels)
@@ -383,6 +384,7 @@ def router_app(cfg: ServeConfig) -> Any:
         max_ongoing_requests=cfg.router_max_ongoing_requests,
         health_check_period_s=5,
         max_constructor_retry_count=3,
+        max_surge_percent=100,  # Serve's default 0 stops the only router before its replacement is up
         logging_config={"enable_access_log": cfg.access_log},
     )(Router)
     return deployment.bind(cfg.model_dump(mode="json"))

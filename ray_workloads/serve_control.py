@@ -107,18 +107,34 @@ def _app_status(name: str) -> ApplicationStatus | None:
     return app.status if app is not None else None
 
 
+def _start_serve(cfg: ServeConfig) -> None:
+    """``serve.start``, tolerating another driver starting Serve at the same moment."""
+    for attempt in (1, 2):
+        try:
+            serve.start(proxy_location=cfg.proxy_location, http_options={"host": cfg.host, "port": cfg.port})
+            return
+        except ray.exceptions.ActorAlreadyExistsError as exc:
+            if attempt == 2:  # the controller someone else created should be reachable by now
+                raise ClusterError(f"could not connect to Ray Serve's controller: {exc}") from exc
+            time.sleep(1.0)  # lost the race to create Serve's controller: connect to theirs
+        except Exception as exc:
+            raise ClusterError(
+                f"could not start Ray Serve on {cfg.host}:{cfg.port}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
 def _run_and_wait(targets: list[tuple[str, Any, str | None]], timeout_s: float) -> dict[str, str]:
     """Deploy Serve applications ``(name, app, route_prefix)`` together and wait until each is RUNNING.
 
+    An ``app`` of None is not submitted, only waited for (someone else is deploying it).
     Returns ``{name: why}`` of those that failed or timed out; they are deleted again.
     """
     if not targets:
         return {}
+    submit = [serve.RunTarget(app, name=name, route_prefix=prefix) for name, app, prefix in targets if app is not None]
     try:
-        serve.run_many(
-            [serve.RunTarget(app, name=name, route_prefix=prefix) for name, app, prefix in targets],
-            wait_for_applications_running=False,
-        )
+        if submit:
+            serve.run_many(submit, wait_for_applications_running=False)
     except Exception as exc:
         raise ClusterError(f"could not submit Serve applications: {type(exc).__name__}: {exc}") from exc
     deadline = time.monotonic() + timeout_s
@@ -137,6 +153,14 @@ def _run_and_wait(targets: list[tuple[str, Any, str | None]], timeout_s: float) 
             failures[name] = f"{state} after {timeout_s:.0f} s: {detail}" if state != "DEPLOY_FAILED" else detail
             serve.delete(name, _blocking=False)
     return failures
+
+
+def _needs_deploy(app: Any) -> bool:
+    return app is None or app.status in (
+        ApplicationStatus.DEPLOY_FAILED,
+        ApplicationStatus.UNHEALTHY,
+        ApplicationStatus.DELETING,
+    )
 
 
 def _raise_deploy_failures(failures: dict[str, str]) -> None:
@@ -164,10 +188,7 @@ def start(cfg: ServeConfig) -> str:
     Idempotent: a running router with the same configuration is left alone.
     """
     _require_ray()
-    try:
-        serve.start(proxy_location=cfg.proxy_location, http_options={"host": cfg.host, "port": cfg.port})
-    except Exception as exc:
-        raise ClusterError(f"could not start Ray Serve on {cfg.host}:{cfg.port}: {type(exc).__name__}: {exc}") from exc
+    _start_serve(cfg)
     client = serve.context._get_global_client()
     http = client.http_config if client is not None else None  # HTTP options are fixed once Serve runs
     if http is not None and (http.host, http.port) != (cfg.host, cfg.port):
@@ -178,10 +199,15 @@ def start(cfg: ServeConfig) -> str:
     control = _control(cfg, create=True)
     _call(control.prune.remote(list(serve.status().applications)), "reconciling the routing table")
     wanted = cfg.model_dump(mode="json")
-    deployed = _call(control.router_config.remote(), "reading the router config")
-    if deployed != wanted or _app_status(cfg.name) != ApplicationStatus.RUNNING:
-        _raise_deploy_failures(_run_and_wait([(cfg.name, router_app(cfg), "/")], cfg.deploy_timeout_s))
-        _call(control.set_router_config.remote(wanted), "saving the router config")
+    # recorded before deploying: a concurrent start() (another process's rollout) then waits for
+    # this deployment instead of submitting its own, which would restart the router under load
+    deployed = _call(control.swap_router_config.remote(wanted), "saving the router config")
+    redeploy = deployed != wanted or _needs_deploy(serve.status().applications.get(cfg.name))
+    # else running or being deployed with this config: only wait for it
+    failures = _run_and_wait([(cfg.name, router_app(cfg) if redeploy else None, "/")], cfg.deploy_timeout_s)
+    if failures:
+        _call(control.set_router_config.remote(None), "clearing the router config")
+    _raise_deploy_failures(failures)
     base_url = f"http://{cfg.host}:{cfg.port}"
     no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     deadline = time.monotonic() + 30
@@ -228,9 +254,11 @@ def deploy_versions(models: Sequence[ModelVersion], cfg: ServeConfig, *, wait_s:
             raise InputDataError(f"weights of {model.name} v{model.version} not found at {model.weights_uri}")
     wanted = {cfg.version_app(m.name, m.version): m for m in models}
     apps = serve.status().applications
+    # a version being deployed by someone else (a concurrent rollout) is waited for, not resubmitted:
+    # resubmitting restarts its replicas
     failures = _run_and_wait(
         [
-            (name, model_app(m, cfg), None)
+            (name, model_app(m, cfg) if _needs_deploy(apps.get(name)) else None, None)
             for name, m in wanted.items()
             if name not in apps or apps[name].status != ApplicationStatus.RUNNING
         ],
@@ -251,8 +279,16 @@ def set_weights(weights: Mapping[int, float], cfg: ServeConfig | None = None, *,
     _wait_routers(control, generation, wait_s)
 
 
-def get_weights(cfg: ServeConfig | None = None) -> dict[int, float]:
-    table: RoutingTable = _call(_control(cfg or ServeConfig()).table.remote(), "reading weights")
+def get_weights(cfg: ServeConfig | None = None, *, settled: bool = False, wait_s: float = 10.0) -> dict[int, float]:
+    """The routing table's weights.
+
+    ``settled`` first waits until every router routes by them: another process (a concurrent
+    rollout) may have just changed them, and its ``set_weights`` may not have returned yet.
+    """
+    control = _control(cfg or ServeConfig())
+    table: RoutingTable = _call(control.table.remote(), "reading weights")
+    if settled:
+        _wait_routers(control, table.generation, wait_s)
     return dict(table.weights)
 
 

@@ -91,9 +91,15 @@ class ServeControl:
     def router_config(self) -> dict[str, Any] | None:
         return self._router_config
 
-    def set_router_config(self, config: dict[str, Any]) -> None:
+    def set_router_config(self, config: dict[str, Any] | None) -> None:
         self._router_config = config
         self._save()
+
+    def swap_router_config(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """Record the router config about to be deployed; the one recorded before (one call: atomic)."""
+        before, self._router_config = self._router_config, config
+        self._save()
+        return before
 
     def sync(self, router_id: str, generation: int, samples: list[tuple[int, float, float, int]]) -> RoutingTable:
         """A router's periodic call: record its samples, note what it has seen, hand it the table."""

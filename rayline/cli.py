@@ -267,6 +267,8 @@ def _serve_and_roll_out(trained: Any, probe_uri: str, soak_s: float) -> Any:
     typer.echo(
         f"load during the rollout: {load.sent} requests ({statuses}); connection errors: {load.connection_errors}"
     )
+    for failure in load.first_failures:
+        typer.secho(f"  failed request: {failure}", fg=typer.colors.YELLOW)
     return result
 
 

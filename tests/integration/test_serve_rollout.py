@@ -7,16 +7,21 @@ sending requests through the router.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 
 import httpx
 import pytest
+import ray
+from ray import serve
 
 from flows.serve_rollout import serve_config, serve_rollout
-from ray_workloads import serve_control
+from ray_workloads import rollout, serve_control
 from ray_workloads.serve_app import ANSWER_HEADER
 from rayline import lineage, registry, storage
+from rayline.ray_cluster import NAMESPACE
 from rayline.registry import ModelVersion
 from rayline.seed import digit_objects
 from tests.integration.helpers import ClientThreads, register_untrained
@@ -122,3 +127,44 @@ def test_a_broken_challenger_is_rolled_back_at_the_first_step(champion_serving: 
     assert registry.alias_version("digits", registry.CHAMPION) == incumbent.version
     (record,) = [r for r in lineage.read_records("serve_rollout") if r.outputs[0].uri == broken.uri]
     assert record.outputs[0].facets["outcome"] == "rolled back"
+
+
+def _replica_ids(app: str) -> set[str]:
+    """Ids of ``app``'s replicas, whatever their state (Serve's own client: status() has no replica details).
+
+    The raw dict: building ``ServeInstanceDetails`` pickles Serve's request-router class with
+    process-global cloudpickle settings, which races a deploy running in another thread.
+    """
+    client = serve.context._get_global_client()
+    assert client is not None
+    found = client.get_serve_details()["applications"].get(app)
+    return {r["replica_id"] for d in found["deployments"].values() for r in d["replicas"]} if found else set()
+
+
+def test_a_rollout_racing_another_waits_for_its_deploys_and_reads_settled_weights(champion_serving: str) -> None:
+    """Two rollouts at once (`rayline demo` and the serve-rollout its registration triggered): the second
+    neither restarts what the first is deploying nor acts on weights the routers don't route by yet."""
+    cfg = serve_config()
+    champion = registry.resolve("digits", registry.CHAMPION)
+    other = _register(seed=0)
+    app = cfg.version_app("digits", other.version)
+
+    first = threading.Thread(target=serve_control.deploy_version, args=(other, cfg))
+    first.start()
+    deadline = time.monotonic() + 60
+    while not (starting := _replica_ids(app)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert starting and serve.status().applications[app].status in ("NOT_STARTED", "DEPLOYING")
+    serve_control.deploy_version(other, cfg)  # the second caller: waits for it, submits nothing
+    first.join(timeout=120)
+    assert _replica_ids(app) == starting, "the version was submitted again: its replica was replaced"
+
+    control = ray.get_actor(cfg.control_actor_name, namespace=NAMESPACE)
+    ray.get(control.set_weights.remote({other.version: 1.0}))  # the first caller's move: routers not told yet
+    assert rollout.incumbent_version(cfg) == other.version  # read settled: routers route by it now
+    with httpx.Client(base_url=champion_serving, timeout=30) as client:
+        answered = [client.post("/predict", content=_probe_image()).headers.get(ANSWER_HEADER) for _ in range(5)]
+    assert answered == [str(other.version)] * 5
+
+    serve_control.set_weights({champion.version: 100.0}, cfg)
+    serve_control.remove_version(other.version, cfg)
