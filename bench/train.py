@@ -11,14 +11,17 @@ fixed cost (~14 s here: a controller and two worker processes importing
 torch, ``ray.train`` and, for DDP, ``torch._dynamo``, plus Ray Data's first
 pass), longer than the whole 12-epoch plain run, so the short run shows the
 cost of starting and the long run the throughput. Target: ratio >= 0.7.
-``BENCH_EPOCHS=12,60`` sets the lengths (the last is the headline). Needs
-nothing started by hand. Last line: JSON.
+Each length runs in a process of its own with its own embedded cluster (a fit
+leaves actors behind that would skew the next). ``BENCH_EPOCHS=12,60`` sets
+the lengths (the last is the headline). Needs nothing started by hand. Last
+line: JSON.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 LENGTHS = [int(e) for e in os.environ.get("BENCH_EPOCHS", "12,60").split(",")]
+RESULT = "BENCH-RESULT "
 
 
 def prepare(root: str) -> Any:
@@ -129,7 +133,8 @@ def report(epochs: int, ray_: dict[str, Any], plain: dict[str, Any]) -> dict[str
     }
 
 
-def main() -> None:
+def measure(epochs: int) -> dict[str, Any]:
+    """One run length in this process: its own embedded cluster and data."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     root = tempfile.mkdtemp(prefix="rayline-bench-train-")
     os.environ["RAYLINE_STORAGE"] = root
@@ -138,10 +143,23 @@ def main() -> None:
 
     ray_cluster.connect()
     prepared = prepare(root)
-    figures = {
-        epochs: report(epochs, ray_fit(root, prepared, epochs), plain_fit(prepared, epochs)) for epochs in LENGTHS
-    }
+    figures = report(epochs, ray_fit(root, prepared, epochs), plain_fit(prepared, epochs))
     ray_cluster.disconnect()
+    return figures
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print(RESULT + json.dumps(measure(int(sys.argv[2]))), flush=True)
+        return
+    figures: dict[int, dict[str, Any]] = {}
+    for epochs in LENGTHS:  # a process each: a fit leaves Ray Data and Train actors behind that skew the next
+        child = subprocess.run(
+            [sys.executable, __file__, "--child", str(epochs)], capture_output=True, text=True, check=True
+        )
+        lines = child.stdout.splitlines()
+        print("\n".join(line for line in lines if not line.startswith(RESULT)), flush=True)
+        figures[epochs] = json.loads(next(line for line in lines if line.startswith(RESULT))[len(RESULT) :])
     headline = dict(figures[LENGTHS[-1]])
     headline.update({f"ratio_{epochs}_epochs": figures[epochs]["ratio"] for epochs in LENGTHS})
     print(
