@@ -206,7 +206,7 @@ def start(cfg: ServeConfig) -> str:
     # else running or being deployed with this config: only wait for it
     failures = _run_and_wait([(cfg.name, router_app(cfg) if redeploy else None, "/")], cfg.deploy_timeout_s)
     if failures:
-        _call(control.set_router_config.remote(None), "clearing the router config")
+        _call(control.swap_router_config.remote(None), "clearing the router config")  # the next start() deploys
     _raise_deploy_failures(failures)
     base_url = f"http://{cfg.host}:{cfg.port}"
     no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -88,15 +88,8 @@ class ServeControl:
     def table(self) -> RoutingTable:
         return self._table
 
-    def router_config(self) -> dict[str, Any] | None:
-        return self._router_config
-
-    def set_router_config(self, config: dict[str, Any] | None) -> None:
-        self._router_config = config
-        self._save()
-
-    def swap_router_config(self, config: dict[str, Any]) -> dict[str, Any] | None:
-        """Record the router config about to be deployed; the one recorded before (one call: atomic)."""
+    def swap_router_config(self, config: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Record the router config about to be deployed (None: unknown); the one recorded before (atomic)."""
         before, self._router_config = self._router_config, config
         self._save()
         return before
