@@ -28,11 +28,11 @@ class PreparedRollout(BaseModel):
 def prepare_rollout_task(candidate: registry.ModelVersion, serve: ServeConfig) -> PreparedRollout:
     """Serve the incumbent (the live version with most traffic, else the champion) and the candidate at 0%."""
     ray_cluster.connect()
-    rollout.start(serve)
+    base_url = rollout.start(serve)
     live = rollout.incumbent_version(serve)
     incumbent = registry.get_version(candidate.name, live) if live else registry.resolve(candidate.name, "champion")
     if incumbent.version == candidate.version:  # already done (e.g. a second trigger): nothing to roll out
-        return PreparedRollout(base_url=rollout.start(serve), incumbent=incumbent, candidate=candidate)
+        return PreparedRollout(base_url=base_url, incumbent=incumbent, candidate=candidate)
     base_url = rollout.prepare(incumbent, candidate, serve)
     get_run_logger().info(
         "serving v%d at %s; candidate v%d deployed at 0%%", incumbent.version, base_url, candidate.version
