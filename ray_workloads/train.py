@@ -24,7 +24,7 @@ import ray
 import ray.train
 import torch
 from pydantic import BaseModel, Field
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from ray_workloads import preprocess
@@ -123,13 +123,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank = context.get_world_rank()
     device = ray.train.torch.get_device()
+    # Batch sources first: their first pass then runs while DDP is set up.
+    train_batches = epoch_batches(ray.train.get_dataset_shard("train").iter_torch_batches, cfg, shuffle=True)
+    val_batches = epoch_batches(ray.train.get_dataset_shard("val").iter_torch_batches, cfg, shuffle=False)
     model = ray.train.torch.prepare_model(build_model(cfg.model))
     optimizer = make_optimizer(model, cfg)
     state = restore_state(ray.train.get_checkpoint(), model, optimizer) or {"epoch": -1, "history": []}
     start_epoch = int(state["epoch"]) + 1
     history: list[dict[str, float]] = list(state["history"])
-    train_batches = epoch_batches(ray.train.get_dataset_shard("train").iter_torch_batches, cfg, shuffle=True)
-    val_batches = epoch_batches(ray.train.get_dataset_shard("val").iter_torch_batches, cfg, shuffle=False)
 
     attempt_started = time.time()
     for epoch in range(start_epoch, cfg.epochs):
@@ -137,7 +138,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             inject_failure_if_due(cfg, epoch)
         set_epoch_lr(optimizer, cfg, epoch)
         train = run_epoch(model, train_batches(epoch), device, optimizer)
-        val = run_epoch(model, val_batches(epoch), device)
+        val = run_epoch(model, val_batches(epoch), device, whole_split=cfg.val_on_every_worker)
         metrics = {
             "epoch": float(epoch),
             "attempt_start_epoch": float(start_epoch),
@@ -179,6 +180,9 @@ def run(cfg: TrainConfig) -> TrainResult:
     )
     output_root = storage.normalize(cfg.output_root)
     run_uri = storage.join(output_root, cfg.run_name)
+    # A small validation split is not sharded: every worker validates on all of it
+    # (the same figures everywhere), which spares starting a split coordinator.
+    loop = loop.model_copy(update={"val_on_every_worker": prepared.counts.get("val", 0) <= SMALL_SPLIT_ROWS})
     if loop.fail_once_at_epoch is not None and loop.fail_marker_uri is None:
         loop = loop.model_copy(update={"fail_marker_uri": storage.join(run_uri, "_fault_drill_done")})
     fs, storage_path = storage.arrow_filesystem(output_root)
@@ -203,6 +207,7 @@ def run(cfg: TrainConfig) -> TrainResult:
             ),
         ),
         datasets={"train": dataset_for_split(prepared, "train"), "val": dataset_for_split(prepared, "val")},
+        dataset_config=DataConfig(datasets_to_split=["train"] if loop.val_on_every_worker else "all"),
     )
     result = trainer.fit()
     if result.error is not None:

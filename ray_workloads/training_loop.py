@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,8 @@ class TrainLoopConfig(BaseModel):
     # Hold each worker's shard in memory after the first pass: small data sets
     # then skip Ray Data's per-epoch start-up; large ones should stream.
     cache_data: bool = True
+    # Each data-parallel worker validates on the whole validation split (set by the driver).
+    val_on_every_worker: bool = False
     # Fault drill: raise once at the start of this epoch (marker in storage makes it once).
     fail_once_at_epoch: int | None = None
     fail_marker_uri: str | None = None
@@ -78,8 +81,13 @@ def run_epoch(
     batches: Iterable[Batch],
     device: torch.device,
     optimizer: torch.optim.Optimizer | None = None,
+    whole_split: bool = False,
 ) -> EpochStats:
-    """One pass over ``batches``: trains when given an optimizer, else evaluates."""
+    """One pass over ``batches``: trains when given an optimizer, else evaluates.
+
+    Figures are summed across data-parallel workers, unless ``whole_split``
+    says each worker saw the whole split (then its own figures are the answer).
+    """
     started = time.perf_counter()
     training = optimizer is not None
     model.train(training)
@@ -98,7 +106,8 @@ def run_epoch(
             total_loss += float(loss.detach())
             correct += int((logits.argmax(dim=1) == labels).sum())
             seen += len(labels)
-    total_loss, correct_f, seen_f = _reduce([total_loss, float(correct), float(seen)])
+    figures = [total_loss, float(correct), float(seen)]
+    total_loss, correct_f, seen_f = figures if whole_split else _reduce(figures)
     samples = int(seen_f)
     return EpochStats(
         loss=total_loss / max(1, samples),
@@ -132,8 +141,8 @@ EpochBatches = Callable[[int], Iterable[Batch]]
 def epoch_batches(stream: Callable[..., Iterable[Batch]], cfg: TrainLoopConfig, shuffle: bool) -> EpochBatches:
     """Per-epoch batch source over a Ray Data iterator's ``iter_torch_batches``.
 
-    Shuffled with a seed per epoch; cached in memory after the first pass
-    when ``cfg.cache_data`` is set.
+    Shuffled with a seed per epoch. With ``cfg.cache_data`` the first pass
+    starts at once in the background and is held in memory for every epoch.
     """
     batch_size = cfg.batch_size if shuffle else 256
 
@@ -141,12 +150,14 @@ def epoch_batches(stream: Callable[..., Iterable[Batch]], cfg: TrainLoopConfig, 
         return cfg.seed * 1000 + epoch if shuffle else None
 
     if cfg.cache_data:
-        cached: list[Batch] = []
+        # The first pass starts now, in a thread: it mostly waits on Ray Data's other
+        # processes, so it overlaps what the caller does next (building the model).
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="first-pass")
+        first_pass = pool.submit(materialize, stream(batch_size=1024))
+        pool.shutdown(wait=False)
 
         def from_cache(epoch: int) -> Iterable[Batch]:
-            if not cached:
-                cached.append(materialize(stream(batch_size=1024)))
-            return in_memory_batches(cached[0], batch_size, seed_for(epoch))
+            return in_memory_batches(first_pass.result(), batch_size, seed_for(epoch))
 
         return from_cache
 
