@@ -147,6 +147,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "val_loss": val.loss,
             SCORE: val.accuracy,
             "train_samples": float(train.samples),
+            "val_samples": float(val.samples),
             "train_seconds": train.seconds,
             # wall-clock marks (unix time) to see where a fit's time goes
             "attempt_started_at": attempt_started,
