@@ -6,7 +6,9 @@ What is compared (issue 4, point 7):
   ``nightly-inference`` flow, on an embedded Ray cluster started the way its
   task starts it (``ray_cluster.connect(preload=WORKER_PRELOAD)``): list the
   prefix; predictor actors (a Ray Data actor pool) fetch, decode, predict and
-  write Parquet; verify exactly-once; commit the manifest.
+  write Parquet into the night's partition of the two Delta tables; verify
+  exactly-once; commit the night (``phase_s["commit"]``, whose share of the
+  night at 20k is printed).
 * **plain**: one process, no Ray: the seed article's ``TorchPredictor`` loop
   run by hand. It lists the same prefix with the same function, reads the
   files one after another (on S3: one GET after another), decodes each with
@@ -52,16 +54,27 @@ What each figure includes:
   (database under the cache folder, created by a first untimed run), a fresh
   embedded Ray cluster, the flow, teardown.
 
+Reading a night back (``--parts table``, bench/table_reads.py): no Ray, no
+model; a predictions table of 30 synthetic nights of 20k rows
+(``--table-nights``, ``--table-rows``), ``read_night`` of night 1 when the
+table holds one night against night 30 when it holds 30.
+
+Compute-bound case (``--parts resnet``, bench/resnet_inference.py): ResNet-18
+(``--arch resnet50``) with random weights on 2,000 and 10,000 real-photo JPEGs
+(``--resnet-sizes``), local and/or S3 (``--resnet-storage``), against a plain
+DataLoader loop; on a machine with a GPU both sides also run on it.
+
 Needs nothing started by hand. ``--quick``: small sizes (a smoke test, not the
-figures); ``--parts local,s3,e2e`` picks measurements. Prints human lines,
-then one line of JSON. Targets: ratio >= 0.9 at 20k, >= 1.0 at 100k, >= 3 on
-S3; peak RSS at 100k <= 1.3x that at 10k.
+figures); ``--parts local,s3,e2e,table,resnet`` picks measurements. Prints
+human lines, then one line of JSON. Targets: ratio >= 0.9 at 20k, >= 1.0 at
+100k, >= 3 on S3; peak RSS at 100k <= 1.3x that at 10k; the commit <= 10 % of
+a night at 20k; reading night 30 of 30 <= 2x reading night 1 of 1; ResNet:
+ratio >= 0.9 at 2k, >= 0.95 at 10k, peak RSS at 10k <= 1.3x that at 2k.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -69,20 +82,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import resnet_inference, table_reads  # noqa: E402
 from bench.inference_images import CACHE, IMAGE_SIZE, ensure_images, input_folder, warm_page_cache  # noqa: E402
+from bench.inference_report import commit_share, print_pair, rate  # noqa: E402
+from bench.inference_s3 import s3_images, server_ceiling  # noqa: E402
 from bench.plain_inference import BATCH_SIZE, choose_torch_threads, plain_loop  # noqa: E402
 from bench.process_tree import wait_until_idle, watch_tree  # noqa: E402
 
 DAY = "2026-11-28"
-BUCKET = "rayline-bench-inference"
 RESULT = "BENCH-RESULT "
 
 
@@ -143,8 +156,8 @@ def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
     idle_wait_s = wait_until_idle()
     cfg = batch_inference.InferenceConfig(
         input_uri=spec["input"],
-        output_root=storage.join(spec["root"], "predictions", spec["name"]),
-        partition=f"dt={DAY}",
+        tables_root=storage.join(spec["root"], "tables", spec["name"]),
+        dt=DAY,
         model=version,
         batch_size=BATCH_SIZE,
         code_version="bench",
@@ -156,18 +169,29 @@ def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
             result = batch_inference.run(cfg)
             seconds = time.perf_counter() - began
         assert result.inputs == result.predictions == spec["count"], result
-        runs.append({"seconds": seconds, "images_s": result.inputs / seconds, "phases": result.phase_s, **peak})
+        runs.append(
+            {
+                "seconds": seconds,
+                "images_s": result.inputs / seconds,
+                "phases": result.phase_s,
+                "elapsed_s": result.elapsed_s,
+                **peak,
+            }
+        )
         if attempt == 0:
             wait_until_idle()
     ray_cluster.disconnect()
-    storage.remove_tree(cfg.output_root)
+    storage.remove_tree(cfg.tables_root)  # both tables of this measurement
     return {"connect_s": connect_s, "idle_wait_s": idle_wait_s, "runs": runs}
 
 
 def child_main(spec: dict[str, Any]) -> None:
     if spec.get("s3"):
         os.environ["AWS_ENDPOINT_URL"] = spec["s3"]
-    result = child_plain(spec) if spec["kind"] == "plain" else child_rayline(spec)
+    if spec["kind"].startswith("resnet-"):
+        result = resnet_inference.child(spec)
+    else:
+        result = child_plain(spec) if spec["kind"] == "plain" else child_rayline(spec)
     print(RESULT + json.dumps(result), flush=True)
 
 
@@ -230,60 +254,7 @@ def end_to_end(root: str, images: list[Path], count: int, env: dict[str, str]) -
     return seconds, summary
 
 
-@contextlib.contextmanager
-def s3_images(images: list[Path], count: int, env: dict[str, str]) -> Iterator[tuple[str, str, int]]:
-    """``count`` images in a bucket of a loopback moto server; yields (endpoint, input URI, server PID)."""
-    import boto3
-
-    from tests.support import S3_TEST_ENV, create_bucket, s3_server
-
-    os.environ.update(S3_TEST_ENV)
-    env.update(S3_TEST_ENV)
-    server: list[int] = []
-    with s3_server(server) as endpoint:
-        create_bucket(endpoint, BUCKET)
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        prefix = f"incoming/dt={DAY}"
-
-        def put(source: Path) -> None:
-            key = f"{prefix}/{source.relative_to(CACHE / 'images')}"
-            client.put_object(Bucket=BUCKET, Key=key, Body=source.read_bytes())
-
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(put, images[:count]))
-        yield endpoint, f"s3://{BUCKET}/{prefix}", server[0]
-
-
 # ---------------------------------------------------------------- report
-
-
-def _rate(figures: dict[str, Any]) -> float:
-    return float(figures["runs"][0]["images_s"]) if "runs" in figures else float(figures["images_s"])
-
-
-def _cores(figures: dict[str, Any]) -> str:
-    """How many cores the measured side used, and how many the rest of the machine took meanwhile."""
-    return f"used {figures['cores']:.2f} cores, other processes {figures['others_cores']:.2f}"
-
-
-def print_pair(label: str, count: int, plain: dict[str, Any], ray_: dict[str, Any]) -> float:
-    first = ray_["runs"][0]
-    ratio = first["images_s"] / plain["images_s"]
-    print(f"{label}, {count} images:")
-    print(
-        f"  plain loop   {plain['images_s']:8.1f} images/s ({plain['seconds']:.1f}s, torch threads "
-        f"{plain['torch_threads']}; {_cores(plain)})"
-    )
-    print(f"  rayline      {first['images_s']:8.1f} images/s ({first['seconds']:.1f}s; {_cores(first)})")
-    print(f"    phases (s): {first['phases']}")
-    for extra in ray_["runs"][1:]:
-        print(
-            f"    2nd run in the same job: {extra['images_s']:.1f} images/s ({extra['seconds']:.1f}s; {_cores(extra)})"
-        )
-    waited = f"ray.init {ray_['connect_s']:.1f}s, then {ray_['idle_wait_s']:.1f}s until the cluster was idle"
-    print(f"  {waited} (not counted)")
-    print(f"  ratio {ratio:.2f}", flush=True)
-    return ratio
 
 
 def bench_local(
@@ -303,13 +274,15 @@ def bench_local(
             figures[f"ratio_{'small' if count == sizes[0] else 'large'}"] = print_pair(
                 "local folder", count, plain, ray_
             )
+            if count == sizes[0]:
+                figures["commit_share_small"] = commit_share(ray_, count)
         else:
-            print(f"local folder, {count} images: rayline {_rate(ray_):.1f} images/s (for peak RSS)", flush=True)
+            print(f"local folder, {count} images: rayline {rate(ray_):.1f} images/s (for peak RSS)", flush=True)
         if count == sizes[0]:
             verbatim = measure({**base, "kind": "plain", "seed_verbatim": True}, env)
             print(
                 f"  for reference, the plain loop with the model as loaded (the seed's code verbatim): "
-                f"{verbatim['images_s']:.1f} images/s; rayline / that = {_rate(ray_) / verbatim['images_s']:.2f}"
+                f"{verbatim['images_s']:.1f} images/s; rayline / that = {rate(ray_) / verbatim['images_s']:.2f}"
             )
     for count in rss_sizes:
         peak = peaks[count]
@@ -323,7 +296,7 @@ def bench_local(
 
 def bench_s3(work: str, images: list[Path], count: int, env: dict[str, str]) -> float:
     """rayline vs the plain loop reading one GET after another, images on a loopback S3 server."""
-    with s3_images(images, count, env) as (endpoint, uri, server_pid):
+    with s3_images(images, count, env, DAY) as (endpoint, uri, server_pid):
         base = {"root": work, "input": uri, "count": count, "s3": endpoint, "name": "s3"}
         ray_ = measure({**base, "kind": "rayline", "runs": 1}, env)
         plain = measure({**base, "kind": "plain"}, env)
@@ -342,27 +315,6 @@ def bench_s3(work: str, images: list[Path], count: int, env: dict[str, str]) -> 
         return ratio
 
 
-def server_ceiling(endpoint: str, uri: str, server_pid: int) -> tuple[float, float]:
-    """GET/s of the S3 server under 32 concurrent GETs (no decoding), and its CPU milliseconds per GET."""
-    import boto3
-    from botocore.config import Config
-
-    from tests.support import process_cpu_seconds
-
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=Config(max_pool_connections=32))
-    bucket, _, prefix = uri[len("s3://") :].partition("/")
-    keys = [
-        o["Key"]
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
-        for o in page.get("Contents", [])
-    ]
-    cpu_before, began = process_cpu_seconds(server_pid), time.perf_counter()
-    with ThreadPoolExecutor(32) as pool:
-        list(pool.map(lambda k: client.get_object(Bucket=bucket, Key=k)["Body"].read(), keys))
-    seconds = time.perf_counter() - began
-    return len(keys) / seconds, (process_cpu_seconds(server_pid) - cpu_before) * 1000 / len(keys)
-
-
 def bench_end_to_end(work: str, images: list[Path], count: int, env: dict[str, str]) -> float:
     primed = (CACHE / "prefect-home").exists()
     seconds, summary = end_to_end(work, images, count, env)
@@ -379,6 +331,16 @@ def _pair(text: str) -> tuple[int, int]:
     return small, large
 
 
+def images_needed(args: argparse.Namespace, parts: set[str]) -> int:
+    """The most images one of the chosen measurements reads: only that many need generating."""
+    counts = [args.e2e_images] if "e2e" in parts else []
+    if "local" in parts:
+        counts += [*args.sizes, *args.rss_sizes]
+    if "s3" in parts:
+        counts.append(args.s3_size)
+    return max(counts, default=0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -387,16 +349,24 @@ def main() -> None:
     parser.add_argument("--rss-sizes", type=_pair, default=(10_000, 100_000), help="small,large size for peak RSS")
     parser.add_argument("--s3-size", type=int, default=5000)
     parser.add_argument("--e2e-images", type=int, default=20)
-    parser.add_argument("--parts", default="local,s3,e2e", help="which measurements to run (comma-separated)")
+    parser.add_argument(
+        "--parts", default="local,s3,e2e,table,resnet", help="which measurements to run (comma-separated)"
+    )
+    parser.add_argument("--table-nights", type=int, default=30, help="--parts table: nights in the large table")
+    parser.add_argument("--table-rows", type=int, default=20_000, help="--parts table: rows per night")
+    parser.add_argument("--table-repeats", type=int, default=7, help="--parts table: timed reads of each night")
+    resnet_inference.add_arguments(parser)
     args = parser.parse_args()
     if args.child:
         child_main(json.loads(args.child))
         return
     if args.quick:
         args.sizes, args.rss_sizes, args.s3_size = (1000, 3000), (1000, 3000), 300
+        args.resnet_sizes = [200, 600]
+        args.table_nights, args.table_rows, args.table_repeats = 5, 2000, 3
     parts = set(args.parts.split(","))
 
-    images = ensure_images()
+    images = ensure_images(images_needed(args, parts)) if parts & {"local", "s3", "e2e"} else []
     work = tempfile.mkdtemp(prefix="rlbi-", dir="/tmp")  # short: Ray's socket paths live under it
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYLINE_", "RAY_ADDRESS", "PREFECT_API_URL"))}
     env.update(
@@ -409,6 +379,8 @@ def main() -> None:
         }
     )
     local: dict[str, float] = {}
+    resnet: dict[str, Any] = {}
+    table: dict[str, float] = {}
     s3_ratio = e2e_s = None
     try:
         register_model(work)
@@ -418,6 +390,13 @@ def main() -> None:
             s3_ratio = bench_s3(work, images, args.s3_size, env)
         if "e2e" in parts:
             e2e_s = bench_end_to_end(work, images, args.e2e_images, env)
+        if "table" in parts:
+            table = table_reads.bench_table(work, args.table_nights, args.table_rows, args.table_repeats)
+        if "resnet" in parts:
+            sizes, storages = sorted(args.resnet_sizes), resnet_inference.storages(args.resnet_storage)
+            resnet = resnet_inference.bench_resnet(
+                work, args.arch, sizes, storages, resnet_inference.overrides(args), env, measure
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -433,9 +412,16 @@ def main() -> None:
         "rss_100k_mb": rounded(local.get("rss_large_mb"), None),
         "rss_ratio": rounded(rss_ratio),
         "e2e_20_images_s": rounded(e2e_s, 1),
+        "commit_share_20k": rounded(local.get("commit_share_small")),
+        "read_night1_s": rounded(table.get("read_night1_s"), 4),
+        "read_night30_s": rounded(table.get("read_night30_s"), 4),
+        "read_night30_vs_1": rounded(table.get("read_night30_vs_1")),
+        **resnet,
     }
     print(
-        "targets: ratio_20k >= 0.9, ratio_100k >= 1.0, ratio_s3_vs_seed >= 3, rss_ratio <= 1.3"
+        "targets: ratio_20k >= 0.9, ratio_100k >= 1.0, ratio_s3_vs_seed >= 3, rss_ratio <= 1.3, "
+        "commit_share_20k <= 0.10, read_night30_vs_1 <= 2; "
+        "resnet_ratio_2k >= 0.9, resnet_ratio_10k >= 0.95, resnet_rss_ratio <= 1.3"
         + (" (--quick: not the issue's sizes)" if args.quick else "")
     )
     print(json.dumps(result))

@@ -1,7 +1,8 @@
-"""Synthetic inputs for the batch-inference bench: 100k 32 px PNGs generated once, reused.
+"""Synthetic inputs for the batch-inference bench: up to 100k 32 px PNGs generated once, reused.
 
-Under ``$RAYLINE_BENCH_CACHE`` (default /tmp/rayline-bench-inference-cache);
-folders of exactly N of them are hard links, made once per size.
+Under ``$RAYLINE_BENCH_CACHE`` (default /tmp/rayline-bench-inference-cache),
+in chunks of 10k made as the sizes asked for need them; folders of exactly N
+of them are hard links, made once per size.
 """
 
 from __future__ import annotations
@@ -33,15 +34,26 @@ def _write_chunk(chunk: int) -> int:
     return written
 
 
-def ensure_images() -> list[Path]:
-    """100k synthetic PNGs under CACHE/images, generated once; returned in a fixed order."""
-    done = CACHE / f"images-complete-{MAX_IMAGES}"
-    if not done.exists():
-        print(f"generating {MAX_IMAGES} synthetic {IMAGE_SIZE}px PNGs under {CACHE / 'images'} (once)", flush=True)
-        with ProcessPoolExecutor(os.cpu_count() or 1) as pool:
-            assert sum(pool.map(_write_chunk, range(MAX_IMAGES // CHUNK))) == MAX_IMAGES
-        done.write_text("ok\n")
-    return sorted((CACHE / "images").rglob("*.png"))
+def _chunk_done(chunk: int) -> Path:
+    return CACHE / f"images-chunk-{chunk:02d}-complete"
+
+
+def ensure_images(count: int = MAX_IMAGES) -> list[Path]:
+    """At least ``count`` synthetic PNGs under CACHE/images, whole chunks generated once; in a fixed order.
+
+    Only the chunks ``count`` needs are made, so that a smoke test at small sizes does not first
+    generate all 100k images.
+    """
+    chunks = range(min(-(-count // CHUNK), MAX_IMAGES // CHUNK))
+    everything = (CACHE / f"images-complete-{MAX_IMAGES}").exists()  # the marker of a cache made all at once
+    missing = [chunk for chunk in chunks if not everything and not _chunk_done(chunk).exists()]
+    if missing:
+        print(f"generating {len(missing) * CHUNK} synthetic {IMAGE_SIZE}px PNGs under {CACHE / 'images'} (once)")
+        with ProcessPoolExecutor(min(len(missing), os.cpu_count() or 1)) as pool:
+            for chunk, written in zip(missing, pool.map(_write_chunk, missing), strict=True):
+                assert written == CHUNK
+                _chunk_done(chunk).write_text("ok\n")
+    return sorted(path for chunk in chunks for path in (CACHE / "images").glob(f"*/c{chunk:02d}-*.png"))
 
 
 def input_folder(count: int, images: list[Path]) -> Path:

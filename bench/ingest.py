@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support import S3_TEST_ENV, create_bucket, process_cpu_seconds, s3_server  # noqa: E402
+from bench.s3_server import S3_ENV, create_bucket, process_cpu_seconds, s3_server  # noqa: E402
 
 BUCKET = "rayline-bench"
 REPEATS = 3
@@ -43,7 +43,7 @@ def _best_rate(name: str, count: int, run: object, repeats: int = REPEATS) -> fl
 
 
 def main() -> None:
-    os.environ.update(S3_TEST_ENV)
+    os.environ.update(S3_ENV)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     with s3_server(SERVER_PID) as endpoint:
         os.environ["AWS_ENDPOINT_URL"] = endpoint

@@ -27,12 +27,12 @@ def plain_loop(objects: list[Any], read: Callable[[str], bytes], version: Any, o
     import pyarrow as pa
     import torch
 
-    from ray_workloads.images import ImageSpec, decode_image
-    from ray_workloads.models import ModelSpec, load_model, prepare_for_inference
+    from ray_workloads.images import decode_image
+    from ray_workloads.models import load_model, prepare_for_inference
     from rayline import storage
 
-    spec = ImageSpec.model_validate(version.image_spec)
-    model = load_model(ModelSpec.model_validate(version.model_spec), version.weights_uri)
+    spec = version.image_spec
+    model = load_model(version.model_spec, version.weights_uri)
     layout = torch.channels_last if prepared else torch.contiguous_format
     model = prepare_for_inference(model) if prepared else model
     classes = np.array(version.classes, dtype=object)
@@ -88,9 +88,9 @@ def choose_torch_threads(version: Any, prepared: bool) -> int:
     """The faster of 1 thread and torch's default for this model, so the plain loop is at its best."""
     import torch
 
-    from ray_workloads.models import ModelSpec, build_model, prepare_for_inference
+    from ray_workloads.models import build_model, prepare_for_inference
 
-    model = build_model(ModelSpec.model_validate(version.model_spec)).eval()
+    model = build_model(version.model_spec).eval()
     batch = torch.randn(BATCH_SIZE, 3, IMAGE_SIZE, IMAGE_SIZE)
     if prepared:
         model, batch = prepare_for_inference(model), batch.contiguous(memory_format=torch.channels_last)

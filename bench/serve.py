@@ -248,12 +248,13 @@ def main() -> None:
 
     from ray import serve
 
+    from bench.s3_server import free_port
     from ray_workloads import serve_control
     from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
-    from ray_workloads.serve_app import ServeConfig, model_app
+    from ray_workloads.serve_app import model_app
+    from ray_workloads.serve_config import ServeConfig
     from rayline import ray_cluster, registry
     from rayline.seed import digit_objects
-    from tests.support import free_port
 
     bodies = [data for _, data in itertools.islice(digit_objects(32), 500)]
     spec = ModelSpec(num_classes=10)

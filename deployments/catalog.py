@@ -7,15 +7,21 @@ table for teams that deploy with ``prefect deploy`` to a work pool.
 
 How the lifecycle runs itself:
 
-* ``nightly-inference`` on a cron (02:00 UTC), yesterday's partition;
+* ``nightly-inference`` on a cron (02:00 UTC), yesterday's partition; run by
+  hand with ``date_from``/``date_to`` it backfills a range of nights;
 * ``prepare-data`` hourly: an ingest that finds new objects emits
   ``rayline.data.arrived`` (labelled ``rayline.retrain=true`` when enough of them
   are labelled);
 * ``retrain`` (the ``train-model`` flow, its winner made ``challenger``) on that
   event or on ``rayline.drift.detected`` from the monitor — debounced: a burst of
-  events within ``RETRAIN_DEBOUNCE`` starts one run;
+  events within ``RETRAIN_DEBOUNCE`` starts one run. It searches with 4 ASHA
+  trials first (the digits); a model whose champion is a fine-tune of another
+  (an outside ResNet, say) is fine-tuned again from that parent with no search
+  — the flow decides (``flows.train_model.plan_training``), since a trial per
+  fine-tune of a torchvision model at 224 px doesn't fit a small CPU cluster;
 * ``serve-rollout`` when a challenger is registered (or by hand);
-* ``monitor`` every 15 minutes.
+* ``monitor`` every 15 minutes, which also vacuums the predictions tables
+  (files no version of the last ``DEFAULT_RETENTION_HOURS`` needs).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from prefect.events import DeploymentEventTrigger
 from prefect.events.schemas.automations import Posture
 from prefect.schedules import Cron, Interval, Schedule
 
+from rayline.prediction_reads import DEFAULT_RETENTION_HOURS
 from tasks import events
 
 RETRAIN_DEBOUNCE = timedelta(minutes=30)
@@ -54,12 +61,24 @@ class DeploymentSpec:
         return None
 
 
-def _on(event: str, name: str, within: timedelta, match: dict[str, str] | None = None, **parameters: Any) -> Any:
-    """A reactive trigger: fires on the first matching event, then ignores matches for ``within``."""
+def _on(
+    event: str,
+    name: str,
+    within: timedelta,
+    match: dict[str, str] | None = None,
+    for_each: set[str] | None = None,
+    **parameters: Any,
+) -> Any:
+    """A reactive trigger: fires on the first matching event, then ignores matches for ``within``.
+
+    ``for_each``: resource labels that split the debounce (one per model: a burst from one model
+    doesn't swallow another model's event).
+    """
     return DeploymentEventTrigger(
         name=name,
         expect={event},
         match=match or {},
+        for_each=for_each or set(),
         posture=Posture.Reactive,
         threshold=1,
         within=within,
@@ -79,7 +98,13 @@ def deployment_table() -> list[DeploymentSpec]:
             name="nightly-inference",
             flow=nightly_inference,
             cron="0 2 * * *",
-            description="Yesterday's arrivals (UTC) through the champion, committed to predictions/dt=…",
+            # the schedule leaves date_from/date_to/max_concurrent_nights unset; a manual run of this
+            # deployment with them set is a backfill (one commit per night)
+            description=(
+                "Yesterday's arrivals (UTC) through the champion, committed as its night (model_name, dt) "
+                "of the predictions tables; date_from/date_to (and max_concurrent_nights) run a range of "
+                "nights: a backfill"
+            ),
         ),
         DeploymentSpec(
             name="prepare-data",
@@ -100,9 +125,18 @@ def deployment_table() -> list[DeploymentSpec]:
                     {events.RETRAIN_LABEL: "true"},
                     source_uri="{{ event.payload.source_uri }}",  # train on what arrived
                 ),
-                _on(events.DRIFT_DETECTED, "retrain-on-drift", RETRAIN_DEBOUNCE),
+                _on(
+                    events.DRIFT_DETECTED,
+                    "retrain-on-drift",
+                    RETRAIN_DEBOUNCE,
+                    for_each={"rayline.model"},
+                    model_name="{{ event.payload.model }}",  # retrain the model that drifted
+                ),
             ],
-            description="Retrain when labelled data arrives or drift is detected; a winner becomes challenger",
+            description=(
+                "Retrain when labelled data arrives or drift is detected (4 ASHA trials first; a fine-tuned "
+                "model is fine-tuned again from its parent, no search); a winner becomes challenger"
+            ),
         ),
         DeploymentSpec(
             name="serve-rollout",
@@ -122,7 +156,11 @@ def deployment_table() -> list[DeploymentSpec]:
             name="monitor",
             flow=monitor,
             interval=timedelta(minutes=15),
-            description="Serving health and prediction drift; emits rayline.drift.detected",
+            parameters={"vacuum_retention_hours": DEFAULT_RETENTION_HOURS},
+            description=(
+                "Serving health and prediction drift; emits rayline.drift.detected; vacuums the predictions tables "
+                f"({DEFAULT_RETENTION_HOURS} h retention: time travel reaches that far)"
+            ),
         ),
     ]
 

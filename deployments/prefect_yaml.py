@@ -45,6 +45,8 @@ def _trigger(trigger: Any) -> dict[str, Any]:
         "threshold": trigger.threshold,
         "within": int(trigger.within.total_seconds()),
     }
+    if trigger.for_each:
+        out["for_each"] = sorted(trigger.for_each)
     if trigger.parameters:
         out["parameters"] = trigger.parameters
     return out

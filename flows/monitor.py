@@ -1,35 +1,45 @@
-"""Flow ``monitor``: serving health and prediction drift; emits events when thresholds are crossed."""
+"""Flow ``monitor``: serving health and prediction drift; emits events when thresholds are crossed.
+
+It also vacuums the two night tables (``vacuum_retention_hours``): files
+replaced by reruns and files of runs that never committed are deleted once no
+version within the retention needs them, so every version current within it
+stays readable by number (``rayline.prediction_reads``).
+"""
 
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from flows.nightly_inference import PREDICTIONS_DIR
-from flows.serve_rollout import serve_config
 from ray_workloads import monitor as mon
-from ray_workloads import preprocess
+from ray_workloads import preprocess, serve_control
 from rayline import registry, storage
+from rayline.errors import RaylineError
+from rayline.layout import MONITORING_DIR, parse_day
+from rayline.layout import model_name as checked_model_name
+from rayline.prediction_reads import DEFAULT_RETENTION_HOURS, check_retention, committed_nights
 from tasks import events
+from tasks.maintenance import vacuum_tables_task
 from tasks.train import png_markdown
-
-MONITORING_DIR = "monitoring"
-METRICS_FILE = "metrics.prom"
 
 
 class MonitorResult(BaseModel):
     serving: mon.ServingHealth | None
     partitions: list[mon.PartitionDrift]
     metrics_uri: str
+    files_vacuumed: int | None = Field(
+        None, description="Files the vacuum of the night tables deleted; None: none ran."
+    )
+    vacuum_retention_hours: int | None = None
 
     @property
     def drifted(self) -> list[mon.PartitionDrift]:
         return [p for p in self.partitions if p.drifted]
 
 
-def _markdown(result: MonitorResult) -> str:
+def _markdown(result: MonitorResult, vacuum_error: Exception | None = None) -> str:
     lines = ["### rayline monitor", ""]
     if result.serving is not None:
         s = result.serving
@@ -43,15 +53,41 @@ def _markdown(result: MonitorResult) -> str:
             ]
             lines.append("")
     lines += [
-        "| partition | model | inputs | errors | class PSI | low-confidence | verdict |",
-        "|---|---|---|---|---|---|---|",
+        "| night | Delta version | model | inputs | errors | class PSI | vs | low-confidence | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {p.partition_uri.rsplit('/', 1)[-1]} | {p.model} | {p.inputs} | {p.errors} | {p.psi:.3f} | "
+        f"| {p.partition} | {p.version} | {p.model} | {p.inputs} | {p.errors} | {p.psi:.3f} | {p.reference} | "
         f"{p.low_confidence_share:.1%} | {'DRIFT: ' + '; '.join(p.reasons) if p.drifted else 'ok'} |"
         for p in result.partitions
     ]
-    return "\n".join(lines) + "\n\n" + f"Prometheus metrics: `{result.metrics_uri}`\n"
+    lines += ["", _vacuum_line(result, vacuum_error), "", f"Prometheus metrics: `{result.metrics_uri}`"]
+    return "\n".join(lines) + "\n"
+
+
+def _vacuum_line(result: MonitorResult, error: Exception | None) -> str:
+    if result.vacuum_retention_hours is None:
+        return "**Vacuum** of the night tables: off"
+    head = f"**Vacuum** of the night tables (retention {result.vacuum_retention_hours} h): "
+    return head + (f"FAILED: {error}" if error is not None else f"{result.files_vacuumed} files deleted")
+
+
+def reference_for(
+    champion: registry.ModelVersion, root: str, reference_date: str | None, low_confidence: float
+) -> mon.Reference:
+    """What the champion's nights are judged against.
+
+    A champion trained here: its training label counts (unless a reference
+    date is named). An outside one has no training data: the predicted
+    classes of ``reference_date``'s night, else of the model's first committed
+    night — "has it changed since it started?" rather than "is it like what it
+    learned from?".
+    """
+    if reference_date is None and champion.data_manifest_uri is not None:
+        counts = preprocess.read_manifest(champion.data_manifest_uri).class_counts["train"]
+        return mon.Reference(kind="training labels", uri=champion.data_manifest_uri, counts=dict(counts))
+    dt = parse_day(reference_date, "reference_date").isoformat() if reference_date else None
+    return mon.night_reference(root, champion.name, dt, low_confidence)
 
 
 @flow(name="monitor")
@@ -59,34 +95,53 @@ def monitor(
     model_name: str = "digits",
     partitions: int = 1,
     check_serving: bool = True,
+    reference_date: str | None = None,
     psi_threshold: float = 0.2,
     max_low_confidence_share: float = 0.3,
     max_error_fraction: float = 0.05,
+    vacuum_retention_hours: int | None = DEFAULT_RETENTION_HOURS,
 ) -> MonitorResult:
-    """Check serving health and the latest ``partitions`` committed prediction partitions for drift."""
+    """Check serving health and the latest ``partitions`` committed nights of ``model_name`` for drift.
+
+    ``reference_date`` (YYYY-MM-DD) names the night to compare with; by default
+    a trained champion is compared with its training labels and an outside one
+    with its first committed night. Then vacuums both night tables, for real,
+    keeping every file a version current within ``vacuum_retention_hours``
+    needs (None: no vacuum). A failed vacuum (legacy night folders not yet
+    migrated, say) fails the run after the checks are published.
+    """
+    if vacuum_retention_hours is not None:
+        check_retention(vacuum_retention_hours)  # a bad parameter fails before any work
     thresholds = mon.DriftThresholds(
         psi=psi_threshold, max_low_confidence_share=max_low_confidence_share, max_error_fraction=max_error_fraction
     )
     logger = get_run_logger()
     root = storage.storage_root()
-    champion = registry.resolve(model_name, registry.CHAMPION)
-    reference = preprocess.read_manifest(champion.data_manifest_uri).class_counts["train"]
-    cfg = serve_config()
-    serving = mon.serving_health(f"http://{cfg.host}:{cfg.port}", thresholds) if check_serving else None
+    champion = registry.resolve(checked_model_name(model_name), registry.CHAMPION)
+    reference = reference_for(champion, root, reference_date, thresholds.low_confidence)
+    logger.info("judging %s v%d's nights against %s", model_name, champion.version, reference.describe())
+    cfg = serve_control.config_from_settings()
+    serving = mon.serving_health(f"http://{cfg.host}:{cfg.port}", thresholds, model_name) if check_serving else None
     drifts = [
-        mon.partition_drift(uri, reference, thresholds)
-        for uri in mon.committed_partitions(storage.join(root, PREDICTIONS_DIR), partitions)
+        mon.night_drift(root, model_name, dt, reference, thresholds)
+        for dt in committed_nights(root, model_name, partitions)
     ]
     run_id = str(flow_run.get_id() or "local")
-    metrics_uri = storage.join(root, MONITORING_DIR, METRICS_FILE)
-    storage.write_bytes_atomic(metrics_uri, mon.prometheus_text(serving, drifts, run_id).encode())
-    result = MonitorResult(serving=serving, partitions=drifts, metrics_uri=metrics_uri)
+    # one file per model in one flat folder: what node-exporter's textfile collector reads (*.prom)
+    metrics_uri = storage.join(root, MONITORING_DIR, f"{model_name}.prom")
+    storage.write_bytes_atomic(metrics_uri, mon.prometheus_text(serving, drifts, run_id, model_name).encode())
+    result = MonitorResult(
+        serving=serving,
+        partitions=drifts,
+        metrics_uri=metrics_uri,
+        vacuum_retention_hours=vacuum_retention_hours,
+    )
 
     for drift in result.drifted:
-        logger.warning("drift in %s: %s", drift.partition_uri, "; ".join(drift.reasons))
+        logger.warning("drift in %s: %s", drift.night, "; ".join(drift.reasons))
         events.emit(
             events.DRIFT_DETECTED,
-            f"rayline.predictions.{drift.partition_uri}",
+            f"rayline.predictions.{drift.night}",
             payload={
                 "metric": "predicted_class_psi",
                 "value": drift.psi,
@@ -100,8 +155,23 @@ def monitor(
     if serving is not None and serving.reachable and not serving.healthy:
         logger.warning("serving unhealthy: %s", serving.problem)
         events.emit(events.HEALTH_DEGRADED, f"rayline.serve.{serving.url}", payload=serving.model_dump())
-    markdown = _markdown(result)
+    # last: upkeep, which must not hold back the checks' events
+    result.files_vacuumed, vacuum_error = _vacuum(root, vacuum_retention_hours)
+    markdown = _markdown(result, vacuum_error)
     if drifts:
-        markdown += "\n" + png_markdown("Predicted classes vs training labels", mon.distribution_png(drifts[0]))
+        markdown += "\n" + png_markdown(f"Predicted classes vs {drifts[0].reference}", mon.distribution_png(drifts[0]))
     create_markdown_artifact(key="monitor", markdown=markdown)
+    if vacuum_error is not None:
+        raise vacuum_error
     return result
+
+
+def _vacuum(root: str, retention_hours: int | None) -> tuple[int | None, RaylineError | None]:
+    """Files the vacuum deleted (None when off or failed), and its error: the checks get published either way."""
+    if retention_hours is None:
+        return None, None
+    try:
+        return vacuum_tables_task(root, retention_hours), None
+    except RaylineError as exc:
+        get_run_logger().error("vacuum of the night tables failed: %s", exc)
+        return None, exc

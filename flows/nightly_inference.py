@@ -1,33 +1,25 @@
-"""Flow ``nightly-inference``: predict one day's arrivals with the champion, commit to Parquet."""
+"""Flow ``nightly-inference``: predict one day's arrivals with the champion, commit the night to Delta tables.
+
+Or a range of nights (``date_from``..``date_to``), several at once, each its
+own commit: a backfill after an outage or a new champion
+(:mod:`flows.nightly_backfill`).
+"""
 
 from __future__ import annotations
 
-from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_link_artifact, create_table_artifact
 
-from ray_workloads.batch_inference import InferenceConfig, InferenceResult
-from rayline import lineage, registry, storage
-from rayline.config import get_settings
-from rayline.errors import InputDataError
+from flows.nightly_backfill import check_error_budget, night_config, run_range
+from ray_workloads.batch_inference import InferenceResult, NightSkipped
+from rayline import nights, registry
+from rayline.errors import ConfigError
+from rayline.layout import model_name as checked_model_name
+from rayline.layout import parse_day, yesterday_utc
+from rayline.nights import BackfillResult
 from tasks.batch_inference import batch_inference_task
-
-INCOMING_DIR = "incoming"
-PREDICTIONS_DIR = "predictions"
-
-
-class ErrorBudgetExceeded(InputDataError):
-    """More inputs failed than the configured fraction allows: upstream data needs a look."""
-
-
-def partition_for(day: date) -> str:
-    return f"dt={day.isoformat()}"
-
-
-def yesterday_utc() -> date:
-    return (datetime.now(UTC) - timedelta(days=1)).date()
 
 
 @flow(name="nightly-inference")
@@ -39,54 +31,70 @@ def nightly_inference(
     max_error_fraction: float = 0.05,
     actors: int = 2,
     batch_size: int = 64,
-) -> InferenceResult:
-    """Predict every object under ``incoming/dt=<date>/`` (default: yesterday, UTC).
+    date_from: str | None = None,
+    date_to: str | None = None,
+    max_concurrent_nights: int | None = None,
+) -> InferenceResult | NightSkipped | BackfillResult:
+    """Predict every object under ``incoming/dt=<date>/`` (default: yesterday, UTC) with ``model_name``.
 
-    ``model`` is an alias (``champion``) or a version (``v3``). Fails, after
-    committing the partition and its errors table, when more than
-    ``max_error_fraction`` of the inputs could not be predicted.
+    ``model`` is an alias (``champion``) or a version (``v3``) of
+    ``model_name``. The night replaces partition (``model_name``, ``dt``) of
+    the ``predictions`` and ``prediction_errors`` Delta tables. Fails, after
+    committing both, when more than ``max_error_fraction`` of the inputs
+    could not be predicted. Ends Completed without committing when another
+    run committed the same night while this one worked (``NightSkipped``).
+
+    ``date_from`` and ``date_to`` (inclusive, instead of ``date``) run a range
+    of nights with the version ``model`` names when the run starts,
+    ``max_concurrent_nights`` at a time (default: as many as the cluster has
+    CPUs for, see :func:`rayline.nights.nights_at_once`). Each night commits
+    on its own and is judged against the error budget on its own; the run
+    returns a ``BackfillResult`` when every night committed or was skipped,
+    and fails naming the failed nights otherwise (the others stay committed).
+    ``input_uri`` for a range needs ``{dt}`` where the day goes.
     """
-    try:
-        day = datetime.strptime(date, "%Y-%m-%d").date() if date else yesterday_utc()
-    except ValueError as exc:
-        raise InputDataError(f"date must look like 2026-11-28, got {date!r}") from exc
-    root = storage.storage_root()
-    partition = partition_for(day)
-    version = registry.resolve(model_name, model)
-    result = batch_inference_task(
-        InferenceConfig(
-            input_uri=input_uri or storage.join(root, INCOMING_DIR, partition),
-            output_root=storage.join(root, PREDICTIONS_DIR),
-            partition=partition,
-            model=version,
+    days = nights.night_range(date, date_from, date_to)
+    if days is not None:
+        nights.check_range_input(input_uri)
+        if max_concurrent_nights is not None and max_concurrent_nights < 1:
+            raise ConfigError(f"max_concurrent_nights must be at least 1, got {max_concurrent_nights}")
+    day = parse_day(date) if date else yesterday_utc()
+    name, ref = registry.parse_ref(model, model_name)
+    if name != model_name:  # the parameters stay explicit: a NAME@ref is the CLI's shorthand only
+        raise ConfigError(
+            f"model {model!r} names {name!r} but model_name is {model_name!r}: give the alias or version alone in model"
+        )
+    version = registry.resolve(checked_model_name(name), ref)
+    if days is not None:
+        return run_range(
+            days,
+            version,
+            input_uri=input_uri,
             actors=actors,
             batch_size=batch_size,
-            io_concurrency=get_settings().io_concurrency,
-            code_version=lineage.code_version(),
-            flow_run_id=_flow_run_id(),
+            max_error_fraction=max_error_fraction,
+            max_concurrent_nights=max_concurrent_nights,
         )
-    )
+    result = batch_inference_task(night_config(day, version, input_uri, actors, batch_size))
+    if isinstance(result, NightSkipped):
+        create_table_artifact(key="nightly-inference", table=[{"item": "skipped", "value": result.message}])
+        return result
     summary: list[dict[str, Any]] = [
-        {"item": "partition", "value": partition},
+        {"item": "night", "value": result.night},
         {"item": "inputs", "value": result.inputs},
         {"item": "predictions", "value": result.predictions},
         {"item": "errors", "value": f"{result.errors} ({result.error_fraction:.2%}) {result.error_types}"},
         {"item": "rows/s", "value": round(result.inputs / max(result.elapsed_s, 1e-9), 1)},
         {"item": "model", "value": result.model},
-        {"item": "output", "value": result.manifest_uri},
+        {"item": "predictions table", "value": f"{result.predictions_table} version {result.predictions_version}"},
+        {"item": "errors table", "value": f"{result.errors_table} version {result.errors_version}"},
+        {"item": "replaced an earlier run", "value": result.replaced},
     ]
     create_table_artifact(key="nightly-inference", table=summary)
-    create_link_artifact(key="nightly-inference-output", link=result.manifest_uri, link_text=result.partition_uri)
-    if result.error_fraction > max_error_fraction:
-        raise ErrorBudgetExceeded(
-            f"{result.errors} of {result.inputs} inputs failed ({result.error_fraction:.1%}, budget "
-            f"{max_error_fraction:.1%}); see the errors table under {result.errors_uri}"
-        )
+    create_link_artifact(
+        key="nightly-inference-output",
+        link=result.predictions_table,
+        link_text=f"{result.night} (Delta version {result.predictions_version})",
+    )
+    check_error_budget(result, max_error_fraction)
     return result
-
-
-def _flow_run_id() -> str | None:
-    from prefect.runtime import flow_run
-
-    run_id = flow_run.get_id()
-    return str(run_id) if run_id else None

@@ -11,10 +11,11 @@ from ray_workloads.ingest import IngestConfig, IngestResult
 from ray_workloads.preprocess import PreprocessConfig, PreprocessResult, error_sample
 from rayline import storage
 from rayline.config import get_settings
+from rayline.layout import RAW_DIR
+from rayline.specs import squash
 from tasks.ingest import ingest_objects
 from tasks.preprocess import preprocess_images
 
-RAW_DIR = "raw"
 INGESTED_DIR = "ingested"
 PREPROCESSED_DIR = "preprocessed"
 
@@ -51,8 +52,14 @@ def prepare_data(
     image_size: int = 32,
     force: bool = False,
     announce_retrain: bool = True,
+    image: ImageSpec | None = None,
 ) -> PrepareDataResult:
     """Ingest ``source_uri`` (default ``<storage>/raw``) and preprocess it for training.
+
+    Images are decoded with ``image`` (a whole spec: a fine-tune uses its
+    parent's), or squashed to ``image_size`` × ``image_size`` (the digits).
+    The preprocessed folder's name hashes the spec, so data prepared under
+    different specs never shares a folder.
 
     New objects are announced (``rayline.data.arrived``); with ``announce_retrain``
     False the announcement never asks for a retraining — the caller is about to
@@ -73,7 +80,7 @@ def prepare_data(
         PreprocessConfig(
             ingest_manifest_uri=ingested.manifest_uri,
             output_root=storage.join(root, PREPROCESSED_DIR),
-            image=ImageSpec(size=image_size),
+            image=image if image is not None else squash(image_size),
             force=force,
         )
     )

@@ -9,11 +9,10 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from flows.prepare_data import RAW_DIR
-from ray_workloads.rollout import GateConfig, RolloutConfig, StepReport
-from ray_workloads.serve_app import ServeConfig
+from ray_workloads import serve_control
+from ray_workloads.rollout import GateConfig, RolloutConfig, StepReport, default_probe_source
+from ray_workloads.serve_config import ServeConfig
 from rayline import registry, storage
-from rayline.config import get_settings
 from rayline.errors import RolloutRolledBack
 from tasks.serve import prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
 
@@ -30,9 +29,8 @@ class RolloutResult(BaseModel):
 
 
 def serve_config() -> ServeConfig:
-    """The serving instance of this environment (host and port from settings)."""
-    settings = get_settings()
-    return ServeConfig(host=settings.serve_host, port=settings.serve_port)
+    """The serving instance of this environment (host, port and default model from settings)."""
+    return serve_control.config_from_settings()
 
 
 @flow(name="serve-rollout")
@@ -52,17 +50,19 @@ def serve_rollout(
     """Step ``candidate`` (alias or version) through the traffic ``steps`` (default 10 → 50 → 100 %).
 
     Each step soaks for ``soak_s`` seconds with canary probes from ``probe_uri``
-    (default: the labelled raw images) and is judged on error rate, p95 latency
-    and — at the first step — agreement with the serving version. A failed gate
-    rolls back and fails the flow with the reason; a full pass makes the
-    candidate champion and retires the old version's deployment.
+    (default: the candidate's training images, or an outside model's latest
+    night's inputs) and is judged on error rate, p95 latency and — at the
+    first step — agreement with the serving version. A failed gate rolls back
+    and fails the flow with the reason; a full pass makes the candidate
+    champion and retires the old version's deployment.
     """
     serve = serve_config()
+    version = registry.resolve(model_name, candidate)
     cfg = RolloutConfig(
         steps=steps or [10.0, 50.0, 100.0],
         soak_s=soak_s,
         probe_rps=probe_rps,
-        probe_uri=probe_uri or storage.join(storage.storage_root(), RAW_DIR),
+        probe_uri=probe_uri or default_probe_source(version, storage.storage_root()),
         gates=GateConfig(
             max_error_rate=max_error_rate,
             max_p95_ratio=max_p95_ratio,
@@ -71,7 +71,6 @@ def serve_rollout(
         ),
         serve=serve,
     )
-    version = registry.resolve(model_name, candidate)
     asked = time.monotonic()
     holder = _wait_for_lease(model_name, lease_wait_s)
     waited_s = time.monotonic() - asked

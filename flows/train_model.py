@@ -6,23 +6,98 @@ import hashlib
 import json
 from typing import Literal
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
 from flows.prepare_data import PrepareDataResult, prepare_data
+from ray_workloads import preprocess
 from ray_workloads.evaluate import EvaluationResult
 from ray_workloads.models import ModelSpec
 from ray_workloads.train import TrainConfig, TrainResult
-from ray_workloads.training_loop import TrainLoopConfig
+from ray_workloads.training_loop import InitFrom, TrainLoopConfig
 from ray_workloads.tune import TuneJobConfig, TuneResult
-from rayline import storage
+from rayline import registry, storage
+from rayline.errors import ConfigError
+from rayline.specs import ParentModel
 from tasks.register import RegistrationResult, register_and_gate
 from tasks.train import evaluate_task, train_model_task
 from tasks.tune import tune_task
 
 TRAINING_DIR = "training"
 TUNING_DIR = "tuning"
+DEFAULT_MODEL = "digits"
+FINE_TUNE_SUFFIX = "-ft"
+
+
+class FineTunePlan(BaseModel):
+    """Where a fine-tune starts: the parent version, how, and why (for the log)."""
+
+    parent: registry.ModelVersion
+    freeze_backbone: bool
+    why: str
+    data_source: str | None = None  # retraining: the prefix the champion was fine-tuned on
+
+    def parent_link(self) -> ParentModel:
+        return ParentModel(
+            name=self.parent.name,
+            version=self.parent.version,
+            uri=self.parent.uri,
+            freeze_backbone=self.freeze_backbone,
+        )
+
+    def init(self) -> InitFrom:
+        return InitFrom(
+            weights_uri=self.parent.weights_uri,
+            model=self.parent.model_spec,
+            freeze_backbone=self.freeze_backbone,
+        )
+
+
+def plan_training(
+    model_name: str | None, init_from: str | None, freeze_backbone: bool | None
+) -> tuple[str, FineTunePlan | None]:
+    """The registry name to train and, for a fine-tune, where it starts.
+
+    * ``init_from`` (``NAME@champion``, ``NAME@v3``): fine-tune that version;
+      the result is ``model_name`` or ``<parent>-ft``.
+    * otherwise, a model whose champion was fine-tuned from a parent (an
+      outside model, say) is retrained the same way: from the same parent
+      version, frozen or not as before unless ``freeze_backbone`` says. This is
+      what makes the event-triggered ``retrain`` deployment fine-tune such a
+      model instead of training its architecture from scratch.
+    * otherwise: plain training of ``model_name`` (default ``digits``).
+    """
+    if init_from is not None:
+        parent_name, ref = registry.parse_named_ref(init_from)
+        parent = registry.resolve(parent_name, ref)
+        return model_name or f"{parent.name}{FINE_TUNE_SUFFIX}", FineTunePlan(
+            parent=parent, freeze_backbone=bool(freeze_backbone), why=f"init_from={init_from}"
+        )
+    name = model_name or DEFAULT_MODEL
+    number = registry.alias_version(name, registry.CHAMPION)
+    champion = registry.get_version(name, number) if number is not None else None
+    link = champion.parent if champion is not None else None
+    if champion is not None and link is None and champion.weights_source is not None:
+        raise ConfigError(
+            f"{name} v{champion.version} is an outside model (registered from {champion.weights_source.uri}), "
+            f"not trained here: fine-tune it with init_from={name}@champion (--init-from) and a labelled source"
+        )
+    if link is None:
+        if freeze_backbone:
+            raise ConfigError(
+                f"freeze_backbone applies to fine-tuning only: give init_from (NAME@champion); "
+                f"{name} has no fine-tuned champion to retrain from its parent"
+            )
+        return name, None
+    frozen = link.freeze_backbone if freeze_backbone is None else freeze_backbone
+    assert champion is not None  # a parent link comes from a champion
+    return name, FineTunePlan(
+        parent=registry.get_version(link.name, link.version),
+        freeze_backbone=frozen,
+        why=f"champion {name} v{number} was fine-tuned from {link.name} v{link.version}",
+        data_source=preprocess.source_of(champion.data_manifest_uri) if champion.data_manifest_uri else None,
+    )
 
 
 class TrainModelResult(BaseModel):
@@ -35,13 +110,15 @@ class TrainModelResult(BaseModel):
 
 def run_name(model_name: str, data_hash: str, loop: TrainLoopConfig) -> str:
     """Same data and hyper-parameters → same run name → a rerun resumes its checkpoints."""
-    params = hashlib.sha256(json.dumps(loop.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    # plain training leaves ``init`` out, so its run names (and resumable checkpoints) are those of before fine-tuning
+    fields = loop.model_dump(mode="json", exclude={"init"} if loop.init is None else None)
+    params = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     return f"{model_name}-{data_hash[:10]}-{params[:8]}"
 
 
 @flow(name="train-model")
 def train_model(
-    model_name: str = "digits",
+    model_name: str | None = None,
     source_uri: str | None = None,
     arch: str = "small_cnn",
     width: int = 32,
@@ -57,6 +134,8 @@ def train_model(
     tune_samples: int = 0,
     tune_max_epochs: int = 4,
     promote_to: Literal["champion", "challenger"] = "champion",
+    init_from: str | None = None,
+    freeze_backbone: bool | None = None,
 ) -> TrainModelResult:
     """Train a classifier on ``source_uri`` (default ``<storage>/raw``) and gate it into the registry.
 
@@ -64,10 +143,36 @@ def train_model(
     hyper-parameters are trained to completion for ``epochs`` epochs. A model
     that passes the gate becomes ``promote_to``: ``champion``, or
     ``challenger`` when a serve rollout is to promote it.
+
+    Fine-tuning (``init_from="NAME@champion"``, or retraining a model whose
+    champion is a fine-tune: see :func:`plan_training`) starts from the
+    parent's weights with a new head sized to the data's classes, prepares the
+    data with the parent's image spec, never searches, and registers under
+    ``model_name`` (default ``<parent>-ft``) with a ``parent`` link. ``arch``
+    and ``width`` are then the parent's. ``freeze_backbone`` trains the head only.
     """
-    data = prepare_data(source_uri=source_uri, announce_retrain=False)  # training on it now
+    name, plan = plan_training(model_name, init_from, freeze_backbone)
+    if plan is not None and tune_samples > 0:
+        # each ASHA trial would be a whole fine-tune of a torchvision model at the parent's
+        # resolution (224 px for ImageNet weights): more than a small CPU cluster can take
+        get_run_logger().info(
+            "fine-tuning %s from %s v%d (%s): no hyper-parameter search, tune_samples=%d ignored",
+            name,
+            plan.parent.name,
+            plan.parent.version,
+            plan.why,
+            tune_samples,
+        )
+        tune_samples = 0
+    if source_uri is None and plan is not None and plan.data_source is not None:
+        source_uri = plan.data_source  # retraining a fine-tune: the prefix it was fine-tuned on, not the digits
+    data = prepare_data(  # training on it now: no retraining announced
+        source_uri=source_uri, announce_retrain=False, image=plan.parent.image_spec if plan else None
+    )
+    model = plan.parent.model_spec if plan else ModelSpec(arch=arch, width=width)
     loop = TrainLoopConfig(
-        model=ModelSpec(arch=arch, width=width),
+        model=model,
+        init=plan.init() if plan else None,
         lr=lr,
         batch_size=batch_size,
         weight_decay=weight_decay,
@@ -81,7 +186,7 @@ def train_model(
             TuneJobConfig(
                 data_manifest_uri=manifest,
                 output_root=storage.join(storage.storage_root(), TUNING_DIR),
-                experiment_name=run_name(f"{model_name}-tune{tune_samples}", data.ingest.content_hash, loop),
+                experiment_name=run_name(f"{name}-tune{tune_samples}", data.ingest.content_hash, loop),
                 num_samples=tune_samples,
                 max_epochs=tune_max_epochs,
             ),
@@ -100,7 +205,7 @@ def train_model(
         TrainConfig(
             data_manifest_uri=manifest,
             output_root=storage.join(storage.storage_root(), TRAINING_DIR),
-            run_name=run_name(model_name, data.ingest.content_hash, loop),
+            run_name=run_name(name, data.ingest.content_hash, loop),
             loop=loop,
             num_workers=num_workers,
             cpus_per_worker=cpus_per_worker,
@@ -108,12 +213,27 @@ def train_model(
     )
     evaluation = evaluate_task(loop.model, trained.weights_uri, manifest, trained.run_uri)
     registration = register_and_gate(
-        model_name, loop.model, trained, evaluation, margin=margin, floor=floor, promote_to=promote_to
+        name,
+        loop.model,
+        trained,
+        evaluation,
+        margin=margin,
+        floor=floor,
+        promote_to=promote_to,
+        parent=plan.parent_link() if plan else None,
     )
     create_table_artifact(
         key="train-model-summary",
         table=[
-            {"item": "model", "value": f"{model_name} v{registration.version.version}"},
+            {"item": "model", "value": f"{name} v{registration.version.version}"},
+            {
+                "item": "fine-tuned from",
+                "value": (
+                    f"{plan.parent.name} v{plan.parent.version}{' (head only)' if plan.freeze_backbone else ''}"
+                    if plan
+                    else "-"
+                ),
+            },
             {"item": "test accuracy", "value": f"{evaluation.accuracy:.4f}"},
             {"item": "gate", "value": registration.decision.reason},
             {"item": "champion", "value": f"v{registration.champion}" if registration.champion else "none"},

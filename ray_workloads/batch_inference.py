@@ -4,13 +4,28 @@ The listing is cut into blocks of ``objects_per_task`` URIs. A Ray Data
 dataset holds one row per block, and one ``map_batches`` stage runs
 :class:`~ray_workloads.inference_predictor.PredictorUDF` over it in an actor
 pool: an actor loads the model once, then for each block fetches, decodes,
-predicts and writes the block's predictions and errors as Parquet under a run
-folder of the partition, and returns a report of the files it wrote. The
-driver collects the reports, verifies the run (predictions ∪ errors == listed
-inputs, each once) and commits it: ``manifest.json`` naming the reported
-files, then ``_SUCCESS``. Readers go by the manifest, so they see the previous
-committed run or this one, never a mix (nor a file of a killed, retried
-attempt); a rerun replaces the manifest and then removes the old run's files.
+predicts and writes the block's predictions and errors as Parquet files in the
+night's partition folder of two Delta tables, and returns a report of the
+files it wrote. The driver collects the reports, verifies the run
+(predictions ∪ errors == listed inputs, each once) and commits it: one Delta
+commit per table that replaces the night's partition (``model_name``,
+``dt``) with this run's files (:func:`rayline.predictions_table.commit_night`),
+``prediction_errors`` first, then ``predictions``. Until then the files are
+invisible to every Delta reader, so a killed or failed run leaves nothing a
+reader sees; a rerun replaces the night in one commit and the previous
+version stays readable by version number until a vacuum.
+
+The two commits: a reader of ``predictions`` alone sees the old night or the
+new one, never a mix. The predictions commit is the night's "done" marker;
+between the two commits the errors table already holds the new run's errors.
+:func:`rayline.prediction_reads.read_night_pair` pairs both tables by run id
+(the errors table read at the version carrying the predictions' run).
+
+Overlapping runs of one night: each run reads the night's commit count when
+it starts, and its commit is refused with
+:class:`~rayline.errors.NightCommittedElsewhere` when another run committed the
+night since; no run deletes files (replaced and never-committed files go only
+through ``vacuum``, after a retention that outlasts any run).
 
 Why Ray Data, and why one stage of whole blocks: Ray Data gives the actor
 pool, its scheduling, and the restart of a lost actor with the retry of its
@@ -30,12 +45,11 @@ took ~12.5 CPU seconds against ~7.5 with plain actors on 2 idle cores (the
 stats actor ~3.5, mostly its worker's start; the driver ~1 more).
 ``bench/batch_inference.py`` measures it against a plain loop.
 
-Layout::
+Layout (``<root>`` is the storage root)::
 
-    <output_root>/<partition>/run-<id>/predictions/part-*.parquet
-    <output_root>/<partition>/run-<id>/errors/part-*.parquet
-    <output_root>/<partition>/manifest.json    the commit point
-    <output_root>/<partition>/_SUCCESS
+    <root>/predictions/_delta_log/…                                  the commits
+    <root>/predictions/model_name=<m>/dt=<d>/part-<run>-<part>.parquet
+    <root>/prediction_errors/model_name=<m>/dt=<d>/part-<run>-<part>.parquet
 """
 
 from __future__ import annotations
@@ -53,17 +67,33 @@ import pyarrow.parquet as pq
 import ray
 from pydantic import BaseModel, Field
 
-from ray_workloads.inference_predictor import BLOCK_COLUMNS, PredictorUDF, WrittenFile
+from ray_workloads.inference_predictor import (
+    BLOCK_COLUMNS,
+    NightOutput,
+    PredictorUDF,
+    WrittenFile,
+)
 from ray_workloads.ingest import content_hash
 from rayline import errors, storage
+from rayline.delta_tables import Night
 from rayline.errors import ClusterError, InputDataError, RaylineError, StorageError
+from rayline.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
+from rayline.predictions_table import (
+    ERRORS_SCHEMA,
+    PREDICTIONS_SCHEMA,
+    CommitResult,
+    check_night_unchanged,
+    commit_night,
+    night_seq,
+    write_data_file,
+)
 from rayline.registry import ModelVersion
 
 if TYPE_CHECKING:
     from ray.data import Dataset
 
-MANIFEST = "manifest.json"
-SUCCESS = "_SUCCESS"
+SMALL_IMAGE_SIDE = 64
+COMPUTE_BOUND_OBJECTS_PER_TASK = 32
 # A lost actor (OOM, node loss, killed) is restarted and its block retried;
 # an input that kills its actor every time fails the run after this many.
 # (Ray Data's default is to restart and retry forever.)
@@ -78,14 +108,21 @@ WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "ray_workloads.inferenc
 
 class InferenceConfig(BaseModel):
     input_uri: str
-    output_root: str
-    partition: str = Field(description="Folder name of the output partition, e.g. dt=2026-11-28.")
+    tables_root: str = Field(description="Where the predictions and prediction_errors tables live: the storage root.")
+    dt: str = Field(description="The night, an ISO date: with the model's name, the partition the run replaces.")
     model: ModelVersion
-    batch_size: int = Field(64, ge=1, description="Images per model call.")
+    batch_size: int = Field(
+        64, ge=1, description="Images per model call, at most (capped by pixels: 32 at 224 px; model_batch_size)."
+    )
     actors: int = Field(2, ge=1)
     cpus_per_actor: float = Field(0.5, gt=0)
     gpus_per_actor: float = Field(0.0, ge=0)
-    objects_per_task: int = Field(256, ge=1, description="Objects per actor call; each call writes one file.")
+    objects_per_task: int | None = Field(
+        None,
+        ge=1,
+        description="Objects per actor call; each call writes one file. Default: 256 for small images, "
+        f"{COMPUTE_BOUND_OBJECTS_PER_TASK} for images over {SMALL_IMAGE_SIDE} px (compute-bound models).",
+    )
     io_concurrency: int = Field(64, ge=1, description="Concurrent object reads per actor call.")
     top_k: int = Field(3, ge=1)
     code_version: str = "unknown"
@@ -93,16 +130,22 @@ class InferenceConfig(BaseModel):
 
 
 class InferenceResult(BaseModel):
-    partition_uri: str
-    manifest_uri: str
+    predictions_table: str
+    errors_table: str
+    model_name: str
+    dt: str
     run_id: str
+    predictions_version: int = Field(description="The predictions table's version holding this run's commit.")
+    errors_version: int = Field(description="The prediction_errors table's version holding this run's commit.")
+    replaced: bool = Field(description="Whether the commit replaced an earlier run's night.")
+    already_committed: bool = Field(False, description="This run id had committed the night before (a retry).")
     inputs: int
     predictions: int
     errors: int
     error_types: dict[str, int]
     input_content_hash: str
     model: str
-    files: dict[str, list[str]]
+    files: dict[str, list[str]] = Field(description="The committed data files of each table.")
     elapsed_s: float
     phase_s: dict[str, float] = Field(default_factory=dict, description="Wall-clock seconds per phase of the run.")
     ray_data_stats: str = Field("", description="Ray Data's execution stats of the predict-and-write stage.")
@@ -112,14 +155,27 @@ class InferenceResult(BaseModel):
         return self.errors / self.inputs if self.inputs else 0.0
 
     @property
-    def errors_uri(self) -> str:
-        return storage.join(self.partition_uri, f"run-{self.run_id}", "errors")
+    def night(self) -> str:
+        """``<model>/dt=<day>``: the partition, as people name it."""
+        return f"{self.model_name}/dt={self.dt}"
+
+
+class NightSkipped(BaseModel):
+    """A run that found its night committed by another run while it worked: it committed nothing."""
+
+    model_name: str
+    dt: str
+    committed_by: str | None = Field(description="The run id that committed the night, when known.")
+    message: str
+
+    @property
+    def night(self) -> str:
+        return f"{self.model_name}/dt={self.dt}"
 
 
 def _constants(cfg: InferenceConfig) -> dict[str, Any]:
     """Columns with one value per run, added to every prediction row."""
     return {
-        "model_name": cfg.model.name,
         "model_version": cfg.model.version,
         "code_version": cfg.code_version,
         "flow_run_id": cfg.flow_run_id or "",
@@ -133,18 +189,30 @@ def _blocks(objects: list[storage.ObjectInfo], size: int) -> list[dict[str, list
     return [{uris: [o.uri for o in part], etags: [o.etag for o in part]} for part in parts]
 
 
-def _predict_and_write(cfg: InferenceConfig, objects: list[storage.ObjectInfo], run_uri: str) -> Dataset:
+def objects_per_task(cfg: InferenceConfig) -> int:
+    """Block size: large for cheap models (fewer files), small for compute-bound ones.
+
+    A night ends when its last block does: with a ResNet at 224 px (~30 ms an
+    image per core) a 256-object block leaves one actor working alone for up
+    to ~8 s at the end, a 32-object block ~1 s (bench/README.md).
+    """
+    if cfg.objects_per_task is not None:
+        return cfg.objects_per_task
+    return 256 if cfg.model.image_spec.size <= SMALL_IMAGE_SIDE else COMPUTE_BOUND_OBJECTS_PER_TASK
+
+
+def _predict_and_write(cfg: InferenceConfig, objects: list[storage.ObjectInfo], output: NightOutput) -> Dataset:
     """Run the predictor actors over every block; the result holds their reports, materialized."""
     import ray.data  # here: the driver process needs it only while it runs inference
 
-    blocks = _blocks(objects, cfg.objects_per_task)
+    blocks = _blocks(objects, objects_per_task(cfg))
     dataset = ray.data.from_items(blocks, override_num_blocks=len(blocks))  # one Ray Data block per block
     context = dataset.context  # this dataset's own copy: the process-wide settings stay as they are
     context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
     context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
     reports = dataset.map_batches(
         PredictorUDF,
-        fn_constructor_args=(cfg.model, cfg.top_k, cfg.batch_size, cfg.io_concurrency, run_uri, _constants(cfg)),
+        fn_constructor_args=(cfg.model, cfg.top_k, cfg.batch_size, cfg.io_concurrency, output, _constants(cfg)),
         batch_size=1,  # one block per call: it writes one file of each kind
         batch_format="pyarrow",
         # a small night needs no more actors than it has blocks: each costs a process and a model load
@@ -213,18 +281,34 @@ class _Phases:
         self._last = now
 
 
-def run(cfg: InferenceConfig) -> InferenceResult:
-    """Predict every object under ``cfg.input_uri`` and commit the partition atomically."""
+def new_run_id() -> str:
+    """A run's id: sortable by start time, unique across runs started together."""
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+
+
+def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
+    """Predict every object under ``cfg.input_uri`` and commit the night to both tables.
+
+    ``run_id`` (default: a new one) names the files and the commits: a retry
+    of a run whose commit landed returns that commit instead of a second one.
+    """
     started = time.perf_counter()
     phases = _Phases()
     source = storage.normalize(cfg.input_uri)
-    partition_uri = storage.join(storage.normalize(cfg.output_root), cfg.partition)
-    run_id = datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+    night = Night(cfg.model.name, cfg.dt)
+    output = NightOutput(
+        predictions_table=table_uri(cfg.tables_root, PREDICTIONS_TABLE),
+        errors_table=table_uri(cfg.tables_root, ERRORS_TABLE),
+        night=night,
+        run_id=run_id or new_run_id(),
+    )
+    # what the night looked like when this run started: a commit of it after this is another run's
+    seen = {table: night_seq(table, night) for table in (output.errors_table, output.predictions_table)}
     objects = storage.list_objects(source)
     if not objects:
         raise InputDataError(f"no input objects under {source}")
     phases.lap("list")
-    reports = _predict_and_write(cfg, objects, storage.join(partition_uri, f"run-{run_id}"))
+    reports = _predict_and_write(cfg, objects, output)
     ray_data_stats = reports.stats()  # before reading the reports: iterating adds its own stats
     written = [WrittenFile.from_report(row) for row in reports.iter_rows()]
     phases.lap("predict_and_write")
@@ -237,58 +321,51 @@ def run(cfg: InferenceConfig) -> InferenceResult:
         error_types.update(item.error_types)
     _verify_exactly_once(files, {o.uri for o in objects})
     phases.lap("verify")
-
-    manifest = {
-        "kind": "rayline.predictions",
-        "partition": cfg.partition,
-        "run_id": run_id,
-        "input_uri": source,
-        "input_content_hash": content_hash(objects),
-        "inputs": len(objects),
-        "predictions": counts["predictions"],
-        "errors": counts["errors"],
-        "error_types": dict(sorted(error_types.items())),
-        "model": {"name": cfg.model.name, "version": cfg.model.version, "weights_uri": cfg.model.weights_uri},
-        "code_version": cfg.code_version,
-        "flow_run_id": cfg.flow_run_id,
-        "files": {k: sorted(v) for k, v in files.items()},
-        "committed_at": datetime.now(UTC).isoformat(),
+    digest = content_hash(objects)
+    metadata: dict[str, str | int] = {
+        "rayline.input_uri": source,
+        "rayline.input_content_hash": digest,
+        "rayline.inputs": len(objects),
+        "rayline.model_version": cfg.model.version,
+        "rayline.weights_uri": cfg.model.weights_uri,
+        "rayline.code_version": cfg.code_version,
+        "rayline.flow_run_id": cfg.flow_run_id or "",
     }
-    manifest_uri = storage.join(partition_uri, MANIFEST)
-    storage.write_json_atomic(manifest_uri, manifest)  # the switch: readers now see this run
-    storage.write_bytes_atomic(storage.join(partition_uri, SUCCESS), f"{run_id}\n".encode())
-    _remove_other_runs(partition_uri, keep=run_id)
+
+    def commit(table: str, kind: str, schema: pa.Schema) -> CommitResult:
+        return commit_night(
+            table, files[kind], night, output.run_id, schema, expected_seq=seen[table], metadata=metadata
+        )
+
+    if not files["predictions"]:
+        # every input failed: an empty file still marks the night in the predictions table's partitions,
+        # so listings (monitor, rollouts) see the night, and the rerun replaces it like any other
+        empty = PREDICTIONS_SCHEMA.empty_table()
+        files["predictions"] = [write_data_file(output.predictions_table, night, output.run_id, "empty", empty)]
+    # errors first: the predictions commit is the night's done marker (module docstring). A run that
+    # committed the night since this one started wins, also if this one started between its two commits.
+    check_night_unchanged(output.predictions_table, night, seen[output.predictions_table], output.run_id)
+    errors_commit = commit(output.errors_table, "errors", ERRORS_SCHEMA)
+    predictions_commit = commit(output.predictions_table, "predictions", PREDICTIONS_SCHEMA)
     phases.lap("commit")
     return InferenceResult(
-        partition_uri=partition_uri,
-        manifest_uri=manifest_uri,
-        run_id=run_id,
+        predictions_table=output.predictions_table,
+        errors_table=output.errors_table,
+        model_name=night.model_name,
+        dt=night.dt,
+        run_id=output.run_id,
+        predictions_version=predictions_commit.version,
+        errors_version=errors_commit.version,
+        replaced=predictions_commit.replaced,
+        already_committed=predictions_commit.already_committed,
         inputs=len(objects),
         predictions=counts["predictions"],
         errors=counts["errors"],
-        error_types=dict(error_types),
-        input_content_hash=manifest["input_content_hash"],
+        error_types=dict(sorted(error_types.items())),
+        input_content_hash=digest,
         model=f"{cfg.model.name} v{cfg.model.version}",
-        files=manifest["files"],
+        files={k: sorted(v) for k, v in files.items()},
         elapsed_s=time.perf_counter() - started,
         phase_s=phases.seconds,
         ray_data_stats=ray_data_stats,
     )
-
-
-def _remove_other_runs(partition_uri: str, keep: str) -> None:
-    """After the switch: drop the replaced run and leftovers of crashed ones."""
-    fs, path = storage.filesystem(partition_uri)
-    for entry in fs.ls(path, detail=False):
-        name = str(entry).rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith("run-") and name != f"run-{keep}":
-            storage.remove_tree(storage.join(partition_uri, name))
-
-
-def read_partition(partition_uri: str) -> tuple[pa.Table, pa.Table]:
-    """(predictions, errors) of the committed run of a partition, by its manifest."""
-    manifest_uri = storage.join(partition_uri, MANIFEST)
-    if not storage.exists(manifest_uri):
-        raise InputDataError(f"{partition_uri} has no committed predictions (no {MANIFEST})")
-    manifest = storage.read_json(manifest_uri)
-    return storage.read_parquet(manifest["files"]["predictions"]), storage.read_parquet(manifest["files"]["errors"])

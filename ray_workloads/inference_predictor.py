@@ -5,8 +5,10 @@ ActorPoolStrategy(...))``) and loads the model once per actor. Each input row
 is a block (URIs and ETags); for it the actor fetches the objects
 concurrently, decodes them one by one (a bad image becomes an error row, not a
 failed job), predicts the decoded ones ``batch_size`` at a time and writes the
-block's predictions and errors as Parquet under the run folder. It returns
-only a report of the files it wrote: images never enter the object store.
+block's predictions and errors as Parquet files inside the night's partition
+folder of the ``predictions`` and ``prediction_errors`` Delta tables, where
+they stay invisible to readers until the driver commits them. It returns only
+a report of the files it wrote: images never enter the object store.
 
 torch is imported inside the actors only; the driver imports this module
 without it.
@@ -26,6 +28,8 @@ import pyarrow as pa
 
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
 from rayline import storage
+from rayline.delta_tables import Night
+from rayline.predictions_table import ERRORS_SCHEMA, PREDICTIONS_SCHEMA, write_data_file
 from rayline.registry import ModelVersion
 
 if TYPE_CHECKING:
@@ -34,7 +38,16 @@ if TYPE_CHECKING:
 # Columns of the input dataset (one row per block) and of the reports the UDF returns.
 BLOCK_COLUMNS = ("uris", "etags")
 REPORT_COLUMNS = ("kind", "uri", "rows", "error_types")
-_ERROR_COLUMNS = ["uri", "stage", "error_type", "error_message"]
+
+
+@dataclass(frozen=True)
+class NightOutput:
+    """Where a run's actors write: the two tables' URIs, the night, and the run id that names the files."""
+
+    predictions_table: str
+    errors_table: str
+    night: Night
+    run_id: str
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,29 @@ def fetch_and_decode(uris: list[str], spec: ImageSpec, concurrency: int) -> dict
     }
 
 
+def torch_threads(assigned_cpus: float) -> int:
+    """Intra-op threads for an actor granted ``assigned_cpus`` logical CPUs: the whole CPUs, at least one.
+
+    A fractional share (the default 0.5, so that Ray Data's own tasks keep
+    room on small machines) gets one thread: several actors then run side by
+    side, and on a compute-bound model two single-thread actors match one
+    actor with two threads while each one's decode overlaps the other's
+    forward pass. An actor given ``cpus_per_actor=4`` (fewer, larger actors:
+    one model copy per actor in memory) uses the 4 CPUs it holds instead of 1.
+    """
+    return max(1, int(assigned_cpus))
+
+
+def _assigned_cpus() -> float:
+    """The CPUs Ray granted the calling actor; 0 outside a Ray actor (e.g. a UDF built in a driver or a test)."""
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return 0.0  # a driver has no assigned resources (Ray asserts on asking)
+    assigned = ray.get_runtime_context().get_assigned_resources()  # type: ignore[no-untyped-call]
+    return float(assigned.get("CPU", 0.0))
+
+
 class PredictorUDF:
     """Callable class for ``map_batches``: the model is loaded once per actor; a call writes whole blocks."""
 
@@ -96,18 +132,18 @@ class PredictorUDF:
         top_k: int,
         batch_size: int,
         io_concurrency: int,
-        run_uri: str,
+        output: NightOutput,
         constants: dict[str, Any],
     ) -> None:
         import torch  # here, not at module level: only the actors need it
 
-        torch.set_num_threads(1)
-        self.spec = ImageSpec.model_validate(model.image_spec)
+        torch.set_num_threads(torch_threads(_assigned_cpus()))
+        self.spec = model.image_spec
         self.top_k = min(top_k, len(model.classes))
         self.names = np.array(model.classes, dtype=object)
-        self.batch_size = batch_size
+        self.batch_size = model_batch_size(self.spec.size, batch_size)
         self.io_concurrency = io_concurrency
-        self.run_uri = run_uri
+        self.output = output
         self.constants = constants
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.load_error: Exception | None = None
@@ -126,11 +162,25 @@ class PredictorUDF:
         return reports(written)
 
     def run_block(self, uris: list[str], etags: list[str]) -> list[WrittenFile]:
-        rows = fetch_and_decode(uris, self.spec, self.io_concurrency)
-        rows["uri"] = np.array(uris, dtype=object)
-        rows["etag"] = np.array(etags, dtype=object)
-        self.predict(rows)
-        return write_block(rows, self.run_uri, self.constants)
+        """Fetch, decode and predict the block a chunk at a time; write the block's rows once.
+
+        Chunking bounds what an actor holds: the fetched bytes and the decoded
+        pixels of one chunk (:func:`chunk_size`), where a whole 256-object block
+        of ImageNet-sized input would be 154 MB of float32 plus up to 256
+        multi-megapixel JPEGs. Only the small prediction columns of the block
+        are kept until it is written as one file.
+        """
+        parts = []
+        step = chunk_size(self.spec.size, self.batch_size)
+        for start in range(0, len(uris), step):
+            stop = start + step
+            rows = fetch_and_decode(uris[start:stop], self.spec, self.io_concurrency)
+            rows["uri"] = np.array(uris[start:stop], dtype=object)
+            rows["etag"] = np.array(etags[start:stop], dtype=object)
+            self.predict(rows)
+            del rows["image"]  # the pixels are done with: keep only the chunk's prediction columns
+            parts.append(rows)
+        return write_block(concat_rows(parts), self.output, self.constants)
 
     def predict(self, rows: dict[str, np.ndarray]) -> None:
         """Add top-k predictions to the decoded rows, ``batch_size`` images per model call.
@@ -154,6 +204,10 @@ class PredictorUDF:
                 rows["error_message"][batch] = str(exc)[:500]
         names = [self.names[p] if p >= 0 else None for p in rows["predicted_index"]]
         rows["predicted_class"] = np.array(names, dtype=object)
+        # a list per row (not a 2-D array): a failed row has no classes, only -1 indices
+        rows["top_k_class"] = np.empty(n, dtype=object)
+        for i, row in enumerate(rows["top_k_index"]):  # one by one: numpy would broadcast equal-length lists
+            rows["top_k_class"][i] = [str(self.names[j]) for j in row] if row[0] >= 0 else []
 
     def _predict_batch(self, rows: dict[str, np.ndarray], batch: np.ndarray) -> None:
         import torch
@@ -169,46 +223,67 @@ class PredictorUDF:
         rows["inference_ms"][batch] = (time.perf_counter() - started) * 1000 / len(batch)
 
 
-def _load_for_inference(model: ModelVersion, device: Any) -> nn.Module:
-    from ray_workloads.models import ModelSpec, load_model, prepare_for_inference
+# Decoded float32 pixels an actor holds at once (one chunk of a block).
+DECODED_BYTES_PER_CHUNK = 64 * 2**20
+# Input pixels per model call. A ResNet's activations, not its input, are what a call costs: ResNet-18 at
+# 224 px peaked ~0.5 GB more per actor at 64 images a call (CPU, no_grad); 32 per call cost no throughput.
+PIXELS_PER_MODEL_CALL = 32 * 224 * 224
 
-    loaded = load_model(ModelSpec.model_validate(model.model_spec), model.weights_uri)
+
+def model_batch_size(side: int, batch_size: int) -> int:
+    """Images per model call: ``batch_size``, fewer for large inputs (the digits at 32 px keep 64)."""
+    return max(1, min(batch_size, PIXELS_PER_MODEL_CALL // (side * side)))
+
+
+def chunk_size(side: int, batch_size: int) -> int:
+    """Objects fetched and decoded together: as many as fit in ``DECODED_BYTES_PER_CHUNK``, at least a batch.
+
+    Small inputs (the digits, 32 px: 5,461) take a whole block in one
+    concurrent fetch; a 224 px crop (588 KiB each) takes 111, a 64-image
+    batch and then some, so the fetches of a chunk still overlap.
+    """
+    return max(batch_size, DECODED_BYTES_PER_CHUNK // (3 * side * side * 4))
+
+
+def concat_rows(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The chunks of one block as one set of columns (chunks share their keys)."""
+    return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+
+
+def _load_for_inference(model: ModelVersion, device: Any) -> nn.Module:
+    from ray_workloads.models import load_model, prepare_for_inference
+
+    loaded = load_model(model.model_spec, model.weights_uri)
     return prepare_for_inference(loaded.to(device))
 
 
 def _prediction_table(rows: dict[str, np.ndarray], selected: np.ndarray, constants: dict[str, Any]) -> pa.Table:
     n = int(selected.sum())
-    columns: dict[str, pa.Array] = {
-        "uri": pa.array(rows["uri"][selected].tolist(), pa.string()),
-        "etag": pa.array(rows["etag"][selected].tolist(), pa.string()),
-        "predicted_index": pa.array(rows["predicted_index"][selected]),
-        "predicted_class": pa.array(rows["predicted_class"][selected].tolist(), pa.string()),
-        "confidence": pa.array(rows["confidence"][selected]),
-        # plain list columns (not tensors), so any Parquet reader understands them
-        "top_k_index": pa.array(rows["top_k_index"][selected].tolist(), pa.list_(pa.int64())),
-        "top_k_prob": pa.array(rows["top_k_prob"][selected].tolist(), pa.list_(pa.float64())),
-        "inference_ms": pa.array(rows["inference_ms"][selected]),
+    columns: dict[str, Any] = {
+        name: rows[name][selected].tolist()
+        for name in ("uri", "etag", "predicted_class", "top_k_index", "top_k_prob", "top_k_class")
     }
-    columns.update({key: pa.array([value] * n) for key, value in constants.items()})
-    return pa.table(columns)
+    columns.update({name: rows[name][selected] for name in ("predicted_index", "confidence", "inference_ms")})
+    columns.update({key: [value] * n for key, value in constants.items()})
+    return pa.table({field.name: pa.array(columns[field.name], field.type) for field in PREDICTIONS_SCHEMA})
 
 
 def _error_table(rows: dict[str, np.ndarray], selected: np.ndarray) -> pa.Table:
-    return pa.table({name: pa.array(rows[name][selected].tolist(), pa.string()) for name in _ERROR_COLUMNS})
+    return pa.table({field.name: pa.array(rows[field.name][selected].tolist(), field.type) for field in ERRORS_SCHEMA})
 
 
-def write_block(rows: dict[str, np.ndarray], run_uri: str, constants: dict[str, Any]) -> list[WrittenFile]:
-    """Write a block's predictions and errors, one Parquet file each (when not empty)."""
+def write_block(rows: dict[str, np.ndarray], output: NightOutput, constants: dict[str, Any]) -> list[WrittenFile]:
+    """Write a block's predictions and errors into the night's partition, one Parquet file each (when not empty)."""
     ok = rows["ok"]
-    name = f"part-{uuid.uuid4().hex[:16]}.parquet"  # unique per attempt: a retried block never overwrites
+    part = uuid.uuid4().hex[:16]  # unique per attempt: a retried block never overwrites
     written = []
     if ok.any():
-        uri = storage.join(run_uri, "predictions", name)
-        storage.write_parquet_atomic(uri, table := _prediction_table(rows, ok, constants))
+        table = _prediction_table(rows, ok, constants)
+        uri = write_data_file(output.predictions_table, output.night, output.run_id, part, table)
         written.append(WrittenFile("predictions", uri, table.num_rows))
     if (~ok).any():
-        uri = storage.join(run_uri, "errors", name)
-        storage.write_parquet_atomic(uri, table := _error_table(rows, ~ok))
+        table = _error_table(rows, ~ok)
+        uri = write_data_file(output.errors_table, output.night, output.run_id, part, table)
         types = Counter(str(t) for t in table.column("error_type").to_pylist())
         written.append(WrittenFile("errors", uri, table.num_rows, dict(types)))
     return written

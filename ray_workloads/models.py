@@ -14,27 +14,31 @@ import pickle
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
 from torch import nn
 
 from rayline import storage
 from rayline.errors import ConfigError, InputDataError
+from rayline.specs import RESIZE_CROP, SMALL_CNN, ImageSpec, ModelSpec
 
-SMALL_CNN = "small_cnn"
 TORCHVISION_ARCHS = ("resnet18", "resnet34", "resnet50", "resnet152", "mobilenet_v3_small", "mobilenet_v3_large")
+__all__ = [
+    "SMALL_CNN",
+    "TORCHVISION_ARCHS",
+    "ModelSpec",
+    "UnsafeCheckpointError",
+    "build_model",
+    "fine_tune_model",
+    "load_model",
+]
+_EXPORT_HINT = "Export the weights alone and register that file: torch.save(model.state_dict(), 'weights.pt')"
 
 
 class UnsafeCheckpointError(InputDataError):
     """A checkpoint that is not plain tensors (pickled code/objects) was refused."""
 
 
-class ModelSpec(BaseModel):
-    """What to build: the architecture, its width and the number of classes."""
-
-    arch: str = SMALL_CNN
-    num_classes: int = Field(10, ge=2)
-    width: int = Field(32, ge=4, le=512, description="Base channel count (small_cnn only).")
-    dropout: float = Field(0.1, ge=0, lt=1)
+class WeightsMismatchError(InputDataError):
+    """A state dict whose keys or shapes don't fit the architecture it is registered as."""
 
 
 class SmallCNN(nn.Module):
@@ -72,10 +76,87 @@ def build_model(spec: ModelSpec) -> nn.Module:
     raise ConfigError(f"unknown model architecture {spec.arch!r}; known: {known}")
 
 
-def state_dict_bytes(model: nn.Module) -> bytes:
+def classifier_head(model: nn.Module, arch: str) -> tuple[nn.Module, str, nn.Linear]:
+    """(the module holding the classifier's last Linear, its attribute name there, that Linear).
+
+    ResNets: ``fc``; MobileNet V3: the last Linear of ``classifier``; the small CNN: the last of ``head``.
+    """
+    if arch.startswith("resnet"):
+        holder: nn.Module = model
+        name = "fc"
+    elif arch.startswith("mobilenet"):
+        holder = model.get_submodule("classifier")
+        name = _last_linear_name(holder, arch)
+    elif arch == SMALL_CNN:
+        holder = model.get_submodule("head")
+        name = _last_linear_name(holder, arch)
+    else:
+        raise ConfigError(f"no known classifier head for architecture {arch!r}")
+    layer = getattr(holder, name)
+    if not isinstance(layer, nn.Linear):
+        raise ConfigError(f"{arch}'s classifier head {name!r} is a {type(layer).__name__}, not a Linear layer")
+    return holder, name, layer
+
+
+def _last_linear_name(holder: nn.Module, arch: str) -> str:
+    names = [name for name, child in holder.named_children() if isinstance(child, nn.Linear)]
+    if not names:
+        raise ConfigError(f"{arch}'s classifier has no Linear layer to replace")
+    return names[-1]
+
+
+def fine_tune_model(
+    parent: ModelSpec, state: dict[str, Any], uri: str, num_classes: int, freeze_backbone: bool = False
+) -> nn.Module:
+    """The parent's architecture with its weights ``state`` (from ``uri``) and a new head for ``num_classes``.
+
+    The new head is freshly initialised (its input width is the parent's). With
+    ``freeze_backbone`` only the head keeps ``requires_grad``; hand the optimizer
+    :func:`trainable_parameters` and keep frozen batch norms in eval mode while
+    training (:func:`freeze_batchnorm_statistics`).
+    """
+    model = build_model(parent)
+    check_state_dict(parent, state, uri, model)
+    model.load_state_dict(state)
+    holder, name, old = classifier_head(model, parent.arch)
+    new = nn.Linear(old.in_features, num_classes, bias=old.bias is not None)
+    setattr(holder, name, new)
+    if freeze_backbone:
+        for parameter in model.parameters():
+            parameter.requires_grad = False
+        for parameter in new.parameters():
+            parameter.requires_grad = True
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimizer should get: a frozen backbone's are left out."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def freeze_batchnorm_statistics(model: nn.Module) -> int:
+    """Put every batch norm whose parameters are all frozen in eval mode; returns how many.
+
+    ``model.train()`` switches them back to batch statistics, which would keep
+    updating a frozen backbone's running means on the new data (and make the
+    features the head learns on drift from those it is served with). Call after
+    each ``model.train()``. Models with nothing frozen are left as they are.
+    """
+    frozen = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            parameters = list(module.parameters())
+            if parameters and not any(p.requires_grad for p in parameters):
+                module.eval()
+                frozen += 1
+    return frozen
+
+
+def state_dict_bytes(model: nn.Module | dict[str, Any]) -> bytes:
     """Serialise weights only (tensors), the format :func:`load_state_dict` accepts."""
+    state = model.state_dict() if isinstance(model, nn.Module) else model
     buffer = io.BytesIO()
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buffer)
+    torch.save({k: v.detach().cpu() for k, v in state.items()}, buffer)
     return buffer.getvalue()
 
 
@@ -92,23 +173,85 @@ def state_dict_from_bytes(data: bytes, uri: str) -> dict[str, Any]:
         # keep torch's one line naming the offending global, drop its advice to disable the check
         detail = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line.upper()), "")
         raise UnsafeCheckpointError(
-            f"refusing checkpoint {uri}: it holds pickled objects, not just tensors. {detail}".strip()
+            f"refusing checkpoint {uri}: it holds pickled objects (a whole pickled model?), not just tensors. "
+            f"{detail} {_EXPORT_HINT}".replace("  ", " ")
         ) from exc
     except Exception as exc:
         raise InputDataError(f"checkpoint {uri} is unreadable: {type(exc).__name__}: {exc}") from exc
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]  # the common {"state_dict": ..., "epoch": ...} wrapper of training scripts
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise UnsafeCheckpointError(f"refusing checkpoint {uri}: expected a mapping of names to tensors")
+        raise UnsafeCheckpointError(
+            f"refusing checkpoint {uri}: expected a mapping of parameter names to tensors. {_EXPORT_HINT}"
+        )
     return state
+
+
+def head_classes(state: dict[str, Any]) -> int | None:
+    """The class count a state dict's classifier head was trained for (its last 2-D weight's rows)."""
+    heads = [value for key, value in state.items() if key.endswith(".weight") and value.ndim == 2]
+    return int(heads[-1].shape[0]) if heads else None
+
+
+def check_state_dict(spec: ModelSpec, state: dict[str, Any], uri: str, model: nn.Module | None = None) -> None:
+    """Raise :class:`WeightsMismatchError` naming what doesn't fit, unless ``state`` loads into ``spec``.
+
+    ``model``: an already built ``spec`` (saves building it again).
+    """
+    expected = (model if model is not None else build_model(spec)).state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong_shape = sorted(
+        f"{key} {tuple(state[key].shape)} (expected {tuple(expected[key].shape)})"
+        for key in set(expected) & set(state)
+        if tuple(state[key].shape) != tuple(expected[key].shape)
+    )
+    if not (missing or unexpected or wrong_shape):
+        return
+    parts = [f"weights at {uri} do not fit {spec.arch} with {spec.num_classes} classes"]
+    found = head_classes(state)
+    if found is not None and found != spec.num_classes:
+        parts.append(f"the file's classifier head has {found} classes")
+    for label, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", wrong_shape)):
+        if keys:
+            shown = ", ".join(keys[:8]) + (f", … ({len(keys)} in all)" if len(keys) > 8 else "")
+            parts.append(f"{label}: {shown}")
+    raise WeightsMismatchError("; ".join(parts))
+
+
+def _default_weights(arch: str) -> Any:
+    if arch not in TORCHVISION_ARCHS:
+        raise ConfigError(f"{arch!r} has no torchvision ImageNet weights entry; known: {', '.join(TORCHVISION_ARCHS)}")
+    import torchvision
+
+    return torchvision.models.get_model_weights(arch).DEFAULT
+
+
+def imagenet_image_spec(arch: str) -> ImageSpec:
+    """The evaluation transform of ``arch``'s own torchvision weights entry (no download)."""
+    transforms = _default_weights(arch).transforms()
+    interpolation = str(transforms.interpolation.value)
+    return ImageSpec(
+        mode=RESIZE_CROP,
+        resize=int(transforms.resize_size[0]),
+        crop=int(transforms.crop_size[0]),
+        interpolation=interpolation,
+        mean=tuple(transforms.mean),
+        std=tuple(transforms.std),
+    )
+
+
+def imagenet_classes(arch: str = "resnet50") -> list[str]:
+    """torchvision's 1,000 ImageNet class names (shipped with the package)."""
+    return list(_default_weights(arch).meta["categories"])
 
 
 def load_model(spec: ModelSpec, weights_uri: str) -> nn.Module:
     """Build ``spec`` and load weights from ``weights_uri``; shape mismatches are named."""
     model = build_model(spec)
     state = load_state_dict(weights_uri)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:
-        raise InputDataError(f"weights at {weights_uri} do not fit {spec.arch}: {exc}") from exc
+    check_state_dict(spec, state, weights_uri, model)
+    model.load_state_dict(state)
     return model.eval()
 
 

@@ -1,9 +1,12 @@
 """Ops monitoring: serving health from the router's ``/stats``, drift of committed prediction partitions.
 
-Drift of a partition is judged against the champion's training data:
+Drift of a partition is judged against a reference distribution: the
+champion's training label counts when it was trained here, else (an outside
+model, which has no training data) the predicted classes of a reference night
+of the same model (:func:`night_reference`):
 
 * **class PSI** — population-stability index of the predicted-class shares vs
-  the training label shares (0.1 notable, 0.2 the usual alarm);
+  the reference shares (0.1 notable, 0.2 the usual alarm);
 * **low-confidence share** — predictions under ``low_confidence`` confidence:
   images unlike anything the model was trained on get flat scores;
 * **error fraction** — inputs that could not be predicted at all.
@@ -17,13 +20,15 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping
+from typing import Literal
 
 import httpx
 import numpy as np
 from pydantic import BaseModel, Field
 
-from ray_workloads.batch_inference import MANIFEST, read_partition
-from rayline import storage
+from rayline.errors import InputDataError
+from rayline.layout import PREDICTIONS_TABLE, table_uri
+from rayline.prediction_reads import committed_nights, read_night_pair
 
 
 class DriftThresholds(BaseModel):
@@ -47,12 +52,39 @@ class ServingHealth(BaseModel):
     url: str
     reachable: bool
     healthy: bool
+    served: bool = True
     versions: list[VersionHealth] = Field(default_factory=list)
     problem: str | None = None
 
 
+class Reference(BaseModel):
+    """What a night's predicted classes are compared with."""
+
+    kind: Literal["training labels", "reference night"]
+    uri: str = Field(description="The training data manifest, or the predictions table of the reference night.")
+    dt: str | None = Field(None, description="The reference night's day.")
+    counts: dict[str, int]
+    smoothing: float | None = Field(
+        None, description="Pseudo-count per class for the PSI (reference nights); None: shares floored instead."
+    )
+    low_confidence_share: float | None = Field(
+        None, description="The reference night's share of unsure predictions; None for training labels."
+    )
+
+    def describe(self) -> str:
+        return self.kind if self.kind == "training labels" else f"reference night dt={self.dt}"
+
+
+# Pseudo-count added to every class seen in either night (Jeffreys' prior): with 1,000 classes and a few
+# hundred images a night, most classes are empty in one night or the other, and flooring empty shares at
+# 1e-4 would make every such class count as a ~0.3 PSI jump on its own.
+NIGHT_SMOOTHING = 0.5
+
+
 class PartitionDrift(BaseModel):
-    partition_uri: str
+    model_name: str
+    dt: str
+    version: int = Field(description="The predictions table's version of the night's commit.")
     model: str
     inputs: int
     predictions: int
@@ -64,10 +96,19 @@ class PartitionDrift(BaseModel):
     low_confidence_share: float
     drifted: bool
     reasons: list[str]
+    reference: str = "training labels"
 
     @property
     def error_fraction(self) -> float:
         return self.errors / self.inputs if self.inputs else 0.0
+
+    @property
+    def partition(self) -> str:
+        return f"dt={self.dt}"
+
+    @property
+    def night(self) -> str:
+        return f"{self.model_name}/dt={self.dt}"
 
 
 def psi(reference: Mapping[str, float], actual: Mapping[str, float], floor: float = 1e-4) -> float:
@@ -79,16 +120,42 @@ def psi(reference: Mapping[str, float], actual: Mapping[str, float], floor: floa
     return total
 
 
+def smoothed_psi(reference: Mapping[str, int], actual: Mapping[str, int], alpha: float) -> float:
+    """PSI of two count tables with ``alpha`` added to each class seen in either.
+
+    Only the classes seen in either table count: a class neither night
+    predicted has equal shares in both and only adds pseudo-counts that would
+    drown a small night (1,000 × 0.5 against a few hundred images).
+    """
+    classes = set(reference) | set(actual)
+    if not classes:
+        return 0.0
+
+    def smoothed(counts: Mapping[str, int]) -> dict[str, float]:
+        total = sum(counts.get(c, 0) for c in classes) + alpha * len(classes)
+        return {c: (counts.get(c, 0) + alpha) / total for c in classes}
+
+    expected, seen = smoothed(reference), smoothed(actual)
+    return sum((seen[c] - expected[c]) * math.log(seen[c] / expected[c]) for c in classes)
+
+
 def shares(counts: Mapping[str, int]) -> dict[str, float]:
     total = sum(counts.values())
     return {k: v / total for k, v in sorted(counts.items())} if total else {}
 
 
-def serving_health(url: str, thresholds: DriftThresholds) -> ServingHealth:
-    """The router's view: is any version taking traffic, and how each one answers."""
+def serving_health(url: str, thresholds: DriftThresholds, model: str | None = None) -> ServingHealth:
+    """The router's view of ``model`` (None: the default model): is a version taking traffic, how each answers.
+
+    A model the router doesn't serve is reported as such, not as unhealthy.
+    """
+    base = f"{url}/models/{model}" if model else url
     try:
-        stats = httpx.get(f"{url}/stats", timeout=10).raise_for_status().json()
-        health = httpx.get(f"{url}/healthz", timeout=10)
+        stats_response = httpx.get(f"{base}/stats", timeout=10)
+        if stats_response.status_code == 404 and model:
+            return ServingHealth(url=base, reachable=True, healthy=True, served=False, problem=f"{model} not served")
+        stats = stats_response.raise_for_status().json()
+        health = httpx.get(f"{base}/healthz", timeout=10)
     except httpx.HTTPError as exc:
         return ServingHealth(url=url, reachable=False, healthy=False, problem=f"{type(exc).__name__}: {exc}")
     weights = {int(v): float(w) for v, w in stats.get("weights", {}).items()}
@@ -112,31 +179,77 @@ def serving_health(url: str, thresholds: DriftThresholds) -> ServingHealth:
     return ServingHealth(url=url, reachable=True, healthy=problem is None, versions=versions, problem=problem)
 
 
-def committed_partitions(predictions_root: str, latest: int) -> list[str]:
-    """The ``latest`` committed partitions (those with a manifest), newest first."""
-    keys = {o.key.rsplit("/", 1)[0] for o in storage.list_objects(predictions_root) if o.key.endswith(MANIFEST)}
-    return [storage.join(predictions_root, k) for k in sorted(keys, reverse=True)[:latest]]
+def night_reference(root: str, model_name: str, dt: str | None, low_confidence: float) -> Reference:
+    """The reference night of a model: ``dt`` if named, else its first committed night.
+
+    ``low_confidence`` is the confidence under which a prediction counts as
+    unsure: the reference night's unsure share is kept to judge later nights by.
+    """
+    if dt is None:
+        nights = committed_nights(root, model_name)
+        if not nights:
+            raise InputDataError(
+                f"no committed night of {model_name} to use as the reference: run nightly-inference "
+                "first, or name a reference date"
+            )
+        dt = nights[-1]
+    night = read_night_pair(root, model_name, dt)
+    predictions = night.predictions
+    if not predictions.num_rows:
+        raise InputDataError(
+            f"reference night {model_name} dt={dt} has no predictions to compare with (every input failed)"
+        )
+    confidence = np.asarray(predictions.column("confidence").to_pylist(), dtype=float)
+    return Reference(
+        kind="reference night",
+        uri=table_uri(root, PREDICTIONS_TABLE),
+        dt=dt,
+        counts=dict(Counter(str(c) for c in predictions.column("predicted_class").to_pylist())),
+        smoothing=NIGHT_SMOOTHING,
+        low_confidence_share=float((confidence < low_confidence).mean()),
+    )
 
 
-def partition_drift(partition_uri: str, reference_counts: Mapping[str, int], t: DriftThresholds) -> PartitionDrift:
-    """Compare one committed partition's predictions with the training label distribution."""
-    predictions, errors = read_partition(partition_uri)
+def night_drift(
+    root: str, model_name: str, dt: str, reference_counts: Mapping[str, int] | Reference, t: DriftThresholds
+) -> PartitionDrift:
+    """Compare one committed night's predictions with the reference distribution.
+
+    A plain mapping is the training label counts (shares floored for the PSI).
+    """
+    if not isinstance(reference_counts, Reference):
+        reference_counts = Reference(kind="training labels", uri="", counts=dict(reference_counts))
+    ref = reference_counts
+    night = read_night_pair(root, model_name, dt)
+    predictions, errors = night.predictions, night.errors
     classes = [str(c) for c in predictions.column("predicted_class").to_pylist()] if predictions.num_rows else []
     confidence = np.asarray(predictions.column("confidence").to_pylist() if predictions.num_rows else [], dtype=float)
-    actual, reference = shares(Counter(classes)), shares(reference_counts)
-    index = psi(reference, actual) if actual else 0.0
+    counts = Counter(classes)
+    actual, reference = shares(counts), shares(ref.counts)
+    if not actual:
+        index = 0.0
+    elif ref.smoothing is None:
+        index = psi(reference, actual)
+    else:
+        index = smoothed_psi(ref.counts, counts, ref.smoothing)
     unsure = float((confidence < t.low_confidence).mean()) if confidence.size else 0.0
     inputs = predictions.num_rows + errors.num_rows
     reasons = []
     if index > t.psi:
         reasons.append(f"predicted-class PSI {index:.3f} > {t.psi}")
-    if unsure > t.max_low_confidence_share:
-        reasons.append(f"{unsure:.1%} of predictions under {t.low_confidence:.0%} confidence")
+    # against a reference night: only more unsure than it was too (a 1,000-class model is often under 50 %
+    # on photos it gets right; that is how it is, not a change)
+    unsure_limit = max(t.max_low_confidence_share, ref.low_confidence_share or 0.0)
+    if unsure > unsure_limit:
+        than = "" if ref.low_confidence_share is None else f" (reference night {ref.low_confidence_share:.1%})"
+        reasons.append(f"{unsure:.1%} of predictions under {t.low_confidence:.0%} confidence{than}")
     if inputs and errors.num_rows / inputs > t.max_error_fraction:
         reasons.append(f"error fraction {errors.num_rows / inputs:.1%} > {t.max_error_fraction:.1%}")
     models = set(predictions.column("model_version").to_pylist()) if predictions.num_rows else set()
     return PartitionDrift(
-        partition_uri=partition_uri,
+        model_name=model_name,
+        dt=dt,
+        version=night.commit.version,
         model=",".join(f"v{m}" for m in sorted(models)),
         inputs=inputs,
         predictions=predictions.num_rows,
@@ -148,6 +261,7 @@ def partition_drift(partition_uri: str, reference_counts: Mapping[str, int], t: 
         low_confidence_share=unsure,
         drifted=bool(reasons),
         reasons=reasons,
+        reference=ref.describe(),
     )
 
 
@@ -155,18 +269,22 @@ def _labels(**labels: str) -> str:
     return ",".join(f'{k}="{v}"' for k, v in labels.items())
 
 
-def prometheus_text(health: ServingHealth | None, drifts: list[PartitionDrift], flow_run: str) -> str:
-    """Gauges in the Prometheus text exposition format, labelled by flow run, stage and model version."""
+def prometheus_text(
+    health: ServingHealth | None, drifts: list[PartitionDrift], flow_run: str, model: str = "digits"
+) -> str:
+    """Gauges in the Prometheus text exposition format, labelled by flow run, model, stage and model version."""
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> None:
         lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-        lines.extend(f"{name}{{{_labels(flow_run=flow_run, **labels)}}} {value:g}" for labels, value in samples)
+        lines.extend(
+            f"{name}{{{_labels(flow_run=flow_run, model=model, **labels)}}} {value:g}" for labels, value in samples
+        )
 
     if health is not None:
         serve = {"stage": "serve"}
         metric("rayline_serve_up", "gauge", "1 when the router answers and some version takes traffic.",
-               [(serve, float(health.healthy))])  # fmt: skip
+               [(serve, float(health.healthy and health.served))])  # fmt: skip
         per_version = [({**serve, "model_version": str(v.version)}, v) for v in health.versions]
         metric("rayline_serve_requests_total", "counter", "Requests answered per version since the stats reset.",
                [(labels, v.requests) for labels, v in per_version])  # fmt: skip
@@ -179,7 +297,8 @@ def prometheus_text(health: ServingHealth | None, drifts: list[PartitionDrift], 
            [(labels, d.predictions) for labels, d in batch])  # fmt: skip
     metric("rayline_predictions_error_fraction", "gauge", "Inputs of a partition that got an error row.",
            [(labels, d.error_fraction) for labels, d in batch])  # fmt: skip
-    metric("rayline_predictions_class_psi", "gauge", "PSI of predicted classes vs the training labels.",
+    metric("rayline_predictions_class_psi", "gauge",
+           "PSI of predicted classes vs the reference (training labels or a reference night).",
            [(labels, d.psi) for labels, d in batch])  # fmt: skip
     metric("rayline_predictions_low_confidence_share", "gauge", "Share of predictions under the confidence floor.",
            [(labels, d.low_confidence_share) for labels, d in batch])  # fmt: skip
@@ -187,11 +306,15 @@ def prometheus_text(health: ServingHealth | None, drifts: list[PartitionDrift], 
 
 
 def _partition(drift: PartitionDrift) -> str:
-    return drift.partition_uri.rstrip("/").rsplit("/", 1)[-1]
+    return drift.partition
+
+
+# Bars in the distribution chart: 1,000 ImageNet classes would be unreadable.
+_CHART_CLASSES = 20
 
 
 def distribution_png(drift: PartitionDrift) -> bytes:
-    """Predicted-class shares of a partition next to the training label shares."""
+    """Predicted-class shares of a partition next to the reference shares (the most common classes)."""
     import io
 
     import matplotlib
@@ -200,11 +323,14 @@ def distribution_png(drift: PartitionDrift) -> bytes:
     import matplotlib.pyplot as plt
 
     keys = sorted(set(drift.reference_share) | set(drift.class_share))
+    if len(keys) > _CHART_CLASSES:
+        top = sorted(keys, key=lambda k: -max(drift.reference_share.get(k, 0), drift.class_share.get(k, 0)))
+        keys = sorted(top[:_CHART_CLASSES])
     x = np.arange(len(keys))
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.bar(x - 0.2, [drift.reference_share.get(k, 0) for k in keys], 0.4, label="training labels")
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(keys)), 3.5), dpi=100)
+    ax.bar(x - 0.2, [drift.reference_share.get(k, 0) for k in keys], 0.4, label=drift.reference)
     ax.bar(x + 0.2, [drift.class_share.get(k, 0) for k in keys], 0.4, label="predicted")
-    ax.set_xticks(x, keys)
+    ax.set_xticks(x, keys, rotation=45 if len(keys) > 10 else 0, ha="right" if len(keys) > 10 else "center")
     ax.set_ylabel("share")
     ax.set_title(f"{_partition(drift)}: PSI {drift.psi:.3f}")
     ax.legend()

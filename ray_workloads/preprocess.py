@@ -248,6 +248,11 @@ def read_manifest(manifest_uri: str) -> PreprocessResult:
     return _result(manifest, manifest_uri, cached=True, elapsed=0.0)
 
 
+def source_of(manifest_uri: str) -> str:
+    """The prefix a committed preprocess output was ingested from."""
+    return ingest.read_manifest(read_manifest(manifest_uri).input_manifest_uri).source_uri
+
+
 def run(cfg: PreprocessConfig) -> PreprocessResult:
     """Decode, normalise and split every ingested object; commit with a manifest."""
     started = time.perf_counter()

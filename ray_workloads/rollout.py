@@ -13,9 +13,12 @@ window's per-version stats:
 * at least ``min_requests`` answers from the candidate: no evidence, no
   promotion.
 
-The incumbent is the version serving the largest share now (deployed at
-100% first when nothing serves). Nothing here touches the registry or
-Prefect: the caller moves aliases and records the outcome.
+The incumbent is the version of the candidate's model serving the largest
+share now (deployed at 100% first when nothing of that model serves). Every
+request, weight and stats window here is the model's own
+(``/models/<name>/predict``, ``model=`` on ``serve_control``): other models
+served by the same instance are never touched. Nothing here touches the
+registry or Prefect: the caller moves aliases and records the outcome.
 """
 
 from __future__ import annotations
@@ -30,13 +33,19 @@ from pydantic import BaseModel, Field, field_validator
 
 from ray_workloads import serve_control
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
-from ray_workloads.serve_app import ServeConfig
+from ray_workloads.serve_config import ServeConfig
 from ray_workloads.serve_control import VersionStats
 from rayline import storage
-from rayline.errors import InputDataError
+from rayline.errors import ConfigError, InputDataError
+from rayline.layout import RAW_DIR
 from rayline.registry import ModelVersion
 
 VERSION_HEADER = "X-Rayline-Version"
+
+
+def predict_path(model: str | None) -> str:
+    """The router's predict route for ``model`` (None: the default model's ``/predict``)."""
+    return "/predict" if model is None else f"/models/{model}/predict"
 
 
 class GateConfig(BaseModel):
@@ -105,6 +114,29 @@ def judge(
     )
 
 
+def default_probe_source(version: ModelVersion, root: str) -> str:
+    """Images like the ones ``version`` serves, for canary probes when none are named.
+
+    A model trained here: the prefix its training data came from (``raw/`` for
+    versions whose data manifest is gone). An outside model: the inputs of its
+    latest committed night. Otherwise the caller must say.
+    """
+    from ray_workloads import preprocess  # the rollout's own imports stay light
+    from rayline.prediction_reads import latest_night_commit
+
+    if version.data_manifest_uri is not None:
+        if storage.exists(version.data_manifest_uri):
+            return preprocess.source_of(version.data_manifest_uri)
+        return storage.join(root, RAW_DIR)
+    latest = latest_night_commit(root, version.name)
+    if latest is not None:
+        return str(latest.info["rayline.input_uri"])
+    raise ConfigError(
+        f"{version.name} v{version.version} was not trained here and has no committed night to take probe "
+        "images from: pass probe_uri (a prefix of images like the ones it serves)"
+    )
+
+
 def load_probe_images(uri: str, count: int, spec: ImageSpec) -> list[bytes]:
     """Up to ``count`` decodable images under ``uri`` (sorted by key: the same set every run)."""
     objects = sorted(storage.list_objects(uri), key=lambda o: o.key)
@@ -123,9 +155,9 @@ def load_probe_images(uri: str, count: int, spec: ImageSpec) -> list[bytes]:
     return images
 
 
-def incumbent_version(cfg: ServeConfig) -> int | None:
-    """The live version with the largest share of traffic (routers route by it already), if any serves."""
-    weights = {v: w for v, w in serve_control.get_weights(cfg, settled=True).items() if w > 0}
+def incumbent_version(cfg: ServeConfig, model: str | None = None) -> int | None:
+    """``model``'s live version with the largest share of traffic (routers route by it already), if any serves."""
+    weights = {v: w for v, w in serve_control.get_weights(cfg, model=model, settled=True).items() if w > 0}
     return max(weights, key=lambda v: weights[v]) if weights else None
 
 
@@ -135,11 +167,11 @@ def start(cfg: ServeConfig) -> str:
 
 
 def serve(version: ModelVersion, cfg: ServeConfig) -> str:
-    """Make sure ``version`` is deployed; it takes all traffic if nothing serves yet. The base URL."""
+    """Make sure ``version`` is deployed; it takes all traffic if nothing of its model serves yet. The base URL."""
     base_url = start(cfg)
     serve_control.deploy_version(version, cfg)
-    if incumbent_version(cfg) is None:
-        serve_control.set_weights({version.version: 100.0}, cfg)
+    if incumbent_version(cfg, version.name) is None:
+        serve_control.set_weights({version.version: 100.0}, cfg, model=version.name)
     return base_url
 
 
@@ -150,13 +182,16 @@ def prepare(incumbent: ModelVersion, candidate: ModelVersion, cfg: ServeConfig) 
     return base_url
 
 
-def agreement(base_url: str, images: Iterable[bytes], incumbent: int, candidate: int) -> float:
-    """Fraction of images on which both versions (each pinned) predict the same class."""
+def agreement(
+    base_url: str, images: Iterable[bytes], incumbent: int, candidate: int, model: str | None = None
+) -> float:
+    """Fraction of images on which both versions of ``model`` (each pinned) predict the same class."""
     same = compared = 0
+    path = predict_path(model)
     with httpx.Client(base_url=base_url, timeout=30.0) as client:
         for image in images:
             answers = [
-                client.post("/predict", content=image, headers={VERSION_HEADER: str(v)}) for v in (incumbent, candidate)
+                client.post(path, content=image, headers={VERSION_HEADER: str(v)}) for v in (incumbent, candidate)
             ]
             if all(a.status_code == 200 for a in answers):
                 compared += 1
@@ -167,13 +202,14 @@ def agreement(base_url: str, images: Iterable[bytes], incumbent: int, candidate:
 
 
 class ProbeClient:
-    """Paced requests through the router (unpinned: they follow the weights, like any client).
+    """Paced requests through the router (unpinned: they follow ``model``'s weights, like any client).
 
     The rollout's canary probes, and the demo's background load; every answer's status is tallied.
     """
 
-    def __init__(self, base_url: str, images: list[bytes], rps: float) -> None:
+    def __init__(self, base_url: str, images: list[bytes], rps: float, model: str | None = None) -> None:
         self.client = httpx.Client(base_url=base_url, timeout=30.0)
+        self.path = predict_path(model)
         self.images = images
         self.interval = 1.0 / rps if rps > 0 else None
         self.sent = 0
@@ -188,7 +224,7 @@ class ProbeClient:
         started, n = time.monotonic(), 0
         while time.monotonic() - started < seconds and not (stop and stop.is_set()):
             try:
-                answer = self.client.post("/predict", content=self.images[self.sent % len(self.images)])
+                answer = self.client.post(self.path, content=self.images[self.sent % len(self.images)])
                 self.statuses[answer.status_code] += 1
                 if answer.status_code >= 400:
                     self._note_failure(f"{answer.status_code} {answer.text[:200]}")
@@ -206,16 +242,19 @@ class ProbeClient:
         self.client.close()
 
 
-def soak(cfg: RolloutConfig, base_url: str, images: list[bytes], candidate: int) -> dict[int, VersionStats]:
+def soak(
+    cfg: RolloutConfig, base_url: str, images: list[bytes], candidate: int, model: str | None = None
+) -> dict[int, VersionStats]:
     """Hold the current weights for ``soak_s`` (longer, up to 3×, until the candidate has
-    ``min_requests`` answers); the window's per-version stats."""
+    ``min_requests`` answers); the window's per-version stats of ``model``."""
     window_start = time.time()
-    probes = ProbeClient(base_url, images, cfg.probe_rps)
+    probes = ProbeClient(base_url, images, cfg.probe_rps, model)
     started = time.monotonic()
     try:
         probes.run_for(cfg.soak_s)
         while True:
-            window = serve_control.stats(cfg.serve, since=window_start)  # waits for every router's flush
+            # waits for every router's flush
+            window = serve_control.stats(cfg.serve, model=model, since=window_start)
             seen = window.get(candidate)
             enough = seen is not None and seen.requests >= cfg.gates.min_requests
             if enough or time.monotonic() - started >= 3 * cfg.soak_s:
@@ -234,9 +273,10 @@ def run_step(
     images: list[bytes],
     incumbent_p95_ms: float | None,
     check_agreement: bool,
+    model: str | None = None,
 ) -> StepReport:
-    """Give the candidate ``weight`` % of traffic, soak, and judge the window."""
-    agreed = agreement(base_url, images, incumbent, candidate) if check_agreement else None
+    """Give the candidate ``weight`` % of ``model``'s traffic, soak, and judge the window."""
+    agreed = agreement(base_url, images, incumbent, candidate, model) if check_agreement else None
     if agreed is not None and agreed < cfg.gates.min_agreement:  # no live traffic for a model that disagrees
         passed, reason = judge(None, incumbent_p95_ms, agreed, cfg.gates)
         return StepReport(
@@ -248,8 +288,8 @@ def run_step(
             passed=passed,
             reason=reason,
         )
-    serve_control.set_weights({incumbent: 100.0 - weight, candidate: weight}, cfg.serve)
-    window = soak(cfg, base_url, images, candidate)
+    serve_control.set_weights({incumbent: 100.0 - weight, candidate: weight}, cfg.serve, model=model)
+    window = soak(cfg, base_url, images, candidate, model)
     seen = window.get(incumbent)
     if seen is not None and seen.p95_ms is not None and seen.requests >= cfg.gates.min_requests:
         incumbent_p95_ms = seen.p95_ms  # the freshest baseline; at 100% the last one stands
@@ -265,13 +305,13 @@ def run_step(
     )
 
 
-def roll_back(incumbent: int, candidate: int, cfg: ServeConfig) -> None:
-    """All traffic back to the incumbent, then the candidate's deployment goes."""
-    serve_control.set_weights({incumbent: 100.0}, cfg)
-    serve_control.remove_version(candidate, cfg)
+def roll_back(incumbent: int, candidate: int, cfg: ServeConfig, model: str | None = None) -> None:
+    """All of ``model``'s traffic back to the incumbent, then the candidate's deployment goes."""
+    serve_control.set_weights({incumbent: 100.0}, cfg, model=model)
+    serve_control.remove_version(candidate, cfg, model=model)
 
 
-def retire(old: int, new: int, cfg: ServeConfig) -> None:
-    """After promotion: the new version takes everything, the old deployment goes."""
-    serve_control.set_weights({new: 100.0}, cfg)
-    serve_control.remove_version(old, cfg)
+def retire(old: int, new: int, cfg: ServeConfig, model: str | None = None) -> None:
+    """After promotion: the new version takes all of ``model``'s traffic, the old deployment goes."""
+    serve_control.set_weights({new: 100.0}, cfg, model=model)
+    serve_control.remove_version(old, cfg, model=model)

@@ -1,30 +1,44 @@
-"""Online serving: one Serve application per model version, one HTTP router in front of them.
+"""Online serving: one Serve application per model version, one HTTP router in front of every model.
 
 What runs on the cluster for a serving instance named ``rayline`` (``ServeConfig.name``)::
 
     rayline                    ingress application, route "/": Router replicas (HTTP API)
-    rayline-<model>-v<N>       one application per live version, no HTTP route: ModelServer
-                               replicas (deploying or removing one never touches the others)
+    rayline-<model>-v<N>       one application per live version of each model, no HTTP route:
+                               ModelServer replicas (deploying or removing one never touches
+                               the others)
     rayline-control            a named, detached Ray actor (serve_state.ServeControl) holding
-                               the routing table {version: weight} and the aggregated stats
+                               the routing table {model: {version: weight}} and the stats
 
-Every ``SYNC_INTERVAL_S`` each router replica makes one call to the control actor: it flushes
-its per-request samples and gets the routing table back. Weights therefore change without
-redeploying anything, in-flight requests finish where they started, and per-version stats
-are right with any number of routers.
+One instance serves any number of registered models (any name, trained here or outside),
+each with its own versions, weights, stats and rollouts. Every ``SYNC_INTERVAL_S`` each
+router replica makes one call to the control actor: it flushes its per-request samples and
+gets the routing table back. Weights therefore change without redeploying anything,
+in-flight requests finish where they started, and per-version stats are right with any
+number of routers.
+
+The *default model* answers the routes without a model name (``/predict``, ``/healthz``,
+``/stats``, which keep the shape they had when an instance served one model): the model
+named by ``RAYLINE_SERVE_DEFAULT_MODEL`` (``ServeConfig.default_model``; while it is not
+served those routes answer 503), else the first model deployed that is still served.
 
 HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
 
-* ``POST /predict`` with the image as the raw body or a multipart form part (named ``file``
-  or ``image``, or the only part). Optional headers: ``X-Rayline-Key`` (sticky: one key sees
-  one version while weights are unchanged), ``X-Rayline-Version: N`` (pin a live version;
-  404 if not live). Answer: class index and name, confidence, top-k, model, version,
-  latency; the version also in ``X-Rayline-Model-Version``.
-  413 body over ``max_body_bytes``, 400 empty body or bad multipart, 415 not an image,
-  422 truncated/corrupt image or over ``max_pixels`` (decompression bomb), 500 the model
-  failed on the input, 503 no version with traffic or the version's replicas are gone.
-* ``GET /healthz``: 200 when some version has traffic weight, else 503.
-* ``GET /stats[?since=<unix time>]``: per-version requests, errors, rejected, latency p50/p95/p99.
+* ``POST /models/<name>/predict`` (model ``name``) and ``POST /predict`` (the default model)
+  with the image as the raw body or a multipart form part (named ``file`` or ``image``, or
+  the only part). Optional headers: ``X-Rayline-Key`` (sticky: one key sees one version while
+  weights are unchanged), ``X-Rayline-Version: N`` (pin a live version; 404 if not live).
+  Answer: class index and name (from the model's own class list), confidence, top-k, model,
+  version, latency; the version also in ``X-Rayline-Model-Version``, the model in
+  ``X-Rayline-Model``.
+  404 model not served, 413 body over ``max_body_bytes``, 400 empty body or bad multipart,
+  415 not an image, 422 truncated/corrupt image or over ``max_pixels`` (decompression bomb),
+  500 the model failed on the input, 503 no version with traffic or the version's replicas
+  are gone.
+* ``GET /healthz``, ``GET /models/<name>/healthz``: 200 when some version of the model has
+  traffic weight, else 503.
+* ``GET /stats[?since=<unix time>]``, ``GET /models/<name>/stats[?since=…]``: the model's
+  weights and per-version requests, errors, rejected, latency p50/p95/p99.
+* ``GET /models``: every served model with its live versions and weights, and the default.
 """
 
 from __future__ import annotations
@@ -34,31 +48,35 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import ray
-from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ray_workloads.images import DEFAULT_MAX_PIXELS, ImageDecodeError, ImageSpec, decode_image
+from ray_workloads.images import ImageDecodeError, decode_image
 
 # "X as X": re-exported (callers and tests import these from here)
+from ray_workloads.serve_config import ServeConfig
 from ray_workloads.serve_http import ANSWER_HEADER as ANSWER_HEADER
-from ray_workloads.serve_http import DECODE_STATUS, error_response, read_body
+from ray_workloads.serve_http import DECODE_STATUS, ROUTES, error_response, read_body
 from ray_workloads.serve_http import KEY_HEADER as KEY_HEADER
+from ray_workloads.serve_http import MODEL_HEADER as MODEL_HEADER
 from ray_workloads.serve_http import VERSION_HEADER as VERSION_HEADER
 from ray_workloads.serve_http import HttpError as HttpError
 from ray_workloads.serve_http import choose_version as choose_version
 from ray_workloads.serve_http import multipart_image as multipart_image
+from ray_workloads.serve_http import route as _route
 from ray_workloads.serve_state import ERROR as ERROR
 from ray_workloads.serve_state import OK as OK
 from ray_workloads.serve_state import REJECTED as REJECTED
+from ray_workloads.serve_state import ModelRoutes as ModelRoutes
 from ray_workloads.serve_state import RoutingTable as RoutingTable
+from ray_workloads.serve_state import Sample
 from rayline.ray_cluster import NAMESPACE
 from rayline.registry import ModelVersion
 
@@ -71,40 +89,6 @@ MAX_PENDING_SAMPLES = 100_000
 HEALTH_PROBE_IDLE_S = 30.0  # a model replica idle this long proves itself with a forward pass
 # the replica died under the request: worth one retry on another (or the replacement) replica
 _REPLICA_LOST: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ReplicaUnavailableError)
-
-
-class ServeConfig(BaseModel):
-    """One serving instance: its names, HTTP endpoint, input limits and compute shape."""
-
-    model_config = ConfigDict(frozen=True)
-
-    name: str = Field("rayline", pattern=r"^[a-z0-9][a-z0-9-]{0,30}$", description="Prefix of apps and actor.")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    proxy_location: Literal["HeadOnly", "EveryNode"] = "HeadOnly"
-    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1)
-    max_pixels: int = Field(
-        DEFAULT_MAX_PIXELS, ge=1, description="Declared pixels above this are refused (422); overrides image_spec."
-    )
-    replicas: int = Field(1, ge=1, description="ModelServer replicas per version.")
-    cpus_per_replica: float = Field(0.25, gt=0)
-    max_ongoing_requests: int = Field(64, ge=1, description="Per ModelServer replica (>= max_batch_size).")
-    router_replicas: int = Field(1, ge=1)
-    router_cpus: float = Field(0.25, gt=0)
-    router_max_ongoing_requests: int = Field(256, ge=1)
-    max_batch_size: int = Field(16, ge=1)
-    batch_wait_timeout_s: float = Field(0.005, ge=0)
-    top_k: int = Field(3, ge=1)
-    request_timeout_s: float = Field(30.0, gt=0, description="A version slower than this answers 504.")
-    access_log: bool = Field(True, description="Serve's per-request log lines (router and model replicas).")
-    deploy_timeout_s: float = Field(300.0, gt=0)
-
-    @property
-    def control_actor_name(self) -> str:
-        return f"{self.name}-control"
-
-    def version_app(self, model: str, version: int) -> str:
-        return f"{self.name}-{model}-v{version}"
 
 
 class ModelOutputError(RuntimeError):
@@ -126,15 +110,15 @@ class ModelServer:
         # torch only here: router replicas and the control actor never pay for importing it
         import torch
 
-        from ray_workloads.models import ModelSpec, load_model
+        from ray_workloads.models import load_model
 
         torch.set_num_threads(1)
         self._torch = torch
         self.model = ModelVersion.model_validate(model)
-        spec = ImageSpec.model_validate(self.model.image_spec)
+        spec = self.model.image_spec
         self.image_spec = spec.model_copy(update={"max_pixels": max_pixels})
         # weights_only loading; a checkpoint with pickled objects is refused
-        self.net = load_model(ModelSpec.model_validate(self.model.model_spec), self.model.weights_uri)
+        self.net = load_model(self.model.model_spec, self.model.weights_uri)
         self.top_k = min(top_k, len(self.model.classes))
         self._probe = np.zeros((1, 3, spec.size, spec.size), dtype=np.float32)
         self._last_forward = 0.0
@@ -192,15 +176,15 @@ class ModelServer:
 
 
 class Router:
-    """HTTP ingress: routes each request to a live version by weight, key or pin; records samples."""
+    """HTTP ingress: routes each request to a model's live version by weight, key or pin; records samples."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = ServeConfig.model_validate(cfg)
         self.router_id = uuid.uuid4().hex[:12]
         self._table = RoutingTable()
         self._synced = asyncio.Event()
-        self._handles: dict[int, DeploymentHandle[Any]] = {}
-        self._samples: list[tuple[int, float, float, int]] = []
+        self._handles: dict[str, DeploymentHandle[Any]] = {}  # by application name
+        self._samples: list[Sample] = []
         self._rng = random.Random()
         self._control: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -229,8 +213,9 @@ class Router:
             self._control = None
             logger.warning("router %s: control actor unreachable (%s: %s)", self.router_id, type(exc).__name__, exc)
             return
-        if table.generation != self._table.generation:
-            self._handles = {v: h for v, h in self._handles.items() if table.apps.get(v) == self._table.apps.get(v)}
+        if table.generation != self._table.generation:  # handles of applications no longer routed to go
+            live = {app for routes in table.models.values() for app in routes.apps.values()}
+            self._handles = {app: h for app, h in self._handles.items() if app in live}
         self._table = table
         self._synced.set()
 
@@ -241,17 +226,18 @@ class Router:
         self._ensure_sync()
         started = time.perf_counter()
         path = request.url.path.rstrip("/") or "/"
-        routes = {"/predict": "POST", "/healthz": "GET", "/stats": "GET"}
         try:
-            if path not in routes:
-                raise HttpError(404, "NotFound", f"no route {path}; routes: POST /predict, GET /healthz, GET /stats")
-            if request.method != routes[path]:
-                raise HttpError(405, "MethodNotAllowed", f"use {routes[path]} {path}")
-            if path == "/predict":
-                return await self._predict(request, started)
-            if path == "/healthz":
-                return await self._healthz()
-            return await self._stats(request)
+            model, action = _route(path)
+            method = ROUTES[action]
+            if request.method != method:
+                raise HttpError(405, "MethodNotAllowed", f"use {method} {path}")
+            if action == "models":
+                return await self._models()
+            if action == "predict":
+                return await self._predict(request, model, started)
+            if action == "healthz":
+                return await self._healthz(model)
+            return await self._stats(request, model)
         except HttpError as exc:
             return error_response(exc.status, exc.error, exc.detail)
         except Exception as exc:  # a bug of ours: still a JSON answer, and logged
@@ -265,27 +251,42 @@ class Router:
             raise HttpError(503, "NotReady", "the router has no routing table yet") from exc
         return self._table
 
-    def _pick(self, table: RoutingTable, request: Request) -> int:
+    @staticmethod
+    def _served(table: RoutingTable, model: str | None) -> tuple[str, ModelRoutes]:
+        """The model a request is for (None: the default) and its routes; 404/503 when not served."""
+        name = table.resolve(model)
+        served = sorted(table.models)
+        if name is None:
+            raise HttpError(503, "NoLiveVersion", "no model is served (no model version has a traffic weight)")
+        if name not in table.models:
+            if model is None:  # the configured default is down: the service, not the request, is at fault
+                raise HttpError(503, "ModelNotServed", f"the default model {name!r} is not served; served: {served}")
+            raise HttpError(404, "ModelNotServed", f"model {name!r} is not served; served models: {served}")
+        return name, table.models[name]
+
+    def _pick(self, name: str, routes: ModelRoutes, request: Request) -> int:
         pinned = request.headers.get(VERSION_HEADER)
         if pinned is not None:
             text = pinned.strip().lstrip("vV")
             if not text.isdigit():
                 raise HttpError(400, "BadRequest", f"{VERSION_HEADER} must be a version number, got {pinned!r}")
-            if int(text) not in table.apps:
-                live = sorted(table.apps)
-                raise HttpError(404, "VersionNotLive", f"version {int(text)} is not live; live versions: {live}")
+            if int(text) not in routes.apps:
+                live = sorted(routes.apps)
+                raise HttpError(
+                    404, "VersionNotLive", f"version {int(text)} of {name} is not live; live versions: {live}"
+                )
             return int(text)
-        version = choose_version(table.weights, request.headers.get(KEY_HEADER), self._rng)
+        version = choose_version(routes.weights, request.headers.get(KEY_HEADER), self._rng)
         if version is None:
-            raise HttpError(503, "NoLiveVersion", "no model version has a traffic weight above 0")
+            raise HttpError(503, "NoLiveVersion", f"no version of model {name} has a traffic weight above 0")
         return version
 
-    async def _call_model(self, table: RoutingTable, version: int, image: bytes) -> dict[str, Any]:
+    async def _call_model(self, app: str, version: int, image: bytes) -> dict[str, Any]:
         for attempt in (1, 2):
-            handle = self._handles.get(version)
+            handle = self._handles.get(app)
             if handle is None:
-                handle = serve.get_deployment_handle(MODEL_DEPLOYMENT, app_name=table.apps[version])
-                self._handles[version] = handle
+                handle = serve.get_deployment_handle(MODEL_DEPLOYMENT, app_name=app)
+                self._handles[app] = handle
             response = handle.predict.remote(image)
             try:
                 result: dict[str, Any] = await asyncio.wait_for(_awaited(response), self.cfg.request_timeout_s)
@@ -296,64 +297,91 @@ class Router:
             except _REPLICA_LOST as exc:
                 if attempt == 2:
                     raise
-                logger.warning("v%s replica lost mid-request (%s); retrying once", version, type(exc).__name__)
+                logger.warning("%s replica lost mid-request (%s); retrying once", app, type(exc).__name__)
         raise AssertionError("unreachable")
 
-    async def _predict(self, request: Request, started: float) -> JSONResponse:
+    async def _predict(self, request: Request, model: str | None, started: float) -> JSONResponse:
         body = await read_body(request, self.cfg.max_body_bytes)
         content_type = request.headers.get("content-type", "")
         image = multipart_image(body, content_type) if content_type.startswith("multipart/") else body
         if not image:
             raise HttpError(400, "EmptyBody", "no image bytes: send the image as the body or a multipart 'file' part")
-        table = await self._routing_table()
-        version = self._pick(table, request)
+        name, routes = self._served(await self._routing_table(), model)
+        version = self._pick(name, routes, request)
         try:
-            result = await self._call_model(table, version, image)
+            result = await self._call_model(routes.apps[version], version, image)
         except Exception as exc:
             cause = getattr(exc, "cause", None) or exc
             status = 503 if isinstance(exc, _REPLICA_LOST) else 504 if isinstance(exc, ModelTimeoutError) else 500
-            self._record(version, started, ERROR)
-            logger.warning("v%s failed on a request: %s: %s", version, type(cause).__name__, cause)
+            self._record(name, version, started, ERROR)
+            logger.warning("%s v%s failed on a request: %s: %s", name, version, type(cause).__name__, cause)
             return error_response(status, type(cause).__name__, str(cause).strip()[-500:], version)
         if not result.pop("ok"):
-            self._record(version, started, REJECTED)
+            self._record(name, version, started, REJECTED)
             return error_response(result["status"], result["error"], result["detail"], version)
-        result["latency_ms"] = self._record(version, started, OK)
-        return JSONResponse(result, headers={ANSWER_HEADER: str(version)})
+        result["latency_ms"] = self._record(name, version, started, OK)
+        return JSONResponse(result, headers={ANSWER_HEADER: str(version), MODEL_HEADER: name})
 
-    def _record(self, version: int, started: float, outcome: int) -> float:
+    def _record(self, model: str, version: int, started: float, outcome: int) -> float:
         latency_ms = (time.perf_counter() - started) * 1000
         if len(self._samples) < MAX_PENDING_SAMPLES:
-            self._samples.append((version, time.time(), latency_ms, outcome))
+            self._samples.append((model, version, time.time(), latency_ms, outcome))
         return round(latency_ms, 3)
 
-    async def _healthz(self) -> JSONResponse:
+    async def _healthz(self, model: str | None) -> JSONResponse:
         table = self._table
+        if model is not None and model not in table.models:
+            raise HttpError(
+                404, "ModelNotServed", f"model {model!r} is not served; served models: {sorted(table.models)}"
+            )
+        routes = table.routes(model)
         body = {
-            "status": "ok" if any(w > 0 for w in table.weights.values()) else "unavailable",
-            "model": table.model,
-            "live_versions": sorted(table.apps),
-            "weights": {str(v): w for v, w in sorted(table.weights.items())},
+            "status": "ok" if any(w > 0 for w in routes.weights.values()) else "unavailable",
+            "model": table.resolve(model),
+            "live_versions": sorted(routes.apps),
+            "weights": {str(v): w for v, w in sorted(routes.weights.items())},
             "generation": table.generation,
         }
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
-    async def _stats(self, request: Request) -> JSONResponse:
+    async def _stats(self, request: Request, model: str | None) -> JSONResponse:
         raw = request.query_params.get("since")
         try:
             since = float(raw) if raw is not None else None
         except ValueError as exc:
             raise HttpError(400, "BadRequest", f"since must be a unix timestamp, got {raw!r}") from exc
+        table = self._table
+        if model is not None and model not in table.models:
+            raise HttpError(
+                404, "ModelNotServed", f"model {model!r} is not served; served models: {sorted(table.models)}"
+            )
         if self._control is None:
             raise HttpError(503, "NotReady", "the control actor is unreachable")
-        stats: dict[int, dict[str, Any]] = await self._control.stats.remote(since)
-        table = self._table
+        name = table.resolve(model)
+        stats: dict[int, dict[str, Any]] = await self._control.stats.remote(since, name) if name else {}
+        routes = table.routes(name)
         return JSONResponse(
             {
-                "model": table.model,
-                "weights": {str(v): w for v, w in sorted(table.weights.items())},
+                "model": name,
+                "weights": {str(v): w for v, w in sorted(routes.weights.items())},
                 "since": since,
                 "versions": {str(v): s for v, s in sorted(stats.items())},
+            }
+        )
+
+    async def _models(self) -> JSONResponse:
+        table = await self._routing_table()
+        return JSONResponse(
+            {
+                "default": table.default_model,
+                "models": {
+                    name: {
+                        "live_versions": sorted(routes.apps),
+                        "weights": {str(v): w for v, w in sorted(routes.weights.items())},
+                    }
+                    for name, routes in table.models.items()
+                },
+                "generation": table.generation,
             }
         )
 
@@ -387,4 +415,4 @@ def router_app(cfg: ServeConfig) -> Any:
         max_surge_percent=100,  # Serve's default 0 stops the only router before its replacement is up
         logging_config={"enable_access_log": cfg.access_log},
     )(Router)
-    return deployment.bind(cfg.model_dump(mode="json"))
+    return deployment.bind(cfg.router_config())

@@ -3,6 +3,10 @@
 Starts Serve, the router and the control actor (``serve_state.ServeControl``, the single
 writer of the routing table), deploys versions and moves traffic by talking to that actor.
 
+One instance serves several models: every call about versions, weights or stats takes
+``model=`` (a registry name; None means the default model, see ``serve_app``), so a
+rollout of one model never touches another's weights.
+
 Weights are relative (``{1: 90, 2: 10}`` and ``{1: 0.9, 2: 0.1}`` route the same); a live
 version left out of ``set_weights`` gets 0. ``set_weights`` returns once every router
 replica has picked the new table up (they sync every ``SYNC_INTERVAL_S``).
@@ -21,10 +25,11 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.schema import ApplicationStatus, ServeInstanceDetails
 
-from ray_workloads.images import ImageSpec
-from ray_workloads.serve_app import SYNC_INTERVAL_S, ServeConfig, model_app, router_app
+from ray_workloads.serve_app import SYNC_INTERVAL_S, model_app, router_app
+from ray_workloads.serve_config import ServeConfig
 from ray_workloads.serve_state import RoutingTable, ServeControl
 from rayline import storage
+from rayline.config import get_settings
 from rayline.errors import ClusterError, ConfigError, InputDataError, RaylineError
 from rayline.ray_cluster import NAMESPACE
 from rayline.registry import ModelVersion
@@ -33,13 +38,17 @@ __all__ = [
     "ServeConfig",
     "ServeControl",
     "VersionStats",
+    "config_from_settings",
     "deploy_version",
     "deploy_versions",
     "get_weights",
     "live_versions",
+    "remove_model",
     "remove_version",
     "replica_pids",
     "reset_stats",
+    "routing_table",
+    "set_default_model",
     "set_weights",
     "shutdown",
     "start",
@@ -63,6 +72,21 @@ class VersionStats(BaseModel):
     @property
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 0.0
+
+
+def config_from_settings() -> ServeConfig:
+    """The serving instance of this environment: HTTP endpoint and default model from settings."""
+    settings = get_settings()
+    try:
+        return ServeConfig(
+            host=settings.serve_host, port=settings.serve_port, default_model=settings.serve_default_model
+        )
+    except ValidationError as exc:  # every field here comes from RAYLINE_SERVE_<FIELD>
+        problems = "; ".join(
+            f"RAYLINE_SERVE_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']} (got {e.get('input')!r})"
+            for e in exc.errors()
+        )
+        raise ConfigError(f"invalid serving settings: {problems}") from exc
 
 
 def _require_ray() -> None:
@@ -198,7 +222,10 @@ def start(cfg: ServeConfig) -> str:
         )
     control = _control(cfg, create=True)
     _call(control.prune.remote(list(serve.status().applications)), "reconciling the routing table")
-    wanted = cfg.model_dump(mode="json")
+    if cfg.default_model is not None:  # unset leaves what an earlier start (or set_default_model) configured
+        generation = _call(control.set_default.remote(cfg.default_model), "setting the default model")
+        _wait_routers(control, generation, 10.0)  # routers already up route /predict by it from now on
+    wanted = cfg.router_config()
     # recorded before deploying: a concurrent start() (another process's rollout) then waits for
     # this deployment instead of submitting its own, which would restart the router under load
     deployed = _call(control.swap_router_config.remote(wanted), "saving the router config")
@@ -236,20 +263,13 @@ def deploy_version(model: ModelVersion, cfg: ServeConfig, *, wait_s: float = 10.
 
 
 def deploy_versions(models: Sequence[ModelVersion], cfg: ServeConfig, *, wait_s: float = 10.0) -> None:
-    """:func:`deploy_version` for several versions at once (their replicas start in parallel)."""
-    from ray_workloads.models import ModelSpec  # torch: the driver only, never the control actor
+    """:func:`deploy_version` for several versions at once (their replicas start in parallel).
 
+    Versions of any models: a model not served yet is served from then on (all weights 0).
+    """
     control = _control(cfg)
     table: RoutingTable = _call(control.table.remote(), "reading the routing table")
-    names = {m.name for m in models} | ({table.model} if table.model and table.apps else set())
-    if len(names) > 1:
-        raise ConfigError(f"serving instance {cfg.name!r} serves one model; got {sorted(names)}")
     for model in models:
-        try:
-            ModelSpec.model_validate(model.model_spec)
-            ImageSpec.model_validate(model.image_spec)
-        except ValidationError as exc:
-            raise ConfigError(f"{model.name} v{model.version} has an invalid spec: {exc}") from exc
         if not storage.exists(model.weights_uri):
             raise InputDataError(f"weights of {model.name} v{model.version} not found at {model.weights_uri}")
     wanted = {cfg.version_app(m.name, m.version): m for m in models}
@@ -272,15 +292,34 @@ def deploy_versions(models: Sequence[ModelVersion], cfg: ServeConfig, *, wait_s:
     _raise_deploy_failures(failures)
 
 
-def set_weights(weights: Mapping[int, float], cfg: ServeConfig | None = None, *, wait_s: float = 10.0) -> None:
-    """Switch traffic weights atomically; returns once every router routes by them."""
+def set_weights(
+    weights: Mapping[int, float], cfg: ServeConfig | None = None, *, model: str | None = None, wait_s: float = 10.0
+) -> None:
+    """Switch ``model``'s traffic weights atomically; returns once every router routes by them."""
     control = _control(cfg or ServeConfig())
-    generation = _call(control.set_weights.remote({int(v): float(w) for v, w in weights.items()}), "setting weights")
+    new = {int(v): float(w) for v, w in weights.items()}
+    generation = _call(control.set_weights.remote(new, model), "setting weights")
     _wait_routers(control, generation, wait_s)
 
 
-def get_weights(cfg: ServeConfig | None = None, *, settled: bool = False, wait_s: float = 10.0) -> dict[int, float]:
-    """The routing table's weights.
+def set_default_model(model: str | None, cfg: ServeConfig | None = None, *, wait_s: float = 10.0) -> None:
+    """Make ``model`` the one ``/predict`` answers with (None: the first model served); returns once every
+    router routes by it. It need not be served yet (``/predict`` answers 503 until it is)."""
+    control = _control(cfg or ServeConfig())
+    generation = _call(control.set_default.remote(model), "setting the default model")
+    _wait_routers(control, generation, wait_s)
+
+
+def routing_table(cfg: ServeConfig | None = None) -> RoutingTable:
+    """The whole routing table: every served model's versions and weights, and the default model."""
+    table: RoutingTable = _call(_control(cfg or ServeConfig()).table.remote(), "reading the routing table")
+    return table
+
+
+def get_weights(
+    cfg: ServeConfig | None = None, *, model: str | None = None, settled: bool = False, wait_s: float = 10.0
+) -> dict[int, float]:
+    """``model``'s weights ({} when it is not served).
 
     ``settled`` first waits until every router routes by them: another process (a concurrent
     rollout) may have just changed them, and its ``set_weights`` may not have returned yet.
@@ -289,16 +328,17 @@ def get_weights(cfg: ServeConfig | None = None, *, settled: bool = False, wait_s
     table: RoutingTable = _call(control.table.remote(), "reading weights")
     if settled:
         _wait_routers(control, table.generation, wait_s)
-    return dict(table.weights)
+    return dict(table.routes(model).weights)
 
 
-def live_versions(cfg: ServeConfig | None = None) -> list[int]:
-    table: RoutingTable = _call(_control(cfg or ServeConfig()).table.remote(), "reading live versions")
-    return sorted(table.apps)
+def live_versions(cfg: ServeConfig | None = None, *, model: str | None = None) -> list[int]:
+    return sorted(routing_table(cfg).routes(model).apps)
 
 
-def stats(cfg: ServeConfig | None = None, *, since: float | None = None, fresh: bool = True) -> dict[int, VersionStats]:
-    """Per-version stats since the last reset (or since ``since``, a unix time).
+def stats(
+    cfg: ServeConfig | None = None, *, model: str | None = None, since: float | None = None, fresh: bool = True
+) -> dict[int, VersionStats]:
+    """``model``'s per-version stats since its last reset (or since ``since``, a unix time).
 
     ``fresh`` waits (about ``SYNC_INTERVAL_S``) until every router has flushed, so every
     request answered before the call is counted; without it, stats lag by up to that long.
@@ -311,28 +351,58 @@ def stats(cfg: ServeConfig | None = None, *, since: float | None = None, fresh: 
             if time.monotonic() > deadline:
                 raise ClusterError("router replicas did not flush their stats within 10 s")
             time.sleep(SYNC_INTERVAL_S / 4)
-    raw = _call(control.stats.remote(since), "reading stats")
+    raw = _call(control.stats.remote(since, model), "reading stats")
     return {int(v): VersionStats.model_validate(s) for v, s in raw.items()}
 
 
-def reset_stats(cfg: ServeConfig | None = None) -> float:
-    """Start a fresh stats window; returns its start (unix time)."""
-    return float(_call(_control(cfg or ServeConfig()).reset_stats.remote(), "resetting stats"))
+def reset_stats(cfg: ServeConfig | None = None, *, model: str | None = None) -> float:
+    """Start a fresh stats window for ``model`` (other models keep theirs); returns its start (unix time)."""
+    return float(_call(_control(cfg or ServeConfig()).reset_stats.remote(model), "resetting stats"))
 
 
-def remove_version(version: int, cfg: ServeConfig | None = None, *, wait_s: float = 10.0) -> None:
+def remove_version(
+    version: int, cfg: ServeConfig | None = None, *, model: str | None = None, wait_s: float = 10.0
+) -> None:
     """Take a version with weight 0 out of routing, then delete its app (Serve drains its requests)."""
     cfg = cfg or ServeConfig()
     control = _control(cfg)
     table: RoutingTable = _call(control.table.remote(), "reading the routing table")
-    app = table.apps.get(version) or (cfg.version_app(table.model, version) if table.model else None)
-    generation = _call(control.retire.remote(version), f"retiring version {version}")
+    name = table.resolve(model)
+    app = table.routes(name).apps.get(version) or (cfg.version_app(name, version) if name else None)
+    generation = _call(control.retire.remote(version, name), f"retiring version {version} of {name}")
     _wait_routers(control, generation, wait_s)
-    if app is not None and _app_status(app) is not None:
-        try:
-            serve.delete(app)
-        except Exception as exc:
-            raise ClusterError(f"could not delete Serve application {app}: {type(exc).__name__}: {exc}") from exc
+    if app is not None:
+        _delete_apps([app])
+
+
+def remove_model(model: str, cfg: ServeConfig | None = None, *, wait_s: float = 10.0) -> list[str]:
+    """Stop serving every version of ``model`` (traffic or not; other models are untouched).
+
+    Routers stop routing to it first, then its applications are deleted (Serve drains their
+    requests). Returns the deleted applications. If it was the default model, the default
+    becomes the next model served (unless one is configured).
+    """
+    cfg = cfg or ServeConfig()
+    control = _control(cfg)
+    generation, apps = _call(control.remove_model.remote(model), f"removing model {model}")
+    _wait_routers(control, generation, wait_s)
+    _delete_apps(apps)
+    return list(apps)
+
+
+def _delete_apps(apps: Sequence[str], timeout_s: float = 120.0) -> None:
+    """Delete Serve applications all at once (each drains for a few seconds) and wait until they are gone."""
+    doomed = [app for app in apps if _app_status(app) is not None]
+    try:
+        for app in doomed:
+            serve.delete(app, _blocking=False)
+    except Exception as exc:
+        raise ClusterError(f"could not delete Serve applications {doomed}: {type(exc).__name__}: {exc}") from exc
+    deadline = time.monotonic() + timeout_s
+    while any(app in serve.status().applications for app in doomed):
+        if time.monotonic() > deadline:
+            raise ClusterError(f"Serve applications {doomed} were not deleted within {timeout_s:.0f} s")
+        time.sleep(0.2)
 
 
 def replica_pids(cfg: ServeConfig | None = None) -> dict[str, list[int]]:
@@ -353,7 +423,8 @@ def replica_pids(cfg: ServeConfig | None = None) -> dict[str, list[int]]:
 
 
 def shutdown(cfg: ServeConfig | None = None) -> None:
-    """Delete this instance's applications and control actor; stop Serve if nothing else runs on it."""
+    """Delete this instance's applications (every model's and the router) and control actor;
+    stop Serve if nothing else runs on it."""
     cfg = cfg or ServeConfig()
     if not ray.is_initialized():
         return
@@ -364,16 +435,8 @@ def shutdown(cfg: ServeConfig | None = None) -> None:
         control = None
     if control is not None:
         table: RoutingTable = _call(control.table.remote(), "reading the routing table")
-        apps += list(table.apps.values())
-    running = serve.status().applications
-    doomed = [app for app in apps if app in running]
-    for app in doomed:  # all at once: each drains for a few seconds
-        serve.delete(app, _blocking=False)
-    deadline = time.monotonic() + 120
-    while any(app in serve.status().applications for app in doomed):
-        if time.monotonic() > deadline:
-            raise ClusterError(f"Serve applications {doomed} were not deleted within 120 s")
-        time.sleep(0.2)
+        apps += [app for routes in table.models.values() for app in routes.apps.values()]
+    _delete_apps(apps)
     if control is not None:
         _call(control.forget.remote(), "clearing the routing table")
         ray.kill(control, no_restart=True)

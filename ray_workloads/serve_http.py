@@ -1,4 +1,4 @@
-"""The router's request-level helpers: headers, multipart parsing, JSON errors, version choice.
+"""The router's request-level helpers: routes, headers, multipart parsing, JSON errors, version choice.
 
 Standard library and Starlette only; used by ``serve_app.Router`` (and ``ModelServer`` for the
 status of an undecodable image).
@@ -26,6 +26,13 @@ from ray_workloads.images import (
 KEY_HEADER = "X-Rayline-Key"
 VERSION_HEADER = "X-Rayline-Version"
 ANSWER_HEADER = "X-Rayline-Model-Version"
+MODEL_HEADER = "X-Rayline-Model"
+# what each route does → its HTTP method; every one but "models" also under /models/<name>/
+ROUTES = {"predict": "POST", "healthz": "GET", "stats": "GET", "models": "GET"}
+ROUTE_LIST = (
+    "POST /predict, GET /healthz, GET /stats (the default model); "
+    "POST /models/<name>/predict, GET /models/<name>/healthz, GET /models/<name>/stats; GET /models"
+)
 # HTTP status of an image the decoder refused, by error type (any other decode error: 422)
 DECODE_STATUS: dict[type[ImageDecodeError], int] = {
     EmptyImageError: 400,
@@ -60,6 +67,20 @@ class HttpError(Exception):
     def __init__(self, status: int, error: str, detail: str) -> None:
         super().__init__(detail)
         self.status, self.error, self.detail = status, error, detail
+
+
+def route(path: str) -> tuple[str | None, str]:
+    """``(model, action)`` of a request path (model None: the default model); 404 for anything else.
+
+    ``/predict`` → (None, "predict"), ``/models/photos/predict`` → ("photos", "predict"),
+    ``/models`` → (None, "models").
+    """
+    parts = path.strip("/").split("/")
+    if len(parts) == 1 and parts[0] in ROUTES:
+        return None, parts[0]
+    if len(parts) == 3 and parts[0] == "models" and parts[1] and parts[2] in ROUTES and parts[2] != "models":
+        return parts[1], parts[2]
+    raise HttpError(404, "NotFound", f"no route {path}; routes: {ROUTE_LIST}")
 
 
 def _headers(text: str) -> Message:

@@ -5,6 +5,13 @@ rayline's namespace, detached) is the single writer of the routing table: calls 
 serialised, so a weight change is atomic. It snapshots the table to Ray's internal KV store
 on every change and restores it if Ray restarts it, so routers never see the table vanish.
 
+One instance serves any number of models. The table holds, per model name, its live
+versions' applications and traffic weights (:class:`ModelRoutes`), plus the *default
+model* — the one ``POST /predict`` without a model name goes to: the model named by
+:meth:`ServeControl.set_default` (``RAYLINE_SERVE_DEFAULT_MODEL``) when set, else the
+first model registered that is still served. Versions, weights and stats of one model
+never affect another's; every method taking ``model=None`` means the default model.
+
 Router replicas (``serve_app.Router``) call :meth:`ServeControl.sync` periodically: they hand
 over their request samples and get the current :class:`RoutingTable` back. The driver side
 (``serve_control``) creates the actor and calls the rest.
@@ -32,16 +39,69 @@ from rayline.ray_cluster import NAMESPACE
 OK, ERROR, REJECTED = 0, 1, 2
 ROUTER_STALE_S = 5.0  # a router silent this long is gone (killed, scaled down)
 SAMPLES_PER_VERSION = 200_000
+# what a router hands over per request: model, version, unix time, latency ms, outcome
+Sample = tuple[str, int, float, float, int]
+
+
+@dataclass(frozen=True)
+class ModelRoutes:
+    """One model's live versions: their Serve applications and traffic weights."""
+
+    weights: dict[int, float] = field(default_factory=dict)
+    apps: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class RoutingTable:
-    """What routers route by; replaced as a whole (one generation) on every change."""
+    """What routers route by; replaced as a whole (one generation) on every change.
+
+    ``models`` keeps registration order (the first one is the default unless one is configured);
+    ``configured_default`` is the explicitly configured default, which may not be served (yet).
+    """
 
     generation: int = 0
-    model: str | None = None
-    weights: dict[int, float] = field(default_factory=dict)
-    apps: dict[int, str] = field(default_factory=dict)
+    models: dict[str, ModelRoutes] = field(default_factory=dict)
+    configured_default: str | None = None
+
+    @property
+    def default_model(self) -> str | None:
+        """The model ``/predict`` answers with: the configured one, else the first one served."""
+        if self.configured_default is not None:
+            return self.configured_default
+        return next(iter(self.models), None)
+
+    def resolve(self, model: str | None) -> str | None:
+        return self.default_model if model is None else model
+
+    def routes(self, model: str | None) -> ModelRoutes:
+        """The routes of ``model`` (None: the default); empty when it is not served."""
+        name = self.resolve(model)
+        return self.models.get(name, ModelRoutes()) if name is not None else ModelRoutes()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "configured_default": self.configured_default,
+            "models": {m: {"weights": r.weights, "apps": r.apps} for m, r in self.models.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RoutingTable:
+        if "models" not in data:  # a snapshot written when an instance served one model
+            model = data.get("model")
+            old = {"weights": data.get("weights", {}), "apps": data.get("apps", {})}
+            data = {"generation": data["generation"], "models": {model: old} if model and old["apps"] else {}}
+        return cls(
+            generation=int(data["generation"]),
+            configured_default=data.get("configured_default"),
+            models={
+                m: ModelRoutes(
+                    weights={int(v): float(w) for v, w in r["weights"].items()},
+                    apps={int(v): str(a) for v, a in r["apps"].items()},
+                )
+                for m, r in data["models"].items()
+            },
+        )
 
 
 class ServeControl:
@@ -54,33 +114,40 @@ class ServeControl:
         saved = internal_kv._internal_kv_get(self._kv_key, namespace=NAMESPACE)
         if saved:
             data = json.loads(saved)
-            self._table = RoutingTable(
-                generation=data["generation"],
-                model=data["model"],
-                weights={int(v): float(w) for v, w in data["weights"].items()},
-                apps={int(v): a for v, a in data["apps"].items()},
-            )
+            self._table = RoutingTable.from_json(data)
             self._router_config = data.get("router_config")
         self._routers: dict[str, tuple[float, int]] = {}
-        self._samples: dict[int, deque[tuple[float, float, int]]] = {}
-        self._counts: dict[int, list[int]] = {}
-        self._since = time.time()
+        self._samples: dict[tuple[str, int], deque[tuple[float, float, int]]] = {}
+        self._counts: dict[tuple[str, int], list[int]] = {}
+        self._since: dict[str, float] = {}  # per model: samples older than its last reset are dropped
+        self._started = time.time()
 
     def _replace(self, **changes: Any) -> int:
         self._table = dataclasses.replace(self._table, generation=self._table.generation + 1, **changes)
         self._save()
         return self._table.generation
 
+    def _with_model(self, model: str, routes: ModelRoutes | None) -> int:
+        """A new generation with ``model``'s routes replaced (None or no versions left: model removed)."""
+        models = dict(self._table.models)
+        if routes is None or not routes.apps:
+            models.pop(model, None)
+        else:
+            models[model] = routes
+        return self._replace(models=models)
+
     def _save(self) -> None:
-        table = self._table
-        data = {
-            "generation": table.generation,
-            "model": table.model,
-            "weights": table.weights,
-            "apps": table.apps,
-            "router_config": self._router_config,
-        }
+        data = {**self._table.to_json(), "router_config": self._router_config}
         internal_kv._internal_kv_put(self._kv_key, json.dumps(data), overwrite=True, namespace=NAMESPACE)
+
+    def _served(self, model: str | None) -> tuple[str, ModelRoutes]:
+        """``model`` (None: the default) and its routes; a clear error when it is not served."""
+        name = self._table.resolve(model)
+        if name is None or name not in self._table.models:
+            served = sorted(self._table.models)
+            what = f"model {name!r} is" if name is not None else "no model is"
+            raise ConfigError(f"{what} not served by this instance; served models: {served}")
+        return name, self._table.models[name]
 
     def forget(self) -> None:
         internal_kv._internal_kv_del(self._kv_key, namespace=NAMESPACE)
@@ -94,16 +161,23 @@ class ServeControl:
         self._save()
         return before
 
-    def sync(self, router_id: str, generation: int, samples: list[tuple[int, float, float, int]]) -> RoutingTable:
+    def set_default(self, model: str | None) -> int:
+        """Configure the default model (None: the first one served); it need not be served yet."""
+        if model == self._table.configured_default:
+            return self._table.generation
+        return self._replace(configured_default=model)
+
+    def sync(self, router_id: str, generation: int, samples: list[Sample]) -> RoutingTable:
         """A router's periodic call: record its samples, note what it has seen, hand it the table."""
         now = time.monotonic()
         self._routers[router_id] = (now, generation)
         self._routers = {r: seen for r, seen in self._routers.items() if now - seen[0] < ROUTER_STALE_S}
-        for version, ts, latency_ms, outcome in samples:
-            if ts < self._since:
+        for model, version, ts, latency_ms, outcome in samples:
+            if ts < self._since.get(model, self._started):
                 continue
-            self._samples.setdefault(version, deque(maxlen=SAMPLES_PER_VERSION)).append((ts, latency_ms, outcome))
-            counts = self._counts.setdefault(version, [0, 0, 0])
+            key = (model, version)
+            self._samples.setdefault(key, deque(maxlen=SAMPLES_PER_VERSION)).append((ts, latency_ms, outcome))
+            counts = self._counts.setdefault(key, [0, 0, 0])
             counts[0] += 1
             counts[1] += outcome == ERROR
             counts[2] += outcome == REJECTED
@@ -121,59 +195,83 @@ class ServeControl:
         return [r for r, (seen_at, _) in self._routers.items() if now - seen_at < ROUTER_STALE_S and seen_at <= mark]
 
     def register(self, model: str, version: int, app: str) -> int:
-        table = self._table
-        if table.model is not None and table.model != model and table.apps:
-            raise ConfigError(f"this serving instance serves model {table.model!r}, not {model!r}")
-        if table.apps.get(version) == app:
-            return table.generation
-        return self._replace(
-            model=model,
-            apps={**table.apps, version: app},
-            weights={**table.weights, version: table.weights.get(version, 0.0)},
+        """Add a live version of ``model`` at weight 0 (a new model is served from then on)."""
+        routes = self._table.models.get(model, ModelRoutes())
+        if routes.apps.get(version) == app:
+            return self._table.generation
+        return self._with_model(
+            model,
+            ModelRoutes(
+                apps={**routes.apps, version: app},
+                weights={**routes.weights, version: routes.weights.get(version, 0.0)},
+            ),
         )
 
-    def set_weights(self, weights: dict[int, float]) -> int:
-        table = self._table
-        unknown = sorted(set(weights) - set(table.apps))
+    def set_weights(self, weights: dict[int, float], model: str | None = None) -> int:
+        name, routes = self._served(model)
+        unknown = sorted(set(weights) - set(routes.apps))
         if unknown:
-            raise ConfigError(f"versions {unknown} are not live; live versions: {sorted(table.apps)}")
+            raise ConfigError(f"versions {unknown} of {name} are not live; live versions: {sorted(routes.apps)}")
         bad = {v: w for v, w in weights.items() if not (math.isfinite(w) and w >= 0)}
         if bad:
             raise ConfigError(f"weights must be finite and >= 0, got {bad}")
         if sum(weights.values()) <= 0:
             raise ConfigError("weights must sum to more than 0 (some version must take traffic)")
-        new = {v: float(weights.get(v, 0.0)) for v in table.apps}
-        if new == table.weights:
-            return table.generation
-        return self._replace(weights=new)
+        new = {v: float(weights.get(v, 0.0)) for v in routes.apps}
+        if new == routes.weights:
+            return self._table.generation
+        return self._with_model(name, dataclasses.replace(routes, weights=new))
 
-    def retire(self, version: int) -> int:
-        """Take a version out of the table (it must have no traffic weight)."""
-        table = self._table
-        if version not in table.apps:
-            return table.generation
-        if table.weights.get(version, 0.0) > 0:
-            raise ConfigError(f"version {version} still has weight {table.weights[version]}; set it to 0 first")
-        apps = {v: a for v, a in table.apps.items() if v != version}
-        weights = {v: w for v, w in table.weights.items() if v != version}
-        return self._replace(apps=apps, weights=weights, model=table.model if apps else None)
+    def retire(self, version: int, model: str | None = None) -> int:
+        """Take a version out of the table (it must have no traffic weight); its model goes with its last one."""
+        name = self._table.resolve(model)
+        routes = self._table.models.get(name) if name is not None else None
+        if name is None or routes is None or version not in routes.apps:
+            return self._table.generation
+        if routes.weights.get(version, 0.0) > 0:
+            raise ConfigError(
+                f"version {version} of {name} still has weight {routes.weights[version]}; set it to 0 first"
+            )
+        return self._with_model(
+            name,
+            ModelRoutes(
+                apps={v: a for v, a in routes.apps.items() if v != version},
+                weights={v: w for v, w in routes.weights.items() if v != version},
+            ),
+        )
+
+    def remove_model(self, model: str) -> tuple[int, list[str]]:
+        """Stop routing to every version of ``model`` at once; (generation, its applications)."""
+        _, routes = self._served(model)
+        apps = list(routes.apps.values())
+        generation = self._with_model(model, None)
+        self._drop_stats(model)
+        return generation, apps
 
     def prune(self, present: list[str]) -> int:
         """Forget versions whose application is gone (Serve was shut down behind our back)."""
-        table = self._table
-        gone = [v for v, app in table.apps.items() if app not in present]
-        if not gone:
-            return table.generation
-        apps = {v: a for v, a in table.apps.items() if v not in gone}
-        weights = {v: w for v, w in table.weights.items() if v not in gone}
-        return self._replace(apps=apps, weights=weights, model=table.model if apps else None)
+        models = {
+            m: ModelRoutes(
+                apps={v: a for v, a in r.apps.items() if a in present},
+                weights={v: w for v, w in r.weights.items() if r.apps[v] in present},
+            )
+            for m, r in self._table.models.items()
+        }
+        models = {m: r for m, r in models.items() if r.apps}
+        if models == self._table.models:
+            return self._table.generation
+        return self._replace(models=models)
 
-    def stats(self, since: float | None = None) -> dict[int, dict[str, Any]]:
+    def stats(self, since: float | None = None, model: str | None = None) -> dict[int, dict[str, Any]]:
+        """Per-version stats of ``model`` (None: the default) since its last reset, or since ``since``."""
+        name = self._table.resolve(model)
         out: dict[int, dict[str, Any]] = {}
-        for version, samples in self._samples.items():
+        for (sampled, version), samples in self._samples.items():
+            if sampled != name:
+                continue
             rows = [s for s in samples if since is None or s[0] >= since]
             if since is None:
-                requests, errors, rejected = self._counts[version]
+                requests, errors, rejected = self._counts[(sampled, version)]
             else:
                 requests = len(rows)
                 errors = sum(1 for s in rows if s[2] == ERROR)
@@ -189,10 +287,19 @@ class ServeControl:
                 "p95_ms": p95,
                 "p99_ms": p99,
             }
-        return out
+        return dict(sorted(out.items()))
 
-    def reset_stats(self) -> float:
-        self._samples.clear()
-        self._counts.clear()
-        self._since = time.time()
-        return self._since
+    def _drop_stats(self, model: str) -> None:
+        for key in [k for k in self._samples if k[0] == model]:
+            del self._samples[key]
+        for key in [k for k in self._counts if k[0] == model]:
+            del self._counts[key]
+
+    def reset_stats(self, model: str | None = None) -> float:
+        """Start a fresh stats window for ``model`` (None: the default); other models keep theirs."""
+        name = self._table.resolve(model)
+        now = time.time()
+        if name is not None:
+            self._drop_stats(name)
+            self._since[name] = now
+        return now

@@ -28,10 +28,10 @@ from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchTrainer
 
 from ray_workloads import preprocess
-from ray_workloads.models import build_model
 from ray_workloads.training_loop import (
     TrainLoopConfig,
     epoch_batches,
+    initial_model,
     inject_failure_if_due,
     make_optimizer,
     run_epoch,
@@ -126,7 +126,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # Batch sources first: their first pass then runs while DDP is set up.
     train_batches = epoch_batches(ray.train.get_dataset_shard("train").iter_torch_batches, cfg, shuffle=True)
     val_batches = epoch_batches(ray.train.get_dataset_shard("val").iter_torch_batches, cfg, shuffle=False)
-    model = ray.train.torch.prepare_model(build_model(cfg.model))
+    model = ray.train.torch.prepare_model(initial_model(cfg))
     optimizer = make_optimizer(model, cfg)
     state = restore_state(ray.train.get_checkpoint(), model, optimizer) or {"epoch": -1, "history": []}
     start_epoch = int(state["epoch"]) + 1

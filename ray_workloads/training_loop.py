@@ -16,16 +16,33 @@ import torch
 from pydantic import BaseModel, Field
 from torch import nn
 
-from ray_workloads.models import ModelSpec
+from ray_workloads.models import (
+    ModelSpec,
+    build_model,
+    fine_tune_model,
+    freeze_batchnorm_statistics,
+    load_state_dict,
+    trainable_parameters,
+)
 from rayline import storage
+from rayline.errors import ConfigError
 
 Batch = dict[str, torch.Tensor]
+
+
+class InitFrom(BaseModel):
+    """Fine-tuning: start from a registered model's weights, with a new head for this data's classes."""
+
+    weights_uri: str
+    model: ModelSpec = Field(description="The parent's spec (its architecture and its own class count).")
+    freeze_backbone: bool = Field(False, description="Train only the new head.")
 
 
 class TrainLoopConfig(BaseModel):
     """Hyper-parameters of one training run (what Tune searches over)."""
 
     model: ModelSpec = Field(default_factory=ModelSpec)
+    init: InitFrom | None = None
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(1e-4, ge=0)
     batch_size: int = Field(32, ge=1, description="Per worker.")
@@ -55,8 +72,21 @@ class EpochStats:
     seconds: float
 
 
+def initial_model(cfg: TrainLoopConfig) -> nn.Module:
+    """The model training starts from: a fresh ``cfg.model``, or the parent's weights with a new head."""
+    if cfg.init is None:
+        return build_model(cfg.model)
+    if cfg.init.model.arch != cfg.model.arch:
+        raise ConfigError(f"fine-tuning keeps the parent's architecture {cfg.init.model.arch}, not {cfg.model.arch}")
+    state = load_state_dict(cfg.init.weights_uri)
+    return fine_tune_model(
+        cfg.init.model, state, cfg.init.weights_uri, cfg.model.num_classes, freeze_backbone=cfg.init.freeze_backbone
+    )
+
+
 def make_optimizer(model: nn.Module, cfg: TrainLoopConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # only what is trained: a frozen backbone's parameters get no optimizer state (nor a checkpoint of it)
+    return torch.optim.AdamW(trainable_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def set_epoch_lr(optimizer: torch.optim.Optimizer, cfg: TrainLoopConfig, epoch: int) -> float:
@@ -91,6 +121,8 @@ def run_epoch(
     started = time.perf_counter()
     training = optimizer is not None
     model.train(training)
+    if training:
+        freeze_batchnorm_statistics(model)  # a frozen backbone keeps its running statistics
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     total_loss, correct, seen = 0.0, 0, 0
     with torch.set_grad_enabled(training):

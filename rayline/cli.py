@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import sys
-from typing import Annotated, Any
+from typing import Annotated, Literal
 
 import typer
 
-from rayline import cli_ops, storage
+from rayline import cli_demo, cli_ops, cli_tables, nights
+from rayline import cli_summaries as summaries
+from rayline.cli_common import DEFAULT_MODEL_NAME, model_ref
 from rayline.cli_common import fail as _fail
 from rayline.cli_common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
@@ -26,59 +27,88 @@ def seed_data(
     synthetic: Annotated[int, typer.Option(min=0, help="Generated images to add for scale tests.")] = 0,
     size: Annotated[int, typer.Option(min=8, max=1024, help="Side of the stored images in pixels.")] = 32,
     seed: Annotated[int, typer.Option(help="Random seed (output is deterministic).")] = 0,
+    photos: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Photos to write instead of the digits: random views of scikit-learn's two real JPEG photos "
+            "(crops, scales, flips, qualities, some over 2 megapixels) under <photo>/photo-<id>.jpg.",
+        ),
+    ] = 0,
+    digits: Annotated[
+        bool | None, typer.Option("--digits/--no-digits", help="Write the digits too (default: unless --photos).")
+    ] = None,
 ) -> None:
-    """Write scikit-learn's digits as PNG objects under raw/<label>/<id>.png."""
+    """Write scikit-learn's digits as PNG objects under <label>/<id>.png, or a day of photos (--photos N)."""
     from rayline.seed import seed as write_seed
 
     try:
-        result = write_seed(to, corrupt=corrupt, synthetic=synthetic, size=size, seed=seed)
+        result = write_seed(
+            to,
+            corrupt=corrupt,
+            synthetic=synthetic,
+            size=size,
+            seed=seed,
+            photos=photos,
+            digits=(photos == 0) if digits is None else digits,
+        )
     except RaylineError as exc:
         _fail(exc)
     typer.echo(
         f"seeded {result.total} objects under {result.uri} "
-        f"({result.digits} digits, {len(result.corrupt)} corrupt, {result.synthetic} synthetic; "
-        f"{result.written} written, {result.skipped} already present)"
+        f"({result.digits} digits, {result.photos} photos, {len(result.corrupt)} corrupt, "
+        f"{result.synthetic} synthetic; {result.written} written, {result.skipped} already present)"
     )
 
 
 @app.command("prepare-data")
 def prepare_data_command(
     source: Annotated[str | None, typer.Option(help="Prefix to ingest; default <storage>/raw.")] = None,
-    image_size: Annotated[int, typer.Option(min=4, max=1024)] = 32,
+    image_size: Annotated[int, typer.Option(min=4, max=1024, help="Square side the images are squashed to.")] = 32,
     force: Annotated[bool, typer.Option(help="Recompute even if the input is unchanged.")] = False,
+    like: Annotated[
+        str | None,
+        typer.Option(help="Decode with a registered model's image spec instead (NAME@champion, NAME@v3)."),
+    ] = None,
 ) -> None:
     """Run the prepare-data flow (ingest → preprocess) once."""
     apply_process_defaults()
     _quiet_ray()
     from flows.prepare_data import prepare_data
+    from rayline import registry
 
     try:
         get_settings()  # fail fast, before Prefect and Ray start
-        result = prepare_data(source_uri=source, image_size=image_size, force=force)
+        image = registry.resolve(*registry.parse_named_ref(like)).image_spec if like else None
+        result = prepare_data(source_uri=source, image_size=image_size, force=force, image=image)
     except RaylineError as exc:
         _fail(exc)
-    _print_prepare_summary(result)
-
-
-def _print_prepare_summary(result: Any) -> None:
-    ing, pre = result.ingest, result.preprocess
-    typer.echo("")
-    typer.secho("prepare-data finished", bold=True)
-    typer.echo(f"  objects ingested   {ing.object_count} from {ing.source_uri}{' (reused)' if ing.cached else ''}")
-    typer.echo(f"  content hash       {ing.content_hash}")
-    typer.echo("  images per split   " + ", ".join(f"{k} {v}" for k, v in pre.counts.items()))
-    typer.echo(f"  errors             {pre.error_count} {pre.error_types or ''}")
-    typer.echo(f"  ingest manifest    {ing.manifest_uri}")
-    typer.echo(f"  preprocessed       {pre.output_uri}")
-    typer.echo(f"  summary            {pre.summary_uri}")
-    typer.echo(f"  errors table       {pre.errors_uri}")
+    summaries.print_prepare_summary(result)
 
 
 @app.command("train-model")
 def train_model_command(
     source: Annotated[str | None, typer.Option(help="Prefix of labelled images; default <storage>/raw.")] = None,
-    model_name: Annotated[str, typer.Option(help="Registry name.")] = "digits",
-    arch: Annotated[str, typer.Option(help="small_cnn, resnet18, mobilenet_v3_small, …")] = "small_cnn",
+    model_name: Annotated[
+        str | None, typer.Option(help="Registry name; default digits, or <parent>-ft with --init-from.")
+    ] = None,
+    arch: Annotated[
+        str | None, typer.Option(help="small_cnn (default), resnet18, mobilenet_v3_small, …; not with --init-from.")
+    ] = None,
+    init_from: Annotated[
+        str | None,
+        typer.Option(
+            help="Fine-tune a registered model (NAME@champion, NAME@v3): its weights, a new head for the data's "
+            "classes, its image preprocessing; no search."
+        ),
+    ] = None,
+    freeze_backbone: Annotated[
+        bool | None,
+        typer.Option(
+            "--freeze-backbone/--train-backbone",
+            help="Fine-tuning: train only the new head (default: as the champion's fine-tune did, else the whole net).",
+        ),
+    ] = None,
     epochs: Annotated[int, typer.Option(min=1)] = 12,
     num_workers: Annotated[int, typer.Option(min=1, help="Ray Train workers.")] = 2,
     tune_samples: Annotated[int, typer.Option(min=0, help="ASHA trials first (0: no search).")] = 0,
@@ -101,10 +131,14 @@ def train_model_command(
         get_settings()
         if promote_to not in ("champion", "challenger"):
             raise ConfigError(f"--promote-to must be champion or challenger, got {promote_to!r}")
-        result = train_model(  # type: ignore[call-overload]  # promote_to: a str the flow validates
+        _check_fine_tune_options(init_from, arch, tune_samples)
+        target: Literal["champion", "challenger"] = "champion" if promote_to == "champion" else "challenger"
+        result = train_model(
             model_name=model_name,
             source_uri=source,
-            arch=arch,
+            arch=arch or "small_cnn",
+            init_from=init_from,
+            freeze_backbone=freeze_backbone,
             epochs=epochs,
             num_workers=num_workers,
             tune_samples=tune_samples,
@@ -112,169 +146,175 @@ def train_model_command(
             margin=margin,
             floor=floor,
             fail_once_at_epoch=fail_once_at_epoch,
-            promote_to=promote_to,
+            promote_to=target,
         )
     except RaylineError as exc:
         _fail(exc)
-    _print_model_summary(result)
+    summaries.print_model_summary(result)
 
 
-def _print_model_summary(result: Any) -> None:
-    reg, trained = result.registration, result.trained
-    typer.echo("")
-    typer.secho("train-model finished", bold=True)
-    if result.tuned is not None:
-        best = result.tuned.best_config
-        stopped = sum(t.epochs < max(x.epochs for x in result.tuned.trials) for t in result.tuned.trials)
-        typer.echo(
-            f"  tune (ASHA)        {len(result.tuned.trials)} trials, {stopped} stopped early; best lr {best.lr:.4g}, "
-            f"batch {best.batch_size}, width {best.model.width}"
+def _check_fine_tune_options(init_from: str | None, arch: str | None, tune: int) -> None:
+    """Refuse what a fine-tune cannot honour, before anything starts."""
+    if init_from is None:
+        return
+    from rayline.registry import parse_named_ref
+
+    parse_named_ref(init_from)  # a malformed reference fails here, naming itself
+    if arch is not None:
+        raise ConfigError(f"--arch {arch}: a fine-tune keeps the architecture of --init-from {init_from}")
+    if tune > 0:
+        raise ConfigError(
+            f"--tune-samples {tune}: fine-tuning runs no search (each trial would be a whole fine-tune); drop it"
         )
-    typer.echo(f"  trained            {trained.epochs} epochs with Ray Train, {trained.samples_per_s:.0f} samples/s")
-    typer.echo(f"  test accuracy      {result.evaluation.accuracy:.4f} on {result.evaluation.samples} held-out images")
-    typer.echo(f"  registered         {reg.version.name} v{reg.version.version}: {reg.decision.reason}")
-    typer.echo(f"  alias              {reg.alias or 'none (gate not passed)'}")
-    typer.echo(f"  champion then      v{reg.champion}" if reg.champion else "  champion then      none yet")
-    typer.echo(f"  weights            {reg.version.weights_uri}")
-    typer.echo(f"  evaluation         {result.evaluation.report_uri}")
+
+
+@app.command("register-model")
+def register_model_command(
+    name: Annotated[str, typer.Option(help="Registry name, e.g. photos (lowercase letters, digits, '-').")],
+    arch: Annotated[str, typer.Option(help="torchvision architecture: resnet18, resnet50, mobilenet_v3_large, …")],
+    weights: Annotated[str, typer.Option(help="State dict file or s3:// URI (torch.save(model.state_dict(), …)).")],
+    classes: Annotated[
+        str, typer.Option(help="'imagenet' (torchvision's 1,000 names) or a file/S3 URI with one name a line.")
+    ] = "imagenet",
+    preprocess: Annotated[
+        str, typer.Option(help="imagenet: the architecture's own torchvision transform; squash: resize to a square.")
+    ] = "imagenet",
+    resize: Annotated[int | None, typer.Option(help="Shorter side before the centre crop (imagenet).")] = None,
+    crop: Annotated[int | None, typer.Option(help="Side of the square the model sees.")] = None,
+    draft: Annotated[
+        bool,
+        typer.Option(help="Decode JPEGs over twice the needed size at a reduced scale: ~2x faster, not bit-equal."),
+    ] = False,
+    alias: Annotated[
+        str | None, typer.Option(help="Alias to point at it: champion, or challenger to canary it.")
+    ] = None,
+) -> None:
+    """Register a model you already have: its weights file checked against the architecture, as a new version."""
+    apply_process_defaults()
+    from flows.register_model import register_model
+
+    try:
+        get_settings()
+        if preprocess not in ("imagenet", "squash"):
+            raise ConfigError(f"--preprocess must be imagenet or squash, got {preprocess!r}")
+        result = register_model(  # type: ignore[call-overload]  # preprocess: a str checked above
+            name=name,
+            arch=arch,
+            weights_uri=weights,
+            classes=classes,
+            preprocess=preprocess,
+            resize=resize,
+            crop=crop,
+            draft=draft,
+            alias=alias,
+        )
+    except RaylineError as exc:
+        _fail(exc)
+    summaries.print_registration(result)
 
 
 @app.command("nightly-inference")
 def nightly_inference_command(
     date: Annotated[str | None, typer.Option(help="Day to predict, YYYY-MM-DD; default yesterday (UTC).")] = None,
-    model: Annotated[str, typer.Option(help="Registry alias (champion) or version (v3).")] = "champion",
-    model_name: Annotated[str, typer.Option(help="Registry name.")] = "digits",
-    source: Annotated[str | None, typer.Option(help="Input prefix; default <storage>/incoming/dt=<date>.")] = None,
-    max_error_fraction: Annotated[float, typer.Option(min=0.0, max=1.0, help="Error budget.")] = 0.05,
-    actors: Annotated[int, typer.Option(min=1, help="Predictor actors.")] = 2,
-    batch_size: Annotated[int, typer.Option(min=1, help="Images per model call.")] = 64,
+    model: Annotated[
+        str,
+        typer.Option(help="NAME@champion, NAME@v3, or an alias (champion) / version (v3) of --model-name."),
+    ] = "champion",
+    model_name: Annotated[
+        str | None, typer.Option(help="Registry name when --model has no NAME@ (default digits).")
+    ] = None,
+    source: Annotated[
+        str | None,
+        typer.Option(help="Input prefix; default <storage>/incoming/dt=<date>. With --from/--to: {dt} marks the day."),
+    ] = None,
+    max_error_fraction: Annotated[float, typer.Option(min=0.0, max=1.0, help="Error budget (of each night).")] = 0.05,
+    actors: Annotated[int, typer.Option(min=1, help="Predictor actors (of each night).")] = 2,
+    batch_size: Annotated[
+        int, typer.Option(min=1, help="Images per model call (at most 32 at 224 px: memory is bounded by pixels).")
+    ] = 64,
+    date_from: Annotated[
+        str | None, typer.Option("--from", help="Backfill: first night, YYYY-MM-DD (with --to; not with --date).")
+    ] = None,
+    date_to: Annotated[str | None, typer.Option("--to", help="Backfill: last night, YYYY-MM-DD (inclusive).")] = None,
+    max_concurrent: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Backfill: nights at once; default the cluster's CPUs / one night's (--actors × 0.5)."
+        ),
+    ] = None,
 ) -> None:
-    """Run the nightly-inference flow once: predict a day of arrivals and commit the partition."""
+    """Run the nightly-inference flow once: predict a day of arrivals (or each night of --from..--to), commit it.
+
+    A range prints one line per night and exits 1 if any night failed (the others are committed).
+    """
     apply_process_defaults()
     _quiet_ray()
     from flows.nightly_inference import nightly_inference
 
     try:
+        name, ref = model_ref(model, model_name)
+        labels = nights.RangeLabels(date="--date", start="--from", end="--to", input_uri="--source")
+        if nights.night_range(date, date_from, date_to, labels) is not None:  # checked before Prefect and Ray start
+            nights.check_range_input(source, labels)
         get_settings()
         result = nightly_inference(
             date=date,
-            model=model,
-            model_name=model_name,
+            model=ref,
+            model_name=name,
             input_uri=source,
             max_error_fraction=max_error_fraction,
             actors=actors,
             batch_size=batch_size,
+            date_from=date_from,
+            date_to=date_to,
+            max_concurrent_nights=max_concurrent,
+        )
+    except nights.NightsFailed as exc:
+        summaries.print_backfill_summary(exc.result)
+        raise typer.Exit(code=1) from exc
+    except RaylineError as exc:
+        _fail(exc)
+    if isinstance(result, nights.BackfillResult):
+        summaries.print_backfill_summary(result)
+    else:
+        summaries.print_inference_summary(result)
+
+
+@app.command("monitor")
+def monitor_command(
+    model: Annotated[str, typer.Option("--model", help="Registry name whose nights to judge.")] = DEFAULT_MODEL_NAME,
+    partitions: Annotated[int, typer.Option(min=1, help="Latest committed nights to judge.")] = 1,
+    reference_date: Annotated[
+        str | None,
+        typer.Option(help="Night (YYYY-MM-DD) to compare with; default training labels, else the first night."),
+    ] = None,
+    check_serving: Annotated[bool, typer.Option(help="Also check the serving router.")] = True,
+) -> None:
+    """Run the monitor flow once: drift of a model's latest nights (and serving health)."""
+    apply_process_defaults()
+    from flows.monitor import monitor
+
+    try:
+        get_settings()
+        result = monitor(
+            model_name=model, partitions=partitions, reference_date=reference_date, check_serving=check_serving
         )
     except RaylineError as exc:
         _fail(exc)
-    _print_inference_summary(result)
-
-
-def _print_inference_summary(result: Any) -> None:
     typer.echo("")
-    typer.secho("nightly-inference finished", bold=True)
-    typer.echo(
-        f"  {result.inputs} inputs → {result.predictions} predictions + {result.errors} errors "
-        f"with {result.model} in {result.elapsed_s:.1f}s"
-    )
-    typer.echo(f"  committed          {result.manifest_uri}")
+    typer.secho("monitor finished", bold=True)
+    for night in result.partitions:
+        verdict = "DRIFT: " + "; ".join(night.reasons) if night.drifted else "ok"
+        typer.echo(f"  {night.partition} (v{night.version})  PSI {night.psi:.3f} vs {night.reference}  {verdict}")
+    typer.echo(f"  metrics            {result.metrics_uri}")
 
 
-@app.command()
-def demo(
-    corrupt: Annotated[int, typer.Option(min=0, help="Broken objects mixed into the digits.")] = 4,
-    tune_samples: Annotated[int, typer.Option(min=0, help="ASHA trials before training (0: no search).")] = 4,
-    epochs: Annotated[int, typer.Option(min=1, help="Epochs of the tuned challenger's training run.")] = 12,
-    baseline_epochs: Annotated[int, typer.Option(min=1, help="Epochs of the first, untuned champion.")] = 4,
-    soak_s: Annotated[float, typer.Option(min=0.1, help="Seconds each rollout step holds.")] = 5.0,
-) -> None:
-    """The whole lifecycle on the digits: data, a first champion, a tuned challenger, serving with a
-    canary rollout under load, and a night of batch inference."""
-    apply_process_defaults()
-    _quiet_ray()
-    from flows.nightly_inference import INCOMING_DIR, nightly_inference, partition_for, yesterday_utc
-    from flows.prepare_data import RAW_DIR
-    from flows.train_model import train_model
-    from rayline.lineage import lineage_dir
-    from rayline.seed import seed as write_seed
-    from rayline.seed import seed_incoming
-
-    try:
-        get_settings()  # fail fast, before Prefect and Ray start
-        root = storage.storage_root()
-        raw = storage.join(root, RAW_DIR)
-        seeded = write_seed(raw, corrupt=corrupt)
-        typer.echo(f"seeded {seeded.total} objects under {raw} ({seeded.written} new)")
-        baseline = train_model(source_uri=raw, epochs=baseline_epochs, floor=0.8)
-        typer.echo(f"baseline: {baseline.registration.decision.reason}")
-        result = train_model(source_uri=raw, tune_samples=tune_samples, epochs=epochs, promote_to="challenger")
-        rollout = _serve_and_roll_out(result, raw, soak_s)
-        day = yesterday_utc()
-        incoming = storage.join(root, INCOMING_DIR, partition_for(day))
-        arrivals = seed_incoming(incoming, corrupt=corrupt)
-        typer.echo(f"dropped {arrivals.total} arrivals under {incoming}")
-        predictions = nightly_inference(date=day.isoformat())
-    except RaylineError as exc:
-        _fail(exc)
-    _print_prepare_summary(result.data)
-    _print_model_summary(result)
-    if rollout is not None:
-        cli_ops.print_rollout_summary(rollout)
-    _print_inference_summary(predictions)
-    typer.echo(f"  lineage records    {lineage_dir()}")
-    api = os.environ.get("PREFECT_API_URL")
-    typer.echo("")
-    if api:
-        typer.echo(f"Flow runs and artifacts: the Prefect UI of {api}")
-    else:
-        typer.echo("Flow runs and artifacts were recorded by Prefect's ephemeral API in ~/.prefect;")
-        typer.echo("see them with `.venv/bin/prefect server start` and http://127.0.0.1:4200")
-
-
-def _serve_and_roll_out(trained: Any, probe_uri: str, soak_s: float) -> Any:
-    """Serve the champion, keep a small load on it, and canary the tuned challenger next to it."""
-    import threading
-
-    from flows.serve_rollout import serve_config, serve_rollout
-    from ray_workloads import rollout
-    from ray_workloads.images import ImageSpec
-    from rayline import ray_cluster, registry
-    from rayline.errors import RolloutRolledBack
-
-    candidate = trained.registration
-    if candidate.alias != registry.CHALLENGER:
-        typer.echo(f"no rollout: v{candidate.version.version} did not pass the gate ({candidate.decision.reason})")
-        return None
-    ray_cluster.connect()
-    cfg = serve_config()
-    champion = registry.resolve(candidate.version.name, registry.CHAMPION)
-    url = rollout.serve(champion, cfg)
-    typer.echo(f"serving v{champion.version} at {url}; rolling out v{candidate.version.version} under load")
-    images = rollout.load_probe_images(probe_uri, 32, ImageSpec.model_validate(champion.image_spec))
-    load, stop = rollout.ProbeClient(url, images, rps=10.0), threading.Event()
-    clients = threading.Thread(target=load.run_for, args=(3600.0, stop), daemon=True)
-    clients.start()
-    try:
-        result = serve_rollout(candidate=registry.CHALLENGER, model_name=champion.name, soak_s=soak_s)
-    except RolloutRolledBack as exc:
-        typer.secho(f"rollout rolled back: {exc}", fg=typer.colors.YELLOW)
-        result = None
-    finally:
-        stop.set()
-        clients.join(timeout=60)
-        load.close()
-    statuses = ", ".join(f"{code}: {n}" for code, n in sorted(load.statuses.items()))
-    typer.echo(
-        f"load during the rollout: {load.sent} requests ({statuses}); connection errors: {load.connection_errors}"
-    )
-    for failure in load.first_failures:
-        typer.secho(f"  failed request: {failure}", fg=typer.colors.YELLOW)
-    return result
-
-
+app.command()(cli_demo.demo)
 app.command()(cli_ops.up)
 app.command()(cli_ops.down)
 app.command("lineage")(cli_ops.lineage_command)
+app.command("migrate-predictions")(cli_tables.migrate_predictions_command)
+app.command("vacuum")(cli_tables.vacuum_command)
 app.add_typer(cli_ops.serve_app, name="serve")
 
 

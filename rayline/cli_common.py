@@ -7,6 +7,10 @@ from typing import NoReturn
 
 import typer
 
+from rayline.errors import ConfigError
+
+DEFAULT_MODEL_NAME = "digits"
+
 
 def quiet_ray() -> None:
     import ray.data
@@ -19,3 +23,13 @@ def quiet_ray() -> None:
 def fail(exc: BaseException) -> NoReturn:
     typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=2) from exc
+
+
+def model_ref(model: str, model_name: str | None) -> tuple[str, str]:
+    """(name, alias or version) from ``--model`` and ``--model-name``; the two must not disagree."""
+    from rayline import registry
+
+    name, ref = registry.parse_ref(model, model_name or DEFAULT_MODEL_NAME)
+    if model_name is not None and name != model_name:
+        raise ConfigError(f"{model} names model {name!r} but --model-name is {model_name!r}: give one")
+    return name, ref

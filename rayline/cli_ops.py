@@ -7,9 +7,10 @@ from typing import Annotated, Any
 import typer
 
 from rayline.cli_common import fail as _fail
+from rayline.cli_common import model_ref
 from rayline.cli_common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
-from rayline.errors import RaylineError
+from rayline.errors import ConfigError, RaylineError
 
 
 def up() -> None:
@@ -44,28 +45,130 @@ def down() -> None:
         typer.echo(f"  {name:<12} {what}")
 
 
-serve_app = typer.Typer(help="Online serving: status and canary rollouts.", no_args_is_help=True)
+serve_app = typer.Typer(
+    help="Online serving: start/stop models behind the router, status, canary rollouts.", no_args_is_help=True
+)
+
+_CLUSTER_NOTE = (
+    "Runs on the cluster of RAY_ADDRESS (e.g. `rayline up`'s); without it on an embedded cluster, "
+    "which dies with this command, so serving ends when it returns unless --block keeps it up."
+)
+
+
+@serve_app.command(
+    "start",
+    help="Deploy a registered model version (--model NAME[@alias|vN]) behind the router: it takes all of its "
+    "model's traffic when no other version of that model serves, else it waits at 0 % for `rayline serve rollout`. "
+    + _CLUSTER_NOTE,
+)
+def serve_start(
+    model: Annotated[
+        str,
+        typer.Option(help="NAME, NAME@alias or NAME@vN (a bare name: its champion); any registered model."),
+    ],
+    block: Annotated[
+        bool, typer.Option(help="Keep this process (and an embedded cluster) serving until Ctrl-C.")
+    ] = False,
+) -> None:
+    """Deploy MODEL (NAME[@alias|vN]) on the running cluster; it takes all of its model's traffic when no
+    other version of that model serves, else it waits at 0 % for `rayline serve rollout`."""
+    apply_process_defaults()
+    _quiet_ray()
+    from ray_workloads import rollout, serve_control
+    from rayline import ray_cluster, registry
+
+    try:
+        name, ref = registry.parse_named_ref(model)
+        cfg = serve_control.config_from_settings()
+        version = registry.resolve(name, ref)
+        connection = ray_cluster.connect()
+        url = rollout.serve(version, cfg)
+        weights = serve_control.get_weights(cfg, model=name)
+        default = serve_control.routing_table(cfg).default_model
+    except RaylineError as exc:
+        _fail(exc)
+    share = weights.get(version.version, 0.0) / (sum(weights.values()) or 1.0)
+    typer.echo(f"{name} v{version.version} ({ref}) deployed: {share:.0%} of {name}'s traffic")
+    if share == 0:
+        typer.echo(f"  another version serves {name}; move traffic with `rayline serve rollout --model-name {name}`")
+    typer.echo(
+        f"  POST {url}/models/{name}/predict" + (f"  (and {url}/predict: the default model)" if default == name else "")
+    )
+    if connection.embedded:
+        typer.secho(
+            "  note: this is an embedded Ray cluster; it stops when this command exits"
+            + (" (Ctrl-C)" if block else " — set RAY_ADDRESS (e.g. `rayline up`) or use --block"),
+            fg=typer.colors.YELLOW,
+        )
+    if block:
+        _block_until_interrupted()
+
+
+def _block_until_interrupted() -> None:
+    import time
+
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        typer.echo("stopped")
+
+
+@serve_app.command("stop")
+def serve_stop(
+    model: Annotated[
+        str | None, typer.Option(help="Model name to stop (all its versions); default: every model and the router.")
+    ] = None,
+) -> None:
+    """Stop serving MODEL (the others keep answering), or without --model everything: models, router, control."""
+    apply_process_defaults()
+    _quiet_ray()
+    from ray_workloads import serve_control
+    from rayline import ray_cluster, registry
+
+    try:
+        name = registry.parse_named_ref(model)[0] if model is not None else None
+        if model is not None and "@" in model:
+            raise ConfigError(f"--model takes a model name, not a version ({model!r}): stop removes every version")
+        cfg = serve_control.config_from_settings()
+        ray_cluster.connect()
+        if name is None:
+            serve_control.shutdown(cfg)
+            typer.echo("stopped every model, the router and the control actor")
+            return
+        apps = serve_control.remove_model(name, cfg)
+        rest = serve_control.routing_table(cfg)
+    except RaylineError as exc:
+        _fail(exc)
+    typer.echo(f"stopped {name} ({', '.join(apps)}); still served: {', '.join(rest.models) or 'nothing'}")
 
 
 @serve_app.command("status")
 def serve_status() -> None:
-    """Print live versions, traffic weights and per-version stats of the serving endpoint."""
+    """Print every served model: live versions, traffic weights and per-version stats."""
     import httpx
 
     settings = get_settings()
     url = f"http://{settings.serve_host}:{settings.serve_port}"
     try:
-        stats = httpx.get(f"{url}/stats", timeout=10).raise_for_status().json()
+        with httpx.Client(base_url=url, timeout=10) as client:
+            served = client.get("/models").raise_for_status().json()
+            per_model = {m: client.get(f"/models/{m}/stats").raise_for_status().json() for m in served["models"]}
     except httpx.HTTPError as exc:
         _fail(RaylineError(f"no rayline serving endpoint answers at {url}: {exc}"))
-    typer.echo(f"serving {stats.get('model') or 'nothing'} at {url}")
-    _row("version", "weight", "requests", "errors", "p50 ms", "p95 ms", "p99 ms")
-    weights: dict[str, float] = stats.get("weights", {})
-    per_version: dict[str, dict[str, Any]] = stats.get("versions", {})
-    for version in sorted(set(weights) | set(per_version), key=int):
-        row = per_version.get(version, {})
-        latencies = ["-" if row.get(k) is None else f"{row[k]:.1f}" for k in ("p50_ms", "p95_ms", "p99_ms")]
-        _row(f"v{version}", f"{weights.get(version, 0):g}", row.get("requests", 0), row.get("errors", 0), *latencies)
+    if not per_model:
+        typer.echo(f"serving nothing at {url}")
+    for name, stats in per_model.items():
+        default = " (default: POST /predict)" if name == served.get("default") else ""
+        typer.echo(f"serving {name} at {url}/models/{name}/predict{default}")
+        _row("version", "weight", "requests", "errors", "p50 ms", "p95 ms", "p99 ms")
+        weights: dict[str, float] = stats.get("weights", {})
+        per_version: dict[str, dict[str, Any]] = stats.get("versions", {})
+        for version in sorted(set(weights) | set(per_version), key=int):
+            row = per_version.get(version, {})
+            latencies = ["-" if row.get(k) is None else f"{row[k]:.1f}" for k in ("p50_ms", "p95_ms", "p99_ms")]
+            cells = (f"{weights.get(version, 0):g}", row.get("requests", 0), row.get("errors", 0), *latencies)
+            _row(f"v{version}", *cells)
 
 
 def _row(*cells: object) -> None:
@@ -74,8 +177,10 @@ def _row(*cells: object) -> None:
 
 @serve_app.command("rollout")
 def serve_rollout_command(
-    candidate: Annotated[str, typer.Option(help="Alias or version to roll out.")] = "challenger",
-    model_name: Annotated[str, typer.Option(help="Registry name.")] = "digits",
+    candidate: Annotated[
+        str, typer.Option(help="NAME@challenger, NAME@v3, or an alias (challenger) / version (v3) of --model-name.")
+    ] = "challenger",
+    model_name: Annotated[str | None, typer.Option(help="Registry name when --candidate has no NAME@.")] = None,
     soak_s: Annotated[float, typer.Option(min=0.1, help="Seconds each traffic step holds.")] = 10.0,
 ) -> None:
     """Run the serve-rollout flow: canary the candidate 10 → 50 → 100 %, promote or roll back."""
@@ -85,7 +190,8 @@ def serve_rollout_command(
 
     try:
         get_settings()
-        result = serve_rollout(candidate=candidate, model_name=model_name, soak_s=soak_s)
+        name, ref = model_ref(candidate, model_name)
+        result = serve_rollout(candidate=ref, model_name=name, soak_s=soak_s)
     except RaylineError as exc:
         _fail(exc)
     print_rollout_summary(result)
@@ -100,19 +206,43 @@ def print_rollout_summary(result: Any) -> None:
 
 
 def lineage_command(
-    uri: Annotated[str, typer.Argument(help="Any stored output: a partition, model version, manifest or file.")],
+    uri: Annotated[
+        str,
+        typer.Argument(
+            help="Any stored output: a night table with --dt, a night's partition folder, a model version, "
+            "a manifest or a file."
+        ),
+    ],
+    dt: Annotated[
+        str | None,
+        typer.Option("--dt", help="With a night table (<storage>/predictions): the night of this day, YYYY-MM-DD."),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="With --dt: that model's night only (default: every model's).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the graph as nested JSON, for machines.")] = False,
     max_objects: Annotated[
         int | None, typer.Option(min=0, help="Raw objects listed per ingest; default 20 in text, all in JSON.")
     ] = None,
 ) -> None:
-    """Print where URI came from: stage runs, model version, training run, data, raw objects and their etags."""
+    """Print where URI came from: stage runs, model version, training run, data, raw objects and their etags.
+
+    A night resolves to the Delta version that committed it and the run: `rayline lineage <storage>/predictions
+    --dt 2026-11-28 [--model digits]`, or its partition folder `<storage>/predictions/model_name=digits/dt=2026-11-28`.
+    """
     import json
 
     from rayline.lineage_graph import build_graph, render_text
 
     try:
-        graph = build_graph(uri, max_objects=max_objects if max_objects is not None or as_json else 20)
+        if model is not None and dt is None:
+            raise ConfigError(f"--model {model} picks a night: give --dt too")
+        graph = build_graph(
+            uri,
+            max_objects=max_objects if max_objects is not None or as_json else 20,
+            dt=dt,
+            model_name=model,
+        )
     except RaylineError as exc:
         _fail(exc)
     typer.echo(json.dumps(graph.model_dump(mode="json"), indent=2) if as_json else render_text(graph))

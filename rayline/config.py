@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     dashboard_port: int = Field(8265, ge=1, le=65535)
     serve_host: str = Field("127.0.0.1", description="Interface of the Serve HTTP proxy (loopback by default).")
     serve_port: int = Field(8000, ge=1, le=65535, description="Port of the Serve HTTP proxy.")
+    serve_default_model: str | None = Field(
+        None,
+        description="Model answering POST /predict (no model name in the path); unset: the first model served.",
+    )
     prefect_api_url: str | None = Field(
         None,
         validation_alias=AliasChoices("PREFECT_API_URL"),

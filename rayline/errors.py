@@ -6,10 +6,17 @@ to the library error that caused it::
     RaylineError
     ├── ConfigError            bad settings or stage parameters (not retried)
     ├── InputDataError         the input itself is wrong: empty prefix, bad URI,
-    │                          unreadable manifest (not retried)
+    │   │                      unreadable manifest (not retried)
+    │   └── ErrorBudgetExceeded  more of a night's inputs failed than allowed
+    │                          (the night is committed first, then refused)
     ├── StorageError           a storage operation failed for good
     ├── RolloutRolledBack      a canary gate failed; traffic went back to the
     │                          incumbent (not retried)
+    ├── NightCommittedElsewhere  another run committed the same night of a
+    │                          Delta table first (not retried: a retry would
+    │                          replace that run's commit)
+    ├── NightsFailed           some nights of a range failed, the others
+    │                          committed (``rayline.nights``: it carries them)
     └── TransientError         worth retrying at the task level
         ├── TransientStorageError   S3 throttling / 5xx / connection reset
         └── ClusterError            Ray unreachable, workers or nodes lost
@@ -35,12 +42,24 @@ class InputDataError(RaylineError):
     """The input data (prefix, manifest, URI) is unusable as given."""
 
 
+class ErrorBudgetExceeded(InputDataError):
+    """More inputs failed than the configured fraction allows: upstream data needs a look."""
+
+
 class StorageError(RaylineError):
     """A storage read or write failed and retrying will not help."""
 
 
 class RolloutRolledBack(RaylineError):
     """A rollout gate refused the candidate; it was taken out of serving."""
+
+
+class NightCommittedElsewhere(RaylineError):
+    """Another run committed the same (model, night) partition while this run was working."""
+
+    def __init__(self, message: str, *, winner_run_id: str | None = None) -> None:
+        super().__init__(message)
+        self.winner_run_id = winner_run_id
 
 
 class TransientError(RaylineError):

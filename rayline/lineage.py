@@ -18,8 +18,13 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from rayline import storage
+from rayline.errors import InputDataError
 
 LINEAGE_DIR = "lineage"
+
+
+class NoLineageError(InputDataError):
+    """No lineage record (nor model version) produced the URI asked about."""
 
 
 class DatasetRef(BaseModel):
@@ -101,3 +106,16 @@ def read_records(stage: str) -> list[LineageRecord]:
     """All records of one stage, oldest first."""
     objects = storage.list_objects(lineage_dir(stage))
     return [LineageRecord.model_validate(storage.read_json(o.uri)) for o in objects if o.key.endswith(".json")]
+
+
+def is_storage_uri(uri: str) -> bool:
+    """Whether a ref's URI is storage (S3, a local path, ``file://``), not one that only names an origin."""
+    return storage.is_s3(uri) or "://" not in uri or uri.startswith("file://")
+
+
+def normalize_uri(uri: str) -> str:
+    """Storage URIs normalized; any other (an outside model's ``https://`` weights) kept as it is."""
+    try:
+        return storage.normalize(uri)
+    except InputDataError:  # not storage: a URI that only names where something came from
+        return uri.rstrip("/")

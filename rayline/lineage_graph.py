@@ -2,19 +2,33 @@
 
 Every stage run wrote a record naming its inputs and outputs by URI
 (:mod:`rayline.lineage`). Walking from an output back through the records
-that produced each input gives, for a predictions partition::
+that produced each input gives, for a night of predictions::
 
-    predictions → model version → training run → preprocessed shards
-                → ingested shards → raw prefix → raw objects with etags
+    night (Delta version, run) → model version → training run → preprocessed shards
+                               → ingested shards → raw prefix → raw objects with etags
+
+and, for a model registered from outside weights (no training run here)::
+
+    night → model version → outside weights (URI, sha256)
 
 Three things are not in the records themselves and are read where they are:
-a model version's ``version.json`` (its training run and data manifest), and
-an ingest manifest's shards, whose rows pin every raw object to its etag.
+a model version's ``version.json`` (its training run and data manifest, or
+its weights source), and an ingest manifest's shards, whose rows pin every
+raw object to its etag.
 
-URIs match by folder as well as exactly: a committed folder is named by its
-``manifest.json``, so ``predictions/dt=2026-11-28`` finds the record whose
-output is ``predictions/dt=2026-11-28/manifest.json``, and a file inside a
-recorded output (a shard, ``weights.pt``) finds the record of that output.
+Nights of the Delta tables
+    A night's output is keyed by its partition folder, so each night of each
+    model is a node of its own (:mod:`rayline.lineage_nights`).
+
+Matching by folder
+    URIs match by folder as well as exactly: a committed folder of the
+    stages that still use manifests (ingest, preprocess) is named by its
+    ``manifest.json``, so ``ingested/<id>`` finds the record whose output is
+    ``ingested/<id>/manifest.json``; a file inside a recorded output (a
+    shard, ``weights.pt``, a night's part file) finds the record of that
+    output, and a folder holding several outputs (``<storage>/predictions``)
+    is a folder node with each of them upstream. URIs that are not storage
+    (an outside model's ``https://`` weights) are kept as they are.
 """
 
 from __future__ import annotations
@@ -30,8 +44,11 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from rayline import lineage, registry, storage
-from rayline.errors import InputDataError
-from rayline.lineage import DatasetRef, LineageRecord
+from rayline.delta_tables import Night
+from rayline.errors import ConfigError, InputDataError
+from rayline.layout import parse_day
+from rayline.lineage import DatasetRef, LineageRecord, NoLineageError, is_storage_uri, normalize_uri
+from rayline.lineage_nights import night_details, night_kind, night_of, pick_nights, ref_uri
 
 MANIFEST = "manifest.json"
 # What a stage's output is, for people reading the tree.
@@ -43,13 +60,10 @@ STAGE_KINDS = {
     "evaluate": "evaluation",
     "registry": "model version",
     "batch_inference": "predictions",
+    "migrate_predictions": "predictions",
 }
 _MODEL_VERSION = re.compile(rf"^(.*/{registry.MODELS_DIR}/[a-z0-9][a-z0-9-]*/v\d+)(?:/.*)?$")
 _RECORD_READS = 32  # concurrent record reads: many small JSON objects on S3
-
-
-class NoLineageError(InputDataError):
-    """No lineage record (nor model version) produced the URI asked about."""
 
 
 class LineageNode(BaseModel):
@@ -78,10 +92,14 @@ class _Produced:
     record: LineageRecord
     record_uri: str
 
+    @property
+    def night(self) -> Night | None:
+        return night_of(self.ref)
+
 
 def _key(uri: str) -> str:
     """A committed folder is matched by the folder, not by its manifest."""
-    uri = storage.normalize(uri)
+    uri = normalize_uri(uri)
     return posixpath.dirname(uri) if posixpath.basename(uri) == MANIFEST else uri
 
 
@@ -104,10 +122,11 @@ class LineageIndex:
         """Index (record URI, record) pairs. An output that is also an input was annotated, not produced."""
         produced = []
         for record_uri, record in records:
-            inputs = {storage.normalize(r.uri) for r in record.inputs}
+            inputs = {ref_uri(r) for r in record.inputs}
             for ref in record.outputs:
-                if storage.normalize(ref.uri) not in inputs:
-                    produced.append(_Produced(_key(ref.uri), ref, record, record_uri))
+                uri = ref_uri(ref)
+                if uri not in inputs:
+                    produced.append(_Produced(_key(uri), ref, record, record_uri))
         return cls(produced)
 
     @classmethod
@@ -138,6 +157,8 @@ class LineageIndex:
 
 
 def _model_version_root(uri: str) -> str | None:
+    if not is_storage_uri(uri):
+        return None
     match = _MODEL_VERSION.match(storage.normalize(uri))
     if match and storage.exists(storage.join(match.group(1), registry.VERSION_FILE)):
         return match.group(1)
@@ -151,7 +172,7 @@ def _is_uri(value: str | None) -> bool:
 
 def _most_specific(refs: list[DatasetRef]) -> list[DatasetRef]:
     """Drop repeats and any URI that is a folder of another (a training run and its checkpoint)."""
-    unique = {storage.normalize(r.uri): r for r in reversed(refs)}
+    unique = {ref_uri(r): r for r in reversed(refs)}
     return [r for u, r in reversed(unique.items()) if not any(_inside(other, u) for other in unique)]
 
 
@@ -176,9 +197,10 @@ class _Builder:
         self.expanded: set[str] = set()
 
     def node(self, ref: DatasetRef, ancestors: frozenset[str] = frozenset()) -> LineageNode:
-        version_root = _model_version_root(ref.uri)
-        producers = [] if version_root else self.index.producers(ref.uri)
-        key = version_root or (producers[0].key if len(producers) == 1 else _key(ref.uri))
+        uri = ref_uri(ref)
+        version_root = _model_version_root(uri)
+        producers = [] if version_root else self.index.producers(uri)
+        key = version_root or (producers[0].key if len(producers) == 1 else _key(uri))
         node = self._shell(ref, version_root, producers)
         if key in ancestors:
             return node.model_copy(update={"cycle": True})
@@ -187,7 +209,7 @@ class _Builder:
         self.expanded.add(key)
         inner = ancestors | {key}
         if version_root:
-            node.upstream = [self.node(r, inner) for r in self._model_inputs(version_root)]
+            node.upstream = [self._weights_source(self.node(r, inner), node) for r in self._model_inputs(version_root)]
         elif len(producers) == 1:
             node.upstream = self._record_inputs(producers[0], inner)
         else:
@@ -214,32 +236,65 @@ class _Builder:
                     "flow_run_id": version.flow_run_id,
                     "data_content_hash": version.data_content_hash,
                     "metrics": version.metrics,
+                    "weights_source": version.weights_source.model_dump() if version.weights_source else None,
+                    "parent": version.parent.model_dump() if version.parent else None,
                 },
             )
         if len(producers) == 1:
             item = producers[0]
+            night = item.night
+            kind = STAGE_KINDS.get(item.record.stage, item.record.stage)
+            if night is not None:
+                kind = night_kind(item.ref.uri)
             return LineageNode(
-                uri=item.ref.uri,
-                kind=STAGE_KINDS.get(item.record.stage, item.record.stage),
+                uri=item.ref.uri if night is None else item.key,
+                kind=kind,
                 stage=item.record.stage,
                 record_uri=item.record_uri,
                 produced_at=item.record.ended_at,
                 content_hash=item.ref.content_hash,
                 etag=item.ref.etag,
-                details=_record_details(item),
+                details={**(night_details(item.ref, night) if night else {}), **_record_details(item)},
             )
         kind = "folder" if producers else "external input"
-        return LineageNode(uri=storage.normalize(ref.uri), kind=kind, content_hash=ref.content_hash, etag=ref.etag)
+        return LineageNode(uri=ref_uri(ref), kind=kind, content_hash=ref.content_hash, etag=ref.etag)
+
+    def nights(self, table: str, dt: str, nights: list[str]) -> LineageNode:
+        """A folder node of a day's nights (their partition folders) in ``table``, each expanded upstream."""
+        upstream = [self.node(DatasetRef(uri=night)) for night in nights]
+        return LineageNode(uri=normalize_uri(table), kind="folder", details={"dt": dt}, upstream=upstream)
 
     def _model_inputs(self, version_root: str) -> list[DatasetRef]:
-        """What the registry record read, and the training run and data its version.json names."""
+        """What the registry record read, and the training run and data (or outside weights) version.json names.
+
+        An outside model's weights source comes from ``version.json`` itself:
+        its registration's lineage record may be missing (registered before
+        such records were written, or by hand), and the version is the truth.
+        """
         version = storage.read_json(storage.join(version_root, registry.VERSION_FILE))
         made = self.index.by_key.get(version_root)
         refs = list(made.record.inputs) if made else []
         refs += [
             DatasetRef(uri=version[f]) for f in ("training_run_uri", "data_manifest_uri") if _is_uri(version.get(f))
         ]
+        source = version.get("weights_source")
+        if source:  # last: the registry record's own ref of the same URI, if any, is the one kept
+            refs.append(DatasetRef(uri=source["uri"], content_hash=source.get("sha256")))
         return _most_specific(refs)
+
+    @staticmethod
+    def _weights_source(child: LineageNode, model: LineageNode) -> LineageNode:
+        """Mark the node of an outside model's weights as such, pinned by the sha256 the registry checked."""
+        source = model.details.get("weights_source")
+        if not source or normalize_uri(child.uri) != normalize_uri(str(source["uri"])) or child.stage is not None:
+            return child
+        return child.model_copy(
+            update={
+                "kind": "outside weights",
+                "content_hash": source["sha256"],
+                "details": {**child.details, "sha256": source["sha256"], "size_bytes": source["size_bytes"]},
+            }
+        )
 
     def _record_inputs(self, item: _Produced, ancestors: frozenset[str]) -> list[LineageNode]:
         nodes = [self.node(ref, ancestors) for ref in _most_specific(list(item.record.inputs))]
@@ -260,16 +315,35 @@ class _Builder:
         return nodes, len(rows) - len(shown)
 
 
-def build_graph(uri: str, max_objects: int | None = None, index: LineageIndex | None = None) -> LineageNode:
+def build_graph(
+    uri: str,
+    max_objects: int | None = None,
+    index: LineageIndex | None = None,
+    *,
+    dt: str | None = None,
+    model_name: str | None = None,
+) -> LineageNode:
     """The upstream graph of ``uri`` as a tree; a relative path is tried against the storage root too.
 
-    ``max_objects`` limits the raw objects listed per ingest (None: all).
-    Raises :class:`NoLineageError` when nothing recorded produced ``uri``.
+    With ``dt`` (YYYY-MM-DD), ``uri`` is a night table and the graph is that
+    day's night of ``model_name``, or without it a folder node holding every
+    model's night of that day. ``max_objects`` limits the raw objects listed
+    per ingest (None: all). Raises :class:`NoLineageError` when nothing
+    recorded produced ``uri`` (or a night of ``dt``).
     """
+    if model_name is not None and dt is None:
+        raise ConfigError(f"model {model_name!r} picks a night: give the night's date (dt) too")
     index = index or LineageIndex.load()
     candidates = [uri]
     if not storage.is_s3(uri) and not uri.startswith(("/", "file://", "~")):
         candidates.append(storage.join(storage.storage_root(), uri))
+    if dt is not None:
+        day = parse_day(dt, "dt").isoformat()
+        table, nights = pick_nights(candidates, [p.ref for p in index.by_key.values()], day, model_name)
+        builder = _Builder(index, max_objects)
+        if model_name is not None:
+            return builder.node(DatasetRef(uri=nights[0]))
+        return builder.nights(table, day, nights)
     for candidate in candidates:
         if _model_version_root(candidate) or index.producers(candidate):
             return _Builder(index, max_objects).node(DatasetRef(uri=candidate))
@@ -280,6 +354,10 @@ def build_graph(uri: str, max_objects: int | None = None, index: LineageIndex | 
 
 def _label(node: LineageNode) -> str:
     facts = []
+    if node.details.get("delta_version") is not None:  # first: what a reader time-travels to
+        facts.append(f"Delta version {node.details['delta_version']}, run {node.details.get('run_id')}")
+    if node.kind == "folder" and node.details.get("dt"):
+        facts.append(f"nights of {node.details['dt']}")
     if node.details.get("name") and node.kind == "model version":
         facts.append(f"{node.details['name']} v{node.details['version']}")
     if node.stage:
@@ -288,7 +366,9 @@ def _label(node: LineageNode) -> str:
         facts.append(node.produced_at.strftime("%Y-%m-%d %H:%M:%SZ"))
     if node.details.get("flow"):
         facts.append(f"flow {node.details['flow']} {str(node.details.get('flow_run_id', ''))[:8]}".rstrip())
-    if node.content_hash:
+    if node.kind == "outside weights" and node.details.get("sha256"):
+        facts.append(f"sha256 {node.details['sha256']}")  # in full: it is what a download is checked against
+    elif node.content_hash:
         facts.append(f"content {node.content_hash[:12]}")
     if node.etag:
         facts.append(f"etag {node.etag}")

@@ -20,12 +20,12 @@ import os
 import re
 import time
 from datetime import UTC, datetime
-from typing import Any
 
 from pydantic import BaseModel, Field
 
 from rayline import storage
 from rayline.errors import ConfigError, InputDataError, StorageError
+from rayline.specs import ImageSpec, ModelSpec, ParentModel, WeightsSource
 
 MODELS_DIR = "models"
 VERSION_FILE = "version.json"
@@ -45,15 +45,18 @@ class ModelVersion(BaseModel):
     version: int
     uri: str
     weights_uri: str
-    model_spec: dict[str, Any]
-    image_spec: dict[str, Any]
+    model_spec: ModelSpec
+    image_spec: ImageSpec
     classes: list[str]
     metrics: dict[str, float]
-    data_manifest_uri: str
-    data_content_hash: str
+    # trained here: the prepared data it learned from; an outside model has none (weights_source instead)
+    data_manifest_uri: str | None = None
+    data_content_hash: str | None = None
     code_version: str
     training_run_uri: str | None = None
     flow_run_id: str | None = None
+    weights_source: WeightsSource | None = None
+    parent: ParentModel | None = None
     registered_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
 
@@ -166,15 +169,17 @@ def register(
     name: str,
     weights: bytes,
     *,
-    model_spec: dict[str, Any],
-    image_spec: dict[str, Any],
+    model_spec: ModelSpec,
+    image_spec: ImageSpec,
     classes: list[str],
     metrics: dict[str, float],
-    data_manifest_uri: str,
-    data_content_hash: str,
     code_version: str,
+    data_manifest_uri: str | None = None,
+    data_content_hash: str | None = None,
     training_run_uri: str | None = None,
     flow_run_id: str | None = None,
+    weights_source: WeightsSource | None = None,
+    parent: ParentModel | None = None,
 ) -> ModelVersion:
     """Store a new immutable version; ``version.json`` is written last."""
     number = _claim_next_version(name)
@@ -195,6 +200,8 @@ def register(
         code_version=code_version,
         training_run_uri=training_run_uri,
         flow_run_id=flow_run_id,
+        weights_source=weights_source,
+        parent=parent,
     )
     storage.write_json_atomic(storage.join(uri, VERSION_FILE), version.model_dump(mode="json"))
     return version
@@ -238,6 +245,46 @@ def resolve(name: str, ref: str | int) -> ModelVersion:
     if number is None:
         raise InputDataError(f"model {name} has no {ref!r} alias yet")
     return get_version(name, number)
+
+
+def parse_ref(text: str, default_name: str, *, default_ref: str = CHAMPION) -> tuple[str, str]:
+    """A model reference as the CLI takes it → (name, alias or version).
+
+    ``NAME@champion`` / ``NAME@v3`` name both. A bare ``champion`` or ``v3``
+    refers to ``default_name``; a bare word that is no alias of
+    ``default_name`` but a registered model's name means that model's
+    ``default_ref`` (``--model photos`` = ``photos@champion``).
+    """
+    name, ref = _split_ref(text)
+    if name is not None:
+        return _check_name(name), _check_ref(ref or default_ref)
+    token = _check_ref(ref or default_ref)
+    is_version = token.lstrip("v").isdigit()
+    if not is_version and alias_version(default_name, token) is None and _claimed_versions(token):
+        return token, default_ref
+    return _check_name(default_name), token
+
+
+def parse_named_ref(text: str, *, default_ref: str = CHAMPION) -> tuple[str, str]:
+    """``NAME``, ``NAME@alias`` or ``NAME@vN`` → (name, alias or version); a bare name means ``default_ref``."""
+    name, ref = _split_ref(text)
+    return _check_name(name if name is not None else ref or ""), _check_ref(ref if name is not None else default_ref)
+
+
+def _split_ref(text: str) -> tuple[str | None, str]:
+    """``NAME@REF`` → (NAME, REF); a bare word → (None, word)."""
+    name, at, ref = text.strip().partition("@")
+    if not at:
+        return None, name
+    if not ref:
+        raise ConfigError(f"model reference {text!r}: nothing after '@' (try {name}@champion or {name}@v3)")
+    return name, ref
+
+
+def _check_ref(ref: str) -> str:
+    if ref.lstrip("v").isdigit() or _NAME.match(ref):
+        return ref
+    raise ConfigError(f"{ref!r} is neither an alias (champion, challenger) nor a version (v3)")
 
 
 def set_alias(name: str, alias: str, version: int, reason: str) -> AliasMove:

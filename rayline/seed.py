@@ -1,10 +1,13 @@
-"""Sample data: scikit-learn's real handwritten digits as PNG objects.
+"""Sample data: scikit-learn's real handwritten digits and photos made from its two real JPEGs.
 
 ``raw/<label>/digit-<id>.png`` for the 1,797 digits, optional broken objects
 of several kinds (to exercise per-sample error capture) and optional
-synthetic images (for scale). Deterministic for a given seed, and
-idempotent: objects already present with the same size are not rewritten,
-so their etags (and the ingest content hash) stay put.
+synthetic images (for scale). ``--photos N`` writes a day of photos instead:
+random crops, scales, flips, JPEG qualities, grayscale and EXIF-rotated
+variants of scikit-learn's two real photos (``<photo>/photo-<id>.jpg``, the
+source photo as the label), some over 2 megapixels. Deterministic for a
+given seed, and idempotent: objects already present with the same size are
+not rewritten, so their etags (and the ingest content hash) stay put.
 """
 
 from __future__ import annotations
@@ -19,9 +22,15 @@ from PIL import Image, ImageDraw
 from rayline import storage
 
 CORRUPT_KINDS = ("zero-bytes", "truncated-png", "text-as-png", "binary-as-png")
+PHOTO_CORRUPT_KINDS = ("zero-bytes", "truncated-jpeg", "text-as-jpeg")
+PHOTO_LABELS = ("china", "flower")  # scikit-learn's sample photos, in load_sample_images() order
+EXIF_ORIENTATION = 0x0112
+_ROTATED_90 = 6  # EXIF: the stored pixels must be rotated 90° clockwise to be upright
 # the error type preprocess must record for each kind of broken object
 EXPECTED_ERROR_TYPE = {
     "zero-bytes": "EmptyImageError",
+    "truncated-jpeg": "CorruptImageError",
+    "text-as-jpeg": "UnsupportedFormatError",
     "truncated-png": "CorruptImageError",
     "text-as-png": "UnsupportedFormatError",
     "binary-as-png": "UnsupportedFormatError",
@@ -88,21 +97,98 @@ def synthetic_objects(count: int, size: int, rng: np.random.Generator) -> Iterat
         yield f"{label}/synthetic-{index:07d}.png", png_bytes(np.asarray(img))
 
 
-def seed(to_uri: str, corrupt: int = 0, synthetic: int = 0, size: int = 32, seed: int = 0) -> SeedResult:
-    """Write the sample objects under ``to_uri``; returns what was written."""
+def jpeg_bytes(img: Image.Image, quality: int = 90, exif: Image.Exif | None = None) -> bytes:
+    buffer = io.BytesIO()
+    img.save(buffer, format="JPEG", quality=quality, **({"exif": exif.tobytes()} if exif is not None else {}))
+    return buffer.getvalue()
+
+
+def source_photos() -> list[Image.Image]:
+    """scikit-learn's two real 640×427 photos (china, flower) as RGB images."""
+    from sklearn.datasets import load_sample_images
+
+    return [Image.fromarray(photo) for photo in load_sample_images().images]
+
+
+def photo_variant(photo: Image.Image, rng: np.random.Generator, large: bool = False) -> tuple[bytes, str]:
+    """One random view of ``photo`` as JPEG bytes, and what kind of view it is.
+
+    A random crop of 30–100 % of each side, scaled to 0.25–1.5× (``large``:
+    to over 2 megapixels), maybe mirrored, at JPEG quality 50–95; every
+    seventh is grayscale and every fifth is stored rotated with an EXIF
+    orientation tag that turns it upright again.
+    """
+    width, height = photo.size
+    crop_w, crop_h = (max(16, int(side * rng.uniform(0.3, 1.0))) for side in (width, height))
+    left, top = int(rng.integers(0, width - crop_w + 1)), int(rng.integers(0, height - crop_h + 1))
+    view = photo.crop((left, top, left + crop_w, top + crop_h))
+    scale = float(np.sqrt(rng.uniform(2.1e6, 4.0e6) / (crop_w * crop_h))) if large else rng.uniform(0.25, 1.5)
+    view = view.resize((max(8, int(crop_w * scale)), max(8, int(crop_h * scale))), Image.Resampling.BICUBIC)
+    kind = "large" if large else "photo"
+    if rng.random() < 0.5:
+        view = view.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    if rng.random() < 1 / 7:
+        view, kind = view.convert("L"), f"{kind}-gray"
+    exif = None
+    if rng.random() < 1 / 5:
+        # store it turned 90° anticlockwise and tag it: a reader that honours EXIF sees it upright
+        view, exif, kind = view.transpose(Image.Transpose.ROTATE_90), Image.Exif(), f"{kind}-exif"
+        exif[EXIF_ORIENTATION] = _ROTATED_90
+    return jpeg_bytes(view, quality=int(rng.integers(50, 96)), exif=exif), kind
+
+
+def photo_objects(count: int, rng: np.random.Generator, large_share: float = 0.1) -> Iterator[tuple[str, bytes]]:
+    """``count`` views of the two real photos under ``<photo>/photo-<id>.jpg`` (the photo is the label)."""
+    photos = source_photos()
+    for index in range(count):
+        which = index % len(photos)
+        data, _ = photo_variant(photos[which], rng, large=rng.random() < large_share)
+        yield f"{PHOTO_LABELS[which]}/photo-{index:06d}.jpg", data
+
+
+def corrupt_photos(count: int, rng: np.random.Generator) -> Iterator[tuple[str, bytes, str]]:
+    sample = jpeg_bytes(Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)))
+    for index in range(count):
+        kind = PHOTO_CORRUPT_KINDS[index % len(PHOTO_CORRUPT_KINDS)]
+        payload = {
+            "zero-bytes": b"",
+            "truncated-jpeg": sample[: len(sample) // 2],
+            "text-as-jpeg": b"this is a text file that merely ends in .jpg\n" * 4,
+        }[kind]
+        yield f"{PHOTO_LABELS[index % 2]}/corrupt-{kind}-{index:04d}.jpg", payload, kind
+
+
+def seed(
+    to_uri: str,
+    corrupt: int = 0,
+    synthetic: int = 0,
+    size: int = 32,
+    seed: int = 0,
+    photos: int = 0,
+    digits: bool = True,
+) -> SeedResult:
+    """Write the sample objects under ``to_uri``; returns what was written.
+
+    With ``photos``, the broken objects are broken JPEGs among the photos.
+    """
     rng = np.random.default_rng(seed)
     target = storage.normalize(to_uri)
     result = SeedResult(uri=target)
     wanted: dict[str, bytes] = {}
-    for key, data in digit_objects(size):
-        wanted[key] = data
-        result.digits += 1
-    for key, data, kind in corrupt_objects(corrupt, size, rng):
+    if digits:
+        for key, data in digit_objects(size):
+            wanted[key] = data
+            result.digits += 1
+    broken = corrupt_photos(corrupt, rng) if photos else corrupt_objects(corrupt, size, rng)
+    for key, data, kind in broken:
         wanted[key] = data
         result.corrupt[key] = kind
     for key, data in synthetic_objects(synthetic, size, rng):
         wanted[key] = data
         result.synthetic += 1
+    for key, data in photo_objects(photos, rng):
+        wanted[key] = data
+        result.photos += 1
 
     present = {o.key: o.size for o in storage.list_objects(target)}
     to_write = {k: v for k, v in wanted.items() if present.get(k) != len(v)}
@@ -114,12 +200,8 @@ def seed(to_uri: str, corrupt: int = 0, synthetic: int = 0, size: int = 32, seed
 
 def sample_photos() -> Iterator[tuple[str, bytes]]:
     """scikit-learn's two real JPEG photos (china, flower), re-encoded as JPEG."""
-    from sklearn.datasets import load_sample_images
-
-    for index, photo in enumerate(load_sample_images().images):
-        buffer = io.BytesIO()
-        Image.fromarray(photo).save(buffer, format="JPEG", quality=90)
-        yield f"photos/photo-{index}.jpg", buffer.getvalue()
+    for index, photo in enumerate(source_photos()):
+        yield f"photos/photo-{index}.jpg", jpeg_bytes(photo, 90)
 
 
 def seed_incoming(to_uri: str, corrupt: int = 4, seed_value: int = 1) -> SeedResult:

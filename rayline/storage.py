@@ -210,6 +210,23 @@ def remove_tree(uri: str) -> None:
         raise _wrap(exc, "deleting", uri) from exc
 
 
+def list_folders(uri: str) -> list[str]:
+    """Names of the folders directly under ``uri`` (S3: its common prefixes), sorted; none when it is missing.
+
+    One listing of one level: for looking at a folder's layout without listing
+    everything below it (a table's data files).
+    """
+    uri = normalize(uri)
+    fs, path = filesystem(uri)
+    try:
+        entries: list[dict[str, Any]] = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return []
+    except Exception as exc:
+        raise _wrap(exc, "listing", uri) from exc
+    return sorted(posixpath.basename(str(e["name"]).rstrip("/")) for e in entries if e.get("type") == "directory")
+
+
 def _etag(info: dict[str, Any]) -> str:
     etag = info.get("ETag") or info.get("etag")
     if etag:

@@ -1,4 +1,4 @@
-"""Prefect task: nightly batch inference over one input partition."""
+"""Prefect task: nightly batch inference of one night, committed to the predictions tables."""
 
 from __future__ import annotations
 
@@ -8,28 +8,42 @@ from prefect import get_run_logger
 
 from ray_workloads import batch_inference
 from rayline import ray_cluster
+from rayline.errors import NightCommittedElsewhere
 from rayline.lineage import DatasetRef
 from tasks.common import ray_task, record_lineage
 
 
 @ray_task("batch-inference")
-def batch_inference_task(config: batch_inference.InferenceConfig) -> batch_inference.InferenceResult:
+def batch_inference_task(
+    config: batch_inference.InferenceConfig,
+) -> batch_inference.InferenceResult | batch_inference.NightSkipped:
+    """Run the night; a night another run committed meanwhile ends this one cleanly (nothing to retry)."""
     started = datetime.now(UTC)
     connection = ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD)
-    result = batch_inference.run(config)
     logger = get_run_logger()
+    try:
+        result = batch_inference.run(config)
+    except NightCommittedElsewhere as exc:
+        # a retry would replace the other run's commit with the same predictions: stop here, Completed
+        logger.warning("%s; this run's files stay uncommitted until a vacuum", exc)
+        return batch_inference.NightSkipped(
+            model_name=config.model.name, dt=config.dt, committed_by=exc.winner_run_id, message=str(exc)
+        )
     logger.info(
-        "%s: %d inputs → %d predictions, %d errors %s with %s in %.1fs",
-        result.partition_uri,
+        "%s: %d inputs → %d predictions, %d errors %s with %s in %.1fs; predictions v%d, prediction_errors v%d",
+        result.night,
         result.inputs,
         result.predictions,
         result.errors,
         result.error_types,
         result.model,
         result.elapsed_s,
+        result.predictions_version,
+        result.errors_version,
     )
     # Ray Data's own logs stay in the Ray workers and its session folder: publish its stats from here
     logger.info("phases (s): %s; Ray Data execution stats:\n%s", result.phase_s, result.ray_data_stats)
+    night_facets = {"model_name": result.model_name, "dt": result.dt, "run_id": result.run_id}
     record_lineage(
         stage="batch_inference",
         started_at=started,
@@ -37,8 +51,22 @@ def batch_inference_task(config: batch_inference.InferenceConfig) -> batch_infer
             DatasetRef(uri=config.input_uri, content_hash=result.input_content_hash),
             DatasetRef(uri=config.model.weights_uri, facets={"model": result.model}),
         ],
-        outputs=[DatasetRef(uri=result.manifest_uri, facets={"run_id": result.run_id, "files": result.files})],
+        outputs=[
+            DatasetRef(
+                uri=result.predictions_table,
+                facets={**night_facets, "version": result.predictions_version, "files": result.files["predictions"]},
+            ),
+            DatasetRef(
+                uri=result.errors_table,
+                facets={**night_facets, "version": result.errors_version, "files": result.files["errors"]},
+            ),
+        ],
         parameters=config.model_dump(mode="json"),
         connection=connection,
     )
     return result
+
+
+def cluster_cpus() -> float:
+    """The cluster's logical CPUs, for sizing a backfill; connects as the task does, so the preload applies."""
+    return ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD).num_cpus

@@ -14,6 +14,7 @@ from ray_workloads.train import TrainResult
 from rayline import lineage, ray_cluster, registry, storage
 from rayline.errors import ConfigError
 from rayline.lineage import DatasetRef
+from rayline.specs import ParentModel
 from tasks import events
 from tasks.common import ray_task, record_lineage, run_context
 
@@ -35,8 +36,24 @@ def _champion_score(name: str, candidate: registry.ModelVersion) -> tuple[regist
     champion = registry.get_version(name, number)
     if champion.data_content_hash == candidate.data_content_hash and GATE_METRIC in champion.metrics:
         return champion, champion.metrics[GATE_METRIC]
-    spec = ModelSpec.model_validate(champion.model_spec)
-    return champion, evaluate.run(spec, champion.weights_uri, candidate.data_manifest_uri).accuracy
+    if candidate.data_manifest_uri is None:
+        raise ConfigError(f"{name} v{candidate.version} has no test split to judge it on")
+    return champion, evaluate.run(champion.model_spec, champion.weights_uri, candidate.data_manifest_uri).accuracy
+
+
+def _check_same_classes(name: str, classes: list[str]) -> None:
+    """A candidate is judged against its champion on one test split: both must predict the same classes."""
+    number = registry.alias_version(name, registry.CHAMPION)
+    if number is None:
+        return
+    champion = registry.get_version(name, number)
+    if champion.classes != classes:
+        shown = ", ".join(champion.classes[:5]) + (", …" if len(champion.classes) > 5 else "")
+        raise ConfigError(
+            f"{name}'s champion v{number} predicts {len(champion.classes)} classes ({shown}); this model predicts "
+            f"{len(classes)} ({', '.join(classes[:5])}{', …' if len(classes) > 5 else ''}). "
+            "Register it under another name (--model-name)."
+        )
 
 
 @ray_task("register-and-gate")
@@ -48,12 +65,15 @@ def register_and_gate(
     margin: float = 0.0,
     floor: float = 0.9,
     promote_to: str = registry.CHAMPION,
+    parent: ParentModel | None = None,
 ) -> RegistrationResult:
     """Register the trained weights and gate them.
 
     A candidate that passes becomes ``promote_to``: ``champion`` directly, or
     ``challenger`` when serving decides (a canary rollout moves the champion
     later). The first model that passes the floor is champion either way.
+    ``parent``: the version a fine-tune started from (kept on the version and
+    named among the lineage record's inputs).
     """
     if promote_to not in (registry.CHAMPION, registry.CHALLENGER):
         raise ConfigError(f"promote_to must be champion or challenger, got {promote_to!r}")
@@ -62,12 +82,13 @@ def register_and_gate(
     prepared = preprocess.read_manifest(evaluation.data_manifest_uri)
     weights = storage.read_bytes(trained.weights_uri)
     state_dict_from_bytes(weights, trained.weights_uri)  # refuse anything but tensors before registering
+    _check_same_classes(name, prepared.classes)
     record_context = run_context(connection)
     version = registry.register(
         name,
         weights,
-        model_spec=spec.model_copy(update={"num_classes": len(prepared.classes)}).model_dump(),
-        image_spec=prepared.image.model_dump(),
+        model_spec=spec.model_copy(update={"num_classes": len(prepared.classes)}),
+        image_spec=prepared.image,
         classes=prepared.classes,
         metrics={GATE_METRIC: evaluation.accuracy, **{f"best_{k}": v for k, v in trained.metrics.items()}},
         data_manifest_uri=evaluation.data_manifest_uri,
@@ -75,6 +96,7 @@ def register_and_gate(
         code_version=lineage.code_version(),
         training_run_uri=trained.run_uri,
         flow_run_id=record_context.flow_run_id,
+        parent=parent,
     )
     champion, champion_score = _champion_score(name, version)
     decision = registry.gate(
@@ -109,7 +131,11 @@ def register_and_gate(
     record_lineage(
         stage="registry",
         started_at=started,
-        inputs=[DatasetRef(uri=trained.checkpoint_uri), DatasetRef(uri=evaluation.data_manifest_uri)],
+        inputs=[
+            DatasetRef(uri=trained.checkpoint_uri),
+            DatasetRef(uri=evaluation.data_manifest_uri),
+            *([DatasetRef(uri=parent.uri, facets={"parent": parent.model_dump()})] if parent else []),
+        ],
         outputs=[
             DatasetRef(
                 uri=version.uri,

@@ -10,8 +10,7 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
 from ray_workloads import rollout
-from ray_workloads.images import ImageSpec
-from ray_workloads.serve_app import ServeConfig
+from ray_workloads.serve_config import ServeConfig
 from rayline import ray_cluster, registry
 from rayline.lineage import DatasetRef
 from tasks import events
@@ -26,16 +25,20 @@ class PreparedRollout(BaseModel):
 
 @ray_task("serve-prepare-rollout", timeout_s=900)
 def prepare_rollout_task(candidate: registry.ModelVersion, serve: ServeConfig) -> PreparedRollout:
-    """Serve the incumbent (the live version with most traffic, else the champion) and the candidate at 0%."""
+    """Serve the incumbent (the model's live version with most traffic, else its champion) and the candidate at 0%."""
     ray_cluster.connect()
     base_url = rollout.start(serve)
-    live = rollout.incumbent_version(serve)
+    live = rollout.incumbent_version(serve, candidate.name)
     incumbent = registry.get_version(candidate.name, live) if live else registry.resolve(candidate.name, "champion")
     if incumbent.version == candidate.version:  # already done (e.g. a second trigger): nothing to roll out
         return PreparedRollout(base_url=base_url, incumbent=incumbent, candidate=candidate)
     base_url = rollout.prepare(incumbent, candidate, serve)
     get_run_logger().info(
-        "serving v%d at %s; candidate v%d deployed at 0%%", incumbent.version, base_url, candidate.version
+        "serving %s v%d at %s; candidate v%d deployed at 0%%",
+        candidate.name,
+        incumbent.version,
+        base_url,
+        candidate.version,
     )
     return PreparedRollout(base_url=base_url, incumbent=incumbent, candidate=candidate)
 
@@ -49,7 +52,7 @@ def rollout_step_task(
     check_agreement: bool,
 ) -> rollout.StepReport:
     ray_cluster.connect()
-    spec = ImageSpec.model_validate(prepared.incumbent.image_spec)
+    spec = prepared.incumbent.image_spec
     images = rollout.load_probe_images(cfg.probe_uri, cfg.probe_images, spec)
     report = rollout.run_step(
         cfg,
@@ -60,6 +63,7 @@ def rollout_step_task(
         images,
         incumbent_p95_ms,
         check_agreement,
+        model=prepared.candidate.name,
     )
     get_run_logger().info(
         "v%d at %g%%: %s — %s",
@@ -121,7 +125,7 @@ def _finish(
 def roll_back_task(prepared: PreparedRollout, steps: list[rollout.StepReport], reason: str, serve: ServeConfig) -> None:
     started = datetime.now(UTC)
     connection = ray_cluster.connect()
-    rollout.roll_back(prepared.incumbent.version, prepared.candidate.version, serve)
+    rollout.roll_back(prepared.incumbent.version, prepared.candidate.version, serve, model=prepared.candidate.name)
     get_run_logger().warning("rolled back v%d: %s", prepared.candidate.version, reason)
     _finish("rolled back", events.ROLLED_BACK, prepared, steps, reason, {}, connection, started)
 
@@ -133,7 +137,7 @@ def promote_task(prepared: PreparedRollout, steps: list[rollout.StepReport], ser
     cand = prepared.candidate
     reason = f"canary rollout passed every step ({', '.join(f'{s.weight:g}%' for s in steps)})"
     move = registry.set_alias(cand.name, registry.CHAMPION, cand.version, reason)
-    rollout.retire(prepared.incumbent.version, cand.version, serve)
+    rollout.retire(prepared.incumbent.version, cand.version, serve, model=cand.name)
     get_run_logger().info("v%d is champion; v%d retired from serving", cand.version, prepared.incumbent.version)
     _finish(
         "promoted",

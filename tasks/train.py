@@ -54,7 +54,10 @@ def train_model_task(config: train.TrainConfig) -> train.TrainResult:
     record_lineage(
         stage="train",
         started_at=started,
-        inputs=[DatasetRef(uri=config.data_manifest_uri)],
+        inputs=[
+            DatasetRef(uri=config.data_manifest_uri),
+            *([DatasetRef(uri=config.loop.init.weights_uri)] if config.loop.init else []),  # a fine-tune's start
+        ],
         outputs=[DatasetRef(uri=result.checkpoint_uri, facets={"metrics": result.metrics})],
         parameters=config.model_dump(mode="json"),
         connection=connection,

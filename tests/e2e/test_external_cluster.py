@@ -16,8 +16,10 @@ import pytest
 import ray
 
 from ray_workloads import preprocess
-from ray_workloads.batch_inference import MANIFEST, SUCCESS, read_partition
 from rayline import lineage, storage
+from rayline.delta_tables import Night, table_version
+from rayline.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
+from rayline.prediction_reads import read_night_pair, vacuum
 from rayline.seed import seed, seed_incoming
 from tests.integration.helpers import assert_exactly_one_row_per_object, register_untrained_champion
 from tests.support import free_port, stop_process
@@ -131,12 +133,15 @@ def test_train_and_tune_run_on_an_external_cluster(
     assert storage.list_objects(storage.join(s3_storage, "models", "digits", "v1"))
 
 
-def _committed(partition: str) -> tuple[bytes, bytes]:
-    return storage.read_bytes(storage.join(partition, MANIFEST)), storage.read_bytes(storage.join(partition, SUCCESS))
+def _committed(root: str) -> tuple[int | None, int | None]:
+    """The versions of both tables: what readers see."""
+    return table_version(table_uri(root, PREDICTIONS_TABLE)), table_version(table_uri(root, ERRORS_TABLE))
 
 
-def _run_folders(partition: str) -> set[str]:
-    return {o.key.split("/")[0] for o in storage.list_objects(partition) if o.key.startswith("run-")}
+def _part_files(root: str, night: Night) -> set[str]:
+    """Every data file on storage under the night's folder of the predictions table, committed or not."""
+    folder = storage.join(table_uri(root, PREDICTIONS_TABLE), night.relative_dir)
+    return {o.uri for o in storage.list_objects(folder)}
 
 
 def test_nightly_inference_on_an_external_cluster_survives_a_driver_killed_before_commit(
@@ -146,12 +151,13 @@ def test_nightly_inference_on_an_external_cluster_survives_a_driver_killed_befor
     register_untrained_champion()
     arrivals = seed_incoming(storage.join(s3_storage, "incoming", f"dt={day}"), corrupt=4)
     inputs = {storage.join(arrivals.uri, o.key) for o in storage.list_objects(arrivals.uri)}
-    partition = storage.join(s3_storage, "predictions", f"dt={day}")
+    night = Night("digits", day)
     env = _driver_env(external_cluster, s3_storage, s3_endpoint, prefect_api)
     command = [str(BIN / "rayline"), "nightly-inference", "--date", day]
 
     def predicted_once() -> None:
-        predictions, errors = read_partition(partition)
+        pair = read_night_pair(s3_storage, "digits", day)
+        predictions, errors = pair.predictions, pair.errors
         uris = predictions.column("uri").to_pylist() + errors.column("uri").to_pylist()
         assert sorted(uris) == sorted(inputs) and errors.num_rows == 4
 
@@ -159,26 +165,30 @@ def test_nightly_inference_on_an_external_cluster_survives_a_driver_killed_befor
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"{len(inputs)} inputs → {len(inputs) - 4} predictions + 4 errors" in done.stdout
     predicted_once()
-    committed, committed_runs = _committed(partition), _run_folders(partition)
+    committed, committed_files = _committed(s3_storage), _part_files(s3_storage, night)
 
     # A second run for the same day, its driver killed once it has staged output but before it commits.
     slow = [*command, "--batch-size", "8", "--actors", "1"]  # many small batches: a wide window to kill in
     driver = subprocess.Popen(slow, env=env, cwd=tempfile.gettempdir(), start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while not _run_folders(partition) - committed_runs and time.monotonic() < deadline:
+        while not _part_files(s3_storage, night) - committed_files and time.monotonic() < deadline:
             assert driver.poll() is None, "the run ended before it staged anything"
             time.sleep(0.2)
-        assert _committed(partition) == committed, "the run committed before it could be killed"
+        assert _committed(s3_storage) == committed, "the run committed before it could be killed"
     finally:
         os.killpg(driver.pid, signal.SIGKILL)  # the driver's whole session: it started nothing else
         driver.wait(timeout=60)
-    assert _run_folders(partition) - committed_runs, "staged output of the killed run is there"
-    assert _committed(partition) == committed, "the killed run changed the committed partition"
-    predicted_once()
+    orphans = _part_files(s3_storage, night) - committed_files
+    assert orphans, "staged output of the killed run is there"
+    assert _committed(s3_storage) == committed, "the killed run changed the committed night"
+    predicted_once()  # the killed run's files are invisible: readers go by the Delta log
 
     done = subprocess.run(command, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     predicted_once()
-    assert len(_run_folders(partition)) == 1, "the rerun removed the killed and the replaced runs"
-    assert _committed(partition) != committed
+    assert _committed(s3_storage) == tuple(v + 1 for v in committed if v is not None), "one commit per table"
+    # nothing deleted the killed run's files; a vacuum finds them (and the replaced run's) as unreferenced
+    unreferenced = vacuum(table_uri(s3_storage, PREDICTIONS_TABLE), retention_hours=0, allow_short_retention=True)
+    prefix = table_uri(s3_storage, PREDICTIONS_TABLE) + "/"
+    assert {uri.removeprefix(prefix) for uri in orphans | committed_files} <= set(unreferenced)

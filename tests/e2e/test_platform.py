@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ray_workloads.models import imagenet_classes
 from rayline.platform import SERVICES, ServiceRecord, ray_temp_dir
 from tests.support import REPO_ROOT, free_port
 
@@ -190,7 +191,16 @@ def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
     assert sent > 50 and f"(200: {sent})" in load and load.endswith("connection errors: 0"), load
     assert "nightly-inference finished" in out
     assert "1803 inputs → 1799 predictions + 4 errors with digits v2" in out
-    assert len(list(data.glob("predictions/dt=*/_SUCCESS"))) == 1
+    assert len(list(data.glob("predictions/model_name=digits/dt=*/part-*.parquet"))) >= 1
+    assert list(data.glob("predictions/_delta_log/*.json")) and list(data.glob("prediction_errors/_delta_log/*.json"))
+    # the outside model's walk: the user's ResNet-18 registered, a night of photos, one photo served
+    assert "bring your own model" in out
+    assert "registered         photos v1: resnet18, 1000 ImageNet classes, resize 256, centre crop 224" in out, out
+    night = out.split("night of photos    ")[1].splitlines()[0]
+    assert night.startswith("203 inputs → 200 predictions + 3 errors"), night
+    assert len(list(data.glob("predictions/model_name=photos/dt=*/part-*.parquet"))) >= 1
+    served = out.split("/models/photos/predict  a real photo → ")[1].splitlines()[0]
+    assert served.rsplit(" (", 1)[0] in imagenet_classes(), served
     assert f"the Prefect UI of {platform['PREFECT_API_URL']}" in out
     # the triggered rollout ended well too, whichever of the two did the work
     deadline = time.monotonic() + 120

@@ -9,10 +9,11 @@ from collections.abc import Callable
 from typing import Any, Self
 
 from ray_workloads.inference_predictor import PredictorUDF, WrittenFile
-from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
+from ray_workloads.models import ModelSpec, build_model, imagenet_image_spec, state_dict_bytes
 from ray_workloads.preprocess import ERRORS, SPLITS, PreprocessResult
 from rayline import registry, storage
 from rayline.seed import EXPECTED_ERROR_TYPE, SeedResult
+from rayline.specs import ImageSpec, WeightsSource
 
 DIGITS = 1797
 
@@ -64,14 +65,53 @@ def register_untrained(
     return registry.register(
         name,
         state_dict_bytes(model),
-        model_spec=spec.model_dump(),
-        image_spec={"size": 32},
+        model_spec=spec,
+        image_spec=ImageSpec(size=32),
         classes=[f"{class_prefix}{i}" for i in range(10)],
         metrics={"test_accuracy": 0.1},
         data_manifest_uri="-",
         data_content_hash="-",
         code_version="test",
     )
+
+
+def register_outside(
+    name: str = "photos",
+    arch: str = "resnet18",
+    crop: int = 64,
+    classes: list[str] | None = None,
+    seed: int = 0,
+    alias: str | None = registry.CHAMPION,
+) -> registry.ModelVersion:
+    """A torchvision model with random weights, registered as an outside model would be.
+
+    ImageNet preprocessing of ``arch`` scaled down to a ``crop``-pixel centre crop (tests check
+    behaviour, not fidelity); 1,000 ImageNet classes unless ``classes`` says otherwise.
+    """
+    import torch
+
+    from ray_workloads.models import imagenet_classes
+
+    names = classes if classes is not None else imagenet_classes(arch)
+    spec = ModelSpec(arch=arch, num_classes=len(names))
+    torch.manual_seed(seed)
+    weights = state_dict_bytes(build_model(spec))
+    imagenet = imagenet_image_spec(arch)
+    assert imagenet.resize is not None
+    image = imagenet.model_copy(update={"resize": crop * imagenet.resize // imagenet.crop, "crop": crop})
+    version = registry.register(
+        name,
+        weights,
+        model_spec=spec,
+        image_spec=image,
+        classes=names,
+        metrics={},
+        code_version="test",
+        weights_source=WeightsSource(uri="test://random-weights", sha256=f"seed-{seed}", size_bytes=len(weights)),
+    )
+    if alias is not None:
+        registry.set_alias(name, alias, version.version, "test")
+    return version
 
 
 def register_untrained_champion(name: str = "digits") -> registry.ModelVersion:

@@ -1,4 +1,4 @@
-"""`rayline lineage <uri>`: from a predictions partition back to raw objects with their etags.
+"""`rayline lineage <uri>`: from a night of the predictions table back to raw objects with their etags.
 
 The chain test runs the real prepare-data and nightly-inference flows on a
 few dozen images; training is stood in for by its lineage record (a Ray
@@ -21,9 +21,12 @@ from typer.testing import CliRunner
 
 from flows.nightly_inference import nightly_inference
 from flows.prepare_data import prepare_data
+from ray_workloads.batch_inference import InferenceResult
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from rayline import lineage, registry, storage
 from rayline.cli import app
+from rayline.delta_tables import NightCommit, night_commit
+from rayline.errors import InputDataError
 from rayline.lineage import DatasetRef, LineageRecord
 from rayline.lineage_graph import LineageNode, NoLineageError, build_graph, render_text
 from rayline.seed import digit_objects
@@ -125,6 +128,41 @@ def test_a_model_version_links_its_registration_training_run_and_data(local_stor
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("recorded", [None, "https://download.example/resnet18.pth", "test://random-weights"])
+def test_an_outside_model_version_leads_to_its_weights_source(local_storage: str, recorded: str | None) -> None:
+    from rayline.specs import ImageSpec, ModelSpec, WeightsSource
+
+    source = WeightsSource(uri="https://download.example/resnet18.pth", sha256="ab" * 32, size_bytes=7)
+    version = registry.register(
+        "photos",
+        b"weights",
+        model_spec=ModelSpec(arch="resnet18", num_classes=2),
+        image_spec=ImageSpec(),
+        classes=["a", "b"],
+        metrics={},
+        code_version="test",
+        weights_source=source,
+    )
+    if recorded is not None:  # the registration's record may be missing, name the same URI, or another one
+        lineage.write_record(
+            LineageRecord(
+                stage="registry",
+                started_at=datetime.now(UTC),
+                inputs=[DatasetRef(uri=recorded, content_hash="ab" * 32)],
+                outputs=[DatasetRef(uri=version.uri)],
+                code_version="test",
+            )
+        )
+    graph = build_graph(version.uri)
+    assert graph.kind == "model version" and graph.details["weights_source"] == source.model_dump()
+    weights = [n for n in graph.upstream if n.kind == "outside weights"]
+    assert [(n.uri, n.content_hash) for n in weights] == [(source.uri, source.sha256)]
+    assert f"outside weights  {source.uri}  (sha256 {source.sha256})" in render_text(graph)
+    others = [n.uri for n in graph.upstream if n.kind != "outside weights"]
+    assert others == ([recorded] if recorded not in (None, source.uri) else [])
+
+
+@pytest.mark.unit
 def test_an_unknown_uri_is_a_clear_error_and_exit_2(local_storage: str) -> None:
     with pytest.raises(NoLineageError, match="no lineage for"):
         build_graph(storage.join(local_storage, "nothing"))
@@ -132,12 +170,87 @@ def test_an_unknown_uri_is_a_clear_error_and_exit_2(local_storage: str) -> None:
     assert result.exit_code == 2 and "no lineage for" in result.output
 
 
+def _night_record(table: str, model: str, dt: str, run_id: str, version: int, inputs: list[str]) -> None:
+    """What batch inference records: each table it committed, facets naming the night, run and version."""
+    facets = {"model_name": model, "dt": dt, "run_id": run_id, "version": version, "files": [f"part-{run_id}-0"]}
+    lineage.write_record(
+        LineageRecord(
+            stage="batch_inference",
+            started_at=datetime.now(UTC),
+            inputs=[DatasetRef(uri=u) for u in inputs],
+            outputs=[DatasetRef(uri=table, facets=facets)],
+            code_version="test",
+        )
+    )
+
+
+@pytest.mark.unit
+def test_each_night_is_a_node_with_its_delta_version_and_a_rerun_replaces_it(local_storage: str) -> None:
+    table = storage.join(local_storage, "predictions")
+    errors = storage.join(local_storage, "prediction_errors")
+    incoming = storage.join(local_storage, "incoming", f"dt={DAY}")
+    _night_record(table, "digits", DAY, "run-1", 3, [incoming])
+    _night_record(table, "digits", DAY, "run-2", 5, [incoming])  # a rerun of the night: the latest record wins
+    _night_record(table, "photos", DAY, "run-p", 4, [storage.join(local_storage, "photos-in")])
+    _night_record(table, "digits", "2026-11-27", "run-0", 1, [incoming])
+    _night_record(errors, "digits", DAY, "run-2", 5, [incoming])
+    night = f"{table}/model_name=digits/dt={DAY}"
+
+    for asked in (night, f"{night}/part-run-2-0.parquet"):  # the partition folder, or a file in it
+        graph = build_graph(asked)
+        assert (graph.kind, graph.uri, graph.stage) == ("predictions", night, "batch_inference"), asked
+        assert (graph.details["delta_version"], graph.details["run_id"]) == (5, "run-2")
+        assert [n.uri for n in graph.upstream] == [incoming]
+    assert render_text(build_graph(night)).startswith(f"predictions  {night}  (Delta version 5, run run-2, ")
+    one = build_graph(table, dt=DAY, model_name="digits")
+    assert one.uri == night and one.details["delta_version"] == 5
+    day = build_graph(table, dt=DAY)
+    assert (day.kind, day.details) == ("folder", {"dt": DAY})
+    assert [(n.details["model_name"], n.details["delta_version"]) for n in day.upstream] == [
+        ("digits", 5),
+        ("photos", 4),
+    ]
+    assert render_text(day).splitlines()[0] == f"folder  {table}  (nights of {DAY})"
+    err = build_graph(errors, dt=DAY, model_name="digits")
+    assert (err.kind, err.uri, err.details["delta_version"]) == (
+        "prediction errors",
+        f"{errors}/model_name=digits/dt={DAY}",
+        5,
+    )
+    # relative to the storage root, as people type it
+    assert build_graph("predictions", dt="2026-11-27", model_name="digits").details["run_id"] == "run-0"
+    every = build_graph(table)  # the table: every night recorded in it
+    assert every.kind == "folder" and len(every.upstream) == 3
+
+
+@pytest.mark.unit
+def test_a_date_needs_a_night_table_and_a_recorded_night(local_storage: str) -> None:
+    table = storage.join(local_storage, "predictions")
+    _night_record(table, "digits", DAY, "run-1", 3, [])
+    with pytest.raises(NoLineageError, match="no lineage for photos's night of 2026-11-28"):
+        build_graph(table, dt=DAY, model_name="photos")
+    with pytest.raises(NoLineageError, match="no lineage for any model's night of 2026-11-27"):
+        build_graph(table, dt="2026-11-27")
+    raw = storage.join(local_storage, "raw")
+    _record("ingest", [raw], [storage.join(local_storage, "ingested", "x", "manifest.json")])
+    with pytest.raises(InputDataError, match="is not a table of nights"):
+        build_graph(storage.join(local_storage, "ingested"), dt=DAY)
+    with pytest.raises(InputDataError, match="must look like 2026-11-28"):
+        build_graph(table, dt="28.11.2026")
+    result = CliRunner().invoke(app, ["lineage", raw, "--dt", DAY])
+    assert result.exit_code == 2 and "is not a table of nights" in result.output
+    result = CliRunner().invoke(app, ["lineage", table, "--model", "digits"])
+    assert result.exit_code == 2 and "give --dt too" in result.output
+    result = CliRunner().invoke(app, ["lineage", table, "--dt", DAY, "--model", "digits"])
+    assert result.exit_code == 0 and "Delta version 3, run run-1" in result.output
+
+
 # --- the real chain ---
 
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("ray_session", "prefect_api")
-def test_a_predictions_partition_leads_back_to_raw_objects_with_etags(local_storage: str) -> None:
+def test_a_night_names_its_delta_version_and_leads_back_to_raw_objects_with_etags(local_storage: str) -> None:
     raw = _write_images(storage.join(local_storage, "raw"), 40)
     prepared = prepare_data(source_uri=storage.join(local_storage, "raw")).preprocess
     run_uri = storage.join(local_storage, "training", "digits-test")
@@ -160,10 +273,16 @@ def test_a_predictions_partition_leads_back_to_raw_objects_with_etags(local_stor
     )
     registry.set_alias("digits", registry.CHAMPION, version.version, "test")
     _write_images(storage.join(local_storage, "incoming", f"dt={DAY}"), 12)
-    partition = nightly_inference(date=DAY, actors=1).partition_uri
+    night = nightly_inference(date=DAY, actors=1)
+    assert isinstance(night, InferenceResult), night
+    table = night.predictions_table
+    partition = storage.join(table, f"model_name={night.model_name}", f"dt={night.dt}")
 
+    # the night's partition folder: the node names the Delta version that committed it and the run
     graph = build_graph(partition)
-    assert graph.kind == "predictions" and graph.uri == storage.join(partition, "manifest.json")
+    assert (graph.kind, graph.uri, graph.stage) == ("predictions", partition, "batch_inference")
+    assert (graph.details["delta_version"], graph.details["run_id"]) == (night.predictions_version, night.run_id)
+    assert night_commit(table, "digits", DAY) == NightCommit(night.run_id, night.predictions_version, 1)
     kinds = [n.kind for n in _walk(graph)]
     for kind in ("model version", "training run", "preprocessed shards", "ingested shards", "raw objects"):
         assert kind in kinds, (kind, render_text(graph))
@@ -176,19 +295,24 @@ def test_a_predictions_partition_leads_back_to_raw_objects_with_etags(local_stor
     objects = {n.uri: n.etag for n in _walk(graph) if n.kind == "raw object"}
     assert objects == raw
 
-    text = CliRunner().invoke(app, ["lineage", partition, "--max-objects", "3"])
+    # the table and a day: the day's nights (digits' only), each walked upstream
+    text = CliRunner().invoke(app, ["lineage", table, "--dt", DAY, "--max-objects", "3"])
     assert text.exit_code == 0, text.output
-    assert f"predictions  {graph.uri}" in text.output and "└── … 37 more" in text.output
+    assert text.output.startswith(f"folder  {table}  (nights of {DAY})")
+    label = f"predictions  {partition}  (Delta version {night.predictions_version}, run {night.run_id}, "
+    assert label in text.output and f"model version  {version.uri}" in text.output
+    assert "└── … 37 more" in text.output
     assert f"raw object  {min(raw)}  (etag {raw[min(raw)]})" in text.output
-    # the installed entry point, in its own process: stdout is the JSON document alone
+    # one model's night, by the installed entry point in its own process: stdout is the JSON document alone
     done = subprocess.run(
-        [sys.executable, "-m", "rayline.cli", "lineage", partition, "--json"],
+        [sys.executable, "-m", "rayline.cli", "lineage", table, "--dt", DAY, "--model", "digits", "--json"],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     )
     tree = json.loads(done.stdout)
+    assert (tree["uri"], tree["details"]["delta_version"]) == (partition, night.predictions_version)
     assert {n["uri"]: n["etag"] for n in _json_walk(tree) if n["kind"] == "raw object"} == raw
 
     # the same runs as OpenLineage events: START/COMPLETE per task run, parented by the flow run

@@ -83,11 +83,13 @@ def test_drift_is_detected_on_unfamiliar_images_only(local_storage: str, prefect
 
     started = time.time()
     result = monitor(partitions=2, check_serving=False)
-    verdicts = {p.partition_uri.rsplit("/", 1)[-1]: p for p in result.partitions}
+    verdicts = {p.partition: p for p in result.partitions}
     familiar, unfamiliar = verdicts["dt=2026-11-27"], verdicts["dt=2026-11-28"]
     assert not familiar.drifted and familiar.psi < DriftThresholds().psi / 2, familiar
     assert unfamiliar.drifted and unfamiliar.reasons, unfamiliar
 
+    # the maintenance step ran for real: nothing is older than the default 168 h retention yet
+    assert result.vacuum_retention_hours == 168 and result.files_vacuumed == 0
     metrics = storage.read_bytes(result.metrics_uri).decode()
     assert 'rayline_predictions_class_psi{flow_run="' in metrics and 'partition="dt=2026-11-28"' in metrics
 
@@ -96,7 +98,7 @@ def test_drift_is_detected_on_unfamiliar_images_only(local_storage: str, prefect
         assert time.monotonic() < deadline, "no drift event"
         time.sleep(1)
     assert [e["resource"]["prefect.resource.id"] for e in found] == [  # type: ignore[index]
-        f"rayline.predictions.{unfamiliar.partition_uri}"
+        f"rayline.predictions.{unfamiliar.night}"
     ]
     # the standalone prepare-data of the seed announced 1797 labelled arrivals, enough to retrain on
     (arrived,) = asyncio.run(_events(prefect_api, events.DATA_ARRIVED, began))

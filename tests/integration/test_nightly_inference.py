@@ -1,4 +1,4 @@
-"""nightly-inference: exactly one row per input, atomic commit, idempotent reruns, error budget."""
+"""nightly-inference: exactly one row per input, one Delta commit per table, reruns replace the night, error budget."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from deltalake import DeltaTable
 
 from flows.nightly_inference import nightly_inference
-from ray_workloads.batch_inference import MANIFEST, SUCCESS, read_partition
+from ray_workloads.batch_inference import InferenceResult, NightSkipped
 from rayline import registry, storage
 from rayline.errors import ClusterError
-from rayline.seed import seed_incoming, synthetic_objects
+from rayline.prediction_reads import committed_nights, read_night_pair
+from rayline.seed import digit_objects, seed_incoming, synthetic_objects
 from tests.integration.helpers import POISON, CrashingPredictor, register_untrained_champion
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
@@ -25,8 +27,9 @@ def _incoming(root: str, corrupt: int) -> tuple[str, set[str]]:
     return incoming, {o.uri for o in storage.list_objects(incoming)}
 
 
-def _rows(partition: str) -> tuple[list[str], list[str], Counter[str]]:
-    predictions, errors = read_partition(partition)
+def _rows(root: str, model: str = "digits") -> tuple[list[str], list[str], Counter[str]]:
+    night = read_night_pair(root, model, DAY)
+    predictions, errors = night.predictions, night.errors
     return (
         predictions.column("uri").to_pylist(),
         errors.column("uri").to_pylist(),
@@ -38,7 +41,8 @@ def test_every_input_once_and_reruns_replace_the_partition(local_storage: str) -
     register_untrained_champion()
     _, inputs = _incoming(local_storage, corrupt=8)
     result = nightly_inference(date=DAY, max_error_fraction=0.05)
-    predicted, errored, error_types = _rows(result.partition_uri)
+    assert isinstance(result, InferenceResult)
+    predicted, errored, error_types = _rows(local_storage)
     assert len(predicted) + len(errored) == len(inputs) == 1797 + 2 + 8
     assert set(predicted) | set(errored) == inputs and not set(predicted) & set(errored)
     assert len(errored) == 8 and error_types == {
@@ -46,20 +50,51 @@ def test_every_input_once_and_reruns_replace_the_partition(local_storage: str) -
         "CorruptImageError": 2,
         "UnsupportedFormatError": 4,
     }
-    assert storage.exists(storage.join(result.partition_uri, SUCCESS))
-    manifest = storage.read_json(storage.join(result.partition_uri, MANIFEST))
-    assert manifest["model"]["version"] == 1 and manifest["inputs"] == len(inputs)
+    # one commit per table: the table and the night's columns as a plain Delta reader sees them
+    table = DeltaTable(result.predictions_table)
+    assert table.version() == result.predictions_version and not result.replaced
+    assert table.metadata().partition_columns == ["model_name", "dt"]
+    rows = table.to_pyarrow_table(partitions=[("model_name", "=", "digits"), ("dt", "=", DAY)])
+    assert set(rows.column("model_version").to_pylist()) == {1} and rows.num_rows == len(predicted)
+    assert DeltaTable(result.errors_table).version() == result.errors_version
+    assert committed_nights(local_storage, "digits") == [DAY]
 
-    # a crashed run's leftovers never show: the committed partition is read by its manifest
-    leftover = storage.join(result.partition_uri, "run-crashed", "predictions", "part-00000.parquet")
-    storage.write_bytes_atomic(leftover, b"half a file")
-    assert _rows(result.partition_uri)[0] == predicted
+    # a crashed run's leftovers never show: readers go by the Delta log, not the folder
+    night_folder = storage.join(result.predictions_table, "model_name=digits", f"dt={DAY}")
+    storage.write_bytes_atomic(storage.join(night_folder, "part-crashed-0.parquet"), b"half a file")
+    assert _rows(local_storage)[0] == predicted
 
     again = nightly_inference(date=DAY)
-    predicted_again, errored_again, _ = _rows(again.partition_uri)
+    assert isinstance(again, InferenceResult) and again.replaced
+    assert again.predictions_version == result.predictions_version + 1, "one commit per run"
+    predicted_again, errored_again, _ = _rows(local_storage)
     assert sorted(predicted_again) == sorted(predicted) and sorted(errored_again) == sorted(errored)
-    runs = [o.key.split("/")[0] for o in storage.list_objects(again.partition_uri) if o.key.startswith("run-")]
-    assert set(runs) == {f"run-{again.run_id}"}, "old and crashed runs are removed after the switch"
+    # the first run stays readable by version number (time travel) until a vacuum
+    first = DeltaTable(result.predictions_table, version=result.predictions_version).to_pyarrow_table()
+    assert sorted(first.column("uri").to_pylist()) == sorted(predicted)
+
+
+def test_three_runs_of_one_night_started_together_all_end_completed(local_storage: str) -> None:
+    """Each commits in turn, or finds the night committed by another while it worked; one row per input either way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    register_untrained_champion()
+    incoming = storage.join(local_storage, "incoming", f"dt={DAY}")
+    for key, data in list(digit_objects(32))[:24]:
+        storage.write_bytes_atomic(storage.join(incoming, key), data)
+    inputs = {o.uri for o in storage.list_objects(incoming)}
+    with ThreadPoolExecutor(3) as pool:
+        states = list(pool.map(lambda _: nightly_inference(date=DAY, actors=1, return_state=True), range(3)))
+    assert all(state.is_completed() for state in states), [state.message for state in states]
+    results = [state.result() for state in states]
+    committed = {r.run_id for r in results if isinstance(r, InferenceResult)}
+    skipped = [r for r in results if isinstance(r, NightSkipped)]
+    assert committed and len(committed) + len(skipped) == 3, results
+    for loser in skipped:
+        assert "another run committed that night" in loser.message and loser.committed_by in committed, loser
+    predicted, errored, _ = _rows(local_storage)
+    assert sorted(predicted + errored) == sorted(inputs), "exactly one row per input"
+    assert read_night_pair(local_storage, "digits", DAY).commit.run_id in committed
 
 
 def test_error_budget_fails_the_flow_after_writing_errors(local_storage: str) -> None:
@@ -70,8 +105,7 @@ def test_error_budget_fails_the_flow_after_writing_errors(local_storage: str) ->
     message = str(state.message) + repr(state.result(raise_on_failure=False))
     assert "200 of 1999 inputs failed (10.0%, budget 5.0%)" in message
     assert "errors" in message
-    partition = storage.join(local_storage, "predictions", f"dt={DAY}")
-    assert len(_rows(partition)[1]) == 200, "the errors table is written before the flow fails"
+    assert len(_rows(local_storage)[1]) == 200, "the errors table is written before the flow fails"
     assert nightly_inference(date=DAY, max_error_fraction=0.2, return_state=True).is_completed()
 
 
@@ -104,8 +138,8 @@ def test_a_killed_predictor_actor_loses_no_row(local_storage: str) -> None:
     version = registry.resolve("digits", "champion")
     config = bi.InferenceConfig(
         input_uri=incoming,
-        output_root=storage.join(local_storage, "predictions"),
-        partition=f"dt={DAY}",
+        tables_root=local_storage,
+        dt=DAY,
         model=version,
         batch_size=16,  # many small batches: the run lasts long enough to lose an actor mid-way
         objects_per_task=64,
@@ -127,7 +161,7 @@ def test_a_killed_predictor_actor_loses_no_row(local_storage: str) -> None:
     assert killed is not None, "no predictor actor was seen to kill"
     result = outcome["result"]
     assert isinstance(result, bi.InferenceResult)
-    predicted, errored, _ = _rows(result.partition_uri)
+    predicted, errored, _ = _rows(local_storage)
     assert sorted(predicted + errored) == sorted(inputs)
 
 
@@ -143,10 +177,10 @@ def test_an_input_that_kills_its_actor_every_time_fails_the_run_after_bounded_re
     monkeypatch.setattr(bi, "PredictorUDF", CrashingPredictor)
     config = bi.InferenceConfig(
         input_uri=incoming,
-        output_root=storage.join(local_storage, "predictions"),
-        partition=f"dt={DAY}",
+        tables_root=local_storage,
+        dt=DAY,
         model=registry.resolve("digits", "champion"),
     )
     with pytest.raises(ClusterError, match="predictor actor died more than 3 times"):
         bi.run(config)
-    assert not storage.exists(storage.join(config.output_root, config.partition, MANIFEST)), "nothing committed"
+    assert committed_nights(local_storage, "digits") == [], "nothing committed"

@@ -35,12 +35,28 @@ def _prepare(root: str) -> str:
 
 
 def _finished_trials(experiment: Path) -> dict[str, int]:
-    """trial dir → reported epochs, for trials whose last result says done."""
+    """trial dir → reported epochs, for the trials the newest experiment state records as TERMINATED.
+
+    That state is what ``Tuner.restore`` resumes from. A trial logs its final
+    result (``done`` in result.json) before Tune records it as terminated with
+    that result's checkpoint; interrupted in between, restore resumes it as
+    running from its previous checkpoint and repeats its last epoch (seen in
+    CI: result.json said done, the state said RUNNING with the checkpoint
+    before). So result.json alone does not say which trials restore skips.
+    """
+    states = sorted(experiment.glob("experiment_state-*.json"))
+    if not states:
+        return {}
+    try:
+        data = json.loads(states[-1].read_text())
+    except (OSError, json.JSONDecodeError):  # being replaced right now: the next poll reads it
+        return {}
     done = {}
-    for result in experiment.glob("*/result.json"):
-        lines = result.read_text().splitlines()
-        if lines and json.loads(lines[-1]).get("done"):
-            done[result.parent.name] = len(lines)
+    for trial_json, _ in data["trial_data"]:
+        trial = json.loads(trial_json)
+        if trial["status"] == "TERMINATED":
+            result = experiment / trial["relative_logdir"] / "result.json"
+            done[trial["relative_logdir"]] = len(result.read_text().splitlines())
     return done
 
 

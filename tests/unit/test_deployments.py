@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from deployments.catalog import RETRAIN_DEBOUNCE, build_deployments
+from deployments.catalog import RETRAIN_DEBOUNCE, build_deployments, deployment_table
 from tasks import events
 
 pytestmark = pytest.mark.unit
@@ -19,9 +19,21 @@ def test_every_deployment_builds_with_its_schedule() -> None:
     assert nightly.schedule.cron == "0 2 * * *" and nightly.schedule.timezone == "UTC"
     (monitoring,) = built["monitor"].schedules
     assert monitoring.schedule.interval == timedelta(minutes=15)
+    assert built["monitor"].parameters == {"vacuum_retention_hours": 168}, "the monitor vacuums the night tables"
     (hourly,) = built["prepare-data"].schedules
     assert hourly.schedule.interval == timedelta(hours=1)
     assert not built["train-model"].schedules and not built["retrain"].schedules
+
+
+def test_nightly_inference_accepts_a_range_the_schedule_leaves_unset() -> None:
+    from prefect.utilities.callables import parameter_schema
+
+    built = {d.name: d for d in build_deployments()}
+    assert built["nightly-inference"].parameters == {}, "the scheduled run predicts yesterday: no range"
+    (spec,) = [s for s in deployment_table() if s.name == "nightly-inference"]
+    schema = parameter_schema(spec.flow)  # what the deployment registers as its parameter schema
+    assert {"date", "date_from", "date_to", "max_concurrent_nights"} <= set(schema.properties)
+    assert not schema.required, "every parameter has a default: the schedule sets none"
 
 
 def test_retraining_and_rollout_are_event_triggered() -> None:
@@ -33,6 +45,8 @@ def test_retraining_and_rollout_are_event_triggered() -> None:
     arrived = by_event[events.DATA_ARRIVED]
     assert arrived.match.model_dump() == {events.RETRAIN_LABEL: "true"}, "only arrivals above the threshold"
     assert arrived.parameters == {"source_uri": "{{ event.payload.source_uri }}"}, "trains on the prefix that arrived"
+    drift = by_event[events.DRIFT_DETECTED]
+    assert drift.parameters == {"model_name": "{{ event.payload.model }}"}, "retrains the model that drifted"
     for trigger in retrain.triggers:  # debounced: the first event fires, the rest of the window is ignored
         assert trigger.posture.value == "Reactive" and trigger.threshold == 1 and trigger.within == RETRAIN_DEBOUNCE
 

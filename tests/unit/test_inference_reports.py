@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from ray_workloads.inference_predictor import WrittenFile, reports
+from ray_workloads.inference_predictor import WrittenFile, reports, torch_threads
 
 pytestmark = pytest.mark.unit
 
@@ -26,3 +26,24 @@ def test_importing_the_udf_module_does_not_import_torch() -> None:
     code = "import sys, ray_workloads.batch_inference; assert 'torch' not in sys.modules, 'torch imported'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(0.0, 1), (0.25, 1), (0.5, 1), (1.0, 1), (1.5, 1), (2.0, 2), (4.0, 4)])
+def test_an_actor_runs_torch_on_the_whole_cpus_it_holds(cpus: float, threads: int) -> None:
+    assert torch_threads(cpus) == threads
+
+
+def test_decoded_pixels_per_chunk_are_bounded_but_a_chunk_holds_at_least_a_batch() -> None:
+    from ray_workloads.inference_predictor import DECODED_BYTES_PER_CHUNK, chunk_size
+
+    assert chunk_size(32, 64) >= 256  # the digits: a whole block in one concurrent fetch
+    assert 64 <= chunk_size(224, 64) and chunk_size(224, 64) * 3 * 224 * 224 * 4 <= DECODED_BYTES_PER_CHUNK
+    assert chunk_size(1024, 64) == 64  # never fewer than one model call's worth
+
+
+def test_model_calls_are_bounded_by_pixels() -> None:
+    from ray_workloads.inference_predictor import model_batch_size
+
+    assert model_batch_size(32, 64) == 64  # the digits: as asked
+    assert model_batch_size(224, 64) == 32 and model_batch_size(224, 8) == 8
+    assert model_batch_size(1024, 64) == 1

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,6 +17,7 @@ from ray_workloads.models import (
 )
 from rayline import registry, storage
 from rayline.errors import ConfigError, InputDataError
+from rayline.specs import ImageSpec
 
 pytestmark = pytest.mark.unit
 
@@ -118,3 +120,53 @@ def test_unfinished_versions_are_never_resolved(local_storage: str) -> None:
         registry.resolve("digits", "champion")
     with pytest.raises(ConfigError, match="model name"):
         registry.model_root("Bad Name")
+
+
+@pytest.mark.parametrize(
+    ("model", "model_name", "expected"),
+    [
+        ("champion", None, ("digits", "champion")),
+        ("v3", None, ("digits", "v3")),
+        ("champion", "photos", ("photos", "champion")),
+        ("photos@champion", None, ("photos", "champion")),
+        ("photos@v2", "photos", ("photos", "v2")),
+    ],
+)
+def test_the_nightly_model_option_takes_the_old_forms_and_name_at_ref(
+    model: str, model_name: str | None, expected: tuple[str, str], local_storage: str
+) -> None:
+    from rayline.cli_common import model_ref as _model_ref
+
+    assert _model_ref(model, model_name) == expected
+
+
+def test_a_bare_registered_model_name_means_its_champion(local_storage: str) -> None:
+    """``--model photos`` is photos@champion, not an alias 'photos' of digits; digits' own aliases still win."""
+    from rayline.cli_common import model_ref as _model_ref
+
+    assert _model_ref("photos", None) == ("digits", "photos")  # nothing named photos: an alias of digits
+    registry.register("photos", b"w", model_spec=ModelSpec(), image_spec=ImageSpec(), classes=["a", "b"],
+                      metrics={}, code_version="t")  # fmt: skip
+    assert _model_ref("photos", None) == ("photos", "champion")
+    assert registry.parse_named_ref("photos") == ("photos", "champion")
+    assert registry.parse_named_ref("photos@v1") == ("photos", "v1")
+    with pytest.raises(ConfigError, match="names model 'photos' but --model-name is 'digits'"):
+        _model_ref("photos", "digits")
+
+
+@pytest.mark.parametrize(
+    ("model", "model_name", "message"),
+    [
+        ("photos@champion", "digits", "names model 'photos' but --model-name is 'digits'"),
+        ("photos@", None, "nothing after '@'"),
+        ("Photos@champion", None, "model name 'Photos'"),
+        ("photos@what?", None, "neither an alias"),
+    ],
+)
+def test_a_bad_nightly_model_option_is_named(
+    model: str, model_name: str | None, message: str, local_storage: str
+) -> None:
+    from rayline.cli_common import model_ref as _model_ref
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _model_ref(model, model_name)

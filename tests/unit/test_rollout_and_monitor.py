@@ -53,7 +53,9 @@ def test_psi_is_zero_for_equal_shares_and_grows_with_shift() -> None:
 
 def test_prometheus_text_is_labelled_by_flow_run_stage_and_version() -> None:
     drift = PartitionDrift(
-        partition_uri="s3://b/predictions/dt=2026-11-28",
+        model_name="photos",
+        dt="2026-11-28",
+        version=4,
         model="v3",
         inputs=10,
         predictions=9,
@@ -66,9 +68,9 @@ def test_prometheus_text_is_labelled_by_flow_run_stage_and_version() -> None:
         drifted=True,
         reasons=["x"],
     )
-    text = prometheus_text(None, [drift], flow_run="run-1")
+    text = prometheus_text(None, [drift], flow_run="run-1", model="photos")
     assert "# TYPE rayline_predictions_class_psi gauge" in text
-    labels = 'flow_run="run-1",stage="batch_inference",model_version="v3",partition="dt=2026-11-28"'
+    labels = 'flow_run="run-1",model="photos",stage="batch_inference",model_version="v3",partition="dt=2026-11-28"'
     assert f"rayline_predictions_class_psi{{{labels}}} 0.5" in text
     assert f"rayline_predictions_error_fraction{{{labels}}} 0.1" in text
 
@@ -85,3 +87,17 @@ def test_one_rollout_lease_per_model(local_storage: str) -> None:
     registry.release_rollout_lease("digits", "run-a")
     assert registry.acquire_rollout_lease("digits", "run-b", ttl_s=-1)  # expires at once: as if it crashed
     assert registry.acquire_rollout_lease("digits", "run-c", ttl_s=60), "a stale lease is taken over"
+
+
+def test_smoothed_psi_stays_sensible_with_a_thousand_mostly_empty_classes() -> None:
+    from ray_workloads.monitor import smoothed_psi
+
+    night = {f"class-{i}": 1 for i in range(20)}  # 20 photos, 20 different ImageNet classes
+    assert smoothed_psi(night, night, 0.5) == pytest.approx(0.0)
+    # the same night seen again with a few classes swapped is a small change, not a ~0.3 jump per class
+    shifted = {**{f"class-{i}": 1 for i in range(17)}, "class-900": 1, "class-901": 1, "class-902": 1}
+    assert 0.0 < smoothed_psi(night, shifted, 0.5) < psi(shares(night), shares(shifted))
+    # everything predicted as something else is a large shift
+    elsewhere = {f"class-{i}": 1 for i in range(500, 520)}
+    assert smoothed_psi(night, elsewhere, 0.5) > 0.2
+    assert smoothed_psi({}, {}, 0.5) == 0.0

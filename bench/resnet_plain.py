@@ -1,0 +1,158 @@
+"""The plain side of the compute-bound bench: a DataLoader loop in one process, no Ray.
+
+DataLoader workers read (local file or S3 GET) and decode with rayline's
+``decode_image``; the main process runs the model (``prepare_for_inference``,
+channels-last input, the same batch size as rayline) and writes Parquet files
+of rayline's columns, one per ``objects_per_file`` objects, with the same
+per-sample error capture.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+CODE_VERSION = "bench"
+
+
+class _Reader:
+    """Reads a local file or an S3 object; one boto3 client per process (DataLoader workers are forked)."""
+
+    def __init__(self) -> None:
+        self._client: Any = None
+        self._pid = -1
+
+    def __call__(self, uri: str) -> bytes:
+        if not uri.startswith("s3://"):
+            with open(uri, "rb") as handle:
+                return handle.read()
+        if self._pid != os.getpid():  # a client made before the fork is not the worker's to use
+            import boto3
+
+            self._client = boto3.session.Session().client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL"))
+            self._pid = os.getpid()
+        bucket, _, key = uri[len("s3://") :].partition("/")
+        return bytes(self._client.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+
+class PhotoDataset:
+    """Map-style dataset for the DataLoader: item i = (i, image or None, (stage, type, message) or None)."""
+
+    def __init__(self, uris: list[str], image_spec: Any) -> None:
+        self.uris, self.image_spec, self.read = uris, image_spec, _Reader()
+
+    def __len__(self) -> int:
+        return len(self.uris)
+
+    def __getitem__(self, index: int) -> tuple[int, Any, tuple[str, str, str] | None]:
+        from ray_workloads.images import decode_image
+
+        try:
+            data = self.read(self.uris[index])
+        except Exception as exc:  # per-sample error capture, as rayline's actors do
+            return index, None, ("fetch", type(exc).__name__, str(exc)[:500])
+        try:
+            return index, decode_image(data, self.image_spec), None
+        except Exception as exc:
+            return index, None, ("decode", type(exc).__name__, str(exc)[:500])
+
+
+def collate(items: list[tuple[int, Any, tuple[str, str, str] | None]]) -> dict[str, Any]:
+    """A batch: the decoded images stacked (the workers do it), their indices, and the failures."""
+    import numpy as np
+    import torch
+
+    good = [(i, image) for i, image, error in items if error is None]
+    return {
+        "index": [i for i, _ in good],
+        "images": torch.from_numpy(np.stack([image for _, image in good])) if good else None,
+        "errors": [(i, *error) for i, _, error in items if error is not None],
+    }
+
+
+class _Files:
+    """Collects rows and writes one predictions (and errors) Parquet file per ``per_file`` objects."""
+
+    def __init__(self, objects: list[Any], version: Any, out_dir: str, per_file: int) -> None:
+        self.objects, self.version, self.out_dir, self.per_file = objects, version, out_dir, per_file
+        self.predictions: list[tuple[int, list[int], list[float], float]] = []
+        self.errors: list[tuple[int, str, str, str]] = []
+        self.files = self.rows = 0
+
+    def add(self, predictions: list[tuple[int, list[int], list[float], float]], errors: list[Any]) -> None:
+        self.predictions += predictions
+        self.errors += errors
+        if len(self.predictions) + len(self.errors) >= self.per_file:
+            self.flush()
+
+    def flush(self) -> None:
+        import pyarrow as pa
+
+        from rayline import storage
+
+        name = f"part-{self.files:05d}.parquet"
+        if self.predictions:
+            objs = [self.objects[i] for i, *_ in self.predictions]
+            top_index = [p[1] for p in self.predictions]
+            n = len(objs)
+            table = pa.table(
+                {
+                    "uri": [o.uri for o in objs],
+                    "etag": [o.etag for o in objs],
+                    "predicted_index": [t[0] for t in top_index],
+                    "predicted_class": [self.version.classes[t[0]] for t in top_index],
+                    "confidence": pa.array([p[2][0] for p in self.predictions], pa.float32()),
+                    "top_k_index": pa.array(top_index, pa.list_(pa.int64())),
+                    "top_k_prob": pa.array([p[2] for p in self.predictions], pa.list_(pa.float64())),
+                    "inference_ms": pa.array([p[3] for p in self.predictions], pa.float32()),
+                    "model_name": [self.version.name] * n,
+                    "model_version": [self.version.version] * n,
+                    "code_version": [CODE_VERSION] * n,
+                    "flow_run_id": [""] * n,
+                }
+            )
+            storage.write_parquet_atomic(f"{self.out_dir}/predictions/{name}", table)
+            self.rows += n
+        if self.errors:
+            columns = ["uri", "stage", "error_type", "error_message"]
+            rows = [(self.objects[i].uri, *rest) for i, *rest in self.errors]
+            table = pa.table({c: [r[k] for r in rows] for k, c in enumerate(columns)})
+            storage.write_parquet_atomic(f"{self.out_dir}/errors/{name}", table)
+            self.rows += len(rows)
+        self.predictions, self.errors, self.files = [], [], self.files + 1
+
+
+def plain_loop(objects: list[Any], version: Any, out_dir: str, cfg: dict[str, Any]) -> int:
+    """The DataLoader loop: returns the rows written (predictions + errors)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from ray_workloads.models import load_model, prepare_for_inference
+
+    device = torch.device("cuda" if cfg["gpu"] else "cpu")
+    model = prepare_for_inference(load_model(version.model_spec, version.weights_uri).to(device))
+    loader = DataLoader(
+        PhotoDataset([o.uri for o in objects], version.image_spec),  # type: ignore[arg-type]
+        batch_size=cfg["batch_size"],
+        num_workers=cfg["workers"],
+        collate_fn=collate,
+        pin_memory=cfg["gpu"],
+    )
+    files = _Files(objects, version, out_dir, cfg["objects_per_file"])
+    for batch in loader:
+        predictions = []
+        if batch["images"] is not None:
+            began = time.perf_counter()
+            with torch.no_grad():
+                images = batch["images"].to(device, non_blocking=True).contiguous(memory_format=torch.channels_last)
+                values, indices = torch.softmax(model(images), dim=1).topk(3, dim=1)
+                values, indices = values.cpu(), indices.cpu()  # waits for the GPU: inference_ms is the real time
+            millis = (time.perf_counter() - began) * 1000 / len(batch["index"])
+            predictions = [
+                (i, idx, val, millis)
+                for i, idx, val in zip(batch["index"], indices.tolist(), values.tolist(), strict=True)
+            ]
+        files.add(predictions, batch["errors"])
+    files.flush()
+    return files.rows

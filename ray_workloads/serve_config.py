@@ -1,0 +1,53 @@
+"""What one serving instance is configured with: names, HTTP endpoint, input limits and compute shape."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ray_workloads.images import DEFAULT_MAX_PIXELS
+
+
+class ServeConfig(BaseModel):
+    """One serving instance: its names, HTTP endpoint, input limits and compute shape."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str = Field("rayline", pattern=r"^[a-z0-9][a-z0-9-]{0,30}$", description="Prefix of apps and actor.")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    proxy_location: Literal["HeadOnly", "EveryNode"] = "HeadOnly"
+    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    max_pixels: int = Field(
+        DEFAULT_MAX_PIXELS, ge=1, description="Declared pixels above this are refused (422); overrides image_spec."
+    )
+    replicas: int = Field(1, ge=1, description="ModelServer replicas per version.")
+    cpus_per_replica: float = Field(0.25, gt=0)
+    max_ongoing_requests: int = Field(64, ge=1, description="Per ModelServer replica (>= max_batch_size).")
+    router_replicas: int = Field(1, ge=1)
+    router_cpus: float = Field(0.25, gt=0)
+    router_max_ongoing_requests: int = Field(256, ge=1)
+    max_batch_size: int = Field(16, ge=1)
+    batch_wait_timeout_s: float = Field(0.005, ge=0)
+    top_k: int = Field(3, ge=1)
+    request_timeout_s: float = Field(30.0, gt=0, description="A version slower than this answers 504.")
+    access_log: bool = Field(True, description="Serve's per-request log lines (router and model replicas).")
+    deploy_timeout_s: float = Field(300.0, gt=0)
+    default_model: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
+        description="Model of /predict (RAYLINE_SERVE_DEFAULT_MODEL); None: the first model served.",
+    )
+
+    @property
+    def control_actor_name(self) -> str:
+        return f"{self.name}-control"
+
+    def version_app(self, model: str, version: int) -> str:
+        return f"{self.name}-{model}-v{version}"
+
+    def router_config(self) -> dict[str, Any]:
+        """What the router replicas are deployed with: the default model lives in the routing table
+        instead, so changing it never restarts a router."""
+        return self.model_dump(mode="json", exclude={"default_model"})

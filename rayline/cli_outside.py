@@ -1,0 +1,101 @@
+"""The demo's outside-model walk: the user's ResNet registered, a night of photos, one served photo.
+
+What a user who brings their own model does (README "Bring your own model"),
+on the demo's embedded defaults: save a torchvision ResNet-18 built with
+``weights=None`` as "the user's weights" (nothing can be downloaded here),
+register it with its ImageNet preprocessing as ``photos`` champion, predict
+a night of generated photos with it, and answer one ``POST
+/models/photos/predict`` with a real photo.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from datetime import date
+from typing import Any
+
+import typer
+
+from rayline import storage
+
+OUTSIDE_MODEL = "photos"
+OUTSIDE_ARCH = "resnet18"
+USER_WEIGHTS = "user-models/resnet18-weights.pt"
+PHOTOS_INCOMING = "incoming-photos"
+
+
+@dataclass
+class OutsideModelWalk:
+    registration: Any  # ray_workloads.register_model.RegisterModelResult
+    night: Any  # ray_workloads.batch_inference.InferenceResult
+    served_url: str
+    answer: dict[str, Any]
+
+
+def save_user_weights(root: str) -> str:
+    """The user's weights file: a ResNet-18 state dict (random weights; nothing can be downloaded here)."""
+    import torch
+    import torchvision
+
+    uri = storage.join(root, USER_WEIGHTS)
+    if not storage.exists(uri):
+        torch.manual_seed(0)
+        buffer = io.BytesIO()
+        torch.save(torchvision.models.resnet18(weights=None).state_dict(), buffer)
+        storage.write_bytes_atomic(uri, buffer.getvalue())
+    return uri
+
+
+def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
+    from flows.nightly_inference import nightly_inference
+    from flows.register_model import register_model
+    from flows.serve_rollout import serve_config
+    from ray_workloads import rollout
+    from rayline import ray_cluster, registry
+    from rayline.layout import partition_for
+    from rayline.seed import jpeg_bytes, source_photos
+    from rayline.seed import seed as write_seed
+
+    weights = save_user_weights(root)
+    typer.echo(f"saved a ResNet-18 (weights=None) as the user's weights: {weights}")
+    registration = register_model(name=OUTSIDE_MODEL, arch=OUTSIDE_ARCH, weights_uri=weights, alias=registry.CHAMPION)
+    incoming = storage.join(root, PHOTOS_INCOMING, partition_for(day))
+    seeded = write_seed(incoming, photos=photos, corrupt=corrupt, digits=False)
+    typer.echo(f"dropped {seeded.total} photos under {incoming}")
+    night = nightly_inference(date=day.isoformat(), model_name=OUTSIDE_MODEL, input_uri=incoming)
+    ray_cluster.connect()
+    cfg = serve_config()
+    url = rollout.serve(registration.version, cfg)
+    answer = _predict(url, jpeg_bytes(source_photos()[0]))
+    return OutsideModelWalk(registration=registration, night=night, served_url=url, answer=answer)
+
+
+def _predict(url: str, photo: bytes) -> dict[str, Any]:
+    import httpx
+
+    from ray_workloads import rollout
+
+    response = httpx.post(f"{url}{rollout.predict_path(OUTSIDE_MODEL)}", content=photo, timeout=60)
+    response.raise_for_status()
+    answer: dict[str, Any] = response.json()
+    return answer
+
+
+def print_walk(walk: OutsideModelWalk) -> None:
+    version, night = walk.registration.version, walk.night
+    typer.echo("")
+    typer.secho("bring your own model", bold=True)
+    typer.echo(
+        f"  registered         {version.name} v{version.version}: {version.model_spec.arch}, "
+        f"{len(version.classes)} ImageNet classes, {version.image_spec.describe()}"
+    )
+    typer.echo(
+        f"  night of photos    {night.inputs} inputs → {night.predictions} predictions + {night.errors} errors "
+        f"in {night.elapsed_s:.1f}s"
+    )
+    typer.echo(f"  committed          {night.night} in {night.predictions_table} (version {night.predictions_version})")
+    typer.echo(
+        f"  POST {walk.served_url}{'/models/' + version.name + '/predict'}  a real photo → "
+        f"{walk.answer.get('class_name')} ({walk.answer.get('confidence', 0.0):.3f}, random weights)"
+    )

@@ -1,0 +1,106 @@
+"""The summaries the CLI prints when a flow finishes: what a user reads to know what happened."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from rayline.nights import BackfillResult, NightOutcome
+
+
+def print_prepare_summary(result: Any) -> None:
+    ing, pre = result.ingest, result.preprocess
+    typer.echo("")
+    typer.secho("prepare-data finished", bold=True)
+    typer.echo(f"  objects ingested   {ing.object_count} from {ing.source_uri}{' (reused)' if ing.cached else ''}")
+    typer.echo(f"  content hash       {ing.content_hash}")
+    typer.echo("  images per split   " + ", ".join(f"{k} {v}" for k, v in pre.counts.items()))
+    typer.echo(f"  errors             {pre.error_count} {pre.error_types or ''}")
+    typer.echo(f"  ingest manifest    {ing.manifest_uri}")
+    typer.echo(f"  preprocessed       {pre.output_uri}")
+    typer.echo(f"  summary            {pre.summary_uri}")
+    typer.echo(f"  errors table       {pre.errors_uri}")
+
+
+def print_model_summary(result: Any) -> None:
+    reg, trained = result.registration, result.trained
+    typer.echo("")
+    typer.secho("train-model finished", bold=True)
+    if result.tuned is not None:
+        best = result.tuned.best_config
+        stopped = sum(t.epochs < max(x.epochs for x in result.tuned.trials) for t in result.tuned.trials)
+        typer.echo(
+            f"  tune (ASHA)        {len(result.tuned.trials)} trials, {stopped} stopped early; best lr {best.lr:.4g}, "
+            f"batch {best.batch_size}, width {best.model.width}"
+        )
+    parent = reg.version.parent
+    if parent is not None:
+        how = "head only" if parent.freeze_backbone else "whole network"
+        typer.echo(
+            f"  fine-tuned from    {parent.name} v{parent.version} ({how}), a new head for {reg.version.classes}"
+        )
+    typer.echo(f"  trained            {trained.epochs} epochs with Ray Train, {trained.samples_per_s:.0f} samples/s")
+    typer.echo(f"  test accuracy      {result.evaluation.accuracy:.4f} on {result.evaluation.samples} held-out images")
+    typer.echo(f"  registered         {reg.version.name} v{reg.version.version}: {reg.decision.reason}")
+    typer.echo(f"  alias              {reg.alias or 'none (gate not passed)'}")
+    typer.echo(f"  champion then      v{reg.champion}" if reg.champion else "  champion then      none yet")
+    typer.echo(f"  weights            {reg.version.weights_uri}")
+    typer.echo(f"  evaluation         {result.evaluation.report_uri}")
+
+
+def print_registration(result: Any) -> None:
+    version = result.version
+    source = version.weights_source
+    typer.echo("")
+    typer.secho("register-model finished", bold=True)
+    state = "already registered as" if result.reused else "registered as"
+    typer.echo(
+        f"  {state:<18} {version.name} v{version.version} ({version.model_spec.arch}, {len(version.classes)} classes)"
+    )
+    typer.echo(f"  preprocessing      {version.image_spec.describe()}")
+    typer.echo(f"  weights from       {source.uri} (sha256 {source.sha256[:16]}…)")
+    typer.echo(f"  stored at          {version.weights_uri}")
+    if result.alias_move is not None:
+        typer.echo(f"  alias              {result.alias_move.alias} → v{version.version}")
+    if result.note:
+        typer.echo(f"  note               {result.note}")
+
+
+def print_inference_summary(result: Any) -> None:
+    typer.echo("")
+    typer.secho("nightly-inference finished", bold=True)
+    if not hasattr(result, "predictions_version"):  # NightSkipped: another run committed the night
+        typer.echo(f"  night              {result.night}: not committed by this run")
+        typer.echo(f"  why                {result.message}")
+        return
+    typer.echo(
+        f"  {result.inputs} inputs → {result.predictions} predictions + {result.errors} errors "
+        f"with {result.model} in {result.elapsed_s:.1f}s"
+    )
+    typer.echo(f"  night              {result.night}")
+    typer.echo(f"  predictions        {result.predictions_table} (Delta version {result.predictions_version})")
+    typer.echo(f"  errors             {result.errors_table} (Delta version {result.errors_version})")
+
+
+def backfill_night_line(night: NightOutcome) -> str:
+    """One night of a range: day, state, counts, Delta versions or why it failed."""
+    state = "FAILED" if night.state == "failed" else night.state
+    line = f"  {night.dt}  {state:<9}"
+    if night.inputs is not None:
+        line += f"  {night.inputs} inputs → {night.predictions} predictions + {night.errors} errors"
+        line += f"  (Delta versions: predictions {night.predictions_version}, errors {night.errors_version})"
+    return f"{line}  {night.message}".rstrip()
+
+
+def print_backfill_summary(result: BackfillResult) -> None:
+    typer.echo("")
+    counts = ", ".join(f"{len(result.in_state(s))} {s}" for s in ("committed", "skipped", "failed"))
+    typer.secho(
+        f"nightly-inference finished: {result.model}, {result.date_from} to {result.date_to} "
+        f"({len(result.nights)} nights, {result.max_concurrent_nights} at a time): {counts}",
+        bold=True,
+    )
+    for night in result.nights:
+        failed = night.state == "failed"
+        typer.secho(backfill_night_line(night), fg=typer.colors.RED if failed else None)

@@ -1,0 +1,46 @@
+"""Names of the storage layout, in one place: every stage and reader agrees on where things live.
+
+``<storage>/raw`` (labelled training images), ``incoming/dt=<day>`` (a day
+of arrivals), the Delta tables ``predictions`` and ``prediction_errors``
+(partitioned by ``model_name`` and ``dt``: two models' nights of one day
+never collide), ``monitoring/<model>.prom``.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, timedelta
+
+from rayline import registry, storage
+from rayline.errors import InputDataError
+
+RAW_DIR = "raw"
+INCOMING_DIR = "incoming"
+PREDICTIONS_TABLE = "predictions"
+ERRORS_TABLE = "prediction_errors"
+MONITORING_DIR = "monitoring"
+
+
+def partition_for(day: date) -> str:
+    return f"dt={day.isoformat()}"
+
+
+def table_uri(root: str, name: str) -> str:
+    """``<root>/<name>``: where a night table lives (``PREDICTIONS_TABLE`` or ``ERRORS_TABLE``)."""
+    return storage.join(storage.normalize(root), name)
+
+
+def model_name(text: str) -> str:
+    """A registered model's name as a partition value: checked like any registry name."""
+    name, _ = registry.parse_named_ref(text)
+    return name
+
+
+def parse_day(text: str, what: str = "date") -> date:
+    try:
+        return datetime.strptime(text, "%Y-%m-%d").date()
+    except ValueError as exc:
+        raise InputDataError(f"{what} must look like 2026-11-28, got {text!r}") from exc
+
+
+def yesterday_utc() -> date:
+    return (datetime.now(UTC) - timedelta(days=1)).date()

@@ -1,0 +1,118 @@
+"""What a registered model is and how its images become input: typed, shared by every stage.
+
+:class:`ModelSpec` says what to build (architecture, class count, width);
+:class:`ImageSpec` says how raw image bytes become the model's input tensor.
+Both are stored in each version's ``version.json`` and carried typed by
+:class:`rayline.registry.ModelVersion`, so the trainer, batch inference and
+serving read one object instead of re-validating a dict each.
+
+Two ways of sizing an image (``ImageSpec.mode``):
+
+* ``squash``: resize to ``crop`` × ``crop`` ignoring the aspect ratio (the
+  digits, stored square);
+* ``resize_crop``: resize the shorter side to ``resize``, then take the
+  ``crop`` × ``crop`` centre — torchvision's ImageNet evaluation transform
+  (``ResNet50_Weights.IMAGENET1K_V2.transforms()``: 232 → 224).
+
+This module is plain pydantic (no torch, no PIL), so the core can hold it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+DEFAULT_MAX_PIXELS = 40_000_000
+SMALL_CNN = "small_cnn"
+SQUASH = "squash"
+RESIZE_CROP = "resize_crop"
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class ModelSpec(BaseModel):
+    """What to build: the architecture, its width and the number of classes."""
+
+    arch: str = SMALL_CNN
+    num_classes: int = Field(10, ge=2)
+    width: int = Field(32, ge=4, le=512, description="Base channel count (small_cnn only).")
+    dropout: float = Field(0.1, ge=0, lt=1)
+
+
+class ImageSpec(BaseModel):
+    """How raw images become model input; the same spec serves training, batch inference and serving."""
+
+    mode: Literal["squash", "resize_crop"] = "squash"
+    resize: int | None = Field(
+        None, ge=4, le=4096, description="resize_crop: the shorter side is resized to this before cropping."
+    )
+    crop: int = Field(32, ge=4, le=1024, description="Side of the square the model sees.")
+    interpolation: Literal["bilinear", "bicubic", "nearest"] = "bilinear"
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    max_pixels: int = Field(DEFAULT_MAX_PIXELS, ge=1)
+    draft: bool = Field(
+        False,
+        description="JPEG: decode at a reduced DCT scale when the photo is over twice the size the spec needs "
+        "(about 2x faster on multi-megapixel photos; no longer equal to full decoding, see bench/README.md).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_size(cls, data: Any) -> Any:
+        # versions registered before resize/crop existed stored {"size": S} for an S×S squash
+        if isinstance(data, dict) and "size" in data:
+            data = dict(data)
+            size = data.pop("size")
+            data.setdefault("crop", size)
+        return data
+
+    @model_validator(mode="after")
+    def _resize_fits_mode(self) -> ImageSpec:
+        if self.mode == RESIZE_CROP:
+            if self.resize is None:
+                raise ValueError("resize_crop needs resize (the shorter side before the centre crop)")
+            if self.resize < self.crop:
+                raise ValueError(f"resize {self.resize} is smaller than crop {self.crop}")
+        elif self.resize is not None:
+            raise ValueError("squash takes no resize: the image is resized to crop × crop")
+        return self
+
+    @property
+    def size(self) -> int:
+        """Side of the model's square input (the crop)."""
+        return self.crop
+
+    @property
+    def needed_side(self) -> int:
+        """The shortest side a decoded image needs before resizing (for JPEG draft decoding)."""
+        return self.resize if self.resize is not None else self.crop
+
+    def describe(self) -> str:
+        if self.mode == RESIZE_CROP:
+            return f"resize {self.resize}, centre crop {self.crop}, {self.interpolation}"
+        return f"squash to {self.crop}×{self.crop}, {self.interpolation}"
+
+
+def squash(size: int) -> ImageSpec:
+    """The digits' spec: square images resized to ``size`` × ``size``, normalised to [-1, 1]."""
+    return ImageSpec(mode=SQUASH, crop=size)
+
+
+class WeightsSource(BaseModel):
+    """Where an outside model's weights came from (it has no training data set)."""
+
+    uri: str
+    sha256: str
+    size_bytes: int
+
+
+class ParentModel(BaseModel):
+    """The registered version a fine-tuned model started from."""
+
+    name: str
+    version: int
+    uri: str
+    # how it was fine-tuned: retraining the child from this parent repeats it
+    freeze_backbone: bool = False

@@ -1,0 +1,62 @@
+"""Prefect task: register an outside model (a user's weights file) as a new version."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from prefect import get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from ray_workloads import register_model
+from ray_workloads.register_model import RegisterModelConfig, RegisterModelResult
+from rayline import lineage, registry
+from rayline.lineage import DatasetRef
+from tasks import events
+from tasks.common import ray_task, record_lineage, run_context
+
+
+@ray_task("register-model", timeout_s=900)
+def register_outside_model(cfg: RegisterModelConfig) -> RegisterModelResult:
+    """Check and store the weights; the version's lineage input is the weights file and its hash."""
+    started = datetime.now(UTC)
+    context = run_context(None)
+    result = register_model.run(
+        cfg.model_copy(update={"code_version": lineage.code_version(), "flow_run_id": context.flow_run_id})
+    )
+    version, move = result.version, result.alias_move
+    source = version.weights_source
+    assert source is not None  # run() always records where outside weights came from
+    if move is not None and move.alias == registry.CHALLENGER:  # serving canaries it: serve-rollout listens
+        events.emit(
+            events.CHALLENGER_REGISTERED,
+            events.model_resource(version.name, version.version),
+            payload={"model": version.name, "version": version.version, "reason": move.reason},
+            labels={"rayline.model": version.name},
+        )
+    what = "already registered as" if result.reused else "registered as"
+    get_run_logger().info("%s %s %s v%d", source.uri, what, version.name, version.version)
+    if result.note:
+        get_run_logger().info(result.note)
+    create_markdown_artifact(
+        key="model-registration",
+        markdown=(
+            f"### {version.name} v{version.version}{f', now {move.alias}' if move else ''}\n\n"
+            f"`{cfg.arch}`, {len(version.classes)} classes, {version.image_spec.describe()}\n\n"
+            f"weights from `{source.uri}` (sha256 `{source.sha256[:16]}…`), stored at `{version.weights_uri}`"
+        ),
+    )
+    record_lineage(
+        stage="registry",
+        started_at=started,
+        inputs=[DatasetRef(uri=source.uri, content_hash=source.sha256, facets={"size_bytes": source.size_bytes})],
+        outputs=[
+            DatasetRef(
+                uri=version.uri,
+                content_hash=source.sha256,
+                facets={"moves": [move.model_dump(mode="json")] if move else [], "reused": result.reused},
+            )
+        ],
+        parameters=cfg.model_dump(exclude={"code_version", "flow_run_id"}),
+        connection=None,
+    )
+    return result

@@ -1,0 +1,145 @@
+"""nightly-inference over a range: each night its own commit, a bad night fails alone, the run ends Failed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+from typer.testing import CliRunner
+
+from flows.nightly_backfill import BACKFILL_ARTIFACT
+from flows.nightly_inference import nightly_inference
+from ray_workloads.batch_inference import InferenceConfig, InferenceResult, NightSkipped
+from rayline import storage
+from rayline.cli import app
+from rayline.errors import ErrorBudgetExceeded
+from rayline.nights import BackfillResult, NightOutcome, NightsFailed
+from rayline.prediction_reads import read_night_pair
+from rayline.seed import digit_objects
+from tests.integration.helpers import register_untrained_champion
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
+
+FIRST, BAD, LAST = "2026-11-26", "2026-11-27", "2026-11-28"
+DIGITS_PER_NIGHT = 12
+BUDGET = 0.1  # one broken object in 13 inputs (7.7%) is within it
+
+
+def _seed_night(root: str, dt: str, offset: int) -> set[str]:
+    """A small night of digits plus one empty object (an error row); the URIs of its inputs."""
+    incoming = storage.join(root, "incoming", f"dt={dt}")
+    for key, data in itertools.islice(digit_objects(32), offset, offset + DIGITS_PER_NIGHT):
+        storage.write_bytes_atomic(storage.join(incoming, key), data)
+    storage.write_bytes_atomic(storage.join(incoming, "0/empty.png"), b"")
+    return {o.uri for o in storage.list_objects(incoming)}
+
+
+def _assert_committed_once_per_input(root: str, outcome: NightOutcome, inputs: set[str]) -> None:
+    assert outcome.state == "committed", outcome
+    assert (outcome.inputs, outcome.predictions, outcome.errors) == (len(inputs), DIGITS_PER_NIGHT, 1)
+    night = read_night_pair(root, "digits", outcome.dt)
+    assert night.commit.version == outcome.predictions_version and night.errors_version == outcome.errors_version
+    uris = night.predictions.column("uri").to_pylist() + night.errors.column("uri").to_pylist()
+    assert sorted(uris) == sorted(inputs), "exactly one row per input"
+
+
+def _artifact_rows(flow_run_id: object) -> list[dict[str, object]]:
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[BACKFILL_ARTIFACT]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            )
+        )
+    data = artifact.data
+    rows: list[dict[str, object]] = json.loads(data) if isinstance(data, str) else data  # type: ignore[assignment]
+    return rows
+
+
+def test_a_bad_night_fails_alone_and_the_run_and_the_cli_say_so(local_storage: str) -> None:
+    register_untrained_champion()
+    inputs = {FIRST: _seed_night(local_storage, FIRST, 0), LAST: _seed_night(local_storage, LAST, 100)}
+    # BAD has no incoming prefix at all: an outage that lost the night's arrivals
+
+    state = nightly_inference(
+        date_from=FIRST,
+        date_to=LAST,
+        actors=1,
+        max_concurrent_nights=2,
+        max_error_fraction=BUDGET,
+        return_state=True,
+    )
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, NightsFailed), error
+    assert f"1 of 3 nights of digits failed ({BAD}: InputDataError: no input objects under" in str(state.message)
+    outcomes = {night.dt: night for night in error.result.nights}
+    assert list(outcomes) == [FIRST, BAD, LAST] and error.result.max_concurrent_nights == 2
+    assert outcomes[BAD].state == "failed" and "no input objects under" in outcomes[BAD].message
+    assert outcomes[BAD].predictions_version is None
+    for dt in (FIRST, LAST):
+        _assert_committed_once_per_input(local_storage, outcomes[dt], inputs[dt])
+    rows = _artifact_rows(state.state_details.flow_run_id)
+    assert [(row["dt"], row["state"]) for row in rows] == [(FIRST, "committed"), (BAD, "failed"), (LAST, "committed")]
+
+    done = CliRunner().invoke(
+        app,
+        [
+            "nightly-inference",
+            *("--from", FIRST, "--to", LAST, "--max-concurrent", "2", "--actors", "1"),
+            *("--max-error-fraction", str(BUDGET)),
+        ],
+    )
+    assert done.exit_code == 1, done.output
+    lines = {line.split()[0]: line for line in done.output.splitlines() if line.startswith("  2026-")}
+    assert list(lines) == [FIRST, BAD, LAST], done.output
+    assert "FAILED" in lines[BAD] and "no input objects under" in lines[BAD]
+    for dt in (FIRST, LAST):
+        assert f"committed  {len(inputs[dt])} inputs → {DIGITS_PER_NIGHT} predictions + 1 errors" in lines[dt]
+        assert "replaced an earlier commit" in lines[dt], "the rerun replaced each good night in one commit"
+        again = read_night_pair(local_storage, "digits", dt)
+        assert again.commit.version > outcomes[dt].predictions_version  # type: ignore[operator]
+        uris = again.predictions.column("uri").to_pylist() + again.errors.column("uri").to_pylist()
+        assert sorted(uris) == sorted(inputs[dt])
+
+    # one night keeps its own path and return value, through the same per-night config and budget
+    single = nightly_inference(date=FIRST, actors=1, max_error_fraction=BUDGET)
+    assert isinstance(single, InferenceResult) and single.dt == FIRST and single.inputs == len(inputs[FIRST])
+    over = nightly_inference(date=LAST, actors=1, max_error_fraction=0.05, return_state=True)
+    assert over.is_failed() and isinstance(over.result(raise_on_failure=False), ErrorBudgetExceeded)
+
+
+def test_nights_run_at_most_max_concurrent_at_once(local_storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    from prefect import task
+
+    from flows import nightly_backfill
+
+    lock, running, peak, started = threading.Lock(), [0], [0], []
+
+    @task(name="fake-night")
+    def fake_night(config: InferenceConfig) -> NightSkipped:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            started.append(config.dt)
+        time.sleep(1.5)  # long enough that a second night starts while the first runs, even on a busy box
+        with lock:
+            running[0] -= 1
+        return NightSkipped(model_name=config.model.name, dt=config.dt, committed_by=None, message="fake")
+
+    register_untrained_champion()
+    monkeypatch.setattr(nightly_backfill, "batch_inference_task", fake_night)
+    result = nightly_inference(date_from="2026-11-01", date_to="2026-11-05", max_concurrent_nights=2)
+    assert isinstance(result, BackfillResult) and [n.state for n in result.nights] == ["skipped"] * 5
+    assert peak[0] == 2 and sorted(started) == [n.dt for n in result.nights]
+
+    # the default: the cluster's CPUs over one night's actors × CPUs each, at most the number of nights
+    monkeypatch.setattr(nightly_backfill, "cluster_cpus", lambda: 2.0)
+    peak[0] = 0
+    result = nightly_inference(date_from="2026-11-01", date_to="2026-11-05", actors=2)
+    assert isinstance(result, BackfillResult) and result.max_concurrent_nights == 2 and peak[0] == 2

@@ -1,0 +1,190 @@
+"""One serving instance, several registered models: a digits CNN and an outside ImageNet ResNet side by side.
+
+Each model has its own route, weights, stats and rollouts; ``/predict`` goes to the default
+model. The module serves both on a free loopback port through the environment's settings
+(so the ``rayline serve`` commands, run in-process with typer's runner, reach the same
+instance), and its last test stops everything through the CLI.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+import pytest
+from ray import serve
+from typer.testing import CliRunner
+
+from flows.serve_rollout import serve_config, serve_rollout
+from ray_workloads import serve_control
+from ray_workloads.models import imagenet_classes
+from ray_workloads.serve_app import ANSWER_HEADER, MODEL_HEADER
+from rayline import registry, storage
+from rayline.cli import app
+from rayline.registry import ModelVersion
+from rayline.seed import digit_objects, jpeg_bytes, photo_objects, source_photos
+from tests.integration.helpers import register_outside, register_untrained
+from tests.support import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
+
+DIGITS = "digits-multi"
+PHOTOS = "photos"
+
+
+@dataclass
+class Served:
+    url: str
+    digits: ModelVersion
+    photos: ModelVersion
+    probe_uri: str
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """Both models at 100 % of their own traffic; digits deployed first, so it is the default."""
+    root = str(tmp_path_factory.mktemp("serve-models") / "storage")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAYLINE_STORAGE", root)
+        env.setenv("RAYLINE_SERVE_PORT", str(free_port()))
+        probes = storage.join(root, "photo-probes")
+        for key, data in photo_objects(24, np.random.default_rng(0), large_share=0.0):
+            storage.write_bytes_atomic(storage.join(probes, key), data)
+        digits = register_untrained(DIGITS, class_prefix="digit-")
+        photos = register_outside(PHOTOS, arch="resnet18", crop=64)
+        cfg = serve_config()
+        try:
+            started = time.monotonic()
+            url = serve_control.start(cfg)
+            serve_control.deploy_versions([digits, photos], cfg)  # replicas start in parallel
+            serve_control.set_weights({digits.version: 100.0}, cfg, model=DIGITS)
+            serve_control.set_weights({photos.version: 100.0}, cfg, model=PHOTOS)
+            print(f"two models served in {time.monotonic() - started:.1f} s")
+            yield Served(url, digits, photos, probes)
+        finally:
+            serve_control.shutdown(cfg)
+
+
+def _client(served: Served) -> httpx.Client:
+    return httpx.Client(base_url=served.url, timeout=60, trust_env=False)
+
+
+def _photo() -> bytes:
+    return jpeg_bytes(source_photos()[0])
+
+
+def _digit() -> bytes:
+    return next(iter(digit_objects(32)))[1]
+
+
+def test_two_models_answer_on_their_own_routes_and_predict_goes_to_the_default(served: Served) -> None:
+    cfg = serve_config()
+    serve_control.reset_stats(cfg, model=DIGITS)
+    serve_control.reset_stats(cfg, model=PHOTOS)
+    with _client(served) as client:
+        photo = client.post(f"/models/{PHOTOS}/predict", content=_photo())
+        assert photo.status_code == 200, photo.text
+        answer = photo.json()
+        assert answer["model"] == PHOTOS and answer["version"] == served.photos.version
+        assert answer["class_name"] in imagenet_classes("resnet18") and len(answer["top_k"]) == 3
+        assert photo.headers[MODEL_HEADER] == PHOTOS and photo.headers[ANSWER_HEADER] == str(served.photos.version)
+
+        digit = client.post(f"/models/{DIGITS}/predict", content=_digit())
+        assert digit.status_code == 200 and digit.json()["class_name"].startswith("digit-"), digit.text
+        default = client.post("/predict", content=_digit())
+        assert default.status_code == 200 and default.json()["model"] == DIGITS, default.text
+
+        listed = client.get("/models").json()
+        assert listed["default"] == DIGITS and set(listed["models"]) == {DIGITS, PHOTOS}
+        assert listed["models"][PHOTOS]["weights"] == {str(served.photos.version): 100.0}
+        # the routes of one model keep the shape they had when an instance served one model
+        serve_control.stats(cfg, model=DIGITS)  # waits until every router has flushed its samples
+        stats = client.get("/stats").json()
+        assert stats["model"] == DIGITS and stats["versions"][str(served.digits.version)]["requests"] == 2
+        photo_stats = client.get(f"/models/{PHOTOS}/stats").json()
+        assert photo_stats["model"] == PHOTOS and photo_stats["versions"][str(served.photos.version)]["requests"] == 1
+        assert client.get(f"/models/{PHOTOS}/healthz").json()["live_versions"] == [served.photos.version]
+
+        unknown = client.post("/models/nope/predict", content=_photo())
+        assert unknown.status_code == 404 and unknown.json()["error"] == "ModelNotServed"
+        assert PHOTOS in unknown.json()["detail"] and DIGITS in unknown.json()["detail"]
+        pinned = client.post(f"/models/{PHOTOS}/predict", content=_photo(), headers={"X-Rayline-Version": "9"})
+        assert pinned.status_code == 404 and f"of {PHOTOS} is not live" in pinned.json()["detail"]
+
+        serve_control.set_default_model(PHOTOS, cfg)  # what RAYLINE_SERVE_DEFAULT_MODEL does at start
+        try:
+            assert client.post("/predict", content=_photo()).json()["model"] == PHOTOS
+            assert client.get("/stats").json()["model"] == PHOTOS
+        finally:
+            serve_control.set_default_model(None, cfg)
+        assert client.post("/predict", content=_digit()).json()["model"] == DIGITS
+    assert serve_control.stats(cfg, model=PHOTOS)[served.photos.version].requests == 2
+    assert serve_control.stats(cfg, model=DIGITS)[served.digits.version].requests == 3
+
+
+def test_canary_rollout_of_the_outside_model_leaves_the_other_model_alone(served: Served) -> None:
+    cfg = serve_config()
+    twin = register_outside(PHOTOS, arch="resnet18", crop=64, seed=0, alias=registry.CHALLENGER)
+    digits_before = (serve_control.get_weights(cfg, model=DIGITS), serve_control.replica_pids(cfg))
+    with _client(served) as client:
+        answer_before = client.post(f"/models/{DIGITS}/predict", content=_digit()).json()["top_k"]
+
+    started = time.monotonic()
+    result = serve_rollout(
+        candidate=registry.CHALLENGER,
+        model_name=PHOTOS,
+        steps=[50.0, 100.0],
+        soak_s=2.0,
+        min_requests=10,
+        probe_uri=served.probe_uri,
+    )
+    print(f"photos rollout in {time.monotonic() - started:.1f} s: {result.reason}")
+
+    assert result.promoted and result.model == PHOTOS and result.candidate == twin.version
+    assert result.incumbent == served.photos.version and result.steps[0].agreement == 1.0
+    assert registry.alias_version(PHOTOS, registry.CHAMPION) == twin.version
+    assert serve_control.get_weights(cfg, model=PHOTOS) == {twin.version: 100.0}
+    digits_app = cfg.version_app(DIGITS, served.digits.version)
+    weights_after, pids_after = serve_control.get_weights(cfg, model=DIGITS), serve_control.replica_pids(cfg)
+    assert weights_after == digits_before[0] and pids_after[digits_app] == digits_before[1][digits_app]
+    assert registry.alias_version(DIGITS, registry.CHAMPION) is None, "the rollout moved no other model's alias"
+    with _client(served) as client:
+        assert client.post(f"/models/{DIGITS}/predict", content=_digit()).json()["top_k"] == answer_before
+        photo = client.post(f"/models/{PHOTOS}/predict", content=_photo())
+        assert photo.status_code == 200 and photo.json()["version"] == twin.version
+
+
+def test_serve_stop_and_start_through_the_cli(served: Served) -> None:
+    runner = CliRunner()
+    stopped = runner.invoke(app, ["serve", "stop", "--model", PHOTOS])
+    assert stopped.exit_code == 0, stopped.output
+    assert f"stopped {PHOTOS}" in stopped.output and f"still served: {DIGITS}" in stopped.output
+    with _client(served) as client:
+        assert client.post(f"/models/{PHOTOS}/predict", content=_photo()).status_code == 404
+        assert client.post("/predict", content=_digit()).json()["model"] == DIGITS, "the other model still answers"
+
+    bad = runner.invoke(app, ["serve", "start", "--model", f"{PHOTOS}@nope"])
+    assert bad.exit_code == 2 and "has no 'nope' alias" in bad.output, bad.output
+
+    started = runner.invoke(app, ["serve", "start", "--model", PHOTOS])  # its champion: the promoted twin
+    assert started.exit_code == 0, started.output
+    champion = registry.alias_version(PHOTOS, registry.CHAMPION)
+    assert f"{PHOTOS} v{champion} (champion) deployed: 100%" in started.output
+    assert "embedded Ray cluster" in started.output
+    with _client(served) as client:
+        photo = client.post(f"/models/{PHOTOS}/predict", content=_photo())
+        assert photo.status_code == 200 and photo.json()["version"] == champion
+
+    status = runner.invoke(app, ["serve", "status"])
+    assert status.exit_code == 0, status.output
+    assert f"serving {DIGITS} at" in status.output and "(default: POST /predict)" in status.output
+    assert f"serving {PHOTOS} at" in status.output
+
+    everything = runner.invoke(app, ["serve", "stop"])
+    assert everything.exit_code == 0, everything.output
+    cfg = serve_config()
+    left = [a for a in serve.status().applications if a == cfg.name or a.startswith(f"{cfg.name}-")]
+    assert left == [], f"still deployed after `rayline serve stop`: {left}"

@@ -1,0 +1,159 @@
+"""Backfill ranges: which nights, how many at once, how each night's outcome is judged and printed."""
+
+from __future__ import annotations
+
+import pickle
+from datetime import date
+
+import pytest
+from typer.testing import CliRunner
+
+from rayline import nights
+from rayline.errors import ConfigError, InputDataError
+from rayline.nights import BackfillResult, NightOutcome, NightsFailed, RangeLabels
+
+pytestmark = pytest.mark.unit
+
+CLI = RangeLabels(date="--date", start="--from", end="--to", input_uri="--source")
+
+
+def test_no_range_is_the_single_night_path() -> None:
+    assert nights.night_range(None, None, None) is None
+    assert nights.night_range("2026-11-28", None, None) is None
+
+
+def test_a_range_is_every_night_inclusive_in_order() -> None:
+    days = nights.night_range(None, "2026-12-30", "2027-01-02")
+    assert days == [date(2026, 12, 30), date(2026, 12, 31), date(2027, 1, 1), date(2027, 1, 2)]
+    assert nights.night_range(None, "2026-11-28", "2026-11-28") == [date(2026, 11, 28)]
+
+
+def test_date_and_a_range_exclude_each_other_naming_both() -> None:
+    with pytest.raises(ConfigError, match="date and date_from/date_to exclude each other"):
+        nights.night_range("2026-11-28", "2026-11-01", "2026-11-02")
+    with pytest.raises(ConfigError, match="--date and --from/--to exclude each other"):
+        nights.night_range("2026-11-28", None, "2026-11-02", CLI)
+
+
+def test_a_range_needs_both_ends() -> None:
+    with pytest.raises(ConfigError, match="--from needs --to"):
+        nights.night_range(None, "2026-11-01", None, CLI)
+    with pytest.raises(ConfigError, match="date_to needs date_from"):
+        nights.night_range(None, None, "2026-11-01")
+
+
+def test_a_backwards_range_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--from 2026-11-03 is after --to 2026-11-01"):
+        nights.night_range(None, "2026-11-03", "2026-11-01", CLI)
+
+
+def test_a_bad_day_names_its_option() -> None:
+    with pytest.raises(InputDataError, match="--to must look like 2026-11-28, got '2026-13-01'"):
+        nights.night_range(None, "2026-11-01", "2026-13-01", CLI)
+    with pytest.raises(InputDataError, match="date_from must look like"):
+        nights.night_range(None, "yesterday", "2026-11-01")
+
+
+def test_an_over_long_range_is_refused() -> None:
+    assert len(nights.night_range(None, "2024-01-01", "2024-12-31") or []) == nights.MAX_NIGHTS  # a leap year
+    with pytest.raises(ConfigError, match="is 367 nights; at most 366 at once: split the range"):
+        nights.night_range(None, "2024-01-01", "2025-01-01")
+
+
+def test_a_range_input_prefix_needs_the_day_placeholder() -> None:
+    nights.check_range_input(None)
+    nights.check_range_input("s3://b/incoming-photos/dt={dt}")
+    with pytest.raises(ConfigError, match="--source 's3://b/in/dt=2026-11-28' is one prefix for every night"):
+        nights.check_range_input("s3://b/in/dt=2026-11-28", CLI)
+
+
+def test_night_input_uri() -> None:
+    assert nights.night_input_uri(None, "/data", date(2026, 11, 28)) == "/data/incoming/dt=2026-11-28"
+    assert nights.night_input_uri("s3://b/p/dt={dt}/", "/data", date(2026, 11, 28)) == "s3://b/p/dt=2026-11-28/"
+    assert nights.night_input_uri("s3://b/one", "/data", date(2026, 11, 28)) == "s3://b/one"
+
+
+@pytest.mark.parametrize(
+    ("cpus", "actors", "per_actor", "count", "expected"),
+    [
+        (4.0, 2, 0.5, 10, 4),  # 1 CPU a night
+        (4.0, 2, 0.5, 3, 3),  # never more than there are nights
+        (1.0, 4, 0.5, 10, 1),  # one night is more than the cluster: still one at a time
+        (0.0, 2, 0.5, 5, 1),
+        (16.0, 3, 1.0, 30, 5),  # floor: a sixth night's actors would wait
+    ],
+)
+def test_nights_at_once(cpus: float, actors: int, per_actor: float, count: int, expected: int) -> None:
+    assert nights.nights_at_once(cpus, actors, per_actor, count) == expected
+
+
+def _result() -> BackfillResult:
+    return BackfillResult(
+        model_name="digits",
+        model="digits v2",
+        date_from="2026-11-26",
+        date_to="2026-11-28",
+        max_concurrent_nights=2,
+        nights=[
+            NightOutcome(
+                dt="2026-11-26",
+                state="committed",
+                inputs=5,
+                predictions=4,
+                errors=1,
+                predictions_version=3,
+                errors_version=2,
+            ),
+            NightOutcome(dt="2026-11-27", state="failed", message="InputDataError: no input objects under /x"),
+            NightOutcome(dt="2026-11-28", state="skipped", message="another run committed that night"),
+        ],
+    )
+
+
+def test_failure_message_names_each_failed_night() -> None:
+    result = _result()
+    assert [n.dt for n in result.failed] == ["2026-11-27"]
+    assert nights.failure_message(result) == (
+        "1 of 3 nights of digits failed (2026-11-27: InputDataError: no input objects under /x)"
+    )
+
+
+def test_nights_failed_keeps_its_outcomes_when_copied() -> None:
+    error = NightsFailed("1 of 3 nights failed", _result())
+    copied = pickle.loads(pickle.dumps(error))
+    assert str(copied) == "1 of 3 nights failed" and copied.result == error.result
+
+
+def test_backfill_summary_prints_a_line_per_night() -> None:
+    import typer
+
+    from rayline.cli_summaries import print_backfill_summary
+
+    app = typer.Typer()
+    app.command()(lambda: print_backfill_summary(_result()))
+    out = CliRunner().invoke(app, []).output
+    assert "digits v2, 2026-11-26 to 2026-11-28 (3 nights, 2 at a time): 1 committed, 1 skipped, 1 failed" in out
+    lines = [line.strip() for line in out.splitlines() if line.startswith("  2026-")]
+    assert lines == [
+        "2026-11-26  committed  5 inputs → 4 predictions + 1 errors  (Delta versions: predictions 3, errors 2)",
+        "2026-11-27  FAILED     InputDataError: no input objects under /x",
+        "2026-11-28  skipped    another run committed that night",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--date", "2026-11-28", "--from", "2026-11-01", "--to", "2026-11-02"], "--date and --from/--to exclude"),
+        (["--from", "2026-11-02", "--to", "2026-11-01"], "--from 2026-11-02 is after --to 2026-11-01"),
+        (["--from", "2026-11-01", "--to", "11/02/2026"], "--to must look like 2026-11-28"),
+        (["--from", "2026-11-01"], "--from needs --to"),
+        (["--from", "2026-11-01", "--to", "2026-11-02", "--source", "/in/x"], "put {dt} where the day goes"),
+    ],
+)
+def test_cli_refuses_a_bad_range_before_starting_anything(args: list[str], message: str) -> None:
+    from rayline.cli import app
+
+    done = CliRunner().invoke(app, ["nightly-inference", *args])
+    assert done.exit_code == 2, done.output
+    assert message in " ".join(done.output.split())

@@ -1,0 +1,264 @@
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+
+from rayline import delta_tables, layout, prediction_reads, predictions_table
+from rayline.errors import ConfigError, InputDataError, NightCommittedElsewhere
+
+pytestmark = pytest.mark.unit
+
+SCHEMA = pa.schema([("image_id", pa.string()), ("label", pa.string()), ("score", pa.float64())])
+DT = "2026-11-29"
+
+
+def _rows(run_id: str, n: int = 4) -> pa.Table:
+    return pa.table(
+        {"image_id": [f"img-{i}" for i in range(n)], "label": [run_id] * n, "score": [0.5] * n}, schema=SCHEMA
+    )
+
+
+def _write(table: str, night: delta_tables.Night, run_id: str, parts: int = 2, n: int = 4) -> list[str]:
+    """What the actors do: parts of ``n`` rows each under the night's folder."""
+    return [predictions_table.write_data_file(table, night, run_id, p, _rows(run_id, n)) for p in range(parts)]
+
+
+def _everything(table: str) -> pa.Table:
+    # use_threads=False: see read_night on Arrow's scanner threads at exit
+    return DeltaTable(table).to_pyarrow_dataset().to_table(use_threads=False)
+
+
+def _labels(rows: pa.Table) -> set[str]:
+    return set(rows.column("label").to_pylist())
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> str:
+    return layout.table_uri(str(tmp_path), layout.PREDICTIONS_TABLE)
+
+
+def test_commit_then_recommit_same_run_is_a_no_op(table: str) -> None:
+    night = delta_tables.Night("resnet", DT)
+    files = _write(table, night, "run-a")
+    first = predictions_table.commit_night(table, files, {"model_name": "resnet", "dt": DT}, "run-a", SCHEMA)
+    assert (first.replaced, first.already_committed) == (False, False)
+    again = predictions_table.commit_night(table, files, night, "run-a", SCHEMA)
+    assert again.already_committed and again.version == first.version
+    assert delta_tables.table_version(table) == first.version  # nothing new in the log
+    rows = prediction_reads.read_night(table, "resnet", DT)
+    assert rows.num_rows == 8 and _labels(rows) == {"run-a"}
+    assert set(rows.column("model_name").to_pylist()) == {"resnet"}
+    assert delta_tables.night_commit(table, "resnet", DT) == delta_tables.NightCommit("run-a", first.version, 1)
+
+
+def test_rerun_replaces_the_night_and_time_travel_keeps_the_old_one(table: str) -> None:
+    night = delta_tables.Night("resnet", DT)
+    first = predictions_table.commit_night(table, _write(table, night, "run-a"), night, "run-a", SCHEMA)
+    second = predictions_table.commit_night(table, _write(table, night, "run-b", parts=1), night, "run-b", SCHEMA)
+    assert second.replaced and second.version == first.version + 1
+    assert _labels(prediction_reads.read_night(table, "resnet", DT)) == {"run-b"}
+    assert prediction_reads.read_night(table, "resnet", DT).num_rows == 4
+    assert _labels(prediction_reads.read_night(table, "resnet", DT, version=first.version)) == {"run-a"}
+
+
+def test_the_night_as_of_an_older_version_is_the_run_committed_by_then(table: str) -> None:
+    night = delta_tables.Night("resnet", DT)
+    first = predictions_table.commit_night(table, _write(table, night, "run-a"), night, "run-a", SCHEMA)
+    predictions_table.commit_night(table, _write(table, night, "run-b", parts=1), night, "run-b", SCHEMA)
+    # a table loaded at an older version still lists the later commits in its history
+    as_of_first = delta_tables.night_commit(table, "resnet", DT, first.version)
+    assert as_of_first == delta_tables.NightCommit("run-a", first.version, 1)
+
+
+def test_two_models_on_one_date_are_independent(table: str) -> None:
+    a, b = delta_tables.Night("resnet", DT), delta_tables.Night("vit", DT)
+    predictions_table.commit_night(table, _write(table, a, "run-a"), a, "run-a", SCHEMA)
+    predictions_table.commit_night(table, _write(table, b, "run-b", parts=1), b, "run-b", SCHEMA)
+    # a rerun of vit only
+    predictions_table.commit_night(table, _write(table, b, "run-c", parts=1, n=2), b, "run-c", SCHEMA)
+    assert _labels(prediction_reads.read_night(table, "resnet", DT)) == {"run-a"}
+    assert prediction_reads.read_night(table, "resnet", DT).num_rows == 8
+    assert prediction_reads.read_night(table, "vit", DT).num_rows == 2
+
+
+def test_concurrent_commits_of_different_nights_all_land(table: str) -> None:
+    nights = [delta_tables.Night(model, f"2026-11-{day:02d}") for model in ("resnet", "vit") for day in (1, 2, 3)]
+    # the table exists; creation races are another test
+    predictions_table.commit_night(table, [], nights[0], "seed", SCHEMA)
+    files = {night: _write(table, night, f"run-{i}", parts=1) for i, night in enumerate(nights)}
+    start = threading.Barrier(len(nights))
+
+    def commit(i: int, night: delta_tables.Night) -> predictions_table.CommitResult:
+        start.wait()
+        return predictions_table.commit_night(table, files[night], night, f"run-{i}", SCHEMA, max_attempts=5)
+
+    with ThreadPoolExecutor(len(nights)) as pool:
+        results = list(pool.map(commit, range(len(nights)), nights))
+    assert len({r.version for r in results}) == len(nights)
+    for i, night in enumerate(nights):
+        assert _labels(prediction_reads.read_night(table, night.model_name, night.dt)) == {f"run-{i}"}
+    assert _everything(table).num_rows == 4 * len(nights)
+
+
+@pytest.mark.parametrize("night_exists", [False, True], ids=["first-commit", "rerun"])
+def test_three_runs_of_the_same_night_one_wins_the_others_are_told(table: str, night_exists: bool) -> None:
+    night = delta_tables.Night("resnet", DT)
+    if night_exists:
+        predictions_table.commit_night(table, _write(table, night, "run-old"), night, "run-old", SCHEMA)
+    else:
+        predictions_table.commit_night(table, [], delta_tables.Night("other", DT), "seed", SCHEMA)
+    seen = predictions_table.night_seq(table, night)  # all three started before any of them committed
+    runs = ["run-x", "run-y", "run-z"]
+    files = {run: _write(table, night, run) for run in runs}
+    start = threading.Barrier(len(runs))
+
+    def commit(run: str) -> predictions_table.CommitResult | NightCommittedElsewhere:
+        start.wait()
+        try:
+            return predictions_table.commit_night(table, files[run], night, run, SCHEMA, expected_seq=seen)
+        except NightCommittedElsewhere as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        outcomes = dict(zip(runs, pool.map(commit, runs), strict=True))
+    winners = [run for run, out in outcomes.items() if isinstance(out, predictions_table.CommitResult)]
+    assert len(winners) == 1, outcomes
+    rows = prediction_reads.read_night(table, "resnet", DT)
+    assert _labels(rows) == set(winners) and rows.num_rows == 8  # one row per input, once
+    for run, out in outcomes.items():
+        if run not in winners:
+            assert isinstance(out, NightCommittedElsewhere)
+            assert out.winner_run_id == winners[0]
+            assert "another run committed that night" in str(out)
+    # the losers' files are still there (no run deletes another's), just not committed
+    loser_files = [f for run in runs if run not in winners for f in files[run]]
+    assert all(os.path.exists(f) for f in loser_files)
+
+
+def test_same_night_without_expected_seq_still_ends_with_one_run(table: str) -> None:
+    """Snapshots taken at commit time: a run may replace an earlier one, but rows never double."""
+    night = delta_tables.Night("resnet", DT)
+    predictions_table.commit_night(table, [], delta_tables.Night("other", DT), "seed", SCHEMA)
+    runs = [f"run-{i}" for i in range(4)]
+    files = {run: _write(table, night, run) for run in runs}
+    start = threading.Barrier(len(runs))
+
+    def commit(run: str) -> predictions_table.CommitResult | NightCommittedElsewhere:
+        start.wait()
+        try:
+            return predictions_table.commit_night(table, files[run], night, run, SCHEMA)
+        except NightCommittedElsewhere as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        outcomes = list(pool.map(commit, runs))
+    rows = prediction_reads.read_night(table, "resnet", DT)
+    last = delta_tables.night_commit(table, "resnet", DT)
+    assert last is not None and _labels(rows) == {last.run_id} and rows.num_rows == 8
+    committed = sorted(o.version for o in outcomes if isinstance(o, predictions_table.CommitResult))
+    assert committed and last.version == committed[-1] and last.night_seq == len(committed)
+
+
+def test_new_column_reads_as_null_for_an_old_night(table: str) -> None:
+    old, new = delta_tables.Night("resnet", "2026-11-01"), delta_tables.Night("resnet", "2026-11-02")
+    predictions_table.commit_night(table, _write(table, old, "run-a"), old, "run-a", SCHEMA)
+    wider = SCHEMA.append(pa.field("latency_ms", pa.float64()))
+    part = _rows("run-b").append_column("latency_ms", pa.array([1.5] * 4))
+    uri = predictions_table.write_data_file(table, new, "run-b", 0, part)
+    predictions_table.commit_night(table, [uri], new, "run-b", wider)
+    assert prediction_reads.read_night(table, "resnet", "2026-11-01").column("latency_ms").null_count == 8
+    assert prediction_reads.read_night(table, "resnet", "2026-11-02").column("latency_ms").to_pylist() == [1.5] * 4
+    assert predictions_table.add_columns_if_missing(table, wider) == []
+    with pytest.raises(ConfigError, match="cannot change type"):
+        predictions_table.add_columns_if_missing(table, SCHEMA.set(2, pa.field("score", pa.string())))
+
+
+def test_uncommitted_files_are_invisible_and_vacuum_removes_them_keeping_committed(table: str) -> None:
+    night = delta_tables.Night("resnet", DT)
+    first = predictions_table.commit_night(table, _write(table, night, "run-a"), night, "run-a", SCHEMA)
+    predictions_table.commit_night(table, _write(table, night, "run-b"), night, "run-b", SCHEMA)
+    stray = _write(table, night, "run-crashed", parts=1)  # a run that died before committing
+    assert _everything(table).num_rows == 8
+    assert _labels(_everything(table)) == {"run-b"}
+
+    # files this young are a running night's: the default retention leaves them
+    assert prediction_reads.vacuum(table, dry_run=False) == []
+    with pytest.raises(ConfigError, match="still being written"):
+        prediction_reads.vacuum(table, retention_hours=0)
+
+    listed = prediction_reads.vacuum(
+        table, retention_hours=0, allow_short_retention=True, keep_versions=[first.version]
+    )
+    assert listed == [os.path.relpath(stray[0], table)]  # run-a's files stay for version `first`
+    assert os.path.exists(stray[0])  # a dry run by default
+    prediction_reads.vacuum(
+        table, retention_hours=0, allow_short_retention=True, keep_versions=[first.version], dry_run=False
+    )
+    assert not os.path.exists(stray[0])
+    assert _labels(prediction_reads.read_night(table, "resnet", DT)) == {"run-b"}
+    assert _labels(prediction_reads.read_night(table, "resnet", DT, version=first.version)) == {"run-a"}
+
+    removed = prediction_reads.vacuum(table, retention_hours=0, allow_short_retention=True, dry_run=False)
+    assert len(removed) == 2 and all("part-run-a-" in path for path in removed)
+    assert _labels(prediction_reads.read_night(table, "resnet", DT)) == {"run-b"}
+
+
+def test_files_outside_the_night_folder_or_bad_names_are_refused(table: str) -> None:
+    night = delta_tables.Night("resnet", DT)
+    elsewhere = _write(table, delta_tables.Night("resnet", "2026-11-28"), "run-a", parts=1)
+    with pytest.raises(InputDataError, match="is not under"):
+        predictions_table.commit_night(table, elsewhere, night, "run-a", SCHEMA)
+    with pytest.raises(InputDataError, match="model name"):
+        delta_tables.Night("../x", DT)
+    with pytest.raises(InputDataError, match="ISO date"):
+        delta_tables.Night("resnet", "yesterday")
+    with pytest.raises(InputDataError, match="no Delta table"):
+        prediction_reads.read_night(table + "-missing", "resnet", DT)
+
+
+def test_storage_options_for_s3_come_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    assert delta_tables.storage_options("s3://bucket/predictions") == {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_REGION": "eu-west-1",
+    }
+    assert delta_tables.storage_options("/tmp/x") is None
+
+
+@pytest.mark.integration
+def test_commits_on_the_s3_protocol_server_smoke(s3_storage: str) -> None:
+    """delta-rs's S3 client on the moto server: a smoke test (moto can't prove atomicity; local disk does)."""
+    table = layout.table_uri(s3_storage, layout.PREDICTIONS_TABLE)
+    other = [delta_tables.Night("vit", "2026-11-01"), delta_tables.Night("vit", "2026-11-02")]
+    predictions_table.commit_night(table, _write(table, other[0], "run-o0", parts=1), other[0], "run-o0", SCHEMA)
+    night = delta_tables.Night("resnet", DT)
+    seen = predictions_table.night_seq(table, night)
+    runs = ["run-x", "run-y", "run-z"]
+    files = {run: _write(table, night, run) for run in runs}
+    files["run-o1"] = _write(table, other[1], "run-o1", parts=1)
+    start = threading.Barrier(len(files))
+
+    def commit(run: str) -> predictions_table.CommitResult | NightCommittedElsewhere:
+        start.wait()
+        target = other[1] if run == "run-o1" else night
+        try:
+            return predictions_table.commit_night(table, files[run], target, run, SCHEMA, expected_seq=seen)
+        except NightCommittedElsewhere as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(files)) as pool:
+        outcomes = dict(zip(files, pool.map(commit, files), strict=True))
+    assert isinstance(outcomes.pop("run-o1"), predictions_table.CommitResult), "another night commits on its own"
+    assert all(isinstance(o, predictions_table.CommitResult | NightCommittedElsewhere) for o in outcomes.values())
+    rows = prediction_reads.read_night(table, "resnet", DT)
+    assert rows.num_rows == 8 and len(_labels(rows)) == 1, "one run's rows, once"
+    for dt, run in (("2026-11-01", "run-o0"), ("2026-11-02", "run-o1")):
+        assert _labels(prediction_reads.read_night(table, "vit", dt)) == {run}
