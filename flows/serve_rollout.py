@@ -14,7 +14,7 @@ from ray_workloads.rollout import GateConfig, RolloutConfig, StepReport, default
 from ray_workloads.serve_config import ServeConfig
 from rayline import registry, storage
 from rayline.errors import RolloutRolledBack
-from tasks.serve import prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
+from tasks.serve import PreparedRollout, prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
 
 LEASE_TTL_S = 3600.0  # longer than any rollout; a crashed holder's lease is broken after it
 
@@ -106,6 +106,29 @@ def _roll_out(cfg: RolloutConfig, version: registry.ModelVersion, serve: ServeCo
             steps=[],
         )
     reports: list[StepReport] = []
+    try:
+        _step_through(cfg, prepared, reports, serve)
+        promote_task(prepared, reports, serve)
+    except RolloutRolledBack:
+        raise
+    except Exception as exc:
+        # Not a failed gate: a step or the promotion raised. Left alone, the candidate would keep
+        # its weight, the next rollout would take it for the incumbent, and serving and the
+        # registry's champion would disagree.
+        _roll_back_after_error(prepared, reports, exc, serve)
+        raise
+    return RolloutResult(
+        model=version.name,
+        candidate=prepared.candidate.version,
+        incumbent=prepared.incumbent.version,
+        promoted=True,
+        reason=f"v{prepared.candidate.version} passed {len(reports)} steps and is champion",
+        steps=reports,
+    )
+
+
+def _step_through(cfg: RolloutConfig, prepared: PreparedRollout, reports: list[StepReport], serve: ServeConfig) -> None:
+    """Each traffic step in turn; a failed gate rolls back and raises ``RolloutRolledBack``."""
     baseline: float | None = None
     for weight in cfg.steps:
         report = rollout_step_task(cfg, prepared, weight, baseline, check_agreement=not reports)
@@ -115,12 +138,15 @@ def _roll_out(cfg: RolloutConfig, version: registry.ModelVersion, serve: ServeCo
             reason = f"v{prepared.candidate.version} failed the gate at {weight:g}%: {report.reason}"
             roll_back_task(prepared, reports, reason, serve)
             raise RolloutRolledBack(f"{reason}; all traffic is back on v{prepared.incumbent.version}")
-    promote_task(prepared, reports, serve)
-    return RolloutResult(
-        model=version.name,
-        candidate=prepared.candidate.version,
-        incumbent=prepared.incumbent.version,
-        promoted=True,
-        reason=f"v{prepared.candidate.version} passed {len(reports)} steps and is champion",
-        steps=reports,
-    )
+
+
+def _roll_back_after_error(
+    prepared: PreparedRollout, reports: list[StepReport], exc: Exception, serve: ServeConfig
+) -> None:
+    """All traffic back on the incumbent, unless the promotion already landed in the registry
+    (then the candidate is champion and serving it is what agrees with the registry)."""
+    cand = prepared.candidate
+    if registry.alias_version(cand.name, registry.CHAMPION) == cand.version:
+        return
+    reason = f"the rollout of v{cand.version} raised {type(exc).__name__}: {exc}"
+    roll_back_task(prepared, reports, reason, serve)

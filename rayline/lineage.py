@@ -94,8 +94,17 @@ def lineage_dir(stage: str | None = None) -> str:
     return storage.join(base, stage) if stage else base
 
 
-def write_record(record: LineageRecord) -> str:
-    """Store ``record`` and return its URI. Names sort by time."""
+def write_record(record: LineageRecord, *, maybe_written: bool = False) -> str:
+    """Store ``record`` and return its URI. Names sort by time.
+
+    ``maybe_written``: an earlier attempt of the same run (same ``record_id``)
+    may have stored it already; that record then stands and no second one is
+    written.
+    """
+    if maybe_written:
+        for existing in storage.list_objects(lineage_dir(record.stage)):
+            if existing.key.endswith(f"-{record.record_id}.json"):
+                return existing.uri
     stamp = record.ended_at.strftime("%Y%m%dT%H%M%S%fZ")
     uri = storage.join(lineage_dir(record.stage), f"{stamp}-{record.record_id}.json")
     storage.write_json_atomic(uri, record.model_dump(mode="json"))

@@ -155,14 +155,28 @@ def release_rollout_lease(name: str, holder: str) -> None:
         storage.remove_tree(uri)
 
 
-def _claim_next_version(name: str) -> int:
+def _claim_next_version(name: str, idempotency_key: str | None = None) -> int:
     candidate = (max(_claimed_versions(name), default=0)) + 1
+    claim_body = json.dumps({"claimed_at": datetime.now(UTC).isoformat(), "idempotency_key": idempotency_key})
     for _ in range(1000):
         claim = storage.join(model_root(name), f"v{candidate}", CLAIM_FILE)
-        if _create_exclusive(claim, datetime.now(UTC).isoformat().encode()):
+        if _create_exclusive(claim, claim_body.encode()):
             return candidate
         candidate += 1
     raise StorageError(f"could not claim a version number for model {name}")
+
+
+def _version_claimed_with(name: str, idempotency_key: str) -> int | None:
+    """The version number a registration with this key claimed, newest first (a retry follows soon)."""
+    for number in reversed(_claimed_versions(name)):
+        claim = storage.join(model_root(name), f"v{number}", CLAIM_FILE)
+        try:
+            recorded = json.loads(storage.read_bytes(claim))
+        except (StorageError, InputDataError, ValueError):
+            continue  # no claim file, or one from before keys were recorded (a bare timestamp)
+        if isinstance(recorded, dict) and recorded.get("idempotency_key") == idempotency_key:
+            return number
+    return None
 
 
 def register(
@@ -180,9 +194,21 @@ def register(
     flow_run_id: str | None = None,
     weights_source: WeightsSource | None = None,
     parent: ParentModel | None = None,
+    idempotency_key: str | None = None,
 ) -> ModelVersion:
-    """Store a new immutable version; ``version.json`` is written last."""
-    number = _claim_next_version(name)
+    """Store a new immutable version; ``version.json`` is written last.
+
+    ``idempotency_key``: a retry of the same registration (same key) gets the
+    version its earlier attempt claimed — committed already, or finished now —
+    never a second one.
+    """
+    number = _version_claimed_with(name, idempotency_key) if idempotency_key else None
+    if number is not None:
+        done = storage.join(model_root(name), f"v{number}", VERSION_FILE)
+        if storage.exists(done):
+            return ModelVersion.model_validate(storage.read_json(done))
+    else:
+        number = _claim_next_version(name, idempotency_key)
     uri = storage.join(model_root(name), f"v{number}")
     weights_uri = storage.join(uri, WEIGHTS_FILE)
     storage.write_bytes_atomic(weights_uri, weights)
@@ -237,6 +263,14 @@ def alias_version(name: str, alias: str) -> int | None:
     return int(storage.read_json(uri)["version"])
 
 
+def alias_move(name: str, alias: str) -> AliasMove | None:
+    """The move that put ``alias`` where it is now (None: no such alias)."""
+    uri = _alias_uri(name, alias)
+    if not storage.exists(uri):
+        return None
+    return AliasMove.model_validate(storage.read_json(uri))
+
+
 def resolve(name: str, ref: str | int) -> ModelVersion:
     """A version from an alias (``champion``), ``v3``/``3``, or a number."""
     if isinstance(ref, int) or str(ref).lstrip("v").isdigit():
@@ -288,9 +322,18 @@ def _check_ref(ref: str) -> str:
 
 
 def set_alias(name: str, alias: str, version: int, reason: str) -> AliasMove:
-    """Point ``alias`` at ``version`` (one atomic write); returns the move for lineage."""
+    """Point ``alias`` at ``version`` (one atomic write); returns the move for lineage.
+
+    An alias already on ``version`` is not moved again: the move that put it
+    there stands (a retried task must not record a move from v3 to v3 in place
+    of the move from v2 to v3).
+    """
     get_version(name, version)  # only committed versions can be aliased
-    move = AliasMove(name=name, alias=alias, version=version, previous=alias_version(name, alias), reason=reason)
+    current = alias_move(name, alias)
+    if current is not None and current.version == version:
+        return current
+    previous = current.version if current is not None else None
+    move = AliasMove(name=name, alias=alias, version=version, previous=previous, reason=reason)
     storage.write_json_atomic(_alias_uri(name, alias), move.model_dump(mode="json"))
     return move
 

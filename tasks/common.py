@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -150,8 +152,16 @@ def record_lineage(
     connection: RayConnection | None,
     cached: bool = False,
 ) -> str:
-    """Write this stage run's lineage record; returns its URI."""
+    """Write this stage run's lineage record; returns its URI.
+
+    In a Prefect task run the record's id is derived from the task run and the
+    stage, so a retried attempt finds the record an earlier attempt wrote and
+    adds no second one.
+    """
+    run_id = task_run.get_id()
+    identity = {"record_id": uuid.uuid5(uuid.NAMESPACE_URL, f"rayline:{run_id}:{stage}").hex} if run_id else {}
     record = LineageRecord(
+        **identity,
         stage=stage,
         started_at=started_at,
         inputs=inputs,
@@ -161,7 +171,7 @@ def record_lineage(
         run=run_context(connection),
         cached=cached,
     )
-    uri = lineage.write_record(record)
+    uri = lineage.write_record(record, maybe_written=bool(run_id) and (task_run.run_count or 1) > 1)
     run = _current_run.get()
     if run is None:  # no openlineage_run around: this record is the whole run
         openlineage_events.emit("COMPLETE", _run_identity(stage), inputs, outputs)
@@ -169,6 +179,18 @@ def record_lineage(
         run.inputs.extend(inputs)
         run.outputs.extend(outputs)
     return uri
+
+
+def idempotency_key(*inputs: object) -> str:
+    """The same in every attempt of this Prefect task run, different in any other run.
+
+    Side effects a retried attempt would repeat (a registered version, an
+    emitted event) carry it, so the retry finds the first attempt's instead of
+    making a second.
+    """
+    run = task_run.get_id() or flow_run.get_id() or uuid.uuid4().hex  # outside Prefect: every call is a run
+    joined = "\x1f".join(str(part) for part in (run, *inputs))
+    return hashlib.sha256(joined.encode()).hexdigest()[:32]
 
 
 def _str_or_none(value: object) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from prefect import get_run_logger
+from prefect.runtime import task_run
 
 from ray_workloads import ingest
 from rayline import lineage, ray_cluster
@@ -45,10 +46,15 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
         connection=connection,
         cached=result.cached,
     )
-    if not result.cached:  # a new input version: say what arrived since the last one
+    # A new input version: say what arrived since the last one. A retried attempt finds the
+    # version its first attempt committed as "cached" and announces it too (that attempt may have
+    # failed before it did); the event's id is the version's, so the server keeps one either way.
+    if not result.cached or (task_run.run_count or 1) > 1:
         news = ingest.arrivals(result, _previous_ingest(result))
         if news.new_objects:
-            eligible = events.data_arrived(news, may_retrain=announce_retrain)
+            eligible = events.data_arrived(
+                news, may_retrain=announce_retrain, idempotency_key=f"{result.source_uri}@{result.content_hash}"
+            )
             get_run_logger().info(
                 "%d new objects (%d labelled) under %s%s",
                 news.new_objects,

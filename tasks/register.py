@@ -16,7 +16,7 @@ from rayline.errors import ConfigError
 from rayline.lineage import DatasetRef
 from rayline.specs import ParentModel
 from tasks import events
-from tasks.common import ray_task, record_lineage, run_context
+from tasks.common import idempotency_key, ray_task, record_lineage, run_context
 
 GATE_METRIC = "test_accuracy"
 
@@ -31,7 +31,11 @@ class RegistrationResult(BaseModel):
 def _champion_score(name: str, candidate: registry.ModelVersion) -> tuple[registry.ModelVersion | None, float | None]:
     """The champion's score on the candidate's test split (re-evaluated if it was trained on other data)."""
     number = registry.alias_version(name, registry.CHAMPION)
-    if number is None or number == candidate.version:
+    if number is not None and number == candidate.version:
+        # a retried attempt: the first one already promoted it; judge it against the version it replaced
+        move = registry.alias_move(name, registry.CHAMPION)
+        number = move.previous if move is not None else None
+    if number is None:
         return None, None
     champion = registry.get_version(name, number)
     if champion.data_content_hash == candidate.data_content_hash and GATE_METRIC in champion.metrics:
@@ -84,6 +88,7 @@ def register_and_gate(
     state_dict_from_bytes(weights, trained.weights_uri)  # refuse anything but tensors before registering
     _check_same_classes(name, prepared.classes)
     record_context = run_context(connection)
+    key = idempotency_key(name, trained.weights_uri, evaluation.data_manifest_uri)
     version = registry.register(
         name,
         weights,
@@ -97,6 +102,7 @@ def register_and_gate(
         training_run_uri=trained.run_uri,
         flow_run_id=record_context.flow_run_id,
         parent=parent,
+        idempotency_key=key,
     )
     champion, champion_score = _champion_score(name, version)
     decision = registry.gate(
@@ -119,6 +125,7 @@ def register_and_gate(
             events.model_resource(name, version.version),
             payload={"model": name, "version": version.version, "reason": decision.reason},
             labels={"rayline.model": name},
+            idempotency_key=key,
         )
     get_run_logger().info("registered %s v%d; gate: %s", name, version.version, decision.reason)
     create_markdown_artifact(

@@ -14,7 +14,7 @@ from ray_workloads.serve_config import ServeConfig
 from rayline import ray_cluster, registry
 from rayline.lineage import DatasetRef
 from tasks import events
-from tasks.common import ray_task, record_lineage
+from tasks.common import idempotency_key, ray_task, record_lineage
 
 
 class PreparedRollout(BaseModel):
@@ -118,6 +118,7 @@ def _finish(
         event,
         events.model_resource(cand.name, cand.version),
         payload={"model": cand.name, "candidate": cand.version, "incumbent": inc.version, "reason": reason, **extra},
+        idempotency_key=idempotency_key(stage, cand.uri, inc.uri),  # a retried promote/roll-back: one event
     )
 
 

@@ -168,3 +168,34 @@ def test_a_rollout_racing_another_waits_for_its_deploys_and_reads_settled_weight
 
     serve_control.set_weights({champion.version: 100.0}, cfg)
     serve_control.remove_version(other.version, cfg)
+
+
+def test_a_rollout_that_raises_rolls_back_and_serving_agrees_with_the_registry(
+    champion_serving: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a failed gate: the 100 % step raises after the candidate got all the traffic."""
+    incumbent = registry.resolve("digits", registry.CHAMPION)
+    twin = _register(seed=0)
+    registry.set_alias("digits", registry.CHALLENGER, twin.version, "test")
+    real_run_step = rollout.run_step
+
+    def run_step_raising_at_100(
+        cfg: rollout.RolloutConfig, base_url: str, inc: int, cand: int, weight: float, *args: object, **kwargs: object
+    ) -> rollout.StepReport:
+        if weight < 100.0:
+            return real_run_step(cfg, base_url, inc, cand, weight, *args, **kwargs)  # type: ignore[arg-type]
+        serve_control.set_weights({inc: 0.0, cand: 100.0}, cfg.serve, model="digits")  # the side effect landed
+        raise RuntimeError("injected: the soak's client died after the weights moved")
+
+    monkeypatch.setattr(rollout, "run_step", run_step_raising_at_100)
+    state = serve_rollout(steps=[10.0, 100.0], return_state=True, **FAST)  # type: ignore[arg-type]
+
+    assert state.is_failed() and "injected" in str(state.message), state.message
+    cfg = serve_control.ServeConfig(port=serve_config().port)
+    assert serve_control.get_weights(cfg) == {incumbent.version: 100.0}
+    assert serve_control.live_versions(cfg) == [incumbent.version]
+    assert rollout.incumbent_version(cfg, "digits") == registry.alias_version("digits", registry.CHAMPION)
+    assert registry.alias_version("digits", registry.CHAMPION) == incumbent.version
+    (record,) = [r for r in lineage.read_records("serve_rollout") if r.outputs[0].uri == twin.uri]
+    assert record.outputs[0].facets["outcome"] == "rolled back"
+    assert "raised RuntimeError: injected" in record.outputs[0].facets["reason"]

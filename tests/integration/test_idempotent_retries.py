@@ -1,0 +1,200 @@
+"""A task retried by Prefect right after one of its side effects leaves exactly one of each.
+
+Each case makes one side effect of ``register-and-gate`` raise a transient
+error once, right after it happened (the version registered, the alias moved,
+the event emitted, the lineage record written), and lets Prefect retry the
+task with no delay. The end state must be one version, one alias move (from
+the version before, not from itself), one event and one lineage record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+from uuid import UUID
+
+import httpx
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+
+import ray_workloads.ingest
+import tasks.ingest
+import tasks.register
+from flows.prepare_data import prepare_data
+from ray_workloads.evaluate import EvaluationResult
+from ray_workloads.ingest import IngestConfig, IngestResult
+from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
+from ray_workloads.preprocess import PreprocessResult
+from ray_workloads.train import TrainResult
+from rayline import lineage, registry, storage
+from rayline.errors import TransientError
+from rayline.seed import digit_objects
+from tasks import events
+from tasks.ingest import ingest_objects
+from tasks.register import RegistrationResult, register_and_gate
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PreprocessResult]:
+    """A small prepared digits set (its manifest is what a registration is judged on)."""
+    root = str(tmp_path_factory.mktemp("retries") / "storage")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAYLINE_STORAGE", root)
+        raw = storage.join(root, "raw")
+        for key, data in list(digit_objects(32))[:150]:
+            storage.write_bytes_atomic(storage.join(raw, key), data)
+        yield prepare_data(source_uri=raw, announce_retrain=False).preprocess
+
+
+def _fail_once_after(module: ModuleType, name: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``module.name`` does its work, then raises a transient error the first time only."""
+    real: Callable[..., Any] = getattr(module, name)
+    calls: list[str] = []
+
+    def side_effect_then_fault(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        calls.append(name)
+        if len(calls) == 1:
+            raise TransientError(f"injected right after {name}")
+        return result
+
+    monkeypatch.setattr(module, name, side_effect_then_fault)
+    return calls
+
+
+def _register_with_retries(name: str, prepared: PreprocessResult) -> tuple[RegistrationResult, int]:
+    spec = ModelSpec(num_classes=len(prepared.classes), width=8)
+    weights_uri = storage.join(storage.storage_root(), "runs", name, "weights.pt")
+    storage.write_bytes_atomic(weights_uri, state_dict_bytes(build_model(spec)))
+    trained = TrainResult(
+        run_name=name,
+        run_uri=storage.join(storage.storage_root(), "runs", name),
+        checkpoint_uri=weights_uri,
+        weights_uri=weights_uri,
+        metrics={},
+        history=[],
+        epochs=1,
+        elapsed_s=1.0,
+        samples_per_s=1.0,
+    )
+    evaluation = EvaluationResult(
+        split="test", data_manifest_uri=prepared.manifest_uri, samples=10, accuracy=0.9, per_class=[], confusion=[]
+    )
+    fast = register_and_gate.with_options(retry_delay_seconds=0, retry_jitter_factor=None)
+
+    @flow(name="register-retry-probe")
+    def probe() -> tuple[RegistrationResult, UUID | None]:
+        state = fast(name, spec, trained, evaluation, promote_to=registry.CHALLENGER, return_state=True)
+        return state.result(), state.state_details.task_run_id
+
+    result, task_run_id = probe()
+    assert task_run_id is not None
+    return result, asyncio.run(_run_count(task_run_id))
+
+
+async def _run_count(task_run_id: UUID) -> int:
+    async with get_client() as client:
+        return (await client.read_task_run(task_run_id)).run_count
+
+
+def _stored_events(api: str, event: str, resource_id: str) -> list[dict[str, Any]]:
+    with httpx.Client(base_url=api) as client:
+        answer = client.post(
+            "/events/filter", json={"filter": {"event": {"name": [event]}, "resource": {"id": [resource_id]}}}
+        )
+        answer.raise_for_status()
+        return list(answer.json()["events"])
+
+
+def _one_stored_event(api: str, event: str, resource_id: str) -> None:
+    """The event reached the server once: a retry's second emission (same id) was not kept."""
+    deadline = time.monotonic() + 20
+    while not _stored_events(api, event, resource_id):
+        assert time.monotonic() < deadline, f"{event} for {resource_id} never reached the server"
+        time.sleep(0.5)
+    time.sleep(1.0)  # a second copy, had there been one, was sent right after the first
+    stored = _stored_events(api, event, resource_id)
+    assert len(stored) == 1, stored
+
+
+def _champion(name: str, prepared: PreprocessResult) -> registry.ModelVersion:
+    spec = ModelSpec(num_classes=len(prepared.classes), width=8)
+    champion = registry.register(
+        name,
+        state_dict_bytes(build_model(spec)),
+        model_spec=spec,
+        image_spec=prepared.image,
+        classes=prepared.classes,
+        metrics={tasks.register.GATE_METRIC: 0.5},
+        data_content_hash=prepared.input_content_hash,
+        code_version="test",
+    )
+    registry.set_alias(name, registry.CHAMPION, champion.version, "test")
+    return champion
+
+
+SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
+    "version-registered": (registry, "register"),
+    "alias-moved": (registry, "set_alias"),
+    "event-emitted": (events, "emit"),
+    "lineage-written": (tasks.register, "record_lineage"),
+}
+
+
+@pytest.mark.parametrize("side_effect", list(SIDE_EFFECTS))
+def test_register_and_gate_retried_after_a_side_effect_leaves_one_of_each(
+    side_effect: str, prepared: PreprocessResult, prefect_api: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"retry-{side_effect}"
+    champion = _champion(name, prepared)
+    module, function = SIDE_EFFECTS[side_effect]
+    calls = _fail_once_after(module, function, monkeypatch)
+
+    result, attempts = _register_with_retries(name, prepared)
+
+    assert attempts == 2 and len(calls) == 2, (attempts, calls)
+    assert [v.version for v in registry.list_versions(name)] == [champion.version, result.version.version]
+    assert result.alias == registry.CHALLENGER and "beats champion" in result.decision.reason
+    move = registry.alias_move(name, registry.CHALLENGER)
+    assert move is not None and move.version == result.version.version and move.previous is None
+    records = [r for r in lineage.read_records("registry") if r.outputs[0].uri == result.version.uri]
+    assert len(records) == 1, records
+    _one_stored_event(prefect_api, events.CHALLENGER_REGISTERED, events.model_resource(name, result.version.version))
+
+
+INGEST_SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
+    "manifest-committed": (ray_workloads.ingest, "run"),
+    "event-emitted": (events, "data_arrived"),
+    "lineage-written": (tasks.ingest, "record_lineage"),
+}
+
+
+@pytest.mark.parametrize("side_effect", list(INGEST_SIDE_EFFECTS))
+def test_ingest_retried_after_a_side_effect_announces_the_arrival_once(
+    side_effect: str, prepared: PreprocessResult, prefect_api: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = storage.storage_root()
+    source = storage.join(root, f"arrivals-{side_effect}")
+    for key, data in list(digit_objects(32))[:40]:
+        storage.write_bytes_atomic(storage.join(source, key), data)
+    module, function = INGEST_SIDE_EFFECTS[side_effect]
+    calls = _fail_once_after(module, function, monkeypatch)
+    fast = ingest_objects.with_options(retry_delay_seconds=0, retry_jitter_factor=None)
+
+    @flow(name="ingest-retry-probe")
+    def probe() -> tuple[IngestResult, UUID | None]:
+        state = fast(IngestConfig(source_uri=source, output_root=storage.join(root, "datasets")), return_state=True)
+        return state.result(), state.state_details.task_run_id
+
+    result, task_run_id = probe()
+    assert task_run_id is not None and asyncio.run(_run_count(task_run_id)) == 2 and len(calls) == 2, calls
+    assert result.object_count == 40
+    records = [r for r in lineage.read_records("ingest") if r.inputs[0].uri == result.source_uri]
+    assert len(records) == 1, records
+    _one_stored_event(prefect_api, events.DATA_ARRIVED, f"rayline.data.{result.source_uri}")
