@@ -170,3 +170,36 @@ def test_a_bad_nightly_model_option_is_named(
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         _model_ref(model, model_name)
+
+
+def _register_keyed(key: str | None) -> registry.ModelVersion:
+    return registry.register(
+        "digits",
+        state_dict_bytes(build_model(ModelSpec(width=8))),
+        model_spec=ModelSpec(width=8),
+        image_spec=ImageSpec(size=32),
+        classes=[str(i) for i in range(10)],
+        metrics={},
+        code_version="test",
+        idempotency_key=key,
+    )
+
+
+def test_a_retried_registration_gets_the_version_its_first_attempt_claimed(local_storage: str) -> None:
+    first = _register_keyed("run-1")
+    assert _register_keyed("run-1").version == first.version  # committed: the same version back
+    other = _register_keyed("run-2")
+    assert other.version == first.version + 1
+    # a first attempt that claimed a number and died before committing: the retry finishes that one
+    storage.remove_tree(storage.join(other.uri, registry.VERSION_FILE))
+    assert _register_keyed("run-2").version == other.version
+    assert [v.version for v in registry.list_versions("digits")] == [first.version, other.version]
+    assert _register_keyed(None).version == other.version + 1  # no key: always a new version
+
+
+def test_moving_an_alias_where_it_already_is_keeps_the_move_that_put_it_there(local_storage: str) -> None:
+    one, two = _register_keyed(None), _register_keyed(None)
+    registry.set_alias("digits", registry.CHAMPION, one.version, "first")
+    moved = registry.set_alias("digits", registry.CHAMPION, two.version, "better")
+    again = registry.set_alias("digits", registry.CHAMPION, two.version, "a retry")
+    assert again == moved and again.previous == one.version and again.reason == "better"
