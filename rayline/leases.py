@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from rayline import conditional, storage
-from rayline.errors import LeaseBusy, LeaseLost, StorageError
+from rayline.errors import ConfigError, LeaseBusy, LeaseLost, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,8 @@ def held(
     ``wait_s``. The block calls ``ensure_held()`` on what it gets before it
     commits anything.
     """
+    if ttl_s <= 0:
+        raise ConfigError(f"a held lease needs a positive ttl, not {ttl_s} s")
     started = time.monotonic()
     lease = _wait_for(uri, holder, ttl_s, wait_s, describe, poll_max_s)
     handle = HeldLease(lease, waited_s=time.monotonic() - started, renew_every_s=renew_every_s or ttl_s / 3)
@@ -229,13 +231,10 @@ def _busy(uri: str, describe: str, waited_s: float) -> LeaseBusy:
 def _lost(lease: Lease) -> LeaseLost:
     current = read(lease.uri)
     if current is None or current.released:
-        now = "nobody holds it now"
+        now = "another run took and released it since"
     else:
         now = f"now held by {current.holder} (expires in {current.expires_in():.0f} s)"
-    return LeaseLost(
-        f"{lease.holder} lost its lease on {lease.guards} ({lease.uri}): {now}; "
-        "it was taken over after it expired, so this run must not commit"
-    )
+    return LeaseLost(f"{lease.holder} lost its lease on {lease.guards} ({lease.uri}): {now}; it must not commit")
 
 
 def _swap(expected: Lease, new: Lease) -> Lease | None:

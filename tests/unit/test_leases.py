@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from rayline import conditional, leases, storage
-from rayline.errors import LeaseBusy, LeaseLost
+from rayline.errors import ConfigError, LeaseBusy, LeaseLost
 
 pytestmark = pytest.mark.unit
 
@@ -195,6 +195,21 @@ def test_a_paused_holder_nobody_took_over_holds_again(tmp_path: Path) -> None:
     with leases.held(str(tmp_path / "x.lease"), "run-a", ttl_s=0.2, wait_s=0, renew_every_s=60) as held:
         time.sleep(0.3)
         assert held.ensure_held().is_live(), "the swap proves nobody wrote the lease meanwhile"
+
+
+def test_a_lease_written_before_generations_is_honoured_then_taken_over(tmp_path: Path) -> None:
+    uri = str(tmp_path / "rollout.lease")
+    storage.write_json_atomic(uri, {"holder": "old-run", "expires_at": time.time() + 60})
+    assert leases.try_acquire(uri, "run-a", ttl_s=60) is None
+    storage.write_json_atomic(uri, {"holder": "old-run", "expires_at": time.time() - 1})
+    taker = leases.try_acquire(uri, "run-a", ttl_s=60)
+    assert taker is not None and taker.generation == 1
+
+
+def test_held_needs_a_positive_ttl(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="positive ttl"):
+        with leases.held(str(tmp_path / "x.lease"), "run-a", ttl_s=0, wait_s=0):
+            pytest.fail("the block must not run")
 
 
 def test_run_holder_names_the_run_host_and_process() -> None:
