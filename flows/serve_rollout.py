@@ -5,7 +5,6 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from prefect import flow
-from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from ray_workloads import serve_control
@@ -13,6 +12,7 @@ from ray_workloads.rollout import GateConfig, RolloutConfig, StepReport, default
 from ray_workloads.serve_config import ServeConfig
 from rayline import leases, registry, storage
 from rayline.errors import LeaseBusy, RolloutRolledBack
+from tasks.common import lease_holder
 from tasks.serve import prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
 
 # renewed every ttl/3 while the rollout runs, so it need not outlast a rollout: a crashed
@@ -82,10 +82,9 @@ def serve_rollout(
 
 def _wait_for_lease(stack: ExitStack, model_name: str, wait_s: float) -> leases.HeldLease:
     """One rollout per model at a time: a second one (a trigger firing twice) waits, then finds its work done."""
-    holder = leases.run_holder(f"flow run {flow_run.get_name()} ({flow_run.get_id()})" if flow_run.get_id() else None)
     held = leases.held(
         registry.rollout_lease_uri(model_name),
-        holder,
+        lease_holder(),
         ttl_s=LEASE_TTL_S,
         wait_s=wait_s,
         describe=registry.rollout_lease_what(model_name),

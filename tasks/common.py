@@ -1,4 +1,4 @@
-"""What every rayline task shares: retry policy, run ids, lineage recording."""
+"""What every rayline task shares: retry policy, run ids, lease holders, lineage recording."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.runtime import flow_run, task_run
 
-from rayline import lineage, openlineage_events
+from rayline import leases, lineage, openlineage_events
 from rayline.errors import is_transient
 from rayline.lineage import DatasetRef, LineageRecord, RunContext
 from rayline.ray_cluster import RayConnection
@@ -169,6 +169,15 @@ def record_lineage(
         run.inputs.extend(inputs)
         run.outputs.extend(outputs)
     return uri
+
+
+def lease_holder() -> str:
+    """Who takes a lease (``rayline.leases``): this flow run by name and id, on this host and process.
+
+    Outside a flow run, this process (with a random tag: two calls are two holders).
+    """
+    run_id = _str_or_none(flow_run.get_id())
+    return leases.run_holder(f"flow run {flow_run.get_name()} ({run_id})" if run_id else None)
 
 
 def _str_or_none(value: object) -> str | None:
