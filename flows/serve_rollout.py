@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import time
-import uuid
+from contextlib import ExitStack
 
 from prefect import flow
-from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from ray_workloads import serve_control
 from ray_workloads.rollout import GateConfig, RolloutConfig, StepReport, default_probe_source
 from ray_workloads.serve_config import ServeConfig
-from rayline import registry, storage
-from rayline.errors import RolloutRolledBack
+from rayline import leases, registry, storage
+from rayline.errors import LeaseBusy, LeaseLost, RolloutRolledBack
+from tasks.common import lease_holder
 from tasks.serve import PreparedRollout, prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
 
-LEASE_TTL_S = 3600.0  # longer than any rollout; a crashed holder's lease is broken after it
+# renewed every ttl/3 while the rollout runs, so it need not outlast a rollout: a crashed
+# holder's lease is taken over this long after its last renewal
+LEASE_TTL_S = 300.0
 
 
 class RolloutResult(BaseModel):
@@ -71,30 +72,34 @@ def serve_rollout(
         ),
         serve=serve,
     )
-    asked = time.monotonic()
-    holder = _wait_for_lease(model_name, lease_wait_s)
-    waited_s = time.monotonic() - asked
-    try:
-        result = _roll_out(cfg, version, serve)
-    finally:
-        registry.release_rollout_lease(model_name, holder)
-    if not result.steps and waited_s > 1.0:  # say why there was nothing to do
-        result.reason += f" (another rollout promoted it while this one waited {waited_s:.0f} s for the lease)"
+    with ExitStack() as stack:
+        lease = _wait_for_lease(stack, model_name, lease_wait_s)
+        result = _roll_out(cfg, version, serve, lease)
+    if not result.steps and lease.waited_s > 1.0:  # say why there was nothing to do
+        result.reason += f" (another rollout promoted it while this one waited {lease.waited_s:.0f} s for the lease)"
     return result
 
 
-def _wait_for_lease(model_name: str, wait_s: float) -> str:
+def _wait_for_lease(stack: ExitStack, model_name: str, wait_s: float) -> leases.HeldLease:
     """One rollout per model at a time: a second one (a trigger firing twice) waits, then finds its work done."""
-    holder = str(flow_run.get_id() or uuid.uuid4())
-    deadline = time.monotonic() + wait_s
-    while not registry.acquire_rollout_lease(model_name, holder, ttl_s=LEASE_TTL_S):
-        if time.monotonic() > deadline:
-            raise RolloutRolledBack(f"another rollout of {model_name} still holds the lease after {wait_s:.0f} s")
-        time.sleep(2.0)
-    return holder
+    held = leases.held(
+        registry.rollout_lease_uri(model_name),
+        lease_holder(),
+        ttl_s=LEASE_TTL_S,
+        wait_s=wait_s,
+        describe=registry.rollout_lease_what(model_name),
+    )
+    try:
+        return stack.enter_context(held)
+    except LeaseBusy as exc:
+        raise RolloutRolledBack(
+            f"another rollout of {model_name} still holds the lease after {wait_s:.0f} s: {exc}"
+        ) from exc
 
 
-def _roll_out(cfg: RolloutConfig, version: registry.ModelVersion, serve: ServeConfig) -> RolloutResult:
+def _roll_out(
+    cfg: RolloutConfig, version: registry.ModelVersion, serve: ServeConfig, lease: leases.HeldLease
+) -> RolloutResult:
     prepared = prepare_rollout_task(version, serve)
     if prepared.incumbent.version == prepared.candidate.version:
         return RolloutResult(
@@ -108,9 +113,10 @@ def _roll_out(cfg: RolloutConfig, version: registry.ModelVersion, serve: ServeCo
     reports: list[StepReport] = []
     try:
         _step_through(cfg, prepared, reports, serve)
+        lease.ensure_held()  # a run that lost its lease (paused past its expiry) must not move the champion alias
         promote_task(prepared, reports, serve)
-    except RolloutRolledBack:
-        raise
+    except (RolloutRolledBack, LeaseLost):
+        raise  # rolled back already; or another rollout owns serving now: nothing here to take back
     except Exception as exc:
         # Not a failed gate: a step or the promotion raised. Left alone, the candidate would keep
         # its weight, the next rollout would take it for the incumbent, and serving and the

@@ -17,6 +17,11 @@ to the library error that caused it::
     │                          replace that run's commit)
     ├── NightsFailed           some nights of a range failed, the others
     │                          committed (``rayline.nights``: it carries them)
+    ├── LeaseError             a lease in storage (``rayline.leases``)
+    │   ├── LeaseBusy          another run still holds it after the wait (the
+    │   │                      message names that run)
+    │   └── LeaseLost          it expired and another run took it over: this
+    │                          run must not commit what it guards (not retried)
     └── TransientError         worth retrying at the task level
         ├── TransientStorageError   S3 throttling / 5xx / connection reset
         └── ClusterError            Ray unreachable, workers or nodes lost
@@ -60,6 +65,22 @@ class NightCommittedElsewhere(RaylineError):
     def __init__(self, message: str, *, winner_run_id: str | None = None) -> None:
         super().__init__(message)
         self.winner_run_id = winner_run_id
+
+
+class LeaseError(RaylineError):
+    """A lease in storage could not be had or kept."""
+
+
+class LeaseBusy(LeaseError):
+    """Another run still holds the lease after the wait; ``holder`` names it."""
+
+    def __init__(self, message: str, *, holder: str | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+class LeaseLost(LeaseError):
+    """The lease this run held expired and another run took it over: commit nothing it guards."""
 
 
 class TransientError(RaylineError):

@@ -6,24 +6,23 @@ Layout under ``<storage>/models/<name>/``::
     v<N>/version.json    model spec, classes, metrics, data hash, code version,
                          producing run ids — written last: the version's commit
     aliases/<alias>.json {"version": N, ...} — replaced atomically
+    rollout.lease        held while a rollout of the model runs (``rayline.leases``)
 
-Version numbers are claimed with a create-if-absent write (``O_EXCL``
-locally, ``If-None-Match: *`` on S3), so concurrent writers never get the
-same number. A claimed number without ``version.json`` is an unfinished
-registration and is never served.
+Version numbers are claimed with a create-if-absent write
+(``rayline.conditional``: a hard link locally, ``If-None-Match: *`` on S3),
+so concurrent writers never get the same number. A claimed number without
+``version.json`` is an unfinished registration and is never served.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import time
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field
 
-from rayline import storage
+from rayline import conditional, leases, storage
 from rayline.errors import ConfigError, InputDataError, StorageError
 from rayline.specs import ImageSpec, ModelSpec, ParentModel, WeightsSource
 
@@ -105,59 +104,39 @@ def _claimed_versions(name: str) -> list[int]:
 
 def _create_exclusive(uri: str, data: bytes) -> bool:
     """Write ``uri`` only if it does not exist; False if someone else did first."""
-    if storage.is_s3(uri):
-        from botocore.exceptions import ClientError
+    return conditional.create_exclusive(uri, data) is not None
 
-        client = storage.s3_client()
-        bucket, _, key = uri[len(storage.S3) :].partition("/")
-        try:
-            client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-            return True
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return False
-            raise StorageError(f"claiming {uri}: {exc}") from exc
-    path = storage.normalize(uri)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-    return True
+
+def rollout_lease_uri(name: str) -> str:
+    return storage.join(model_root(name), ROLLOUT_LEASE)
 
 
 def acquire_rollout_lease(name: str, holder: str, ttl_s: float) -> bool:
     """One rollout per model at a time: True if ``holder`` now holds the lease.
 
-    A lease older than ``ttl_s`` (its holder crashed) is broken and taken over.
+    A lease left past its ttl (its holder crashed) is taken over; a flow
+    holds it with ``leases.held`` instead, which also renews it.
     """
-    uri = storage.join(model_root(name), ROLLOUT_LEASE)
-    lease = {"holder": holder, "expires_at": time.time() + ttl_s}
-    if _create_exclusive(uri, json.dumps(lease).encode()):
-        return True
-    try:
-        current = storage.read_json(uri)
-    except (StorageError, InputDataError, ValueError):
-        return False  # being replaced right now: try again later
-    if current.get("holder") == holder:
-        return True
-    if float(current.get("expires_at", 0)) < time.time():
-        storage.remove_tree(uri)
-        return _create_exclusive(uri, json.dumps(lease).encode())
-    return False
+    return leases.try_acquire(rollout_lease_uri(name), holder, ttl_s, describe=rollout_lease_what(name)) is not None
+
+
+def rollout_lease_what(name: str) -> str:
+    return f"the rollout of model {name}"
 
 
 def release_rollout_lease(name: str, holder: str) -> None:
-    uri = storage.join(model_root(name), ROLLOUT_LEASE)
-    if storage.exists(uri) and storage.read_json(uri).get("holder") == holder:
-        storage.remove_tree(uri)
+    """Release the rollout lease if ``holder`` holds it; someone else's is left alone."""
+    current = leases.read(rollout_lease_uri(name))
+    if current is not None and current.holder == holder and not current.released:
+        leases.release(current)
 
 
 def _claim_next_version(name: str, idempotency_key: str | None = None) -> int:
     candidate = (max(_claimed_versions(name), default=0)) + 1
-    claim_body = json.dumps({"claimed_at": datetime.now(UTC).isoformat(), "idempotency_key": idempotency_key})
+    # the claim names its writer: a retried S3 PUT recognises its own bytes by them
+    claim_body = json.dumps(
+        {"claimed_at": datetime.now(UTC).isoformat(), "writer": leases.run_holder(), "idempotency_key": idempotency_key}
+    )
     for _ in range(1000):
         claim = storage.join(model_root(name), f"v{candidate}", CLAIM_FILE)
         if _create_exclusive(claim, claim_body.encode()):

@@ -112,7 +112,8 @@ def arrow_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), normalize(uri)
 
 
-def _wrap(exc: Exception, action: str, uri: str) -> Exception:
+def storage_error(exc: Exception, action: str, uri: str) -> Exception:
+    """The rayline error to raise ``from exc`` when ``action`` on ``uri`` failed."""
     if isinstance(exc, FileNotFoundError):
         return InputDataError(f"{action} {uri}: not found")
     if is_transient(exc):
@@ -125,7 +126,7 @@ def exists(uri: str) -> bool:
     try:
         return bool(fs.exists(path))
     except Exception as exc:
-        raise _wrap(exc, "checking", uri) from exc
+        raise storage_error(exc, "checking", uri) from exc
 
 
 def read_bytes(uri: str) -> bytes:
@@ -133,7 +134,7 @@ def read_bytes(uri: str) -> bytes:
     try:
         return bytes(fs.cat_file(path))
     except Exception as exc:
-        raise _wrap(exc, "reading", uri) from exc
+        raise storage_error(exc, "reading", uri) from exc
 
 
 def write_bytes_atomic(uri: str, data: bytes) -> None:
@@ -161,7 +162,7 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
                 os.unlink(tmp)
             raise
     except Exception as exc:
-        raise _wrap(exc, "writing", uri) from exc
+        raise storage_error(exc, "writing", uri) from exc
 
 
 def write_json_atomic(uri: str, payload: Any) -> None:
@@ -194,7 +195,7 @@ def read_parquet(uris: Iterable[str], columns: list[str] | None = None) -> pa.Ta
         try:
             tables.append(pq.read_table(path, filesystem=fs, columns=columns))
         except Exception as exc:
-            raise _wrap(exc, "reading", uri) from exc
+            raise storage_error(exc, "reading", uri) from exc
     return pa.concat_tables(tables) if tables else pa.table({})
 
 
@@ -207,7 +208,7 @@ def remove_tree(uri: str) -> None:
     except FileNotFoundError:
         return
     except Exception as exc:
-        raise _wrap(exc, "deleting", uri) from exc
+        raise storage_error(exc, "deleting", uri) from exc
 
 
 def list_folders(uri: str) -> list[str]:
@@ -223,7 +224,7 @@ def list_folders(uri: str) -> list[str]:
     except FileNotFoundError:
         return []
     except Exception as exc:
-        raise _wrap(exc, "listing", uri) from exc
+        raise storage_error(exc, "listing", uri) from exc
     return sorted(posixpath.basename(str(e["name"]).rstrip("/")) for e in entries if e.get("type") == "directory")
 
 
@@ -258,7 +259,7 @@ def list_objects(prefix_uri: str) -> list[ObjectInfo]:
     except FileNotFoundError:
         found = {}
     except Exception as exc:
-        raise _wrap(exc, "listing", prefix_uri) from exc
+        raise storage_error(exc, "listing", prefix_uri) from exc
     base = path.rstrip("/") + "/"
     objects = []
     for full, info in found.items():

@@ -1,4 +1,4 @@
-"""What every rayline task shares: retry policy, run ids, lineage recording."""
+"""What every rayline task shares: retry policy, run ids, lease holders, lineage recording."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.runtime import flow_run, task_run
 
-from rayline import lineage, openlineage_events
+from rayline import leases, lineage, openlineage_events
 from rayline.errors import is_transient
 from rayline.lineage import DatasetRef, LineageRecord, RunContext
 from rayline.ray_cluster import RayConnection
@@ -191,6 +191,15 @@ def idempotency_key(*inputs: object) -> str:
     run = task_run.get_id() or flow_run.get_id() or uuid.uuid4().hex  # outside Prefect: every call is a run
     joined = "\x1f".join(str(part) for part in (run, *inputs))
     return hashlib.sha256(joined.encode()).hexdigest()[:32]
+
+
+def lease_holder() -> str:
+    """Who takes a lease (``rayline.leases``): this flow run by name and id, on this host and process.
+
+    Outside a flow run, this process (with a random tag: two calls are two holders).
+    """
+    run_id = _str_or_none(flow_run.get_id())
+    return leases.run_holder(f"flow run {flow_run.get_name()} ({run_id})" if run_id else None)
 
 
 def _str_or_none(value: object) -> str | None:

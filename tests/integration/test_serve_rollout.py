@@ -20,7 +20,7 @@ from ray import serve
 from flows.serve_rollout import serve_config, serve_rollout
 from ray_workloads import rollout, serve_control
 from ray_workloads.serve_app import ANSWER_HEADER
-from rayline import lineage, registry, storage
+from rayline import leases, lineage, registry, storage
 from rayline.ray_cluster import NAMESPACE
 from rayline.registry import ModelVersion
 from rayline.seed import digit_objects
@@ -127,6 +127,24 @@ def test_a_broken_challenger_is_rolled_back_at_the_first_step(champion_serving: 
     assert registry.alias_version("digits", registry.CHAMPION) == incumbent.version
     (record,) = [r for r in lineage.read_records("serve_rollout") if r.outputs[0].uri == broken.uri]
     assert record.outputs[0].facets["outcome"] == "rolled back"
+
+
+def test_a_rollout_waits_for_the_lease_and_gives_up_naming_its_holder(champion_serving: str) -> None:
+    """The rollout lease (rayline.leases): a second rollout waits, proceeds once it is released, and
+    otherwise fails naming the run that holds it."""
+    other = leases.try_acquire(registry.rollout_lease_uri("digits"), "flow run other-rollout on host-9 pid 1", 60)
+    assert other is not None
+    state = serve_rollout(candidate="champion", lease_wait_s=1.0, return_state=True, **FAST)  # type: ignore[arg-type]
+    assert state.is_failed()
+    message = str(state.message)
+    assert "another rollout of digits still holds the lease after 1 s" in message, message
+    assert "holder flow run other-rollout on host-9 pid 1, expires in" in message, message
+
+    threading.Timer(2.0, leases.release, args=(other,)).start()
+    result = serve_rollout(candidate="champion", lease_wait_s=30.0, **FAST)  # type: ignore[arg-type]
+    assert "already serves all traffic (another rollout promoted it while this one waited" in result.reason
+    current = leases.read(registry.rollout_lease_uri("digits"))
+    assert current is not None and current.released and "flow run" in current.holder, "released at the end"
 
 
 def _replica_ids(app: str) -> set[str]:

@@ -1,0 +1,239 @@
+"""Leases in storage: exactly one holder, renewal, takeover only after expiry.
+
+Atomicity is proved on local disk with real processes racing; the S3-protocol
+server (moto) checks the conditions but writes without a lock, so the S3 test
+is a smoke test of the same calls.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing.pool import Pool
+from pathlib import Path
+
+import pytest
+
+from rayline import conditional, leases, storage
+from rayline.errors import ConfigError, LeaseBusy, LeaseLost
+
+pytestmark = pytest.mark.unit
+
+RACERS = 3
+URIS = 30  # leases raced per round: more chances for the racers to collide
+SLOT_S = 0.01
+
+
+def _race(uris: list[str], holder: str, start_at: float) -> list[str]:
+    """In a worker process: try to take every lease, each at its own instant; the URIs this holder won.
+
+    All racers try lease k at ``start_at + k * SLOT_S``, so every lease is
+    contended (trying them one after another, the fastest racer would be first
+    at every one).
+    """
+    won = []
+    for k, uri in enumerate(uris):
+        while time.time() < start_at + k * SLOT_S:
+            pass  # spin rather than sleep: the racers leave the line within microseconds
+        if leases.try_acquire(uri, holder, ttl_s=60) is not None:
+            won.append(uri)
+    return won
+
+
+def _warm() -> None:
+    """In a worker process: import everything before the race starts."""
+    leases.read("/nonexistent/lease")
+
+
+@pytest.fixture(scope="module")
+def racers() -> Iterator[Pool]:
+    pool = multiprocessing.get_context("spawn").Pool(RACERS)
+    pool.starmap(_warm, [()] * RACERS)
+    yield pool
+    pool.close()
+    pool.join()
+
+
+def _run_race(pool: Pool, uris: list[str]) -> dict[str, list[str]]:
+    start_at = time.time() + 0.3
+    won = pool.starmap(_race, [(uris, f"racer-{i}", start_at) for i in range(RACERS)])
+    winners: dict[str, list[str]] = {uri: [] for uri in uris}
+    for i, uris_won in enumerate(won):
+        for uri in uris_won:
+            winners[uri].append(f"racer-{i}")
+    return winners
+
+
+def test_processes_racing_for_new_leases_one_wins_each(racers: Pool, tmp_path: Path) -> None:
+    uris = [str(tmp_path / f"out-{i}.lease") for i in range(URIS)]
+    winners = _run_race(racers, uris)
+    assert all(len(w) == 1 for w in winners.values()), winners
+    for uri, (winner,) in winners.items():
+        assert (lease := leases.read(uri)) is not None and lease.holder == winner and lease.generation == 1
+
+
+def test_processes_racing_to_take_over_expired_leases_one_wins_each(racers: Pool, tmp_path: Path) -> None:
+    uris = [str(tmp_path / f"out-{i}.lease") for i in range(URIS)]
+    for uri in uris:
+        assert leases.try_acquire(uri, "crashed", ttl_s=-1) is not None  # expired at once: as if it crashed
+    winners = _run_race(racers, uris)
+    assert all(len(w) == 1 for w in winners.values()), winners
+    for uri, (winner,) in winners.items():
+        assert (lease := leases.read(uri)) is not None and lease.holder == winner and lease.generation == 2
+
+
+def test_a_live_lease_is_not_taken_and_its_holder_re_enters(tmp_path: Path) -> None:
+    uri = str(tmp_path / "x.lease")
+    first = leases.try_acquire(uri, "run-a", ttl_s=60, describe="dataset x")
+    assert first is not None and first.guards == "dataset x" and first.is_live()
+    assert leases.try_acquire(uri, "run-b", ttl_s=60) is None
+    again = leases.try_acquire(uri, "run-a", ttl_s=60)
+    assert again is not None and again.generation == 2, "a retried run takes its own lease again"
+    with pytest.raises(LeaseLost):
+        leases.renew(first)  # that older write of run-a's is no longer the lease
+
+
+def test_renew_extends_and_changes_the_token(tmp_path: Path) -> None:
+    lease = leases.try_acquire(str(tmp_path / "x.lease"), "run-a", ttl_s=0.5)
+    assert lease is not None
+    renewed = leases.renew(lease, ttl_s=60)
+    assert renewed.token != lease.token and renewed.generation == 2 and renewed.expires_in() > 50
+    assert leases.read(lease.uri) == renewed
+
+
+def test_a_lease_taken_over_after_expiry_is_lost_to_its_old_holder(tmp_path: Path) -> None:
+    uri = str(tmp_path / "x.lease")
+    paused = leases.try_acquire(uri, "run-a", ttl_s=-1)  # its holder paused past the expiry
+    assert paused is not None
+    taker = leases.try_acquire(uri, "run-b", ttl_s=60)
+    assert taker is not None
+    with pytest.raises(LeaseLost, match="run-a lost its lease .* now held by run-b"):
+        leases.renew(paused)
+    assert not leases.release(paused), "release never touches someone else's lease"
+    assert leases.read(uri) == taker
+    assert leases.try_acquire(uri, "run-c", ttl_s=60) is None
+
+
+def test_release_lets_the_next_run_in(tmp_path: Path) -> None:
+    uri = str(tmp_path / "x.lease")
+    lease = leases.try_acquire(uri, "run-a", ttl_s=60)
+    assert lease is not None and leases.release(lease)
+    current = leases.read(uri)
+    assert current is not None and current.released and not current.is_live()
+    assert leases.try_acquire(uri, "run-b", ttl_s=60) is not None
+    with pytest.raises(LeaseLost):
+        leases.renew(lease)
+
+
+def test_conditional_writes_on_local_disk(tmp_path: Path) -> None:
+    uri = str(tmp_path / "deep" / "claim")
+    token = conditional.create_exclusive(uri, b"one")
+    assert token is not None and conditional.create_exclusive(uri, b"two") is None
+    assert conditional.replace_if_match(uri, b"three", "stale") is None
+    assert (new := conditional.replace_if_match(uri, b"three", token)) is not None
+    assert conditional.read_versioned(uri) == conditional.Versioned(b"three", new)
+    assert sorted(p.name for p in (tmp_path / "deep").iterdir()) == [".claim.lock", "claim"], "no temp files left"
+
+
+def test_held_renews_while_the_block_runs(tmp_path: Path) -> None:
+    uri = str(tmp_path / "x.lease")
+    with leases.held(uri, "run-a", ttl_s=0.6, wait_s=0) as held:
+        for _ in range(6):  # 1.2 s: twice the ttl
+            time.sleep(0.2)
+            assert leases.try_acquire(uri, "run-b", ttl_s=60) is None
+        assert held.lease.generation > 3, "renewed every ttl/3"
+        assert held.ensure_held().holder == "run-a"
+    current = leases.read(uri)
+    assert current is not None and current.released
+
+
+def test_a_waiter_gets_the_lease_once_it_is_released(tmp_path: Path) -> None:
+    uri = str(tmp_path / "x.lease")
+    got: list[leases.HeldLease] = []
+
+    def wait() -> None:
+        with leases.held(uri, "run-b", ttl_s=60, wait_s=5, poll_max_s=0.1) as held:
+            got.append(held)
+
+    with leases.held(uri, "run-a", ttl_s=60, wait_s=0):
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.3)
+        assert not got, "run-a still holds it"
+    waiter.join(5)
+    assert len(got) == 1 and got[0].lease.holder == "run-b" and got[0].waited_s >= 0.25
+
+
+def test_a_waiter_times_out_naming_the_holder(tmp_path: Path) -> None:
+    uri = str(tmp_path / "x.lease")
+    assert leases.try_acquire(uri, "flow run keen-fox on host-1 pid 7", ttl_s=60, describe="dataset x") is not None
+    started = time.monotonic()
+    with pytest.raises(
+        LeaseBusy,
+        match=r"holds dataset x at .*\(holder flow run keen-fox on host-1 pid 7, expires in 60 s\); waited 0\.[34]",
+    ) as caught:
+        with leases.held(uri, "run-b", ttl_s=60, wait_s=0.3, poll_max_s=0.1):
+            pytest.fail("the block must not run")
+    assert caught.value.holder == "flow run keen-fox on host-1 pid 7"
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_holder_that_lost_its_lease_cannot_commit_and_leaves_the_new_one(tmp_path: Path) -> None:
+    uri = str(tmp_path / "x.lease")
+    with leases.held(uri, "run-a", ttl_s=0.2, wait_s=0, renew_every_s=60) as held:  # its renewer "paused"
+        time.sleep(0.3)
+        taker = leases.try_acquire(uri, "run-b", ttl_s=60)
+        assert taker is not None
+        with pytest.raises(LeaseLost, match="now held by run-b"):
+            held.ensure_held()
+    assert leases.read(uri) == taker, "leaving the block released nothing of run-b's"
+
+
+def test_a_paused_holder_nobody_took_over_holds_again(tmp_path: Path) -> None:
+    with leases.held(str(tmp_path / "x.lease"), "run-a", ttl_s=0.2, wait_s=0, renew_every_s=60) as held:
+        time.sleep(0.3)
+        assert held.ensure_held().is_live(), "the swap proves nobody wrote the lease meanwhile"
+
+
+def test_a_lease_written_before_generations_is_honoured_then_taken_over(tmp_path: Path) -> None:
+    uri = str(tmp_path / "rollout.lease")
+    storage.write_json_atomic(uri, {"holder": "old-run", "expires_at": time.time() + 60})
+    assert leases.try_acquire(uri, "run-a", ttl_s=60) is None
+    storage.write_json_atomic(uri, {"holder": "old-run", "expires_at": time.time() - 1})
+    taker = leases.try_acquire(uri, "run-a", ttl_s=60)
+    assert taker is not None and taker.generation == 1
+
+
+def test_held_needs_a_positive_ttl(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="positive ttl"):
+        with leases.held(str(tmp_path / "x.lease"), "run-a", ttl_s=0, wait_s=0):
+            pytest.fail("the block must not run")
+
+
+def test_run_holder_names_the_run_host_and_process() -> None:
+    holder = leases.run_holder("flow run keen-fox (1234)")
+    assert holder.startswith("flow run keen-fox (1234) on ") and " pid " in holder
+
+
+def test_leases_on_the_s3_protocol_server_smoke(s3_storage: str) -> None:
+    """The same calls against the moto server (a smoke test: moto cannot prove atomicity)."""
+    uri = storage.join(s3_storage, "leases", "x.lease")
+    first = leases.try_acquire(uri, "run-a", ttl_s=60)
+    assert first is not None and leases.try_acquire(uri, "run-b", ttl_s=60) is None
+    renewed = leases.renew(first)
+    assert renewed.token != first.token and leases.read(uri) == renewed
+    with pytest.raises(LeaseLost):
+        leases.renew(first)
+    assert leases.release(renewed)
+    expired = leases.try_acquire(uri, "run-b", ttl_s=-1)
+    assert expired is not None
+    taker = leases.try_acquire(uri, "run-c", ttl_s=60)
+    assert taker is not None and taker.generation == expired.generation + 1
+    with pytest.raises(LeaseLost, match="now held by run-c"):
+        leases.renew(expired)
+    assert not leases.release(expired) and leases.read(uri) == taker
+    claim = storage.join(s3_storage, "claims", "v1")
+    assert conditional.create_exclusive(claim, b"a") is not None
+    assert conditional.create_exclusive(claim, b"b") is None
