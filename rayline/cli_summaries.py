@@ -6,6 +6,7 @@ from typing import Any
 
 import typer
 
+from rayline import storage
 from rayline.nights import BackfillResult, NightOutcome
 
 
@@ -14,6 +15,8 @@ def print_prepare_summary(result: Any) -> None:
     typer.echo("")
     typer.secho("prepare-data finished", bold=True)
     typer.echo(f"  objects ingested   {ing.object_count} from {ing.source_uri}{' (reused)' if ing.cached else ''}")
+    if ing.skipped:
+        typer.echo(f"  skipped            {storage.skipped_text(ing.skipped)}")
     typer.echo(f"  content hash       {ing.content_hash}")
     typer.echo("  images per split   " + ", ".join(f"{k} {v}" for k, v in pre.counts.items()))
     typer.echo(f"  errors             {pre.error_count} {pre.error_types or ''}")
