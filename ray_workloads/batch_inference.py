@@ -313,7 +313,7 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
     listing = storage.list_inputs(source)
     objects = listing.objects
     if not objects:
-        left_out = f" ({storage.skipped_text(listing.skipped)} skipped)" if listing.skipped else ""
+        left_out = f"; skipped {storage.skipped_text(listing.skipped)}" if listing.skipped else ""
         raise InputDataError(f"no input objects under {source}{left_out}")
     phases.lap("list")
     reports = _predict_and_write(cfg, objects, output)

@@ -202,7 +202,7 @@ def run(cfg: IngestConfig) -> IngestResult:
     listing = storage.list_inputs(source)
     objects = listing.objects
     if not objects:
-        left_out = f" ({storage.skipped_text(listing.skipped)} skipped)" if listing.skipped else ""
+        left_out = f"; skipped {storage.skipped_text(listing.skipped)}" if listing.skipped else ""
         raise InputDataError(f"no objects found under {source}{left_out}")
     digest = content_hash(objects)
     output = storage.join(storage.normalize(cfg.output_root), dataset_id(source, digest))

@@ -269,8 +269,8 @@ def skipped_text(skipped: dict[str, int]) -> str:
 def _skip_reason(key: str, size: int) -> str | None:
     if any(part.startswith((".", "_")) for part in key.split("/")):
         return SKIP_HIDDEN
-    if key.endswith("/") and size == 0:
-        # what S3 consoles and tools write to show an empty folder: no object of a dataset
+    if (key == "" or key.endswith("/")) and size == 0:
+        # what S3 consoles and tools write for a folder ("" is the listed prefix's own): no object of a dataset
         return SKIP_FOLDER_MARKER
     return None
 
@@ -282,8 +282,8 @@ def list_inputs(prefix_uri: str) -> Listing:
     storage root moves. Not inputs, counted per reason so a run can say what it
     left out: a key with a part that starts with ``.`` or ``_`` (Spark's
     ``_SUCCESS``, editors' and uploaders' temp files), and a zero-byte key that
-    ends in ``/`` (a folder marker). Local disk has no folder markers: an
-    empty folder is not listed at all.
+    ends in ``/`` (a folder marker: also the prefix's own, ``prefix/``). Local
+    disk has no folder markers: an empty folder is not listed at all.
     """
     prefix_uri = normalize(prefix_uri)
     fs, path = filesystem(prefix_uri)
@@ -302,7 +302,7 @@ def list_inputs(prefix_uri: str) -> Listing:
         key, size = full[len(base) :], int(info.get("size") or 0)
         reason = _skip_reason(key, size)
         if reason is not None:
-            skipped.setdefault(reason, []).append(key)
+            skipped.setdefault(reason, []).append(key or "./")  # "./": the listed prefix's own marker
             continue
         # not join(): a key ending in "/" keeps its slash, so the read is of that object
         uri = f"{prefix_uri.rstrip('/')}/{key}"

@@ -93,3 +93,15 @@ def test_fetch_many_reads_local_files_in_order_in_this_thread(tmp_path: Path, mo
     fetched = storage.fetch_many([str(tmp_path / "b"), str(tmp_path / "missing"), str(tmp_path / "a")], 64)
     assert [f.data for f in fetched] == [b"b", None, b"a"]
     assert isinstance(fetched[1].error, FileNotFoundError)
+
+
+def test_a_prefix_of_only_skipped_objects_is_an_error_that_says_what_was_skipped(tmp_path: Path) -> None:
+    from ray_workloads import ingest
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "_SUCCESS").write_bytes(b"")
+    config = ingest.IngestConfig(source_uri=str(tmp_path / "raw"), output_root=str(tmp_path / "out"))
+    with pytest.raises(
+        InputDataError, match=r"no objects found under .*raw; skipped 1 \(hidden or underscore name 1\)"
+    ):
+        ingest.run(config)
