@@ -91,7 +91,7 @@ def nightly_inference(
         {"item": "inputs", "value": result.inputs},
         {"item": "predictions", "value": result.predictions},
         {"item": "errors", "value": f"{result.errors} ({result.error_fraction:.2%}) {result.error_types}"},
-        {"item": "skipped (no inputs)", "value": _skipped(result)},
+        {"item": "skipped (not inputs)", "value": _skipped(result)},
         {"item": "rows/s", "value": round(result.inputs / max(result.elapsed_s, 1e-9), 1)},
         {"item": "model", "value": result.model},
         {"item": "predictions table", "value": f"{result.predictions_table} version {result.predictions_version}"},
