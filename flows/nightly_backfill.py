@@ -76,6 +76,7 @@ def night_outcome(dt: str, value: NightValue | Exception, max_error_fraction: fl
         "inputs": value.inputs,
         "predictions": value.predictions,
         "errors": value.errors,
+        "skipped_objects": value.skipped,
         "predictions_version": value.predictions_version,
         "errors_version": value.errors_version,
     }

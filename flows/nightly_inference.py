@@ -14,12 +14,19 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 
 from flows.nightly_backfill import check_error_budget, night_config, run_range
 from ray_workloads.batch_inference import InferenceResult, NightSkipped
-from rayline import nights, registry
+from rayline import nights, registry, storage
 from rayline.errors import ConfigError
 from rayline.layout import model_name as checked_model_name
 from rayline.layout import parse_day, yesterday_utc
 from rayline.nights import BackfillResult
 from tasks.batch_inference import batch_inference_task
+
+
+def _skipped(result: InferenceResult) -> str:
+    """The listed objects that got no row, by reason, and the first keys of each: or 0."""
+    if not result.skipped:
+        return "0"
+    return f"{storage.skipped_text(result.skipped)}: e.g. {result.skipped_examples}"
 
 
 @flow(name="nightly-inference")
@@ -84,6 +91,7 @@ def nightly_inference(
         {"item": "inputs", "value": result.inputs},
         {"item": "predictions", "value": result.predictions},
         {"item": "errors", "value": f"{result.errors} ({result.error_fraction:.2%}) {result.error_types}"},
+        {"item": "skipped (not inputs)", "value": _skipped(result)},
         {"item": "rows/s", "value": round(result.inputs / max(result.elapsed_s, 1e-9), 1)},
         {"item": "model", "value": result.model},
         {"item": "predictions table", "value": f"{result.predictions_table} version {result.predictions_version}"},

@@ -29,6 +29,8 @@ def _publish_summary(ingested: IngestResult, prepared: PreprocessResult) -> None
     rows = [{"split": split, "images": count} for split, count in prepared.counts.items()]
     rows.append({"split": "errors", "images": prepared.error_count})
     rows.append({"split": "total objects", "images": ingested.object_count})
+    for reason, count in ingested.skipped.items():  # listed, yet no input: no row anywhere else
+        rows.append({"split": f"skipped: {reason}", "images": count})
     create_table_artifact(
         key="prepare-data-counts",
         table=rows,

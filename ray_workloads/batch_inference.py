@@ -1,5 +1,9 @@
 """Batch inference: every input object gets exactly one prediction row or one error row.
 
+Listed objects that are no inputs (hidden or underscore names, folder
+markers: :func:`rayline.storage.list_inputs`) get no row; the result counts
+them per reason (``skipped``).
+
 The listing is cut into blocks of ``objects_per_task`` URIs. A Ray Data
 dataset holds one row per block, and one ``map_batches`` stage runs
 :class:`~ray_workloads.inference_predictor.PredictorUDF` over it in an actor
@@ -143,6 +147,8 @@ class InferenceResult(BaseModel):
     predictions: int
     errors: int
     error_types: dict[str, int]
+    skipped: dict[str, int] = Field(default_factory=dict, description="Listed objects that are no inputs, by reason.")
+    skipped_examples: dict[str, list[str]] = Field(default_factory=dict, description="The first keys of each reason.")
     input_content_hash: str
     model: str
     files: dict[str, list[str]] = Field(description="The committed data files of each table.")
@@ -304,9 +310,11 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
     )
     # what the night looked like when this run started: a commit of it after this is another run's
     seen = {table: night_seq(table, night) for table in (output.errors_table, output.predictions_table)}
-    objects = storage.list_objects(source)
+    listing = storage.list_inputs(source)
+    objects = listing.objects
     if not objects:
-        raise InputDataError(f"no input objects under {source}")
+        left_out = f"; skipped {storage.skipped_text(listing.skipped)}" if listing.skipped else ""
+        raise InputDataError(f"no input objects under {source}{left_out}")
     phases.lap("list")
     reports = _predict_and_write(cfg, objects, output)
     ray_data_stats = reports.stats()  # before reading the reports: iterating adds its own stats
@@ -362,6 +370,8 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
         predictions=counts["predictions"],
         errors=counts["errors"],
         error_types=dict(sorted(error_types.items())),
+        skipped=listing.skipped,
+        skipped_examples=listing.skipped_examples,
         input_content_hash=digest,
         model=f"{cfg.model.name} v{cfg.model.version}",
         files={k: sorted(v) for k, v in files.items()},

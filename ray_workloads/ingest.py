@@ -3,7 +3,9 @@
 Per-object latency dominates when reading thousands of small objects, so
 each Ray task fetches its slice of the listing with many concurrent reads
 (fsspec's async ``cat``), not one GET after another. An object that cannot be
-read becomes a row with ``error_type`` set, never a failed job.
+read becomes a row with ``error_type`` set, never a failed job. Listed objects
+that are no inputs (hidden or underscore names, folder markers) get no row:
+the manifest counts them per reason (``skipped``).
 
 The output folder is named by the input's identity (source URI + content hash
 of the sorted ``(key, etag)`` list): unchanged input maps to the same folder,
@@ -77,6 +79,8 @@ class IngestResult(BaseModel):
     fetch_errors: int
     labels: dict[str, int]
     shards: list[ShardInfo]
+    skipped: dict[str, int] = Field(default_factory=dict, description="Listed objects that are no inputs, by reason.")
+    skipped_examples: dict[str, list[str]] = Field(default_factory=dict, description="The first keys of each reason.")
     cached: bool = False
     elapsed_s: float = 0.0
 
@@ -176,6 +180,8 @@ def _result_from_manifest(manifest: dict[str, Any], manifest_uri: str, cached: b
         fetch_errors=manifest["fetch_errors"],
         labels=manifest["labels"],
         shards=[ShardInfo(**s) for s in manifest["shards"]],
+        skipped=manifest.get("skipped", {}),  # manifests written before skips were counted have none
+        skipped_examples=manifest.get("skipped_examples", {}),
         cached=cached,
         elapsed_s=elapsed,
     )
@@ -193,9 +199,11 @@ def run(cfg: IngestConfig) -> IngestResult:
     """List, fetch concurrently on Ray, pack into shards, then commit the manifest."""
     started = time.perf_counter()
     source = storage.normalize(cfg.source_uri)
-    objects = storage.list_objects(source)
+    listing = storage.list_inputs(source)
+    objects = listing.objects
     if not objects:
-        raise InputDataError(f"no objects found under {source}")
+        left_out = f"; skipped {storage.skipped_text(listing.skipped)}" if listing.skipped else ""
+        raise InputDataError(f"no objects found under {source}{left_out}")
     digest = content_hash(objects)
     output = storage.join(storage.normalize(cfg.output_root), dataset_id(source, digest))
     manifest_uri = storage.join(output, MANIFEST)
@@ -203,7 +211,9 @@ def run(cfg: IngestConfig) -> IngestResult:
     if not cfg.force and storage.exists(manifest_uri):
         manifest = storage.read_json(manifest_uri)
         if manifest.get("content_hash") == digest:
-            return _result_from_manifest(manifest, manifest_uri, True, time.perf_counter() - started)
+            reused = _result_from_manifest(manifest, manifest_uri, True, time.perf_counter() - started)
+            # the inputs are the same; what this listing left out may not be (a new _SUCCESS)
+            return reused.model_copy(update={"skipped": listing.skipped, "skipped_examples": listing.skipped_examples})
 
     # Anything here is a leftover of an uncommitted (crashed) run: start clean.
     storage.remove_tree(output)
@@ -231,6 +241,8 @@ def run(cfg: IngestConfig) -> IngestResult:
         "fetch_errors": sum(s["fetch_errors"] for s in stats),
         "labels": dict(sorted(labels.items())),
         "shards": [{k: s[k] for k in ("uri", "rows", "bytes", "fetch_errors")} for s in stats],
+        "skipped": listing.skipped,
+        "skipped_examples": listing.skipped_examples,
     }
     storage.write_json_atomic(manifest_uri, manifest)  # the commit point
     return _result_from_manifest(manifest, manifest_uri, False, time.perf_counter() - started)

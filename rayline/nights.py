@@ -107,6 +107,9 @@ class NightOutcome(BaseModel):
     inputs: int | None = Field(None, description="None when the night failed before its inputs were counted.")
     predictions: int | None = None
     errors: int | None = None
+    skipped_objects: dict[str, int] = Field(
+        default_factory=dict, description="Listed objects that were no inputs (folder markers, …), by reason."
+    )
     predictions_version: int | None = Field(None, description="The predictions table's version of the commit.")
     errors_version: int | None = Field(None, description="The prediction_errors table's version of the commit.")
     message: str = Field("", description="Why a night was skipped or failed (a night over budget is committed).")

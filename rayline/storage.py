@@ -246,11 +246,45 @@ def _last_modified(info: dict[str, Any]) -> str:
     return str(value or "")
 
 
-def list_objects(prefix_uri: str) -> list[ObjectInfo]:
-    """Every object under ``prefix_uri`` (recursive), sorted by key.
+# Why a listed object is not an input (the reasons a listing reports).
+SKIP_HIDDEN = "hidden or underscore name"
+SKIP_FOLDER_MARKER = "folder marker"
+_EXAMPLES_PER_REASON = 5
+
+
+@dataclass(frozen=True)
+class Listing:
+    """A prefix's objects, and the ones that are not inputs: how many per reason, and the first few keys."""
+
+    objects: list[ObjectInfo]
+    skipped: dict[str, int]
+    skipped_examples: dict[str, list[str]]
+
+
+def skipped_text(skipped: dict[str, int]) -> str:
+    """``4 (folder marker 1, hidden or underscore name 3)``: a listing's skipped objects, in one phrase."""
+    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(skipped.items()))
+    return f"{sum(skipped.values())} ({reasons})"
+
+
+def _skip_reason(key: str, size: int) -> str | None:
+    if any(part.startswith((".", "_")) for part in key.split("/")):
+        return SKIP_HIDDEN
+    if (key == "" or key.endswith("/")) and size == 0:
+        # what S3 consoles and tools write for a folder ("" is the listed prefix's own): no object of a dataset
+        return SKIP_FOLDER_MARKER
+    return None
+
+
+def list_inputs(prefix_uri: str) -> Listing:
+    """Every object under ``prefix_uri`` (recursive, sorted by key), and what is not an input.
 
     Keys are relative to the prefix, so a dataset keeps its identity when the
-    storage root moves. Hidden names (``.tmp-…``, ``_SUCCESS``) are skipped.
+    storage root moves. Not inputs, counted per reason so a run can say what it
+    left out: a key with a part that starts with ``.`` or ``_`` (Spark's
+    ``_SUCCESS``, editors' and uploaders' temp files), and a zero-byte key that
+    ends in ``/`` (a folder marker: also the prefix's own, ``prefix/``). Local
+    disk has no folder markers: an empty folder is not listed at all.
     """
     prefix_uri = normalize(prefix_uri)
     fs, path = filesystem(prefix_uri)
@@ -262,22 +296,33 @@ def list_objects(prefix_uri: str) -> list[ObjectInfo]:
         raise storage_error(exc, "listing", prefix_uri) from exc
     base = path.rstrip("/") + "/"
     objects = []
-    for full, info in found.items():
+    skipped: dict[str, list[str]] = {}
+    for full, info in sorted(found.items()):
         if info.get("type") == "directory" or not full.startswith(base):
             continue
-        key = full[len(base) :]
-        if any(part.startswith((".", "_")) for part in key.split("/")):
+        key, size = full[len(base) :], int(info.get("size") or 0)
+        reason = _skip_reason(key, size)
+        if reason is not None:
+            skipped.setdefault(reason, []).append(key or "./")  # "./": the listed prefix's own marker
             continue
-        objects.append(
-            ObjectInfo(
-                uri=join(prefix_uri, key),
-                key=key,
-                size=int(info.get("size") or 0),
-                etag=_etag(info),
-                last_modified=_last_modified(info),
-            )
-        )
-    return sorted(objects, key=lambda o: o.key)
+        # not join(): a key ending in "/" keeps its slash, so the read is of that object
+        uri = f"{prefix_uri.rstrip('/')}/{key}"
+        objects.append(ObjectInfo(uri, key, size, _etag(info), _last_modified(info)))
+    return Listing(
+        objects=objects,  # sorted by key: the paths share the prefix
+        skipped={reason: len(keys) for reason, keys in sorted(skipped.items())},
+        skipped_examples={reason: keys[:_EXAMPLES_PER_REASON] for reason, keys in sorted(skipped.items())},
+    )
+
+
+def list_objects(prefix_uri: str) -> list[ObjectInfo]:
+    """The objects of :func:`list_inputs`, for rayline's own folders.
+
+    There a hidden name (``.tmp-…``, ``_SUCCESS``, ``_delta_log``) is rayline's
+    own bookkeeping, never worth reporting; listings of users' data use
+    :func:`list_inputs`, which counts what it leaves out.
+    """
+    return list_inputs(prefix_uri).objects
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from prefect import get_run_logger
 
 from ray_workloads import batch_inference
-from rayline import ray_cluster
+from rayline import ray_cluster, storage
 from rayline.errors import NightCommittedElsewhere
 from rayline.lineage import DatasetRef
 from tasks.common import ray_task, record_lineage
@@ -30,7 +30,7 @@ def batch_inference_task(
             model_name=config.model.name, dt=config.dt, committed_by=exc.winner_run_id, message=str(exc)
         )
     logger.info(
-        "%s: %d inputs → %d predictions, %d errors %s with %s in %.1fs; predictions v%d, prediction_errors v%d",
+        "%s: %d inputs → %d predictions, %d errors %s with %s in %.1fs; predictions v%d, prediction_errors v%d%s",
         result.night,
         result.inputs,
         result.predictions,
@@ -40,6 +40,7 @@ def batch_inference_task(
         result.elapsed_s,
         result.predictions_version,
         result.errors_version,
+        f"; skipped {storage.skipped_text(result.skipped)}: e.g. {result.skipped_examples}" if result.skipped else "",
     )
     # Ray Data's own logs stay in the Ray workers and its session folder: publish its stats from here
     logger.info("phases (s): %s; Ray Data execution stats:\n%s", result.phase_s, result.ray_data_stats)

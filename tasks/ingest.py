@@ -8,7 +8,7 @@ from prefect import get_run_logger
 from prefect.runtime import task_run
 
 from ray_workloads import ingest
-from rayline import lineage, ray_cluster
+from rayline import lineage, ray_cluster, storage
 from rayline.lineage import DatasetRef
 from tasks import events
 from tasks.common import ray_task, record_lineage
@@ -20,7 +20,7 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
     connection = ray_cluster.connect()
     result = ingest.run(config)
     get_run_logger().info(
-        "ingest %s: %d objects, %d bytes, %d fetch errors, %d shards%s in %.1fs",
+        "ingest %s: %d objects, %d bytes, %d fetch errors, %d shards%s in %.1fs%s",
         result.source_uri,
         result.object_count,
         result.total_bytes,
@@ -28,6 +28,7 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
         len(result.shards),
         " (reused)" if result.cached else "",
         result.elapsed_s,
+        f"; skipped {storage.skipped_text(result.skipped)}: e.g. {result.skipped_examples}" if result.skipped else "",
     )
     record_lineage(
         stage="ingest",
@@ -36,7 +37,8 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
             DatasetRef(
                 uri=result.source_uri,
                 content_hash=result.content_hash,
-                facets={"object_count": result.object_count, "total_bytes": result.total_bytes},
+                facets={"object_count": result.object_count, "total_bytes": result.total_bytes}
+                | ({"skipped": result.skipped} if result.skipped else {}),
             )
         ],
         outputs=[

@@ -141,6 +141,25 @@ def test_backfill_summary_prints_a_line_per_night() -> None:
     ]
 
 
+def test_a_backfill_line_names_the_listed_objects_a_night_skipped() -> None:
+    from rayline.cli_summaries import backfill_night_line
+
+    night = NightOutcome(
+        dt="2026-11-26",
+        state="committed",
+        inputs=5,
+        predictions=5,
+        errors=0,
+        predictions_version=3,
+        errors_version=2,
+        skipped_objects={"folder marker": 1, "hidden or underscore name": 2},
+    )
+    assert backfill_night_line(night).strip() == (
+        "2026-11-26  committed  5 inputs → 5 predictions + 0 errors; skipped 3 (folder marker 1, hidden or "
+        "underscore name 2)  (Delta versions: predictions 3, errors 2)"
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

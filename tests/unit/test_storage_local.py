@@ -54,6 +54,21 @@ def test_list_objects_is_recursive_sorted_and_skips_hidden(tmp_path: Path) -> No
     assert listed[0].uri == str(tmp_path / "a/1.png")
 
 
+def test_list_inputs_counts_what_it_leaves_out(tmp_path: Path) -> None:
+    for rel in ["a/1.png", ".x/a.png", "_tmp/b.png", "c/_d.png", "c/e.png"]:
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"12345")
+    (tmp_path / "photos").mkdir()  # an empty folder is no object on local disk
+    listing = storage.list_inputs(str(tmp_path))
+    assert [o.key for o in listing.objects] == ["a/1.png", "c/e.png"]
+    assert listing.skipped == {storage.SKIP_HIDDEN: 3}
+    assert listing.skipped_examples == {storage.SKIP_HIDDEN: [".x/a.png", "_tmp/b.png", "c/_d.png"]}
+    assert storage.skipped_text({storage.SKIP_HIDDEN: 3, storage.SKIP_FOLDER_MARKER: 1}) == (
+        "4 (folder marker 1, hidden or underscore name 3)"
+    )
+
+
 def test_missing_prefix_lists_nothing_and_missing_file_is_named(tmp_path: Path) -> None:
     assert storage.list_objects(str(tmp_path / "nope")) == []
     with pytest.raises(InputDataError, match="nope.json: not found"):
@@ -78,3 +93,15 @@ def test_fetch_many_reads_local_files_in_order_in_this_thread(tmp_path: Path, mo
     fetched = storage.fetch_many([str(tmp_path / "b"), str(tmp_path / "missing"), str(tmp_path / "a")], 64)
     assert [f.data for f in fetched] == [b"b", None, b"a"]
     assert isinstance(fetched[1].error, FileNotFoundError)
+
+
+def test_a_prefix_of_only_skipped_objects_is_an_error_that_says_what_was_skipped(tmp_path: Path) -> None:
+    from ray_workloads import ingest
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "_SUCCESS").write_bytes(b"")
+    config = ingest.IngestConfig(source_uri=str(tmp_path / "raw"), output_root=str(tmp_path / "out"))
+    with pytest.raises(
+        InputDataError, match=r"no objects found under .*raw; skipped 1 \(hidden or underscore name 1\)"
+    ):
+        ingest.run(config)

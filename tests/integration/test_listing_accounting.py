@@ -1,0 +1,81 @@
+"""Every listed object is an input (one row) or skipped with a reason that ingest and a night report.
+
+Next to good images: a hidden key, two underscore keys and, on S3, a
+zero-byte folder marker (local disk has none: an empty folder is no object).
+"""
+
+from __future__ import annotations
+
+import os
+from itertools import islice
+
+import pytest
+
+from ray_workloads import batch_inference, ingest
+from rayline import storage
+from rayline.cli_summaries import print_inference_summary
+from rayline.prediction_reads import read_night_pair
+from rayline.seed import digit_objects
+from tests.integration.helpers import register_untrained
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
+
+DAY = "2026-11-28"
+GOOD = 6
+HIDDEN = [".x/a.png", "_tmp/b.png", "c/_d.png"]
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request: pytest.FixtureRequest) -> str:
+    fixture = "local_storage" if request.param == "local" else "s3_storage"
+    return str(request.getfixturevalue(fixture))
+
+
+def _seed(source: str) -> tuple[set[str], dict[str, int]]:
+    """Good images, hidden and underscore keys, a folder marker: (the good keys, the expected skips)."""
+    images = dict(islice(digit_objects(32), GOOD))
+    for key, data in images.items():
+        storage.write_bytes_atomic(storage.join(source, key), data)
+    some_image = next(iter(images.values()))
+    for key in HIDDEN:
+        storage.write_bytes_atomic(storage.join(source, key), some_image)
+    expected = {storage.SKIP_HIDDEN: len(HIDDEN)}
+    if storage.is_s3(source):
+        # what the S3 console's "Create folder" writes: a zero-byte key ending in "/" (the day's own, one inside)
+        bucket, _, prefix = source.removeprefix(storage.S3).partition("/")
+        for marker in (f"{prefix}/", f"{prefix}/photos/"):
+            storage.s3_client().put_object(Bucket=bucket, Key=marker, Body=b"")
+        expected[storage.SKIP_FOLDER_MARKER] = 2
+    else:
+        os.makedirs(storage.join(source, "photos"))  # an empty folder: not listed, so nothing to skip
+    return set(images), expected
+
+
+def test_ingest_and_a_night_account_for_every_listed_object(root: str, capsys: pytest.CaptureFixture[str]) -> None:
+    source = storage.join(root, "incoming", f"dt={DAY}")
+    good, skipped = _seed(source)
+
+    config = ingest.IngestConfig(source_uri=source, output_root=storage.join(root, "ingested"))
+    ingested = ingest.run(config)
+    assert (ingested.object_count, ingested.fetch_errors, ingested.skipped) == (GOOD, 0, skipped)
+    manifest = storage.read_json(ingested.manifest_uri)
+    assert manifest["skipped"] == skipped
+    assert manifest["skipped_examples"][storage.SKIP_HIDDEN] == sorted(HIDDEN)
+    rows = storage.read_parquet(ingested.shard_uris, columns=["key", "error_type"]).to_pylist()
+    assert sorted(r["key"] for r in rows) == sorted(good) and not any(r["error_type"] for r in rows)
+    reused = ingest.run(config)
+    assert reused.cached and reused.skipped == skipped
+
+    night = batch_inference.run(
+        batch_inference.InferenceConfig(
+            input_uri=source, tables_root=root, dt=DAY, model=register_untrained(), actors=1
+        )
+    )
+    assert (night.inputs, night.predictions, night.errors, night.skipped) == (GOOD, GOOD, 0, skipped)
+    pair = read_night_pair(root, "digits", DAY)
+    assert pair.errors.num_rows == 0, pair.errors.to_pylist()  # no NoSuchKey row for the folder marker
+    assert sorted(pair.predictions.column("uri").to_pylist()) == sorted(storage.join(source, k) for k in good)
+
+    print_inference_summary(night)
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    assert f"skipped            {storage.skipped_text(skipped)}" in lines
