@@ -125,6 +125,11 @@ _TRANSIENT_NAMES = frozenset(
     }
 )
 
+# Timeouts that look transient (they subclass TimeoutError) but are not: work that outran its
+# task's or flow's time limit once will outrun it again, and a retry would only run beside the
+# Ray work the timed-out attempt left running.
+_DETERMINISTIC_NAMES = frozenset({"TaskRunTimeoutError", "FlowRunTimeoutError"})
+
 _TRANSIENT_S3_CODES = frozenset(
     {
         "SlowDown",
@@ -167,7 +172,7 @@ def is_transient(exc: BaseException) -> bool:
     anywhere in the chain wins over a transient-looking cause.
     """
     for err in causes(exc):
-        if isinstance(err, ConfigError | InputDataError):
+        if isinstance(err, ConfigError | InputDataError) or type(err).__name__ in _DETERMINISTIC_NAMES:
             return False
         if isinstance(err, (TransientError, *_TRANSIENT_BUILTINS)):
             return True

@@ -83,6 +83,13 @@ def test_permanent_failures_are_not_retried(exc: BaseException) -> None:
     assert not is_transient(exc)
 
 
+def test_a_prefect_task_timeout_is_not_retried() -> None:
+    from prefect.task_engine import TaskRunTimeoutError
+
+    timed_out = TaskRunTimeoutError("Task run exceeded timeout of 900 second(s)")
+    assert isinstance(timed_out, TimeoutError) and not is_transient(timed_out)
+
+
 def test_cause_chain_is_followed_and_input_errors_win() -> None:
     try:
         try:
