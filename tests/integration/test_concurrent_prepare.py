@@ -11,7 +11,7 @@ import pytest
 
 from ray_workloads import folders, ingest, preprocess
 from rayline import leases, storage
-from rayline.errors import LeaseBusy
+from rayline.errors import LeaseBusy, LeaseLost
 from rayline.seed import seed
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
@@ -136,3 +136,22 @@ def test_two_concurrent_prepare_data_runs_both_complete(local_storage: str) -> N
     prepared = results[0].preprocess
     named = {uri for uris in prepared.files.values() for uri in uris}
     assert {f for f in _files(prepared.output_uri) if f.endswith(".parquet")} == named
+
+
+def test_a_run_that_lost_its_lease_commits_nothing(local_storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    seed(storage.join(local_storage, "raw"), digits=False, synthetic=20)
+    proofs: list[str] = []
+
+    def lost_at_the_commit(self: leases.HeldLease) -> leases.Lease:
+        proofs.append(self.lease.uri)
+        if len(proofs) > 1:  # the first proof clears leftovers; the second is the commit's
+            raise LeaseLost("another run took the lease over while this one was paused")
+        return self.lease
+
+    monkeypatch.setattr(leases.HeldLease, "ensure_held", lost_at_the_commit)
+    with pytest.raises(LeaseLost):
+        ingest.run(_ingest_config(local_storage))
+    assert len(proofs) == 2
+    output = proofs[0].removesuffix(folders.LEASE_SUFFIX)
+    assert storage.list_objects(storage.join(output, "shards")), "the shards were written"
+    assert not storage.exists(storage.join(output, ingest.MANIFEST))
