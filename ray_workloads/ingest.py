@@ -10,6 +10,9 @@ the manifest counts them per reason (``skipped``).
 The output folder is named by the input's identity (source URI + content hash
 of the sorted ``(key, etag)`` list): unchanged input maps to the same folder,
 and a committed folder (``manifest.json`` written last) is reused as is.
+A run fills the folder only while it holds the folder's lease
+(``ray_workloads.folders``): a concurrent run on the same input waits, then
+reuses what the first committed.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import pyarrow as pa
 import ray
 from pydantic import BaseModel, Field
 
-from rayline import storage
+from ray_workloads import folders
+from rayline import leases, storage
 from rayline.errors import InputDataError, StorageError
 from rayline.storage import ObjectInfo
 
@@ -47,7 +51,7 @@ SHARD_SCHEMA = pa.schema(
 )
 
 
-class IngestConfig(BaseModel):
+class IngestConfig(folders.LeasedOutput):
     """What to ingest, where to, and the compute shape of the job."""
 
     source_uri: str
@@ -82,6 +86,7 @@ class IngestResult(BaseModel):
     skipped: dict[str, int] = Field(default_factory=dict, description="Listed objects that are no inputs, by reason.")
     skipped_examples: dict[str, list[str]] = Field(default_factory=dict, description="The first keys of each reason.")
     cached: bool = False
+    waited_s: float = Field(0.0, description="How long this run waited for another run filling the same folder.")
     elapsed_s: float = 0.0
 
     @property
@@ -207,16 +212,38 @@ def run(cfg: IngestConfig) -> IngestResult:
     digest = content_hash(objects)
     output = storage.join(storage.normalize(cfg.output_root), dataset_id(source, digest))
     manifest_uri = storage.join(output, MANIFEST)
+    what = f"the ingest folder {posixpath.basename(output)}"
 
-    if not cfg.force and storage.exists(manifest_uri):
+    def committed() -> IngestResult | None:
+        if cfg.force or not storage.exists(manifest_uri):
+            return None
         manifest = storage.read_json(manifest_uri)
-        if manifest.get("content_hash") == digest:
-            reused = _result_from_manifest(manifest, manifest_uri, True, time.perf_counter() - started)
-            # the inputs are the same; what this listing left out may not be (a new _SUCCESS)
-            return reused.model_copy(update={"skipped": listing.skipped, "skipped_examples": listing.skipped_examples})
+        if manifest.get("content_hash") != digest:
+            return None
+        reused = _result_from_manifest(manifest, manifest_uri, True, time.perf_counter() - started)
+        # the inputs are the same; what this listing left out may not be (a new _SUCCESS)
+        return reused.model_copy(update={"skipped": listing.skipped, "skipped_examples": listing.skipped_examples})
 
-    # Anything here is a leftover of an uncommitted (crashed) run: start clean.
-    storage.remove_tree(output)
+    # A committed folder is never removed by a run that is not forced: reuse it without the lease.
+    if (reused := committed()) is not None:
+        return reused
+    with folders.leased(output, cfg, what) as lease:
+        # the run this one waited for may have committed meanwhile
+        if (reused := committed()) is not None:
+            folders.note_reuse(what, lease)
+            return reused.model_copy(update={"waited_s": lease.waited_s})
+        # Anything here is a leftover of an uncommitted (crashed) run: start clean.
+        folders.clear(output, lease)
+        manifest = _fetch_and_commit(cfg, listing, source, digest, output, lease)
+    return _result_from_manifest(manifest, manifest_uri, False, time.perf_counter() - started).model_copy(
+        update={"waited_s": lease.waited_s}
+    )
+
+
+def _fetch_and_commit(
+    cfg: IngestConfig, listing: storage.Listing, source: str, digest: str, output: str, lease: leases.HeldLease
+) -> dict[str, Any]:
+    objects = listing.objects
     shards = plan_shards(objects, cfg)
     fetch = _fetch_and_write_shard.options(num_cpus=cfg.num_cpus_per_task)
     refs = [
@@ -244,8 +271,9 @@ def run(cfg: IngestConfig) -> IngestResult:
         "skipped": listing.skipped,
         "skipped_examples": listing.skipped_examples,
     }
-    storage.write_json_atomic(manifest_uri, manifest)  # the commit point
-    return _result_from_manifest(manifest, manifest_uri, False, time.perf_counter() - started)
+    lease.ensure_held()  # a run that lost its lease (paused past its expiry) must not commit
+    storage.write_json_atomic(storage.join(output, MANIFEST), manifest)  # the commit point
+    return manifest
 
 
 class Arrivals(BaseModel):

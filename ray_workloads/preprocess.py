@@ -12,6 +12,10 @@ Output layout (committed by ``manifest.json``, written last)::
     <output>/errors/part-*.parquet                   uri, key, stage, error_type, error_message
     <output>/summary.json                            counts per split and class, error count
     <output>/manifest.json                           files + summary: the commit point
+
+A run fills the folder only while it holds the folder's lease
+(``ray_workloads.folders``): a concurrent run on the same input and
+parameters waits, then reuses what the first committed.
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ from pydantic import BaseModel, Field, model_validator
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink, WriteResult
 
-from ray_workloads import ingest
+from ray_workloads import folders, ingest
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
-from rayline import storage
+from rayline import leases, storage
 from rayline.errors import InputDataError, StorageError
 
 SPLITS = ("train", "val", "test")
@@ -55,7 +59,7 @@ class SplitFractions(BaseModel):
         return self
 
 
-class PreprocessConfig(BaseModel):
+class PreprocessConfig(folders.LeasedOutput):
     ingest_manifest_uri: str
     output_root: str
     image: ImageSpec = Field(default_factory=ImageSpec)
@@ -80,6 +84,7 @@ class PreprocessResult(BaseModel):
     files: dict[str, list[str]]
     image: ImageSpec = Field(default_factory=ImageSpec, description="How the images were decoded.")
     cached: bool = False
+    waited_s: float = Field(0.0, description="How long this run waited for another run filling the same folder.")
     elapsed_s: float = 0.0
     ray_data_stats: str = Field("", description="Ray Data's execution stats of this run (empty when reused).")
 
@@ -261,12 +266,35 @@ def run(cfg: PreprocessConfig) -> PreprocessResult:
     dataset_name = f"{source.output_uri.rstrip('/').rsplit('/', 1)[-1]}-{_params_hash(cfg, classes)}"
     output = storage.join(storage.normalize(cfg.output_root), dataset_name)
     manifest_uri = storage.join(output, MANIFEST)
-    if not cfg.force and storage.exists(manifest_uri):
-        manifest = storage.read_json(manifest_uri)
-        if manifest.get("input_content_hash") == source.content_hash:
-            return _result(manifest, manifest_uri, True, time.perf_counter() - started)
+    what = f"the preprocessed folder {dataset_name}"
 
-    storage.remove_tree(output)  # leftovers of an uncommitted run
+    def committed() -> PreprocessResult | None:
+        if cfg.force or not storage.exists(manifest_uri):
+            return None
+        manifest = storage.read_json(manifest_uri)
+        if manifest.get("input_content_hash") != source.content_hash:
+            return None
+        return _result(manifest, manifest_uri, True, time.perf_counter() - started)
+
+    # A committed folder is never removed by a run that is not forced: reuse it without the lease.
+    if (reused := committed()) is not None:
+        return reused
+    with folders.leased(output, cfg, what) as lease:
+        # the run this one waited for may have committed meanwhile
+        if (reused := committed()) is not None:
+            folders.note_reuse(what, lease)
+            return reused.model_copy(update={"waited_s": lease.waited_s})
+        folders.clear(output, lease)  # leftovers of an uncommitted run
+        manifest, stats = _decode_and_commit(cfg, source, classes, output, lease)
+    result = _result(manifest, manifest_uri, False, time.perf_counter() - started)
+    # the workers' own stats never reach the caller's logs by themselves
+    return result.model_copy(update={"ray_data_stats": stats, "waited_s": lease.waited_s})
+
+
+def _decode_and_commit(
+    cfg: PreprocessConfig, source: ingest.IngestResult, classes: list[str], output: str, lease: leases.HeldLease
+) -> tuple[dict[str, Any], str]:
+    """Decode and split into ``output``, then commit its manifest: the manifest and Ray Data's stats."""
     fs, _ = storage.arrow_filesystem(source.shard_uris[0])
     paths = [storage.arrow_filesystem(uri)[1] for uri in source.shard_uris]
     decoded = ray.data.read_parquet(paths, filesystem=fs, override_num_blocks=len(paths)).map_batches(
@@ -294,10 +322,9 @@ def run(cfg: PreprocessConfig) -> PreprocessResult:
         "parameters": {"image": cfg.image.model_dump(), "splits": cfg.splits.model_dump()},
         "summary": summary,
     }
-    storage.write_json_atomic(manifest_uri, manifest)  # the commit point
-    result = _result(manifest, manifest_uri, False, time.perf_counter() - started)
-    # the workers' own stats never reach the caller's logs by themselves
-    return result.model_copy(update={"ray_data_stats": decoded.stats()})
+    lease.ensure_held()  # a run that lost its lease (paused past its expiry) must not commit
+    storage.write_json_atomic(storage.join(output, MANIFEST), manifest)  # the commit point
+    return manifest, decoded.stats()
 
 
 def error_sample(result: PreprocessResult, limit: int = 20) -> list[dict[str, Any]]:

@@ -202,6 +202,14 @@ def lease_holder() -> str:
     return leases.run_holder(f"flow run {flow_run.get_name()} ({run_id})" if run_id else None)
 
 
+def folder_wait_text(waited_s: float, cached: bool, what: str) -> str:
+    """For a task's log line: that the run waited for another run holding its output folder, and what it found."""
+    if waited_s < 1.0:  # taking a free lease takes a few ms: no wait worth a word
+        return ""
+    found = "found it committed" if cached else "then wrote it"
+    return f" (another run held the {what}; waited {waited_s:.0f} s, {found})"
+
+
 def _str_or_none(value: object) -> str | None:
     return None if value is None else str(value)
 

@@ -11,22 +11,24 @@ from ray_workloads import ingest
 from rayline import lineage, ray_cluster, storage
 from rayline.lineage import DatasetRef
 from tasks import events
-from tasks.common import ray_task, record_lineage
+from tasks.common import folder_wait_text, lease_holder, ray_task, record_lineage
 
 
 @ray_task("ingest")
 def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -> ingest.IngestResult:
     started = datetime.now(UTC)
     connection = ray_cluster.connect()
-    result = ingest.run(config)
+    # the folder's lease names this flow run, so a run that waits for it can say which run it waits for
+    result = ingest.run(config if config.holder else config.model_copy(update={"holder": lease_holder()}))
     get_run_logger().info(
-        "ingest %s: %d objects, %d bytes, %d fetch errors, %d shards%s in %.1fs%s",
+        "ingest %s: %d objects, %d bytes, %d fetch errors, %d shards%s%s in %.1fs%s",
         result.source_uri,
         result.object_count,
         result.total_bytes,
         result.fetch_errors,
         len(result.shards),
         " (reused)" if result.cached else "",
+        folder_wait_text(result.waited_s, result.cached, "ingest folder"),
         result.elapsed_s,
         f"; skipped {storage.skipped_text(result.skipped)}: e.g. {result.skipped_examples}" if result.skipped else "",
     )
