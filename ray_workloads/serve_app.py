@@ -29,7 +29,8 @@ HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
   weights are unchanged), ``X-Rayline-Version: N`` (pin a live version; 404 if not live).
   Answer: class index and name (from the model's own class list), confidence, top-k, model,
   version, latency; the version also in ``X-Rayline-Model-Version``, the model in
-  ``X-Rayline-Model``.
+  ``X-Rayline-Model``. A multipart body is parsed in a worker thread, and refused (400) past
+  16 parts or 8 KiB of headers in a part (``serve_http``) before any part is parsed.
   404 model not served, 413 body over ``max_body_bytes``, 400 empty body or bad multipart,
   415 not an image, 422 truncated/corrupt image or over ``max_pixels`` (decompression bomb),
   500 the model failed on the input, 503 no version with traffic or the version's replicas
@@ -38,6 +39,7 @@ HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
   traffic weight, else 503.
 * ``GET /stats[?since=<unix time>]``, ``GET /models/<name>/stats[?since=…]``: the model's
   weights and per-version requests, errors, rejected, latency p50/p95/p99.
+  400 for a ``since`` that is not a finite number.
 * ``GET /models``: every served model with its live versions and weights, and the default.
 """
 
@@ -63,7 +65,7 @@ from ray_workloads.images import ImageDecodeError, decode_image
 # "X as X": re-exported (callers and tests import these from here)
 from ray_workloads.serve_config import ServeConfig
 from ray_workloads.serve_http import ANSWER_HEADER as ANSWER_HEADER
-from ray_workloads.serve_http import DECODE_STATUS, ROUTES, error_response, read_body
+from ray_workloads.serve_http import DECODE_STATUS, ROUTES, error_response, parse_since, read_body
 from ray_workloads.serve_http import KEY_HEADER as KEY_HEADER
 from ray_workloads.serve_http import MODEL_HEADER as MODEL_HEADER
 from ray_workloads.serve_http import VERSION_HEADER as VERSION_HEADER
@@ -303,7 +305,10 @@ class Router:
     async def _predict(self, request: Request, model: str | None, started: float) -> JSONResponse:
         body = await read_body(request, self.cfg.max_body_bytes)
         content_type = request.headers.get("content-type", "")
-        image = multipart_image(body, content_type) if content_type.startswith("multipart/") else body
+        image = body
+        if content_type.startswith("multipart/"):
+            # in a worker thread: the loop keeps serving every other request meanwhile
+            image = await asyncio.to_thread(multipart_image, body, content_type)
         if not image:
             raise HttpError(400, "EmptyBody", "no image bytes: send the image as the body or a multipart 'file' part")
         name, routes = self._served(await self._routing_table(), model)
@@ -345,11 +350,7 @@ class Router:
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     async def _stats(self, request: Request, model: str | None) -> JSONResponse:
-        raw = request.query_params.get("since")
-        try:
-            since = float(raw) if raw is not None else None
-        except ValueError as exc:
-            raise HttpError(400, "BadRequest", f"since must be a unix timestamp, got {raw!r}") from exc
+        since = parse_since(request.query_params.get("since"))
         table = self._table
         if model is not None and model not in table.models:
             raise HttpError(
