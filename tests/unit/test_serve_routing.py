@@ -1,4 +1,4 @@
-"""Pure parts of serving: request paths, multipart bounds, ``since``, the routing table."""
+"""Pure parts of serving: request paths, multipart bounds, ``since``, the routing table, the gate's stats."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from ray_workloads.serve_http import MAX_MULTIPART_PARTS, HttpError, multipart_image, parse_since, route
 from ray_workloads.serve_state import ModelRoutes, RoutingTable
+from ray_workloads.serve_stats import ERROR, OK, REJECTED, StatsBook
 
 pytestmark = pytest.mark.unit
 
@@ -116,3 +117,26 @@ def test_since_must_be_a_finite_number(raw: str) -> None:
 
 def test_since_accepts_unix_times() -> None:
     assert parse_since(None) is None and parse_since("1700000000.5") == 1700000000.5 and parse_since("0") == 0.0
+
+
+def test_pinned_requests_and_4xx_do_not_count_toward_the_gate() -> None:
+    book = StatsBook(started=0.0)
+    routed_ok = [("m", 2, 10.0 + i, 5.0, OK, True) for i in range(3)]
+    routed_error = [("m", 2, 20.0, 9.0, ERROR, True)]
+    junk = [("m", 2, 30.0 + i, 1.0, REJECTED, True) for i in range(50)]  # 4xx: bad input, routed
+    pinned = [("m", 2, 40.0 + i, 1.0, outcome, False) for i in range(50) for outcome in (OK, REJECTED)]
+    old_router = [("m", 2, 50.0, 5.0, OK)]  # a sample without the flag: counted, as before
+    book.record([*routed_ok, *routed_error, *junk, *pinned, *old_router])  # type: ignore[list-item]
+
+    everything = book.stats("m")[2]
+    assert (everything["requests"], everything["errors"], everything["rejected"]) == (155, 1, 100)
+    for since in (None, 0.0):
+        gate = book.stats("m", since=since, gated=True)[2]
+        assert (gate["requests"], gate["errors"], gate["rejected"]) == (5, 1, 0), since
+        assert gate["p50_ms"] == 5.0, "pinned answers' latencies are out of the gate too"
+    assert book.stats("m", since=35.0, gated=True)[2]["requests"] == 1
+    assert book.stats("other") == {}
+
+    book.reset("m", now=100.0)
+    book.record([("m", 2, 99.0, 5.0, OK, True), ("m", 2, 101.0, 5.0, OK, True)])
+    assert book.stats("m", gated=True)[2]["requests"] == 1, "a sample from before the reset came back"
