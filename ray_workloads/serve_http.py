@@ -93,7 +93,7 @@ def _headers(text: str) -> Message:
 
 
 def _multipart_parts(body: bytes, boundary: bytes, max_parts: int) -> list[bytes]:
-    """The raw parts (headers and content) between the delimiters; 400 past the limits.
+    """The raw parts (headers and content) between the delimiters; 400 past ``max_parts``.
 
     The delimiters are counted (one C-speed pass) before anything is split or parsed, so a
     body of a hundred thousand tiny parts costs milliseconds, not seconds of header parsing.
@@ -112,7 +112,7 @@ def _multipart_parts(body: bytes, boundary: bytes, max_parts: int) -> list[bytes
 
 def _part(chunk: bytes, max_header_bytes: int) -> tuple[str | None, str | None, bytes] | None:
     """``(name, filename, content)`` of one raw part; None without a header block."""
-    end = chunk.find(b"\r\n\r\n", 0, max_header_bytes + 4)  # + 4: the line break after it
+    end = chunk.find(b"\r\n\r\n", 0, max_header_bytes + 4)  # + 4: the blank line ending them
     if end < 0:
         if len(chunk) > max_header_bytes:
             raise HttpError(
