@@ -95,18 +95,26 @@ def _headers(text: str) -> Message:
 def _multipart_parts(body: bytes, boundary: bytes, max_parts: int) -> list[bytes]:
     """The raw parts (headers and content) between the delimiters; 400 past ``max_parts``.
 
-    The delimiters are counted (one C-speed pass) before anything is split or parsed, so a
-    body of a hundred thousand tiny parts costs milliseconds, not seconds of header parsing.
+    Scanned delimiter by delimiter, so a body of a hundred thousand tiny parts is refused
+    after ``max_parts + 1`` of them (microseconds), before any header is parsed.
     """
     delimiter = b"\r\n--" + boundary  # RFC 2046: CRLF belongs to the delimiter, not to the content
-    padded = b"\r\n" + body  # the first delimiter may open the body
-    if padded.count(delimiter) > max_parts + 1:  # + 1: the closing delimiter
-        raise HttpError(400, "BadMultipart", f"multipart body has more than {max_parts} parts (the limit)")
-    parts = []
-    for chunk in padded.split(delimiter)[1:]:  # [0]: the preamble
-        if chunk.startswith(b"--"):
-            break  # the closing delimiter
-        parts.append(chunk)
+    if body.startswith(delimiter[2:]):  # the first delimiter may open the body, without the CRLF
+        at = len(delimiter) - 2
+    else:
+        found = body.find(delimiter)  # past a preamble
+        if found < 0:
+            return []
+        at = found + len(delimiter)
+    parts: list[bytes] = []
+    while not body.startswith(b"--", at):  # "--" after a delimiter: the closing one
+        if len(parts) == max_parts:
+            raise HttpError(400, "BadMultipart", f"multipart body has more than {max_parts} parts (the limit)")
+        end = body.find(delimiter, at)
+        parts.append(body[at:] if end < 0 else body[at:end])
+        if end < 0:
+            break  # no closing delimiter: the rest is the last part
+        at = end + len(delimiter)
     return parts
 
 
