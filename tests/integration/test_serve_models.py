@@ -193,40 +193,53 @@ def test_a_many_part_body_is_refused_without_stalling_the_router(served: Served)
     requests meanwhile are no more than 50 ms slower at p99.
 
     This instance runs the defaults (one router replica, 10 MiB bodies), so every request
-    shares the big ones' router. The 50 ms are measured on the same client against bodies of
-    the same size refused *unparsed* (multipart without a boundary): moving 10 MiB through
+    shares the big ones' router. The 50 ms are measured on the same client against the same
+    body refused *unparsed* (its content type without the boundary): moving 10 MiB through
     Serve's proxy on a 2-core machine costs the neighbours what it costs either way, and what
     is under test is what the parsing adds. The two kinds alternate every half second, so a
     change in the machine's load weighs on both alike; a small request counts for the kind
     it overlapped (neither, if it overlapped both).
     """
     size = 10 * MIB - 1024  # under the 10 MiB body limit: refused for its parts, not its size
-    kinds = {
-        "unparsed": (b"x" * size, "multipart/form-data"),
-        "parts": (_many_parts(size), "multipart/form-data; boundary=b"),
-    }
+    many = _many_parts(size)
+    kinds = {"unparsed": (many, "multipart/form-data"), "parts": (many, "multipart/form-data; boundary=b")}
     idle = _small_requests(served, lambda done: len(done) >= 60, cap_s=5.0)
+    # a second look only when the first is over budget: other processes on 2 cores move a p99
+    # of 200 requests by tens of ms either way, while a stalled loop (the unbounded parser
+    # took ~6 s per body) fails every look
+    for attempt in (1, 2):
+        p99, counts, answers = _stall_measured(served, kinds)
+        print(
+            f"attempt {attempt}: small requests' p99 idle {_p99_ms(idle):.1f} ms; next to 10 MiB refused unparsed "
+            f"{p99['unparsed']:.1f} ms, next to 10 MiB of tiny parts {p99['parts']:.1f} ms ({counts} small requests, "
+            f"{ {k: len(a) for k, a in answers.items()} } big bodies)"
+        )
+        assert all(
+            a.startswith("400 BadMultipart: multipart/form-data without a boundary") for a in answers["unparsed"]
+        )
+        refused = "400 BadMultipart: multipart body has more than 16 parts (the limit)"
+        assert answers["parts"] and all(a == refused for a in answers["parts"]), answers["parts"][:3]
+        assert min(counts.values()) >= 100, f"too few small requests to measure: {counts}"
+        if p99["parts"] <= p99["unparsed"] + STALL_BUDGET_MS:
+            break
+    assert p99["parts"] <= p99["unparsed"] + STALL_BUDGET_MS, f"a many-part body delayed other requests: {p99}"
+
+
+def _stall_measured(
+    served: Served, kinds: dict[str, tuple[bytes, str]]
+) -> tuple[dict[str, float], dict[str, int], dict[str, list[str]]]:
+    """p99 (ms) of small requests next to each kind of big body, how many were measured, the big answers."""
     with _BigBodies(served, kinds, slice_s=0.5) as big:
-        # checked every 50 requests: each kind has 100 small requests to measure
+        # checked every 50 requests: 200 small requests per kind, so that p99 is not just the slowest one
         small = _small_requests(
             served,
-            lambda done: not len(done) % 50 and all(len(r) >= 100 for r in _by_kind(done, big.sent, kinds).values()),
-            cap_s=20.0,
+            lambda done: not len(done) % 50 and all(len(r) >= 200 for r in _by_kind(done, big.sent, kinds).values()),
+            cap_s=30.0,
         )
     by_kind = _by_kind(small, big.sent, kinds)
     answers = {kind: [a for k, *_, a in big.sent if k == kind] for kind in kinds}
     p99 = {kind: _p99_ms(r) if r else float("nan") for kind, r in by_kind.items()}
-    counts = {kind: len(r) for kind, r in by_kind.items()}
-    print(
-        f"small requests' p99: idle {_p99_ms(idle):.1f} ms; next to 10 MiB refused unparsed {p99['unparsed']:.1f} ms, "
-        f"next to 10 MiB of tiny parts {p99['parts']:.1f} ms ({counts} small requests, "
-        f"{ {k: len(a) for k, a in answers.items()} } big bodies)"
-    )
-    assert all(a.startswith("400 BadMultipart: multipart/form-data without a boundary") for a in answers["unparsed"])
-    refused = "400 BadMultipart: multipart body has more than 16 parts (the limit)"
-    assert answers["parts"] and all(a == refused for a in answers["parts"]), answers["parts"][:3]
-    assert min(counts.values()) >= 40, f"too few small requests to measure: {counts}"
-    assert p99["parts"] <= p99["unparsed"] + STALL_BUDGET_MS, f"a many-part body delayed other requests: {p99}"
+    return p99, {kind: len(r) for kind, r in by_kind.items()}, answers
 
 
 def test_canary_rollout_of_the_outside_model_leaves_the_other_model_alone(served: Served) -> None:
