@@ -13,6 +13,11 @@ window's per-version stats:
 * at least ``min_requests`` answers from the candidate: no evidence, no
   promotion.
 
+Only requests the router routed by weight count toward a window (the probes,
+and live traffic), not requests pinned to a version with ``X-Rayline-Version``
+nor 4xx answers to bad input: junk pinned to the candidate could otherwise
+meet ``min_requests`` and dilute its error rate (``serve_stats``).
+
 The incumbent is the version of the candidate's model serving the largest
 share now (deployed at 100% first when nothing of that model serves). Every
 request, weight and stats window here is the model's own
@@ -205,6 +210,9 @@ class ProbeClient:
     """Paced requests through the router (unpinned: they follow ``model``'s weights, like any client).
 
     The rollout's canary probes, and the demo's background load; every answer's status is tallied.
+    Unpinned is also what makes the probes count toward the gate: the router leaves pinned
+    requests out of the gate's stats (a client could pin junk to a candidate at 0 %), and a
+    marker header to let probes in would be just as easy for any client to send.
     """
 
     def __init__(self, base_url: str, images: list[bytes], rps: float, model: str | None = None) -> None:
@@ -253,8 +261,9 @@ def soak(
     try:
         probes.run_for(cfg.soak_s)
         while True:
-            # waits for every router's flush
-            window = serve_control.stats(cfg.serve, model=model, since=window_start)
+            # waits for every router's flush; only routed, non-4xx answers: what clients pin to the
+            # candidate (or junk it refuses) is no evidence about it
+            window = serve_control.stats(cfg.serve, model=model, since=window_start, gated=True)
             seen = window.get(candidate)
             enough = seen is not None and seen.requests >= cfg.gates.min_requests
             if enough or time.monotonic() - started >= 3 * cfg.soak_s:

@@ -26,10 +26,12 @@ HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
 * ``POST /models/<name>/predict`` (model ``name``) and ``POST /predict`` (the default model)
   with the image as the raw body or a multipart form part (named ``file`` or ``image``, or
   the only part). Optional headers: ``X-Rayline-Key`` (sticky: one key sees one version while
-  weights are unchanged), ``X-Rayline-Version: N`` (pin a live version; 404 if not live).
+  weights are unchanged), ``X-Rayline-Version: N`` (pin a live version; 404 if not live;
+  pinned answers never count toward a rollout's gate).
   Answer: class index and name (from the model's own class list), confidence, top-k, model,
   version, latency; the version also in ``X-Rayline-Model-Version``, the model in
-  ``X-Rayline-Model``.
+  ``X-Rayline-Model``. A multipart body is parsed in a worker thread, and refused (400) past
+  16 parts or 8 KiB of headers in a part (``serve_http``) before any part is parsed.
   404 model not served, 413 body over ``max_body_bytes``, 400 empty body or bad multipart,
   415 not an image, 422 truncated/corrupt image or over ``max_pixels`` (decompression bomb),
   500 the model failed on the input, 503 no version with traffic or the version's replicas
@@ -37,7 +39,9 @@ HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
 * ``GET /healthz``, ``GET /models/<name>/healthz``: 200 when some version of the model has
   traffic weight, else 503.
 * ``GET /stats[?since=<unix time>]``, ``GET /models/<name>/stats[?since=…]``: the model's
-  weights and per-version requests, errors, rejected, latency p50/p95/p99.
+  weights and per-version requests, errors, rejected, latency p50/p95/p99, counting every
+  answer (pinned ones and 4xx included; a rollout's gate counts only routed, non-4xx ones:
+  ``serve_stats``). 400 for a ``since`` that is not a finite number.
 * ``GET /models``: every served model with its live versions and weights, and the default.
 """
 
@@ -63,7 +67,7 @@ from ray_workloads.images import ImageDecodeError, decode_image
 # "X as X": re-exported (callers and tests import these from here)
 from ray_workloads.serve_config import ServeConfig
 from ray_workloads.serve_http import ANSWER_HEADER as ANSWER_HEADER
-from ray_workloads.serve_http import DECODE_STATUS, ROUTES, error_response, read_body
+from ray_workloads.serve_http import DECODE_STATUS, ROUTES, error_response, parse_since, read_body
 from ray_workloads.serve_http import KEY_HEADER as KEY_HEADER
 from ray_workloads.serve_http import MODEL_HEADER as MODEL_HEADER
 from ray_workloads.serve_http import VERSION_HEADER as VERSION_HEADER
@@ -71,12 +75,12 @@ from ray_workloads.serve_http import HttpError as HttpError
 from ray_workloads.serve_http import choose_version as choose_version
 from ray_workloads.serve_http import multipart_image as multipart_image
 from ray_workloads.serve_http import route as _route
-from ray_workloads.serve_state import ERROR as ERROR
-from ray_workloads.serve_state import OK as OK
-from ray_workloads.serve_state import REJECTED as REJECTED
 from ray_workloads.serve_state import ModelRoutes as ModelRoutes
 from ray_workloads.serve_state import RoutingTable as RoutingTable
-from ray_workloads.serve_state import Sample
+from ray_workloads.serve_stats import ERROR as ERROR
+from ray_workloads.serve_stats import OK as OK
+from ray_workloads.serve_stats import REJECTED as REJECTED
+from ray_workloads.serve_stats import Sample
 from rayline.ray_cluster import NAMESPACE
 from rayline.registry import ModelVersion
 
@@ -264,7 +268,8 @@ class Router:
             raise HttpError(404, "ModelNotServed", f"model {name!r} is not served; served models: {served}")
         return name, table.models[name]
 
-    def _pick(self, name: str, routes: ModelRoutes, request: Request) -> int:
+    def _pick(self, name: str, routes: ModelRoutes, request: Request) -> tuple[int, bool]:
+        """The version to ask and whether it was routed (by weight or key) rather than pinned."""
         pinned = request.headers.get(VERSION_HEADER)
         if pinned is not None:
             text = pinned.strip().lstrip("vV")
@@ -275,11 +280,11 @@ class Router:
                 raise HttpError(
                     404, "VersionNotLive", f"version {int(text)} of {name} is not live; live versions: {live}"
                 )
-            return int(text)
+            return int(text), False
         version = choose_version(routes.weights, request.headers.get(KEY_HEADER), self._rng)
         if version is None:
             raise HttpError(503, "NoLiveVersion", f"no version of model {name} has a traffic weight above 0")
-        return version
+        return version, True
 
     async def _call_model(self, app: str, version: int, image: bytes) -> dict[str, Any]:
         for attempt in (1, 2):
@@ -303,29 +308,33 @@ class Router:
     async def _predict(self, request: Request, model: str | None, started: float) -> JSONResponse:
         body = await read_body(request, self.cfg.max_body_bytes)
         content_type = request.headers.get("content-type", "")
-        image = multipart_image(body, content_type) if content_type.startswith("multipart/") else body
+        image = body
+        if content_type.startswith("multipart/"):
+            # in a worker thread: the loop keeps serving every other request meanwhile
+            image = await asyncio.to_thread(multipart_image, body, content_type)
         if not image:
             raise HttpError(400, "EmptyBody", "no image bytes: send the image as the body or a multipart 'file' part")
         name, routes = self._served(await self._routing_table(), model)
-        version = self._pick(name, routes, request)
+        version, routed = self._pick(name, routes, request)
         try:
             result = await self._call_model(routes.apps[version], version, image)
         except Exception as exc:
             cause = getattr(exc, "cause", None) or exc
             status = 503 if isinstance(exc, _REPLICA_LOST) else 504 if isinstance(exc, ModelTimeoutError) else 500
-            self._record(name, version, started, ERROR)
+            self._record(name, version, started, ERROR, routed)
             logger.warning("%s v%s failed on a request: %s: %s", name, version, type(cause).__name__, cause)
             return error_response(status, type(cause).__name__, str(cause).strip()[-500:], version)
         if not result.pop("ok"):
-            self._record(name, version, started, REJECTED)
+            self._record(name, version, started, REJECTED, routed)
             return error_response(result["status"], result["error"], result["detail"], version)
-        result["latency_ms"] = self._record(name, version, started, OK)
+        result["latency_ms"] = self._record(name, version, started, OK, routed)
         return JSONResponse(result, headers={ANSWER_HEADER: str(version), MODEL_HEADER: name})
 
-    def _record(self, model: str, version: int, started: float, outcome: int) -> float:
+    def _record(self, model: str, version: int, started: float, outcome: int, routed: bool) -> float:
+        """Queue a sample for the control actor; ``routed`` False (pinned) keeps it out of the rollout gate."""
         latency_ms = (time.perf_counter() - started) * 1000
         if len(self._samples) < MAX_PENDING_SAMPLES:
-            self._samples.append((model, version, time.time(), latency_ms, outcome))
+            self._samples.append((model, version, time.time(), latency_ms, outcome, routed))
         return round(latency_ms, 3)
 
     async def _healthz(self, model: str | None) -> JSONResponse:
@@ -345,11 +354,7 @@ class Router:
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     async def _stats(self, request: Request, model: str | None) -> JSONResponse:
-        raw = request.query_params.get("since")
-        try:
-            since = float(raw) if raw is not None else None
-        except ValueError as exc:
-            raise HttpError(400, "BadRequest", f"since must be a unix timestamp, got {raw!r}") from exc
+        since = parse_since(request.query_params.get("since"))
         table = self._table
         if model is not None and model not in table.models:
             raise HttpError(

@@ -336,12 +336,19 @@ def live_versions(cfg: ServeConfig | None = None, *, model: str | None = None) -
 
 
 def stats(
-    cfg: ServeConfig | None = None, *, model: str | None = None, since: float | None = None, fresh: bool = True
+    cfg: ServeConfig | None = None,
+    *,
+    model: str | None = None,
+    since: float | None = None,
+    fresh: bool = True,
+    gated: bool = False,
 ) -> dict[int, VersionStats]:
     """``model``'s per-version stats since its last reset (or since ``since``, a unix time).
 
     ``fresh`` waits (about ``SYNC_INTERVAL_S``) until every router has flushed, so every
     request answered before the call is counted; without it, stats lag by up to that long.
+    ``gated``: only answers that count toward a rollout's gate — requests routed by weight or
+    key, not pinned with ``X-Rayline-Version``, and not 4xx (``serve_stats``); else every answer.
     """
     control = _control(cfg or ServeConfig())
     if fresh:
@@ -351,7 +358,7 @@ def stats(
             if time.monotonic() > deadline:
                 raise ClusterError("router replicas did not flush their stats within 10 s")
             time.sleep(SYNC_INTERVAL_S / 4)
-    raw = _call(control.stats.remote(since, model), "reading stats")
+    raw = _call(control.stats.remote(since, model, gated), "reading stats")
     return {int(v): VersionStats.model_validate(s) for v, s in raw.items()}
 
 

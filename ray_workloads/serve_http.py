@@ -7,6 +7,7 @@ status of an undecodable image).
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Mapping
 from email.message import Message
@@ -33,6 +34,10 @@ ROUTE_LIST = (
     "POST /predict, GET /healthz, GET /stats (the default model); "
     "POST /models/<name>/predict, GET /models/<name>/healthz, GET /models/<name>/stats; GET /models"
 )
+# Bounds of a multipart body (a form with the image and a few fields needs far less): past
+# them, 400 before any part is parsed; parsing 10 MiB of tiny parts would cost seconds of CPU
+MAX_MULTIPART_PARTS = 16
+MAX_PART_HEADER_BYTES = 8 * 1024
 # HTTP status of an image the decoder refused, by error type (any other decode error: 422)
 DECODE_STATUS: dict[type[ImageDecodeError], int] = {
     EmptyImageError: 400,
@@ -87,36 +92,83 @@ def _headers(text: str) -> Message:
     return HeaderParser().parsestr(text.strip("\r\n") + "\r\n\r\n")
 
 
-def multipart_image(body: bytes, content_type: str) -> bytes:
+def _multipart_parts(body: bytes, boundary: bytes, max_parts: int) -> list[bytes]:
+    """The raw parts (headers and content) between the delimiters; 400 past ``max_parts``.
+
+    Scanned delimiter by delimiter, so a body of a hundred thousand tiny parts is refused
+    after ``max_parts + 1`` of them (microseconds), before any header is parsed.
+    """
+    delimiter = b"\r\n--" + boundary  # RFC 2046: CRLF belongs to the delimiter, not to the content
+    if body.startswith(delimiter[2:]):  # the first delimiter may open the body, without the CRLF
+        at = len(delimiter) - 2
+    else:
+        found = body.find(delimiter)  # past a preamble
+        if found < 0:
+            return []
+        at = found + len(delimiter)
+    parts: list[bytes] = []
+    while not body.startswith(b"--", at):  # "--" after a delimiter: the closing one
+        if len(parts) == max_parts:
+            raise HttpError(400, "BadMultipart", f"multipart body has more than {max_parts} parts (the limit)")
+        end = body.find(delimiter, at)
+        parts.append(body[at:] if end < 0 else body[at:end])
+        if end < 0:
+            break  # no closing delimiter: the rest is the last part
+        at = end + len(delimiter)
+    return parts
+
+
+def _part(chunk: bytes, max_header_bytes: int) -> tuple[str | None, str | None, bytes] | None:
+    """``(name, filename, content)`` of one raw part; None without a header block."""
+    end = chunk.find(b"\r\n\r\n", 0, max_header_bytes + 4)  # + 4: the blank line ending them
+    if end < 0:
+        if len(chunk) > max_header_bytes:
+            raise HttpError(
+                400, "BadMultipart", f"a multipart part's headers are over {max_header_bytes} bytes (the limit)"
+            )
+        return None
+    headers = _headers(chunk[:end].decode("latin-1"))
+    name = headers.get_param("name", header="content-disposition")
+    return name if isinstance(name, str) else None, headers.get_filename(), chunk[end + 4 :]
+
+
+def multipart_image(
+    body: bytes,
+    content_type: str,
+    *,
+    max_parts: int = MAX_MULTIPART_PARTS,
+    max_header_bytes: int = MAX_PART_HEADER_BYTES,
+) -> bytes:
     """The image part of a multipart/form-data body (standard library only).
 
     The part named ``file`` or ``image``, else the one with a filename, else the only part.
+    400 over ``max_parts`` parts or ``max_header_bytes`` of headers in one part. CPU-bound:
+    the router runs it in a worker thread.
     """
     boundary = _headers(f"content-type: {content_type}").get_param("boundary")
     if not isinstance(boundary, str) or not boundary:
         raise HttpError(400, "BadMultipart", "multipart/form-data without a boundary parameter")
-    parts: list[tuple[str | None, str | None, bytes]] = []
-    for chunk in body.split(b"--" + boundary.encode("latin-1"))[1:]:
-        if chunk.startswith(b"--"):
-            break  # the closing delimiter
-        head, sep, content = chunk.partition(b"\r\n\r\n")
-        if not sep:
-            continue
-        headers = _headers(head.decode("latin-1"))
-        name = headers.get_param("name", header="content-disposition")
-        parts.append(
-            (
-                name if isinstance(name, str) else None,
-                headers.get_filename(),
-                content[:-2] if content.endswith(b"\r\n") else content,
-            )
-        )
+    raw = _multipart_parts(body, boundary.encode("latin-1"), max_parts)
+    parts = [p for p in (_part(chunk, max_header_bytes) for chunk in raw) if p is not None]
     named = [p for p in parts if p[0] in ("file", "image")] or [p for p in parts if p[1] is not None]
     chosen = named or (parts if len(parts) == 1 else [])
     if chosen:
         return chosen[0][2]
     names = [p[0] for p in parts]
     raise HttpError(400, "BadMultipart", f"no image part in the multipart body (parts: {names}); name it 'file'")
+
+
+def parse_since(raw: str | None) -> float | None:
+    """The ``since`` query parameter of ``/stats``: a finite unix time (400 for nan, inf or not a number)."""
+    if raw is None:
+        return None
+    try:
+        since = float(raw)
+    except ValueError as exc:
+        raise HttpError(400, "BadRequest", f"since must be a unix timestamp, got {raw!r}") from exc
+    if not math.isfinite(since):  # float() takes "nan" and "inf", which no sample compares sensibly with
+        raise HttpError(400, "BadRequest", f"since must be a finite unix timestamp, got {raw!r}")
+    return since
 
 
 def error_response(status: int, error: str, detail: str, version: int | None = None) -> JSONResponse:

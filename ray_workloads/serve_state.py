@@ -13,7 +13,8 @@ first model registered that is still served. Versions, weights and stats of one 
 never affect another's; every method taking ``model=None`` means the default model.
 
 Router replicas (``serve_app.Router``) call :meth:`ServeControl.sync` periodically: they hand
-over their request samples and get the current :class:`RoutingTable` back. The driver side
+over their request samples (kept by ``serve_stats.StatsBook``) and get the current
+:class:`RoutingTable` back. The driver side
 (``serve_control``) creates the actor and calls the rest.
 
 This module imports neither Serve's HTTP stack nor torch: it is all the actor's process loads.
@@ -25,22 +26,21 @@ import dataclasses
 import json
 import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from ray.experimental import internal_kv
 
+# "X as X": re-exported (the stats' vocabulary predates serve_stats)
+from ray_workloads.serve_stats import ERROR as ERROR
+from ray_workloads.serve_stats import OK as OK
+from ray_workloads.serve_stats import REJECTED as REJECTED
+from ray_workloads.serve_stats import Sample as Sample
+from ray_workloads.serve_stats import StatsBook
 from rayline.errors import ConfigError
 from rayline.ray_cluster import NAMESPACE
 
-# outcome codes of a request sample
-OK, ERROR, REJECTED = 0, 1, 2
 ROUTER_STALE_S = 5.0  # a router silent this long is gone (killed, scaled down)
-SAMPLES_PER_VERSION = 200_000
-# what a router hands over per request: model, version, unix time, latency ms, outcome
-Sample = tuple[str, int, float, float, int]
 
 
 @dataclass(frozen=True)
@@ -117,10 +117,7 @@ class ServeControl:
             self._table = RoutingTable.from_json(data)
             self._router_config = data.get("router_config")
         self._routers: dict[str, tuple[float, int]] = {}
-        self._samples: dict[tuple[str, int], deque[tuple[float, float, int]]] = {}
-        self._counts: dict[tuple[str, int], list[int]] = {}
-        self._since: dict[str, float] = {}  # per model: samples older than its last reset are dropped
-        self._started = time.time()
+        self._stats = StatsBook(started=time.time())
 
     def _replace(self, **changes: Any) -> int:
         self._table = dataclasses.replace(self._table, generation=self._table.generation + 1, **changes)
@@ -172,15 +169,7 @@ class ServeControl:
         now = time.monotonic()
         self._routers[router_id] = (now, generation)
         self._routers = {r: seen for r, seen in self._routers.items() if now - seen[0] < ROUTER_STALE_S}
-        for model, version, ts, latency_ms, outcome in samples:
-            if ts < self._since.get(model, self._started):
-                continue
-            key = (model, version)
-            self._samples.setdefault(key, deque(maxlen=SAMPLES_PER_VERSION)).append((ts, latency_ms, outcome))
-            counts = self._counts.setdefault(key, [0, 0, 0])
-            counts[0] += 1
-            counts[1] += outcome == ERROR
-            counts[2] += outcome == REJECTED
+        self._stats.record(samples)
         return self._table
 
     def routers_behind(self, generation: int) -> list[str]:
@@ -245,7 +234,7 @@ class ServeControl:
         _, routes = self._served(model)
         apps = list(routes.apps.values())
         generation = self._with_model(model, None)
-        self._drop_stats(model)
+        self._stats.drop(model)
         return generation, apps
 
     def prune(self, present: list[str]) -> int:
@@ -262,44 +251,19 @@ class ServeControl:
             return self._table.generation
         return self._replace(models=models)
 
-    def stats(self, since: float | None = None, model: str | None = None) -> dict[int, dict[str, Any]]:
-        """Per-version stats of ``model`` (None: the default) since its last reset, or since ``since``."""
-        name = self._table.resolve(model)
-        out: dict[int, dict[str, Any]] = {}
-        for (sampled, version), samples in self._samples.items():
-            if sampled != name:
-                continue
-            rows = [s for s in samples if since is None or s[0] >= since]
-            if since is None:
-                requests, errors, rejected = self._counts[(sampled, version)]
-            else:
-                requests = len(rows)
-                errors = sum(1 for s in rows if s[2] == ERROR)
-                rejected = sum(1 for s in rows if s[2] == REJECTED)
-            ok_ms = np.array([s[1] for s in rows if s[2] == OK], dtype=np.float64)
-            p50, p95, p99 = np.percentile(ok_ms, [50, 95, 99]).tolist() if ok_ms.size else (None, None, None)
-            out[version] = {
-                "version": version,
-                "requests": requests,
-                "errors": errors,
-                "rejected": rejected,
-                "p50_ms": p50,
-                "p95_ms": p95,
-                "p99_ms": p99,
-            }
-        return dict(sorted(out.items()))
+    def stats(
+        self, since: float | None = None, model: str | None = None, gated: bool = False
+    ) -> dict[int, dict[str, Any]]:
+        """Per-version stats of ``model`` (None: the default) since its last reset, or since ``since``.
 
-    def _drop_stats(self, model: str) -> None:
-        for key in [k for k in self._samples if k[0] == model]:
-            del self._samples[key]
-        for key in [k for k in self._counts if k[0] == model]:
-            del self._counts[key]
+        ``gated``: only what counts toward a rollout's gate (routed, not 4xx; see ``serve_stats``).
+        """
+        return self._stats.stats(self._table.resolve(model), since, gated)
 
     def reset_stats(self, model: str | None = None) -> float:
         """Start a fresh stats window for ``model`` (None: the default); other models keep theirs."""
         name = self._table.resolve(model)
         now = time.time()
         if name is not None:
-            self._drop_stats(name)
-            self._since[name] = now
+            self._stats.reset(name, now)
         return now

@@ -26,6 +26,7 @@ import ray
 from PIL import Image
 
 from ray_workloads import serve_control
+from ray_workloads.rollout import GateConfig, judge
 from ray_workloads.serve_app import (
     ANSWER_HEADER,
     KEY_HEADER,
@@ -223,6 +224,37 @@ def test_split_accuracy_at_10_percent(serving: Serving) -> None:
     )
 
 
+def test_pinned_requests_and_4xx_do_not_count_toward_the_gate(serving: Serving) -> None:
+    """Junk pinned to a candidate at 0 % (or refused as bad input) must not meet the rollout's
+    ``min_requests`` nor move its error rate; routed answers, errors included, still count."""
+    cfg = serving.cfg
+    serve_control.set_weights({1: 1}, cfg)  # v2, v3: candidates at 0 %
+    window = serve_control.reset_stats(cfg)
+    good, junk = _png(5), b"junk, not an image: the decoder refuses it"
+    with _client(serving) as client:
+        pinned = [_predict(client, body, **{VERSION_HEADER: "2"}) for body in [good] * 5 + [junk] * 5]
+        pinned += [_predict(client, good, **{VERSION_HEADER: "3"}) for _ in range(3)]  # the broken one: 500
+        routed = [_predict(client, body) for body in [good] * 4 + [junk] * 3]
+        serve_control.set_weights({3: 1}, cfg)
+        routed += [_predict(client, good) for _ in range(2)]
+    serve_control.set_weights({1: 1}, cfg)
+    assert [a.status_code for a in pinned] == [200] * 5 + [415] * 5 + [500] * 3
+    assert [a.status_code for a in routed] == [200] * 4 + [415] * 3 + [500] * 2
+
+    everything = serve_control.stats(cfg)  # what /stats shows: every answer
+    assert {v: (s.requests, s.errors, s.rejected) for v, s in everything.items()} == {
+        1: (7, 0, 3),
+        2: (10, 0, 5),
+        3: (5, 5, 0),
+    }
+    for since in (None, window):  # the rollout reads its soak window with since=
+        gate = serve_control.stats(cfg, since=since, gated=True)
+        assert {v: (s.requests, s.errors) for v, s in gate.items()} == {1: (4, 0), 2: (0, 0), 3: (2, 2)}, since
+        assert gate[2].p95_ms is None and gate[1].p95_ms is not None
+    passed, reason = judge(gate[2], None, None, GateConfig(min_requests=5))
+    assert not passed and "only 0 candidate requests" in reason
+
+
 def test_bad_inputs_get_clear_4xx_and_replicas_survive(serving: Serving) -> None:
     cfg = serving.cfg
     serve_control.set_weights({1: 1, 2: 1}, cfg)
@@ -255,6 +287,10 @@ def test_bad_inputs_get_clear_4xx_and_replicas_survive(serving: Serving) -> None
                 400,
                 "BadMultipart",
             ),
+            *[
+                (f"stats since {since}", client.get("/stats", params={"since": since}), 400, "BadRequest")
+                for since in ("nan", "inf", "-inf")  # float() takes them; nan answered 500
+            ],
             ("wrong method", client.get("/predict"), 405, "MethodNotAllowed"),
             ("unknown path", client.get("/nope"), 404, "NotFound"),
         ]

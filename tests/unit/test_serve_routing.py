@@ -1,11 +1,14 @@
-"""Pure parts of multi-model serving: request paths and the routing table's default model and snapshots."""
+"""Pure parts of serving: request paths, multipart bounds, ``since``, the routing table, the gate's stats."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from ray_workloads.serve_http import HttpError, route
+from ray_workloads.serve_http import MAX_MULTIPART_PARTS, HttpError, multipart_image, parse_since, route
 from ray_workloads.serve_state import ModelRoutes, RoutingTable
+from ray_workloads.serve_stats import ERROR, OK, REJECTED, StatsBook
 
 pytestmark = pytest.mark.unit
 
@@ -68,3 +71,72 @@ def test_the_default_model_comes_from_settings(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("RAYLINE_SERVE_DEFAULT_MODEL", "Photos!")
     with pytest.raises(ConfigError, match="RAYLINE_SERVE_DEFAULT_MODEL: String should match pattern .* 'Photos!'"):
         config_from_settings()
+
+
+def _form(*parts: bytes, boundary: bytes = b"XyZ") -> bytes:
+    return b"".join(b"--" + boundary + b"\r\n" + part + b"\r\n" for part in parts) + b"--" + boundary + b"--\r\n"
+
+
+def _field(name: str, content: bytes, extra: bytes = b"") -> bytes:
+    return f'Content-Disposition: form-data; name="{name}"'.encode() + extra + b"\r\n\r\n" + content
+
+
+def test_multipart_within_the_bounds_finds_the_image() -> None:
+    fields = [_field(f"f{i}", b"x") for i in range(MAX_MULTIPART_PARTS - 1)]
+    body = _form(*fields, _field("file", b"\x89PNG\r\n\x00--XyZ-ish\r\n"))
+    assert multipart_image(body, "multipart/form-data; boundary=XyZ") == b"\x89PNG\r\n\x00--XyZ-ish\r\n"
+    padded = _field("file", b"img", extra=b"\r\nX-Pad: " + b"p" * (8 * 1024 - 200))
+    assert multipart_image(_form(padded), "multipart/form-data; boundary=XyZ") == b"img"
+
+
+def test_multipart_past_the_bounds_is_400_and_stops_early() -> None:
+    many = _form(*[_field("f", b"")] * 200_000)  # ~10 MiB of tiny parts
+    started = time.perf_counter()
+    with pytest.raises(HttpError, match=f"more than {MAX_MULTIPART_PARTS} parts") as caught:
+        multipart_image(many, "multipart/form-data; boundary=XyZ")
+    assert caught.value.status == 400 and caught.value.error == "BadMultipart"
+    assert time.perf_counter() - started < 0.5, "the parts were parsed before they were counted"
+    assert len(many) > 9 * 1024 * 1024
+
+    huge_headers = _form(_field("file", b"img", extra=b"\r\nX-Pad: " + b"p" * 9000))
+    with pytest.raises(HttpError, match="headers are over 8192 bytes"):
+        multipart_image(huge_headers, "multipart/form-data; boundary=XyZ")
+    no_end = _form(b"X-Pad: " + b"p" * 9000)  # headers never end
+    with pytest.raises(HttpError, match="headers are over 8192 bytes"):
+        multipart_image(no_end, "multipart/form-data; boundary=XyZ")
+    with pytest.raises(HttpError, match="more than 2 parts"):
+        multipart_image(_form(*[_field("f", b"")] * 3), "multipart/form-data; boundary=XyZ", max_parts=2)
+
+
+@pytest.mark.parametrize("raw", ["nan", "NaN", "inf", "-inf", "Infinity", "1e999", "soon", ""])
+def test_since_must_be_a_finite_number(raw: str) -> None:
+    with pytest.raises(HttpError) as caught:
+        parse_since(raw)
+    assert caught.value.status == 400 and caught.value.error == "BadRequest" and repr(raw) in caught.value.detail
+
+
+def test_since_accepts_unix_times() -> None:
+    assert parse_since(None) is None and parse_since("1700000000.5") == 1700000000.5 and parse_since("0") == 0.0
+
+
+def test_pinned_requests_and_4xx_do_not_count_toward_the_gate() -> None:
+    book = StatsBook(started=0.0)
+    routed_ok = [("m", 2, 10.0 + i, 5.0, OK, True) for i in range(3)]
+    routed_error = [("m", 2, 20.0, 9.0, ERROR, True)]
+    junk = [("m", 2, 30.0 + i, 1.0, REJECTED, True) for i in range(50)]  # 4xx: bad input, routed
+    pinned = [("m", 2, 40.0 + i, 1.0, outcome, False) for i in range(50) for outcome in (OK, REJECTED)]
+    old_router = [("m", 2, 50.0, 5.0, OK)]  # a sample without the flag: counted, as before
+    book.record([*routed_ok, *routed_error, *junk, *pinned, *old_router])  # type: ignore[list-item]
+
+    everything = book.stats("m")[2]
+    assert (everything["requests"], everything["errors"], everything["rejected"]) == (155, 1, 100)
+    for since in (None, 0.0):
+        gate = book.stats("m", since=since, gated=True)[2]
+        assert (gate["requests"], gate["errors"], gate["rejected"]) == (5, 1, 0), since
+        assert gate["p50_ms"] == 5.0, "pinned answers' latencies are out of the gate too"
+    assert book.stats("m", since=35.0, gated=True)[2]["requests"] == 1
+    assert book.stats("other") == {}
+
+    book.reset("m", now=100.0)
+    book.record([("m", 2, 99.0, 5.0, OK, True), ("m", 2, 101.0, 5.0, OK, True)])
+    assert book.stats("m", gated=True)[2]["requests"] == 1, "a sample from before the reset came back"
