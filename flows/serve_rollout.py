@@ -111,17 +111,24 @@ def _roll_out(
             steps=[],
         )
     reports: list[StepReport] = []
+    promoting = False
     try:
-        _step_through(cfg, prepared, reports, serve)
+        _step_through(cfg, prepared, reports, serve, lease)
         lease.ensure_held()  # a run that lost its lease (paused past its expiry) must not move the champion alias
+        promoting = True
         promote_task(prepared, reports, serve)
-    except (RolloutRolledBack, LeaseLost):
-        raise  # rolled back already; or another rollout owns serving now: nothing here to take back
+    except RolloutRolledBack:
+        raise  # rolled back already
+    except LeaseLost:
+        if _another_rollout_holds(version.name, lease):
+            raise  # that rollout owns serving now: nothing here to take back
+        _roll_back_after_error(prepared, reports, "lost its lease", serve, promoting)
+        raise
     except Exception as exc:
         # Not a failed gate: a step or the promotion raised. Left alone, the candidate would keep
         # its weight, the next rollout would take it for the incumbent, and serving and the
         # registry's champion would disagree.
-        _roll_back_after_error(prepared, reports, exc, serve)
+        _roll_back_after_error(prepared, reports, f"raised {type(exc).__name__}: {exc}", serve, promoting)
         raise
     return RolloutResult(
         model=version.name,
@@ -133,10 +140,17 @@ def _roll_out(
     )
 
 
-def _step_through(cfg: RolloutConfig, prepared: PreparedRollout, reports: list[StepReport], serve: ServeConfig) -> None:
+def _step_through(
+    cfg: RolloutConfig,
+    prepared: PreparedRollout,
+    reports: list[StepReport],
+    serve: ServeConfig,
+    lease: leases.HeldLease,
+) -> None:
     """Each traffic step in turn; a failed gate rolls back and raises ``RolloutRolledBack``."""
     baseline: float | None = None
     for weight in cfg.steps:
+        lease.ensure_held()  # no traffic moves for a rollout that is no longer the model's one rollout
         report = rollout_step_task(cfg, prepared, weight, baseline, check_agreement=not reports)
         reports.append(report)
         baseline = report.incumbent_p95_ms
@@ -147,12 +161,18 @@ def _step_through(cfg: RolloutConfig, prepared: PreparedRollout, reports: list[S
 
 
 def _roll_back_after_error(
-    prepared: PreparedRollout, reports: list[StepReport], exc: Exception, serve: ServeConfig
+    prepared: PreparedRollout, reports: list[StepReport], what: str, serve: ServeConfig, promoting: bool
 ) -> None:
-    """All traffic back on the incumbent, unless the promotion already landed in the registry
-    (then the candidate is champion and serving it is what agrees with the registry)."""
+    """All traffic back on the incumbent, unless this rollout's promotion already landed in the
+    registry (then the candidate is champion and serving it is what agrees with the registry)."""
     cand = prepared.candidate
-    if registry.alias_version(cand.name, registry.CHAMPION) == cand.version:
+    if promoting and registry.alias_version(cand.name, registry.CHAMPION) == cand.version:
         return
-    reason = f"the rollout of v{cand.version} raised {type(exc).__name__}: {exc}"
-    roll_back_task(prepared, reports, reason, serve)
+    roll_back_task(prepared, reports, f"the rollout of v{cand.version} {what}", serve)
+
+
+def _another_rollout_holds(model_name: str, lease: leases.HeldLease) -> bool:
+    """Whether the rollout lease this run lost is live in another run's hands (a takeover after
+    expiry), rather than lost to a storage error with nobody else rolling out."""
+    current = leases.read(registry.rollout_lease_uri(model_name))
+    return current is not None and current.is_live() and current.holder != lease.lease.holder

@@ -86,6 +86,7 @@ class IngestResult(BaseModel):
     skipped: dict[str, int] = Field(default_factory=dict, description="Listed objects that are no inputs, by reason.")
     skipped_examples: dict[str, list[str]] = Field(default_factory=dict, description="The first keys of each reason.")
     cached: bool = False
+    committed_by: str | None = Field(None, description="The lease holder (a flow run) whose run committed it.")
     waited_s: float = Field(0.0, description="How long this run waited for another run filling the same folder.")
     elapsed_s: float = 0.0
 
@@ -187,6 +188,7 @@ def _result_from_manifest(manifest: dict[str, Any], manifest_uri: str, cached: b
         shards=[ShardInfo(**s) for s in manifest["shards"]],
         skipped=manifest.get("skipped", {}),  # manifests written before skips were counted have none
         skipped_examples=manifest.get("skipped_examples", {}),
+        committed_by=manifest.get("committed_by"),
         cached=cached,
         elapsed_s=elapsed,
     )
@@ -270,6 +272,7 @@ def _fetch_and_commit(
         "shards": [{k: s[k] for k in ("uri", "rows", "bytes", "fetch_errors")} for s in stats],
         "skipped": listing.skipped,
         "skipped_examples": listing.skipped_examples,
+        "committed_by": lease.lease.holder,  # a retried task can tell its own commit from an older run's
     }
     lease.ensure_held()  # a run that lost its lease (paused past its expiry) must not commit
     storage.write_json_atomic(storage.join(output, MANIFEST), manifest)  # the commit point

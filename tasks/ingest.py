@@ -19,7 +19,8 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
     started = datetime.now(UTC)
     connection = ray_cluster.connect()
     # the folder's lease names this flow run, so a run that waits for it can say which run it waits for
-    result = ingest.run(config if config.holder else config.model_copy(update={"holder": lease_holder()}))
+    holder = config.holder or lease_holder()
+    result = ingest.run(config.model_copy(update={"holder": holder}))
     get_run_logger().info(
         "ingest %s: %d objects, %d bytes, %d fetch errors, %d shards%s%s in %.1fs%s",
         result.source_uri,
@@ -52,8 +53,10 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
     )
     # A new input version: say what arrived since the last one. A retried attempt finds the
     # version its first attempt committed as "cached" and announces it too (that attempt may have
-    # failed before it did); the event's id is the version's, so the server keeps one either way.
-    if not result.cached or (task_run.run_count or 1) > 1:
+    # failed before it did), but not a version an older run committed (announced back then); the
+    # event's id is the version's, so the server keeps one if both attempts announce it.
+    committed_by_this_run = (task_run.run_count or 1) > 1 and result.committed_by == holder
+    if not result.cached or committed_by_this_run:
         news = ingest.arrivals(result, _previous_ingest(result))
         if news.new_objects:
             eligible = events.data_arrived(

@@ -12,7 +12,7 @@ from ray_workloads.register_model import RegisterModelConfig, RegisterModelResul
 from rayline import lineage, registry
 from rayline.lineage import DatasetRef
 from tasks import events
-from tasks.common import ray_task, record_lineage, run_context
+from tasks.common import idempotency_key, ray_task, record_lineage, run_context
 
 
 @ray_task("register-model", timeout_s=900)
@@ -32,6 +32,7 @@ def register_outside_model(cfg: RegisterModelConfig) -> RegisterModelResult:
             events.model_resource(version.name, version.version),
             payload={"model": version.name, "version": version.version, "reason": move.reason},
             labels={"rayline.model": version.name},
+            idempotency_key=idempotency_key(version.uri),  # a retried task: the same event, kept once
         )
     what = "already registered as" if result.reused else "registered as"
     get_run_logger().info("%s %s %s v%d", source.uri, what, version.name, version.version)

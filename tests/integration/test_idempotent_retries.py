@@ -68,6 +68,19 @@ def _fail_once_after(module: ModuleType, name: str, monkeypatch: pytest.MonkeyPa
     return calls
 
 
+def _calls_of(module: ModuleType, name: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``module.name`` works as before; each call is recorded."""
+    real: Callable[..., Any] = getattr(module, name)
+    calls: list[str] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recorded)
+    return calls
+
+
 def _register_with_retries(name: str, prepared: PreprocessResult) -> tuple[RegistrationResult, int]:
     spec = ModelSpec(num_classes=len(prepared.classes), width=8)
     weights_uri = storage.join(storage.storage_root(), "runs", name, "weights.pt")
@@ -198,3 +211,30 @@ def test_ingest_retried_after_a_side_effect_announces_the_arrival_once(
     records = [r for r in lineage.read_records("ingest") if r.inputs[0].uri == result.source_uri]
     assert len(records) == 1, records
     _one_stored_event(prefect_api, events.DATA_ARRIVED, f"rayline.data.{result.source_uri}")
+
+
+def test_a_retried_ingest_that_finds_an_older_runs_dataset_announces_nothing(
+    prepared: PreprocessResult, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dataset was committed by an earlier flow run (and announced then): a retry in a later
+    run finds it "cached" but not committed by this run, so no second arrival is announced."""
+    root = storage.storage_root()
+    source = storage.join(root, "arrivals-older-run")
+    for key, data in list(digit_objects(32))[:40]:
+        storage.write_bytes_atomic(storage.join(source, key), data)
+    config = IngestConfig(source_uri=source, output_root=storage.join(root, "datasets"))
+    fast = ingest_objects.with_options(retry_delay_seconds=0, retry_jitter_factor=None)
+
+    @flow(name="ingest-retry-probe")
+    def probe() -> tuple[IngestResult, UUID | None]:
+        state = fast(config, return_state=True)
+        return state.result(), state.state_details.task_run_id
+
+    first, _ = probe()  # the earlier run: commits and announces
+    announced = _calls_of(events, "data_arrived", monkeypatch)  # announcements from here on
+    _fail_once_after(tasks.ingest.ray_cluster, "connect", monkeypatch)  # the later run's first attempt fails early
+    again, task_run_id = probe()
+
+    assert task_run_id is not None and asyncio.run(_run_count(task_run_id)) == 2
+    assert again.cached and again.committed_by == first.committed_by and first.committed_by is not None
+    assert announced == [], "an older run's dataset was announced again"
