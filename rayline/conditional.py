@@ -29,6 +29,7 @@ import fcntl
 import hashlib
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from rayline import storage
 
 # S3's answers to a conditional write that lost, and to one on a missing key
 _NOT_APPLIED = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409", "NoSuchKey", "404"})
+_CONFLICT = frozenset({"ConditionalRequestConflict", "409"})
+_CONFLICT_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -146,13 +149,27 @@ def _read_s3(uri: str) -> Versioned | None:
 
 def _put_s3(uri: str, data: bytes, **condition: str) -> str | None:
     bucket, _, key = uri[len(storage.S3) :].partition("/")
-    try:
-        response = storage.s3_client().put_object(Bucket=bucket, Key=key, Body=data, **condition)
-        return str(response["ETag"]).strip('"')
-    except Exception as exc:
-        if _error_code(exc) not in _NOT_APPLIED:
-            raise storage.storage_error(exc, "writing", uri) from exc
-    # botocore retries a PUT whose answer was lost; the retry then fails its own
-    # condition although the first attempt landed: our exact bytes mean it did
-    current = _read_s3(uri)
-    return current.token if current is not None and current.data == data else None
+    for attempt in range(_CONFLICT_ATTEMPTS):
+        try:
+            response = storage.s3_client().put_object(Bucket=bucket, Key=key, Body=data, **condition)
+            return str(response["ETag"]).strip('"')
+        except Exception as exc:
+            code = _error_code(exc)
+            if code not in _NOT_APPLIED:
+                raise storage.storage_error(exc, "writing", uri) from exc
+        # botocore retries a PUT whose answer was lost; the retry then fails its own
+        # condition although the first attempt landed: our exact bytes mean it did
+        current = _read_s3(uri)
+        if current is not None and current.data == data:
+            return current.token
+        # 409: another conditional write to the key was in flight; S3 says to retry. Only worth it
+        # while the condition still holds (the object is still what we compared with).
+        still_holds = (
+            (current is None)
+            if "IfNoneMatch" in condition
+            else (current is not None and f'"{current.token}"' == condition.get("IfMatch"))
+        )
+        if code not in _CONFLICT or not still_holds or attempt + 1 == _CONFLICT_ATTEMPTS:
+            return None
+        time.sleep(0.1 * (attempt + 1))
+    return None
