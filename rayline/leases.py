@@ -99,8 +99,26 @@ def renew(lease: Lease, ttl_s: float | None = None) -> Lease:
     new = replace(lease, expires_at=time.time() + ttl, ttl_s=ttl, generation=lease.generation + 1)
     renewed = _swap(lease, new)
     if renewed is None:
+        landed = _own_renewal_that_landed(lease)
+        renewed = _swap(landed, replace(new, generation=landed.generation + 1)) if landed else None
+    if renewed is None:
         raise _lost(lease)
     return renewed
+
+
+def _own_renewal_that_landed(lease: Lease) -> Lease | None:
+    """The stored lease, if it is this very acquisition renewed once more than ``lease`` knows:
+    a renewal whose write landed but whose answer was lost (a storage error after the PUT), so
+    the holder kept the older token. Anyone else's write has another holder or acquisition."""
+    current = read(lease.uri)
+    ours = (
+        current is not None
+        and not current.released
+        and current.holder == lease.holder
+        and current.acquired_at == lease.acquired_at
+        and current.generation == lease.generation + 1
+    )
+    return current if ours else None
 
 
 def release(lease: Lease) -> bool:

@@ -103,6 +103,20 @@ def test_renew_extends_and_changes_the_token(tmp_path: Path) -> None:
     assert leases.read(lease.uri) == renewed
 
 
+def test_a_renewal_that_landed_unanswered_is_not_taken_for_a_lost_lease(tmp_path: Path) -> None:
+    lease = leases.try_acquire(str(tmp_path / "x.lease"), "run-a", ttl_s=60)
+    assert lease is not None
+    landed = leases.renew(lease)  # its answer "lost": the holder goes on with the older lease
+    again = leases.renew(lease)
+    assert again.generation == landed.generation + 1 and leases.read(lease.uri) == again
+    taken = leases.try_acquire(str(tmp_path / "y.lease"), "run-a", ttl_s=-1)
+    assert taken is not None
+    other = leases.try_acquire(taken.uri, "run-b", ttl_s=60)  # a takeover is still a loss
+    assert other is not None
+    with pytest.raises(LeaseLost):
+        leases.renew(taken)
+
+
 def test_a_lease_taken_over_after_expiry_is_lost_to_its_old_holder(tmp_path: Path) -> None:
     uri = str(tmp_path / "x.lease")
     paused = leases.try_acquire(uri, "run-a", ttl_s=-1)  # its holder paused past the expiry
@@ -222,9 +236,9 @@ def test_leases_on_the_s3_protocol_server_smoke(s3_storage: str) -> None:
     uri = storage.join(s3_storage, "leases", "x.lease")
     first = leases.try_acquire(uri, "run-a", ttl_s=60)
     assert first is not None and leases.try_acquire(uri, "run-b", ttl_s=60) is None
-    renewed = leases.renew(first)
+    renewed = leases.renew(leases.renew(first))
     assert renewed.token != first.token and leases.read(uri) == renewed
-    with pytest.raises(LeaseLost):
+    with pytest.raises(LeaseLost):  # two writes behind: not a renewal whose answer was lost
         leases.renew(first)
     assert leases.release(renewed)
     expired = leases.try_acquire(uri, "run-b", ttl_s=-1)
