@@ -13,14 +13,17 @@ it: removing a folder's leftovers must not remove the lease that guards them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from pydantic import BaseModel, Field
 
 from rayline import leases, storage
 
 LEASE_SUFFIX = ".lease"
+
+Result = TypeVar("Result", bound=BaseModel)
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +61,28 @@ def clear(folder: str, lease: leases.HeldLease) -> None:
 def note_reuse(what: str, lease: leases.HeldLease) -> None:
     """Say why a run that waited for the lease wrote nothing: the run it waited for committed."""
     log.info("another run held %s; waited %.1f s, found it committed", what, lease.waited_s)
+
+
+def reuse_or_fill(
+    folder: str,
+    cfg: LeasedOutput,
+    what: str,
+    committed: Callable[[], Result | None],
+    fill: Callable[[leases.HeldLease], Result],
+) -> Result:
+    """What ``folder`` holds committed, or else what ``fill`` commits into it, filled by one run at a time.
+
+    A committed folder is reused without the lease: only a forced run removes
+    one (``committed`` answers None when forced). Otherwise the run takes the
+    lease, looks again (the run it waited for may have committed meanwhile),
+    and only then clears leftovers of an uncommitted run and fills it.
+    The result's ``waited_s`` says how long it waited for the lease.
+    """
+    if (reused := committed()) is not None:
+        return reused
+    with leased(folder, cfg, what) as lease:
+        if (reused := committed()) is not None:
+            note_reuse(what, lease)
+            return reused.model_copy(update={"waited_s": lease.waited_s})
+        clear(folder, lease)
+        return fill(lease).model_copy(update={"waited_s": lease.waited_s})

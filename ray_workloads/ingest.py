@@ -226,20 +226,11 @@ def run(cfg: IngestConfig) -> IngestResult:
         # the inputs are the same; what this listing left out may not be (a new _SUCCESS)
         return reused.model_copy(update={"skipped": listing.skipped, "skipped_examples": listing.skipped_examples})
 
-    # A committed folder is never removed by a run that is not forced: reuse it without the lease.
-    if (reused := committed()) is not None:
-        return reused
-    with folders.leased(output, cfg, what) as lease:
-        # the run this one waited for may have committed meanwhile
-        if (reused := committed()) is not None:
-            folders.note_reuse(what, lease)
-            return reused.model_copy(update={"waited_s": lease.waited_s})
-        # Anything here is a leftover of an uncommitted (crashed) run: start clean.
-        folders.clear(output, lease)
+    def fetch_and_commit(lease: leases.HeldLease) -> IngestResult:
         manifest = _fetch_and_commit(cfg, listing, source, digest, output, lease)
-    return _result_from_manifest(manifest, manifest_uri, False, time.perf_counter() - started).model_copy(
-        update={"waited_s": lease.waited_s}
-    )
+        return _result_from_manifest(manifest, manifest_uri, False, time.perf_counter() - started)
+
+    return folders.reuse_or_fill(output, cfg, what, committed, fetch_and_commit)
 
 
 def _fetch_and_commit(

@@ -276,19 +276,13 @@ def run(cfg: PreprocessConfig) -> PreprocessResult:
             return None
         return _result(manifest, manifest_uri, True, time.perf_counter() - started)
 
-    # A committed folder is never removed by a run that is not forced: reuse it without the lease.
-    if (reused := committed()) is not None:
-        return reused
-    with folders.leased(output, cfg, what) as lease:
-        # the run this one waited for may have committed meanwhile
-        if (reused := committed()) is not None:
-            folders.note_reuse(what, lease)
-            return reused.model_copy(update={"waited_s": lease.waited_s})
-        folders.clear(output, lease)  # leftovers of an uncommitted run
+    def decode_and_commit(lease: leases.HeldLease) -> PreprocessResult:
         manifest, stats = _decode_and_commit(cfg, source, classes, output, lease)
-    result = _result(manifest, manifest_uri, False, time.perf_counter() - started)
-    # the workers' own stats never reach the caller's logs by themselves
-    return result.model_copy(update={"ray_data_stats": stats, "waited_s": lease.waited_s})
+        result = _result(manifest, manifest_uri, False, time.perf_counter() - started)
+        # the workers' own stats never reach the caller's logs by themselves
+        return result.model_copy(update={"ray_data_stats": stats})
+
+    return folders.reuse_or_fill(output, cfg, what, committed, decode_and_commit)
 
 
 def _decode_and_commit(
