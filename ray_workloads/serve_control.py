@@ -347,8 +347,7 @@ def stats(
 
     ``fresh`` waits (about ``SYNC_INTERVAL_S``) until every router has flushed, so every
     request answered before the call is counted; without it, stats lag by up to that long.
-    ``gated``: only answers that count toward a rollout's gate — requests routed by weight or
-    key, not pinned with ``X-Rayline-Version``, and not 4xx (``serve_stats``); else every answer.
+    ``gated``: only answers a rollout's gate counts (routed, not pinned; not 4xx: ``serve_stats``).
     """
     control = _control(cfg or ServeConfig())
     if fresh:
