@@ -11,6 +11,7 @@ reuses it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayline.config import Settings, get_settings
-from rayline.errors import ClusterError
+from rayline.errors import ClusterError, ConfigError
 
 NAMESPACE = "rayline"
 # Non-secret variables workers need to reach storage the way the driver does.
@@ -59,13 +60,22 @@ RAY_ENV_DEFAULTS = {
 }
 
 
-def _remote_runtime_env() -> dict[str, Any]:
-    import ray_workloads
-    import rayline
+# The packages a remote cluster's workers run, shipped by folder. Found by name, not imported:
+# core imports nothing above it, and what ships is the code, not this process's loaded modules.
+_SHIPPED_PACKAGES = ("rayline", "ray_workloads")
 
+
+def _package_folder(name: str) -> str:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"cannot ship package {name} to the cluster: it is not importable here")
+    return str(list(spec.submodule_search_locations)[0])
+
+
+def _remote_runtime_env() -> dict[str, Any]:
     env_vars = {k: os.environ[k] for k in _FORWARDED_ENV if os.environ.get(k)}
     env_vars.update({k: os.environ.get(k, v) for k, v in RAY_ENV_DEFAULTS.items()})
-    return {"env_vars": env_vars, "py_modules": [rayline, ray_workloads]}
+    return {"env_vars": env_vars, "py_modules": [_package_folder(name) for name in _SHIPPED_PACKAGES]}
 
 
 def _preload_config(preload: Sequence[str], num_cpus: int) -> dict[str, Any]:
