@@ -1,15 +1,19 @@
 """OpenLineage run events for stage runs: START, then COMPLETE, FAIL or ABORT.
 
-Events are built with ``openlineage-python``'s models and serialised with its
-``Serde``. Where they go:
+Events are built with ``openlineage-python``'s models and sent through its
+``OpenLineageClient``, so the client's own configuration decides where they
+go, as in every other OpenLineage integration: an ``openlineage.yml``
+(``OPENLINEAGE_CONFIG``, the working directory, ``~/.openlineage``),
+``OPENLINEAGE__TRANSPORT__…`` variables, the ``OPENLINEAGE_URL`` shorthand
+(+ ``OPENLINEAGE_ENDPOINT``, ``OPENLINEAGE_API_KEY``), ``OPENLINEAGE_DISABLED``.
 
-- ``OPENLINEAGE_URL`` set: the client's HTTP transport (Marquez and others),
-  with ``OPENLINEAGE_ENDPOINT`` and ``OPENLINEAGE_API_KEY`` as the client reads them;
-- otherwise one JSON file per event under ``<storage>/lineage/openlineage/``,
-  written through rayline's storage layer so that an ``s3://`` root works too
-  (the client's file transport opens local files or needs its own fsspec
-  credentials);
-- ``OPENLINEAGE_DISABLED=true``: nowhere.
+With none of these the client would print every event to the console. rayline
+detects that case and keeps its default instead: one JSON file per event
+under ``<storage>/lineage/openlineage/``, written by :class:`StorageTransport`
+through rayline's storage layer so that an ``s3://`` root works too (the
+client's file transport opens local files or needs its own fsspec
+credentials). A user may name that transport in their own configuration too
+(``type: rayline.openlineage_events.StorageTransport``).
 
 Emission never fails a stage: the lineage records under
 ``<storage>/lineage/<stage>/`` are the source of truth, these events a copy
@@ -28,8 +32,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
-from typing import Literal
+from typing import Any, Literal
 
+from openlineage.client.client import OpenLineageClient
 from openlineage.client.constants import __version__ as CLIENT_VERSION
 from openlineage.client.event_v2 import InputDataset, Job, OutputDataset, Run, RunEvent, RunState
 from openlineage.client.facet_v2 import (
@@ -43,7 +48,8 @@ from openlineage.client.facet_v2 import (
     processing_engine_run,
 )
 from openlineage.client.serde import Serde
-from openlineage.client.transport.http import HttpConfig, HttpTransport
+from openlineage.client.transport.noop import NoopConfig, NoopTransport
+from openlineage.client.transport.transport import Config, Transport
 
 from rayline import lineage, storage
 from rayline.lineage import DatasetRef
@@ -52,9 +58,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "rayline"
 EVENTS_DIR = "openlineage"  # under <storage>/lineage/
-# A slow or absent lineage server must not hold a stage up for long.
-HTTP_TIMEOUT_S = 5.0
-HTTP_RETRY = {"total": 2, "connect": 2, "read": 2, "backoff_factor": 0.2}
 
 State = Literal["START", "COMPLETE", "FAIL", "ABORT"]
 
@@ -177,34 +180,88 @@ def events_dir() -> str:
     return lineage.lineage_dir(EVENTS_DIR)
 
 
+class StorageTransportConfig(Config):
+    """Where :class:`StorageTransport` writes: a folder URI, or (unset) ``<storage>/lineage/openlineage/``."""
+
+    def __init__(self, root: str | None = None) -> None:
+        self.root = root
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> StorageTransportConfig:
+        root = params.get("root")
+        return cls(root=str(root) if root else None)
+
+
+class StorageTransport(Transport):
+    """An OpenLineage transport writing one JSON file per event through rayline's storage (local or S3)."""
+
+    kind = "rayline_storage"
+    config_class = StorageTransportConfig
+
+    def __init__(self, config: StorageTransportConfig) -> None:
+        self.config = config
+
+    def uri(self, event: RunEvent) -> str:
+        """``<time>-<job>-<state>-<run id>.json``: names sort by time, and one run's events group by id."""
+        stamp = datetime.fromisoformat(event.eventTime).astimezone(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+        job = "".join(c if c.isalnum() or c in "-_." else "_" for c in event.job.name)
+        state = event.eventType.value if event.eventType else "OTHER"
+        return storage.join(self.config.root or events_dir(), f"{stamp}-{job}-{state}-{event.run.runId}.json")
+
+    def emit(self, event: Any) -> str:
+        if not isinstance(event, RunEvent):
+            raise TypeError(f"{self.kind} writes run events, not {type(event).__name__}")
+        uri = self.uri(event)
+        storage.write_json_atomic(uri, json.loads(Serde.to_json(event)))
+        return uri
+
+
 def event_uri(event: RunEvent) -> str:
-    """``<time>-<job>-<state>-<run id>.json``: names sort by time, and one run's events group by id."""
-    stamp = datetime.fromisoformat(event.eventTime).astimezone(UTC).strftime("%Y%m%dT%H%M%S%fZ")
-    job = "".join(c if c.isalnum() or c in "-_." else "_" for c in event.job.name)
-    state = event.eventType.value if event.eventType else "OTHER"
-    return storage.join(events_dir(), f"{stamp}-{job}-{state}-{event.run.runId}.json")
+    """Where the default transport writes ``event``."""
+    return StorageTransport(StorageTransportConfig()).uri(event)
+
+
+def _configured_by_user() -> bool:
+    """True when the client's own resolution finds a transport (anything but its console fallback)."""
+    if os.environ.get("OPENLINEAGE_URL") or os.environ.get("OPENLINEAGE_DISABLED", "").strip().lower() == "true":
+        return True
+    # an explicit transport skips the client's resolution; its config property still reads file and env
+    probe = OpenLineageClient(transport=NoopTransport(NoopConfig()))
+    transport = probe.config.transport or {}
+    return bool(transport.get("type"))
+
+
+def _config_fingerprint() -> tuple[object, ...]:
+    """What the client's configuration is read from: a new client only when one of these changed."""
+    candidates = [os.environ.get("OPENLINEAGE_CONFIG"), os.path.join(os.getcwd(), "openlineage.yml")]
+    candidates.append(os.path.join(os.path.expanduser("~/.openlineage"), "openlineage.yml"))
+    files = tuple((path, os.stat(path).st_mtime_ns) for path in candidates if path and os.path.isfile(path))
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OPENLINEAGE")))
+    return files, env
 
 
 @lru_cache(maxsize=4)
-def _http_transport(url: str, endpoint: str, api_key: str | None) -> HttpTransport:
-    params: dict[str, object] = {"url": url, "endpoint": endpoint, "timeout": HTTP_TIMEOUT_S, "retry": HTTP_RETRY}
-    if api_key:
-        params["auth"] = {"type": "api_key", "apiKey": api_key}
-    return HttpTransport(HttpConfig.from_dict(params))
+def _client_for(fingerprint: tuple[object, ...]) -> OpenLineageClient:
+    if _configured_by_user():
+        return OpenLineageClient()
+    return OpenLineageClient(transport=StorageTransport(StorageTransportConfig()))
+
+
+def client() -> OpenLineageClient:
+    """The OpenLineage client for the current configuration (rebuilt when that changes)."""
+    return _client_for(_config_fingerprint())
 
 
 def send(event: RunEvent) -> str | None:
-    """Deliver one event; returns where it went (a URI or URL), None when disabled. Raises on failure."""
-    if os.environ.get("OPENLINEAGE_DISABLED", "").strip().lower() == "true":
+    """Deliver one event; returns where it went (a URI or the transport kind), None when disabled; raises on failure."""
+    sender = client()
+    transport = sender.transport
+    if transport.kind == NoopTransport.kind:
         return None
-    url = os.environ.get("OPENLINEAGE_URL")
-    if url:
-        endpoint = os.environ.get("OPENLINEAGE_ENDPOINT", "api/v1/lineage")
-        _http_transport(url, endpoint, os.environ.get("OPENLINEAGE_API_KEY")).emit(event)
-        return f"{url.rstrip('/')}/{endpoint.lstrip('/')}"
-    uri = event_uri(event)
-    storage.write_json_atomic(uri, json.loads(Serde.to_json(event)))
-    return uri
+    sender.emit(event)
+    if isinstance(transport, StorageTransport):
+        return transport.uri(event)
+    return str(transport.kind)
 
 
 def emit(

@@ -23,7 +23,7 @@ _FOREIGN = ("RAY_ADDRESS", "PREFECT_API_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN"
 def pytest_configure(config: pytest.Config) -> None:
     for key in _FOREIGN:
         os.environ.pop(key, None)
-    for key in [k for k in os.environ if k.startswith("RAYLINE_")]:
+    for key in [k for k in os.environ if k.startswith(("RAYLINE_", "OPENLINEAGE"))]:
         os.environ.pop(key)
     os.environ.update(PROCESS_DEFAULTS)
     os.environ.update(S3_TEST_ENV)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import threading
 import types
 import uuid
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from enum import Enum
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
 import attr
@@ -24,6 +26,7 @@ from openlineage.client.facet_v2 import (
     job_type_job,
     parent_run,
     processing_engine_run,
+    tags_run,
 )
 from openlineage.client.serde import Serde
 
@@ -41,6 +44,7 @@ FACETS: dict[str, type[BaseFacet]] = {
     "jobType": job_type_job.JobTypeJobFacet,
     "parent": parent_run.ParentRunFacet,
     "processing_engine": processing_engine_run.ProcessingEngineRunFacet,
+    "tags": tags_run.TagsRunFacet,  # the client adds its version as a run tag
 }
 
 
@@ -205,17 +209,80 @@ def lineage_server() -> Iterator[str]:
     thread.join(timeout=5)
 
 
+@pytest.fixture(autouse=True)
+def _openlineage_env_restored() -> Iterator[None]:
+    """The client writes ``OPENLINEAGE__…`` aliases of ``OPENLINEAGE_URL`` into the environment: undo them."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("OPENLINEAGE")}
+    yield
+    for key in [k for k in os.environ if k.startswith("OPENLINEAGE")]:
+        del os.environ[key]
+    os.environ.update(before)
+
+
+def _stage_with_datasets(local_storage: str) -> tuple[DatasetRef, DatasetRef]:
+    raw = DatasetRef(uri=storage.join(local_storage, "raw"), content_hash="abc123")
+    out = DatasetRef(uri="s3://bucket/predictions/night=1")
+    with openlineage_run("batch-inference"):
+        record_lineage("batch_inference", datetime.now(UTC), [raw], [out], {}, None)
+    return raw, out
+
+
+def _assert_received_the_stage(raw: DatasetRef, path: str = "/api/v1/lineage") -> None:
+    assert [p for p, _ in _Collector.received] == [path] * 2
+    events = [validate(body) for _, body in _Collector.received]
+    assert [e.eventType.value for e in events if e.eventType] == ["START", "COMPLETE"]
+    assert {e.job.name for e in events} == {"batch-inference"}
+    assert [(i.namespace, i.name) for i in events[1].inputs] == [("file", raw.uri)]
+    assert [(o.namespace, o.name) for o in events[1].outputs] == [("s3://bucket", "predictions/night=1")]
+
+
 def test_openlineage_url_sends_events_over_http(
     local_storage: str, lineage_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OPENLINEAGE_URL", lineage_server)
-    with openlineage_run("batch-inference"):
-        record_lineage("batch_inference", datetime.now(UTC), [], [DatasetRef(uri="/p/m.json")], {}, None)
-    assert [path for path, _ in _Collector.received] == ["/api/v1/lineage"] * 2
-    events = [validate(body) for _, body in _Collector.received]
-    assert [e.eventType.value for e in events if e.eventType] == ["START", "COMPLETE"]
-    assert events[1].outputs[0].name == "/p/m.json"
+    raw, _ = _stage_with_datasets(local_storage)
+    _assert_received_the_stage(raw)
     assert _events(local_storage) == [], "HTTP replaces the file transport"
+
+
+def test_an_openlineage_yml_configures_the_client(
+    local_storage: str, lineage_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "openlineage.yml"
+    config.write_text(f"transport:\n  type: http\n  url: {lineage_server}\n  endpoint: custom/lineage\n")
+    monkeypatch.setenv("OPENLINEAGE_CONFIG", str(config))
+    raw, _ = _stage_with_datasets(local_storage)
+    _assert_received_the_stage(raw, "/custom/lineage")
+    assert _events(local_storage) == []
+
+
+def test_openlineage_double_underscore_variables_configure_the_client(
+    local_storage: str, lineage_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENLINEAGE__TRANSPORT__TYPE", "http")
+    monkeypatch.setenv("OPENLINEAGE__TRANSPORT__URL", lineage_server)
+    raw, _ = _stage_with_datasets(local_storage)
+    _assert_received_the_stage(raw)
+
+
+def test_without_configuration_events_go_to_storage_not_the_console(
+    local_storage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _stage_with_datasets(local_storage)
+    assert [e["eventType"] for e in _events(local_storage)] == ["START", "COMPLETE"]
+    printed = capsys.readouterr()
+    assert "eventType" not in printed.out + printed.err, "the client's console fallback must not be used"
+
+
+def test_the_storage_transport_can_be_named_in_a_users_configuration(
+    local_storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "elsewhere"
+    monkeypatch.setenv("OPENLINEAGE__TRANSPORT__TYPE", "rayline.openlineage_events.StorageTransport")
+    monkeypatch.setenv("OPENLINEAGE__TRANSPORT__ROOT", str(root))
+    _stage_with_datasets(local_storage)
+    assert len(list(root.glob("*-batch-inference-*.json"))) == 2
+    assert _events(local_storage) == []
 
 
 def test_an_unreachable_lineage_server_is_logged_and_skipped(
@@ -224,7 +291,9 @@ def test_an_unreachable_lineage_server_is_logged_and_skipped(
     server = HTTPServer(("127.0.0.1", 0), _Collector)
     port = server.server_address[1]
     server.server_close()  # nothing listens there now
-    monkeypatch.setenv("OPENLINEAGE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OPENLINEAGE__TRANSPORT__TYPE", "http")
+    monkeypatch.setenv("OPENLINEAGE__TRANSPORT__URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OPENLINEAGE__TRANSPORT__RETRY", '{"total": 0}')  # the client's default retries ~9 s
     with caplog.at_level(logging.WARNING, logger=openlineage_events.__name__):
         assert openlineage_events.emit("START", openlineage_events.RunIdentity(str(uuid.uuid4()), "ingest")) is None
     assert "OpenLineage START event of ingest" in caplog.text
