@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from ray_workloads import monitor as mon
@@ -126,10 +125,9 @@ def monitor(
         mon.night_drift(root, model_name, dt, reference, thresholds)
         for dt in committed_nights(root, model_name, partitions)
     ]
-    run_id = str(flow_run.get_id() or "local")
     # one file per model in one flat folder: what node-exporter's textfile collector reads (*.prom)
     metrics_uri = storage.join(root, MONITORING_DIR, f"{model_name}.prom")
-    storage.write_bytes_atomic(metrics_uri, mon.prometheus_text(serving, drifts, run_id, model_name).encode())
+    storage.write_bytes_atomic(metrics_uri, mon.prometheus_text(serving, drifts, model_name).encode())
     result = MonitorResult(
         serving=serving,
         partitions=drifts,

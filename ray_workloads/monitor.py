@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC, date, datetime, time
 from typing import Literal
 
 import httpx
 import numpy as np
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, Field
 
 from rayline.errors import InputDataError
@@ -265,44 +268,77 @@ def night_drift(
     )
 
 
-def _labels(**labels: str) -> str:
-    return ",".join(f'{k}="{v}"' for k, v in labels.items())
+class _Snapshot:
+    """A prometheus_client collector that yields metric families built once (the monitor's one reading)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
 
 
-def prometheus_text(
-    health: ServingHealth | None, drifts: list[PartitionDrift], flow_run: str, model: str = "digits"
-) -> str:
-    """Gauges in the Prometheus text exposition format, labelled by flow run, model, stage and model version."""
-    lines: list[str] = []
+def _family(
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+    name: str,
+    help_text: str,
+    samples: Sequence[tuple[dict[str, str], float]],
+) -> Metric:
+    labels = list(samples[0][0]) if samples else []
+    family = kind(name, help_text, labels=labels)
+    for values, value in samples:
+        family.add_metric([values[k] for k in labels], value)
+    return family
 
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> None:
-        lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-        lines.extend(
-            f"{name}{{{_labels(flow_run=flow_run, model=model, **labels)}}} {value:g}" for labels, value in samples
-        )
 
+def prometheus_text(health: ServingHealth | None, drifts: list[PartitionDrift], model: str = "digits") -> str:
+    """The monitor's reading in Prometheus' text format, from ``prometheus_client`` (escaping, types, HELP).
+
+    Labels stay bounded, as Prometheus asks: model, stage, model version, and
+    for nights ``night`` = how many committed nights back (0 = the newest, up to
+    the monitor's ``partitions``); the night's date is a gauge's value
+    (``rayline_predictions_night_timestamp_seconds``), not a label, and no
+    per-run id is a label, so each run replaces the same series.
+    """
+    families: list[Metric] = []
     if health is not None:
-        serve = {"stage": "serve"}
-        metric("rayline_serve_up", "gauge", "1 when the router answers and some version takes traffic.",
-               [(serve, float(health.healthy and health.served))])  # fmt: skip
+        serve = {"model": model, "stage": "serve"}
         per_version = [({**serve, "model_version": str(v.version)}, v) for v in health.versions]
-        metric("rayline_serve_requests_total", "counter", "Requests answered per version since the stats reset.",
-               [(labels, v.requests) for labels, v in per_version])  # fmt: skip
-        metric("rayline_serve_errors_total", "counter", "5xx answers per version since the stats reset.",
-               [(labels, v.errors) for labels, v in per_version])  # fmt: skip
-        metric("rayline_serve_weight", "gauge", "Traffic weight per version.",
-               [(labels, v.weight) for labels, v in per_version])  # fmt: skip
-    batch = [({"stage": "batch_inference", "model_version": d.model, "partition": _partition(d)}, d) for d in drifts]
-    metric("rayline_predictions_rows", "gauge", "Prediction rows of a committed partition.",
-           [(labels, d.predictions) for labels, d in batch])  # fmt: skip
-    metric("rayline_predictions_error_fraction", "gauge", "Inputs of a partition that got an error row.",
-           [(labels, d.error_fraction) for labels, d in batch])  # fmt: skip
-    metric("rayline_predictions_class_psi", "gauge",
-           "PSI of predicted classes vs the reference (training labels or a reference night).",
-           [(labels, d.psi) for labels, d in batch])  # fmt: skip
-    metric("rayline_predictions_low_confidence_share", "gauge", "Share of predictions under the confidence floor.",
-           [(labels, d.low_confidence_share) for labels, d in batch])  # fmt: skip
-    return "\n".join(lines) + "\n"
+        families += [
+            _family(GaugeMetricFamily, "rayline_serve_up", "1 when the router answers and some version takes traffic.",
+                    [(serve, float(health.healthy and health.served))]),
+            _family(CounterMetricFamily, "rayline_serve_requests", "Requests answered per version since stats reset.",
+                    [(labels, v.requests) for labels, v in per_version]),
+            _family(CounterMetricFamily, "rayline_serve_errors", "5xx answers per version since the stats reset.",
+                    [(labels, v.errors) for labels, v in per_version]),
+            _family(GaugeMetricFamily, "rayline_serve_weight", "Traffic weight per version.",
+                    [(labels, v.weight) for labels, v in per_version]),
+        ]  # fmt: skip
+    batch = [
+        ({"model": model, "stage": "batch_inference", "model_version": d.model, "night": str(back)}, d)
+        for back, d in enumerate(sorted(drifts, key=lambda d: d.dt, reverse=True))
+    ]
+    families += [
+        _family(GaugeMetricFamily, "rayline_predictions_night_timestamp_seconds", "The night's date (UTC midnight).",
+                [(labels, _night_timestamp(d.dt)) for labels, d in batch]),
+        _family(GaugeMetricFamily, "rayline_predictions_rows", "Prediction rows of a committed night.",
+                [(labels, d.predictions) for labels, d in batch]),
+        _family(GaugeMetricFamily, "rayline_predictions_error_fraction", "Inputs of a night that got an error row.",
+                [(labels, d.error_fraction) for labels, d in batch]),
+        _family(GaugeMetricFamily, "rayline_predictions_class_psi",
+                "PSI of predicted classes vs the reference (training labels or a reference night).",
+                [(labels, d.psi) for labels, d in batch]),
+        _family(GaugeMetricFamily, "rayline_predictions_low_confidence_share",
+                "Share of predictions under the confidence floor.",
+                [(labels, d.low_confidence_share) for labels, d in batch]),
+    ]  # fmt: skip
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(families))
+    return generate_latest(registry).decode()
+
+
+def _night_timestamp(dt: str) -> float:
+    return datetime.combine(date.fromisoformat(dt), time.min, tzinfo=UTC).timestamp()
 
 
 def _partition(drift: PartitionDrift) -> str:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from flows.monitor import monitor
 from flows.nightly_inference import nightly_inference
@@ -91,7 +93,16 @@ def test_drift_is_detected_on_unfamiliar_images_only(local_storage: str, prefect
     # the maintenance step ran for real: nothing is older than the default 168 h retention yet
     assert result.vacuum_retention_hours == 168 and result.files_vacuumed == 0
     metrics = storage.read_bytes(result.metrics_uri).decode()
-    assert 'rayline_predictions_class_psi{flow_run="' in metrics and 'partition="dt=2026-11-28"' in metrics
+    nights = {
+        s.labels["night"]: s.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "rayline_predictions_night_timestamp_seconds"
+        for s in family.samples
+    }
+    assert nights == {
+        "0": datetime(2026, 11, 28, tzinfo=UTC).timestamp(),
+        "1": datetime(2026, 11, 27, tzinfo=UTC).timestamp(),
+    }
 
     deadline = time.monotonic() + 30  # events reach the server's store asynchronously
     while not (found := asyncio.run(_events(prefect_api, events.DRIFT_DETECTED, started))):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from ray_workloads.monitor import PartitionDrift, prometheus_text, psi, shares
+from ray_workloads.monitor import PartitionDrift, ServingHealth, prometheus_text, psi, shares
 from ray_workloads.rollout import GateConfig, RolloutConfig, judge
 from ray_workloads.serve_control import VersionStats
 
@@ -51,12 +54,12 @@ def test_psi_is_zero_for_equal_shares_and_grows_with_shift() -> None:
     assert psi(reference, shares({"0": 100})) > 0.2  # a class disappearing is a large shift, but finite
 
 
-def test_prometheus_text_is_labelled_by_flow_run_stage_and_version() -> None:
+def test_prometheus_text_has_bounded_labels_and_escapes_values() -> None:
     drift = PartitionDrift(
         model_name="photos",
         dt="2026-11-28",
         version=4,
-        model="v3",
+        model='v3 "tuned" \\ new',  # a registry description: any text
         inputs=10,
         predictions=9,
         errors=1,
@@ -68,11 +71,38 @@ def test_prometheus_text_is_labelled_by_flow_run_stage_and_version() -> None:
         drifted=True,
         reasons=["x"],
     )
-    text = prometheus_text(None, [drift], flow_run="run-1", model="photos")
+    text = prometheus_text(None, [drift], model="photos")
     assert "# TYPE rayline_predictions_class_psi gauge" in text
-    labels = 'flow_run="run-1",model="photos",stage="batch_inference",model_version="v3",partition="dt=2026-11-28"'
-    assert f"rayline_predictions_class_psi{{{labels}}} 0.5" in text
-    assert f"rayline_predictions_error_fraction{{{labels}}} 0.1" in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (psi_sample,) = families["rayline_predictions_class_psi"].samples
+    assert psi_sample.labels == {
+        "model": "photos",
+        "stage": "batch_inference",
+        "model_version": 'v3 "tuned" \\ new',
+        "night": "0",
+    }, "no per-run or per-date label: each run replaces the same series"
+    assert psi_sample.value == 0.5
+    assert families["rayline_predictions_error_fraction"].samples[0].value == pytest.approx(0.1)
+    (stamp,) = families["rayline_predictions_night_timestamp_seconds"].samples
+    assert stamp.value == datetime(2026, 11, 28, tzinfo=UTC).timestamp()
+
+
+def test_prometheus_serving_counters_are_counters() -> None:
+    health = ServingHealth.model_validate(
+        {
+            "url": "http://x",
+            "reachable": True,
+            "healthy": True,
+            "versions": [
+                {"version": 2, "weight": 100.0, "requests": 7, "errors": 1, "error_rate": 0.14, "p95_ms": 3.0}
+            ],
+        }
+    )
+    families = {f.name: f for f in text_string_to_metric_families(prometheus_text(health, [], model="digits"))}
+    assert families["rayline_serve_requests"].type == "counter"
+    (sample,) = families["rayline_serve_requests"].samples
+    assert sample.name == "rayline_serve_requests_total" and sample.value == 7
+    assert sample.labels == {"model": "digits", "stage": "serve", "model_version": "2"}
 
 
 def test_one_rollout_lease_per_model(local_storage: str) -> None:
