@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     ray_port: int = Field(6379, ge=1, le=65535, description="GCS port of the Ray head `rayline up` starts.")
     dashboard_host: str = Field("127.0.0.1", description="Interface of the Ray dashboard (loopback by default).")
     dashboard_port: int = Field(8265, ge=1, le=65535)
+    ray_metrics_port: int = Field(
+        8080, ge=1, le=65535, description="Port where the Ray head `rayline up` starts exports Prometheus metrics."
+    )
     serve_host: str = Field("127.0.0.1", description="Interface of the Serve HTTP proxy (loopback by default).")
     serve_port: int = Field(8000, ge=1, le=65535, description="Port of the Serve HTTP proxy.")
     serve_default_model: str | None = Field(

@@ -54,6 +54,7 @@ class Endpoints:
     prefect_ui: str
     ray_address: str
     dashboard: str
+    ray_metrics: str
 
 
 def state_dir(settings: Settings) -> Path:
@@ -73,6 +74,7 @@ def endpoints(settings: Settings) -> Endpoints:
         prefect_ui=f"http://{host}:{settings.prefect_port}",
         ray_address=f"{host}:{settings.ray_port}",
         dashboard=f"http://{settings.dashboard_host}:{settings.dashboard_port}",
+        ray_metrics=f"http://{host}:{settings.ray_metrics_port}/metrics",
     )
 
 
@@ -189,7 +191,8 @@ def _ray_command(state: Path, settings: Settings) -> list[str]:
         f"--ray-client-server-port={_free_port()}", f"--node-manager-port={_free_port()}",
         f"--object-manager-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
         f"--dashboard-agent-grpc-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}", "--min-worker-port=20000", "--max-worker-port=29999",
+        # a fixed metrics port: Prometheus needs a stable target for Ray's and Serve's own metrics
+        f"--metrics-export-port={settings.ray_metrics_port}", "--min-worker-port=20000", "--max-worker-port=29999",
     ]  # fmt: skip
 
 
@@ -248,6 +251,7 @@ def _up(
     else:
         check_port_free(settings.ray_port, "the Ray head (RAYLINE_RAY_PORT)")
         check_port_free(settings.dashboard_port, "the Ray dashboard (RAYLINE_DASHBOARD_PORT)")
+        check_port_free(settings.ray_metrics_port, "Ray's metrics export (RAYLINE_RAY_METRICS_PORT)")
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
         env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "5")

@@ -77,6 +77,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
         RAYLINE_PREFECT_PORT=str(free_port()),
         RAYLINE_RAY_PORT=str(free_port()),
         RAYLINE_DASHBOARD_PORT=str(free_port()),
+        RAYLINE_RAY_METRICS_PORT=str(free_port()),
         RAYLINE_SERVE_PORT=str(free_port()),
         PREFECT_SERVER_API_AUTH_STRING=AUTH,
     )
@@ -111,6 +112,7 @@ def test_up_twice_starts_nothing_new(platform: dict[str, str]) -> None:
     assert all(f"{name:<12} running" in again.stdout for name in SERVICES), again.stdout
     assert _records(root) == before
     assert f"Prefect UI       http://127.0.0.1:{platform['RAYLINE_PREFECT_PORT']}" in again.stdout
+    assert f"Ray metrics      http://127.0.0.1:{platform['RAYLINE_RAY_METRICS_PORT']}/metrics" in again.stdout
 
 
 def test_the_prefect_api_asks_for_basic_auth(platform: dict[str, str]) -> None:
@@ -207,6 +209,23 @@ def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
     while (states := _deployment_run_states("serve-rollout", platform)) != ["COMPLETED"]:
         assert time.monotonic() < deadline and len(states) <= 1, states
         time.sleep(2)
+
+
+def test_ray_metrics_port_exports_serves_own_metrics(platform: dict[str, str]) -> None:
+    """Prometheus' stable target (README): Ray's fixed metrics port carries Serve's per-deployment series."""
+    url = f"http://127.0.0.1:{platform['RAYLINE_RAY_METRICS_PORT']}/metrics"
+    serve_port = platform["RAYLINE_SERVE_PORT"]
+    deadline = time.monotonic() + 120  # Ray's agents export every few seconds; Serve's series appear after traffic
+    while True:
+        # traffic of our own: the test must not depend on what an earlier test left behind
+        httpx.get(f"http://127.0.0.1:{serve_port}/healthz", timeout=10)
+        httpx.get(f"http://127.0.0.1:{serve_port}/models", timeout=10)
+        serve_lines = [line for line in httpx.get(url, timeout=10).text.splitlines() if line.startswith("ray_serve_")]
+        if any(line.startswith("ray_serve_deployment_request_counter") for line in serve_lines):
+            break
+        assert time.monotonic() < deadline, f"no Serve request counter at {url}: {serve_lines[:20]}"
+        time.sleep(3)
+    assert any('deployment="' in line for line in serve_lines), serve_lines[:20]
 
 
 DEPLOYMENT_RUN_STATES = textwrap.dedent(
