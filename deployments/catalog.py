@@ -1,9 +1,9 @@
 """Every deployment, from one small table (deployments as code).
 
-``build_deployments()`` turns the table into Prefect ``RunnerDeployment``s;
-a long-running process serves them with ``prefect.serve(*build_deployments())``
-(``rayline up`` runs one). ``prefect.yaml`` at the repository root is the same
-table for teams that deploy with ``prefect deploy`` to a work pool.
+``prefect.yaml`` at the repository root renders the table for ``prefect
+deploy`` into a work pool, which is what ``rayline up`` does (a ``process``
+pool and a worker); ``build_deployments()`` turns it into Prefect
+``RunnerDeployment``s for teams that prefer ``prefect.serve`` in one process.
 
 How the lifecycle runs itself:
 

@@ -14,7 +14,7 @@ from rayline.errors import ConfigError, RaylineError
 
 
 def up() -> None:
-    """Start a Prefect server, a Ray head and the deployments process on this machine (loopback)."""
+    """Start a Prefect server, a Ray head, and a work pool of every deployment with its worker (loopback)."""
     from rayline import platform
 
     try:

@@ -62,6 +62,7 @@ class Settings(BaseSettings):
     ray_port: int = Field(6379, ge=1, le=65535, description="GCS port of the Ray head `rayline up` starts.")
     dashboard_host: str = Field("127.0.0.1", description="Interface of the Ray dashboard (loopback by default).")
     dashboard_port: int = Field(8265, ge=1, le=65535)
+    work_pool: str = Field("rayline", min_length=1, description="Prefect work pool `rayline up` creates and polls.")
     ray_metrics_port: int = Field(
         8080, ge=1, le=65535, description="Port where the Ray head `rayline up` starts exports Prometheus metrics."
     )
@@ -103,6 +104,9 @@ PROCESS_DEFAULTS = {
     # telemetry writer also contends for the SQLite lock.
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # Flow runs send a heartbeat every 30 s (Prefect's minimum; its default is 180 s), so that a killed
+    # run is marked Crashed by `rayline up`'s zombie automation within about two minutes.
+    "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
 }
 
 

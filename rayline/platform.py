@@ -7,8 +7,10 @@ PID file under the state folder:
                    ``PREFECT_SERVER_DATABASE_CONNECTION_URL``), UI included;
 * ``ray``          a Ray head node with its dashboard bound to ``RAYLINE_DASHBOARD_HOST``
                    (127.0.0.1 unless configured otherwise);
-* ``deployments``  a long-running process serving every deployment of
-                   ``deployments/catalog.py`` (schedules and event triggers) against both.
+* ``worker``       a ``prefect worker`` polling a ``process`` work pool into which
+                   every deployment of ``deployments/catalog.py`` was registered by
+                   ``prefect deploy`` (schedules and event triggers), plus the
+                   zombie-run automation (``rayline.work_pool``).
 
 Each runs in its own session, so ``down`` stops exactly what ``up`` started:
 the process groups named in the PID files, nothing matched by name. ``up``
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,12 +35,12 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from rayline import storage
+from rayline import storage, work_pool
 from rayline.config import Settings, get_settings
 from rayline.errors import ClusterError, ConfigError
 from rayline.ray_cluster import RAY_ENV_DEFAULTS
 
-SERVICES = ("prefect", "ray", "deployments")
+SERVICES = ("prefect", "ray", "worker")
 
 
 class ServiceRecord(BaseModel):
@@ -262,29 +265,32 @@ def _up(
         _wait(f"port {port}", _until(lambda: _port_open(port), proc, timeout_s), record, timeout_s)
         outcome["ray"] = "started"
 
-    if "deployments" in existing:
-        outcome["deployments"] = "running"
+    if "worker" in existing:
+        outcome["worker"] = "running"
     else:
         env = _prefect_env(state, settings)
-        env.update({"RAY_ADDRESS": ends.ray_address, "RAY_AUTH_MODE": "token", "RAY_TMPDIR": str(ray_temp_dir(state))})
-        command = [sys.executable, "-m", "rayline.platform", "serve-deployments"]
-        record, proc = _start(state, "deployments", command, env, ends.prefect_ui)
-        ready = _until(lambda: _deployments_ready(ends), proc, timeout_s)
-        _wait("deployments registered", ready, record, timeout_s)
-        outcome["deployments"] = "started"
+        pool = settings.work_pool
+        work_pool.create_pool(pool, env)
+        work_pool.deploy_all(pool, env, state)
+        work_pool.install_zombie_automation(ends.prefect_api, env.get("PREFECT_API_AUTH_STRING"))
+        worker_env = work_pool.worker_env(env, ends.ray_address, ray_temp_dir(state))
+        record, proc = _start(state, "worker", work_pool.worker_command(pool), worker_env, ends.prefect_ui)
+        ready = _until(lambda: _worker_online(ends, pool), proc, timeout_s)
+        _wait(f"a worker polling work pool {pool}", ready, record, timeout_s)
+        outcome["worker"] = "started"
     return ends, outcome
 
 
-def _deployments_ready(ends: Endpoints) -> bool:
+def _worker_online(ends: Endpoints, pool: str) -> bool:
     request = urllib.request.Request(
-        f"{ends.prefect_api}/deployments/filter",
+        f"{ends.prefect_api}/work_pools/{urllib.parse.quote(pool)}/workers/filter",
         data=b"{}",
         headers={"Content-Type": "application/json", **_auth_headers()},
         method="POST",
     )
     try:
         with urllib.request.urlopen(request, timeout=5) as answer:
-            return len(json.loads(answer.read())) >= 1
+            return any(w.get("status") == "ONLINE" for w in json.loads(answer.read()))
     except (urllib.error.URLError, OSError, ValueError):
         return False
 
@@ -329,20 +335,6 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def serve_deployments() -> None:
-    """The long-running process of ``up``: every deployment, schedules and triggers, served."""
-    from prefect import serve
-
-    from deployments.catalog import build_deployments
-
-    serve(*build_deployments())
-
-
 def check_port_free(port: int, what: str) -> None:
     if _port_open(port):
         raise ConfigError(f"port {port} for {what} is taken by another process; set it in the environment")
-
-
-if __name__ == "__main__":  # pragma: no cover - the deployments process of `rayline up`
-    if sys.argv[1:] == ["serve-deployments"]:
-        serve_deployments()

@@ -1,7 +1,7 @@
 """The operated system on loopback: `rayline up`, the demo against it, the Prefect UI, event-driven retraining,
 cancellation reaching Ray, and `rayline down` leaving no process behind.
 
-One `up` for the module (it costs a Prefect server, a Ray head and the deployments process); the tests run in
+One `up` for the module (it costs a Prefect server, a Ray head and a Prefect worker); the tests run in
 file order, each on what the previous ones left, as a user's session would.
 """
 
@@ -14,103 +14,28 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from ray_workloads.models import imagenet_classes
-from rayline.platform import SERVICES, ServiceRecord, ray_temp_dir
-from tests.support import REPO_ROOT, free_port
+from rayline.platform import SERVICES
+from tests.e2e.platform_support import AUTH, run_python, run_rayline, service_records
+from tests.support import REPO_ROOT
 
 pytestmark = pytest.mark.e2e
 
-BIN = Path(sys.executable).parent
-_OUTSIDE = ("RAY_ADDRESS", "PREFECT_API_URL", "AWS_ENDPOINT_URL", "PREFECT_API_AUTH_STRING")
-AUTH = "rayline:platform-test-secret"  # the Prefect API asks for it (PREFECT_SERVER_API_AUTH_STRING)
 SCREENSHOTS = Path(os.environ.get("RAYLINE_TEST_ARTIFACTS", REPO_ROOT / "test-artifacts"))
-
-
-def _rayline(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "rayline"), *args], env=env, cwd=env["RAYLINE_STORAGE"], capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
-
-
-def _python(code: str, env: dict[str, str], timeout: float = 180) -> str:
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return done.stdout
-
-
-def _records(root: Path) -> dict[str, ServiceRecord]:
-    files = [root / "state" / "pids" / f"{name}.json" for name in SERVICES]
-    return {f.stem: ServiceRecord.model_validate_json(f.read_text()) for f in files if f.exists()}
-
-
-def _processes_under(text: str) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(f"{entry.name}: {cmdline[:120]}")
-    return found
-
-
-@pytest.fixture(scope="module")
-def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """`rayline up` (API basic auth on) on free loopback ports in a fresh storage root; `down` after, by PID.
-
-    Yields the environment a user exports to work against it (README: "The operated system").
-    """
-    root = tmp_path_factory.mktemp("platform") / "data"
-    root.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in _OUTSIDE and not k.startswith("RAYLINE_")}
-    env.update(
-        RAYLINE_STORAGE=str(root),
-        RAYLINE_PREFECT_PORT=str(free_port()),
-        RAYLINE_RAY_PORT=str(free_port()),
-        RAYLINE_DASHBOARD_PORT=str(free_port()),
-        RAYLINE_RAY_METRICS_PORT=str(free_port()),
-        RAYLINE_SERVE_PORT=str(free_port()),
-        PREFECT_SERVER_API_AUTH_STRING=AUTH,
-    )
-    started = _rayline(["up"], env)
-    try:
-        assert started.returncode == 0, started.stdout + started.stderr
-        assert all(f"{name:<12} started" in started.stdout for name in SERVICES), started.stdout
-        yield {
-            **env,
-            "PREFECT_API_URL": f"http://127.0.0.1:{env['RAYLINE_PREFECT_PORT']}/api",
-            "PREFECT_API_AUTH_STRING": AUTH,
-            "RAY_ADDRESS": f"127.0.0.1:{env['RAYLINE_RAY_PORT']}",
-            "RAY_AUTH_MODE": "token",
-        }
-    finally:
-        records = _records(root)
-        stopped = _rayline(["down"], env)
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        marks = [str(root), str(ray_temp_dir(root / "state"))]
-        deadline = time.monotonic() + 30
-        while any(_processes_under(m) for m in marks) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert [p for m in marks for p in _processes_under(m)] == [], "processes of `rayline up` survived `down`"
-        assert not any(Path(f"/proc/{r.pid}").exists() for r in records.values())
 
 
 def test_up_twice_starts_nothing_new(platform: dict[str, str]) -> None:
     root = Path(platform["RAYLINE_STORAGE"])
-    before = _records(root)
-    again = _rayline(["up"], platform)
+    before = service_records(root)
+    again = run_rayline(["up"], platform)
     assert again.returncode == 0, again.stderr
     assert all(f"{name:<12} running" in again.stdout for name in SERVICES), again.stdout
-    assert _records(root) == before
+    assert service_records(root) == before
     assert f"Prefect UI       http://127.0.0.1:{platform['RAYLINE_PREFECT_PORT']}" in again.stdout
     assert f"Ray metrics      http://127.0.0.1:{platform['RAYLINE_RAY_METRICS_PORT']}/metrics" in again.stdout
 
@@ -167,7 +92,7 @@ def test_a_burst_of_labelled_arrivals_starts_exactly_one_retraining(platform: di
 
 def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
     """`rayline demo` against `up` (README): the whole lifecycle on its cluster, recorded by its Prefect server."""
-    done = _rayline(["demo"], platform, timeout=900)
+    done = run_rayline(["demo"], platform, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "prepare-data finished" in out
@@ -284,7 +209,7 @@ def test_the_prefect_ui_shows_the_runs(platform: dict[str, str]) -> None:
     """Headless Chromium logs into the UI with the auth string and finds the demo's runs on the runs page."""
     from playwright.sync_api import expect, sync_playwright
 
-    count, newest = _python(NEWEST_COMPLETED_RUN, platform).split()
+    count, newest = run_python(NEWEST_COMPLETED_RUN, platform).split()
     assert int(count) >= 4, "prepare-data, train-model, serve-rollout, nightly-inference at least"
     ui = f"http://127.0.0.1:{platform['RAYLINE_PREFECT_PORT']}"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
@@ -328,7 +253,7 @@ RAY_IN_PREFECT_LOGS = textwrap.dedent(
 
 def test_ray_stats_epochs_and_trials_reach_the_prefect_task_logs(platform: dict[str, str]) -> None:
     """What Ray's workers log stays in Ray's files; rayline's tasks put the essentials into Prefect's logs."""
-    seen = json.loads(_python(RAY_IN_PREFECT_LOGS, platform).strip().splitlines()[-1])
+    seen = json.loads(run_python(RAY_IN_PREFECT_LOGS, platform).strip().splitlines()[-1])
     assert seen == sorted(["Ray Data execution stats:", "Ray Tune trials (best first):", "epoch 11: train loss"])
 
 
@@ -373,7 +298,7 @@ CANCEL_AND_WATCH = textwrap.dedent(
 
 
 def test_cancelling_a_flow_run_stops_its_ray_work(platform: dict[str, str]) -> None:
-    out = _python(CANCEL_AND_WATCH, platform, timeout=420)
+    out = run_python(CANCEL_AND_WATCH, platform, timeout=420)
     assert "training ['" in out and "RayTrainWorker" in out, out
     assert "after cancel []" in out, "Ray Train actors outlived the cancelled flow run: " + out
     assert "state CANCELLED" in out, out

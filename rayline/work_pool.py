@@ -1,0 +1,125 @@
+"""What ``rayline up`` sets up in Prefect, the way Prefect's own docs do it.
+
+- a ``process`` work pool (``RAYLINE_WORK_POOL``, default ``rayline``);
+- every deployment of ``deployments/catalog.py``, registered into it by
+  ``prefect deploy --all`` of the generated ``prefect.yaml`` (the same file a
+  team deploys by hand: a test keeps the committed one equal to the rendering);
+- a ``prefect worker`` polling the pool, which starts each flow run as its own
+  process (the command; ``platform`` runs it as a service);
+- the automation of Prefect's "detect zombie flows" guide: a flow run whose
+  heartbeats stop for :data:`ZOMBIE_WINDOW` is marked ``Crashed``.
+
+Prefect is driven through its CLI and client, never by importing the
+deployment table: this module is core, and the catalog lives two layers up.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+from rayline.errors import ClusterError, ConfigError
+
+POOL_TYPE = "process"
+ZOMBIE_AUTOMATION = "rayline: crash zombie flow runs"
+# Prefect's guide uses 90 s with heartbeats every 30 s: two missed heartbeats and a margin.
+ZOMBIE_WINDOW = timedelta(seconds=90)
+_DEPLOY_TIMEOUT_S = 600.0
+
+
+def project_root() -> Path:
+    """The folder holding ``flows/`` and ``deployments/`` (a checkout, or site-packages), found without importing."""
+    spec = importlib.util.find_spec("deployments")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the rayline deployments package is not importable here: reinstall rayline")
+    return Path(list(spec.submodule_search_locations)[0]).resolve().parent
+
+
+def _prefect(*args: str) -> list[str]:
+    return [str(Path(sys.executable).parent / "prefect"), "--no-prompt", *args]
+
+
+def _run(command: list[str], env: dict[str, str], cwd: Path, what: str) -> str:
+    try:
+        done = subprocess.run(
+            command, env=env, cwd=cwd, capture_output=True, text=True, timeout=_DEPLOY_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise ClusterError(f"{what} did not finish within {_DEPLOY_TIMEOUT_S:.0f} s") from exc
+    if done.returncode != 0:
+        raise ClusterError(f"{what} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+    return done.stdout
+
+
+def create_pool(pool: str, env: dict[str, str]) -> None:
+    """``prefect work-pool create <pool> --type process`` (``--overwrite``: ``up`` again keeps one pool)."""
+    _run(_prefect("work-pool", "create", pool, "--type", POOL_TYPE, "--overwrite"), env, project_root(), "work pool")
+
+
+def deploy_all(pool: str, env: dict[str, str], state: Path) -> Path:
+    """Render ``prefect.yaml`` from the catalog and ``prefect deploy --all`` it into ``pool``; returns the file."""
+    root = project_root()
+    rendered = _run([sys.executable, "-m", "deployments.prefect_yaml"], env, root, "rendering prefect.yaml")
+    prefect_file = state / "prefect.yaml"
+    prefect_file.write_text(rendered)
+    # prefect deploy resolves both placeholders now: the pool, and where the worker's runs start
+    deploy_env = {**env, "RAYLINE_WORK_POOL": pool, "RAYLINE_HOME": str(root)}
+    _run(_prefect("deploy", "--all", "--prefect-file", str(prefect_file)), deploy_env, root, "prefect deploy")
+    return prefect_file
+
+
+def worker_command(pool: str) -> list[str]:
+    """The worker ``up`` keeps running: it polls ``pool`` and starts each flow run as a process."""
+    return _prefect("worker", "start", "--pool", pool, "--type", POOL_TYPE, "--name", f"rayline-{os.getpid()}")
+
+
+def worker_env(env: dict[str, str], ray_address: str, ray_tmpdir: Path) -> dict[str, str]:
+    """What every flow-run process the worker starts inherits: the cluster to join (heartbeats come from
+    ``PROCESS_DEFAULTS``, applied by the CLI before ``up``)."""
+    return {**env, "RAY_ADDRESS": ray_address, "RAY_AUTH_MODE": "token", "RAY_TMPDIR": str(ray_tmpdir)}
+
+
+def install_zombie_automation(api_url: str, auth_string: str | None) -> bool:
+    """Create the "crash zombie flows" automation unless it exists; True when it was created."""
+    from prefect.automations import Automation
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    updates = {PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth_string}
+    with temporary_settings(updates=updates):
+        with get_client(sync_client=True) as client:
+            if client.read_automations_by_name(ZOMBIE_AUTOMATION):
+                return False
+        Automation(
+            name=ZOMBIE_AUTOMATION,
+            description="Marks a flow run Crashed when its heartbeats stop (Prefect's 'detect zombie flows' guide).",
+            trigger=EventTrigger(
+                after={"prefect.flow-run.heartbeat"},
+                expect={
+                    "prefect.flow-run.heartbeat",
+                    "prefect.flow-run.Completed",
+                    "prefect.flow-run.Failed",
+                    "prefect.flow-run.Cancelled",
+                    "prefect.flow-run.Crashed",
+                },
+                match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+                for_each={"prefect.resource.id"},
+                posture=Posture.Proactive,
+                threshold=1,
+                within=ZOMBIE_WINDOW,
+            ),
+            actions=[
+                ChangeFlowRunState(
+                    state=StateType.CRASHED, message="Flow run marked as crashed: its heartbeats stopped."
+                )
+            ],
+        ).create()
+    return True

@@ -1,0 +1,92 @@
+"""`rayline up` for the e2e tests, and helpers to drive it: the CLI, Python programs, PID records."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rayline.platform import SERVICES, ServiceRecord, ray_temp_dir
+from tests.support import free_port
+
+BIN = Path(sys.executable).parent
+_OUTSIDE = ("RAY_ADDRESS", "PREFECT_API_URL", "AWS_ENDPOINT_URL", "PREFECT_API_AUTH_STRING")
+AUTH = "rayline:platform-test-secret"  # the Prefect API asks for it (PREFECT_SERVER_API_AUTH_STRING)
+
+
+def run_rayline(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "rayline"), *args], env=env, cwd=env["RAYLINE_STORAGE"], capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def run_python(code: str, env: dict[str, str], timeout: float = 180) -> str:
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def service_records(root: Path) -> dict[str, ServiceRecord]:
+    files = [root / "state" / "pids" / f"{name}.json" for name in SERVICES]
+    return {f.stem: ServiceRecord.model_validate_json(f.read_text()) for f in files if f.exists()}
+
+
+def processes_under(text: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(f"{entry.name}: {cmdline[:120]}")
+    return found
+
+
+@contextlib.contextmanager
+def running_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """`rayline up` (API basic auth on) on free loopback ports in a fresh storage root; `down` after, by PID.
+
+    Yields the environment a user exports to work against it (README: "The operated system").
+    """
+    root = tmp_path_factory.mktemp("platform") / "data"
+    root.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in _OUTSIDE and not k.startswith("RAYLINE_")}
+    env.update(
+        RAYLINE_STORAGE=str(root),
+        RAYLINE_PREFECT_PORT=str(free_port()),
+        RAYLINE_RAY_PORT=str(free_port()),
+        RAYLINE_DASHBOARD_PORT=str(free_port()),
+        RAYLINE_RAY_METRICS_PORT=str(free_port()),
+        RAYLINE_SERVE_PORT=str(free_port()),
+        PREFECT_SERVER_API_AUTH_STRING=AUTH,
+    )
+    started = run_rayline(["up"], env)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert all(f"{name:<12} started" in started.stdout for name in SERVICES), started.stdout
+        yield {
+            **env,
+            "PREFECT_API_URL": f"http://127.0.0.1:{env['RAYLINE_PREFECT_PORT']}/api",
+            "PREFECT_API_AUTH_STRING": AUTH,
+            "RAY_ADDRESS": f"127.0.0.1:{env['RAYLINE_RAY_PORT']}",
+            "RAY_AUTH_MODE": "token",
+        }
+    finally:
+        started_services = service_records(root)
+        stopped = run_rayline(["down"], env)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        marks = [str(root), str(ray_temp_dir(root / "state"))]
+        deadline = time.monotonic() + 30
+        while any(processes_under(m) for m in marks) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert [p for m in marks for p in processes_under(m)] == [], "processes of `rayline up` survived `down`"
+        assert not any(Path(f"/proc/{r.pid}").exists() for r in started_services.values())

@@ -1,0 +1,179 @@
+"""`rayline up`'s work pool: deployments run by a Prefect worker, and killed flow runs end `Crashed`.
+
+Runs after test_platform.py on the same platform (tests/e2e/conftest.py), so the
+demo's champion `digits` is registered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rayline import storage
+from rayline.layout import INCOMING_DIR, partition_for
+from rayline.seed import digit_objects
+from tests.e2e.platform_support import AUTH, BIN
+
+pytestmark = pytest.mark.e2e
+
+CRASH_DEADLINE_S = 180  # the issue's promise: a killed run is Crashed within 3 minutes
+
+
+@contextmanager
+def _api(platform: dict[str, str]) -> Iterator[httpx.Client]:
+    user, password = AUTH.split(":", 1)
+    with httpx.Client(base_url=platform["PREFECT_API_URL"], auth=(user, password), timeout=30) as client:
+        yield client
+
+
+def _drop_night(platform: dict[str, str], day: str, count: int, size: int = 32) -> None:
+    """``count`` digits under incoming/dt=<day>/, as a night's arrivals."""
+    night = storage.join(platform["RAYLINE_STORAGE"], INCOMING_DIR, partition_for(date.fromisoformat(day)))
+    for index, (key, data) in enumerate(digit_objects(size)):
+        if index == count:
+            break
+        storage.write_bytes_atomic(storage.join(night, key), data)
+
+
+def _flow_run(client: httpx.Client, run_id: str) -> dict[str, Any]:
+    answer = client.get(f"/flow_runs/{run_id}")
+    answer.raise_for_status()
+    return dict(answer.json())
+
+
+def _state(client: httpx.Client, run_id: str) -> str:
+    return str((_flow_run(client, run_id).get("state") or {}).get("type"))
+
+
+def _run_deployment(client: httpx.Client, name: str, parameters: dict[str, Any]) -> str:
+    deployment = client.get(f"/deployments/name/{name}")
+    deployment.raise_for_status()
+    created = client.post(f"/deployments/{deployment.json()['id']}/create_flow_run", json={"parameters": parameters})
+    created.raise_for_status()
+    return str(created.json()["id"])
+
+
+def _predictor_actors(platform: dict[str, str]) -> list[dict[str, Any]]:
+    """Ray Data's inference actors alive on the cluster, by `ray list actors` as an operator would."""
+    done = subprocess.run(
+        [str(BIN / "ray"), "list", "actors", "--filter", "state=ALIVE", "--format", "json", "--limit", "10000"],
+        env=platform, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [a for a in json.loads(done.stdout or "[]") if "PredictorUDF" in str(a.get("class_name"))]
+
+
+def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
+        time.sleep(1)
+
+
+def test_up_deployed_prefect_yaml_into_its_work_pool(platform: dict[str, str]) -> None:
+    """Every deployment of prefect.yaml is in `up`'s process pool, as `prefect deploy --all` registered it."""
+    import yaml  # type: ignore[import-untyped]
+
+    from tests.support import REPO_ROOT
+
+    committed = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())
+    with _api(platform) as client:
+        pool = client.get("/work_pools/rayline").json()
+        assert pool["type"] == "process"
+        deployments = client.post("/deployments/filter", json={}).json()
+    found = {d["name"]: d for d in deployments}
+    assert set(found) == {d["name"] for d in committed["deployments"]}
+    for spec in committed["deployments"]:
+        deployment = found[spec["name"]]
+        assert deployment["work_pool_name"] == "rayline" and deployment["entrypoint"] == spec["entrypoint"]
+        # prefect deploy resolved {{ $RAYLINE_HOME }}: the worker's runs start in this checkout
+        (step,) = deployment["pull_steps"]
+        assert step == {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO_ROOT)}}
+
+
+def test_nightly_inference_runs_through_the_worker(platform: dict[str, str]) -> None:
+    """A deployment run is picked up by `up`'s worker, runs as its own process, and commits its night."""
+    from rayline.prediction_reads import read_night_pair
+
+    day = "2026-01-05"
+    _drop_night(platform, day, count=40)
+    with _api(platform) as client:
+        run_id = _run_deployment(client, "nightly-inference/nightly-inference", {"date": day})
+        _wait_for(lambda: _state(client, run_id) in {"COMPLETED", "FAILED", "CRASHED"}, 420, "the run ending")
+        run = _flow_run(client, run_id)
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert run["work_pool_name"] == "rayline" and run["infrastructure_pid"], "started by the pool's worker"
+    night = read_night_pair(platform["RAYLINE_STORAGE"], "digits", day)
+    assert night.predictions.num_rows + night.errors.num_rows == 40
+    assert night.commit.run_id, night.commit
+
+
+def _kill_when_predicting(platform: dict[str, str], pid: int, process_group: bool) -> float:
+    """SIGKILL ``pid`` once its night's inference actors are alive; returns when."""
+    _wait_for(lambda: _predictor_actors(platform), 300, "inference actors of the run")
+    if process_group:
+        os.killpg(pid, signal.SIGKILL)
+    else:
+        os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def _flow_run_process(run_id: str) -> int | None:
+    """The process a worker started for ``run_id`` (its environment names the run)."""
+    marker = f"PREFECT__FLOW_RUN_ID={run_id}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None
+
+
+def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str, str]) -> None:
+    """kill -9 of a CLI run (zombie automation, heartbeats) and of a worker's run (the worker sees it exit)."""
+    for day in ("2026-01-06", "2026-01-07"):
+        _drop_night(platform, day, count=1797, size=96)
+    env = {**platform, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
+    with _api(platform) as client:
+        cli = subprocess.Popen(
+            [str(BIN / "rayline"), "nightly-inference", "--date", "2026-01-06"], env=env,
+            cwd=platform["RAYLINE_STORAGE"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            cli_killed = _kill_when_predicting(platform, cli.pid, process_group=True)
+        finally:
+            if cli.poll() is None:
+                os.killpg(cli.pid, signal.SIGKILL)
+            cli.wait(timeout=60)
+        running = client.post(
+            "/flow_runs/filter",
+            json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}, "deployment_id": {"is_null_": True}}},
+        ).json()
+        assert len(running) == 1, [(r["name"], r["state"]["type"]) for r in running]
+        cli_run = running[0]["id"]
+        _wait_for(lambda: not _predictor_actors(platform), 60, "Ray removing the killed driver's actors")
+
+        worker_run = _run_deployment(client, "nightly-inference/nightly-inference", {"date": "2026-01-07"})
+        _wait_for(lambda: _flow_run_process(worker_run) is not None, 300, "the worker starting the run's process")
+        pid = _flow_run_process(worker_run)
+        assert pid is not None
+        worker_killed = _kill_when_predicting(platform, pid, process_group=False)
+        _wait_for(lambda: not _predictor_actors(platform), 60, "Ray removing the killed run's actors")
+
+        for run_id, killed in ((worker_run, worker_killed), (cli_run, cli_killed)):
+            left = CRASH_DEADLINE_S - (time.monotonic() - killed)
+            _wait_for(lambda run_id=run_id: _state(client, run_id) == "CRASHED", left, f"flow run {run_id} Crashed")
