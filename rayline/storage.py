@@ -389,7 +389,7 @@ def _fetch_pass(uris: list[str], concurrency: int) -> list[Fetched]:
     if not any(is_s3(u) for u in uris):
         return [_fetch_local(u) for u in uris]
     workers = max(1, min(concurrency, len(uris)))
-    client = s3_client(workers)
+    client = s3_client(max(1, concurrency))  # one client per process and setting, also for the few of a retry
 
     def fetch(uri: str) -> Fetched:
         return _fetch_s3(uri, client) if is_s3(uri) else _fetch_local(uri)
