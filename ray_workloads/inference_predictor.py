@@ -75,7 +75,13 @@ def reports(written: list[WrittenFile]) -> dict[str, np.ndarray]:
 
 
 def fetch_and_decode(uris: list[str], spec: ImageSpec, concurrency: int) -> dict[str, np.ndarray]:
-    """Fetch the objects and decode each image; failures become error fields, not exceptions."""
+    """Fetch the objects and decode each image; a bad object becomes error fields, not an exception.
+
+    Reads that keep failing transiently (throttling, 5xx, resets) are no bad
+    object: ``storage.fetch_many`` retries them and then raises
+    ``TransientStorageError``, which fails the night (uncommitted, outside the
+    error budget) for the task's retry to take up.
+    """
     n = len(uris)
     images = np.zeros((n, 3, spec.size, spec.size), dtype=np.float32)
     stage: list[str | None] = [None] * n

@@ -2,10 +2,14 @@
 
 Per-object latency dominates when reading thousands of small objects, so
 each Ray task fetches its slice of the listing with many concurrent reads
-(fsspec's async ``cat``), not one GET after another. An object that cannot be
-read becomes a row with ``error_type`` set, never a failed job. Listed objects
-that are no inputs (hidden or underscore names, folder markers) get no row:
-the manifest counts them per reason (``skipped``).
+(``storage.fetch_many``), not one GET after another. An object that cannot
+be read for good (missing, forbidden, replaced since the listing) becomes a
+row with ``error_type`` set, never a failed job; one whose reads keep failing
+transiently (throttling, 5xx, resets, after ``fetch_many``'s rounds of
+retries) fails the job as transient and nothing is committed: a cached
+dataset never holds a transient error. Listed objects that are no inputs
+(hidden or underscore names, folder markers) get no row: the manifest counts
+them per reason (``skipped``).
 
 The output folder is named by the input's identity (source URI + content hash
 of the sorted ``(key, etag)`` list): unchanged input maps to the same folder,
@@ -31,7 +35,7 @@ from pydantic import BaseModel, Field
 
 from ray_workloads import folders
 from rayline import leases, storage
-from rayline.errors import InputDataError, StorageError
+from rayline.errors import InputDataError, RaylineError, StorageError
 from rayline.storage import ObjectInfo
 
 MANIFEST = "manifest.json"
@@ -171,6 +175,16 @@ def _fetch_and_write_shard(objects: list[ObjectInfo], shard_uri: str, concurrenc
     }
 
 
+def _gather(refs: list[ray.ObjectRef[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The shards' stats; a rayline error raised in a task comes out as itself (a transient fetch stays transient)."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, RaylineError):
+            raise exc.cause from exc
+        raise
+
+
 def dataset_id(source_uri: str, digest: str) -> str:
     return hashlib.sha256(f"{source_uri}\n{digest}".encode()).hexdigest()[:16]
 
@@ -243,7 +257,7 @@ def _fetch_and_commit(
         fetch.remote(chunk, storage.join(output, "shards", f"part-{i:05d}.parquet"), cfg.io_concurrency)
         for i, chunk in enumerate(shards)
     ]
-    stats = ray.get(refs)
+    stats = _gather(refs)
     rows = sum(s["rows"] for s in stats)
     if rows != len(objects):
         raise StorageError(f"ingest wrote {rows} rows for {len(objects)} objects under {source}")

@@ -52,6 +52,23 @@ class Settings(BaseSettings):
         ),
     )
     io_concurrency: int = Field(64, ge=1, le=1024, description="Concurrent object reads per task.")
+    s3_max_attempts: int = Field(
+        6,
+        ge=1,
+        le=20,
+        description="Attempts of one S3 request by rayline's botocore client (standard mode: throttling, 5xx and "
+        "dropped connections are retried with exponential backoff, up to ~1, 2, 4, 8, 16 s).",
+    )
+    fetch_retries: int = Field(
+        3,
+        ge=0,
+        le=10,
+        description="Rounds in which a stage fetches again the objects whose reads still failed transiently "
+        "after botocore's own attempts (throttling, 5xx, resets); then the stage fails as transient.",
+    )
+    fetch_retry_delay_s: float = Field(
+        0.5, ge=0, le=60, description="Wait before the first of those rounds; it doubles each round (with jitter)."
+    )
     retrain_min_new_labelled: int = Field(
         100, ge=1, description="New labelled objects in one arrival that make it worth retraining."
     )

@@ -14,10 +14,19 @@ from pathlib import Path
 import pytest
 
 from rayline.config import PROCESS_DEFAULTS
-from tests.support import S3_TEST_ENV, create_bucket, delete_bucket, s3_server
+from tests.support import S3_TEST_ENV, S3Proxy, create_bucket, delete_bucket, proxy_in_front, s3_server
 
 # Variables a developer's shell may carry that would point tests at real services.
 _FOREIGN = ("RAY_ADDRESS", "PREFECT_API_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN", "OPENLINEAGE_URL")
+
+# Set before the session's Ray cluster starts, so that its workers have them too.
+# Tests that fault every read of an object wait for all the attempts: fewer and shorter than by default.
+_TEST_SETTINGS = {
+    # 2 attempts a request (6 by default: botocore's backoff waits up to 1+2+4+8+16 s for them)
+    "RAYLINE_S3_MAX_ATTEMPTS": "2",
+    # the stage's rounds of re-fetching 0.1, 0.2, 0.4 s apart (0.5, 1, 2 s by default)
+    "RAYLINE_FETCH_RETRY_DELAY_S": "0.1",
+}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -27,14 +36,34 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.pop(key)
     os.environ.update(PROCESS_DEFAULTS)
     os.environ.update(S3_TEST_ENV)
+    os.environ.update(_TEST_SETTINGS)
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    with s3_server() as endpoint:
-        os.environ["AWS_ENDPOINT_URL"] = endpoint
-        yield endpoint
-        os.environ.pop("AWS_ENDPOINT_URL", None)
+def s3_proxy() -> Iterator[S3Proxy]:
+    """The session's S3-protocol server behind the fault-injecting proxy (no faults unless a test asks).
+
+    Every S3 client of the session, Ray's workers included (they inherit the
+    endpoint when the cluster starts), goes through the proxy: a test turns
+    faults on for everything at once with the ``s3_faults`` fixture.
+    """
+    with s3_server() as upstream, proxy_in_front(upstream) as proxy:
+        yield proxy
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(s3_proxy: S3Proxy) -> Iterator[str]:
+    os.environ["AWS_ENDPOINT_URL"] = s3_proxy.endpoint
+    yield s3_proxy.endpoint
+    os.environ.pop("AWS_ENDPOINT_URL", None)
+
+
+@pytest.fixture
+def s3_faults(s3_proxy: S3Proxy, s3_endpoint: str) -> Iterator[S3Proxy]:
+    """The session's proxy for a test to configure (``configure(fault_rate=…)``); reset to no faults after it."""
+    s3_proxy.reset()
+    yield s3_proxy
+    s3_proxy.reset()
 
 
 @pytest.fixture(scope="session")

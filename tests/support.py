@@ -1,7 +1,8 @@
 """Helpers of the tests: loopback services started and stopped by PID.
 
-The services themselves (a moto S3 server, free ports, stopping a process
-group) are the benchmarks' (``bench/s3_server.py``): tests may build on
+The services themselves (a moto S3 server, the fault-injecting proxy in
+front of it, free ports, stopping a process group) are the benchmarks'
+(``bench/s3_server.py``, ``bench/s3_proxy.py``): tests may build on
 ``bench``, never the other way round, so one copy serves both.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.s3_proxy import S3Proxy
+from bench.s3_proxy import s3_proxy as proxy_in_front
 from bench.s3_server import S3_ENV as S3_TEST_ENV
 from bench.s3_server import (
     create_bucket,
@@ -24,10 +27,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 __all__ = [
     "REPO_ROOT",
     "S3_TEST_ENV",
+    "S3Proxy",
     "create_bucket",
     "delete_bucket",
     "free_port",
     "process_cpu_seconds",
+    "proxy_in_front",
     "s3_server",
     "stop_process",
     "wait_for_http",
