@@ -30,7 +30,7 @@ import ray
 from pydantic import BaseModel, Field
 
 from ray_workloads import folders
-from rayline import leases, storage
+from rayline import leases, progress, storage
 from rayline.errors import InputDataError, StorageError
 from rayline.storage import ObjectInfo
 
@@ -233,6 +233,15 @@ def run(cfg: IngestConfig) -> IngestResult:
     return folders.reuse_or_fill(output, cfg, what, committed, fetch_and_commit)
 
 
+def _gather(refs: list[Any], shown: progress.Stage) -> list[dict[str, Any]]:
+    """``ray.get(refs)`` in order, counting each shard's objects as it lands."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        shown.add(sum(s["rows"] for s in ray.get(ready)))
+    return list(ray.get(refs))
+
+
 def _fetch_and_commit(
     cfg: IngestConfig, listing: storage.Listing, source: str, digest: str, output: str, lease: leases.HeldLease
 ) -> dict[str, Any]:
@@ -243,7 +252,8 @@ def _fetch_and_commit(
         fetch.remote(chunk, storage.join(output, "shards", f"part-{i:05d}.parquet"), cfg.io_concurrency)
         for i, chunk in enumerate(shards)
     ]
-    stats = ray.get(refs)
+    with progress.stage("ingest", total=len(objects), unit="objects") as shown:
+        stats = _gather(refs, shown)
     rows = sum(s["rows"] for s in stats)
     if rows != len(objects):
         raise StorageError(f"ingest wrote {rows} rows for {len(objects)} objects under {source}")
