@@ -39,10 +39,15 @@ def _options(
 ) -> None:
     """Set the terminal up for the command: rayline's progress and summary; the rest in a log file."""
     command = ctx.invoked_subcommand
-    if command is None or command in _PLAIN_COMMANDS:
+    if command is None or command in _PLAIN_COMMANDS or "--help" in _remaining_args(ctx):
         return
     terminal = cli_console.open_terminal(command, _state_dir_or_none(), verbose)
     ctx.call_on_close(terminal.close)
+
+
+def _remaining_args(ctx: typer.Context) -> list[str]:
+    """The command line's arguments: click hands the subcommand's to it only after this callback ran."""
+    return [*getattr(ctx, "_protected_args", []), *ctx.args, *sys.argv[1:]]
 
 
 def _state_dir_or_none() -> Path | None:
