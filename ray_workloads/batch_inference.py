@@ -78,7 +78,7 @@ from ray_workloads.inference_predictor import (
     WrittenFile,
 )
 from ray_workloads.ingest import content_hash
-from rayline import errors, storage
+from rayline import errors, progress, storage
 from rayline.delta_tables import Night
 from rayline.errors import ClusterError, InputDataError, RaylineError, StorageError
 from rayline.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
@@ -207,7 +207,22 @@ def objects_per_task(cfg: InferenceConfig) -> int:
     return 256 if cfg.model.image_spec.size <= SMALL_IMAGE_SIDE else COMPUTE_BOUND_OBJECTS_PER_TASK
 
 
-def _predict_and_write(cfg: InferenceConfig, objects: list[storage.ObjectInfo], output: NightOutput) -> Dataset:
+class _CountingPredictor(PredictorUDF):
+    """The predictor, counting the objects of each block it has written (for the CLI's progress)."""
+
+    def __init__(self, shown: progress.Stage, *args: Any) -> None:
+        super().__init__(*args)
+        self._shown = shown
+
+    def __call__(self, batch: pa.Table) -> dict[str, Any]:
+        written = super().__call__(batch)
+        self._shown.add(sum(len(uris) for uris in batch.column(BLOCK_COLUMNS[0]).to_pylist()))
+        return written
+
+
+def _predict_and_write(
+    cfg: InferenceConfig, objects: list[storage.ObjectInfo], output: NightOutput, shown: progress.Stage
+) -> Dataset:
     """Run the predictor actors over every block; the result holds their reports, materialized."""
     import ray.data  # here: the driver process needs it only while it runs inference
 
@@ -217,8 +232,8 @@ def _predict_and_write(cfg: InferenceConfig, objects: list[storage.ObjectInfo], 
     context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
     context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
     reports = dataset.map_batches(
-        PredictorUDF,
-        fn_constructor_args=(cfg.model, cfg.top_k, cfg.batch_size, cfg.io_concurrency, output, _constants(cfg)),
+        _CountingPredictor,
+        fn_constructor_args=(shown, cfg.model, cfg.top_k, cfg.batch_size, cfg.io_concurrency, output, _constants(cfg)),
         batch_size=1,  # one block per call: it writes one file of each kind
         batch_format="pyarrow",
         # a small night needs no more actors than it has blocks: each costs a process and a model load
@@ -316,7 +331,10 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
         left_out = f"; skipped {storage.skipped_text(listing.skipped)}" if listing.skipped else ""
         raise InputDataError(f"no input objects under {source}{left_out}")
     phases.lap("list")
-    reports = _predict_and_write(cfg, objects, output)
+    with progress.stage(
+        f"predict {night.model_name} {night.dt}", total=len(objects), unit="images", remote=True
+    ) as shown:
+        reports = _predict_and_write(cfg, objects, output, shown)
     ray_data_stats = reports.stats()  # before reading the reports: iterating adds its own stats
     written = [WrittenFile.from_report(row) for row in reports.iter_rows()]
     phases.lap("predict_and_write")

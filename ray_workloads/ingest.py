@@ -34,7 +34,7 @@ import ray
 from pydantic import BaseModel, Field
 
 from ray_workloads import folders
-from rayline import leases, storage
+from rayline import leases, progress, storage
 from rayline.errors import InputDataError, RaylineError, StorageError
 from rayline.storage import ObjectInfo
 
@@ -175,16 +175,6 @@ def _fetch_and_write_shard(objects: list[ObjectInfo], shard_uri: str, concurrenc
     }
 
 
-def _gather(refs: list[ray.ObjectRef[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The shards' stats; a rayline error raised in a task comes out as itself (a transient fetch stays transient)."""
-    try:
-        return ray.get(refs)
-    except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, RaylineError):
-            raise exc.cause from exc
-        raise
-
-
 def dataset_id(source_uri: str, digest: str) -> str:
     return hashlib.sha256(f"{source_uri}\n{digest}".encode()).hexdigest()[:16]
 
@@ -247,6 +237,23 @@ def run(cfg: IngestConfig) -> IngestResult:
     return folders.reuse_or_fill(output, cfg, what, committed, fetch_and_commit)
 
 
+def _gather(refs: list[Any], shown: progress.Stage) -> list[dict[str, Any]]:
+    """``ray.get(refs)`` in order, counting each shard's objects as it lands.
+
+    A rayline error raised in a task comes out as itself: a transient fetch stays transient.
+    """
+    pending = list(refs)
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            shown.add(sum(s["rows"] for s in ray.get(ready)))
+        return list(ray.get(refs))
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, RaylineError):
+            raise exc.cause from exc
+        raise
+
+
 def _fetch_and_commit(
     cfg: IngestConfig, listing: storage.Listing, source: str, digest: str, output: str, lease: leases.HeldLease
 ) -> dict[str, Any]:
@@ -257,7 +264,8 @@ def _fetch_and_commit(
         fetch.remote(chunk, storage.join(output, "shards", f"part-{i:05d}.parquet"), cfg.io_concurrency)
         for i, chunk in enumerate(shards)
     ]
-    stats = _gather(refs)
+    with progress.stage("ingest", total=len(objects), unit="objects") as shown:
+        stats = _gather(refs, shown)
     rows = sum(s["rows"] for s in stats)
     if rows != len(objects):
         raise StorageError(f"ingest wrote {rows} rows for {len(objects)} objects under {source}")

@@ -37,7 +37,7 @@ from ray.data.datasource import Datasink, WriteResult
 
 from ray_workloads import folders, ingest
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
-from rayline import leases, storage
+from rayline import leases, progress, storage
 from rayline.errors import InputDataError, StorageError
 
 SPLITS = ("train", "val", "test")
@@ -159,8 +159,9 @@ class SplitShardSink(Datasink[dict[str, Any]]):
     Returns per-file facts to the driver, which commits them in a manifest.
     """
 
-    def __init__(self, output_uri: str) -> None:
+    def __init__(self, output_uri: str, shown: progress.Stage | None = None) -> None:
         self.output_uri = output_uri
+        self.shown = shown or progress.Stage()  # counts the rows each write task finishes
         self.result: WriteResult[dict[str, Any]] | None = None
 
     def get_name(self) -> str:
@@ -191,6 +192,7 @@ class SplitShardSink(Datasink[dict[str, Any]]):
             storage.write_parquet_atomic(uri, errors)
             report["files"][ERRORS] = {"uri": uri, "rows": errors.num_rows}
             report["error_types"] = dict(Counter(errors.column("error_type").to_pylist()))
+        self.shown.add(table.num_rows)
         return report
 
     def on_write_complete(self, write_result: WriteResult[dict[str, Any]]) -> None:
@@ -297,8 +299,9 @@ def _decode_and_commit(
         batch_format="numpy",
         num_cpus=cfg.num_cpus_per_task,
     )
-    sink = SplitShardSink(output)
-    decoded.write_datasink(sink, ray_remote_args={"num_cpus": cfg.num_cpus_per_task})
+    with progress.stage("preprocess", total=source.object_count, unit="images", remote=True) as shown:
+        sink = SplitShardSink(output, shown)
+        decoded.write_datasink(sink, ray_remote_args={"num_cpus": cfg.num_cpus_per_task})
     if sink.result is None:
         raise StorageError(f"preprocess wrote nothing for {cfg.ingest_manifest_uri}")
     summary = _summarise(list(sink.result.write_returns), classes)

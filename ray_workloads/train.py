@@ -37,7 +37,7 @@ from ray_workloads.training_loop import (
     run_epoch,
     set_epoch_lr,
 )
-from rayline import storage
+from rayline import progress, storage
 from rayline.errors import ClusterError, InputDataError
 
 WEIGHTS_FILE = "weights.pt"
@@ -172,6 +172,17 @@ def _use_gpu(cfg: TrainConfig) -> bool:
     return float(ray.cluster_resources().get("GPU", 0)) > 0  # type: ignore[no-untyped-call]
 
 
+class _EpochProgress(ray.train.UserCallback):
+    """Counts finished epochs for the CLI's progress; runs in the Train controller, hence the remote counter."""
+
+    def __init__(self, shown: progress.Stage) -> None:
+        self.shown = shown
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        if metrics and "epoch" in metrics[0]:
+            self.shown.set(int(metrics[0]["epoch"]) + 1)
+
+
 def run(cfg: TrainConfig) -> TrainResult:
     """Fit with Ray Train; resumes from this run name's checkpoints if any exist."""
     started = time.perf_counter()
@@ -188,29 +199,31 @@ def run(cfg: TrainConfig) -> TrainResult:
         loop = loop.model_copy(update={"fail_marker_uri": storage.join(run_uri, "_fault_drill_done")})
     fs, storage_path = storage.arrow_filesystem(output_root)
     use_gpu = _use_gpu(cfg)
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=loop.model_dump(mode="json"),
-        scaling_config=ScalingConfig(
-            num_workers=cfg.num_workers,
-            use_gpu=use_gpu,
-            resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
-        ),
-        run_config=RunConfig(
-            name=cfg.run_name,
-            storage_path=storage_path,
-            storage_filesystem=fs,
-            failure_config=FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=CheckpointConfig(
-                num_to_keep=cfg.keep_checkpoints,
-                checkpoint_score_attribute=SCORE,
-                checkpoint_score_order="max",
+    with progress.stage("train", total=loop.epochs, unit="epochs", remote=True) as shown:
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config=loop.model_dump(mode="json"),
+            scaling_config=ScalingConfig(
+                num_workers=cfg.num_workers,
+                use_gpu=use_gpu,
+                resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
             ),
-        ),
-        datasets={"train": dataset_for_split(prepared, "train"), "val": dataset_for_split(prepared, "val")},
-        dataset_config=DataConfig(datasets_to_split=["train"] if loop.val_on_every_worker else "all"),
-    )
-    result = trainer.fit()
+            run_config=RunConfig(
+                name=cfg.run_name,
+                storage_path=storage_path,
+                storage_filesystem=fs,
+                failure_config=FailureConfig(max_failures=cfg.max_failures),
+                callbacks=[_EpochProgress(shown)],  # type: ignore[list-item]  # a UserCallback; the stub says Callback
+                checkpoint_config=CheckpointConfig(
+                    num_to_keep=cfg.keep_checkpoints,
+                    checkpoint_score_attribute=SCORE,
+                    checkpoint_score_order="max",
+                ),
+            ),
+            datasets={"train": dataset_for_split(prepared, "train"), "val": dataset_for_split(prepared, "val")},
+            dataset_config=DataConfig(datasets_to_split=["train"] if loop.val_on_every_worker else "all"),
+        )
+        result = trainer.fit()
     if result.error is not None:
         raise ClusterError(f"training run {cfg.run_name} failed: {result.error}") from result.error
     best = result.get_best_checkpoint(metric=SCORE, mode="max")

@@ -25,7 +25,7 @@ from ray_workloads import preprocess
 from ray_workloads.models import ModelSpec, build_model
 from ray_workloads.train import SCORE, dataset_for_split, restore_state, save_state
 from ray_workloads.training_loop import TrainLoopConfig, epoch_batches, make_optimizer, run_epoch, set_epoch_lr
-from rayline import storage
+from rayline import progress, storage
 from rayline.errors import ClusterError
 
 
@@ -133,6 +133,19 @@ def _trainable(cfg: TuneJobConfig, prepared: preprocess.PreprocessResult, base: 
     return tune.with_resources(fn, {"cpu": cfg.cpus_per_trial})
 
 
+class _TrialProgress(tune.Callback):
+    """Counts finished trials (stopped early or not) for the CLI's progress; Tune calls it in this process."""
+
+    def __init__(self, shown: progress.Stage) -> None:
+        self.shown = shown
+
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self.shown.add(1)
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self.shown.add(1)
+
+
 def run(cfg: TuneJobConfig, base: TrainLoopConfig | None = None) -> TuneResult:
     """Search, or continue an interrupted search of the same name, and report the best config."""
     started = time.perf_counter()
@@ -147,34 +160,36 @@ def run(cfg: TuneJobConfig, base: TrainLoopConfig | None = None) -> TuneResult:
     experiment_path = storage.join(storage_path, cfg.experiment_name)
     trainable = _trainable(cfg, prepared, base)
     restored = bool(tune.Tuner.can_restore(experiment_path, storage_filesystem=fs))
-    if restored:
-        tuner = tune.Tuner.restore(experiment_path, trainable=trainable, resume_errored=True, storage_filesystem=fs)
-    else:
-        tuner = tune.Tuner(
-            trainable,
-            param_space=_param_space(cfg.space),
-            tune_config=tune.TuneConfig(
-                metric=SCORE,
-                mode="max",
-                scheduler=ASHAScheduler(
-                    time_attr="training_iteration",
-                    max_t=cfg.max_epochs,
-                    grace_period=cfg.grace_period,
-                    reduction_factor=cfg.reduction_factor,
+    with progress.stage("tune", total=cfg.num_samples, unit="trials") as shown:
+        if restored:
+            tuner = tune.Tuner.restore(experiment_path, trainable=trainable, resume_errored=True, storage_filesystem=fs)
+        else:
+            tuner = tune.Tuner(
+                trainable,
+                param_space=_param_space(cfg.space),
+                tune_config=tune.TuneConfig(
+                    metric=SCORE,
+                    mode="max",
+                    scheduler=ASHAScheduler(
+                        time_attr="training_iteration",
+                        max_t=cfg.max_epochs,
+                        grace_period=cfg.grace_period,
+                        reduction_factor=cfg.reduction_factor,
+                    ),
+                    num_samples=cfg.num_samples,
+                    max_concurrent_trials=cfg.max_concurrent_trials,
+                    search_alg=BasicVariantGenerator(random_state=cfg.seed),  # same seed, same trials
                 ),
-                num_samples=cfg.num_samples,
-                max_concurrent_trials=cfg.max_concurrent_trials,
-                search_alg=BasicVariantGenerator(random_state=cfg.seed),  # same seed, same trials
-            ),
-            run_config=tune.RunConfig(
-                name=cfg.experiment_name,
-                storage_path=storage_path,
-                storage_filesystem=fs,
-                checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
-                verbose=0,
-            ),
-        )
-    grid = tuner.fit()
+                run_config=tune.RunConfig(
+                    name=cfg.experiment_name,
+                    storage_path=storage_path,
+                    storage_filesystem=fs,
+                    checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+                    verbose=0,
+                    callbacks=[_TrialProgress(shown)],  # a restored search keeps its first run's: shown without counts
+                ),
+            )
+        grid = tuner.fit()
     results = [grid[i] for i in range(len(grid))]
     trials = [
         TrialSummary(

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
 
-from rayline import cli_demo, cli_ops, cli_tables, nights
+from rayline import cli_console, cli_demo, cli_ops, cli_tables, nights
 from rayline import cli_summaries as summaries
 from rayline.cli_common import DEFAULT_MODEL_NAME, model_ref
 from rayline.cli_common import fail as _fail
@@ -18,6 +19,44 @@ from rayline.errors import ConfigError, RaylineError
 app = typer.Typer(
     help="rayline: Prefect flows orchestrating Ray workloads for image classification.", no_args_is_help=True
 )
+
+
+# Commands that start no flow and no Ray work: their own output is all there is.
+_PLAIN_COMMANDS = frozenset({"up", "down", "seed-data"})
+
+
+@app.callback()
+def _options(
+    ctx: typer.Context,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Print Ray worker logs, Ray Data stats and Prefect task lines here too, not only in the log file.",
+        ),
+    ] = False,
+) -> None:
+    """Set the terminal up for the command: rayline's progress and summary; the rest in a log file."""
+    command = ctx.invoked_subcommand
+    if command is None or command in _PLAIN_COMMANDS or "--help" in _remaining_args(ctx):
+        return
+    terminal = cli_console.open_terminal(command, _state_dir_or_none(), verbose)
+    ctx.call_on_close(terminal.close)
+
+
+def _remaining_args(ctx: typer.Context) -> list[str]:
+    """The command line's arguments: click hands the subcommand's to it only after this callback ran."""
+    return [*getattr(ctx, "_protected_args", []), *ctx.args, *sys.argv[1:]]
+
+
+def _state_dir_or_none() -> Path | None:
+    from rayline.platform import state_dir
+
+    try:
+        return state_dir(get_settings())
+    except RaylineError:  # the command itself reports bad settings
+        return None
 
 
 @app.command("seed-data")

@@ -11,12 +11,13 @@ reuses it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from rayline.config import Settings, get_settings
 from rayline.errors import ClusterError, ConfigError
@@ -33,6 +34,17 @@ _FORWARDED_ENV = (
 )
 
 _lock = threading.Lock()
+
+
+class TextSink(Protocol):
+    """Where worker output can go: a text file, or anything written like one."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+
+_worker_log_stream: TextSink | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,33 @@ def _start(settings: Settings, preload: Sequence[str]) -> bool:
         raise ClusterError(f"could not connect to Ray at {target}: {type(exc).__name__}: {exc}") from exc
 
 
+def send_worker_logs_to(stream: TextSink | None) -> None:
+    """Where the output of Ray workers goes once this process connects: ``stream``, or None for Ray's default.
+
+    Ray prints every worker's stdout/stderr in the driver's terminal (``log_to_driver``); the CLI keeps its
+    terminal for rayline's own progress and puts them in its log file instead.
+    """
+    global _worker_log_stream
+    _worker_log_stream = stream
+    import ray
+
+    if ray.is_initialized():
+        _route_worker_logs()
+
+
+def _route_worker_logs() -> None:
+    # Ray has no public option to send the driver's copy of worker output elsewhere than the terminal
+    # (log_to_driver=False would drop it): swap the handler its log thread dispatches to.
+    from ray._private import ray_logging, worker
+
+    dispatcher, stream = ray_logging.global_worker_stdstream_dispatcher, _worker_log_stream
+    dispatcher.remove_handler("ray_print_logs")
+    if stream is None:
+        dispatcher.add_handler("ray_print_logs", functools.partial(worker.print_to_stdstream, ignore_prefix=False))
+    else:
+        dispatcher.add_handler("ray_print_logs", lambda data: worker.print_worker_logs(data, stream))
+
+
 _embedded: bool | None = None
 
 
@@ -140,6 +179,8 @@ def connect(settings: Settings | None = None, preload: Sequence[str] = ()) -> Ra
     with _lock:
         if not ray.is_initialized():
             _embedded = _start(settings, preload)
+            if _worker_log_stream is not None:
+                _route_worker_logs()
         context = ray.get_runtime_context()
         return RayConnection(
             # the address users know the cluster by; GCS may report another interface

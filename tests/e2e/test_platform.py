@@ -95,6 +95,12 @@ def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
     done = run_rayline(["demo"], platform, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
+    # a quiet terminal: rayline's progress and summaries; Ray's and Prefect's lines went to the named log file
+    printed = (done.stdout + done.stderr).splitlines()
+    assert len(printed) <= 80, "\n".join(printed)
+    log_file = Path(out.split("Prefect task lines: ")[1].split(" (--verbose")[0])
+    assert log_file.parent == Path(platform["RAYLINE_STORAGE"]) / "state" / "logs" and log_file.stat().st_size > 0
+    assert "  done preprocess" in out and "  done tune" in out and "12/12 epochs" in out, out
     assert "prepare-data finished" in out
     assert "objects ingested   1801" in out
     assert "train 1447, val 175, test 175" in out

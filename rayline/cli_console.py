@@ -1,0 +1,226 @@
+"""The CLI's terminal: rayline's own progress and summaries; Ray's and Prefect's chatter in a log file.
+
+Quiet (the default): Ray worker output, Ray's and Ray Data's log lines, Ray
+Data stats and Prefect's per-task INFO lines go to
+``<state>/logs/<command>-<time>.log``; the terminal keeps ERROR records, which
+print in full, and the Prefect API still gets every task log. ``--verbose``
+leaves all of it on the terminal as before.
+
+Progress of each long stage (``rayline.progress``): live bars on a terminal;
+elsewhere (pipes, CI, tests) one line when a stage ends and at most one every
+``PLAIN_INTERVAL_S`` while it runs, so a log shows how far a long stage got.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from rayline import progress, ray_cluster
+
+PLAIN_INTERVAL_S = 30.0
+# Loggers that do not propagate to the root logger and bring their own terminal handler.
+_OWN_HANDLER_LOGGERS = ("ray", "ray.data", "ray.serve")
+LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s - %(message)s"
+
+
+@dataclass
+class _PlainStage:
+    label: str
+    total: int | None
+    unit: str
+    started: float
+    shown: float
+    done: int = 0
+
+
+def _count_text(done: int, total: int | None, unit: str) -> str:
+    return f"{done}/{total} {unit}" if total is not None else f"{done} {unit}"
+
+
+class PlainReporter:
+    """Progress as a few plain lines: for pipes and CI logs, where a bar would be a line per update."""
+
+    def __init__(
+        self,
+        echo: Callable[[str], None] = typer.echo,
+        clock: Callable[[], float] = time.monotonic,
+        interval_s: float = PLAIN_INTERVAL_S,
+    ) -> None:
+        self._echo, self._clock, self._interval = echo, clock, interval_s
+        self._stages: dict[str, _PlainStage] = {}
+        self._lock = threading.Lock()
+
+    def start(self, key: str, label: str, total: int | None, unit: str) -> None:
+        now = self._clock()
+        with self._lock:
+            self._stages[key] = _PlainStage(label, total, unit, now, now)
+
+    def update(self, key: str, done: int) -> None:
+        with self._lock:
+            stage = self._stages.get(key)
+            if stage is None:
+                return
+            stage.done = done
+            now = self._clock()
+            if now - stage.shown < self._interval:
+                return
+            stage.shown = now
+        self._echo(
+            f"  … {stage.label:<17}  {_count_text(done, stage.total, stage.unit)} after {now - stage.started:.0f} s"
+        )
+
+    def finish(self, key: str, ok: bool) -> None:
+        with self._lock:
+            stage = self._stages.pop(key, None)
+        if stage is None:
+            return
+        state = "done" if ok else "FAILED"
+        elapsed = self._clock() - stage.started
+        self._echo(
+            f"  {state} {stage.label:<17}  {_count_text(stage.done, stage.total, stage.unit)} in {elapsed:.1f} s"
+        )
+
+
+class RichReporter:
+    """Live bars on a terminal (rich, which typer brings): one row per stage, kept when it ends."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            SpinnerColumn(finished_text="✓"),
+            TextColumn("{task.description:<18}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[unit]}"),
+            TimeElapsedColumn(),
+        )
+        self._tasks: dict[str, Any] = {}
+        self._progress.start()
+
+    def start(self, key: str, label: str, total: int | None, unit: str) -> None:
+        self._tasks[key] = self._progress.add_task(label, total=total, unit=unit)
+
+    def update(self, key: str, done: int) -> None:
+        if key in self._tasks:
+            self._progress.update(self._tasks[key], completed=done)
+
+    def finish(self, key: str, ok: bool) -> None:
+        task = self._tasks.pop(key, None)
+        if task is None:
+            return
+        if ok:
+            done = self._progress.tasks[task].completed
+            self._progress.update(task, total=self._progress.tasks[task].total or done or 1, completed=done or 1)
+        else:
+            self._progress.update(task, description=f"[red]FAILED[/red] {self._progress.tasks[task].description}")
+        self._progress.stop_task(task)
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
+def log_path(state_dir: Path, command: str, now: datetime | None = None) -> Path:
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return state_dir / "logs" / f"{command}-{stamp}.log"
+
+
+def _is_terminal_handler(handler: logging.Handler) -> bool:
+    stream = getattr(handler, "stream", None)
+    return not isinstance(handler, logging.FileHandler) and stream in (sys.stderr, sys.stdout, sys.__stderr__)
+
+
+class _LockedWriter:
+    """The log file as a stream for Ray's worker-log thread, taking turns with the logging handler."""
+
+    def __init__(self, handler: logging.FileHandler) -> None:
+        self._handler = handler
+
+    def write(self, text: str) -> int:
+        self._handler.acquire()
+        try:
+            stream = self._handler.stream
+            return stream.write(text) if stream is not None else 0
+        finally:
+            self._handler.release()
+
+    def flush(self) -> None:
+        self._handler.flush()
+
+
+@dataclass
+class Terminal:
+    """What one CLI command changed about the process's output, to undo when it ends."""
+
+    log_file: Path | None
+    reporter: PlainReporter | RichReporter
+    _undo: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        progress.install(None)
+        if isinstance(self.reporter, RichReporter):
+            self.reporter.close()
+        for undo in reversed(self._undo):
+            undo()
+        # The file stays open for Ray's worker-log thread, which still delivers lines while Ray shuts down;
+        # logging closes it at exit.
+        if self.log_file is not None:
+            typer.echo(
+                f"Ray worker logs, Ray Data stats and Prefect task lines: {self.log_file} (--verbose prints them)"
+            )
+
+
+def _quiet_logging(terminal: Terminal, handler: logging.Handler) -> None:
+    """Terminal handlers keep ERROR records only; the log file gets everything they would have printed."""
+    import prefect  # noqa: F401 - configures logging now, so what is set below is not replaced later
+    import ray.data  # noqa: F401 - Ray Data and Serve install their terminal handlers on import
+    import ray.serve  # noqa: F401
+
+    for logger in [logging.getLogger(), *map(logging.getLogger, _OWN_HANDLER_LOGGERS)]:
+        for h in logger.handlers:
+            if _is_terminal_handler(h):
+                level = h.level
+                h.setLevel(max(level, logging.ERROR))
+                terminal._undo.append(lambda h=h, level=level: h.setLevel(level))  # type: ignore[misc]
+        logger.addHandler(handler)
+        terminal._undo.append(lambda logger=logger: logger.removeHandler(handler))  # type: ignore[misc]
+    logging.captureWarnings(True)  # deprecation warnings of Ray and others: into the file, via the root logger
+    terminal._undo.append(lambda: logging.captureWarnings(False))
+    # Tune's console reporter: its legacy one honours the RunConfig(verbose=0) the workloads set
+    if "RAY_AIR_NEW_OUTPUT" not in os.environ:
+        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+        terminal._undo.append(_forget_air_output)
+
+
+def _forget_air_output() -> None:
+    os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+
+
+def open_terminal(command: str, state_dir: Path | None, verbose: bool, tty: bool | None = None) -> Terminal:
+    """Set this process's output up for one CLI command; ``close()`` the result when the command ends.
+
+    ``state_dir`` None (settings unreadable: the command is about to fail and say why) keeps the output verbose.
+    """
+    tty = sys.stdout.isatty() if tty is None else tty
+    reporter: PlainReporter | RichReporter = RichReporter() if tty else PlainReporter()
+    quiet = not verbose and state_dir is not None
+    terminal = Terminal(log_path(state_dir, command) if quiet and state_dir else None, reporter)
+    progress.install(reporter)
+    if terminal.log_file is not None:
+        terminal.log_file.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(terminal.log_file, encoding="utf-8")
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        _quiet_logging(terminal, handler)
+        ray_cluster.send_worker_logs_to(_LockedWriter(handler))
+    return terminal
