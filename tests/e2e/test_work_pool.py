@@ -1,7 +1,7 @@
 """`rayline up`'s work pool: deployments run by a Prefect worker, and killed flow runs end `Crashed`.
 
-Runs after test_platform.py on the same platform (tests/e2e/conftest.py), so the
-demo's champion `digits` is registered.
+Runs after test_platform.py on the same platform (tests/e2e/conftest.py); the `digits`
+champion is the demo's, or an untrained one registered here when this module runs alone.
 """
 
 from __future__ import annotations
@@ -25,9 +25,25 @@ from rayline.layout import INCOMING_DIR, partition_for
 from rayline.seed import digit_objects
 from tests.e2e.platform_support import AUTH, BIN
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("champion")]
 
 CRASH_DEADLINE_S = 180  # the issue's promise: a killed run is Crashed within 3 minutes
+
+
+@pytest.fixture(scope="module")
+def champion(platform: dict[str, str]) -> Iterator[None]:
+    """A `digits` champion in the platform's registry (the registry is files under its storage root)."""
+    from rayline import registry
+    from rayline.errors import RaylineError
+    from tests.integration.helpers import register_untrained_champion
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAYLINE_STORAGE", platform["RAYLINE_STORAGE"])
+        try:
+            registry.resolve("digits", registry.CHAMPION)
+        except RaylineError:  # no champion yet: this module runs without test_platform.py
+            register_untrained_champion("digits")
+        yield
 
 
 @contextmanager
@@ -71,7 +87,8 @@ def _predictor_actors(platform: dict[str, str]) -> list[dict[str, Any]]:
         env=platform, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    return [a for a in json.loads(done.stdout or "[]") if "PredictorUDF" in str(a.get("class_name"))]
+    # Ray Data's actor class is _MapWorker; its repr names the UDF: MapWorker(MapBatches(PredictorUDF))
+    return [a for a in json.loads(done.stdout or "[]") if a.get("class_name") == "_MapWorker"]
 
 
 def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:
