@@ -58,6 +58,7 @@ Layout (``<root>`` is the storage root)::
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections import Counter
@@ -79,8 +80,8 @@ from ray_workloads.inference_predictor import (
 )
 from ray_workloads.ingest import content_hash
 from rayline import errors, progress, storage
-from rayline.delta_tables import Night
-from rayline.errors import ClusterError, InputDataError, RaylineError, StorageError
+from rayline.delta_tables import Night, NightCommit, find_commit, open_table, table_version
+from rayline.errors import InputDataError, RaylineError, RetriesExhausted, StorageError
 from rayline.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
 from rayline.predictions_table import (
     ERRORS_SCHEMA,
@@ -247,7 +248,12 @@ def _predict_and_write(
 
 
 def _surfacing_errors(execute: Callable[[], Dataset]) -> Dataset:
-    """Run ``execute``; rayline's errors raised in an actor come out as themselves, lost actors as ClusterError."""
+    """Run ``execute``; rayline's errors raised in an actor come out as themselves, lost actors as RetriesExhausted.
+
+    Ray Data restarted the lost actor and retried its block ``_ACTOR_RESTARTS``
+    times already: an input that kills its actor each time would kill it in a
+    Prefect retry too.
+    """
     try:
         return execute()
     except Exception as exc:
@@ -257,9 +263,11 @@ def _surfacing_errors(execute: Callable[[], Dataset]) -> Dataset:
         if ours:
             raise ours[0] from exc
         if any(isinstance(e, ray.exceptions.RayActorError) for e in causes):
-            raise ClusterError(
-                f"a predictor actor died more than {_ACTOR_RESTARTS} times (out of memory, a lost node, or an "
-                f"input that crashes the decoder or the model): {exc}"
+            raise RetriesExhausted(
+                "a block of batch inference (its predictor actor died: out of memory, lost nodes, or an input "
+                "that crashes the decoder or the model)",
+                _ACTOR_RESTARTS + 1,
+                exc,
             ) from exc
         raise
 
@@ -307,22 +315,80 @@ def new_run_id() -> str:
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
 
 
+def _committed(table: str, night: Night, run_id: str) -> bool:
+    """Whether ``run_id`` committed the night to ``table`` (its app transaction: no history scan)."""
+    if table_version(table) is None:
+        return False
+    return open_table(table).transaction_version(night.run_app_id(run_id)) is not None
+
+
+def _attempt_run_id(predictions: str, errors_table: str, night: Night, run_id: str) -> tuple[str, NightCommit | None]:
+    """The id this attempt commits under, and the predictions commit when the run's commit already landed.
+
+    An attempt that committed its errors but not its predictions left the
+    first attempt's error rows in the errors table: pairing them with a new
+    attempt's predictions could name an input in both tables, so the next
+    attempt predicts and commits both tables under a derived id
+    (``<run_id>.2``, …), which replaces that errors commit.
+    """
+    for attempt in range(1, 10):
+        candidate = run_id if attempt == 1 else f"{run_id}.{attempt}"
+        if _committed(predictions, night, candidate):
+            return candidate, find_commit(predictions, open_table(predictions), night, candidate)
+        if not _committed(errors_table, night, candidate):
+            return candidate, None
+    raise StorageError(f"run {run_id} committed {night.relative_dir}'s errors 9 times without its predictions")
+
+
+def _committed_result(
+    cfg: InferenceConfig, tables: tuple[str, str], night: Night, landed: NightCommit, elapsed_s: float
+) -> InferenceResult:
+    """What a run whose commits landed committed, read back from the two tables' commit infos."""
+    predictions_table, errors_table = tables
+    errors_commit = find_commit(errors_table, open_table(errors_table), night, landed.run_id)
+    if errors_commit is None:  # the errors commit comes first: a predictions commit without it is not rayline's
+        raise StorageError(f"{errors_table} has no commit of run {landed.run_id}, {predictions_table} has one")
+    info, error_info = landed.info, errors_commit.info
+    files = {
+        kind: sorted(open_table(uri, commit.version).file_uris(night.filters))
+        for kind, uri, commit in (("predictions", predictions_table, landed), ("errors", errors_table, errors_commit))
+    }
+    return InferenceResult(
+        predictions_table=predictions_table,
+        errors_table=errors_table,
+        model_name=night.model_name,
+        dt=night.dt,
+        run_id=landed.run_id,
+        predictions_version=landed.version,
+        errors_version=errors_commit.version,
+        replaced=landed.night_seq > 1,
+        already_committed=True,
+        inputs=int(info["rayline.inputs"]),
+        predictions=int(info["rayline.rows"]),
+        errors=int(error_info["rayline.rows"]),
+        error_types=json.loads(str(error_info.get("rayline.error_types", "{}"))),
+        input_content_hash=str(info["rayline.input_content_hash"]),
+        model=f"{cfg.model.name} v{cfg.model.version}",
+        files=files,
+        elapsed_s=elapsed_s,
+    )
+
+
 def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
     """Predict every object under ``cfg.input_uri`` and commit the night to both tables.
 
     ``run_id`` (default: a new one) names the files and the commits: a retry
-    of a run whose commit landed returns that commit instead of a second one.
+    of a run whose commit landed returns that commit, predicting nothing.
     """
     started = time.perf_counter()
     phases = _Phases()
     source = storage.normalize(cfg.input_uri)
     night = Night(cfg.model.name, cfg.dt)
-    output = NightOutput(
-        predictions_table=table_uri(cfg.tables_root, PREDICTIONS_TABLE),
-        errors_table=table_uri(cfg.tables_root, ERRORS_TABLE),
-        night=night,
-        run_id=run_id or new_run_id(),
-    )
+    tables = (table_uri(cfg.tables_root, PREDICTIONS_TABLE), table_uri(cfg.tables_root, ERRORS_TABLE))
+    attempt_id, landed = _attempt_run_id(*tables, night, run_id or new_run_id())
+    if landed is not None:  # a retry of a run whose commit landed: that commit is the result
+        return _committed_result(cfg, tables, night, landed, time.perf_counter() - started)
+    output = NightOutput(predictions_table=tables[0], errors_table=tables[1], night=night, run_id=attempt_id)
     # what the night looked like when this run started: a commit of it after this is another run's
     seen = {table: night_seq(table, night) for table in (output.errors_table, output.predictions_table)}
     listing = storage.list_inputs(source)
@@ -356,6 +422,7 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
         "rayline.weights_uri": cfg.model.weights_uri,
         "rayline.code_version": cfg.code_version,
         "rayline.flow_run_id": cfg.flow_run_id or "",
+        "rayline.error_types": json.dumps(dict(sorted(error_types.items()))),
     }
 
     def commit(table: str, kind: str, schema: pa.Schema) -> CommitResult:

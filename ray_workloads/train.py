@@ -38,7 +38,7 @@ from ray_workloads.training_loop import (
     set_epoch_lr,
 )
 from rayline import progress, storage
-from rayline.errors import ClusterError, InputDataError
+from rayline.errors import InputDataError, RetriesExhausted
 
 WEIGHTS_FILE = "weights.pt"
 STATE_FILE = "train_state.pt"
@@ -162,6 +162,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             ray.train.report(metrics, checkpoint=checkpoint)
 
 
+def _first_failure(exc: ray.train.TrainingFailedError) -> BaseException:
+    """The lowest rank's error of a failed worker group, the controller's error, or ``exc`` itself."""
+    workers: dict[int, BaseException] = getattr(exc, "worker_failures", None) or {}
+    if workers:
+        return workers[min(workers)]
+    controller = getattr(exc, "controller_failure", None)
+    return controller if isinstance(controller, BaseException) else exc
+
+
 def _checkpoint_uri(path: str, like: str) -> str:
     return f"s3://{path.lstrip('/')}" if storage.is_s3(like) else path
 
@@ -223,9 +232,11 @@ def run(cfg: TrainConfig) -> TrainResult:
             datasets={"train": dataset_for_split(prepared, "train"), "val": dataset_for_split(prepared, "val")},
             dataset_config=DataConfig(datasets_to_split=["train"] if loop.val_on_every_worker else "all"),
         )
-        result = trainer.fit()
-    if result.error is not None:
-        raise ClusterError(f"training run {cfg.run_name} failed: {result.error}") from result.error
+        try:
+            result = trainer.fit()
+        except ray.train.TrainingFailedError as exc:
+            # Ray Train already restarted the workers max_failures times: Prefect must not run it all again
+            raise RetriesExhausted(f"training run {cfg.run_name}", cfg.max_failures + 1, _first_failure(exc)) from exc
     best = result.get_best_checkpoint(metric=SCORE, mode="max")
     if best is None or result.checkpoint is None:
         raise InputDataError(f"training run {cfg.run_name} produced no checkpoint")

@@ -58,6 +58,8 @@ class TrainLoopConfig(BaseModel):
     # Fault drill: raise once at the start of this epoch (marker in storage makes it once).
     fail_once_at_epoch: int | None = None
     fail_marker_uri: str | None = None
+    # Fault drill: raise at the start of this epoch in every attempt (a failure no restart fixes).
+    fail_always_at_epoch: int | None = None
 
 
 class InjectedFailure(RuntimeError):
@@ -204,7 +206,9 @@ def epoch_batches(stream: Callable[..., Iterable[Batch]], cfg: TrainLoopConfig, 
 
 
 def inject_failure_if_due(cfg: TrainLoopConfig, epoch: int) -> None:
-    """The fault drill: fail once, at the configured epoch, across all restarts."""
+    """The fault drills: fail at the configured epoch once across all restarts, or in every attempt."""
+    if cfg.fail_always_at_epoch == epoch:
+        raise InjectedFailure(f"injected failure at epoch {epoch} (every attempt)")
     if cfg.fail_once_at_epoch != epoch or not cfg.fail_marker_uri:
         return
     if storage.exists(cfg.fail_marker_uri):

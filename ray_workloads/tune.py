@@ -24,9 +24,16 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 from ray_workloads import preprocess
 from ray_workloads.models import ModelSpec, build_model
 from ray_workloads.train import SCORE, dataset_for_split, restore_state, save_state
-from ray_workloads.training_loop import TrainLoopConfig, epoch_batches, make_optimizer, run_epoch, set_epoch_lr
+from ray_workloads.training_loop import (
+    TrainLoopConfig,
+    epoch_batches,
+    inject_failure_if_due,
+    make_optimizer,
+    run_epoch,
+    set_epoch_lr,
+)
 from rayline import progress, storage
-from rayline.errors import ClusterError
+from rayline.errors import RetriesExhausted
 
 
 class SearchSpace(BaseModel):
@@ -100,6 +107,7 @@ def trial_fn(
     train_batches = epoch_batches(train_ds.iter_torch_batches, cfg, shuffle=True)
     val_batches = epoch_batches(val_ds.iter_torch_batches, cfg, shuffle=False)
     for epoch in range(int(state["epoch"]) + 1, cfg.epochs):
+        inject_failure_if_due(cfg, epoch)
         set_epoch_lr(optimizer, cfg, epoch)
         train = run_epoch(model, train_batches(epoch), device, optimizer)
         val = run_epoch(model, val_batches(epoch), device)
@@ -204,7 +212,9 @@ def run(cfg: TuneJobConfig, base: TrainLoopConfig | None = None) -> TuneResult:
     ]
     ok = [t for t in trials if t.status != "ERROR" and t.epochs > 0]
     if not ok:
-        raise ClusterError(f"every Tune trial of {cfg.experiment_name} failed: {grid.errors[:1]}")
+        # Tune ran every trial to its own failure limit: a search run again fails the same way
+        first = grid.errors[0] if grid.errors else "no trial reported a result"
+        raise RetriesExhausted(f"every trial of Tune search {cfg.experiment_name}", len(trials), first)
     best = max(ok, key=lambda t: (t.val_accuracy, t.epochs))
     return TuneResult(
         experiment_uri=experiment_uri,

@@ -17,6 +17,12 @@ to the library error that caused it::
     │                          replace that run's commit)
     ├── NightsFailed           some nights of a range failed, the others
     │                          committed (``rayline.nights``: it carries them)
+    ├── RetriesExhausted       Ray's own retries of a stage were used up: a Train
+    │                          run past ``max_failures``, every Tune trial
+    │                          failed, an input that kills its actor each time
+    │                          (not retried: Ray already ran it again)
+    ├── WorkTimedOut           a task's Ray work outran the task's time limit and
+    │                          was stopped (not retried: it would outrun it again)
     ├── LeaseError             a lease in storage (``rayline.leases``)
     │   ├── LeaseBusy          another run still holds it after the wait (the
     │   │                      message names that run)
@@ -65,6 +71,25 @@ class NightCommittedElsewhere(RaylineError):
     def __init__(self, message: str, *, winner_run_id: str | None = None) -> None:
         super().__init__(message)
         self.winner_run_id = winner_run_id
+
+
+class RetriesExhausted(RaylineError):
+    """Ray retried a stage's work itself and it failed every time; ``attempts`` is how often Ray ran it.
+
+    Not retried by Prefect even when the last cause looks transient (a lost
+    actor): a failure that survived Ray's restarts is a poison input, a bug or
+    a cluster that cannot hold the work, and a fourth run would only repeat it.
+    """
+
+    def __init__(self, stage: str, attempts: int, first_error: BaseException | str) -> None:
+        error = first_error if isinstance(first_error, str) else f"{type(first_error).__name__}: {first_error}"
+        super().__init__(f"{stage} failed in all {attempts} attempt(s) Ray made; the first error: {error}")
+        self.stage = stage
+        self.attempts = attempts
+
+
+class WorkTimedOut(RaylineError):
+    """The Ray work of a task outran the task's time limit; rayline stopped it (``rayline.ray_work``)."""
 
 
 class LeaseError(RaylineError):
@@ -168,11 +193,14 @@ def _s3_error_code(exc: BaseException) -> str | None:
 def is_transient(exc: BaseException) -> bool:
     """True when ``exc`` (or anything in its cause chain) is worth retrying.
 
-    Deliberate rayline errors decide by their class; a config or input error
-    anywhere in the chain wins over a transient-looking cause.
+    Deliberate rayline errors decide by their class; a config or input error,
+    or Ray's exhausted retries, anywhere in the chain wins over a
+    transient-looking cause.
     """
     for err in causes(exc):
-        if isinstance(err, ConfigError | InputDataError) or type(err).__name__ in _DETERMINISTIC_NAMES:
+        if isinstance(err, ConfigError | InputDataError | RetriesExhausted | WorkTimedOut):
+            return False
+        if type(err).__name__ in _DETERMINISTIC_NAMES:
             return False
         if isinstance(err, (TransientError, *_TRANSIENT_BUILTINS)):
             return True

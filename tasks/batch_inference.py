@@ -10,7 +10,7 @@ from ray_workloads import batch_inference
 from rayline import ray_cluster, storage
 from rayline.errors import NightCommittedElsewhere
 from rayline.lineage import DatasetRef
-from tasks.common import ray_task, record_lineage
+from tasks.common import idempotency_key, ray_task, record_lineage
 
 
 @ray_task("batch-inference")
@@ -22,7 +22,8 @@ def batch_inference_task(
     connection = ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD)
     logger = get_run_logger()
     try:
-        result = batch_inference.run(config)
+        # one run id for every attempt of this task run: a retry after the commit returns it, predicting nothing
+        result = batch_inference.run(config, run_id=f"task-{idempotency_key(config.model.name, config.dt)[:24]}")
     except NightCommittedElsewhere as exc:
         # a retry would replace the other run's commit with the same predictions: stop here, Completed
         logger.warning("%s; this run's files stay uncommitted until a vacuum", exc)

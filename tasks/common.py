@@ -15,9 +15,10 @@ from typing import Any, ParamSpec, TypeVar
 from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
+from prefect.context import TaskRunContext
 from prefect.runtime import flow_run, task_run
 
-from rayline import leases, lineage, openlineage_events
+from rayline import leases, lineage, openlineage_events, ray_work
 from rayline.errors import is_transient
 from rayline.lineage import DatasetRef, LineageRecord, RunContext
 from rayline.ray_cluster import RayConnection
@@ -40,12 +41,17 @@ def ray_task(name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Callable[[Calla
     No Prefect result caching: workloads skip committed outputs themselves
     (content-addressed folders, resumable runs), which also survives a lost
     Prefect database. Each run is an OpenLineage run (START, then COMPLETE or FAIL).
+    An attempt that times out or is cancelled stops the Ray work it started
+    before Prefect moves on (``rayline.ray_work``): Prefect's timeout only
+    raises in the task's thread.
     """
 
     def decorate(fn: Callable[P, R]) -> Task[P, R]:
         @functools.wraps(fn)
         def run_with_openlineage(*args: P.args, **kwargs: P.kwargs) -> R:
-            with openlineage_run(name):
+            context = TaskRunContext.get()  # the limit in force: with_options(timeout_seconds=…) may change it
+            limit = context.task.timeout_seconds if context else timeout_s
+            with openlineage_run(name), ray_work.cancel_on_abort(f"task {name}", limit):
                 return fn(*args, **kwargs)
 
         # Prefect keys the task by this function's code, not the wrapper's.

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, Self
+
+from prefect import Task, flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import State
 
 from ray_workloads.inference_predictor import PredictorUDF, WrittenFile
 from ray_workloads.models import ModelSpec, build_model, imagenet_image_spec, state_dict_bytes
@@ -149,3 +154,28 @@ class ClientThreads:
         self.stop.set()
         for thread in self.threads:
             thread.join(timeout=self.join_timeout_s)
+
+
+def run_task_once(task: Task[..., Any], *args: Any, **options: Any) -> tuple[State[Any], int]:
+    """Run ``task`` in a flow with its retry policy (no delay between attempts); its final state and attempts.
+
+    ``options`` go to ``task.with_options`` (e.g. ``timeout_seconds``).
+    """
+    fast = task.with_options(retry_delay_seconds=0, retry_jitter_factor=None, **options)
+
+    states: list[State[Any]] = []
+
+    @flow(name="attempts-probe")
+    def probe() -> None:  # a flow returning a task's failed state would fail with it
+        states.append(fast(*args, return_state=True))
+
+    probe()
+    state = states[0]
+    task_run_id = state.state_details.task_run_id
+    assert task_run_id is not None
+
+    async def run_count() -> int:
+        async with get_client() as client:
+            return (await client.read_task_run(task_run_id)).run_count
+
+    return state, asyncio.run(run_count())

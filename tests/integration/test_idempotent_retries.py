@@ -17,6 +17,7 @@ from typing import Any
 from uuid import UUID
 
 import httpx
+import numpy as np
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
@@ -25,17 +26,22 @@ import ray_workloads.ingest
 import tasks.ingest
 import tasks.register
 from flows.prepare_data import prepare_data
+from ray_workloads import batch_inference
 from ray_workloads.evaluate import EvaluationResult
 from ray_workloads.ingest import IngestConfig, IngestResult
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from ray_workloads.preprocess import PreprocessResult
 from ray_workloads.train import TrainResult
 from rayline import lineage, registry, storage
+from rayline.delta_tables import Night
 from rayline.errors import TransientError
-from rayline.seed import digit_objects
+from rayline.predictions_table import night_seq
+from rayline.seed import digit_objects, synthetic_objects
 from tasks import events
+from tasks.batch_inference import batch_inference_task
 from tasks.ingest import ingest_objects
 from tasks.register import RegistrationResult, register_and_gate
+from tests.integration.helpers import register_untrained_champion, run_task_once
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 
@@ -238,3 +244,25 @@ def test_a_retried_ingest_that_finds_an_older_runs_dataset_announces_nothing(
     assert task_run_id is not None and asyncio.run(_run_count(task_run_id)) == 2
     assert again.cached and again.committed_by == first.committed_by and first.committed_by is not None
     assert announced == [], "an older run's dataset was announced again"
+
+
+def test_nightly_inference_retried_after_its_commit_returns_it_without_predicting_again(
+    prepared: PreprocessResult, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = storage.storage_root()
+    model = register_untrained_champion("retry-night")
+    incoming = storage.join(root, "incoming-retry")
+    for key, data in synthetic_objects(8, 32, np.random.default_rng(0)):
+        storage.write_bytes_atomic(storage.join(incoming, key), data)
+    config = batch_inference.InferenceConfig(input_uri=incoming, tables_root=root, dt="2026-11-28", model=model)
+    calls = _fail_once_after(batch_inference, "run", monkeypatch)  # both Delta commits landed, then a fault
+    predicted = _calls_of(batch_inference, "_predict_and_write", monkeypatch)
+
+    state, attempts = run_task_once(batch_inference_task, config)
+    result = state.result()
+
+    assert attempts == 2 and len(calls) == 2 and predicted == ["_predict_and_write"], (attempts, calls, predicted)
+    assert isinstance(result, batch_inference.InferenceResult) and result.already_committed
+    assert (result.inputs, result.predictions + result.errors) == (8, 8)
+    assert night_seq(result.predictions_table, Night("retry-night", "2026-11-28")) == 1, "one commit of the night"
+    assert night_seq(result.errors_table, Night("retry-night", "2026-11-28")) == 1

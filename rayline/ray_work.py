@@ -1,0 +1,172 @@
+"""Stop the Ray work a task attempt started when the attempt is interrupted (a timeout, a cancel).
+
+Prefect's task timeout only raises in the task's thread (an alarm signal in
+the main thread, an injected exception in a worker thread); the Ray work the
+task started goes on: a Ray Train controller and its workers, Tune's trial
+actors, Ray Data's actor pools, remote tasks. A retry, or the next run, would
+then share the cluster with it. :func:`cancel_on_abort` remembers which actors
+of this process's Ray job were alive when the attempt began; when the body is
+interrupted (an exception that is no ``Exception``, or a ``TimeoutError``), it
+kills the job's actors that appeared since (detached ones excepted: Serve and
+Ray Data keep shared helpers that way), force-cancels the refs the workloads
+handed to :func:`track`, and waits until all of them are gone.
+
+Actors are attributed by job and time, not by thread: while two scopes run
+at once in one process (a backfill's concurrent nights), an interrupted one
+cancels only its tracked refs and says so, rather than kill its siblings' work.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from rayline.errors import WorkTimedOut
+
+log = logging.getLogger(__name__)
+
+# How long an interrupted scope waits for what it stopped to be gone.
+GONE_WITHIN_S = 30.0
+_LIVE_ACTOR_STATES = ("DEPENDENCIES_UNREADY", "PENDING_CREATION", "ALIVE", "RESTARTING")
+
+
+@dataclass
+class _Scope:
+    what: str
+    actors_before: frozenset[str] | None  # None: Ray was not connected yet, so every actor of the job is new
+    refs: list[Any] = field(default_factory=list)
+    stopped: bool = False  # by an interrupt or by the watchdog: once
+    timed_out: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_current: ContextVar[_Scope | None] = ContextVar("rayline_ray_work_scope", default=None)
+_active = 0
+_lock = threading.Lock()
+
+
+def track(refs: Iterable[Any]) -> None:
+    """Hand Ray object refs of remote tasks to the current scope: an interrupt cancels them (no-op outside one)."""
+    scope = _current.get()
+    if scope is not None:
+        scope.refs.extend(refs)
+
+
+def _job_actors() -> dict[str, bool]:
+    """This job's live actors: id → detached.
+
+    From the GCS's actor table: the state API needs the dashboard, which the
+    embedded cluster does not start.
+    """
+    from ray._private.state import state
+
+    table = state.actor_table(None, job_id=ray.get_runtime_context().job_id)
+    return {a["ActorID"]: bool(a["IsDetached"]) for a in table.values() if a["State"] in _LIVE_ACTOR_STATES}
+
+
+@contextmanager
+def cancel_on_abort(what: str, timeout_s: float | None = None) -> Iterator[None]:
+    """Run the body; if it is interrupted or outruns ``timeout_s``, stop the Ray work it started.
+
+    The watchdog is needed beside Prefect's own timeout: a thread blocked in
+    ``ray.get`` (Ray Train's ``fit`` waits so on its controller) sees neither
+    the alarm signal nor an injected exception until the call returns. Stopping
+    the work makes the call return; the body's error then comes out as
+    :class:`~rayline.errors.WorkTimedOut`, which is not retried.
+    """
+    scope = _Scope(what, frozenset(_job_actors()) if ray.is_initialized() else None)
+    token = _current.set(scope)
+    watchdog = threading.Timer(timeout_s, _time_out, (scope, timeout_s)) if timeout_s else None
+    _enter()
+    if watchdog is not None:
+        watchdog.daemon = True
+        watchdog.start()
+    try:
+        yield
+    except BaseException as exc:
+        if isinstance(exc, TimeoutError) or not isinstance(exc, Exception):
+            _stop(scope, exc)
+        elif scope.timed_out:
+            raise WorkTimedOut(f"{what} outran its {timeout_s:g} s limit; its Ray work was stopped") from exc
+        raise
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        _leave()
+        _current.reset(token)
+
+
+def _enter() -> None:
+    global _active
+    with _lock:
+        _active += 1
+
+
+def _leave() -> None:
+    global _active
+    with _lock:
+        _active -= 1
+
+
+def _time_out(scope: _Scope, timeout_s: float) -> None:
+    scope.timed_out = True
+    _stop(scope, TimeoutError(f"{scope.what} outran {timeout_s:g} s"))
+
+
+def _stop(scope: _Scope, exc: BaseException) -> None:
+    """Kill the scope's new actors (when it is the only scope running), cancel its refs, wait until gone."""
+    with scope.lock:
+        if scope.stopped or not ray.is_initialized():
+            return
+        scope.stopped = True
+    with _lock:
+        alone = _active == 1
+    started = time.monotonic()
+    actors: list[str] = []
+    if alone:
+        actors = [a for a, detached in _job_actors().items() if not detached and a not in (scope.actors_before or ())]
+    else:
+        log.warning("%s interrupted beside other tasks running Ray work: it cancels its tracked tasks only", scope.what)
+    # ray.kill needs a handle, and these actors are anonymous: kill by id, as ray.kill does inside
+    core = ray._private.worker.global_worker.core_worker  # type: ignore[attr-defined]
+    for actor_id in actors:
+        try:
+            core.kill_actor(ray.ActorID.from_hex(actor_id), True)
+        except Exception as err:  # already gone, or not ours to kill: the wait below says which
+            log.debug("killing actor %s: %s", actor_id, err)
+    for ref in scope.refs:
+        try:
+            ray.cancel(ref, force=True, recursive=True)
+        except Exception as err:  # finished already, or not a task's ref
+            log.debug("cancelling %s: %s", ref, err)
+    left = _wait_gone(set(actors), scope.refs, started + GONE_WITHIN_S)
+    log.warning(
+        "%s interrupted (%s): stopped %d actor(s) and %d task(s) it started in %.1f s%s",
+        scope.what,
+        type(exc).__name__,
+        len(actors),
+        len(scope.refs),
+        time.monotonic() - started,
+        f"; still alive: {sorted(left)}" if left else "",
+    )
+
+
+def _wait_gone(actors: set[str], refs: list[Any], deadline: float) -> set[str]:
+    """Poll until the actors are dead and the refs' tasks ended; what is still alive at the deadline."""
+    left = set(actors)
+    pending = list(refs)
+    while time.monotonic() < deadline:
+        left &= set(_job_actors()) if left else set()
+        pending = ray.wait(pending, num_returns=len(pending), timeout=0)[1] if pending else []
+        if not left and not pending:
+            return set()
+        time.sleep(0.25)
+    return left | {str(r) for r in pending}
