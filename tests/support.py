@@ -8,6 +8,8 @@ front of it, free ports, stopping a process group) are the benchmarks'
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
 from bench.s3_proxy import S3Proxy
@@ -31,11 +33,13 @@ __all__ = [
     "create_bucket",
     "delete_bucket",
     "free_port",
+    "pids_mentioning",
     "process_cpu_seconds",
     "proxy_in_front",
     "s3_server",
     "stop_process",
     "wait_for_http",
+    "wait_for_port",
 ]
 
 
@@ -45,3 +49,25 @@ def delete_bucket(endpoint: str, name: str) -> None:
     bucket = boto3.resource("s3", endpoint_url=endpoint, region_name="us-east-1").Bucket(name)
     bucket.objects.all().delete()
     bucket.delete()
+
+
+def wait_for_port(port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def pids_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,21 +21,11 @@ from rayline.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
 from rayline.prediction_reads import read_night_pair, vacuum
 from rayline.seed import seed, seed_incoming
 from tests.integration.helpers import assert_exactly_one_row_per_object, register_untrained_champion
-from tests.support import free_port, stop_process
+from tests.support import free_port, pids_mentioning, stop_process, wait_for_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("ray_session")]
 
 BIN = Path(sys.executable).parent
-
-
-def _wait_for_port(port: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
 def _driver_env(cluster: str, root: str, endpoint: str, prefect_api: str) -> dict[str, str]:
@@ -49,18 +38,6 @@ def _driver_env(cluster: str, root: str, endpoint: str, prefect_api: str) -> dic
         "AWS_ENDPOINT_URL": endpoint,
         "PREFECT_API_URL": prefect_api,
     }
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +59,14 @@ def external_cluster(s3_endpoint: str) -> Iterator[str]:
     ]  # fmt: skip
     head = subprocess.Popen(args, env=env, cwd=temp_dir, start_new_session=True)
     try:
-        _wait_for_port(port)
+        wait_for_port(port)
         yield f"127.0.0.1:{port}"
     finally:
         stop_process(head, timeout_s=60)
         deadline = time.monotonic() + 30
-        while _pids_mentioning(temp_dir) and time.monotonic() < deadline:
+        while pids_mentioning(temp_dir) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _pids_mentioning(temp_dir) == [], "processes of the external cluster survived its stop"
+        assert pids_mentioning(temp_dir) == [], "processes of the external cluster survived its stop"
 
 
 def test_prepare_data_runs_on_an_external_cluster(

@@ -31,9 +31,8 @@ from ray_workloads import batch_inference, ingest
 from rayline import ray_cluster, storage
 from rayline.prediction_reads import read_night_pair
 from rayline.seed import seed, seed_incoming
-from tests.e2e.test_external_cluster import _pids_mentioning, _wait_for_port
 from tests.integration.helpers import register_untrained
-from tests.support import free_port, stop_process
+from tests.support import free_port, pids_mentioning, stop_process, wait_for_port
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +93,7 @@ class TwoNodes:
 
     def raylet_pid(self) -> int:
         marker = f"--node_manager_port={self.node_manager_port}"
-        (pid,) = [p for p in _pids_mentioning(marker) if "raylet" in _cmdline(p).split(" ")[0]]
+        (pid,) = [p for p in pids_mentioning(marker) if "raylet" in _cmdline(p).split(" ")[0]]
         return pid
 
     def wait_until_running(self, title: str, timeout_s: float = 120.0) -> None:
@@ -138,7 +137,7 @@ def two_nodes(s3_endpoint: str) -> Iterator[TwoNodes]:
     head = subprocess.Popen(args, env=env, cwd=temp_dir, start_new_session=True)
     cluster = TwoNodes(temp_dir, f"127.0.0.1:{port}")
     try:
-        _wait_for_port(port)
+        wait_for_port(port)
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("RAY_ADDRESS", cluster.address)
             # the head made its token (~/.ray/auth_token); this process sends it, as a new embedded cluster would
@@ -151,9 +150,9 @@ def two_nodes(s3_endpoint: str) -> Iterator[TwoNodes]:
         cluster.stop_worker()
         stop_process(head, timeout_s=60)
         deadline = time.monotonic() + 30
-        while _pids_mentioning(temp_dir) and time.monotonic() < deadline:
+        while pids_mentioning(temp_dir) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _pids_mentioning(temp_dir) == [], "processes of the 2-node cluster survived its stop"
+        assert pids_mentioning(temp_dir) == [], "processes of the 2-node cluster survived its stop"
         if rejoin:
             ray_cluster.connect()
 
