@@ -24,9 +24,10 @@ from prefect.client.orchestration import get_client
 
 import ray_workloads.ingest
 import tasks.ingest
+import tasks.preprocess
 import tasks.register
 from flows.prepare_data import prepare_data
-from ray_workloads import batch_inference
+from ray_workloads import batch_inference, preprocess
 from ray_workloads.evaluate import EvaluationResult
 from ray_workloads.ingest import IngestConfig, IngestResult
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
@@ -40,6 +41,7 @@ from rayline.seed import digit_objects, synthetic_objects
 from tasks import events
 from tasks.batch_inference import batch_inference_task
 from tasks.ingest import ingest_objects
+from tasks.preprocess import preprocess_images
 from tasks.register import RegistrationResult, register_and_gate
 from tests.integration.helpers import register_untrained_champion, run_task_once
 
@@ -266,3 +268,31 @@ def test_nightly_inference_retried_after_its_commit_returns_it_without_predictin
     assert (result.inputs, result.predictions + result.errors) == (8, 8)
     assert night_seq(result.predictions_table, Night("retry-night", "2026-11-28")) == 1, "one commit of the night"
     assert night_seq(result.errors_table, Night("retry-night", "2026-11-28")) == 1
+
+
+PREPROCESS_SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
+    "manifest-committed": (tasks.preprocess.preprocess, "run"),
+    "lineage-written": (tasks.preprocess, "record_lineage"),
+}
+
+
+@pytest.mark.parametrize("side_effect", list(PREPROCESS_SIDE_EFFECTS))
+def test_preprocess_retried_after_a_side_effect_decodes_once_and_records_once(
+    side_effect: str, prepared: PreprocessResult, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry finds the folder its own first attempt committed: no second decode, one lineage record."""
+    root = storage.storage_root()
+    config = preprocess.PreprocessConfig(
+        ingest_manifest_uri=prepared.input_manifest_uri, output_root=storage.join(root, f"prepared-{side_effect}")
+    )
+    module, function = PREPROCESS_SIDE_EFFECTS[side_effect]
+    calls = _fail_once_after(module, function, monkeypatch)
+    decoded = _calls_of(preprocess, "_decode_and_commit", monkeypatch)
+
+    state, attempts = run_task_once(preprocess_images, config)
+    result = state.result()
+
+    assert attempts == 2 and len(calls) == 2 and decoded == ["_decode_and_commit"], (attempts, calls, decoded)
+    assert preprocess.read_manifest(result.manifest_uri).counts == prepared.counts
+    records = [r for r in lineage.read_records("preprocess") if r.outputs[0].uri == result.manifest_uri]
+    assert len(records) == 1, records
