@@ -91,7 +91,8 @@ ROUTER_DEPLOYMENT = "Router"
 SYNC_INTERVAL_S = 0.5
 MAX_PENDING_SAMPLES = 100_000
 HEALTH_PROBE_IDLE_S = 30.0  # a model replica idle this long proves itself with a forward pass
-# the replica died under the request: worth one retry on another (or the replacement) replica
+# the replica died under the request: worth one retry on another (or the replacement) replica;
+# a prediction has no side effect, so asking twice is safe
 _REPLICA_LOST: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ReplicaUnavailableError)
 
 
@@ -391,11 +392,17 @@ class Router:
         )
 
 
+def _placement(cfg: ServeConfig) -> dict[str, Any]:
+    """Deployment options spreading replicas over nodes; none by default (Serve places them freely)."""
+    return {} if cfg.max_replicas_per_node is None else {"max_replicas_per_node": cfg.max_replicas_per_node}
+
+
 def model_app(model: ModelVersion, cfg: ServeConfig) -> Any:
     """The Serve application of one version (bound, not yet run)."""
     deployment = serve.deployment(
         name=MODEL_DEPLOYMENT,
         num_replicas=cfg.replicas,
+        **_placement(cfg),
         ray_actor_options={"num_cpus": cfg.cpus_per_replica},
         max_ongoing_requests=max(cfg.max_ongoing_requests, cfg.max_batch_size),
         user_config={"max_batch_size": cfg.max_batch_size, "batch_wait_timeout_s": cfg.batch_wait_timeout_s},
@@ -413,6 +420,7 @@ def router_app(cfg: ServeConfig) -> Any:
     deployment = serve.deployment(
         name=ROUTER_DEPLOYMENT,
         num_replicas=cfg.router_replicas,
+        **_placement(cfg),
         ray_actor_options={"num_cpus": cfg.router_cpus},
         max_ongoing_requests=cfg.router_max_ongoing_requests,
         health_check_period_s=5,

@@ -28,6 +28,12 @@ class ServeConfig(BaseModel):
     router_replicas: int = Field(1, ge=1)
     router_cpus: float = Field(0.25, gt=0)
     router_max_ongoing_requests: int = Field(256, ge=1)
+    max_replicas_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="At most this many replicas of one deployment (router, or a version's model) on one node: "
+        "1 spreads them, so losing a node leaves the others serving. None: Serve places them freely.",
+    )
     max_batch_size: int = Field(16, ge=1)
     batch_wait_timeout_s: float = Field(0.005, ge=0)
     top_k: int = Field(3, ge=1)
