@@ -17,7 +17,14 @@ from rayline.config import PROCESS_DEFAULTS
 from tests.support import S3_TEST_ENV, create_bucket, delete_bucket, s3_server
 
 # Variables a developer's shell may carry that would point tests at real services.
-_FOREIGN = ("RAY_ADDRESS", "PREFECT_API_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN", "OPENLINEAGE_URL")
+_FOREIGN = (
+    "RAY_ADDRESS",
+    "PREFECT_API_URL",
+    "AWS_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "OPENLINEAGE_URL",
+    "MLFLOW_TRACKING_URI",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
