@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from ray_workloads import monitor as mon
 from ray_workloads import preprocess, serve_control
-from rayline import registry, storage
+from rayline import mlflow_mirror, registry, storage
 from rayline.errors import RaylineError
 from rayline.layout import MONITORING_DIR, parse_day
 from rayline.layout import model_name as checked_model_name
@@ -117,6 +117,7 @@ def monitor(
     logger = get_run_logger()
     root = storage.storage_root()
     champion = registry.resolve(checked_model_name(model_name), registry.CHAMPION)
+    mlflow_mirror.reconcile(champion.name)  # every 15 min: completes a mirror that failed earlier (never raises)
     reference = reference_for(champion, root, reference_date, thresholds.low_confidence)
     logger.info("judging %s v%d's nights against %s", model_name, champion.version, reference.describe())
     cfg = serve_control.config_from_settings()

@@ -17,7 +17,7 @@ from ray_workloads.models import ModelSpec
 from ray_workloads.train import TrainConfig, TrainResult
 from ray_workloads.training_loop import InitFrom, TrainLoopConfig
 from ray_workloads.tune import TuneJobConfig, TuneResult
-from rayline import registry, storage
+from rayline import mlflow_mirror, registry, storage
 from rayline.errors import ConfigError
 from rayline.specs import ParentModel
 from tasks.register import RegistrationResult, register_and_gate
@@ -152,6 +152,7 @@ def train_model(
     and ``width`` are then the parent's. ``freeze_backbone`` trains the head only.
     """
     name, plan = plan_training(model_name, init_from, freeze_backbone)
+    mlflow_mirror.reconcile(name)  # before anything can fail: completes a mirror an earlier run left unfinished
     if plan is not None and tune_samples > 0:
         # each ASHA trial would be a whole fine-tune of a torchvision model at the parent's
         # resolution (224 px for ImageNet weights): more than a small CPU cluster can take
@@ -189,6 +190,7 @@ def train_model(
                 experiment_name=run_name(f"{name}-tune{tune_samples}", data.ingest.content_hash, loop),
                 num_samples=tune_samples,
                 max_epochs=tune_max_epochs,
+                tracking_experiment=name,
             ),
             loop,
         )
@@ -209,9 +211,10 @@ def train_model(
             loop=loop,
             num_workers=num_workers,
             cpus_per_worker=cpus_per_worker,
-        )
+        ),
+        tracking_experiment=name,
     )
-    evaluation = evaluate_task(loop.model, trained.weights_uri, manifest, trained.run_uri)
+    evaluation = evaluate_task(loop.model, trained.weights_uri, manifest, trained.run_uri, tracking_experiment=name)
     registration = register_and_gate(
         name,
         loop.model,

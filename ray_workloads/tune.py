@@ -6,10 +6,15 @@ Ray Train workers (``training_loop``) over the same preprocessed datasets
 TorchTrainer start-up per trial. Trials checkpoint every epoch, so an
 interrupted search restores with ``Tuner.restore`` and finished trials are
 not run again.
+
+With MLflow tracking on (``MLFLOW_TRACKING_URI``), Ray's ``MLflowLoggerCallback``
+logs every trial as a run (its sampled config as params, each epoch's report
+as metrics), nested under one parent run per search in the model's experiment.
 """
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
 from typing import Any
@@ -18,6 +23,7 @@ import ray
 import torch
 from pydantic import BaseModel, Field
 from ray import tune
+from ray.air.integrations.mlflow import MLflowLoggerCallback
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
@@ -32,7 +38,7 @@ from ray_workloads.training_loop import (
     run_epoch,
     set_epoch_lr,
 )
-from rayline import progress, storage
+from rayline import progress, storage, tracking
 from rayline.errors import RetriesExhausted
 
 
@@ -60,6 +66,57 @@ class TuneJobConfig(BaseModel):
     cpus_per_trial: float = Field(0.5, ge=0.1, description="Tune refuses 0; 0.1 is the floor.")
     max_concurrent_trials: int | None = Field(None, ge=1)
     seed: int = 0
+    tracking_experiment: str | None = Field(
+        None, description="MLflow experiment of the trials (with MLFLOW_TRACKING_URI set); default experiment_name."
+    )
+
+
+log = logging.getLogger(__name__)
+
+
+class _SafeMLflowLogger(MLflowLoggerCallback):
+    """Ray's callback, except that an MLflow failure turns the logging off instead of failing the search:
+    MLflow mirrors the trials, the Tune experiment on storage is their record."""
+
+    _failed = False
+
+    def _guard(self, what: str, call: Any, *args: Any, **kwargs: Any) -> None:
+        if self._failed:
+            return
+        try:
+            call(*args, **kwargs)
+        except Exception as exc:  # any MLflow problem only costs the mirror
+            self._failed = True
+            log.warning("MLflow: %s failed (%s: %s); trials are no longer logged", what, type(exc).__name__, exc)
+
+    def setup(self, *args: Any, **kwargs: Any) -> None:
+        self._guard("setup", super().setup, *args, **kwargs)
+
+    def log_trial_start(self, trial: Any) -> None:
+        self._guard("trial start", super().log_trial_start, trial)
+
+    def log_trial_result(self, iteration: int, trial: Any, result: dict[str, Any]) -> None:
+        self._guard("trial result", super().log_trial_result, iteration, trial, result)
+
+    def log_trial_end(self, trial: Any, failed: bool = False) -> None:
+        self._guard("trial end", super().log_trial_end, trial, failed)
+
+
+def mlflow_callbacks(cfg: TuneJobConfig, experiment_uri: str) -> list[tune.Callback]:
+    """The trial logger when tracking is on and the server answers; the trials nest under a parent run
+    of the search (one per experiment folder: a restored search logs into the same one)."""
+    mlflow = tracking.client()
+    if mlflow is None:
+        return []
+    experiment = cfg.tracking_experiment or cfg.experiment_name
+    with tracking.best_effort(f"starting the MLflow run of search {cfg.experiment_name}"):
+        parent = tracking.keyed_run(
+            mlflow, experiment, experiment_uri, cfg.experiment_name, {tracking.STAGE_TAG: "tune"}
+        )
+        tracking.log_params(mlflow, parent, tracking.flatten(cfg.model_dump(mode="json", exclude={"space"})))
+        tags = {"mlflow.parentRunId": parent, tracking.STAGE_TAG: "tune-trial", "rayline.search": cfg.experiment_name}
+        return [_SafeMLflowLogger(tracking.tracking_uri(), experiment_name=experiment, tags=tags)]
+    return []
 
 
 class TrialSummary(BaseModel):
@@ -194,7 +251,8 @@ def run(cfg: TuneJobConfig, base: TrainLoopConfig | None = None) -> TuneResult:
                     storage_filesystem=fs,
                     checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
                     verbose=0,
-                    callbacks=[_TrialProgress(shown)],  # a restored search keeps its first run's: shown without counts
+                    # a restored search keeps its first run's callbacks: shown without counts
+                    callbacks=[_TrialProgress(shown), *mlflow_callbacks(cfg, experiment_uri)],
                 ),
             )
         grid = tuner.fit()
@@ -216,6 +274,10 @@ def run(cfg: TuneJobConfig, base: TrainLoopConfig | None = None) -> TuneResult:
         first = grid.errors[0] if grid.errors else "no trial reported a result"
         raise RetriesExhausted(f"every trial of Tune search {cfg.experiment_name}", len(trials), first)
     best = max(ok, key=lambda t: (t.val_accuracy, t.epochs))
+    if tracking.tracking_uri() is not None:
+        best_metrics = {"best_val_accuracy": best.val_accuracy, "trials": float(len(trials))}
+        experiment = cfg.tracking_experiment or cfg.experiment_name
+        tracking.finish_run(experiment, experiment_uri, cfg.experiment_name, best_metrics)
     return TuneResult(
         experiment_uri=experiment_uri,
         best_config=loop_config(best.config, base),

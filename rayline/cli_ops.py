@@ -27,9 +27,13 @@ def up() -> None:
     typer.echo(f"Prefect UI       {ends.prefect_ui}")
     typer.echo(f"Ray dashboard    {ends.dashboard}")
     typer.echo(f"Ray metrics      {ends.ray_metrics}")
+    typer.echo(f"MLflow UI        {ends.mlflow_ui}")
     typer.echo(f"state and logs   {platform.state_dir(settings)}")
     typer.echo("Point rayline at it (e.g. before `rayline demo`):")
-    typer.echo(f"  export PREFECT_API_URL={ends.prefect_api} RAY_ADDRESS={ends.ray_address} RAY_AUTH_MODE=token")
+    typer.echo(
+        f"  export PREFECT_API_URL={ends.prefect_api} RAY_ADDRESS={ends.ray_address} RAY_AUTH_MODE=token "
+        f"MLFLOW_TRACKING_URI={ends.mlflow_ui}"
+    )
 
 
 def down() -> None:

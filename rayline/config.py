@@ -83,6 +83,7 @@ class Settings(BaseSettings):
     ray_metrics_port: int = Field(
         8080, ge=1, le=65535, description="Port where the Ray head `rayline up` starts exports Prometheus metrics."
     )
+    mlflow_port: int = Field(5000, ge=1, le=65535, description="Port of the MLflow server `rayline up` starts.")
     serve_host: str = Field("127.0.0.1", description="Interface of the Serve HTTP proxy (loopback by default).")
     serve_port: int = Field(8000, ge=1, le=65535, description="Port of the Serve HTTP proxy.")
     serve_default_model: str | None = Field(

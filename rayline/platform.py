@@ -1,12 +1,15 @@
 """``rayline up`` / ``rayline down``: the operated system on one machine.
 
-``up`` starts, on loopback by default, three processes and records each in a
+``up`` starts, on loopback by default, four processes and records each in a
 PID file under the state folder:
 
 * ``prefect``      a Prefect server (SQLite under the state folder, or
                    ``PREFECT_SERVER_DATABASE_CONNECTION_URL``), UI included;
 * ``ray``          a Ray head node with its dashboard bound to ``RAYLINE_DASHBOARD_HOST``
                    (127.0.0.1 unless configured otherwise);
+* ``mlflow``       an MLflow tracking server on 127.0.0.1 (SQLite under the state folder,
+                   artifacts under ``<storage>/mlflow-artifacts``), unless
+                   ``MLFLOW_TRACKING_URI`` names one already;
 * ``worker``       a ``prefect worker`` polling a ``process`` work pool into which
                    every deployment of ``deployments/catalog.py`` was registered by
                    ``prefect deploy`` (schedules and event triggers), plus the
@@ -40,7 +43,8 @@ from rayline.config import Settings, get_settings
 from rayline.errors import ClusterError, ConfigError
 from rayline.ray_cluster import RAY_ENV_DEFAULTS
 
-SERVICES = ("prefect", "ray", "worker")
+SERVICES = ("prefect", "ray", "mlflow", "worker")  # started in this order, stopped in the reverse
+MLFLOW_ARTIFACTS_DIR = "mlflow-artifacts"
 
 
 class ServiceRecord(BaseModel):
@@ -58,6 +62,7 @@ class Endpoints:
     ray_address: str
     dashboard: str
     ray_metrics: str
+    mlflow_ui: str
 
 
 def state_dir(settings: Settings) -> Path:
@@ -78,6 +83,8 @@ def endpoints(settings: Settings) -> Endpoints:
         ray_address=f"{host}:{settings.ray_port}",
         dashboard=f"http://{settings.dashboard_host}:{settings.dashboard_port}",
         ray_metrics=f"http://{host}:{settings.ray_metrics_port}/metrics",
+        # a tracking server the user runs already (MLflow's own variable) takes the place of ours
+        mlflow_ui=os.environ.get("MLFLOW_TRACKING_URI") or f"http://{host}:{settings.mlflow_port}",
     )
 
 
@@ -265,10 +272,12 @@ def _up(
         _wait(f"port {port}", _until(lambda: _port_open(port), proc, timeout_s), record, timeout_s)
         outcome["ray"] = "started"
 
+    outcome["mlflow"] = _up_mlflow(settings, state, existing, timeout_s)
+
     if "worker" in existing:
         outcome["worker"] = "running"
     else:
-        env = _prefect_env(state, settings)
+        env = {**_prefect_env(state, settings), "MLFLOW_TRACKING_URI": ends.mlflow_ui}
         pool = settings.work_pool
         work_pool.create_pool(pool, env)
         work_pool.deploy_all(pool, env, state)
@@ -279,6 +288,43 @@ def _up(
         _wait(f"a worker polling work pool {pool}", ready, record, timeout_s)
         outcome["worker"] = "started"
     return ends, outcome
+
+
+def mlflow_command(state: Path, settings: Settings) -> list[str]:
+    """MLflow's server on loopback: runs and the registry in SQLite, artifacts under the storage root
+    (``--artifacts-destination``: clients upload through the server, so they need no storage credentials)."""
+    root = storage.storage_root()
+    artifacts = storage.join(root, MLFLOW_ARTIFACTS_DIR) if storage.is_s3(root) else _local_dir(root)
+    return [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", f"sqlite:///{state / 'mlflow' / 'mlflow.db'}",
+        "--artifacts-destination", artifacts,
+        "--host", "127.0.0.1", "--port", str(settings.mlflow_port),
+        "--workers", "1",  # one user's UI and a few flow runs: one uvicorn worker serves them
+    ]  # fmt: skip
+
+
+def _local_dir(root: str) -> str:
+    path = Path(root.removeprefix("file://")).resolve() / MLFLOW_ARTIFACTS_DIR
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def _up_mlflow(settings: Settings, state: Path, existing: dict[str, ServiceRecord], timeout_s: float) -> str:
+    if "mlflow" in existing:
+        return "running"
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return "external"  # the user's own tracking server: flow runs log there
+    check_port_free(settings.mlflow_port, "the MLflow server (RAYLINE_MLFLOW_PORT)")
+    (state / "mlflow").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    # MLflow's job runner (GenAI jobs) is not used here; without it the server starts and stops faster
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+    ui = endpoints(settings).mlflow_ui
+    record, proc = _start(state, "mlflow", mlflow_command(state, settings), env, ui)
+    health = f"{ui}/health"
+    _wait(health, _until(lambda: _http_ok(health, {}), proc, timeout_s), record, timeout_s)
+    return "started"
 
 
 def _worker_online(ends: Endpoints, pool: str) -> bool:

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from ray_workloads import evaluate, preprocess
 from ray_workloads.models import ModelSpec, state_dict_from_bytes
 from ray_workloads.train import TrainResult
-from rayline import lineage, ray_cluster, registry, storage
+from rayline import lineage, mlflow_mirror, ray_cluster, registry, storage
 from rayline.errors import ConfigError
 from rayline.lineage import DatasetRef
 from rayline.specs import ParentModel
@@ -128,6 +128,7 @@ def register_and_gate(
             idempotency_key=key,
         )
     get_run_logger().info("registered %s v%d; gate: %s", name, version.version, decision.reason)
+    mlflow_mirror.reconcile(name)  # best effort: a failure is logged, and the next registration catches up
     create_markdown_artifact(
         key="model-gate",
         markdown=(

@@ -9,7 +9,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from ray_workloads import register_model
 from ray_workloads.register_model import RegisterModelConfig, RegisterModelResult
-from rayline import lineage, registry
+from rayline import lineage, mlflow_mirror, registry
 from rayline.lineage import DatasetRef
 from tasks import events
 from tasks.common import idempotency_key, ray_task, record_lineage, run_context
@@ -34,6 +34,7 @@ def register_outside_model(cfg: RegisterModelConfig) -> RegisterModelResult:
             labels={"rayline.model": version.name},
             idempotency_key=idempotency_key(version.uri),  # a retried task: the same event, kept once
         )
+    mlflow_mirror.reconcile(version.name)  # best effort: logged on failure, completed by the next call
     what = "already registered as" if result.reused else "registered as"
     get_run_logger().info("%s %s %s v%d", source.uri, what, version.name, version.version)
     if result.note:

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from ray_workloads import rollout
 from ray_workloads.serve_config import ServeConfig
-from rayline import ray_cluster, registry
+from rayline import mlflow_mirror, ray_cluster, registry
 from rayline.lineage import DatasetRef
 from tasks import events
 from tasks.common import idempotency_key, ray_task, record_lineage
@@ -138,6 +138,7 @@ def promote_task(prepared: PreparedRollout, steps: list[rollout.StepReport], ser
     cand = prepared.candidate
     reason = f"canary rollout passed every step ({', '.join(f'{s.weight:g}%' for s in steps)})"
     move = registry.set_alias(cand.name, registry.CHAMPION, cand.version, reason)
+    mlflow_mirror.reconcile(cand.name)  # best effort: logged on failure, completed by the next call
     rollout.retire(prepared.incumbent.version, cand.version, serve, model=cand.name)
     get_run_logger().info("v%d is champion; v%d retired from serving", cand.version, prepared.incumbent.version)
     _finish(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import re
 from datetime import UTC, datetime
 
 from prefect import get_run_logger
@@ -10,7 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from ray_workloads import evaluate, train
 from ray_workloads.models import ModelSpec
-from rayline import ray_cluster, storage
+from rayline import ray_cluster, storage, tracking
 from rayline.lineage import DatasetRef
 from tasks.common import ray_task, record_lineage
 
@@ -22,8 +23,13 @@ def png_markdown(title: str, png: bytes, link: str | None = None) -> str:
     return f"### {title}\n\n![{title}](data:image/png;base64,{encoded}){where}\n"
 
 
+# wall-clock marks: when, not how well; MLflow has its own timestamps
+_UNTRACKED = ("attempt_started_at", "epoch_ended_at", "attempt_start_epoch")
+
+
 @ray_task("train")
-def train_model_task(config: train.TrainConfig) -> train.TrainResult:
+def train_model_task(config: train.TrainConfig, tracking_experiment: str | None = None) -> train.TrainResult:
+    """Fit; with MLflow tracking on, the run is logged into ``tracking_experiment`` (default: the run name)."""
     started = datetime.now(UTC)
     connection = ray_cluster.connect()
     result = train.run(config)
@@ -51,6 +57,14 @@ def train_model_task(config: train.TrainConfig) -> train.TrainResult:
     png_uri = storage.join(result.run_uri, "curves.png")
     storage.write_bytes_atomic(png_uri, png)
     create_markdown_artifact(key="train-curves", markdown=png_markdown("Training curves", png, png_uri))
+    tracking.log_training(
+        tracking_experiment or result.run_name,
+        result.run_uri,
+        result.run_name,
+        config.model_dump(mode="json"),
+        [{k: v for k, v in h.items() if k not in _UNTRACKED} for h in result.history],
+        {"curves.png": png},
+    )
     record_lineage(
         stage="train",
         started_at=started,
@@ -67,8 +81,15 @@ def train_model_task(config: train.TrainConfig) -> train.TrainResult:
 
 @ray_task("evaluate")
 def evaluate_task(
-    spec: ModelSpec, weights_uri: str, data_manifest_uri: str, output_uri: str, artifact_prefix: str = "evaluation"
+    spec: ModelSpec,
+    weights_uri: str,
+    data_manifest_uri: str,
+    output_uri: str,
+    artifact_prefix: str = "evaluation",
+    tracking_experiment: str | None = None,
 ) -> evaluate.EvaluationResult:
+    """Evaluate on the test split; with ``tracking_experiment`` (and tracking on), into the MLflow run of
+    the Train run whose folder is ``output_uri``."""
     started = datetime.now(UTC)
     connection = ray_cluster.connect()
     result = evaluate.run(spec, weights_uri, data_manifest_uri, output_uri)
@@ -84,6 +105,8 @@ def evaluate_task(
             key=f"{artifact_prefix}-confusion",
             markdown=png_markdown("Confusion matrix", png, result.confusion_png_uri),
         )
+    if tracking_experiment is not None:
+        _track_evaluation(tracking_experiment, output_uri, result)
     record_lineage(
         stage="evaluate",
         started_at=started,
@@ -93,3 +116,19 @@ def evaluate_task(
         connection=connection,
     )
     return result
+
+
+def _track_evaluation(experiment: str, run_uri: str, result: evaluate.EvaluationResult) -> None:
+    """Test accuracy, per-class precision/recall and the confusion matrix (JSON and PNG) into MLflow."""
+    if tracking.tracking_uri() is None:
+        return
+    metrics = {"test_accuracy": result.accuracy, "test_samples": float(result.samples)}
+    for c in result.per_class:
+        label = re.sub(r"[^\w\-. /]", "_", c.name)  # the characters MLflow allows in a metric name
+        metrics[f"test_precision.{label}"] = c.precision
+        metrics[f"test_recall.{label}"] = c.recall
+    report = result.model_dump_json(include={"split", "samples", "accuracy", "per_class", "confusion"}, indent=1)
+    files = {"evaluation.json": report.encode()}
+    if result.confusion_png_uri:
+        files["confusion.png"] = storage.read_bytes(result.confusion_png_uri)
+    tracking.log_evaluation(experiment, run_uri, run_uri.rstrip("/").rsplit("/", 1)[-1], metrics, files)

@@ -17,7 +17,14 @@ from rayline.config import PROCESS_DEFAULTS
 from tests.support import S3_TEST_ENV, S3Proxy, create_bucket, delete_bucket, proxy_in_front, s3_server
 
 # Variables a developer's shell may carry that would point tests at real services.
-_FOREIGN = ("RAY_ADDRESS", "PREFECT_API_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN", "OPENLINEAGE_URL")
+_FOREIGN = (
+    "RAY_ADDRESS",
+    "PREFECT_API_URL",
+    "AWS_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "OPENLINEAGE_URL",
+    "MLFLOW_TRACKING_URI",
+)
 
 # Set before the session's Ray cluster starts, so that its workers have them too.
 # Tests that fault every read of an object wait for all the attempts: fewer and shorter than by default.

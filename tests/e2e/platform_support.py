@@ -16,7 +16,7 @@ from rayline.platform import SERVICES, ServiceRecord, ray_temp_dir
 from tests.support import free_port
 
 BIN = Path(sys.executable).parent
-_OUTSIDE = ("RAY_ADDRESS", "PREFECT_API_URL", "AWS_ENDPOINT_URL", "PREFECT_API_AUTH_STRING")
+_OUTSIDE = ("RAY_ADDRESS", "PREFECT_API_URL", "AWS_ENDPOINT_URL", "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_URI")
 AUTH = "rayline:platform-test-secret"  # the Prefect API asks for it (PREFECT_SERVER_API_AUTH_STRING)
 
 
@@ -66,6 +66,7 @@ def running_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
         RAYLINE_RAY_PORT=str(free_port()),
         RAYLINE_DASHBOARD_PORT=str(free_port()),
         RAYLINE_RAY_METRICS_PORT=str(free_port()),
+        RAYLINE_MLFLOW_PORT=str(free_port()),
         RAYLINE_SERVE_PORT=str(free_port()),
         PREFECT_SERVER_API_AUTH_STRING=AUTH,
     )
@@ -79,6 +80,7 @@ def running_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
             "PREFECT_API_AUTH_STRING": AUTH,
             "RAY_ADDRESS": f"127.0.0.1:{env['RAYLINE_RAY_PORT']}",
             "RAY_AUTH_MODE": "token",
+            "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{env['RAYLINE_MLFLOW_PORT']}",
         }
     finally:
         started_services = service_records(root)

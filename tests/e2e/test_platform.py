@@ -38,6 +38,8 @@ def test_up_twice_starts_nothing_new(platform: dict[str, str]) -> None:
     assert service_records(root) == before
     assert f"Prefect UI       http://127.0.0.1:{platform['RAYLINE_PREFECT_PORT']}" in again.stdout
     assert f"Ray metrics      http://127.0.0.1:{platform['RAYLINE_RAY_METRICS_PORT']}/metrics" in again.stdout
+    assert f"MLflow UI        {platform['MLFLOW_TRACKING_URI']}" in again.stdout
+    assert httpx.get(f"{platform['MLFLOW_TRACKING_URI']}/health").status_code == 200
 
 
 def test_the_prefect_api_asks_for_basic_auth(platform: dict[str, str]) -> None:
