@@ -23,16 +23,20 @@ import pytest
 from rayline import storage
 from rayline.layout import INCOMING_DIR, partition_for
 from rayline.seed import digit_objects
-from tests.e2e.platform_support import AUTH, BIN
+from tests.e2e.platform_support import AUTH, BIN, run_rayline
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("champion")]
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("champions")]
 
 CRASH_DEADLINE_S = 180  # the issue's promise: a killed run is Crashed within 3 minutes
 
 
 @pytest.fixture(scope="module")
-def champion(platform: dict[str, str]) -> Iterator[None]:
-    """A `digits` champion in the platform's registry (the registry is files under its storage root)."""
+def champions(platform: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """`digits` and `photos` champions in the platform's registry: the demo's, or registered here.
+
+    The killed runs use `photos` (a ResNet-18 at 224 px): its night keeps Ray Data's actors busy
+    for tens of seconds, long enough to kill the run while they work.
+    """
     from rayline import registry
     from rayline.errors import RaylineError
     from tests.integration.helpers import register_untrained_champion
@@ -41,9 +45,26 @@ def champion(platform: dict[str, str]) -> Iterator[None]:
         env.setenv("RAYLINE_STORAGE", platform["RAYLINE_STORAGE"])
         try:
             registry.resolve("digits", registry.CHAMPION)
-        except RaylineError:  # no champion yet: this module runs without test_platform.py
+        except RaylineError:  # this module runs without test_platform.py
             register_untrained_champion("digits")
+        try:
+            registry.resolve("photos", registry.CHAMPION)
+        except RaylineError:
+            _register_photos(platform, tmp_path_factory.mktemp("weights") / "resnet18.pt")
         yield
+
+
+def _register_photos(platform: dict[str, str], weights: Path) -> None:
+    import torch
+    from torchvision.models import resnet18
+
+    torch.save(resnet18(weights=None).state_dict(), weights)  # the "user's" file: a state dict
+    done = run_rayline(
+        ["register-model", "--name", "photos", "--arch", "resnet18", "--weights", str(weights),
+         "--classes", "imagenet", "--preprocess", "imagenet", "--alias", "champion"],
+        platform,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 @contextmanager
@@ -87,14 +108,17 @@ def _predictor_actors(platform: dict[str, str]) -> list[dict[str, Any]]:
         env=platform, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    # Ray Data's actor class is _MapWorker; its repr names the UDF: MapWorker(MapBatches(PredictorUDF))
-    return [a for a in json.loads(done.stdout or "[]") if a.get("class_name") == "_MapWorker"]
+    # Ray Data names its actors after the UDF: MapWorker(MapBatches(PredictorUDF)) (or the CLI's subclass)
+    listed = done.stdout.strip()
+    if not listed.startswith("["):  # "No resource in the cluster"
+        return []
+    return [a for a in json.loads(listed) if str(a.get("class_name")).startswith("MapWorker(")]
 
 
-def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+def _wait_for(predicate: Any, timeout_s: float, what: str, context: Any = lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
+        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}\n{context()}"
         time.sleep(1)
 
 
@@ -136,9 +160,10 @@ def test_nightly_inference_runs_through_the_worker(platform: dict[str, str]) -> 
     assert night.commit.run_id, night.commit
 
 
-def _kill_when_predicting(platform: dict[str, str], pid: int, process_group: bool) -> float:
+def _kill_when_predicting(platform: dict[str, str], pid: int, process_group: bool, output: Path | None = None) -> float:
     """SIGKILL ``pid`` once its night's inference actors are alive; returns when."""
-    _wait_for(lambda: _predictor_actors(platform), 300, "inference actors of the run")
+    said = (lambda: output.read_text(errors="replace")[-3000:]) if output else (lambda: "")
+    _wait_for(lambda: _predictor_actors(platform), 300, "inference actors of the run", said)
     if process_group:
         os.killpg(pid, signal.SIGKILL)
     else:
@@ -162,16 +187,16 @@ def _flow_run_process(run_id: str) -> int | None:
 def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str, str]) -> None:
     """kill -9 of a CLI run (zombie automation, heartbeats) and of a worker's run (the worker sees it exit)."""
     for day in ("2026-01-06", "2026-01-07"):
-        _drop_night(platform, day, count=1797, size=96)
+        _drop_night(platform, day, count=400, size=64)
     env = {**platform, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
-    with _api(platform) as client:
+    output = Path(platform["RAYLINE_STORAGE"]) / "killed-cli-run.out"
+    with _api(platform) as client, output.open("wb") as out:
         cli = subprocess.Popen(
-            [str(BIN / "rayline"), "nightly-inference", "--date", "2026-01-06"], env=env,
-            cwd=platform["RAYLINE_STORAGE"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
+            [str(BIN / "rayline"), "nightly-inference", "--model", "photos@champion", "--date", "2026-01-06"], env=env,
+            cwd=platform["RAYLINE_STORAGE"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
-            cli_killed = _kill_when_predicting(platform, cli.pid, process_group=True)
+            cli_killed = _kill_when_predicting(platform, cli.pid, process_group=True, output=output)
         finally:
             if cli.poll() is None:
                 os.killpg(cli.pid, signal.SIGKILL)
@@ -184,7 +209,8 @@ def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str
         cli_run = running[0]["id"]
         _wait_for(lambda: not _predictor_actors(platform), 60, "Ray removing the killed driver's actors")
 
-        worker_run = _run_deployment(client, "nightly-inference/nightly-inference", {"date": "2026-01-07"})
+        night = {"date": "2026-01-07", "model": "photos@champion"}
+        worker_run = _run_deployment(client, "nightly-inference/nightly-inference", night)
         _wait_for(lambda: _flow_run_process(worker_run) is not None, 300, "the worker starting the run's process")
         pid = _flow_run_process(worker_run)
         assert pid is not None
