@@ -23,20 +23,18 @@ import pytest
 from rayline import storage
 from rayline.layout import INCOMING_DIR, partition_for
 from rayline.seed import digit_objects
-from tests.e2e.platform_support import AUTH, BIN, run_rayline
+from tests.e2e.platform_support import AUTH, BIN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("champions")]
 
 CRASH_DEADLINE_S = 180  # the issue's promise: a killed run is Crashed within 3 minutes
+# One actor, small model calls: a night long enough (tens of seconds) to be killed while it runs on Ray.
+SLOW_NIGHT = ["--actors", "1", "--batch-size", "4"]
 
 
 @pytest.fixture(scope="module")
-def champions(platform: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """`digits` and `photos` champions in the platform's registry: the demo's, or registered here.
-
-    The killed runs use `photos` (a ResNet-18 at 224 px): its night keeps Ray Data's actors busy
-    for tens of seconds, long enough to kill the run while they work.
-    """
+def champions(platform: dict[str, str]) -> Iterator[None]:
+    """A `digits` champion in the platform's registry: the demo's, or an untrained one registered here."""
     from rayline import registry
     from rayline.errors import RaylineError
     from tests.integration.helpers import register_untrained_champion
@@ -47,24 +45,7 @@ def champions(platform: dict[str, str], tmp_path_factory: pytest.TempPathFactory
             registry.resolve("digits", registry.CHAMPION)
         except RaylineError:  # this module runs without test_platform.py
             register_untrained_champion("digits")
-        try:
-            registry.resolve("photos", registry.CHAMPION)
-        except RaylineError:
-            _register_photos(platform, tmp_path_factory.mktemp("weights") / "resnet18.pt")
         yield
-
-
-def _register_photos(platform: dict[str, str], weights: Path) -> None:
-    import torch
-    from torchvision.models import resnet18
-
-    torch.save(resnet18(weights=None).state_dict(), weights)  # the "user's" file: a state dict
-    done = run_rayline(
-        ["register-model", "--name", "photos", "--arch", "resnet18", "--weights", str(weights),
-         "--classes", "imagenet", "--preprocess", "imagenet", "--alias", "champion"],
-        platform,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 @contextmanager
@@ -101,18 +82,26 @@ def _run_deployment(client: httpx.Client, name: str, parameters: dict[str, Any])
     return str(created.json()["id"])
 
 
-def _predictor_actors(platform: dict[str, str]) -> list[dict[str, Any]]:
-    """Ray Data's inference actors alive on the cluster, by `ray list actors` as an operator would."""
+def _ray_list(kind: str, platform: dict[str, str], *filters: str) -> list[dict[str, Any]]:
+    """`ray list <kind>` as an operator would run it, as JSON."""
+    args = [a for f in filters for a in ("--filter", f)]
     done = subprocess.run(
-        [str(BIN / "ray"), "list", "actors", "--filter", "state=ALIVE", "--format", "json", "--limit", "10000"],
+        [str(BIN / "ray"), "list", kind, *args, "--format", "json", "--limit", "10000"],
         env=platform, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    # Ray Data names its actors after the UDF: MapWorker(MapBatches(PredictorUDF)) (or the CLI's subclass)
     listed = done.stdout.strip()
-    if not listed.startswith("["):  # "No resource in the cluster"
-        return []
-    return [a for a in json.loads(listed) if str(a.get("class_name")).startswith("MapWorker(")]
+    return list(json.loads(listed)) if listed.startswith("[") else []  # else "No resource in the cluster"
+
+
+def _driver_job(platform: dict[str, str], pid: int) -> dict[str, Any] | None:
+    """The Ray job whose driver is process ``pid``."""
+    jobs = [j for j in _ray_list("jobs", platform) if str((j.get("driver_info") or {}).get("pid")) == str(pid)]
+    return jobs[0] if jobs else None
+
+
+def _alive_actors_of(platform: dict[str, str], job_id: str) -> list[str]:
+    return [str(a["class_name"]) for a in _ray_list("actors", platform, "state=ALIVE", f"job_id={job_id}")]
 
 
 def _wait_for(predicate: Any, timeout_s: float, what: str, context: Any = lambda: "") -> None:
@@ -160,15 +149,27 @@ def test_nightly_inference_runs_through_the_worker(platform: dict[str, str]) -> 
     assert night.commit.run_id, night.commit
 
 
-def _kill_when_predicting(platform: dict[str, str], pid: int, process_group: bool, output: Path | None = None) -> float:
-    """SIGKILL ``pid`` once its night's inference actors are alive; returns when."""
+def _kill_once_on_ray(platform: dict[str, str], pid: int, process_group: bool, output: Path | None = None) -> str:
+    """SIGKILL ``pid`` once it drives a Ray job (its flow run is mid-way); returns the job's id."""
     said = (lambda: output.read_text(errors="replace")[-3000:]) if output else (lambda: "")
-    _wait_for(lambda: _predictor_actors(platform), 300, "inference actors of the run", said)
+    _wait_for(lambda: _driver_job(platform, pid) is not None, 300, f"process {pid} connecting to Ray", said)
+    job = _driver_job(platform, pid)
+    assert job is not None and job["status"] == "RUNNING", (job, said())
     if process_group:
         os.killpg(pid, signal.SIGKILL)
     else:
         os.kill(pid, signal.SIGKILL)
-    return time.monotonic()
+    return str(job["job_id"])
+
+
+def _assert_ray_job_ended(platform: dict[str, str], job_id: str) -> None:
+    """Ray sees the dead driver: its job stops running and none of its actors stays alive."""
+
+    def ended() -> bool:
+        job = next((j for j in _ray_list("jobs", platform) if j["job_id"] == job_id), None)
+        return job is not None and job["status"] != "RUNNING" and not _alive_actors_of(platform, job_id)
+
+    _wait_for(ended, 60, f"Ray ending job {job_id} and removing its actors")
 
 
 def _flow_run_process(run_id: str) -> int | None:
@@ -187,16 +188,17 @@ def _flow_run_process(run_id: str) -> int | None:
 def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str, str]) -> None:
     """kill -9 of a CLI run (zombie automation, heartbeats) and of a worker's run (the worker sees it exit)."""
     for day in ("2026-01-06", "2026-01-07"):
-        _drop_night(platform, day, count=400, size=64)
+        _drop_night(platform, day, count=1797, size=64)
     env = {**platform, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
     output = Path(platform["RAYLINE_STORAGE"]) / "killed-cli-run.out"
     with _api(platform) as client, output.open("wb") as out:
         cli = subprocess.Popen(
-            [str(BIN / "rayline"), "nightly-inference", "--model", "photos@champion", "--date", "2026-01-06"], env=env,
+            [str(BIN / "rayline"), "nightly-inference", "--date", "2026-01-06", *SLOW_NIGHT], env=env,
             cwd=platform["RAYLINE_STORAGE"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
-            cli_killed = _kill_when_predicting(platform, cli.pid, process_group=True, output=output)
+            cli_job = _kill_once_on_ray(platform, cli.pid, process_group=True, output=output)
+            cli_killed = time.monotonic()
         finally:
             if cli.poll() is None:
                 os.killpg(cli.pid, signal.SIGKILL)
@@ -207,15 +209,16 @@ def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str
         ).json()
         assert len(running) == 1, [(r["name"], r["state"]["type"]) for r in running]
         cli_run = running[0]["id"]
-        _wait_for(lambda: not _predictor_actors(platform), 60, "Ray removing the killed driver's actors")
+        _assert_ray_job_ended(platform, cli_job)
 
-        night = {"date": "2026-01-07", "model": "photos@champion"}
+        night = {"date": "2026-01-07", "actors": 1, "batch_size": 4}
         worker_run = _run_deployment(client, "nightly-inference/nightly-inference", night)
         _wait_for(lambda: _flow_run_process(worker_run) is not None, 300, "the worker starting the run's process")
         pid = _flow_run_process(worker_run)
         assert pid is not None
-        worker_killed = _kill_when_predicting(platform, pid, process_group=False)
-        _wait_for(lambda: not _predictor_actors(platform), 60, "Ray removing the killed run's actors")
+        worker_job = _kill_once_on_ray(platform, pid, process_group=False)
+        worker_killed = time.monotonic()
+        _assert_ray_job_ended(platform, worker_job)
 
         for run_id, killed in ((worker_run, worker_killed), (cli_run, cli_killed)):
             left = CRASH_DEADLINE_S - (time.monotonic() - killed)
