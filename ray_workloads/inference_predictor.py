@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
-from rayline import storage
+from rayline import fetching
 from rayline.delta_tables import Night
 from rayline.predictions_table import ERRORS_SCHEMA, PREDICTIONS_SCHEMA, write_data_file
 from rayline.registry import ModelVersion
@@ -78,7 +78,7 @@ def fetch_and_decode(uris: list[str], spec: ImageSpec, concurrency: int) -> dict
     """Fetch the objects and decode each image; a bad object becomes error fields, not an exception.
 
     Reads that keep failing transiently (throttling, 5xx, resets) are no bad
-    object: ``storage.fetch_many`` retries them and then raises
+    object: ``fetching.fetch_many`` retries them and then raises
     ``TransientStorageError``, which fails the night (uncommitted, outside the
     error budget) for the task's retry to take up.
     """
@@ -87,7 +87,7 @@ def fetch_and_decode(uris: list[str], spec: ImageSpec, concurrency: int) -> dict
     stage: list[str | None] = [None] * n
     error_type: list[str | None] = [None] * n
     message: list[str | None] = [None] * n
-    for i, item in enumerate(storage.fetch_many(uris, concurrency)):
+    for i, item in enumerate(fetching.fetch_many(uris, concurrency)):
         if item.error is not None:
             stage[i], error_type[i], message[i] = "fetch", type(item.error).__name__, str(item.error)[:500]
             continue

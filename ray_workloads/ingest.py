@@ -2,7 +2,7 @@
 
 Per-object latency dominates when reading thousands of small objects, so
 each Ray task fetches its slice of the listing with many concurrent reads
-(``storage.fetch_many``), not one GET after another. An object that cannot
+(``fetching.fetch_many``), not one GET after another. An object that cannot
 be read for good (missing, forbidden, replaced since the listing) becomes a
 row with ``error_type`` set, never a failed job; one whose reads keep failing
 transiently (throttling, 5xx, resets, after ``fetch_many``'s rounds of
@@ -34,7 +34,7 @@ import ray
 from pydantic import BaseModel, Field
 
 from ray_workloads import folders
-from rayline import leases, progress, storage
+from rayline import fetching, leases, progress, storage
 from rayline.errors import InputDataError, RaylineError, StorageError
 from rayline.storage import ObjectInfo
 
@@ -135,7 +135,7 @@ class ObjectChangedError(Exception):
     """The object was replaced between listing and reading; the next run picks it up."""
 
 
-def _as_payload(obj: ObjectInfo, fetched: storage.Fetched) -> bytes | BaseException:
+def _as_payload(obj: ObjectInfo, fetched: fetching.Fetched) -> bytes | BaseException:
     if fetched.error is not None:
         return fetched.error
     if fetched.etag is not None and fetched.etag != obj.etag:
@@ -161,7 +161,7 @@ def pack_shard(objects: Sequence[ObjectInfo], payloads: Sequence[bytes | BaseExc
 
 @ray.remote(max_retries=3, retry_exceptions=False)
 def _fetch_and_write_shard(objects: list[ObjectInfo], shard_uri: str, concurrency: int) -> dict[str, Any]:
-    fetched = storage.fetch_many([o.uri for o in objects], concurrency)
+    fetched = fetching.fetch_many([o.uri for o in objects], concurrency)
     table = pack_shard(objects, [_as_payload(o, f) for o, f in zip(objects, fetched, strict=True)])
     size = storage.write_parquet_atomic(shard_uri, table)
     fetched_ok = table.column("error_type").null_count

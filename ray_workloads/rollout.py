@@ -40,7 +40,7 @@ from ray_workloads import serve_control
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
 from ray_workloads.serve_config import ServeConfig
 from ray_workloads.serve_control import VersionStats
-from rayline import storage
+from rayline import fetching, storage
 from rayline.errors import ConfigError, InputDataError
 from rayline.layout import RAW_DIR
 from rayline.registry import ModelVersion
@@ -146,7 +146,7 @@ def load_probe_images(uri: str, count: int, spec: ImageSpec) -> list[bytes]:
     """Up to ``count`` decodable images under ``uri`` (sorted by key: the same set every run)."""
     objects = sorted(storage.list_objects(uri), key=lambda o: o.key)
     images: list[bytes] = []
-    for fetched in storage.fetch_many([o.uri for o in objects[: count * 2]], concurrency=16):
+    for fetched in fetching.fetch_many([o.uri for o in objects[: count * 2]], concurrency=16):
         if fetched.error is None and fetched.data is not None:
             try:
                 decode_image(fetched.data, spec)

@@ -43,7 +43,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from rayline import lineage, registry, storage
+from rayline import fetching, lineage, registry, storage
 from rayline.delta_tables import Night
 from rayline.errors import ConfigError, InputDataError
 from rayline.layout import parse_day
@@ -139,7 +139,7 @@ class LineageIndex:
             for o in storage.list_objects(lineage.lineage_dir())
             if o.key.endswith(".json") and not o.key.startswith(f"{EVENTS_DIR}/")
         ]
-        fetched = storage.fetch_many([o.uri for o in objects], _RECORD_READS)
+        fetched = fetching.fetch_many([o.uri for o in objects], _RECORD_READS)
         records = []
         for obj, item in zip(objects, fetched, strict=True):
             if item.error is not None or item.data is None:

@@ -1,4 +1,4 @@
-"""The stage's rounds of re-fetching reads that failed transiently (``storage.retry_transient``)."""
+"""The stage's rounds of re-fetching reads that failed transiently (``fetching.retry_transient``)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from rayline import storage
+from rayline import fetching
 from rayline.errors import TransientStorageError, is_transient
-from rayline.storage import Fetched
+from rayline.fetching import Fetched
 
 pytestmark = pytest.mark.unit
 
@@ -38,7 +38,7 @@ class Flaky:
 
 def test_only_transient_failures_are_fetched_again_and_results_keep_their_order() -> None:
     fetch, waits = Flaky({"b": 2, "d": 1}, missing=frozenset({"c"})), list[float]()
-    fetched = storage.retry_transient(["a", "b", "c", "d"], fetch, [0.5, 1.0, 2.0], sleep=waits.append)
+    fetched = fetching.retry_transient(["a", "b", "c", "d"], fetch, [0.5, 1.0, 2.0], sleep=waits.append)
     assert [f.data for f in fetched] == [b"a", b"b", None, b"d"]
     assert isinstance(fetched[2].error, FileNotFoundError), "a missing object stays its own error"
     assert fetch.calls == [["a", "b", "c", "d"], ["b", "d"], ["b"]]
@@ -48,20 +48,20 @@ def test_only_transient_failures_are_fetched_again_and_results_keep_their_order(
 def test_still_transient_after_the_last_round_raises_naming_how_many_and_one_of_them() -> None:
     fetch, waits = Flaky({"a": 99, "b": 99, "c": 0}), list[float]()
     with pytest.raises(TransientStorageError, match=r"2 of 3 objects .* after 2 more rounds .* e\.g\. a: ") as info:
-        storage.retry_transient(["a", "b", "c"], fetch, [0.1, 0.2], sleep=waits.append)
+        fetching.retry_transient(["a", "b", "c"], fetch, [0.1, 0.2], sleep=waits.append)
     assert is_transient(info.value) and isinstance(info.value.__cause__, ConnectionResetError)
     assert waits == [0.1, 0.2] and fetch.reads == {"a": 3, "b": 3, "c": 1}
 
 
 def test_no_rounds_means_the_first_transient_failure_fails_the_call() -> None:
     with pytest.raises(TransientStorageError):
-        storage.retry_transient(["a"], Flaky({"a": 1}), [], sleep=lambda _: None)
+        fetching.retry_transient(["a"], Flaky({"a": 1}), [], sleep=lambda _: None)
 
 
 def test_delays_double_from_the_setting_with_jitter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAYLINE_FETCH_RETRIES", "4")
     monkeypatch.setenv("RAYLINE_FETCH_RETRY_DELAY_S", "0.5")
-    delays = storage.fetch_retry_delays()
+    delays = fetching.fetch_retry_delays()
     assert len(delays) == 4
     for i, delay in enumerate(delays):
         assert 0.25 * 2**i <= delay <= 0.75 * 2**i

@@ -6,7 +6,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rayline import storage
+from rayline import fetching, storage
 from rayline.errors import InputDataError
 
 pytestmark = pytest.mark.unit
@@ -89,8 +89,8 @@ def test_fetch_many_reads_local_files_in_order_in_this_thread(tmp_path: Path, mo
     def no_pool(*args: object, **kwargs: object) -> None:
         raise AssertionError("local reads go through no thread pool")
 
-    monkeypatch.setattr(storage, "ThreadPoolExecutor", no_pool)
-    fetched = storage.fetch_many([str(tmp_path / "b"), str(tmp_path / "missing"), str(tmp_path / "a")], 64)
+    monkeypatch.setattr(fetching, "ThreadPoolExecutor", no_pool)
+    fetched = fetching.fetch_many([str(tmp_path / "b"), str(tmp_path / "missing"), str(tmp_path / "a")], 64)
     assert [f.data for f in fetched] == [b"b", None, b"a"]
     assert isinstance(fetched[1].error, FileNotFoundError)
 
