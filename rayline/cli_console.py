@@ -198,13 +198,19 @@ def _quiet_logging(terminal: Terminal, handler: logging.Handler) -> None:
     logging.captureWarnings(True)  # deprecation warnings of Ray and others: into the file, via the root logger
     terminal._undo.append(lambda: logging.captureWarnings(False))
     # Tune's console reporter: its legacy one honours the RunConfig(verbose=0) the workloads set
-    if "RAY_AIR_NEW_OUTPUT" not in os.environ:
-        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-        terminal._undo.append(_forget_air_output)
+    _set_env_default(terminal, "RAY_AIR_NEW_OUTPUT", "0")
+    # MLflow writes "View run … at" to stdout for every run it ends: the run's link is in the log file anyway
+    _set_env_default(terminal, "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
-def _forget_air_output() -> None:
-    os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+def _set_env_default(terminal: Terminal, key: str, value: str) -> None:
+    if key not in os.environ:
+        os.environ[key] = value
+        terminal._undo.append(lambda: _unset(key))
+
+
+def _unset(key: str) -> None:
+    os.environ.pop(key, None)
 
 
 def open_terminal(command: str, state_dir: Path | None, verbose: bool, tty: bool | None = None) -> Terminal:

@@ -133,7 +133,10 @@ def _mirror_version(mlflow: MlflowClient, version: registry.ModelVersion) -> Mlf
         f"(torch.load(weights_only=True)) of {version.model_spec.arch}, sha256 {sha256}. "
         f"Metrics: {', '.join(f'{k} {v:.4f}' for k, v in version.metrics.items()) or 'none'}."
     )
-    return mlflow.create_model_version(version.name, source, run_id=run_id, tags=tags, description=description)
+    # await_creation_for=0: the artifact is logged already; waiting would only print "Waiting up to 300 seconds"
+    return mlflow.create_model_version(
+        version.name, source, run_id=run_id, tags=tags, description=description, await_creation_for=0
+    )
 
 
 def _mirror_alias(mlflow: MlflowClient, name: str, alias: str, mirrored: dict[int, MlflowVersion]) -> int | None:
