@@ -22,7 +22,7 @@ app = typer.Typer(
 
 
 # Commands that start no flow and no Ray work: their own output is all there is.
-_PLAIN_COMMANDS = frozenset({"up", "down", "seed-data"})
+_PLAIN_COMMANDS = frozenset({"up", "down", "seed-data", "lineage"})
 
 
 @app.callback()
@@ -39,7 +39,9 @@ def _options(
 ) -> None:
     """Set the terminal up for the command: rayline's progress and summary; the rest in a log file."""
     command = ctx.invoked_subcommand
-    if command is None or command in _PLAIN_COMMANDS or "--help" in _remaining_args(ctx):
+    args = _remaining_args(ctx)
+    # --json: stdout is the document alone, for another program to read
+    if command is None or command in _PLAIN_COMMANDS or "--help" in args or "--json" in args:
         return
     terminal = cli_console.open_terminal(command, _state_dir_or_none(), verbose)
     ctx.call_on_close(terminal.close)
