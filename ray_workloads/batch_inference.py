@@ -208,17 +208,24 @@ def objects_per_task(cfg: InferenceConfig) -> int:
     return 256 if cfg.model.image_spec.size <= SMALL_IMAGE_SIDE else COMPUTE_BOUND_OBJECTS_PER_TASK
 
 
-class _CountingPredictor(PredictorUDF):
-    """The predictor, counting the objects of each block it has written (for the CLI's progress)."""
+def _counting_predictor() -> type[PredictorUDF]:
+    """The predictor, counting the objects of each block it has written (for the CLI's progress).
 
-    def __init__(self, shown: progress.Stage, *args: Any) -> None:
-        super().__init__(*args)
-        self._shown = shown
+    Built on the module's ``PredictorUDF`` when called, not at import, so that a test's stand-in
+    predictor (one that crashes on a poison input) is the one that runs.
+    """
 
-    def __call__(self, batch: pa.Table) -> dict[str, Any]:
-        written = super().__call__(batch)
-        self._shown.add(sum(len(uris) for uris in batch.column(BLOCK_COLUMNS[0]).to_pylist()))
-        return written
+    class _CountingPredictor(PredictorUDF):
+        def __init__(self, shown: progress.Stage, *args: Any) -> None:
+            super().__init__(*args)
+            self._shown = shown
+
+        def __call__(self, batch: pa.Table) -> dict[str, Any]:
+            written = super().__call__(batch)
+            self._shown.add(sum(len(uris) for uris in batch.column(BLOCK_COLUMNS[0]).to_pylist()))
+            return written
+
+    return _CountingPredictor
 
 
 def _predict_and_write(
@@ -233,7 +240,7 @@ def _predict_and_write(
     context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
     context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
     reports = dataset.map_batches(
-        _CountingPredictor,
+        _counting_predictor(),
         fn_constructor_args=(shown, cfg.model, cfg.top_k, cfg.batch_size, cfg.io_concurrency, output, _constants(cfg)),
         batch_size=1,  # one block per call: it writes one file of each kind
         batch_format="pyarrow",

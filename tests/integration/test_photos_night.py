@@ -100,7 +100,8 @@ def test_monitor_and_lineage_of_an_outside_champions_nights(local_storage: str) 
     assert first.reference_share == pytest.approx({k: v / counts.total() for k, v in counts.items()})
     assert result.metrics_uri == storage.join(local_storage, "monitoring", "photos.prom")
     metrics = storage.read_bytes(result.metrics_uri).decode()
-    assert f'partition="dt={DAY}"' in metrics and f'partition="dt={NEXT_DAY}"' in metrics
+    # both nights, as "nights back" (bounded labels), their dates as values
+    assert 'night="0"' in metrics and 'night="1"' in metrics and 'model="photos"' in metrics
 
     named = monitor(model_name="photos", partitions=1, check_serving=False, reference_date=NEXT_DAY)
     (latest,) = named.partitions
