@@ -104,15 +104,23 @@ def _remote(call: Any) -> None:
 
 
 _tally_actor: Any = None
+_tally_cluster: str | None = None
 
 
 def _tally() -> Any:
-    """This process's tally actor, started on first use (0 CPUs: it never waits for the stage's own work)."""
-    global _tally_actor
+    """This process's tally actor, started on first use (0 CPUs: it never waits for the stage's own work).
+
+    One per Ray connection: a process that left a cluster and joined another (tests do) must not
+    hand out the old cluster's handle, which Ray cannot serialise (it aborts the process).
+    """
+    global _tally_actor, _tally_cluster
     import ray
 
-    if _tally_actor is None:
+    context = ray.get_runtime_context()
+    cluster = f"{context.gcs_address}/{context.get_job_id()}"
+    if _tally_actor is None or _tally_cluster != cluster:
         _tally_actor = ray.remote(num_cpus=0)(_Tally).remote()
+        _tally_cluster = cluster
     return _tally_actor
 
 

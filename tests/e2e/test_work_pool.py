@@ -13,7 +13,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import date
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,7 @@ def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str
         _drop_night(platform, day, count=1797, size=64)
     env = {**platform, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
     output = Path(platform["RAYLINE_STORAGE"]) / "killed-cli-run.out"
+    launched = datetime.now(UTC).isoformat()
     with _api(platform) as client, output.open("wb") as out:
         cli = subprocess.Popen(
             [str(BIN / "rayline"), "nightly-inference", "--date", "2026-01-06", *SLOW_NIGHT], env=env,
@@ -203,11 +204,19 @@ def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str
             if cli.poll() is None:
                 os.killpg(cli.pid, signal.SIGKILL)
             cli.wait(timeout=60)
-        running = client.post(
+        # the CLI's run: the newest nightly-inference run of no deployment, created after the command started
+        # (earlier tests of the module leave runs of their own)
+        newest = client.post(
             "/flow_runs/filter",
-            json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}, "deployment_id": {"is_null_": True}}},
+            json={
+                "flows": {"name": {"any_": ["nightly-inference"]}},
+                "flow_runs": {"deployment_id": {"is_null_": True}},
+                "sort": "EXPECTED_START_TIME_DESC",
+                "limit": 1,
+            },
         ).json()
-        assert len(running) == 1, [(r["name"], r["state"]["type"]) for r in running]
+        assert newest and newest[0]["created"] >= launched, [(r["name"], r["created"]) for r in newest]
+        running = newest
         cli_run = running[0]["id"]
         _assert_ray_job_ended(platform, cli_job)
 
