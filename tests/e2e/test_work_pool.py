@@ -149,17 +149,30 @@ def test_nightly_inference_runs_through_the_worker(platform: dict[str, str]) -> 
     assert night.commit.run_id, night.commit
 
 
-def _kill_once_on_ray(platform: dict[str, str], pid: int, process_group: bool, output: Path | None = None) -> str:
-    """SIGKILL ``pid`` once it drives a Ray job (its flow run is mid-way); returns the job's id."""
-    said = (lambda: output.read_text(errors="replace")[-3000:]) if output else (lambda: "")
-    _wait_for(lambda: _driver_job(platform, pid) is not None, 300, f"process {pid} connecting to Ray", said)
-    job = _driver_job(platform, pid)
-    assert job is not None and job["status"] == "RUNNING", (job, said())
-    if process_group:
-        os.killpg(pid, signal.SIGKILL)
-    else:
-        os.kill(pid, signal.SIGKILL)
-    return str(job["job_id"])
+def _freeze_on_ray(platform: dict[str, str], pid: int, group: bool, said: Any = lambda: "") -> str:
+    """Step ``pid`` (SIGCONT, 0.2 s, SIGSTOP) until it drives a Ray job; returns the job's id, ``pid`` left stopped.
+
+    Frozen while `ray list` looks (a second or two), the process runs at most one step past its Ray
+    connection, so its flow run is mid-way when it is killed however fast the night goes. (Killing as
+    soon as a free-running process was seen on Ray raced the night: in CI a run had already
+    committed, ended Completed a moment before the kill, and never became Crashed.)
+    """
+    send = os.killpg if group else os.kill
+    deadline = time.monotonic() + 300
+    while True:
+        send(pid, signal.SIGSTOP)
+        job = _driver_job(platform, pid)
+        if job is not None:
+            assert job["status"] == "RUNNING", (job, said())
+            return str(job["job_id"])
+        assert time.monotonic() < deadline, f"process {pid} did not connect to Ray within 300 s\n{said()}"
+        send(pid, signal.SIGCONT)
+        time.sleep(0.2)
+
+
+def _kill_frozen(pid: int, group: bool) -> None:
+    """SIGKILL a stopped process (or group): it dies at once, as under kill -9 mid-run."""
+    (os.killpg if group else os.kill)(pid, signal.SIGKILL)
 
 
 def _assert_ray_job_ended(platform: dict[str, str], job_id: str) -> None:
@@ -185,50 +198,72 @@ def _flow_run_process(run_id: str) -> int | None:
     return None
 
 
+def _newest_cli_run(client: httpx.Client, launched: datetime) -> dict[str, Any] | None:
+    """The newest nightly-inference run of no deployment, if it was created after ``launched``
+    (earlier tests of the module leave runs of their own)."""
+    newest = client.post(
+        "/flow_runs/filter",
+        json={
+            "flows": {"name": {"any_": ["nightly-inference"]}},
+            "flow_runs": {"deployment_id": {"is_null_": True}},
+            "sort": "EXPECTED_START_TIME_DESC",
+            "limit": 1,
+        },
+    ).json()
+    fresh = newest and datetime.fromisoformat(newest[0]["created"]) >= launched
+    return dict(newest[0]) if fresh else None
+
+
+def _is_running(run: dict[str, Any] | None) -> bool:
+    return run is not None and (run.get("state") or {}).get("type") == "RUNNING"
+
+
+def _worker_log(platform: dict[str, str]) -> str:
+    log = Path(platform["RAYLINE_STORAGE"]) / "state" / "logs" / "worker.log"
+    return log.read_text(errors="replace")[-4000:] if log.exists() else "(no worker log)"
+
+
 def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str, str]) -> None:
     """kill -9 of a CLI run (zombie automation, heartbeats) and of a worker's run (the worker sees it exit)."""
     for day in ("2026-01-06", "2026-01-07"):
         _drop_night(platform, day, count=1797, size=64)
     env = {**platform, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
     output = Path(platform["RAYLINE_STORAGE"]) / "killed-cli-run.out"
-    launched = datetime.now(UTC).isoformat()
+    said = lambda: output.read_text(errors="replace")[-3000:]  # noqa: E731
+    launched = datetime.now(UTC)
     with _api(platform) as client, output.open("wb") as out:
         cli = subprocess.Popen(
             [str(BIN / "rayline"), "nightly-inference", "--date", "2026-01-06", *SLOW_NIGHT], env=env,
             cwd=platform["RAYLINE_STORAGE"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
-            cli_job = _kill_once_on_ray(platform, cli.pid, process_group=True, output=output)
+            _wait_for(lambda: _is_running(_newest_cli_run(client, launched)), 300, "the CLI's flow run running", said)
+            cli_run = str((_newest_cli_run(client, launched) or {})["id"])
+            cli_job = _freeze_on_ray(platform, cli.pid, group=True, said=said)
+            assert _state(client, cli_run) == "RUNNING", said()
+            _kill_frozen(cli.pid, group=True)
             cli_killed = time.monotonic()
         finally:
             if cli.poll() is None:
                 os.killpg(cli.pid, signal.SIGKILL)
             cli.wait(timeout=60)
-        # the CLI's run: the newest nightly-inference run of no deployment, created after the command started
-        # (earlier tests of the module leave runs of their own)
-        newest = client.post(
-            "/flow_runs/filter",
-            json={
-                "flows": {"name": {"any_": ["nightly-inference"]}},
-                "flow_runs": {"deployment_id": {"is_null_": True}},
-                "sort": "EXPECTED_START_TIME_DESC",
-                "limit": 1,
-            },
-        ).json()
-        assert newest and newest[0]["created"] >= launched, [(r["name"], r["created"]) for r in newest]
-        running = newest
-        cli_run = running[0]["id"]
         _assert_ray_job_ended(platform, cli_job)
 
         night = {"date": "2026-01-07", "actors": 1, "batch_size": 4}
         worker_run = _run_deployment(client, "nightly-inference/nightly-inference", night)
-        _wait_for(lambda: _flow_run_process(worker_run) is not None, 300, "the worker starting the run's process")
+        worker_said = lambda: _worker_log(platform)  # noqa: E731
+        _wait_for(lambda: _state(client, worker_run) == "RUNNING", 300, "the worker's run running", worker_said)
         pid = _flow_run_process(worker_run)
-        assert pid is not None
-        worker_job = _kill_once_on_ray(platform, pid, process_group=False)
+        assert pid is not None, worker_said()
+        worker_job = _freeze_on_ray(platform, pid, group=False, said=worker_said)
+        assert _state(client, worker_run) == "RUNNING", worker_said()
+        _kill_frozen(pid, group=False)
         worker_killed = time.monotonic()
         _assert_ray_job_ended(platform, worker_job)
 
         for run_id, killed in ((worker_run, worker_killed), (cli_run, cli_killed)):
             left = CRASH_DEADLINE_S - (time.monotonic() - killed)
-            _wait_for(lambda run_id=run_id: _state(client, run_id) == "CRASHED", left, f"flow run {run_id} Crashed")
+            _wait_for(
+                lambda run_id=run_id: _state(client, run_id) == "CRASHED", left, f"flow run {run_id} Crashed",
+                lambda run_id=run_id: f"{_flow_run(client, run_id)['state']}\n{worker_said()}",
+            )  # fmt: skip
