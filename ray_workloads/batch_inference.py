@@ -63,12 +63,10 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 from pydantic import BaseModel, Field
 
@@ -80,7 +78,7 @@ from ray_workloads.inference_predictor import (
 )
 from ray_workloads.ingest import content_hash
 from rayline import errors, progress, storage
-from rayline.delta_tables import Night, NightCommit, find_commit, open_table, table_version
+from rayline.delta_tables import Night, NightCommit, attempt_run_id, find_commit, open_table
 from rayline.errors import InputDataError, RaylineError, RetriesExhausted, StorageError
 from rayline.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
 from rayline.predictions_table import (
@@ -90,6 +88,7 @@ from rayline.predictions_table import (
     check_night_unchanged,
     commit_night,
     night_seq,
+    verify_exactly_once,
     write_data_file,
 )
 from rayline.registry import ModelVersion
@@ -279,31 +278,6 @@ def _surfacing_errors(execute: Callable[[], Dataset]) -> Dataset:
         raise
 
 
-def _read_uris(uris: list[str]) -> list[str]:
-    """The ``uri`` column of the written files, read concurrently (the other columns are not needed)."""
-
-    def read(uri: str) -> list[str]:
-        fs, path = storage.arrow_filesystem(uri)
-        try:
-            return [str(u) for u in pq.read_table(path, columns=["uri"], filesystem=fs).column("uri").to_pylist()]
-        except Exception as exc:
-            raise StorageError(f"reading back {uri}: {type(exc).__name__}: {exc}") from exc
-
-    with ThreadPoolExecutor(8) as pool:
-        return [u for part in pool.map(read, uris) for u in part]
-
-
-def _verify_exactly_once(files: dict[str, list[str]], expected: set[str]) -> None:
-    seen = _read_uris(files["predictions"] + files["errors"])
-    duplicates = [u for u, c in Counter(seen).items() if c > 1]
-    missing, extra = expected - set(seen), set(seen) - expected
-    if duplicates or missing or extra:
-        raise StorageError(
-            f"refusing to commit: {len(missing)} inputs missing, {len(extra)} unexpected, "
-            f"{len(duplicates)} duplicated (e.g. {(sorted(missing) + sorted(extra) + duplicates)[:3]})"
-        )
-
-
 class _Phases:
     """Wall-clock seconds per named phase (where a run's time goes)."""
 
@@ -320,31 +294,6 @@ class _Phases:
 def new_run_id() -> str:
     """A run's id: sortable by start time, unique across runs started together."""
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
-
-
-def _committed(table: str, night: Night, run_id: str) -> bool:
-    """Whether ``run_id`` committed the night to ``table`` (its app transaction: no history scan)."""
-    if table_version(table) is None:
-        return False
-    return open_table(table).transaction_version(night.run_app_id(run_id)) is not None
-
-
-def _attempt_run_id(predictions: str, errors_table: str, night: Night, run_id: str) -> tuple[str, NightCommit | None]:
-    """The id this attempt commits under, and the predictions commit when the run's commit already landed.
-
-    An attempt that committed its errors but not its predictions left the
-    first attempt's error rows in the errors table: pairing them with a new
-    attempt's predictions could name an input in both tables, so the next
-    attempt predicts and commits both tables under a derived id
-    (``<run_id>.2``, …), which replaces that errors commit.
-    """
-    for attempt in range(1, 10):
-        candidate = run_id if attempt == 1 else f"{run_id}.{attempt}"
-        if _committed(predictions, night, candidate):
-            return candidate, find_commit(predictions, open_table(predictions), night, candidate)
-        if not _committed(errors_table, night, candidate):
-            return candidate, None
-    raise StorageError(f"run {run_id} committed {night.relative_dir}'s errors 9 times without its predictions")
 
 
 def _committed_result(
@@ -392,7 +341,7 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
     source = storage.normalize(cfg.input_uri)
     night = Night(cfg.model.name, cfg.dt)
     tables = (table_uri(cfg.tables_root, PREDICTIONS_TABLE), table_uri(cfg.tables_root, ERRORS_TABLE))
-    attempt_id, landed = _attempt_run_id(*tables, night, run_id or new_run_id())
+    attempt_id, landed = attempt_run_id(*tables, night, run_id or new_run_id())
     if landed is not None:  # a retry of a run whose commit landed: that commit is the result
         return _committed_result(cfg, tables, night, landed, time.perf_counter() - started)
     output = NightOutput(predictions_table=tables[0], errors_table=tables[1], night=night, run_id=attempt_id)
@@ -418,7 +367,7 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
         files[item.kind].append(item.uri)
         counts[item.kind] += item.rows
         error_types.update(item.error_types)
-    _verify_exactly_once(files, {o.uri for o in objects})
+    verify_exactly_once(files, {o.uri for o in objects})
     phases.lap("verify")
     digest = content_hash(objects)
     metadata: dict[str, str | int] = {

@@ -181,3 +181,28 @@ def night_commit(uri: str, model_name: str, dt: str, version: int | None = None)
     """Which run last committed a night (as of ``version``), at which table version: for pairing the tables."""
     uri = storage.normalize(uri)
     return find_commit(uri, open_table(uri, version), Night(model_name, dt))
+
+
+def run_committed(table: str, night: Night, run_id: str) -> bool:
+    """Whether ``run_id`` committed the night to ``table`` (its app transaction: no history scan)."""
+    if table_version(table) is None:
+        return False
+    return open_table(table).transaction_version(night.run_app_id(run_id)) is not None
+
+
+def attempt_run_id(predictions: str, errors_table: str, night: Night, run_id: str) -> tuple[str, NightCommit | None]:
+    """The id this attempt commits under, and the predictions commit when the run's commit already landed.
+
+    An attempt that committed its errors but not its predictions left the
+    first attempt's error rows in the errors table: pairing them with a new
+    attempt's predictions could name an input in both tables, so the next
+    attempt predicts and commits both tables under a derived id
+    (``<run_id>.2``, …), which replaces that errors commit.
+    """
+    for attempt in range(1, 10):
+        candidate = run_id if attempt == 1 else f"{run_id}.{attempt}"
+        if run_committed(predictions, night, candidate):
+            return candidate, find_commit(predictions, open_table(predictions), night, candidate)
+        if not run_committed(errors_table, night, candidate):
+            return candidate, None
+    raise StorageError(f"run {run_id} committed {night.relative_dir}'s errors 9 times without its predictions")
