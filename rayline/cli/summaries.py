@@ -61,6 +61,7 @@ def print_model_summary(result: TrainModelResult) -> None:
 def print_registration(result: RegisterModelResult) -> None:
     version = result.version
     source = version.weights_source
+    assert source is not None  # register-model always records where the user's weights came from
     typer.echo("")
     typer.secho("register-model finished", bold=True)
     state = "already registered as" if result.reused else "registered as"
@@ -77,9 +78,11 @@ def print_registration(result: RegisterModelResult) -> None:
 
 
 def print_inference_summary(result: InferenceResult | NightSkipped) -> None:
+    from ray_workloads.batch_inference import NightSkipped  # loaded already: the result came from it
+
     typer.echo("")
     typer.secho("nightly-inference finished", bold=True)
-    if not hasattr(result, "predictions_version"):  # NightSkipped: another run committed the night
+    if isinstance(result, NightSkipped):  # another run committed the night
         typer.echo(f"  night              {result.night}: not committed by this run")
         typer.echo(f"  why                {result.message}")
         return
