@@ -36,8 +36,8 @@ from prefect.events import DeploymentEventTrigger
 from prefect.events.schemas.automations import Posture
 from prefect.schedules import Cron, Interval, Schedule
 
+from rayline import events
 from rayline.prediction_reads import DEFAULT_RETENTION_HOURS
-from tasks import events
 
 RETRAIN_DEBOUNCE = timedelta(minutes=30)
 

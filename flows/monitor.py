@@ -14,14 +14,13 @@ from pydantic import BaseModel, Field
 
 from ray_workloads import monitor as mon
 from ray_workloads import preprocess, serve_control
-from rayline import mlflow_mirror, registry, storage
+from rayline import events, mlflow_mirror, registry, storage
 from rayline.errors import RaylineError
 from rayline.layout import MONITORING_DIR, parse_day
 from rayline.layout import model_name as checked_model_name
 from rayline.prediction_reads import DEFAULT_RETENTION_HOURS, check_retention, committed_nights
-from tasks import events
+from tasks.common import emit, png_markdown
 from tasks.maintenance import vacuum_tables_task
-from tasks.train import png_markdown
 
 
 class MonitorResult(BaseModel):
@@ -138,7 +137,7 @@ def monitor(
 
     for drift in result.drifted:
         logger.warning("drift in %s: %s", drift.night, "; ".join(drift.reasons))
-        events.emit(
+        emit(
             events.DRIFT_DETECTED,
             f"rayline.predictions.{drift.night}",
             payload={
@@ -153,7 +152,7 @@ def monitor(
         )
     if serving is not None and serving.reachable and not serving.healthy:
         logger.warning("serving unhealthy: %s", serving.problem)
-        events.emit(events.HEALTH_DEGRADED, f"rayline.serve.{serving.url}", payload=serving.model_dump())
+        emit(events.HEALTH_DEGRADED, f"rayline.serve.{serving.url}", payload=serving.model_dump())
     # last: upkeep, which must not hold back the checks' events
     result.files_vacuumed, vacuum_error = _vacuum(root, vacuum_retention_hours)
     markdown = _markdown(result, vacuum_error)

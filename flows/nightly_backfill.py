@@ -1,4 +1,7 @@
-"""The per-night pieces of ``nightly-inference``, and its run of a range of nights (a backfill). Not a flow.
+"""The per-night pieces of ``nightly-inference``, and its run of a range of nights (a backfill).
+
+Not a flow: a helper module of the flows layer, which ``flows/nightly_inference.py``
+imports (a flow imports no other flow, but a module that defines none it may).
 
 Both paths build a night's config and judge its error budget here. A range
 submits one ``batch-inference`` task per night, at most

@@ -1,7 +1,12 @@
-"""What every rayline task shares: retry policy, run ids, lease holders, lineage recording."""
+"""What every rayline task shares: retry policy, run ids, lease holders, lineage recording, events, artifacts.
+
+The tasks layer's one shared base: a task module imports no other task module, only this one
+(``tests/unit/test_structure.py``), and flows take these helpers from here too.
+"""
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import uuid
@@ -16,6 +21,7 @@ from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.context import TaskRunContext
+from prefect.events import emit_event
 from prefect.runtime import flow_run, task_run
 
 from rayline import leases, lineage, openlineage_events, ray_work
@@ -197,6 +203,29 @@ def idempotency_key(*inputs: object) -> str:
     run = task_run.get_id() or flow_run.get_id() or uuid.uuid4().hex  # outside Prefect: every call is a run
     joined = "\x1f".join(str(part) for part in (run, *inputs))
     return hashlib.sha256(joined.encode()).hexdigest()[:32]
+
+
+def emit(
+    event: str,
+    resource_id: str,
+    payload: dict[str, Any],
+    labels: dict[str, str] | None = None,
+    idempotency_key: str | None = None,
+) -> None:
+    """Emit ``event`` (a name of ``rayline.events``); with ``idempotency_key`` its id is derived from the
+    key, so an event a retried task emits again is the same event: Prefect's server stores it and fires
+    its triggers once."""
+    event_id = uuid.uuid5(uuid.NAMESPACE_URL, f"rayline:{event}:{idempotency_key}") if idempotency_key else None
+    emit_event(
+        event=event, resource={"prefect.resource.id": resource_id, **(labels or {})}, payload=payload, id=event_id
+    )
+
+
+def png_markdown(title: str, png: bytes, link: str | None = None) -> str:
+    """Markdown with the PNG inline, so the Prefect UI shows it without access to storage."""
+    encoded = base64.b64encode(png).decode()
+    where = f"\n\nStored at `{link}`" if link else ""
+    return f"### {title}\n\n![{title}](data:image/png;base64,{encoded}){where}\n"
 
 
 def lease_holder() -> str:

@@ -8,10 +8,10 @@ from prefect import get_run_logger
 from prefect.runtime import task_run
 
 from ray_workloads import ingest
-from rayline import lineage, ray_cluster, storage
+from rayline import events, lineage, ray_cluster, storage
+from rayline.config import get_settings
 from rayline.lineage import DatasetRef
-from tasks import events
-from tasks.common import folder_wait_text, lease_holder, ray_task, record_lineage
+from tasks.common import emit, folder_wait_text, lease_holder, ray_task, record_lineage
 
 
 @ray_task("ingest")
@@ -59,7 +59,7 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
     if not result.cached or committed_by_this_run:
         news = ingest.arrivals(result, _previous_ingest(result))
         if news.new_objects:
-            eligible = events.data_arrived(
+            eligible = data_arrived(
                 news, may_retrain=announce_retrain, idempotency_key=f"{result.source_uri}@{result.content_hash}"
             )
             get_run_logger().info(
@@ -70,6 +70,22 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
                 ": enough to retrain" if eligible else "",
             )
     return result
+
+
+def data_arrived(arrivals: ingest.Arrivals, may_retrain: bool = True, idempotency_key: str | None = None) -> bool:
+    """Announce new objects under a prefix; True when they are enough to retrain on.
+
+    ``may_retrain`` False: announced, but never labelled for retraining (the caller trains on them).
+    """
+    eligible = may_retrain and arrivals.new_labelled >= get_settings().retrain_min_new_labelled
+    emit(
+        events.DATA_ARRIVED,
+        f"rayline.data.{arrivals.source_uri}",
+        payload=arrivals.model_dump(),
+        labels={events.RETRAIN_LABEL: "true" if eligible else "false", "rayline.prefix": arrivals.source_uri},
+        idempotency_key=idempotency_key,
+    )
+    return eligible
 
 
 def _previous_ingest(current: ingest.IngestResult) -> ingest.IngestResult | None:

@@ -11,12 +11,11 @@ from pydantic import BaseModel
 from ray_workloads import evaluate, preprocess
 from ray_workloads.models import ModelSpec, state_dict_from_bytes
 from ray_workloads.train import TrainResult
-from rayline import lineage, mlflow_mirror, ray_cluster, registry, storage
+from rayline import events, lineage, mlflow_mirror, ray_cluster, registry, storage
 from rayline.errors import ConfigError
 from rayline.lineage import DatasetRef
 from rayline.specs import ParentModel
-from tasks import events
-from tasks.common import idempotency_key, ray_task, record_lineage, run_context
+from tasks.common import emit, idempotency_key, ray_task, record_lineage, run_context
 
 GATE_METRIC = "test_accuracy"
 
@@ -120,7 +119,7 @@ def register_and_gate(
         alias = registry.CHAMPION if champion is None or promote_to == registry.CHAMPION else registry.CHALLENGER
         moves.append(registry.set_alias(name, alias, version.version, decision.reason))
     if alias == registry.CHALLENGER:  # serving canaries it: the serve-rollout deployment listens
-        events.emit(
+        emit(
             events.CHALLENGER_REGISTERED,
             events.model_resource(name, version.version),
             payload={"model": name, "version": version.version, "reason": decision.reason},

@@ -9,10 +9,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from ray_workloads import register_model
 from ray_workloads.register_model import RegisterModelConfig, RegisterModelResult
-from rayline import lineage, mlflow_mirror, registry
+from rayline import events, lineage, mlflow_mirror, registry
 from rayline.lineage import DatasetRef
-from tasks import events
-from tasks.common import idempotency_key, ray_task, record_lineage, run_context
+from tasks.common import emit, idempotency_key, ray_task, record_lineage, run_context
 
 
 @ray_task("register-model", timeout_s=900)
@@ -27,7 +26,7 @@ def register_outside_model(cfg: RegisterModelConfig) -> RegisterModelResult:
     source = version.weights_source
     assert source is not None  # run() always records where outside weights came from
     if move is not None and move.alias == registry.CHALLENGER:  # serving canaries it: serve-rollout listens
-        events.emit(
+        emit(
             events.CHALLENGER_REGISTERED,
             events.model_resource(version.name, version.version),
             payload={"model": version.name, "version": version.version, "reason": move.reason},

@@ -11,10 +11,9 @@ from pydantic import BaseModel
 
 from ray_workloads import rollout
 from ray_workloads.serve_config import ServeConfig
-from rayline import mlflow_mirror, ray_cluster, registry
+from rayline import events, mlflow_mirror, ray_cluster, registry
 from rayline.lineage import DatasetRef
-from tasks import events
-from tasks.common import idempotency_key, ray_task, record_lineage
+from tasks.common import emit, idempotency_key, ray_task, record_lineage
 
 
 class PreparedRollout(BaseModel):
@@ -114,7 +113,7 @@ def _finish(
         parameters={"steps": [s.model_dump(mode="json") for s in steps]},
         connection=connection,
     )
-    events.emit(
+    emit(
         event,
         events.model_resource(cand.name, cand.version),
         payload={"model": cand.name, "candidate": cand.version, "incumbent": inc.version, "reason": reason, **extra},

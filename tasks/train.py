@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import re
 from datetime import UTC, datetime
 
@@ -13,15 +12,7 @@ from ray_workloads import evaluate, train
 from ray_workloads.models import ModelSpec
 from rayline import ray_cluster, storage, tracking
 from rayline.lineage import DatasetRef
-from tasks.common import ray_task, record_lineage
-
-
-def png_markdown(title: str, png: bytes, link: str | None = None) -> str:
-    """Markdown with the PNG inline, so the Prefect UI shows it without access to storage."""
-    encoded = base64.b64encode(png).decode()
-    where = f"\n\nStored at `{link}`" if link else ""
-    return f"### {title}\n\n![{title}](data:image/png;base64,{encoded}){where}\n"
-
+from tasks.common import png_markdown, ray_task, record_lineage
 
 # wall-clock marks: when, not how well; MLflow has its own timestamps
 _UNTRACKED = ("attempt_started_at", "epoch_ended_at", "attempt_start_epoch")

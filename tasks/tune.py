@@ -12,8 +12,7 @@ from ray_workloads import evaluate, tune
 from ray_workloads.training_loop import TrainLoopConfig
 from rayline import ray_cluster, storage
 from rayline.lineage import DatasetRef
-from tasks.common import ray_task, record_lineage
-from tasks.train import png_markdown
+from tasks.common import png_markdown, ray_task, record_lineage
 
 
 @ray_task("tune")

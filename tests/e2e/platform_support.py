@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rayline.platform import SERVICES, ServiceRecord, ray_temp_dir
+from rayline.cli.platform import SERVICES, ServiceRecord, ray_temp_dir
 from tests.support import free_port
 
 BIN = Path(sys.executable).parent

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from ray_workloads.models import imagenet_classes
-from rayline.platform import SERVICES
+from rayline.cli.platform import SERVICES
 from tests.e2e.platform_support import AUTH, run_python, run_rayline, service_records
 from tests.support import REPO_ROOT
 

@@ -33,12 +33,11 @@ from ray_workloads.ingest import IngestConfig, IngestResult
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from ray_workloads.preprocess import PreprocessResult
 from ray_workloads.train import TrainResult
-from rayline import lineage, registry, storage
+from rayline import events, lineage, registry, storage
 from rayline.delta_tables import Night
 from rayline.errors import TransientError
 from rayline.predictions_table import night_seq
 from rayline.seed import digit_objects, synthetic_objects
-from tasks import events
 from tasks.batch_inference import batch_inference_task
 from tasks.ingest import ingest_objects
 from tasks.preprocess import preprocess_images
@@ -163,7 +162,7 @@ def _champion(name: str, prepared: PreprocessResult) -> registry.ModelVersion:
 SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
     "version-registered": (registry, "register"),
     "alias-moved": (registry, "set_alias"),
-    "event-emitted": (events, "emit"),
+    "event-emitted": (tasks.register, "emit"),
     "lineage-written": (tasks.register, "record_lineage"),
 }
 
@@ -191,7 +190,7 @@ def test_register_and_gate_retried_after_a_side_effect_leaves_one_of_each(
 
 INGEST_SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
     "manifest-committed": (ray_workloads.ingest, "run"),
-    "event-emitted": (events, "data_arrived"),
+    "event-emitted": (tasks.ingest, "data_arrived"),
     "lineage-written": (tasks.ingest, "record_lineage"),
 }
 
@@ -239,7 +238,7 @@ def test_a_retried_ingest_that_finds_an_older_runs_dataset_announces_nothing(
         return state.result(), state.state_details.task_run_id
 
     first, _ = probe()  # the earlier run: commits and announces
-    announced = _calls_of(events, "data_arrived", monkeypatch)  # announcements from here on
+    announced = _calls_of(tasks.ingest, "data_arrived", monkeypatch)  # announcements from here on
     _fail_once_after(tasks.ingest.ray_cluster, "connect", monkeypatch)  # the later run's first attempt fails early
     again, task_run_id = probe()
 

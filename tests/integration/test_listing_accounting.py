@@ -13,7 +13,7 @@ import pytest
 
 from ray_workloads import batch_inference, ingest
 from rayline import storage
-from rayline.cli_summaries import print_inference_summary
+from rayline.cli.summaries import print_inference_summary
 from rayline.prediction_reads import read_night_pair
 from rayline.seed import digit_objects
 from tests.integration.helpers import register_untrained

@@ -17,9 +17,8 @@ from flows.prepare_data import prepare_data
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from ray_workloads.monitor import DriftThresholds
 from ray_workloads.training_loop import TrainLoopConfig, in_memory_batches, make_optimizer, run_epoch
-from rayline import registry, storage
+from rayline import events, registry, storage
 from rayline.seed import digit_objects, seed, synthetic_objects
-from tasks import events
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 

@@ -8,7 +8,7 @@ import pytest
 
 from ray_workloads.ingest import IngestResult
 from rayline import storage
-from rayline.cli_summaries import print_prepare_summary
+from rayline.cli.summaries import print_prepare_summary
 
 pytestmark = pytest.mark.unit
 

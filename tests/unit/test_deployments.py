@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 
 from deployments.catalog import RETRAIN_DEBOUNCE, build_deployments, deployment_table
-from tasks import events
+from rayline import events
 
 pytestmark = pytest.mark.unit
 

@@ -127,7 +127,7 @@ def test_nights_failed_keeps_its_outcomes_when_copied() -> None:
 def test_backfill_summary_prints_a_line_per_night() -> None:
     import typer
 
-    from rayline.cli_summaries import print_backfill_summary
+    from rayline.cli.summaries import print_backfill_summary
 
     app = typer.Typer()
     app.command()(lambda: print_backfill_summary(_result()))
@@ -142,7 +142,7 @@ def test_backfill_summary_prints_a_line_per_night() -> None:
 
 
 def test_a_backfill_line_names_the_listed_objects_a_night_skipped() -> None:
-    from rayline.cli_summaries import backfill_night_line
+    from rayline.cli.summaries import backfill_night_line
 
     night = NightOutcome(
         dt="2026-11-26",

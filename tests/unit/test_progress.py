@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rayline import progress
-from rayline.cli_console import PlainReporter, log_path
+from rayline.cli.console import PlainReporter, log_path
 
 pytestmark = pytest.mark.unit
 

@@ -135,14 +135,14 @@ def test_unfinished_versions_are_never_resolved(local_storage: str) -> None:
 def test_the_nightly_model_option_takes_the_old_forms_and_name_at_ref(
     model: str, model_name: str | None, expected: tuple[str, str], local_storage: str
 ) -> None:
-    from rayline.cli_common import model_ref as _model_ref
+    from rayline.cli.common import model_ref as _model_ref
 
     assert _model_ref(model, model_name) == expected
 
 
 def test_a_bare_registered_model_name_means_its_champion(local_storage: str) -> None:
     """``--model photos`` is photos@champion, not an alias 'photos' of digits; digits' own aliases still win."""
-    from rayline.cli_common import model_ref as _model_ref
+    from rayline.cli.common import model_ref as _model_ref
 
     assert _model_ref("photos", None) == ("digits", "photos")  # nothing named photos: an alias of digits
     registry.register("photos", b"w", model_spec=ModelSpec(), image_spec=ImageSpec(), classes=["a", "b"],
@@ -166,7 +166,7 @@ def test_a_bare_registered_model_name_means_its_champion(local_storage: str) -> 
 def test_a_bad_nightly_model_option_is_named(
     model: str, model_name: str | None, message: str, local_storage: str
 ) -> None:
-    from rayline.cli_common import model_ref as _model_ref
+    from rayline.cli.common import model_ref as _model_ref
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         _model_ref(model, model_name)

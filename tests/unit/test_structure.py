@@ -1,12 +1,25 @@
-"""The shape of the project: layering and no side effects at import."""
+"""The shape of the project: one-way layers, and no side effects at import.
+
+Imports run one way::
+
+    rayline/cli (the shell) → deployments → flows → tasks → ray_workloads → core (the rest of rayline/)
+
+Every module's imports are read from its source with ``ast``: those inside
+functions and under ``TYPE_CHECKING`` too, since a hidden import is still a
+dependency (it only hides a cycle). Each rule is its own test, and a failure
+names the module, the import and its line.
+"""
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
-import pkgutil
+import os
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -15,22 +28,180 @@ from tests.support import REPO_ROOT
 pytestmark = pytest.mark.unit
 
 PACKAGES = ["rayline", "ray_workloads", "tasks", "flows", "deployments"]
+WALKED = [*PACKAGES, "bench"]
+SHELL = "rayline.cli"
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    target: str  # an absolute module name
+    line: int
+    bound: str = ""  # `import target` / `from pkg import target`: the name the module is bound to
+    names: tuple[tuple[str, str], ...] = ()  # `from target import name as bound`: (name, bound) pairs
+
+    def __str__(self) -> str:
+        return f"{self.importer} imports {self.target} (line {self.line})"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@functools.cache
+def _sources() -> dict[str, Path]:
+    """Every module of the walked folders, by name."""
+    return {_module_name(p): p for folder in WALKED for p in sorted((REPO_ROOT / folder).rglob("*.py"))}
 
 
 def _modules(package: str) -> list[str]:
-    pkg = importlib.import_module(package)
-    return [package] + [f"{package}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)]
+    """The package's modules, subpackages included; not ``__main__`` (importing it runs the command)."""
+    return [m for m in _sources() if _within(m, package) and not m.endswith(".__main__")]
+
+
+def _within(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _layer(module: str) -> str:
+    if _within(module, SHELL):
+        return "shell"
+    top = module.split(".")[0]
+    return "core" if top == "rayline" else top
+
+
+def _absolute(importer: str, node: ast.ImportFrom) -> str:
+    """The module a ``from … import`` reads, relative forms resolved against the importer's package."""
+    if node.level == 0:
+        return node.module or ""
+    is_package = _sources()[importer].name == "__init__.py"
+    package = importer if is_package else importer.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
+def _imports_in(importer: str) -> list[Import]:
+    found: list[Import] = []
+    for node in ast.walk(ast.parse(_sources()[importer].read_text())):
+        if isinstance(node, ast.Import):
+            found += [Import(importer, a.name, node.lineno, bound=a.asname or a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base, names = _absolute(importer, node), []
+            for alias in node.names:
+                if f"{base}.{alias.name}" in _sources():  # `from flows import prepare_data`: a module
+                    found.append(
+                        Import(importer, f"{base}.{alias.name}", node.lineno, bound=alias.asname or alias.name)
+                    )
+                else:
+                    names.append((alias.name, alias.asname or alias.name))
+            if names:
+                found.append(Import(importer, base, node.lineno, names=tuple(names)))
+    return found
+
+
+@functools.cache
+def _all_imports() -> tuple[Import, ...]:
+    return tuple(i for module in _sources() for i in _imports_in(module))
+
+
+def _imports_of(layer: str) -> list[Import]:
+    return [i for i in _all_imports() if _layer(i.importer) == layer]
+
+
+def _report(rule: str, offending: list[Import]) -> str:
+    return rule + ":\n" + "\n".join(f"  {i}" for i in offending)
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        owner = _dotted(node.value)
+        return f"{owner}.{node.attr}" if owner else None
+    return None
+
+
+@functools.cache
+def _called(module: str) -> frozenset[str]:
+    """What ``module`` calls, by name as written: ``prepare_data``, ``prepare_data.prepare_data``."""
+    tree = ast.parse(_sources()[module].read_text())
+    return frozenset(name for n in ast.walk(tree) if isinstance(n, ast.Call) and (name := _dotted(n.func)))
+
+
+@functools.cache
+def _flows_defined(module: str) -> frozenset[str]:
+    """The functions of ``module`` decorated as Prefect flows (``@flow``, ``@flow(...)``, ``@prefect.flow``)."""
+    tree = ast.parse(_sources()[module].read_text())
+    return frozenset(
+        fn.name
+        for fn in tree.body
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+        for d in fn.decorator_list
+        if _dotted(d.func if isinstance(d, ast.Call) else d) in ("flow", "prefect.flow")
+    )
+
+
+def _calls_a_subflow(imp: Import) -> bool:
+    """The import takes a flow of ``imp.target`` that the importer calls: a subflow."""
+    flows, called = _flows_defined(imp.target), _called(imp.importer)
+    if imp.names:
+        return any(name in flows and bound in called for name, bound in imp.names)
+    return any(f"{imp.bound}.{flow}" in called for flow in flows)
+
+
+def test_the_walk_reads_every_layer_and_imports_inside_functions() -> None:
+    assert {_layer(m) for m in _sources()} >= {"core", "shell", "ray_workloads", "tasks", "flows", "deployments"}
+    hidden = [i for i in _imports_of("deployments") if i.target == "flows.monitor"]
+    assert hidden, "deployment_table() imports the monitor flow inside the function: the walk must see it"
+
+
+def test_core_imports_no_higher_layer() -> None:
+    bad = [i for i in _imports_of("core") if _within(i.target, "ray_workloads", "tasks", "flows", "deployments")]
+    assert not bad, _report("core (rayline/ but rayline/cli/) imports nothing above it", bad)
+
+
+def test_only_the_shell_imports_the_shell() -> None:
+    below = ("core", "ray_workloads", "tasks", "flows", "deployments")
+    bad = [i for i in _all_imports() if _layer(i.importer) in below and _within(i.target, SHELL)]
+    assert not bad, _report("only rayline/cli/ imports rayline.cli: it is the top of the house", bad)
 
 
 def test_workloads_never_import_prefect() -> None:
-    for path in (REPO_ROOT / "ray_workloads").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            assert not any(n == "prefect" or n.startswith("prefect.") for n in names), f"{path} imports Prefect"
+    bad = [i for i in _imports_of("ray_workloads") if _within(i.target, "prefect")]
+    assert not bad, _report("ray_workloads are plain Ray code: no Prefect", bad)
+
+
+def test_workloads_import_no_tasks_flows_or_deployments() -> None:
+    bad = [i for i in _imports_of("ray_workloads") if _within(i.target, "tasks", "flows", "deployments")]
+    assert not bad, _report("ray_workloads import only core", bad)
+
+
+def test_tasks_import_no_flows_and_no_other_task_but_the_common_base() -> None:
+    def wrong(i: Import) -> bool:
+        other_task = _within(i.target, "tasks") and i.target not in ("tasks", "tasks.common", i.importer)
+        return other_task or _within(i.target, "flows", "deployments")
+
+    bad = [i for i in _imports_of("tasks") if wrong(i)]
+    assert not bad, _report("a task module imports no flow and no other task module, only tasks.common", bad)
+
+
+def test_flows_import_another_flow_only_as_a_subflow_they_call() -> None:
+    def wrong(i: Import) -> bool:
+        if _within(i.target, "deployments"):
+            return True
+        other_flow = _within(i.target, "flows") and i.target not in ("flows", i.importer)
+        # a flows module that defines no flow (flows/nightly_backfill.py) is a helper of the layer
+        return other_flow and bool(_flows_defined(i.target)) and not _calls_a_subflow(i)
+
+    bad = [i for i in _imports_of("flows") if wrong(i)]
+    assert not bad, _report("a flow imports another flow's module only to call that flow as a subflow", bad)
+
+
+def test_bench_imports_no_tests() -> None:
+    bad = [i for i in _imports_of("bench") if _within(i.target, "tests")]
+    assert not bad, _report("bench/ runs from a checkout without the tests: it imports none", bad)
 
 
 def test_importing_everything_starts_no_ray_and_writes_nothing(tmp_path: object) -> None:
@@ -41,7 +212,11 @@ def test_importing_everything_starts_no_ray_and_writes_nothing(tmp_path: object)
         "assert not ray.is_initialized(), 'ray.init at import'\n"
         "assert os.listdir('.') == [], os.listdir('.')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    # this checkout's code first, not whichever checkout the environment was installed from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -13,7 +13,7 @@ PID file under the state folder:
 * ``worker``       a ``prefect worker`` polling a ``process`` work pool into which
                    every deployment of ``deployments/catalog.py`` was registered by
                    ``prefect deploy`` (schedules and event triggers), plus the
-                   zombie-run automation (``rayline.work_pool``).
+                   zombie-run automation (``rayline.cli.work_pool``).
 
 Each runs in its own session, so ``down`` stops exactly what ``up`` started:
 the process groups named in the PID files, nothing matched by name. ``up``
@@ -38,7 +38,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from rayline import storage, work_pool
+from rayline import storage
+from rayline.cli import work_pool
 from rayline.config import Settings, get_settings
 from rayline.errors import ClusterError, ConfigError
 from rayline.ray_cluster import RAY_ENV_DEFAULTS

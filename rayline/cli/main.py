@@ -8,13 +8,16 @@ from typing import Annotated, Literal
 
 import typer
 
-from rayline import cli_console, cli_demo, cli_ops, cli_tables, nights
-from rayline import cli_summaries as summaries
-from rayline.cli_common import DEFAULT_MODEL_NAME, model_ref
-from rayline.cli_common import fail as _fail
-from rayline.cli_common import quiet_ray as _quiet_ray
+from rayline import nights
+from rayline.cli import console, demo, ops, platform, summaries, tables
+from rayline.cli.common import DEFAULT_MODEL_NAME, model_ref
+from rayline.cli.common import fail as _fail
+from rayline.cli.common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import ConfigError, RaylineError
+
+# Each command imports its flow when it runs: the flows load Prefect, Ray and torch (seconds),
+# which `rayline --help` and the commands that start no flow do without.
 
 app = typer.Typer(
     help="rayline: Prefect flows orchestrating Ray workloads for image classification.", no_args_is_help=True
@@ -43,7 +46,7 @@ def _options(
     # --json: stdout is the document alone, for another program to read
     if command is None or command in _PLAIN_COMMANDS or "--help" in args or "--json" in args:
         return
-    terminal = cli_console.open_terminal(command, _state_dir_or_none(), verbose)
+    terminal = console.open_terminal(command, _state_dir_or_none(), verbose)
     ctx.call_on_close(terminal.close)
 
 
@@ -53,10 +56,8 @@ def _remaining_args(ctx: typer.Context) -> list[str]:
 
 
 def _state_dir_or_none() -> Path | None:
-    from rayline.platform import state_dir
-
     try:
-        return state_dir(get_settings())
+        return platform.state_dir(get_settings())
     except RaylineError:  # the command itself reports bad settings
         return None
 
@@ -315,10 +316,7 @@ def nightly_inference_command(
         raise typer.Exit(code=1) from exc
     except RaylineError as exc:
         _fail(exc)
-    if isinstance(result, nights.BackfillResult):
-        summaries.print_backfill_summary(result)
-    else:
-        summaries.print_inference_summary(result)
+    summaries.print_nightly_summary(result)
 
 
 @app.command("monitor")
@@ -350,13 +348,13 @@ def monitor_command(
     typer.echo(f"  metrics            {result.metrics_uri}")
 
 
-app.command()(cli_demo.demo)
-app.command()(cli_ops.up)
-app.command()(cli_ops.down)
-app.command("lineage")(cli_ops.lineage_command)
-app.command("migrate-predictions")(cli_tables.migrate_predictions_command)
-app.command("vacuum")(cli_tables.vacuum_command)
-app.add_typer(cli_ops.serve_app, name="serve")
+app.command()(demo.demo)
+app.command()(ops.up)
+app.command()(ops.down)
+app.command("lineage")(ops.lineage_command)
+app.command("migrate-predictions")(tables.migrate_predictions_command)
+app.command("vacuum")(tables.vacuum_command)
+app.add_typer(ops.serve_app, name="serve")
 
 
 def main() -> None:

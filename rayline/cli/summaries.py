@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 
 from rayline import storage
 from rayline.nights import BackfillResult, NightOutcome
 
+if TYPE_CHECKING:  # for the types only: importing the flows at run time loads Prefect, Ray and torch
+    from flows.prepare_data import PrepareDataResult
+    from flows.train_model import TrainModelResult
+    from ray_workloads.batch_inference import InferenceResult, NightSkipped
+    from ray_workloads.register_model import RegisterModelResult
 
-def print_prepare_summary(result: Any) -> None:
+
+def print_prepare_summary(result: PrepareDataResult) -> None:
     ing, pre = result.ingest, result.preprocess
     typer.echo("")
     typer.secho("prepare-data finished", bold=True)
@@ -26,7 +32,7 @@ def print_prepare_summary(result: Any) -> None:
     typer.echo(f"  errors table       {pre.errors_uri}")
 
 
-def print_model_summary(result: Any) -> None:
+def print_model_summary(result: TrainModelResult) -> None:
     reg, trained = result.registration, result.trained
     typer.echo("")
     typer.secho("train-model finished", bold=True)
@@ -52,9 +58,10 @@ def print_model_summary(result: Any) -> None:
     typer.echo(f"  evaluation         {result.evaluation.report_uri}")
 
 
-def print_registration(result: Any) -> None:
+def print_registration(result: RegisterModelResult) -> None:
     version = result.version
     source = version.weights_source
+    assert source is not None  # register-model always records where the user's weights came from
     typer.echo("")
     typer.secho("register-model finished", bold=True)
     state = "already registered as" if result.reused else "registered as"
@@ -70,10 +77,12 @@ def print_registration(result: Any) -> None:
         typer.echo(f"  note               {result.note}")
 
 
-def print_inference_summary(result: Any) -> None:
+def print_inference_summary(result: InferenceResult | NightSkipped) -> None:
+    from ray_workloads.batch_inference import NightSkipped  # loaded already: the result came from it
+
     typer.echo("")
     typer.secho("nightly-inference finished", bold=True)
-    if not hasattr(result, "predictions_version"):  # NightSkipped: another run committed the night
+    if isinstance(result, NightSkipped):  # another run committed the night
         typer.echo(f"  night              {result.night}: not committed by this run")
         typer.echo(f"  why                {result.message}")
         return
@@ -86,6 +95,14 @@ def print_inference_summary(result: Any) -> None:
     typer.echo(f"  night              {result.night}")
     typer.echo(f"  predictions        {result.predictions_table} (Delta version {result.predictions_version})")
     typer.echo(f"  errors             {result.errors_table} (Delta version {result.errors_version})")
+
+
+def print_nightly_summary(result: InferenceResult | NightSkipped | BackfillResult) -> None:
+    """What a nightly-inference run did: its one night, or each night of its range."""
+    if isinstance(result, BackfillResult):
+        print_backfill_summary(result)
+    else:
+        print_inference_summary(result)
 
 
 def backfill_night_line(night: NightOutcome) -> str:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from rayline import cli_ops, cli_outside, storage
-from rayline import cli_summaries as summaries
-from rayline.cli_common import fail as _fail
-from rayline.cli_common import quiet_ray as _quiet_ray
+from rayline import storage
+from rayline.cli import ops, outside, summaries
+from rayline.cli.common import fail as _fail
+from rayline.cli.common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import RaylineError
+
+if TYPE_CHECKING:  # for the types only: the flows load Prefect, Ray and torch, which `rayline --help` does without
+    from flows.serve_rollout import RolloutResult
+    from flows.train_model import TrainModelResult
 
 
 def demo(
@@ -56,16 +60,16 @@ def demo(
         arrivals = seed_incoming(incoming, corrupt=corrupt)
         typer.echo(f"dropped {arrivals.total} arrivals under {incoming}")
         predictions = nightly_inference(date=day.isoformat())
-        outside = cli_outside.walk(root, day, photos, corrupt=3) if photos else None
+        walk = outside.walk(root, day, photos, corrupt=3) if photos else None
     except RaylineError as exc:
         _fail(exc)
     summaries.print_prepare_summary(result.data)
     summaries.print_model_summary(result)
     if rollout is not None:
-        cli_ops.print_rollout_summary(rollout)
-    summaries.print_inference_summary(predictions)
-    if outside is not None:
-        cli_outside.print_walk(outside)
+        ops.print_rollout_summary(rollout)
+    summaries.print_nightly_summary(predictions)
+    if walk is not None:
+        outside.print_walk(walk)
     typer.echo(f"  lineage records    {lineage_dir()}")
     api = os.environ.get("PREFECT_API_URL")
     typer.echo("")
@@ -76,7 +80,7 @@ def demo(
         typer.echo("see them with `.venv/bin/prefect server start` and http://127.0.0.1:4200")
 
 
-def _serve_and_roll_out(trained: Any, probe_uri: str, soak_s: float) -> Any:
+def _serve_and_roll_out(trained: TrainModelResult, probe_uri: str, soak_s: float) -> RolloutResult | None:
     """Serve the champion, keep a small load on it, and canary the tuned challenger next to it."""
     import threading
 

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from rayline.cli_common import fail as _fail
-from rayline.cli_common import model_ref
-from rayline.cli_common import quiet_ray as _quiet_ray
+from rayline.cli import platform
+from rayline.cli.common import fail as _fail
+from rayline.cli.common import model_ref
+from rayline.cli.common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import ConfigError, RaylineError
+
+if TYPE_CHECKING:  # for the type only: the flows load Prefect, Ray and torch, which `rayline --help` does without
+    from flows.serve_rollout import RolloutResult
 
 
 def up() -> None:
     """Start a Prefect server, a Ray head, and a work pool of every deployment with its worker (loopback)."""
-    from rayline import platform
-
     try:
         settings = get_settings()
         ends, outcome = platform.up(settings)
@@ -38,8 +40,6 @@ def up() -> None:
 
 def down() -> None:
     """Stop exactly what `rayline up` started (by its PID files)."""
-    from rayline import platform
-
     try:
         outcome = platform.down(get_settings())
     except RaylineError as exc:
@@ -202,7 +202,7 @@ def serve_rollout_command(
     print_rollout_summary(result)
 
 
-def print_rollout_summary(result: Any) -> None:
+def print_rollout_summary(result: RolloutResult) -> None:
     typer.echo("")
     typer.secho("serve-rollout finished", bold=True)
     for step in result.steps:

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from rayline import storage
-from rayline.cli_common import fail
+from rayline.cli.common import fail
 from rayline.config import get_settings
 from rayline.errors import RaylineError
 from rayline.prediction_migration import Outcome, migrate_predictions

@@ -9,8 +9,9 @@
 - the automation of Prefect's "detect zombie flows" guide: a flow run whose
   heartbeats stop for :data:`ZOMBIE_WINDOW` is marked ``Crashed``.
 
-Prefect is driven through its CLI and client, never by importing the
-deployment table: this module is core, and the catalog lives two layers up.
+Prefect is driven through its CLI and client, and the table is rendered in a
+child process (``python -m deployments.prefect_yaml``): rendering imports
+every flow (Prefect, Ray, torch), which the ``up`` process itself never needs.
 """
 
 from __future__ import annotations

@@ -13,11 +13,16 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from datetime import date
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from rayline import storage
+from rayline.errors import RaylineError
+
+if TYPE_CHECKING:  # for the types only: the workloads load Ray and torch, which `rayline --help` does without
+    from ray_workloads.batch_inference import InferenceResult
+    from ray_workloads.register_model import RegisterModelResult
 
 OUTSIDE_MODEL = "photos"
 OUTSIDE_ARCH = "resnet18"
@@ -27,8 +32,8 @@ PHOTOS_INCOMING = "incoming-photos"
 
 @dataclass
 class OutsideModelWalk:
-    registration: Any  # ray_workloads.register_model.RegisterModelResult
-    night: Any  # ray_workloads.batch_inference.InferenceResult
+    registration: RegisterModelResult
+    night: InferenceResult
     served_url: str
     answer: dict[str, Any]
 
@@ -52,6 +57,7 @@ def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
     from flows.register_model import register_model
     from flows.serve_rollout import serve_config
     from ray_workloads import rollout
+    from ray_workloads.batch_inference import InferenceResult
     from rayline import ray_cluster, registry
     from rayline.layout import partition_for
     from rayline.seed import jpeg_bytes, source_photos
@@ -64,6 +70,8 @@ def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
     seeded = write_seed(incoming, photos=photos, corrupt=corrupt, digits=False)
     typer.echo(f"dropped {seeded.total} photos under {incoming}")
     night = nightly_inference(date=day.isoformat(), model_name=OUTSIDE_MODEL, input_uri=incoming)
+    if not isinstance(night, InferenceResult):  # one date: a night, unless another run committed it meanwhile
+        raise RaylineError(f"the night of photos was not committed by this walk: {night}")
     ray_cluster.connect()
     cfg = serve_config()
     url = rollout.serve(registration.version, cfg)

@@ -1,0 +1,25 @@
+"""rayline's Prefect events by name: what stages announce, for automations (retraining, rollouts) and for people.
+
+The names live in core because both ends use them: the tasks and flows that
+emit them (``tasks.common.emit``) and the deployments whose triggers wait for
+them (``deployments/catalog.py``).
+
+Prefect triggers match resource *labels* (strings, globs), not numbers, so
+an event that an automation must threshold carries the decision as a label:
+``rayline.data.arrived`` has ``rayline.retrain = "true"`` when its new
+labelled objects reach ``RAYLINE_RETRAIN_MIN_NEW_LABELLED``.
+"""
+
+from __future__ import annotations
+
+DATA_ARRIVED = "rayline.data.arrived"
+DRIFT_DETECTED = "rayline.drift.detected"
+HEALTH_DEGRADED = "rayline.serve.unhealthy"
+CHALLENGER_REGISTERED = "rayline.model.challenger"
+ROLLED_BACK = "rayline.rollout.rolled_back"
+PROMOTED = "rayline.rollout.promoted"
+RETRAIN_LABEL = "rayline.retrain"
+
+
+def model_resource(name: str, version: int) -> str:
+    return f"rayline.model.{name}.v{version}"
