@@ -31,8 +31,9 @@ from ray import serve
 from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 from ray.serve.schema import ServeInstanceDetails
 
-from ray_workloads import batch_inference, ingest, preprocess, serve_control, train
-from ray_workloads.serve_config import ServeConfig
+from ray_workloads import batch_inference, ingest, preprocess, train
+from ray_workloads.serving import control as serve_control
+from ray_workloads.serving.config import ServeConfig
 from ray_workloads.training_loop import TrainLoopConfig
 from rayline import ray_cluster, storage
 from rayline.prediction_reads import read_night_pair

@@ -25,9 +25,9 @@ import pytest
 import ray
 from PIL import Image
 
-from ray_workloads import serve_control
-from ray_workloads.rollout import GateConfig, judge
-from ray_workloads.serve_app import (
+from ray_workloads.serving import control as serve_control
+from ray_workloads.serving.control import ServeConfig
+from ray_workloads.serving.ingress import (
     ANSWER_HEADER,
     KEY_HEADER,
     VERSION_HEADER,
@@ -35,7 +35,7 @@ from ray_workloads.serve_app import (
     choose_version,
     multipart_image,
 )
-from ray_workloads.serve_control import ServeConfig
+from ray_workloads.serving.rollout import GateConfig, judge
 from rayline.errors import ConfigError
 from rayline.ray_cluster import NAMESPACE
 from rayline.registry import ModelVersion

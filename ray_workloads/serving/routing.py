@@ -12,10 +12,10 @@ model* — the one ``POST /predict`` without a model name goes to: the model nam
 first model registered that is still served. Versions, weights and stats of one model
 never affect another's; every method taking ``model=None`` means the default model.
 
-Router replicas (``serve_app.Router``) call :meth:`ServeControl.sync` periodically: they hand
-over their request samples (kept by ``serve_stats.StatsBook``) and get the current
+Router replicas (``ingress.Router``) call :meth:`ServeControl.sync` periodically: they hand
+over their request samples (kept by ``stats.StatsBook``) and get the current
 :class:`RoutingTable` back. The driver side
-(``serve_control``) creates the actor and calls the rest.
+(``control``) creates the actor and calls the rest.
 
 This module imports neither Serve's HTTP stack nor torch: it is all the actor's process loads.
 """
@@ -31,12 +31,12 @@ from typing import Any
 
 from ray.experimental import internal_kv
 
-# "X as X": re-exported (the stats' vocabulary predates serve_stats)
-from ray_workloads.serve_stats import ERROR as ERROR
-from ray_workloads.serve_stats import OK as OK
-from ray_workloads.serve_stats import REJECTED as REJECTED
-from ray_workloads.serve_stats import Sample as Sample
-from ray_workloads.serve_stats import StatsBook
+# "X as X": re-exported (the stats' vocabulary predates the stats module)
+from ray_workloads.serving.stats import ERROR as ERROR
+from ray_workloads.serving.stats import OK as OK
+from ray_workloads.serving.stats import REJECTED as REJECTED
+from ray_workloads.serving.stats import Sample as Sample
+from ray_workloads.serving.stats import StatsBook
 from rayline.errors import ConfigError
 from rayline.ray_cluster import NAMESPACE
 
@@ -256,7 +256,7 @@ class ServeControl:
     ) -> dict[int, dict[str, Any]]:
         """Per-version stats of ``model`` (None: the default) since its last reset, or since ``since``.
 
-        ``gated``: only what counts toward a rollout's gate (routed, not 4xx; see ``serve_stats``).
+        ``gated``: only what counts toward a rollout's gate (routed, not 4xx; see ``stats``).
         """
         return self._stats.stats(self._table.resolve(model), since, gated)
 

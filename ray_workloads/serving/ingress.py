@@ -6,7 +6,7 @@ What runs on the cluster for a serving instance named ``rayline`` (``ServeConfig
     rayline-<model>-v<N>       one application per live version of each model, no HTTP route:
                                ModelServer replicas (deploying or removing one never touches
                                the others)
-    rayline-control            a named, detached Ray actor (serve_state.ServeControl) holding
+    rayline-control            a named, detached Ray actor (routing.ServeControl) holding
                                the routing table {model: {version: weight}} and the stats
 
 One instance serves any number of registered models (any name, trained here or outside),
@@ -31,7 +31,7 @@ HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
   Answer: class index and name (from the model's own class list), confidence, top-k, model,
   version, latency; the version also in ``X-Rayline-Model-Version``, the model in
   ``X-Rayline-Model``. A multipart body is parsed in a worker thread, and refused (400) past
-  16 parts or 8 KiB of headers in a part (``serve_http``) before any part is parsed.
+  16 parts or 8 KiB of headers in a part (``http_api``) before any part is parsed.
   404 model not served, 413 body over ``max_body_bytes``, 400 empty body or bad multipart,
   415 not an image, 422 truncated/corrupt image or over ``max_pixels`` (decompression bomb),
   500 the model failed on the input, 503 no version with traffic or the version's replicas
@@ -41,7 +41,7 @@ HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
 * ``GET /stats[?since=<unix time>]``, ``GET /models/<name>/stats[?since=…]``: the model's
   weights and per-version requests, errors, rejected, latency p50/p95/p99, counting every
   answer (pinned ones and 4xx included; a rollout's gate counts only routed, non-4xx ones:
-  ``serve_stats``). 400 for a ``since`` that is not a finite number.
+  ``stats``). 400 for a ``since`` that is not a finite number.
 * ``GET /models``: every served model with its live versions and weights, and the default.
 """
 
@@ -65,22 +65,22 @@ from starlette.responses import JSONResponse
 from ray_workloads.images import ImageDecodeError, decode_image
 
 # "X as X": re-exported (callers and tests import these from here)
-from ray_workloads.serve_config import ServeConfig
-from ray_workloads.serve_http import ANSWER_HEADER as ANSWER_HEADER
-from ray_workloads.serve_http import DECODE_STATUS, ROUTES, error_response, parse_since, read_body
-from ray_workloads.serve_http import KEY_HEADER as KEY_HEADER
-from ray_workloads.serve_http import MODEL_HEADER as MODEL_HEADER
-from ray_workloads.serve_http import VERSION_HEADER as VERSION_HEADER
-from ray_workloads.serve_http import HttpError as HttpError
-from ray_workloads.serve_http import choose_version as choose_version
-from ray_workloads.serve_http import multipart_image as multipart_image
-from ray_workloads.serve_http import route as _route
-from ray_workloads.serve_state import ModelRoutes as ModelRoutes
-from ray_workloads.serve_state import RoutingTable as RoutingTable
-from ray_workloads.serve_stats import ERROR as ERROR
-from ray_workloads.serve_stats import OK as OK
-from ray_workloads.serve_stats import REJECTED as REJECTED
-from ray_workloads.serve_stats import Sample
+from ray_workloads.serving.config import ServeConfig
+from ray_workloads.serving.http_api import ANSWER_HEADER as ANSWER_HEADER
+from ray_workloads.serving.http_api import DECODE_STATUS, ROUTES, error_response, parse_since, read_body
+from ray_workloads.serving.http_api import KEY_HEADER as KEY_HEADER
+from ray_workloads.serving.http_api import MODEL_HEADER as MODEL_HEADER
+from ray_workloads.serving.http_api import VERSION_HEADER as VERSION_HEADER
+from ray_workloads.serving.http_api import HttpError as HttpError
+from ray_workloads.serving.http_api import choose_version as choose_version
+from ray_workloads.serving.http_api import multipart_image as multipart_image
+from ray_workloads.serving.http_api import route as _route
+from ray_workloads.serving.routing import ModelRoutes as ModelRoutes
+from ray_workloads.serving.routing import RoutingTable as RoutingTable
+from ray_workloads.serving.stats import ERROR as ERROR
+from ray_workloads.serving.stats import OK as OK
+from ray_workloads.serving.stats import REJECTED as REJECTED
+from ray_workloads.serving.stats import Sample
 from rayline.ray_cluster import NAMESPACE
 from rayline.registry import ModelVersion
 

@@ -1,6 +1,6 @@
 """The router's request-level helpers: routes, headers, multipart parsing, JSON errors, version choice.
 
-Standard library and Starlette only; used by ``serve_app.Router`` (and ``ModelServer`` for the
+Standard library and Starlette only; used by ``ingress.Router`` (and ``ModelServer`` for the
 status of an undecodable image).
 """
 

@@ -1,10 +1,10 @@
 """Driver-side control of online serving: what the rollout flow calls.
 
-Starts Serve, the router and the control actor (``serve_state.ServeControl``, the single
+Starts Serve, the router and the control actor (``routing.ServeControl``, the single
 writer of the routing table), deploys versions and moves traffic by talking to that actor.
 
 One instance serves several models: every call about versions, weights or stats takes
-``model=`` (a registry name; None means the default model, see ``serve_app``), so a
+``model=`` (a registry name; None means the default model, see ``ingress``), so a
 rollout of one model never touches another's weights.
 
 Weights are relative (``{1: 90, 2: 10}`` and ``{1: 0.9, 2: 0.1}`` route the same); a live
@@ -25,9 +25,9 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.schema import ApplicationStatus, ServeInstanceDetails
 
-from ray_workloads.serve_app import SYNC_INTERVAL_S, model_app, router_app
-from ray_workloads.serve_config import ServeConfig
-from ray_workloads.serve_state import RoutingTable, ServeControl
+from ray_workloads.serving.config import ServeConfig
+from ray_workloads.serving.ingress import SYNC_INTERVAL_S, model_app, router_app
+from ray_workloads.serving.routing import RoutingTable, ServeControl
 from rayline import storage
 from rayline.config import get_settings
 from rayline.errors import ClusterError, ConfigError, InputDataError, RaylineError
@@ -110,7 +110,9 @@ def _control(cfg: ServeConfig, *, create: bool = False) -> Any:
     try:
         return ray.get_actor(cfg.control_actor_name, namespace=NAMESPACE)
     except ValueError as exc:
-        raise ConfigError(f"serving instance {cfg.name!r} is not started: call serve_control.start(cfg) first") from exc
+        raise ConfigError(
+            f"serving instance {cfg.name!r} is not started: call serving.control.start(cfg) first"
+        ) from exc
 
 
 def _call(ref: Any, what: str) -> Any:
@@ -347,7 +349,7 @@ def stats(
 
     ``fresh`` waits (about ``SYNC_INTERVAL_S``) until every router has flushed, so every
     request answered before the call is counted; without it, stats lag by up to that long.
-    ``gated``: only answers a rollout's gate counts (routed, not pinned; not 4xx: ``serve_stats``).
+    ``gated``: only answers a rollout's gate counts (routed, not pinned; not 4xx: ``stats``).
     """
     control = _control(cfg or ServeConfig())
     if fresh:
