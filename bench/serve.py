@@ -64,7 +64,7 @@ from starlette.responses import JSONResponse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ray_workloads.serving.ingress import ModelServer  # noqa: E402
+from ray_workloads.serving.model_server import ModelServer  # noqa: E402
 
 HOST = "127.0.0.1"
 ROUTER_PATH = "/predict"
@@ -252,7 +252,7 @@ def main() -> None:
     from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
     from ray_workloads.serving import control as serve_control
     from ray_workloads.serving.config import ServeConfig
-    from ray_workloads.serving.ingress import model_app
+    from ray_workloads.serving.model_server import model_app
     from rayline import ray_cluster, registry
     from rayline.seed import digit_objects
 

@@ -26,7 +26,8 @@ from ray import serve
 from ray.serve.schema import ApplicationStatus, ServeInstanceDetails
 
 from ray_workloads.serving.config import ServeConfig
-from ray_workloads.serving.ingress import SYNC_INTERVAL_S, model_app, router_app
+from ray_workloads.serving.ingress import SYNC_INTERVAL_S, router_app
+from ray_workloads.serving.model_server import model_app
 from ray_workloads.serving.routing import RoutingTable, ServeControl
 from rayline import storage
 from rayline.config import get_settings

@@ -27,7 +27,7 @@ from PIL import Image
 
 from ray_workloads.serving import control as serve_control
 from ray_workloads.serving.control import ServeConfig
-from ray_workloads.serving.ingress import (
+from ray_workloads.serving.http_api import (
     ANSWER_HEADER,
     KEY_HEADER,
     VERSION_HEADER,
