@@ -64,7 +64,6 @@ from ray_workloads.serving.http_api import (
     ROUTES,
     VERSION_HEADER,
     HttpError,
-    choose_version,
     error_response,
     multipart_image,
     parse_since,
@@ -72,7 +71,7 @@ from ray_workloads.serving.http_api import (
 )
 from ray_workloads.serving.http_api import route as _route
 from ray_workloads.serving.model_server import MODEL_DEPLOYMENT
-from ray_workloads.serving.routing import ModelRoutes, RoutingTable
+from ray_workloads.serving.routing import ModelRoutes, RoutingTable, choose_version
 from ray_workloads.serving.stats import ERROR, OK, REJECTED, Sample
 from rayline.ray_cluster import NAMESPACE
 
