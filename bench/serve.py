@@ -14,7 +14,7 @@ The two paths, both over HTTP from the same client, through the same Serve HTTP 
   version's ``ModelServer`` replica (decode, ``@serve.batch``, forward pass, top-k).
 * **direct**: ``POST /direct`` → proxy → a ``ModelServer`` replica of the same version,
   deployed a second time as its own application with an HTTP route. The deployment is
-  the one ``serve_app.model_app`` builds (same options: replicas, CPUs, batching,
+  the one ``serving.model_server.model_app`` builds (same options: replicas, CPUs, batching,
   ``max_ongoing_requests``, access log); only its class is a subclass whose ``__call__``
   reads the body and answers ``predict`` as JSON. So the difference between the paths is
   the router replica and the extra handle hop: what the router adds.
