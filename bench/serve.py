@@ -14,7 +14,7 @@ The two paths, both over HTTP from the same client, through the same Serve HTTP 
   version's ``ModelServer`` replica (decode, ``@serve.batch``, forward pass, top-k).
 * **direct**: ``POST /direct`` → proxy → a ``ModelServer`` replica of the same version,
   deployed a second time as its own application with an HTTP route. The deployment is
-  the one ``serve_app.model_app`` builds (same options: replicas, CPUs, batching,
+  the one ``serving.model_server.model_app`` builds (same options: replicas, CPUs, batching,
   ``max_ongoing_requests``, access log); only its class is a subclass whose ``__call__``
   reads the body and answers ``predict`` as JSON. So the difference between the paths is
   the router replica and the extra handle hop: what the router adds.
@@ -64,7 +64,7 @@ from starlette.responses import JSONResponse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ray_workloads.serve_app import ModelServer  # noqa: E402
+from ray_workloads.serving.model_server import ModelServer  # noqa: E402
 
 HOST = "127.0.0.1"
 ROUTER_PATH = "/predict"
@@ -249,10 +249,10 @@ def main() -> None:
     from ray import serve
 
     from bench.s3_server import free_port
-    from ray_workloads import serve_control
     from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
-    from ray_workloads.serve_app import model_app
-    from ray_workloads.serve_config import ServeConfig
+    from ray_workloads.serving import control as serve_control
+    from ray_workloads.serving.config import ServeConfig
+    from ray_workloads.serving.model_server import model_app
     from rayline import ray_cluster, registry
     from rayline.seed import digit_objects
 

@@ -13,7 +13,8 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
 from ray_workloads import monitor as mon
-from ray_workloads import preprocess, serve_control
+from ray_workloads import preprocess
+from ray_workloads.serving import control as serve_control
 from rayline import events, mlflow_mirror, registry, storage
 from rayline.errors import RaylineError
 from rayline.layout import MONITORING_DIR, parse_day

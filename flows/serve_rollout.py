@@ -7,9 +7,9 @@ from contextlib import ExitStack
 from prefect import flow
 from pydantic import BaseModel
 
-from ray_workloads import serve_control
-from ray_workloads.rollout import GateConfig, RolloutConfig, StepReport, default_probe_source
-from ray_workloads.serve_config import ServeConfig
+from ray_workloads.serving import control as serve_control
+from ray_workloads.serving.config import ServeConfig
+from ray_workloads.serving.rollout import GateConfig, RolloutConfig, StepReport, default_probe_source
 from rayline import leases, registry, storage
 from rayline.errors import LeaseBusy, LeaseLost, RolloutRolledBack
 from tasks.common import lease_holder

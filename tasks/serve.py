@@ -9,8 +9,8 @@ from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
-from ray_workloads import rollout
-from ray_workloads.serve_config import ServeConfig
+from ray_workloads.serving import rollout
+from ray_workloads.serving.config import ServeConfig
 from rayline import events, mlflow_mirror, ray_cluster, registry
 from rayline.lineage import DatasetRef
 from tasks.common import emit, idempotency_key, ray_task, record_lineage

@@ -85,7 +85,7 @@ def _serve_and_roll_out(trained: TrainModelResult, probe_uri: str, soak_s: float
     import threading
 
     from flows.serve_rollout import serve_config, serve_rollout
-    from ray_workloads import rollout
+    from ray_workloads.serving import rollout
     from rayline import ray_cluster, registry
     from rayline.errors import RolloutRolledBack
 

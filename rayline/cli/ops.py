@@ -79,7 +79,8 @@ def serve_start(
     other version of that model serves, else it waits at 0 % for `rayline serve rollout`."""
     apply_process_defaults()
     _quiet_ray()
-    from ray_workloads import rollout, serve_control
+    from ray_workloads.serving import control as serve_control
+    from ray_workloads.serving import rollout
     from rayline import ray_cluster, registry
 
     try:
@@ -128,7 +129,7 @@ def serve_stop(
     """Stop serving MODEL (the others keep answering), or without --model everything: models, router, control."""
     apply_process_defaults()
     _quiet_ray()
-    from ray_workloads import serve_control
+    from ray_workloads.serving import control as serve_control
     from rayline import ray_cluster, registry
 
     try:

@@ -56,8 +56,8 @@ def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
     from flows.nightly_inference import nightly_inference
     from flows.register_model import register_model
     from flows.serve_rollout import serve_config
-    from ray_workloads import rollout
     from ray_workloads.batch_inference import InferenceResult
+    from ray_workloads.serving import rollout
     from rayline import ray_cluster, registry
     from rayline.layout import partition_for
     from rayline.seed import jpeg_bytes, source_photos
@@ -82,7 +82,7 @@ def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
 def _predict(url: str, photo: bytes) -> dict[str, Any]:
     import httpx
 
-    from ray_workloads import rollout
+    from ray_workloads.serving import rollout
 
     response = httpx.post(f"{url}{rollout.predict_path(OUTSIDE_MODEL)}", content=photo, timeout=60)
     response.raise_for_status()

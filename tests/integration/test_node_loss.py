@@ -31,8 +31,9 @@ from ray import serve
 from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 from ray.serve.schema import ServeInstanceDetails
 
-from ray_workloads import batch_inference, ingest, preprocess, serve_control, train
-from ray_workloads.serve_config import ServeConfig
+from ray_workloads import batch_inference, ingest, preprocess, train
+from ray_workloads.serving import control as serve_control
+from ray_workloads.serving.config import ServeConfig
 from ray_workloads.training_loop import TrainLoopConfig
 from rayline import ray_cluster, storage
 from rayline.prediction_reads import read_night_pair
@@ -351,7 +352,7 @@ class _Predictions(ClientThreads):
 def test_serving_answers_every_request_while_a_node_is_lost(two_nodes: TwoNodes, s3_storage: str) -> None:
     """Two router and two model replicas, one of each per node; the worker node is killed under load.
 
-    A model call lost with its replica is retried by the router (serve_app ``_call_model``). The
+    A model call lost with its replica is retried by the router (serving.ingress ``_call_model``). The
     head's proxy sends requests to the router replica on its own node (Serve's local-node
     preference) while that one has room, so the worker node's router replica holds no request
     when it dies. (With that preference off, Serve's proxy answers 500 to each request in flight

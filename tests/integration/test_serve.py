@@ -25,17 +25,11 @@ import pytest
 import ray
 from PIL import Image
 
-from ray_workloads import serve_control
-from ray_workloads.rollout import GateConfig, judge
-from ray_workloads.serve_app import (
-    ANSWER_HEADER,
-    KEY_HEADER,
-    VERSION_HEADER,
-    HttpError,
-    choose_version,
-    multipart_image,
-)
-from ray_workloads.serve_control import ServeConfig
+from ray_workloads.serving import control as serve_control
+from ray_workloads.serving.control import ServeConfig
+from ray_workloads.serving.http_api import ANSWER_HEADER, KEY_HEADER, VERSION_HEADER, HttpError, multipart_image
+from ray_workloads.serving.rollout import GateConfig, judge
+from ray_workloads.serving.routing import choose_version
 from rayline.errors import ConfigError
 from rayline.ray_cluster import NAMESPACE
 from rayline.registry import ModelVersion

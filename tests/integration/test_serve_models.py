@@ -19,9 +19,9 @@ from ray import serve
 from typer.testing import CliRunner
 
 from flows.serve_rollout import serve_config, serve_rollout
-from ray_workloads import serve_control
 from ray_workloads.models import imagenet_classes
-from ray_workloads.serve_app import ANSWER_HEADER, MODEL_HEADER
+from ray_workloads.serving import control as serve_control
+from ray_workloads.serving.http_api import ANSWER_HEADER, MODEL_HEADER
 from rayline import registry, storage
 from rayline.cli import app
 from rayline.registry import ModelVersion

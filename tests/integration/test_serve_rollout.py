@@ -18,8 +18,9 @@ import ray
 from ray import serve
 
 from flows.serve_rollout import serve_config, serve_rollout
-from ray_workloads import rollout, serve_control
-from ray_workloads.serve_app import ANSWER_HEADER
+from ray_workloads.serving import control as serve_control
+from ray_workloads.serving import rollout
+from ray_workloads.serving.http_api import ANSWER_HEADER
 from rayline import leases, lineage, registry, storage
 from rayline.ray_cluster import NAMESPACE
 from rayline.registry import ModelVersion

@@ -9,8 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from ray_workloads.monitor import PartitionDrift, ServingHealth, prometheus_text, psi, shares
-from ray_workloads.rollout import GateConfig, RolloutConfig, judge
-from ray_workloads.serve_control import VersionStats
+from ray_workloads.serving.control import VersionStats
+from ray_workloads.serving.rollout import GateConfig, RolloutConfig, judge
 
 pytestmark = pytest.mark.unit
 

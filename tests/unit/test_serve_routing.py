@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from ray_workloads.serve_http import MAX_MULTIPART_PARTS, HttpError, multipart_image, parse_since, route
-from ray_workloads.serve_state import ModelRoutes, RoutingTable
-from ray_workloads.serve_stats import ERROR, OK, REJECTED, StatsBook
+from ray_workloads.serving.http_api import MAX_MULTIPART_PARTS, HttpError, multipart_image, parse_since, route
+from ray_workloads.serving.routing import ModelRoutes, RoutingTable
+from ray_workloads.serving.stats import ERROR, OK, REJECTED, StatsBook
 
 pytestmark = pytest.mark.unit
 
@@ -61,7 +61,7 @@ def test_snapshots_round_trip_and_a_one_model_snapshot_still_loads() -> None:
 
 
 def test_the_default_model_comes_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ray_workloads.serve_control import config_from_settings
+    from ray_workloads.serving.control import config_from_settings
     from rayline.errors import ConfigError
 
     assert config_from_settings().default_model is None

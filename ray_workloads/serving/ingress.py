@@ -1,13 +1,8 @@
-"""Online serving: one Serve application per model version, one HTTP router in front of every model.
+"""The HTTP ingress: Router replicas in front of every model's versions, and the HTTP API they answer.
 
-What runs on the cluster for a serving instance named ``rayline`` (``ServeConfig.name``)::
-
-    rayline                    ingress application, route "/": Router replicas (HTTP API)
-    rayline-<model>-v<N>       one application per live version of each model, no HTTP route:
-                               ModelServer replicas (deploying or removing one never touches
-                               the others)
-    rayline-control            a named, detached Ray actor (serve_state.ServeControl) holding
-                               the routing table {model: {version: weight}} and the stats
+The router application is named after the instance (``ServeConfig.name``, route ``/``); each
+model version it routes to is an application of its own (``model_server``; the package docstring
+draws the whole instance).
 
 One instance serves any number of registered models (any name, trained here or outside),
 each with its own versions, weights, stats and rollouts. Every ``SYNC_INTERVAL_S`` each
@@ -31,7 +26,7 @@ HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
   Answer: class index and name (from the model's own class list), confidence, top-k, model,
   version, latency; the version also in ``X-Rayline-Model-Version``, the model in
   ``X-Rayline-Model``. A multipart body is parsed in a worker thread, and refused (400) past
-  16 parts or 8 KiB of headers in a part (``serve_http``) before any part is parsed.
+  16 parts or 8 KiB of headers in a part (``http_api``) before any part is parsed.
   404 model not served, 413 body over ``max_body_bytes``, 400 empty body or bad multipart,
   415 not an image, 422 truncated/corrupt image or over ``max_pixels`` (decompression bomb),
   500 the model failed on the input, 503 no version with traffic or the version's replicas
@@ -41,7 +36,7 @@ HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
 * ``GET /stats[?since=<unix time>]``, ``GET /models/<name>/stats[?since=…]``: the model's
   weights and per-version requests, errors, rejected, latency p50/p95/p99, counting every
   answer (pinned ones and 4xx included; a rollout's gate counts only routed, non-4xx ones:
-  ``serve_stats``). 400 for a ``since`` that is not a finite number.
+  ``stats``). 400 for a ``since`` that is not a finite number.
 * ``GET /models``: every served model with its live versions and weights, and the default.
 """
 
@@ -54,7 +49,6 @@ import time
 import uuid
 from typing import Any
 
-import numpy as np
 import ray
 from ray import serve
 from ray.serve.exceptions import ReplicaUnavailableError
@@ -62,42 +56,33 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ray_workloads.images import ImageDecodeError, decode_image
-
-# "X as X": re-exported (callers and tests import these from here)
-from ray_workloads.serve_config import ServeConfig
-from ray_workloads.serve_http import ANSWER_HEADER as ANSWER_HEADER
-from ray_workloads.serve_http import DECODE_STATUS, ROUTES, error_response, parse_since, read_body
-from ray_workloads.serve_http import KEY_HEADER as KEY_HEADER
-from ray_workloads.serve_http import MODEL_HEADER as MODEL_HEADER
-from ray_workloads.serve_http import VERSION_HEADER as VERSION_HEADER
-from ray_workloads.serve_http import HttpError as HttpError
-from ray_workloads.serve_http import choose_version as choose_version
-from ray_workloads.serve_http import multipart_image as multipart_image
-from ray_workloads.serve_http import route as _route
-from ray_workloads.serve_state import ModelRoutes as ModelRoutes
-from ray_workloads.serve_state import RoutingTable as RoutingTable
-from ray_workloads.serve_stats import ERROR as ERROR
-from ray_workloads.serve_stats import OK as OK
-from ray_workloads.serve_stats import REJECTED as REJECTED
-from ray_workloads.serve_stats import Sample
+from ray_workloads.serving.config import ServeConfig
+from ray_workloads.serving.http_api import (
+    ANSWER_HEADER,
+    KEY_HEADER,
+    MODEL_HEADER,
+    ROUTES,
+    VERSION_HEADER,
+    HttpError,
+    error_response,
+    multipart_image,
+    parse_since,
+    read_body,
+)
+from ray_workloads.serving.http_api import route as _route
+from ray_workloads.serving.model_server import MODEL_DEPLOYMENT
+from ray_workloads.serving.routing import ModelRoutes, RoutingTable, choose_version
+from ray_workloads.serving.stats import ERROR, OK, REJECTED, Sample
 from rayline.ray_cluster import NAMESPACE
-from rayline.registry import ModelVersion
 
 logger = logging.getLogger("ray.serve")
 
-MODEL_DEPLOYMENT = "ModelServer"
 ROUTER_DEPLOYMENT = "Router"
 SYNC_INTERVAL_S = 0.5
 MAX_PENDING_SAMPLES = 100_000
-HEALTH_PROBE_IDLE_S = 30.0  # a model replica idle this long proves itself with a forward pass
 # the replica died under the request: worth one retry on another (or the replacement) replica;
 # a prediction has no side effect, so asking twice is safe
 _REPLICA_LOST: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ReplicaUnavailableError)
-
-
-class ModelOutputError(RuntimeError):
-    """The model produced scores that are not finite (NaN/inf): the version is broken."""
 
 
 class ModelTimeoutError(TimeoutError):
@@ -106,78 +91,6 @@ class ModelTimeoutError(TimeoutError):
 
 async def _awaited(response: Any) -> Any:
     return await response
-
-
-class ModelServer:
-    """One registered model version: weights read once per replica, requests batched."""
-
-    def __init__(self, model: dict[str, Any], top_k: int, max_pixels: int) -> None:
-        # torch only here: router replicas and the control actor never pay for importing it
-        import torch
-
-        from ray_workloads.models import load_model
-
-        torch.set_num_threads(1)
-        self._torch = torch
-        self.model = ModelVersion.model_validate(model)
-        spec = self.model.image_spec
-        self.image_spec = spec.model_copy(update={"max_pixels": max_pixels})
-        # weights_only loading; a checkpoint with pickled objects is refused
-        self.net = load_model(self.model.model_spec, self.model.weights_uri)
-        self.top_k = min(top_k, len(self.model.classes))
-        self._probe = np.zeros((1, 3, spec.size, spec.size), dtype=np.float32)
-        self._last_forward = 0.0
-
-    async def reconfigure(self, config: dict[str, Any]) -> None:
-        """``user_config``: batching parameters change without restarting the replica."""
-        batcher: Any = self._forward
-        batcher.set_max_batch_size(int(config["max_batch_size"]))
-        batcher.set_batch_wait_timeout_s(float(config["batch_wait_timeout_s"]))
-
-    async def check_health(self) -> None:
-        """The model must run: a recent batch, else a forward pass on a blank image; else Serve replaces us."""
-        if time.monotonic() - self._last_forward > HEALTH_PROBE_IDLE_S:
-            await asyncio.to_thread(self._run, self._probe)
-
-    async def predict(self, data: bytes) -> dict[str, Any]:
-        """Bytes → prediction; bad input is an answer (``ok`` False), a broken model raises."""
-        try:
-            image = await asyncio.to_thread(decode_image, data, self.image_spec)
-        except ImageDecodeError as exc:
-            return {
-                "ok": False,
-                "status": DECODE_STATUS.get(type(exc), 422),
-                "error": type(exc).__name__,
-                "detail": str(exc),
-            }
-        except Exception as exc:  # whatever else the decoder raised, it is this input's fault
-            return {"ok": False, "status": 422, "error": type(exc).__name__, "detail": f"undecodable image: {exc}"}
-        probs: np.ndarray = await self._forward(image)
-        if not np.isfinite(probs).all():
-            raise ModelOutputError(f"model {self.model.name} v{self.model.version} produced non-finite scores")
-        top = np.argsort(-probs, kind="stable")[: self.top_k]
-        classes = self.model.classes
-        return {
-            "ok": True,
-            "class_index": int(top[0]),
-            "class_name": classes[int(top[0])],
-            "confidence": float(probs[top[0]]),
-            "top_k": [{"index": int(i), "name": classes[int(i)], "prob": float(probs[i])} for i in top],
-            "model": self.model.name,
-            "version": self.model.version,
-        }
-
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
-    async def _forward(self, images: list[np.ndarray]) -> list[np.ndarray]:
-        # off the event loop, so requests keep queueing (into the next batch) meanwhile
-        return list(await asyncio.to_thread(self._run, np.stack(images)))
-
-    def _run(self, batch: np.ndarray) -> np.ndarray:
-        torch = self._torch
-        with torch.no_grad():
-            probs: np.ndarray = torch.softmax(self.net(torch.from_numpy(batch)), dim=1).numpy()
-        self._last_forward = time.monotonic()
-        return probs
 
 
 class Router:
@@ -392,35 +305,12 @@ class Router:
         )
 
 
-def _placement(cfg: ServeConfig) -> dict[str, Any]:
-    """Deployment options spreading replicas over nodes; none by default (Serve places them freely)."""
-    return {} if cfg.max_replicas_per_node is None else {"max_replicas_per_node": cfg.max_replicas_per_node}
-
-
-def model_app(model: ModelVersion, cfg: ServeConfig) -> Any:
-    """The Serve application of one version (bound, not yet run)."""
-    deployment = serve.deployment(
-        name=MODEL_DEPLOYMENT,
-        num_replicas=cfg.replicas,
-        **_placement(cfg),
-        ray_actor_options={"num_cpus": cfg.cpus_per_replica},
-        max_ongoing_requests=max(cfg.max_ongoing_requests, cfg.max_batch_size),
-        user_config={"max_batch_size": cfg.max_batch_size, "batch_wait_timeout_s": cfg.batch_wait_timeout_s},
-        health_check_period_s=10,
-        health_check_timeout_s=30,
-        max_constructor_retry_count=3,
-        max_surge_percent=100,  # a restart (new config) starts replacements before stopping old replicas
-        logging_config={"enable_access_log": cfg.access_log},
-    )(ModelServer)
-    return deployment.bind(model.model_dump(mode="json"), cfg.top_k, cfg.max_pixels)
-
-
 def router_app(cfg: ServeConfig) -> Any:
     """The ingress application (bound, not yet run)."""
     deployment = serve.deployment(
         name=ROUTER_DEPLOYMENT,
         num_replicas=cfg.router_replicas,
-        **_placement(cfg),
+        **cfg.placement(),
         ray_actor_options={"num_cpus": cfg.router_cpus},
         max_ongoing_requests=cfg.router_max_ongoing_requests,
         health_check_period_s=5,

@@ -53,6 +53,10 @@ class ServeConfig(BaseModel):
     def version_app(self, model: str, version: int) -> str:
         return f"{self.name}-{model}-v{version}"
 
+    def placement(self) -> dict[str, Any]:
+        """Deployment options spreading replicas over nodes; none by default (Serve places them freely)."""
+        return {} if self.max_replicas_per_node is None else {"max_replicas_per_node": self.max_replicas_per_node}
+
     def router_config(self) -> dict[str, Any]:
         """What the router replicas are deployed with: the default model lives in the routing table
         instead, so changing it never restarts a router."""

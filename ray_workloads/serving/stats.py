@@ -1,8 +1,8 @@
-"""Per-version request stats of a serving instance, kept by the control actor (``serve_state.ServeControl``).
+"""Per-version request stats of a serving instance, kept by the control actor (``routing.ServeControl``).
 
 Routers hand over one :data:`Sample` per answered prediction. Two views are read back:
 
-* everything (``GET /stats``, ``serve_control.stats``, the monitor): every answer a version
+* everything (``GET /stats``, ``control.stats``, the monitor): every answer a version
   gave, pinned or routed, including 4xx rejections of bad input;
 * the *gate* view (``gated=True``, what a rollout judges a candidate on): only answers to
   requests the router routed by weight or key, and not 4xx. A client can pin

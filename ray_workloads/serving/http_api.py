@@ -1,15 +1,12 @@
-"""The router's request-level helpers: routes, headers, multipart parsing, JSON errors, version choice.
+"""The router's request-level helpers: routes, headers, multipart parsing, body limits, JSON errors.
 
-Standard library and Starlette only; used by ``serve_app.Router`` (and ``ModelServer`` for the
+Standard library and Starlette only; used by ``ingress.Router`` (and ``ModelServer`` for the
 status of an undecodable image).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import random
-from collections.abc import Mapping
 from email.message import Message
 from email.parser import HeaderParser
 
@@ -45,25 +42,6 @@ DECODE_STATUS: dict[type[ImageDecodeError], int] = {
     CorruptImageError: 422,
     ImageTooLargeError: 422,
 }
-
-
-def choose_version(weights: Mapping[int, float], key: str | None, rng: random.Random) -> int | None:
-    """Weighted choice; with a key, deterministic (hash of the key), so one key sees one version."""
-    live = [(v, w) for v, w in sorted(weights.items()) if w > 0]
-    if not live:
-        return None
-    total = sum(w for _, w in live)
-    if key:
-        point = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
-    else:
-        point = rng.random()
-    point *= total
-    acc = 0.0
-    for version, weight in live:
-        acc += weight
-        if point < acc:
-            return version
-    return live[-1][0]
 
 
 class HttpError(Exception):

@@ -16,12 +16,12 @@ window's per-version stats:
 Only requests the router routed by weight count toward a window (the probes,
 and live traffic), not requests pinned to a version with ``X-Rayline-Version``
 nor 4xx answers to bad input: junk pinned to the candidate could otherwise
-meet ``min_requests`` and dilute its error rate (``serve_stats``).
+meet ``min_requests`` and dilute its error rate (``stats``).
 
 The incumbent is the version of the candidate's model serving the largest
 share now (deployed at 100% first when nothing of that model serves). Every
 request, weight and stats window here is the model's own
-(``/models/<name>/predict``, ``model=`` on ``serve_control``): other models
+(``/models/<name>/predict``, ``model=`` on ``control``): other models
 served by the same instance are never touched. Nothing here touches the
 registry or Prefect: the caller moves aliases and records the outcome.
 """
@@ -36,10 +36,10 @@ from collections.abc import Iterable
 import httpx
 from pydantic import BaseModel, Field, field_validator
 
-from ray_workloads import serve_control
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
-from ray_workloads.serve_config import ServeConfig
-from ray_workloads.serve_control import VersionStats
+from ray_workloads.serving import control
+from ray_workloads.serving.config import ServeConfig
+from ray_workloads.serving.control import VersionStats
 from rayline import fetching, storage
 from rayline.errors import ConfigError, InputDataError
 from rayline.layout import RAW_DIR
@@ -162,28 +162,28 @@ def load_probe_images(uri: str, count: int, spec: ImageSpec) -> list[bytes]:
 
 def incumbent_version(cfg: ServeConfig, model: str | None = None) -> int | None:
     """``model``'s live version with the largest share of traffic (routers route by it already), if any serves."""
-    weights = {v: w for v, w in serve_control.get_weights(cfg, model=model, settled=True).items() if w > 0}
+    weights = {v: w for v, w in control.get_weights(cfg, model=model, settled=True).items() if w > 0}
     return max(weights, key=lambda v: weights[v]) if weights else None
 
 
 def start(cfg: ServeConfig) -> str:
     """Serve and the router up (idempotent); the base URL."""
-    return serve_control.start(cfg)
+    return control.start(cfg)
 
 
 def serve(version: ModelVersion, cfg: ServeConfig) -> str:
     """Make sure ``version`` is deployed; it takes all traffic if nothing of its model serves yet. The base URL."""
     base_url = start(cfg)
-    serve_control.deploy_version(version, cfg)
+    control.deploy_version(version, cfg)
     if incumbent_version(cfg, version.name) is None:
-        serve_control.set_weights({version.version: 100.0}, cfg, model=version.name)
+        control.set_weights({version.version: 100.0}, cfg, model=version.name)
     return base_url
 
 
 def prepare(incumbent: ModelVersion, candidate: ModelVersion, cfg: ServeConfig) -> str:
     """Serve the incumbent and deploy the candidate at 0%; the base URL."""
     base_url = serve(incumbent, cfg)
-    serve_control.deploy_version(candidate, cfg)
+    control.deploy_version(candidate, cfg)
     return base_url
 
 
@@ -263,7 +263,7 @@ def soak(
         while True:
             # waits for every router's flush; only routed, non-4xx answers: what clients pin to the
             # candidate (or junk it refuses) is no evidence about it
-            window = serve_control.stats(cfg.serve, model=model, since=window_start, gated=True)
+            window = control.stats(cfg.serve, model=model, since=window_start, gated=True)
             seen = window.get(candidate)
             enough = seen is not None and seen.requests >= cfg.gates.min_requests
             if enough or time.monotonic() - started >= 3 * cfg.soak_s:
@@ -297,7 +297,7 @@ def run_step(
             passed=passed,
             reason=reason,
         )
-    serve_control.set_weights({incumbent: 100.0 - weight, candidate: weight}, cfg.serve, model=model)
+    control.set_weights({incumbent: 100.0 - weight, candidate: weight}, cfg.serve, model=model)
     window = soak(cfg, base_url, images, candidate, model)
     seen = window.get(incumbent)
     if seen is not None and seen.p95_ms is not None and seen.requests >= cfg.gates.min_requests:
@@ -316,11 +316,11 @@ def run_step(
 
 def roll_back(incumbent: int, candidate: int, cfg: ServeConfig, model: str | None = None) -> None:
     """All of ``model``'s traffic back to the incumbent, then the candidate's deployment goes."""
-    serve_control.set_weights({incumbent: 100.0}, cfg, model=model)
-    serve_control.remove_version(candidate, cfg, model=model)
+    control.set_weights({incumbent: 100.0}, cfg, model=model)
+    control.remove_version(candidate, cfg, model=model)
 
 
 def retire(old: int, new: int, cfg: ServeConfig, model: str | None = None) -> None:
     """After promotion: the new version takes all of ``model``'s traffic, the old deployment goes."""
-    serve_control.set_weights({new: 100.0}, cfg, model=model)
-    serve_control.remove_version(old, cfg, model=model)
+    control.set_weights({new: 100.0}, cfg, model=model)
+    control.remove_version(old, cfg, model=model)

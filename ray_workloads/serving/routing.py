@@ -12,10 +12,10 @@ model* — the one ``POST /predict`` without a model name goes to: the model nam
 first model registered that is still served. Versions, weights and stats of one model
 never affect another's; every method taking ``model=None`` means the default model.
 
-Router replicas (``serve_app.Router``) call :meth:`ServeControl.sync` periodically: they hand
-over their request samples (kept by ``serve_stats.StatsBook``) and get the current
-:class:`RoutingTable` back. The driver side
-(``serve_control``) creates the actor and calls the rest.
+Router replicas (``ingress.Router``) call :meth:`ServeControl.sync` periodically: they hand
+over their request samples (kept by ``stats.StatsBook``) and get the current
+:class:`RoutingTable` back, by whose weights :func:`choose_version` picks each request's
+version. The driver side (``control``) creates the actor and calls the rest.
 
 This module imports neither Serve's HTTP stack nor torch: it is all the actor's process loads.
 """
@@ -23,20 +23,18 @@ This module imports neither Serve's HTTP stack nor torch: it is all the actor's 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray.experimental import internal_kv
 
-# "X as X": re-exported (the stats' vocabulary predates serve_stats)
-from ray_workloads.serve_stats import ERROR as ERROR
-from ray_workloads.serve_stats import OK as OK
-from ray_workloads.serve_stats import REJECTED as REJECTED
-from ray_workloads.serve_stats import Sample as Sample
-from ray_workloads.serve_stats import StatsBook
+from ray_workloads.serving.stats import Sample, StatsBook
 from rayline.errors import ConfigError
 from rayline.ray_cluster import NAMESPACE
 
@@ -102,6 +100,25 @@ class RoutingTable:
                 for m, r in data["models"].items()
             },
         )
+
+
+def choose_version(weights: Mapping[int, float], key: str | None, rng: random.Random) -> int | None:
+    """Weighted choice; with a key, deterministic (hash of the key), so one key sees one version."""
+    live = [(v, w) for v, w in sorted(weights.items()) if w > 0]
+    if not live:
+        return None
+    total = sum(w for _, w in live)
+    if key:
+        point = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
+    else:
+        point = rng.random()
+    point *= total
+    acc = 0.0
+    for version, weight in live:
+        acc += weight
+        if point < acc:
+            return version
+    return live[-1][0]
 
 
 class ServeControl:
@@ -256,7 +273,7 @@ class ServeControl:
     ) -> dict[int, dict[str, Any]]:
         """Per-version stats of ``model`` (None: the default) since its last reset, or since ``since``.
 
-        ``gated``: only what counts toward a rollout's gate (routed, not 4xx; see ``serve_stats``).
+        ``gated``: only what counts toward a rollout's gate (routed, not 4xx; see ``stats``).
         """
         return self._stats.stats(self._table.resolve(model), since, gated)
 

@@ -1,10 +1,11 @@
 """Driver-side control of online serving: what the rollout flow calls.
 
-Starts Serve, the router and the control actor (``serve_state.ServeControl``, the single
+Starts Serve, the router and the control actor (``routing.ServeControl``, the single
 writer of the routing table), deploys versions and moves traffic by talking to that actor.
+Submitting, waiting for and deleting Serve applications is ``applications``'s part.
 
 One instance serves several models: every call about versions, weights or stats takes
-``model=`` (a registry name; None means the default model, see ``serve_app``), so a
+``model=`` (a registry name; None means the default model, see ``ingress``), so a
 rollout of one model never touches another's weights.
 
 Weights are relative (``{1: 90, 2: 10}`` and ``{1: 0.9, 2: 0.1}`` route the same); a live
@@ -25,9 +26,11 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.schema import ApplicationStatus, ServeInstanceDetails
 
-from ray_workloads.serve_app import SYNC_INTERVAL_S, model_app, router_app
-from ray_workloads.serve_config import ServeConfig
-from ray_workloads.serve_state import RoutingTable, ServeControl
+from ray_workloads.serving import applications
+from ray_workloads.serving.config import ServeConfig
+from ray_workloads.serving.ingress import SYNC_INTERVAL_S, router_app
+from ray_workloads.serving.model_server import model_app
+from ray_workloads.serving.routing import RoutingTable, ServeControl
 from rayline import storage
 from rayline.config import get_settings
 from rayline.errors import ClusterError, ConfigError, InputDataError, RaylineError
@@ -110,7 +113,9 @@ def _control(cfg: ServeConfig, *, create: bool = False) -> Any:
     try:
         return ray.get_actor(cfg.control_actor_name, namespace=NAMESPACE)
     except ValueError as exc:
-        raise ConfigError(f"serving instance {cfg.name!r} is not started: call serve_control.start(cfg) first") from exc
+        raise ConfigError(
+            f"serving instance {cfg.name!r} is not started: call serving.control.start(cfg) first"
+        ) from exc
 
 
 def _call(ref: Any, what: str) -> Any:
@@ -124,76 +129,6 @@ def _call(ref: Any, what: str) -> Any:
         raise ClusterError(f"{what} failed: {type(cause).__name__}: {cause}") from exc
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
         raise ClusterError(f"{what}: the serving control actor did not answer: {exc}") from exc
-
-
-def _app_status(name: str) -> ApplicationStatus | None:
-    app = serve.status().applications.get(name)
-    return app.status if app is not None else None
-
-
-def _start_serve(cfg: ServeConfig) -> None:
-    """``serve.start``, tolerating another driver starting Serve at the same moment."""
-    for attempt in (1, 2):
-        try:
-            serve.start(proxy_location=cfg.proxy_location, http_options={"host": cfg.host, "port": cfg.port})
-            return
-        except ray.exceptions.ActorAlreadyExistsError as exc:
-            if attempt == 2:  # the controller someone else created should be reachable by now
-                raise ClusterError(f"could not connect to Ray Serve's controller: {exc}") from exc
-            time.sleep(1.0)  # lost the race to create Serve's controller: connect to theirs
-        except Exception as exc:
-            raise ClusterError(
-                f"could not start Ray Serve on {cfg.host}:{cfg.port}: {type(exc).__name__}: {exc}"
-            ) from exc
-
-
-def _run_and_wait(targets: list[tuple[str, Any, str | None]], timeout_s: float) -> dict[str, str]:
-    """Deploy Serve applications ``(name, app, route_prefix)`` together and wait until each is RUNNING.
-
-    An ``app`` of None is not submitted, only waited for (someone else is deploying it).
-    Returns ``{name: why}`` of those that failed or timed out; they are deleted again.
-    """
-    if not targets:
-        return {}
-    submit = [serve.RunTarget(app, name=name, route_prefix=prefix) for name, app, prefix in targets if app is not None]
-    try:
-        if submit:
-            serve.run_many(submit, wait_for_applications_running=False)
-    except Exception as exc:
-        raise ClusterError(f"could not submit Serve applications: {type(exc).__name__}: {exc}") from exc
-    deadline = time.monotonic() + timeout_s
-    settled = (ApplicationStatus.RUNNING, ApplicationStatus.DEPLOY_FAILED)
-    while True:
-        apps = serve.status().applications
-        overviews = {name: apps.get(name) for name, _, _ in targets}
-        if all(o is not None and o.status in settled for o in overviews.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    failures: dict[str, str] = {}
-    for name, overview in overviews.items():
-        if overview is None or overview.status != ApplicationStatus.RUNNING:
-            state = overview.status.value if overview is not None else "MISSING"
-            detail = overview.message.strip()[-2000:] if overview is not None else ""
-            failures[name] = f"{state} after {timeout_s:.0f} s: {detail}" if state != "DEPLOY_FAILED" else detail
-            serve.delete(name, _blocking=False)
-    return failures
-
-
-def _needs_deploy(app: Any) -> bool:
-    return app is None or app.status in (
-        ApplicationStatus.DEPLOY_FAILED,
-        ApplicationStatus.UNHEALTHY,
-        ApplicationStatus.DELETING,
-    )
-
-
-def _raise_deploy_failures(failures: dict[str, str]) -> None:
-    if not failures:
-        return
-    text = "; ".join(f"{name}: {why}" for name, why in failures.items())
-    if any(n in text for n in ("InputDataError", "UnsafeCheckpointError", "ConfigError")):
-        raise InputDataError(f"Serve applications failed to deploy (bad model or weights): {text}")
-    raise ClusterError(f"Serve applications failed to deploy: {text}")
 
 
 def _wait_routers(control: Any, generation: int, wait_s: float) -> None:
@@ -212,7 +147,7 @@ def start(cfg: ServeConfig) -> str:
     Idempotent: a running router with the same configuration is left alone.
     """
     _require_ray()
-    _start_serve(cfg)
+    applications.start_serve(cfg)
     client = serve.context._get_global_client()
     http = client.http_config if client is not None else None  # HTTP options are fixed once Serve runs
     if http is not None and (http.host, http.port) != (cfg.host, cfg.port):
@@ -229,12 +164,12 @@ def start(cfg: ServeConfig) -> str:
     # recorded before deploying: a concurrent start() (another process's rollout) then waits for
     # this deployment instead of submitting its own, which would restart the router under load
     deployed = _call(control.swap_router_config.remote(wanted), "saving the router config")
-    redeploy = deployed != wanted or _needs_deploy(serve.status().applications.get(cfg.name))
+    redeploy = deployed != wanted or applications.needs_deploy(serve.status().applications.get(cfg.name))
     # else running or being deployed with this config: only wait for it
-    failures = _run_and_wait([(cfg.name, router_app(cfg) if redeploy else None, "/")], cfg.deploy_timeout_s)
+    failures = applications.run_and_wait([(cfg.name, router_app(cfg) if redeploy else None, "/")], cfg.deploy_timeout_s)
     if failures:
         _call(control.swap_router_config.remote(None), "clearing the router config")  # the next start() deploys
-    _raise_deploy_failures(failures)
+    applications.raise_deploy_failures(failures)
     base_url = f"http://{cfg.host}:{cfg.port}"
     no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     deadline = time.monotonic() + 30
@@ -276,9 +211,9 @@ def deploy_versions(models: Sequence[ModelVersion], cfg: ServeConfig, *, wait_s:
     apps = serve.status().applications
     # a version being deployed by someone else (a concurrent rollout) is waited for, not resubmitted:
     # resubmitting restarts its replicas
-    failures = _run_and_wait(
+    failures = applications.run_and_wait(
         [
-            (name, model_app(m, cfg) if _needs_deploy(apps.get(name)) else None, None)
+            (name, model_app(m, cfg) if applications.needs_deploy(apps.get(name)) else None, None)
             for name, m in wanted.items()
             if name not in apps or apps[name].status != ApplicationStatus.RUNNING
         ],
@@ -289,7 +224,7 @@ def deploy_versions(models: Sequence[ModelVersion], cfg: ServeConfig, *, wait_s:
         if name not in failures:
             generation = _call(control.register.remote(m.name, m.version, name), "registering a version")
     _wait_routers(control, generation, wait_s)
-    _raise_deploy_failures(failures)
+    applications.raise_deploy_failures(failures)
 
 
 def set_weights(
@@ -347,7 +282,7 @@ def stats(
 
     ``fresh`` waits (about ``SYNC_INTERVAL_S``) until every router has flushed, so every
     request answered before the call is counted; without it, stats lag by up to that long.
-    ``gated``: only answers a rollout's gate counts (routed, not pinned; not 4xx: ``serve_stats``).
+    ``gated``: only answers a rollout's gate counts (routed, not pinned; not 4xx: ``stats``).
     """
     control = _control(cfg or ServeConfig())
     if fresh:
@@ -378,7 +313,7 @@ def remove_version(
     generation = _call(control.retire.remote(version, name), f"retiring version {version} of {name}")
     _wait_routers(control, generation, wait_s)
     if app is not None:
-        _delete_apps([app])
+        applications.delete_apps([app])
 
 
 def remove_model(model: str, cfg: ServeConfig | None = None, *, wait_s: float = 10.0) -> list[str]:
@@ -392,23 +327,8 @@ def remove_model(model: str, cfg: ServeConfig | None = None, *, wait_s: float = 
     control = _control(cfg)
     generation, apps = _call(control.remove_model.remote(model), f"removing model {model}")
     _wait_routers(control, generation, wait_s)
-    _delete_apps(apps)
+    applications.delete_apps(apps)
     return list(apps)
-
-
-def _delete_apps(apps: Sequence[str], timeout_s: float = 120.0) -> None:
-    """Delete Serve applications all at once (each drains for a few seconds) and wait until they are gone."""
-    doomed = [app for app in apps if _app_status(app) is not None]
-    try:
-        for app in doomed:
-            serve.delete(app, _blocking=False)
-    except Exception as exc:
-        raise ClusterError(f"could not delete Serve applications {doomed}: {type(exc).__name__}: {exc}") from exc
-    deadline = time.monotonic() + timeout_s
-    while any(app in serve.status().applications for app in doomed):
-        if time.monotonic() > deadline:
-            raise ClusterError(f"Serve applications {doomed} were not deleted within {timeout_s:.0f} s")
-        time.sleep(0.2)
 
 
 def replica_pids(cfg: ServeConfig | None = None) -> dict[str, list[int]]:
@@ -442,7 +362,7 @@ def shutdown(cfg: ServeConfig | None = None) -> None:
     if control is not None:
         table: RoutingTable = _call(control.table.remote(), "reading the routing table")
         apps += [app for routes in table.models.values() for app in routes.apps.values()]
-    _delete_apps(apps)
+    applications.delete_apps(apps)
     if control is not None:
         _call(control.forget.remote(), "clearing the routing table")
         ray.kill(control, no_restart=True)

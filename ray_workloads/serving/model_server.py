@@ -1,0 +1,118 @@
+"""The model replicas: one Serve application per registered model version, requests batched.
+
+Each live version of each model runs as its own application ``<name>-<model>-v<N>`` (no HTTP
+route; only the router calls it), so deploying or removing one never touches the others.
+The router (``ingress.Router``) sends it the image bytes; an image it cannot decode is an
+answer with the HTTP status to give (``http_api.DECODE_STATUS``), a broken model raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+from ray import serve
+
+from ray_workloads.images import ImageDecodeError, decode_image
+from ray_workloads.serving.config import ServeConfig
+from ray_workloads.serving.http_api import DECODE_STATUS
+from rayline.registry import ModelVersion
+
+MODEL_DEPLOYMENT = "ModelServer"
+HEALTH_PROBE_IDLE_S = 30.0  # a model replica idle this long proves itself with a forward pass
+
+
+class ModelOutputError(RuntimeError):
+    """The model produced scores that are not finite (NaN/inf): the version is broken."""
+
+
+class ModelServer:
+    """One registered model version: weights read once per replica, requests batched."""
+
+    def __init__(self, model: dict[str, Any], top_k: int, max_pixels: int) -> None:
+        # torch only here: router replicas and the control actor never pay for importing it
+        import torch
+
+        from ray_workloads.models import load_model
+
+        torch.set_num_threads(1)
+        self._torch = torch
+        self.model = ModelVersion.model_validate(model)
+        spec = self.model.image_spec
+        self.image_spec = spec.model_copy(update={"max_pixels": max_pixels})
+        # weights_only loading; a checkpoint with pickled objects is refused
+        self.net = load_model(self.model.model_spec, self.model.weights_uri)
+        self.top_k = min(top_k, len(self.model.classes))
+        self._probe = np.zeros((1, 3, spec.size, spec.size), dtype=np.float32)
+        self._last_forward = 0.0
+
+    async def reconfigure(self, config: dict[str, Any]) -> None:
+        """``user_config``: batching parameters change without restarting the replica."""
+        batcher: Any = self._forward
+        batcher.set_max_batch_size(int(config["max_batch_size"]))
+        batcher.set_batch_wait_timeout_s(float(config["batch_wait_timeout_s"]))
+
+    async def check_health(self) -> None:
+        """The model must run: a recent batch, else a forward pass on a blank image; else Serve replaces us."""
+        if time.monotonic() - self._last_forward > HEALTH_PROBE_IDLE_S:
+            await asyncio.to_thread(self._run, self._probe)
+
+    async def predict(self, data: bytes) -> dict[str, Any]:
+        """Bytes → prediction; bad input is an answer (``ok`` False), a broken model raises."""
+        try:
+            image = await asyncio.to_thread(decode_image, data, self.image_spec)
+        except ImageDecodeError as exc:
+            return {
+                "ok": False,
+                "status": DECODE_STATUS.get(type(exc), 422),
+                "error": type(exc).__name__,
+                "detail": str(exc),
+            }
+        except Exception as exc:  # whatever else the decoder raised, it is this input's fault
+            return {"ok": False, "status": 422, "error": type(exc).__name__, "detail": f"undecodable image: {exc}"}
+        probs: np.ndarray = await self._forward(image)
+        if not np.isfinite(probs).all():
+            raise ModelOutputError(f"model {self.model.name} v{self.model.version} produced non-finite scores")
+        top = np.argsort(-probs, kind="stable")[: self.top_k]
+        classes = self.model.classes
+        return {
+            "ok": True,
+            "class_index": int(top[0]),
+            "class_name": classes[int(top[0])],
+            "confidence": float(probs[top[0]]),
+            "top_k": [{"index": int(i), "name": classes[int(i)], "prob": float(probs[i])} for i in top],
+            "model": self.model.name,
+            "version": self.model.version,
+        }
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    async def _forward(self, images: list[np.ndarray]) -> list[np.ndarray]:
+        # off the event loop, so requests keep queueing (into the next batch) meanwhile
+        return list(await asyncio.to_thread(self._run, np.stack(images)))
+
+    def _run(self, batch: np.ndarray) -> np.ndarray:
+        torch = self._torch
+        with torch.no_grad():
+            probs: np.ndarray = torch.softmax(self.net(torch.from_numpy(batch)), dim=1).numpy()
+        self._last_forward = time.monotonic()
+        return probs
+
+
+def model_app(model: ModelVersion, cfg: ServeConfig) -> Any:
+    """The Serve application of one version (bound, not yet run)."""
+    deployment = serve.deployment(
+        name=MODEL_DEPLOYMENT,
+        num_replicas=cfg.replicas,
+        **cfg.placement(),
+        ray_actor_options={"num_cpus": cfg.cpus_per_replica},
+        max_ongoing_requests=max(cfg.max_ongoing_requests, cfg.max_batch_size),
+        user_config={"max_batch_size": cfg.max_batch_size, "batch_wait_timeout_s": cfg.batch_wait_timeout_s},
+        health_check_period_s=10,
+        health_check_timeout_s=30,
+        max_constructor_retry_count=3,
+        max_surge_percent=100,  # a restart (new config) starts replacements before stopping old replicas
+        logging_config={"enable_access_log": cfg.access_log},
+    )(ModelServer)
+    return deployment.bind(model.model_dump(mode="json"), cfg.top_k, cfg.max_pixels)
