@@ -71,20 +71,22 @@ def choose_settings(cores: int, gpu: bool, overrides: dict[str, Any] | None = No
 
     * one actor per core, one torch thread each (PredictorUDF gives an actor
       as many threads as whole CPUs it holds, at least one), since two
-      single-thread processes run ResNet-18 as fast as one two-thread process
-      (38.6 vs 38.5 images/s here); while one actor decodes (~6 ms a photo, a
-      sixth of its forward pass) the other computes, so decode overlaps the
-      forward pass across actors with no extra threads.
+      single-thread processes run ResNet-18 as fast as one two-thread process;
+      while one actor decodes (a fraction of its forward pass) the other
+      computes, so decode overlaps the forward pass across actors with no
+      extra threads.
     * 0.5 CPU each: the embedded cluster declares 2 logical CPUs per core; a
       fractional share leaves room for Ray Data's own tasks (whole CPUs per
       actor can starve them, see the notes).
-    * batch 32: ResNet-18 on one thread runs as fast at 16-32 images per call
-      as at 64 (measured 34 vs 30 images/s), with half the activations.
+    * batch 32: ResNet-18 on one thread runs no slower at 16-32 images per
+      call than at 64, with half the activations.
     * 32 objects per task (one model call per block): the run ends when the
-      last block does, so small blocks keep both actors busy to the end (the
-      tail is at most ~1 s of one actor instead of ~8 s with 256), and an
-      actor's decoded block is 19 MB instead of 154 MB (ResNet input is
-      3x224x224 float32), which keeps peak RSS flat with the input size.
+      last block does, so small blocks keep both actors busy to the end (a
+      short tail of one actor instead of a long one with 256), and an actor's
+      decoded block is 19 MB instead of 154 MB (ResNet input is 3x224x224
+      float32), which keeps peak RSS flat with the input size.
+
+    The figures behind each choice are in bench/README.md.
     * GPU: the actors share it (1/actors each); decode stays on the CPU cores.
     """
     chosen = RaylineSettings(

@@ -9,10 +9,10 @@ passes alone on both sides, and the test accuracy of the Ray-trained model.
 
 Two run lengths, each measured (not extrapolated): the demo's 12 epochs, and
 a sustained run of 60 epochs, the headline figure. Ray Train's start-up is a
-fixed cost (~16 s here: a chain of new processes - the controller and its
-helper actors, two workers importing torch, ``ray.train`` and, for DDP,
-``torch._dynamo``, Ray Data's dataset manager and split coordinator), about
-as long as the whole 12-epoch plain run, so the short run shows the cost of
+fixed cost (a chain of new processes - the controller and its helper actors,
+two workers importing torch, ``ray.train`` and, for DDP, ``torch._dynamo``,
+Ray Data's dataset manager and split coordinator), about as long as the whole
+12-epoch plain run (bench/README.md), so the short run shows the cost of
 starting and the long run the throughput. Target: ratio >= 0.7.
 Each length runs in a process of its own with its own embedded cluster (a fit
 leaves actors behind that would skew the next). ``BENCH_EPOCHS=12,60`` sets

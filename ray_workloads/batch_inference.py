@@ -36,18 +36,18 @@ pool, its scheduling, and the restart of a lost actor with the retry of its
 block (bounded here: ``_ACTOR_RESTARTS``). The inputs are URIs and the outputs
 a few file names, so only those cross the object store, never images. An
 earlier version with separate fetch, predict and write stages streamed the
-images through the object store and started processes per stage: ~7 s before
-the first row on 2 idle cores and 19 GB RSS at 100k images. Here a small input
-gets no more actors than it has blocks, and a process that asks for
-``WORKER_PRELOAD`` gets actors that already have what they import.
+images through the object store and started processes per stage, so it was
+slow to its first row and its memory grew with the night (bench/README.md).
+Here a small input gets no more actors than it has blocks, and a process that
+asks for ``WORKER_PRELOAD`` gets actors that already have what they import.
 
 What Ray Data costs on top of a plain pool of actors: three helper actors of
 its own (stats, autoscaling coordinator, actor locations), each a worker
 process, and the driver's scheduling loop. They are detached, so a long-lived
-cluster pays for them once; a fresh embedded one pays each night: 20k images
-took ~12.5 CPU seconds against ~7.5 with plain actors on 2 idle cores (the
-stats actor ~3.5, mostly its worker's start; the driver ~1 more).
-``bench/batch_inference.py`` measures it against a plain loop.
+cluster pays for them once; a fresh embedded one pays each night, mostly in
+starting their worker processes (what that came to against plain actors:
+bench/README.md). ``bench/batch_inference.py`` measures the whole against a
+plain loop.
 
 Layout (``<root>`` is the storage root)::
 
@@ -104,7 +104,7 @@ COMPUTE_BOUND_OBJECTS_PER_TASK = 32
 _ACTOR_RESTARTS = 3
 # What a process that runs batch inference asks its embedded Ray cluster to
 # import in every worker at start (``ray_cluster.connect(preload=...)``), so
-# that a predictor actor starts in ~0.3 s rather than ~1.5 s (2 idle cores):
+# that a predictor actor starts without waiting for these imports (bench/README.md):
 # torch for the model; ray.data, and ray.util.state that unpickling Ray Data's
 # context imports, for the actor pool's worker; the UDF's own module.
 WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "ray_workloads.inference_predictor")
@@ -198,9 +198,10 @@ def _blocks(objects: list[storage.ObjectInfo], size: int) -> list[dict[str, list
 def objects_per_task(cfg: InferenceConfig) -> int:
     """Block size: large for cheap models (fewer files), small for compute-bound ones.
 
-    A night ends when its last block does: with a ResNet at 224 px (~30 ms an
-    image per core) a 256-object block leaves one actor working alone for up
-    to ~8 s at the end, a 32-object block ~1 s (bench/README.md).
+    A night ends when its last block does: with a compute-bound model (a ResNet
+    at 224 px) a 256-object block can leave one actor working alone for several
+    seconds at the end while the others idle; a 32-object block keeps that tail
+    short (bench/README.md).
     """
     if cfg.objects_per_task is not None:
         return cfg.objects_per_task

@@ -132,7 +132,7 @@ def to_model_input(rgb: Image.Image, spec: ImageSpec) -> np.ndarray:
         image = F.center_crop(resized, [spec.crop])
     else:
         # torchvision's F.resize of a PIL image to (crop, crop) is exactly this PIL call; calling PIL
-        # directly spares the digits' Ray Data workers importing torch + torchvision (~3.3 s each here)
+        # directly spares the digits' Ray Data workers importing torch + torchvision (seconds each: bench/README.md)
         image = rgb.resize((spec.crop, spec.crop), resample)
     array = np.asarray(image, dtype=np.float32) / np.float32(255.0)
     mean = np.asarray(spec.mean, dtype=np.float32)

@@ -231,8 +231,8 @@ class PredictorUDF:
 
 # Decoded float32 pixels an actor holds at once (one chunk of a block).
 DECODED_BYTES_PER_CHUNK = 64 * 2**20
-# Input pixels per model call. A ResNet's activations, not its input, are what a call costs: ResNet-18 at
-# 224 px peaked ~0.5 GB more per actor at 64 images a call (CPU, no_grad); 32 per call cost no throughput.
+# Input pixels per model call. A ResNet's activations, not its input, are what a call costs: at 224 px,
+# 64 images a call raised an actor's peak memory and 32 cost no throughput (bench/README.md).
 PIXELS_PER_MODEL_CALL = 32 * 224 * 224
 
 

@@ -259,11 +259,9 @@ def prepare_for_inference(model: nn.Module) -> nn.Module:
     """The same model (same weights, outputs equal to ~1e-7), cheaper to run for inference.
 
     Batch norms are folded into the convolutions before them and the weights
-    go channels-last, the layout of oneDNN's fast CPU convolutions. Measured
-    on this project's 2-core machines: ~3.5x fewer CPU seconds per image for
-    ``small_cnn``, about the same for resnet18 and mobilenet_v3_small at
-    32 px. Feed it channels-last input. A model that cannot be traced is only
-    re-laid out.
+    go channels-last, the layout of oneDNN's fast CPU convolutions: fewer CPU
+    seconds per image (bench/README.md). Feed it channels-last input. A model
+    that cannot be traced is only re-laid out.
     """
     from torch.fx.experimental.optimization import fuse
 

@@ -52,8 +52,8 @@ def _fetch_pass(uris: list[str], concurrency: int) -> list[Fetched]:
 
     S3 reads overlap on a thread pool: per-request latency dominates with many
     small objects (botocore releases the GIL while waiting on the network).
-    Local files are read one after another: from the page cache a read takes
-    ~15 µs, less than handing it to a thread pool costs (~80 µs of CPU).
+    Local files are read one after another: from the page cache a read costs
+    less than handing it to a thread pool would (bench/README.md).
     """
     if not any(is_s3(u) for u in uris):
         return [_fetch_local(u) for u in uris]

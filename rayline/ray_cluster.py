@@ -114,7 +114,7 @@ def _start(settings: Settings, preload: Sequence[str]) -> bool:
             return False
         # The embedded cluster's processes inherit this environment, so no runtime_env: with one,
         # Ray cannot hand out the workers it prestarts (their runtime env differs) and every actor
-        # waits for a fresh process (~1.5 s on 2 cores).
+        # waits for a fresh process to start (bench/README.md).
         for key, value in RAY_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         ray.init(
@@ -167,10 +167,10 @@ def connect(settings: Settings | None = None, preload: Sequence[str] = ()) -> Ra
 
     ``preload``: modules each worker of an embedded cluster imports as it
     starts. Ray prestarts workers at ``ray.init``, so actors that need, say,
-    torch get a worker that already has it instead of waiting ~1.5 s for the
-    import. It applies only when this call starts the cluster, and costs every
-    other worker the same import: only pass it from a process whose Ray work
-    needs those modules.
+    torch get a worker that already has it instead of waiting for the import
+    (bench/README.md). It applies only when this call starts the cluster, and
+    costs every other worker the same import: only pass it from a process
+    whose Ray work needs those modules.
     """
     global _embedded
     import ray
