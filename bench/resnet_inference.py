@@ -77,7 +77,7 @@ def choose_settings(cores: int, gpu: bool, overrides: dict[str, Any] | None = No
       extra threads.
     * 0.5 CPU each: the embedded cluster declares 2 logical CPUs per core; a
       fractional share leaves room for Ray Data's own tasks (whole CPUs per
-      actor can starve them, see the notes).
+      actor can starve them).
     * batch 32: ResNet-18 on one thread runs no slower at 16-32 images per
       call than at 64, with half the activations.
     * 32 objects per task (one model call per block): the run ends when the
