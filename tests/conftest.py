@@ -36,6 +36,38 @@ _TEST_SETTINGS = {
 }
 
 
+# A test's tier is the folder it lives in; its marker (what ``-m unit`` selects) must say the same.
+_TESTS = Path(__file__).parent
+_TIERS = frozenset({"unit", "integration", "e2e"})
+# Each of these starts a service (an S3-protocol server, a Ray cluster, a Prefect API): no unit test asks for one.
+_SERVICE_FIXTURES = frozenset(
+    {"s3_proxy", "s3_endpoint", "s3_faults", "s3_bucket", "s3_storage", "ray_session", "prefect_api"}
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Refuse a test whose tier marker is not its folder's, or a unit test that asks for a service.
+
+    ``make check`` runs ``-m unit`` as the inner loop: a test that starts Ray or an S3 server
+    under the ``unit`` marker would slow it down and fail without those services, and a pure
+    test marked otherwise would be left out of it. Runs before ``-m`` deselects anything.
+    """
+    wrong = []
+    for item in items:
+        parts = item.path.relative_to(_TESTS).parts if item.path.is_relative_to(_TESTS) else ()
+        if not parts or parts[0] not in _TIERS:
+            continue
+        tier = parts[0]
+        marked = {m.name for m in item.iter_markers() if m.name in _TIERS}
+        if marked != {tier}:
+            wrong.append(f"{item.nodeid}: in tests/{tier}/ but marked {sorted(marked) or 'with no tier'}")
+        elif tier == "unit" and (services := _SERVICE_FIXTURES.intersection(item.fixturenames)):
+            wrong.append(f"{item.nodeid}: a unit test asking for {sorted(services)}, which start services")
+    if wrong:
+        raise pytest.UsageError("tests in the wrong tier:\n  " + "\n  ".join(wrong))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for key in _FOREIGN:
         os.environ.pop(key, None)

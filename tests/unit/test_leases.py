@@ -2,7 +2,8 @@
 
 Atomicity is proved on local disk with real processes racing; the S3-protocol
 server (moto) checks the conditions but writes without a lock, so the S3 test
-is a smoke test of the same calls.
+is a smoke test of the same calls, in the integration tier
+(tests/integration/test_conditional_writes_on_s3.py).
 """
 
 from __future__ import annotations
@@ -229,25 +230,3 @@ def test_held_needs_a_positive_ttl(tmp_path: Path) -> None:
 def test_run_holder_names_the_run_host_and_process() -> None:
     holder = leases.run_holder("flow run keen-fox (1234)")
     assert holder.startswith("flow run keen-fox (1234) on ") and " pid " in holder
-
-
-def test_leases_on_the_s3_protocol_server_smoke(s3_storage: str) -> None:
-    """The same calls against the moto server (a smoke test: moto cannot prove atomicity)."""
-    uri = storage.join(s3_storage, "leases", "x.lease")
-    first = leases.try_acquire(uri, "run-a", ttl_s=60)
-    assert first is not None and leases.try_acquire(uri, "run-b", ttl_s=60) is None
-    renewed = leases.renew(leases.renew(first))
-    assert renewed.token != first.token and leases.read(uri) == renewed
-    with pytest.raises(LeaseLost):  # two writes behind: not a renewal whose answer was lost
-        leases.renew(first)
-    assert leases.release(renewed)
-    expired = leases.try_acquire(uri, "run-b", ttl_s=-1)
-    assert expired is not None
-    taker = leases.try_acquire(uri, "run-c", ttl_s=60)
-    assert taker is not None and taker.generation == expired.generation + 1
-    with pytest.raises(LeaseLost, match="now held by run-c"):
-        leases.renew(expired)
-    assert not leases.release(expired) and leases.read(uri) == taker
-    claim = storage.join(s3_storage, "claims", "v1")
-    assert conditional.create_exclusive(claim, b"a") is not None
-    assert conditional.create_exclusive(claim, b"b") is None

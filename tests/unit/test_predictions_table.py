@@ -231,34 +231,3 @@ def test_storage_options_for_s3_come_from_settings(monkeypatch: pytest.MonkeyPat
         "AWS_REGION": "eu-west-1",
     }
     assert delta_tables.storage_options("/tmp/x") is None
-
-
-@pytest.mark.integration
-def test_commits_on_the_s3_protocol_server_smoke(s3_storage: str) -> None:
-    """delta-rs's S3 client on the moto server: a smoke test (moto can't prove atomicity; local disk does)."""
-    table = layout.table_uri(s3_storage, layout.PREDICTIONS_TABLE)
-    other = [delta_tables.Night("vit", "2026-11-01"), delta_tables.Night("vit", "2026-11-02")]
-    predictions_table.commit_night(table, _write(table, other[0], "run-o0", parts=1), other[0], "run-o0", SCHEMA)
-    night = delta_tables.Night("resnet", DT)
-    seen = predictions_table.night_seq(table, night)
-    runs = ["run-x", "run-y", "run-z"]
-    files = {run: _write(table, night, run) for run in runs}
-    files["run-o1"] = _write(table, other[1], "run-o1", parts=1)
-    start = threading.Barrier(len(files))
-
-    def commit(run: str) -> predictions_table.CommitResult | NightCommittedElsewhere:
-        start.wait()
-        target = other[1] if run == "run-o1" else night
-        try:
-            return predictions_table.commit_night(table, files[run], target, run, SCHEMA, expected_seq=seen)
-        except NightCommittedElsewhere as exc:
-            return exc
-
-    with ThreadPoolExecutor(len(files)) as pool:
-        outcomes = dict(zip(files, pool.map(commit, files), strict=True))
-    assert isinstance(outcomes.pop("run-o1"), predictions_table.CommitResult), "another night commits on its own"
-    assert all(isinstance(o, predictions_table.CommitResult | NightCommittedElsewhere) for o in outcomes.values())
-    rows = prediction_reads.read_night(table, "resnet", DT)
-    assert rows.num_rows == 8 and len(_labels(rows)) == 1, "one run's rows, once"
-    for dt, run in (("2026-11-01", "run-o0"), ("2026-11-02", "run-o1")):
-        assert _labels(prediction_reads.read_night(table, "vit", dt)) == {run}
