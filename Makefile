@@ -1,13 +1,14 @@
 # The two commands a newcomer types: `make demo` and `make test`.
 # Both create .venv and install on first use; later runs skip the install
-# unless pyproject.toml or constraints.txt changed.
+# unless pyproject.toml or constraints.txt changed. `make check` is the inner
+# loop: lint, types and the unit tier only (no Ray, no S3 server, no Prefect API).
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint typecheck unit bench clean
+.PHONY: install demo test check lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +32,8 @@ test: lint typecheck
 
 unit: $(STAMP)
 	$(BIN)/pytest -m unit $(PYTEST_ARGS)
+
+check: lint typecheck unit
 
 bench: $(STAMP)
 	$(BIN)/python bench/ingest.py
