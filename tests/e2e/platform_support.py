@@ -1,4 +1,5 @@
-"""`rayline up` for the e2e tests, and helpers to drive it: the CLI, Python programs, PID records."""
+"""`rayline up` for the e2e tests, and helpers to drive it: the CLI, the programs of `tests/e2e/programs`, PID
+records."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from rayline.cli.platform import SERVICES, ServiceRecord, ray_temp_dir
-from tests.support import free_port
+from tests.support import REPO_ROOT, free_port
 
 BIN = Path(sys.executable).parent
 _OUTSIDE = ("RAY_ADDRESS", "PREFECT_API_URL", "AWS_ENDPOINT_URL", "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_URI")
@@ -27,8 +29,19 @@ def run_rayline(args: list[str], env: dict[str, str], timeout: float = 300) -> s
     )  # fmt: skip
 
 
-def run_python(code: str, env: dict[str, str], timeout: float = 180) -> str:
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+def run_program(
+    program: ModuleType, args: list[str], env: dict[str, str], timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """``python -m`` one of `tests/e2e/programs` in ``env``, from this checkout's root, where `tests` imports."""
+    return subprocess.run(
+        [sys.executable, "-m", program.__name__, *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def program_output(program: ModuleType, env: dict[str, str], timeout: float = 180) -> str:
+    """The stdout of a program of `tests/e2e/programs` that takes no arguments, which must succeed."""
+    done = run_program(program, [], env, timeout)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -21,7 +18,14 @@ import pytest
 
 from ray_workloads.models import imagenet_classes
 from rayline.cli.platform import SERVICES
-from tests.e2e.platform_support import AUTH, run_python, run_rayline, service_records
+from tests.e2e.platform_support import AUTH, program_output, run_program, run_rayline, service_records
+from tests.e2e.programs import (
+    burst_of_arrivals,
+    cancel_training_run,
+    deployment_run_states,
+    newest_completed_run,
+    ray_lines_in_prefect_logs,
+)
 from tests.support import REPO_ROOT
 
 pytestmark = pytest.mark.e2e
@@ -49,44 +53,10 @@ def test_the_prefect_api_asks_for_basic_auth(platform: dict[str, str]) -> None:
     assert httpx.get(f"{api}/health").status_code == 200, "probes stay open"
 
 
-EMIT_AND_COUNT = textwrap.dedent(
-    """
-    import asyncio, sys, time
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
-    from prefect.events import emit_event
-
-    def arrival(prefix, eligible):
-        emit_event(event="rayline.data.arrived", payload={"source_uri": prefix, "new_labelled": 500},
-                   resource={"prefect.resource.id": f"rayline.data.{prefix}", "rayline.retrain": eligible})
-
-    async def retrain_runs():
-        async with get_client() as client:
-            found = await client.read_flow_runs(
-                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["retrain"])))
-        return [r.parameters.get("source_uri") for r in found]
-
-    prefix = sys.argv[1]
-    arrival(prefix + "-small", "false")       # below the threshold: no run
-    time.sleep(3)
-    print("below", len(asyncio.run(retrain_runs())))
-    for _ in range(5):                        # a burst above it: one run
-        arrival(prefix, "true")
-    deadline = time.monotonic() + 60
-    while not asyncio.run(retrain_runs()) and time.monotonic() < deadline:
-        time.sleep(1)
-    time.sleep(5)                             # would a second run appear?
-    print("burst", asyncio.run(retrain_runs()))
-    """
-)
-
-
 def test_a_burst_of_labelled_arrivals_starts_exactly_one_retraining(platform: dict[str, str]) -> None:
     # a prefix with nothing under it: the triggered run fails at once instead of training for minutes
     prefix = str(Path(platform["RAYLINE_STORAGE"]) / "arrivals-for-the-burst-test")
-    done = subprocess.run(
-        [sys.executable, "-c", EMIT_AND_COUNT, prefix], env=platform, capture_output=True, text=True, timeout=180
-    )
+    done = run_program(burst_of_arrivals, [prefix], platform, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "below 0" in done.stdout, done.stdout
     assert f"burst {[prefix]!r}" in done.stdout, "one run, on the prefix that arrived: " + done.stdout
@@ -161,47 +131,10 @@ def test_ray_metrics_port_exports_serves_own_metrics(platform: dict[str, str]) -
     assert any('deployment="' in line for line in serve_lines), serve_lines[:20]
 
 
-DEPLOYMENT_RUN_STATES = textwrap.dedent(
-    """
-    import asyncio, json, sys
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
-
-    async def states():
-        async with get_client() as client:
-            runs = await client.read_flow_runs(
-                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[sys.argv[1]])))
-        return [r.state.type.value for r in runs if r.state]
-
-    print(json.dumps(asyncio.run(states())))
-    """
-)
-
-
 def _deployment_run_states(deployment: str, env: dict[str, str]) -> list[str]:
-    done = subprocess.run(
-        [sys.executable, "-c", DEPLOYMENT_RUN_STATES, deployment], env=env, capture_output=True, text=True, timeout=60
-    )
+    done = run_program(deployment_run_states, [deployment], env, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     return list(json.loads(done.stdout.strip().splitlines()[-1]))
-
-
-NEWEST_COMPLETED_RUN = textwrap.dedent(
-    """
-    import asyncio
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
-    from prefect.client.schemas.sorting import FlowRunSort
-
-    async def newest():
-        async with get_client() as client:
-            done = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["COMPLETED"])))
-            return await client.read_flow_runs(flow_run_filter=done, sort=FlowRunSort.START_TIME_DESC)
-
-    runs = asyncio.run(newest())
-    print(len(runs), runs[0].name if runs else "")
-    """
-)
 
 
 def _chromium() -> str:
@@ -217,7 +150,7 @@ def test_the_prefect_ui_shows_the_runs(platform: dict[str, str]) -> None:
     """Headless Chromium logs into the UI with the auth string and finds the demo's runs on the runs page."""
     from playwright.sync_api import expect, sync_playwright
 
-    count, newest = run_python(NEWEST_COMPLETED_RUN, platform).split()
+    count, newest = program_output(newest_completed_run, platform).split()
     assert int(count) >= 4, "prepare-data, train-model, serve-rollout, nightly-inference at least"
     ui = f"http://127.0.0.1:{platform['RAYLINE_PREFECT_PORT']}"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
@@ -239,74 +172,14 @@ def test_the_prefect_ui_shows_the_runs(platform: dict[str, str]) -> None:
     assert shot.stat().st_size > 10_000
 
 
-RAY_IN_PREFECT_LOGS = textwrap.dedent(
-    """
-    import asyncio, json
-    from prefect.client.orchestration import get_client
-
-    MARKERS = ["Ray Data execution stats:", "Ray Tune trials (best first):", "epoch 11: train loss"]
-
-    async def found():
-        seen, offset = set(), 0
-        async with get_client() as client:
-            while page := await client.read_logs(limit=200, offset=offset):
-                seen |= {m for m in MARKERS for log in page if log.message.startswith(m) and log.task_run_id}
-                offset += len(page)
-        return sorted(seen)
-
-    print(json.dumps(asyncio.run(found())))
-    """
-)
-
-
 def test_ray_stats_epochs_and_trials_reach_the_prefect_task_logs(platform: dict[str, str]) -> None:
     """What Ray's workers log stays in Ray's files; rayline's tasks put the essentials into Prefect's logs."""
-    seen = json.loads(run_python(RAY_IN_PREFECT_LOGS, platform).strip().splitlines()[-1])
+    seen = json.loads(program_output(ray_lines_in_prefect_logs, platform).strip().splitlines()[-1])
     assert seen == sorted(["Ray Data execution stats:", "Ray Tune trials (best first):", "epoch 11: train loss"])
 
 
-CANCEL_AND_WATCH = textwrap.dedent(
-    """
-    import asyncio, sys, time
-    import ray
-    from ray.util.state import list_actors
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-    from prefect.states import Cancelling
-
-    def train_actors():
-        return [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-                if "Train" in a.class_name]
-
-    run = run_deployment("train-model/train-model", parameters={"epochs": 200}, timeout=0)
-    deadline = time.monotonic() + 240
-    while "RayTrainWorker" not in train_actors() and time.monotonic() < deadline:
-        time.sleep(1)
-    print("training", sorted(set(train_actors())), flush=True)
-
-    async def cancel():
-        async with get_client() as client:
-            await client.set_flow_run_state(run.id, Cancelling(), force=True)
-
-    asyncio.run(cancel())
-    deadline = time.monotonic() + 90
-    while train_actors() and time.monotonic() < deadline:
-        time.sleep(1)
-    print("after cancel", sorted(set(train_actors())), flush=True)
-
-    async def state():
-        async with get_client() as client:
-            return (await client.read_flow_run(run.id)).state.type.value
-    deadline = time.monotonic() + 60
-    while (final := asyncio.run(state())) != "CANCELLED" and time.monotonic() < deadline:
-        time.sleep(1)
-    print("state", final)
-    """
-)
-
-
 def test_cancelling_a_flow_run_stops_its_ray_work(platform: dict[str, str]) -> None:
-    out = run_python(CANCEL_AND_WATCH, platform, timeout=420)
+    out = program_output(cancel_training_run, platform, timeout=420)
     assert "training ['" in out and "RayTrainWorker" in out, out
     assert "after cancel []" in out, "Ray Train actors outlived the cancelled flow run: " + out
     assert "state CANCELLED" in out, out
