@@ -13,6 +13,7 @@ import time
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from prefect.states import Cancelling
 from ray.util.state import list_actors
@@ -37,6 +38,8 @@ async def state(run_id: UUID) -> str:
 
 def main() -> None:
     run = run_deployment("train-model/train-model", parameters={"epochs": 200}, timeout=0)
+    # called outside an event loop it returns the run; its annotation also allows an async caller's coroutine
+    assert isinstance(run, FlowRun), run
     deadline = time.monotonic() + 240
     while "RayTrainWorker" not in train_actors() and time.monotonic() < deadline:
         time.sleep(1)
