@@ -13,10 +13,10 @@ them per reason (``skipped``).
 
 The output folder is named by the input's identity (source URI + content hash
 of the sorted ``(key, etag)`` list): unchanged input maps to the same folder,
-and a committed folder (``manifest.json`` written last) is reused as is.
-A run fills the folder only while it holds the folder's lease
-(``ray_workloads.folders``): a concurrent run on the same input waits, then
-reuses what the first committed.
+and a committed folder (``manifest.json`` written last,
+:class:`rayline.manifests.IngestManifest`) is reused as is. A run fills the
+folder only while it holds the folder's lease (:mod:`rayline.folders`): a
+concurrent run on the same input waits, then reuses what the first committed.
 """
 
 from __future__ import annotations
@@ -33,13 +33,11 @@ import pyarrow as pa
 import ray
 from pydantic import BaseModel, Field
 
-from ray_workloads import folders
-from rayline import fetching, leases, progress, storage
+from rayline import fetching, folders, leases, manifests, progress, storage
 from rayline.errors import InputDataError, RaylineError, StorageError
+from rayline.manifests import MANIFEST as MANIFEST  # where tests and callers have always found it
+from rayline.manifests import IngestManifest, ShardInfo
 from rayline.storage import ObjectInfo
-
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -66,13 +64,6 @@ class IngestConfig(folders.LeasedOutput):
     io_concurrency: int = Field(64, ge=1, le=1024)
     num_cpus_per_task: float = Field(0.25, gt=0)
     force: bool = Field(False, description="Rewrite even if this input was already ingested.")
-
-
-class ShardInfo(BaseModel):
-    uri: str
-    rows: int
-    bytes: int
-    fetch_errors: int
 
 
 class IngestResult(BaseModel):
@@ -179,30 +170,31 @@ def dataset_id(source_uri: str, digest: str) -> str:
     return hashlib.sha256(f"{source_uri}\n{digest}".encode()).hexdigest()[:16]
 
 
-def _result_from_manifest(manifest: dict[str, Any], manifest_uri: str, cached: bool, elapsed: float) -> IngestResult:
+def _result_from_manifest(
+    manifest: IngestManifest, manifest_uri: str, cached: bool, elapsed: float, waited: float = 0.0
+) -> IngestResult:
     return IngestResult(
-        source_uri=manifest["source_uri"],
+        source_uri=manifest.source_uri,
         output_uri=posixpath.dirname(manifest_uri),
         manifest_uri=manifest_uri,
-        content_hash=manifest["content_hash"],
-        object_count=manifest["object_count"],
-        total_bytes=manifest["total_bytes"],
-        fetch_errors=manifest["fetch_errors"],
-        labels=manifest["labels"],
-        shards=[ShardInfo(**s) for s in manifest["shards"]],
-        skipped=manifest.get("skipped", {}),  # manifests written before skips were counted have none
-        skipped_examples=manifest.get("skipped_examples", {}),
-        committed_by=manifest.get("committed_by"),
+        content_hash=manifest.content_hash,
+        object_count=manifest.object_count,
+        total_bytes=manifest.total_bytes,
+        fetch_errors=manifest.fetch_errors,
+        labels=manifest.labels,
+        shards=manifest.shards,
+        skipped=manifest.skipped,
+        skipped_examples=manifest.skipped_examples,
+        committed_by=manifest.committed_by,
         cached=cached,
+        waited_s=waited,
         elapsed_s=elapsed,
     )
 
 
 def read_manifest(manifest_uri: str) -> IngestResult:
     """Load a committed ingest manifest as a result."""
-    manifest = storage.read_json(manifest_uri)
-    if manifest.get("kind") != "rayline.ingest":
-        raise InputDataError(f"{manifest_uri} is not an ingest manifest")
+    manifest = manifests.read(manifest_uri, IngestManifest)
     return _result_from_manifest(manifest, manifest_uri, cached=True, elapsed=0.0)
 
 
@@ -217,24 +209,20 @@ def run(cfg: IngestConfig) -> IngestResult:
         raise InputDataError(f"no objects found under {source}{left_out}")
     digest = content_hash(objects)
     output = storage.join(storage.normalize(cfg.output_root), dataset_id(source, digest))
-    manifest_uri = storage.join(output, MANIFEST)
-    what = f"the ingest folder {posixpath.basename(output)}"
-
-    def committed() -> IngestResult | None:
-        if cfg.force or not storage.exists(manifest_uri):
-            return None
-        manifest = storage.read_json(manifest_uri)
-        if manifest.get("content_hash") != digest:
-            return None
-        reused = _result_from_manifest(manifest, manifest_uri, True, time.perf_counter() - started)
-        # the inputs are the same; what this listing left out may not be (a new _SUCCESS)
-        return reused.model_copy(update={"skipped": listing.skipped, "skipped_examples": listing.skipped_examples})
-
-    def fetch_and_commit(lease: leases.HeldLease) -> IngestResult:
-        manifest = _fetch_and_commit(cfg, listing, source, digest, output, lease)
-        return _result_from_manifest(manifest, manifest_uri, False, time.perf_counter() - started)
-
-    return folders.reuse_or_fill(output, cfg, what, committed, fetch_and_commit)
+    done = folders.fill_once(
+        output,
+        cfg,
+        f"the ingest folder {posixpath.basename(output)}",
+        IngestManifest,
+        reusable=lambda manifest: manifest.content_hash == digest,
+        force=cfg.force,
+        fill=lambda lease: _fetch(cfg, listing, source, digest, output, lease),
+    )
+    result = _result_from_manifest(done.manifest, done.uri, done.cached, time.perf_counter() - started, done.waited_s)
+    if not done.cached:
+        return result
+    # the inputs are the same; what this listing left out may not be (a new _SUCCESS)
+    return result.model_copy(update={"skipped": listing.skipped, "skipped_examples": listing.skipped_examples})
 
 
 def _gather(refs: list[Any], shown: progress.Stage) -> list[dict[str, Any]]:
@@ -254,9 +242,10 @@ def _gather(refs: list[Any], shown: progress.Stage) -> list[dict[str, Any]]:
         raise
 
 
-def _fetch_and_commit(
+def _fetch(
     cfg: IngestConfig, listing: storage.Listing, source: str, digest: str, output: str, lease: leases.HeldLease
-) -> dict[str, Any]:
+) -> IngestManifest:
+    """Fetch every listed object into ``output``'s shards; the manifest that commits them (written after)."""
     objects = listing.objects
     shards = plan_shards(objects, cfg)
     fetch = _fetch_and_write_shard.options(num_cpus=cfg.num_cpus_per_task)
@@ -273,23 +262,18 @@ def _fetch_and_commit(
     labels: Counter[str] = Counter()
     for s in stats:
         labels.update(s["labels"])
-    manifest = {
-        "kind": "rayline.ingest",
-        "version": MANIFEST_VERSION,
-        "source_uri": source,
-        "content_hash": digest,
-        "object_count": len(objects),
-        "total_bytes": sum(o.size for o in objects),
-        "fetch_errors": sum(s["fetch_errors"] for s in stats),
-        "labels": dict(sorted(labels.items())),
-        "shards": [{k: s[k] for k in ("uri", "rows", "bytes", "fetch_errors")} for s in stats],
-        "skipped": listing.skipped,
-        "skipped_examples": listing.skipped_examples,
-        "committed_by": lease.lease.holder,  # a retried task can tell its own commit from an older run's
-    }
-    lease.ensure_held()  # a run that lost its lease (paused past its expiry) must not commit
-    storage.write_json_atomic(storage.join(output, MANIFEST), manifest)  # the commit point
-    return manifest
+    return IngestManifest(
+        source_uri=source,
+        content_hash=digest,
+        object_count=len(objects),
+        total_bytes=sum(o.size for o in objects),
+        fetch_errors=sum(s["fetch_errors"] for s in stats),
+        labels=dict(sorted(labels.items())),
+        shards=[ShardInfo.model_validate(s) for s in stats],  # a shard's labels count in the sum above only
+        skipped=listing.skipped,
+        skipped_examples=listing.skipped_examples,
+        committed_by=lease.lease.holder,  # a retried task can tell its own commit from an older run's
+    )
 
 
 class Arrivals(BaseModel):

@@ -6,7 +6,8 @@ failed job nor a dropped block), and a custom datasink routes rows to
 ``<split>/`` and ``errors/`` files. The split is a hash of the object key, so
 an image keeps its split when new objects arrive.
 
-Output layout (committed by ``manifest.json``, written last)::
+Output layout (committed by ``manifest.json``, written last: a
+:class:`rayline.manifests.PreprocessManifest`)::
 
     <output>/train/part-*.parquet  val/…  test/…   uri, key, etag, label, label_index, image
     <output>/errors/part-*.parquet                   uri, key, stage, error_type, error_message
@@ -14,7 +15,7 @@ Output layout (committed by ``manifest.json``, written last)::
     <output>/manifest.json                           files + summary: the commit point
 
 A run fills the folder only while it holds the folder's lease
-(``ray_workloads.folders``): a concurrent run on the same input and
+(:mod:`rayline.folders`): a concurrent run on the same input and
 parameters waits, then reuses what the first committed.
 """
 
@@ -31,32 +32,20 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import ray
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink, WriteResult
 
-from ray_workloads import folders, ingest
+from ray_workloads import ingest
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
-from rayline import leases, progress, storage
-from rayline.errors import InputDataError, StorageError
+from rayline import folders, leases, manifests, progress, storage
+from rayline.errors import StorageError
+from rayline.manifests import PreprocessManifest, PreprocessParameters, PreprocessSummary
+from rayline.specs import SplitFractions
 
 SPLITS = ("train", "val", "test")
 ERRORS = "errors"
-MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
-
-
-class SplitFractions(BaseModel):
-    train: float = Field(0.8, ge=0, le=1)
-    val: float = Field(0.1, ge=0, le=1)
-    test: float = Field(0.1, ge=0, le=1)
-
-    @model_validator(mode="after")
-    def _sum_to_one(self) -> SplitFractions:
-        total = self.train + self.val + self.test
-        if abs(total - 1.0) > 1e-6:
-            raise ValueError(f"split fractions must sum to 1, got {total:g}")
-        return self
 
 
 class PreprocessConfig(folders.LeasedOutput):
@@ -204,7 +193,7 @@ def _params_hash(cfg: PreprocessConfig, classes: list[str]) -> str:
     return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:8]
 
 
-def _summarise(reports: list[dict[str, Any]], classes: list[str]) -> dict[str, Any]:
+def _summarise(reports: list[dict[str, Any]], classes: list[str]) -> PreprocessSummary:
     files: dict[str, list[str]] = defaultdict(list)
     counts: Counter[str] = Counter()
     class_counts: dict[str, Counter[str]] = {s: Counter() for s in SPLITS}
@@ -217,42 +206,42 @@ def _summarise(reports: list[dict[str, Any]], classes: list[str]) -> dict[str, A
             class_counts[part].update({k: v for k, v in per_class.items() if k is not None})
         error_types.update(report["error_types"])
     error_count = counts.pop(ERRORS, 0)
-    return {
-        "classes": classes,
-        "counts": {s: counts.get(s, 0) for s in SPLITS},
-        "class_counts": {s: {c: class_counts[s].get(c, 0) for c in classes} for s in SPLITS},
-        "error_count": error_count,
-        "error_types": dict(sorted(error_types.items())),
-        "files": {k: sorted(v) for k, v in sorted(files.items())},
-    }
+    return PreprocessSummary(
+        classes=classes,
+        counts={s: counts.get(s, 0) for s in SPLITS},
+        class_counts={s: {c: class_counts[s].get(c, 0) for c in classes} for s in SPLITS},
+        error_count=error_count,
+        error_types=dict(sorted(error_types.items())),
+        files={k: sorted(v) for k, v in sorted(files.items())},
+    )
 
 
-def _result(manifest: dict[str, Any], manifest_uri: str, cached: bool, elapsed: float) -> PreprocessResult:
-    output = manifest["output_uri"]
+def _result(
+    manifest: PreprocessManifest, manifest_uri: str, cached: bool, elapsed: float, waited: float = 0.0
+) -> PreprocessResult:
+    output, summary = manifest.output_uri, manifest.summary
     return PreprocessResult(
-        input_manifest_uri=manifest["input_manifest_uri"],
-        input_content_hash=manifest["input_content_hash"],
+        input_manifest_uri=manifest.input_manifest_uri,
+        input_content_hash=manifest.input_content_hash,
         output_uri=output,
         manifest_uri=manifest_uri,
         summary_uri=storage.join(output, SUMMARY),
         errors_uri=storage.join(output, ERRORS),
-        classes=manifest["summary"]["classes"],
-        counts={s: manifest["summary"]["counts"].get(s, 0) for s in SPLITS},
-        class_counts=manifest["summary"]["class_counts"],
-        error_count=manifest["summary"]["error_count"],
-        error_types=manifest["summary"]["error_types"],
-        files=manifest["summary"]["files"],
-        image=ImageSpec.model_validate(manifest["parameters"]["image"]),
+        classes=summary.classes,
+        counts={s: summary.counts.get(s, 0) for s in SPLITS},
+        class_counts=summary.class_counts,
+        error_count=summary.error_count,
+        error_types=summary.error_types,
+        files=summary.files,
+        image=manifest.parameters.image,
         cached=cached,
+        waited_s=waited,
         elapsed_s=elapsed,
     )
 
 
 def read_manifest(manifest_uri: str) -> PreprocessResult:
-    manifest = storage.read_json(manifest_uri)
-    if manifest.get("kind") != "rayline.preprocess":
-        raise InputDataError(f"{manifest_uri} is not a preprocess manifest")
-    return _result(manifest, manifest_uri, cached=True, elapsed=0.0)
+    return _result(manifests.read(manifest_uri, PreprocessManifest), manifest_uri, cached=True, elapsed=0.0)
 
 
 def source_of(manifest_uri: str) -> str:
@@ -267,30 +256,34 @@ def run(cfg: PreprocessConfig) -> PreprocessResult:
     classes = ordered_classes(source.labels)
     dataset_name = f"{source.output_uri.rstrip('/').rsplit('/', 1)[-1]}-{_params_hash(cfg, classes)}"
     output = storage.join(storage.normalize(cfg.output_root), dataset_name)
-    manifest_uri = storage.join(output, MANIFEST)
-    what = f"the preprocessed folder {dataset_name}"
+    stats = ""  # Ray Data's stats of this run's decoding; none when the folder is reused
 
-    def committed() -> PreprocessResult | None:
-        if cfg.force or not storage.exists(manifest_uri):
-            return None
-        manifest = storage.read_json(manifest_uri)
-        if manifest.get("input_content_hash") != source.content_hash:
-            return None
-        return _result(manifest, manifest_uri, True, time.perf_counter() - started)
+    def decode(lease: leases.HeldLease) -> PreprocessManifest:
+        nonlocal stats
+        manifest, stats = _decode_and_commit(cfg, source, classes, output)
+        return manifest
 
-    def decode_and_commit(lease: leases.HeldLease) -> PreprocessResult:
-        manifest, stats = _decode_and_commit(cfg, source, classes, output, lease)
-        result = _result(manifest, manifest_uri, False, time.perf_counter() - started)
-        # the workers' own stats never reach the caller's logs by themselves
-        return result.model_copy(update={"ray_data_stats": stats})
-
-    return folders.reuse_or_fill(output, cfg, what, committed, decode_and_commit)
+    done = folders.fill_once(
+        output,
+        cfg,
+        f"the preprocessed folder {dataset_name}",
+        PreprocessManifest,
+        reusable=lambda manifest: manifest.input_content_hash == source.content_hash,
+        force=cfg.force,
+        fill=decode,
+    )
+    result = _result(done.manifest, done.uri, done.cached, time.perf_counter() - started, done.waited_s)
+    # the workers' own stats never reach the caller's logs by themselves
+    return result.model_copy(update={"ray_data_stats": stats})
 
 
 def _decode_and_commit(
-    cfg: PreprocessConfig, source: ingest.IngestResult, classes: list[str], output: str, lease: leases.HeldLease
-) -> tuple[dict[str, Any], str]:
-    """Decode and split into ``output``, then commit its manifest: the manifest and Ray Data's stats."""
+    cfg: PreprocessConfig, source: ingest.IngestResult, classes: list[str], output: str
+) -> tuple[PreprocessManifest, str]:
+    """Decode and split into ``output``; the manifest that commits it, and Ray Data's stats.
+
+    ``folders.fill_once`` writes the manifest after these files: the commit point.
+    """
     fs, _ = storage.arrow_filesystem(source.shard_uris[0])
     paths = [storage.arrow_filesystem(uri)[1] for uri in source.shard_uris]
     decoded = ray.data.read_parquet(paths, filesystem=fs, override_num_blocks=len(paths)).map_batches(
@@ -305,22 +298,18 @@ def _decode_and_commit(
     if sink.result is None:
         raise StorageError(f"preprocess wrote nothing for {cfg.ingest_manifest_uri}")
     summary = _summarise(list(sink.result.write_returns), classes)
-    written = sum(summary["counts"].values()) + summary["error_count"]
+    written = sum(summary.counts.values()) + summary.error_count
     if written != source.object_count:
         raise StorageError(f"preprocess wrote {written} rows for {source.object_count} ingested objects")
 
-    storage.write_json_atomic(storage.join(output, SUMMARY), {k: v for k, v in summary.items() if k != "files"})
-    manifest = {
-        "kind": "rayline.preprocess",
-        "version": 1,
-        "input_manifest_uri": cfg.ingest_manifest_uri,
-        "input_content_hash": source.content_hash,
-        "output_uri": output,
-        "parameters": {"image": cfg.image.model_dump(), "splits": cfg.splits.model_dump()},
-        "summary": summary,
-    }
-    lease.ensure_held()  # a run that lost its lease (paused past its expiry) must not commit
-    storage.write_json_atomic(storage.join(output, MANIFEST), manifest)  # the commit point
+    storage.write_json_atomic(storage.join(output, SUMMARY), summary.model_dump(mode="json", exclude={"files"}))
+    manifest = PreprocessManifest(
+        input_manifest_uri=cfg.ingest_manifest_uri,
+        input_content_hash=source.content_hash,
+        output_uri=output,
+        parameters=PreprocessParameters(image=cfg.image, splits=cfg.splits),
+        summary=summary,
+    )
     return manifest, decoded.stats()
 
 

@@ -11,10 +11,11 @@ and, for a model registered from outside weights (no training run here)::
 
     night → model version → outside weights (URI, sha256)
 
-Three things are not in the records themselves and are read where they are:
-a model version's ``version.json`` (its training run and data manifest, or
-its weights source), and an ingest manifest's shards, whose rows pin every
-raw object to its etag.
+Three things are not in the records themselves and are read where they are,
+typed: a model version's ``version.json`` (its training run and data
+manifest, or its weights source), and an ingest manifest's shards
+(:class:`rayline.manifests.IngestManifest`), whose rows pin every raw object
+to its etag.
 
 Nights of the Delta tables
     A night's output is keyed by its partition folder, so each night of each
@@ -39,18 +40,18 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeGuard
 
 from pydantic import BaseModel, Field
 
-from rayline import fetching, lineage, registry, storage
+from rayline import fetching, lineage, manifests, registry, storage
 from rayline.delta_tables import Night
 from rayline.errors import ConfigError, InputDataError
 from rayline.layout import parse_day
 from rayline.lineage import DatasetRef, LineageRecord, NoLineageError, is_storage_uri, normalize_uri
 from rayline.lineage_nights import night_details, night_kind, night_of, pick_nights, ref_uri
+from rayline.manifests import MANIFEST, IngestManifest
 
-MANIFEST = "manifest.json"
 # What a stage's output is, for people reading the tree.
 STAGE_KINDS = {
     "ingest": "ingested shards",
@@ -165,9 +166,13 @@ def _model_version_root(uri: str) -> str | None:
     return None
 
 
-def _is_uri(value: str | None) -> bool:
+def _is_uri(value: str | None) -> TypeGuard[str]:
     """Version fields may hold placeholders ("-") where nothing upstream is known."""
     return bool(value) and (storage.is_s3(str(value)) or str(value).startswith(("/", "file://")))
+
+
+def _version(version_root: str) -> registry.ModelVersion:
+    return registry.ModelVersion.model_validate(storage.read_json(storage.join(version_root, registry.VERSION_FILE)))
 
 
 def _most_specific(refs: list[DatasetRef]) -> list[DatasetRef]:
@@ -219,9 +224,7 @@ class _Builder:
     def _shell(self, ref: DatasetRef, version_root: str | None, producers: list[_Produced]) -> LineageNode:
         """The node without its upstream."""
         if version_root:
-            version = registry.ModelVersion.model_validate(
-                storage.read_json(storage.join(version_root, registry.VERSION_FILE))
-            )
+            version = _version(version_root)
             made = self.index.by_key.get(version_root)
             return LineageNode(
                 uri=version_root,
@@ -271,15 +274,13 @@ class _Builder:
         its registration's lineage record may be missing (registered before
         such records were written, or by hand), and the version is the truth.
         """
-        version = storage.read_json(storage.join(version_root, registry.VERSION_FILE))
+        version = _version(version_root)
         made = self.index.by_key.get(version_root)
         refs = list(made.record.inputs) if made else []
-        refs += [
-            DatasetRef(uri=version[f]) for f in ("training_run_uri", "data_manifest_uri") if _is_uri(version.get(f))
-        ]
-        source = version.get("weights_source")
+        refs += [DatasetRef(uri=u) for u in (version.training_run_uri, version.data_manifest_uri) if _is_uri(u)]
+        source = version.weights_source
         if source:  # last: the registry record's own ref of the same URI, if any, is the one kept
-            refs.append(DatasetRef(uri=source["uri"], content_hash=source.get("sha256")))
+            refs.append(DatasetRef(uri=source.uri, content_hash=source.sha256))
         return _most_specific(refs)
 
     @staticmethod
@@ -307,7 +308,7 @@ class _Builder:
 
     def _raw_objects(self, manifest_uri: str) -> tuple[list[LineageNode], int]:
         """The objects an ingest read, each pinned to its etag by the shard rows."""
-        shards = [s["uri"] for s in storage.read_json(manifest_uri).get("shards", [])]
+        shards = [s.uri for s in manifests.read(manifest_uri, IngestManifest).shards]
         table = storage.read_parquet(shards)
         rows = table.select(["uri", "etag"]).to_pylist() if table.num_rows else []
         shown = rows if self.max_objects is None else rows[: self.max_objects]

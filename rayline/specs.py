@@ -5,6 +5,8 @@
 Both are stored in each version's ``version.json`` and carried typed by
 :class:`rayline.registry.ModelVersion`, so the trainer, batch inference and
 serving read one object instead of re-validating a dict each.
+:class:`SplitFractions` says how preprocess splits the samples; it and the
+image spec are stored in a preprocess manifest (:mod:`rayline.manifests`).
 
 Two ways of sizing an image (``ImageSpec.mode``):
 
@@ -106,6 +108,21 @@ class WeightsSource(BaseModel):
     uri: str
     sha256: str
     size_bytes: int
+
+
+class SplitFractions(BaseModel):
+    """How preprocess splits the samples (by a hash of each key); recorded in its manifest."""
+
+    train: float = Field(0.8, ge=0, le=1)
+    val: float = Field(0.1, ge=0, le=1)
+    test: float = Field(0.1, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _sum_to_one(self) -> SplitFractions:
+        total = self.train + self.val + self.test
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"split fractions must sum to 1, got {total:g}")
+        return self
 
 
 class ParentModel(BaseModel):

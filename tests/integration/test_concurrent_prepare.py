@@ -9,8 +9,8 @@ from typing import TypeVar
 
 import pytest
 
-from ray_workloads import folders, ingest, preprocess
-from rayline import leases, storage
+from ray_workloads import ingest, preprocess
+from rayline import folders, leases, storage
 from rayline.errors import LeaseBusy, LeaseLost
 from rayline.seed import seed
 

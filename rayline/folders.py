@@ -1,4 +1,4 @@
-"""Content-addressed output folders that one run at a time fills.
+"""Content-addressed output folders that one run at a time fills, then commits with a manifest.
 
 Two runs on one input map to one folder. Without a lease, the second would
 remove the folder the first is filling, and the first's manifest (the commit)
@@ -8,6 +8,10 @@ it still holds it (``ensure_held``) right before each of those.
 
 The lease object sits beside the folder (``<folder>.lease``), never inside
 it: removing a folder's leftovers must not remove the lease that guards them.
+
+:func:`fill_once` is the whole sequence, shared by every stage that commits a
+folder (ingest, preprocess): reuse what is committed, else take the lease,
+clear, fill, and write the manifest last (:func:`rayline.manifests.commit`).
 """
 
 from __future__ import annotations
@@ -15,15 +19,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic
 
 from pydantic import BaseModel, Field
 
-from rayline import leases, storage
+from rayline import leases, manifests, storage
+from rayline.manifests import Kind
 
 LEASE_SUFFIX = ".lease"
-
-Result = TypeVar("Result", bound=BaseModel)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,16 @@ class LeasedOutput(BaseModel):
     # below the tasks' one-hour timeout, so a run that waits too long fails naming the holder instead
     lease_wait_s: float = Field(1800.0, ge=0, description="How long to wait for another run filling the folder.")
     lease_ttl_s: float = Field(120.0, gt=0, description="Lease expiry after the last renewal (renewed every ttl/3).")
+
+
+@dataclass(frozen=True)
+class Committed(Generic[Kind]):
+    """A committed folder's manifest, and whether this run reused it or committed it."""
+
+    manifest: Kind
+    uri: str  # the manifest's
+    cached: bool
+    waited_s: float = 0.0  # how long this run waited for another run filling the same folder
 
 
 def lease_uri(folder: str) -> str:
@@ -63,26 +77,39 @@ def note_reuse(what: str, lease: leases.HeldLease) -> None:
     log.info("another run held %s; waited %.1f s, found it committed", what, lease.waited_s)
 
 
-def reuse_or_fill(
+def fill_once(
     folder: str,
     cfg: LeasedOutput,
     what: str,
-    committed: Callable[[], Result | None],
-    fill: Callable[[leases.HeldLease], Result],
-) -> Result:
-    """What ``folder`` holds committed, or else what ``fill`` commits into it, filled by one run at a time.
+    kind: type[Kind],
+    *,
+    reusable: Callable[[Kind], bool],
+    force: bool,
+    fill: Callable[[leases.HeldLease], Kind],
+) -> Committed[Kind]:
+    """``folder``'s committed manifest, or else the one ``fill`` returns, committed after its files.
 
-    A committed folder is reused without the lease: only a forced run removes
-    one (``committed`` answers None when forced). Otherwise the run takes the
+    A committed folder is reused without the lease when ``reusable`` accepts
+    its manifest: only a forced run removes one. Otherwise the run takes the
     lease, looks again (the run it waited for may have committed meanwhile),
-    and only then clears leftovers of an uncommitted run and fills it.
-    The result's ``waited_s`` says how long it waited for the lease.
+    and only then clears leftovers of an uncommitted run, lets ``fill`` write
+    the files (it returns their manifest) and commits the manifest last.
     """
+    uri = manifests.manifest_uri(folder)
+
+    def committed() -> Kind | None:
+        if force:
+            return None
+        found = manifests.read_committed(folder, kind)
+        return found if found is not None and reusable(found) else None
+
     if (reused := committed()) is not None:
-        return reused
+        return Committed(reused, uri, cached=True)
     with leased(folder, cfg, what) as lease:
         if (reused := committed()) is not None:
             note_reuse(what, lease)
-            return reused.model_copy(update={"waited_s": lease.waited_s})
+            return Committed(reused, uri, cached=True, waited_s=lease.waited_s)
         clear(folder, lease)
-        return fill(lease).model_copy(update={"waited_s": lease.waited_s})
+        manifest = fill(lease)
+        manifests.commit(folder, manifest, lease)
+        return Committed(manifest, uri, cached=False, waited_s=lease.waited_s)
