@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import ray
-from pydantic import BaseModel, Field
+from pydantic import Field
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink, WriteResult
 
@@ -58,19 +58,15 @@ class PreprocessConfig(folders.LeasedOutput):
     force: bool = False
 
 
-class PreprocessResult(BaseModel):
+class PreprocessResult(PreprocessSummary):
+    """The folder's summary (counts, errors, files: the manifest's), with where it is and how it was made."""
+
     input_manifest_uri: str
     input_content_hash: str
     output_uri: str
     manifest_uri: str
     summary_uri: str
     errors_uri: str
-    classes: list[str]
-    counts: dict[str, int]
-    class_counts: dict[str, dict[str, int]]
-    error_count: int
-    error_types: dict[str, int]
-    files: dict[str, list[str]]
     image: ImageSpec = Field(default_factory=ImageSpec, description="How the images were decoded.")
     cached: bool = False
     waited_s: float = Field(0.0, description="How long this run waited for another run filling the same folder.")
