@@ -94,10 +94,14 @@ def _ray_list(kind: str, platform: dict[str, str], *filters: str) -> list[dict[s
     return list(json.loads(listed)) if listed.startswith("[") else []  # else "No resource in the cluster"
 
 
-def _driver_job(platform: dict[str, str], pid: int) -> dict[str, Any] | None:
-    """The Ray job whose driver is process ``pid``."""
-    jobs = [j for j in _ray_list("jobs", platform) if str((j.get("driver_info") or {}).get("pid")) == str(pid)]
-    return jobs[0] if jobs else None
+def _jobs_of(platform: dict[str, str], pid: int) -> list[dict[str, Any]]:
+    """The Ray jobs whose driver had pid ``pid``: this process's, and those of earlier processes with that pid.
+
+    A test session goes through the 32,768 pids more than once (Ray starts many workers), so an older,
+    ended driver may have had the same pid. (`ray list jobs` gives driver jobs no start time to tell them
+    apart by; a RUNNING one is this process's, as no two living processes share a pid.)
+    """
+    return [j for j in _ray_list("jobs", platform) if str((j.get("driver_info") or {}).get("pid")) == str(pid)]
 
 
 def _alive_actors_of(platform: dict[str, str], job_id: str) -> list[str]:
@@ -164,11 +168,11 @@ def _freeze_on_ray(
     deadline = time.monotonic() + 300
     while True:
         send(pid, signal.SIGSTOP)
-        job = _driver_job(platform, pid) if also() else None
-        if job is not None:
-            assert job["status"] == "RUNNING", (job, said())
-            return str(job["job_id"])
-        assert time.monotonic() < deadline, f"process {pid} not on Ray (or not ready) within 300 s\n{said()}"
+        jobs = _jobs_of(platform, pid) if also() else []
+        running = [j for j in jobs if j["status"] == "RUNNING"]
+        if running:
+            return str(running[-1]["job_id"])
+        assert time.monotonic() < deadline, f"process {pid} not driving a Ray job within 300 s: {jobs}\n{said()}"
         send(pid, signal.SIGCONT)
         time.sleep(0.2)
 
