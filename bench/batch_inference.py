@@ -218,14 +218,15 @@ def register_model(root: str) -> None:
     """An untrained small_cnn of the default width as champion: throughput does not depend on weights."""
     from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
     from rayline import registry
+    from rayline.specs import squash
 
     os.environ["RAYLINE_STORAGE"] = root
     spec = ModelSpec(num_classes=10)
     version = registry.register(
         "digits",
         state_dict_bytes(build_model(spec)),
-        model_spec=spec.model_dump(),
-        image_spec={"size": IMAGE_SIZE},
+        model_spec=spec,
+        image_spec=squash(IMAGE_SIZE),
         classes=[str(i) for i in range(10)],
         metrics={"test_accuracy": 0.1},
         data_manifest_uri="-",
