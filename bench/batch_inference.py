@@ -90,12 +90,12 @@ sys.path.insert(0, str(REPO))
 
 from bench import resnet_inference, table_reads  # noqa: E402
 from bench.inference_images import CACHE, IMAGE_SIZE, ensure_images, input_folder, warm_page_cache  # noqa: E402
+from bench.inference_night import DAY, connect_for_night  # noqa: E402
 from bench.inference_report import commit_share, print_pair, rate  # noqa: E402
 from bench.inference_s3 import s3_images, server_ceiling  # noqa: E402
 from bench.plain_inference import BATCH_SIZE, choose_torch_threads, plain_loop  # noqa: E402
 from bench.process_tree import wait_until_idle, watch_tree  # noqa: E402
 
-DAY = "2026-11-28"
 RESULT = "BENCH-RESULT "
 
 
@@ -150,18 +150,7 @@ def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
     from rayline import ray_cluster, storage
 
     version = _model_version(spec["root"])
-    began = time.perf_counter()
-    ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD)  # as tasks/batch_inference.py does
-    connect_s = time.perf_counter() - began
-    idle_wait_s = wait_until_idle()
-    cfg = batch_inference.InferenceConfig(
-        input_uri=spec["input"],
-        tables_root=storage.join(spec["root"], "tables", spec["name"]),
-        dt=DAY,
-        model=version,
-        batch_size=BATCH_SIZE,
-        code_version="bench",
-    )
+    cfg, connect_s, idle_wait_s = connect_for_night(spec, version, batch_size=BATCH_SIZE)
     runs = []
     for attempt in range(spec["runs"]):
         with watch_tree() as peak:
@@ -218,14 +207,15 @@ def register_model(root: str) -> None:
     """An untrained small_cnn of the default width as champion: throughput does not depend on weights."""
     from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
     from rayline import registry
+    from rayline.specs import squash
 
     os.environ["RAYLINE_STORAGE"] = root
     spec = ModelSpec(num_classes=10)
     version = registry.register(
         "digits",
         state_dict_bytes(build_model(spec)),
-        model_spec=spec.model_dump(),
-        image_spec={"size": IMAGE_SIZE},
+        model_spec=spec,
+        image_spec=squash(IMAGE_SIZE),
         classes=[str(i) for i in range(10)],
         metrics={"test_accuracy": 0.1},
         data_manifest_uri="-",

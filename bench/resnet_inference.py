@@ -36,8 +36,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.inference_night import DAY, connect_for_night
+
 ARCHS = ("resnet18", "resnet50")
-DAY = "2026-11-28"
 BUCKET = "rayline-bench-photos"
 MODEL_CODE_VERSION = "bench"
 
@@ -189,23 +190,12 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
 
 def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
     """Measure ``batch_inference.run`` with the chosen settings (in a process of its own)."""
-    from bench.process_tree import wait_until_idle, watch_tree
+    from bench.process_tree import watch_tree
     from ray_workloads import batch_inference
     from rayline import ray_cluster, storage
 
     version = _version(spec)
-    began = time.perf_counter()
-    ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD)  # as tasks/batch_inference.py does
-    connect_s = time.perf_counter() - began
-    idle_wait_s = wait_until_idle()
-    cfg = batch_inference.InferenceConfig(
-        input_uri=spec["input"],
-        tables_root=storage.join(spec["root"], "tables", spec["name"]),
-        dt=DAY,
-        model=version,
-        code_version="bench",
-        **spec["settings"],
-    )
+    cfg, connect_s, idle_wait_s = connect_for_night(spec, version, **spec["settings"])
     with watch_tree() as figures:
         began = time.perf_counter()
         result = batch_inference.run(cfg)

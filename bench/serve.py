@@ -255,6 +255,7 @@ def main() -> None:
     from ray_workloads.serving.model_server import model_app
     from rayline import ray_cluster, registry
     from rayline.seed import digit_objects
+    from rayline.specs import squash
 
     bodies = [data for _, data in itertools.islice(digit_objects(32), 500)]
     spec = ModelSpec(num_classes=10)
@@ -267,8 +268,8 @@ def main() -> None:
         model = registry.register(
             "digits-bench",
             state_dict_bytes(build_model(spec)),
-            model_spec=spec.model_dump(),
-            image_spec={"size": 32},
+            model_spec=spec,
+            image_spec=squash(32),
             classes=[str(i) for i in range(10)],
             metrics={"test_accuracy": 0.1},
             data_manifest_uri="-",
@@ -281,9 +282,7 @@ def main() -> None:
         # the deployment model_app builds (same options), with a class that also answers HTTP;
         # Application._bound_deployment is Ray's private API: this fails loudly if it goes away
         deployment: Any = model_app(model, cfg)._bound_deployment
-        direct = deployment.options(func_or_class=DirectModelServer).bind(
-            model.model_dump(mode="json"), cfg.top_k, cfg.max_pixels
-        )
+        direct = deployment.options(func_or_class=DirectModelServer).bind(model, cfg.top_k, cfg.max_pixels)
         serve.run(direct, name=direct_app, route_prefix=DIRECT_PREFIX)
         print(
             f"Ray ({connection.num_cpus:.0f} logical CPUs), Serve, router and model up in "

@@ -69,12 +69,12 @@ def ray_fit(root: str, prepared: Any, epochs: int) -> dict[str, Any]:
     )
     wall = time.perf_counter() - started
     first, last = result.history[0], result.history[-1]
-    startup_s = first["attempt_started_at"] - started_at
-    epochs_s = last["epoch_ended_at"] - first["attempt_started_at"]
+    startup_s = first.attempt_started_at - started_at
+    epochs_s = last.epoch_ended_at - first.attempt_started_at
     return {
         "wall": wall,
-        "samples": sum(h["train_samples"] for h in result.history),
-        "loop_s": sum(h["train_seconds"] for h in result.history),
+        "samples": sum(h.train_samples for h in result.history),
+        "loop_s": sum(h.train_seconds for h in result.history),
         "startup_s": startup_s,
         "epochs_s": epochs_s,
         "teardown_s": wall - startup_s - epochs_s,

@@ -7,7 +7,7 @@ metrics themselves are plain numpy so they can be checked in isolation.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -96,7 +96,7 @@ def confusion_png(confusion: np.ndarray, classes: Sequence[str], title: str) -> 
     return _png(fig)
 
 
-def curves_png(series: dict[str, list[tuple[float, float]]], ylabel: str, title: str) -> bytes:
+def curves_png(series: Mapping[str, Sequence[tuple[float, float]]], ylabel: str, title: str) -> bytes:
     """Line plot of named (x, y) series: training curves, Tune trial curves."""
     import matplotlib
 

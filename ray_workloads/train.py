@@ -42,7 +42,7 @@ from rayline.errors import InputDataError, RetriesExhausted
 
 WEIGHTS_FILE = "weights.pt"
 STATE_FILE = "train_state.pt"
-SCORE = "val_accuracy"
+SCORE = "val_accuracy"  # the EpochMetrics field that ranks checkpoints
 
 
 class TrainConfig(BaseModel):
@@ -59,13 +59,33 @@ class TrainConfig(BaseModel):
     keep_checkpoints: int = Field(2, ge=1)
 
 
+class EpochMetrics(BaseModel):
+    """What one epoch of a training run reported: its figures, and wall-clock marks to see where a fit's time goes.
+
+    Declared in the order the figures are reported (and logged to MLflow); the
+    checkpoint keeps them as plain dicts (``torch.load(weights_only=True)`` reads no classes).
+    """
+
+    epoch: int
+    attempt_start_epoch: int = Field(description="The epoch the attempt that ran this one started at (resumes).")
+    train_loss: float
+    train_accuracy: float
+    val_loss: float
+    val_accuracy: float
+    train_samples: int
+    val_samples: int
+    train_seconds: float
+    attempt_started_at: float = Field(description="Unix time the attempt started.")
+    epoch_ended_at: float = Field(description="Unix time the epoch ended.")
+
+
 class TrainResult(BaseModel):
     run_name: str
     run_uri: str
     checkpoint_uri: str
     weights_uri: str
     metrics: dict[str, float]
-    history: list[dict[str, float]]
+    history: list[EpochMetrics]
     epochs: int
     elapsed_s: float
     samples_per_s: float
@@ -130,7 +150,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     optimizer = make_optimizer(model, cfg)
     state = restore_state(ray.train.get_checkpoint(), model, optimizer) or {"epoch": -1, "history": []}
     start_epoch = int(state["epoch"]) + 1
-    history: list[dict[str, float]] = list(state["history"])
+    history: list[dict[str, Any]] = list(state["history"])  # as the checkpoint keeps it
 
     attempt_started = time.time()
     for epoch in range(start_epoch, cfg.epochs):
@@ -139,20 +159,19 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         set_epoch_lr(optimizer, cfg, epoch)
         train = run_epoch(model, train_batches(epoch), device, optimizer)
         val = run_epoch(model, val_batches(epoch), device, whole_split=cfg.val_on_every_worker)
-        metrics = {
-            "epoch": float(epoch),
-            "attempt_start_epoch": float(start_epoch),
-            "train_loss": train.loss,
-            "train_accuracy": train.accuracy,
-            "val_loss": val.loss,
-            SCORE: val.accuracy,
-            "train_samples": float(train.samples),
-            "val_samples": float(val.samples),
-            "train_seconds": train.seconds,
-            # wall-clock marks (unix time) to see where a fit's time goes
-            "attempt_started_at": attempt_started,
-            "epoch_ended_at": time.time(),
-        }
+        metrics = EpochMetrics(
+            epoch=epoch,
+            attempt_start_epoch=start_epoch,
+            train_loss=train.loss,
+            train_accuracy=train.accuracy,
+            val_loss=val.loss,
+            val_accuracy=val.accuracy,
+            train_samples=train.samples,
+            val_samples=val.samples,
+            train_seconds=train.seconds,
+            attempt_started_at=attempt_started,
+            epoch_ended_at=time.time(),
+        ).model_dump()
         history.append(metrics)
         with tempfile.TemporaryDirectory() as folder:
             checkpoint = None
@@ -241,18 +260,19 @@ def run(cfg: TrainConfig) -> TrainResult:
     if best is None or result.checkpoint is None:
         raise InputDataError(f"training run {cfg.run_name} produced no checkpoint")
     with result.checkpoint.as_directory() as folder:
-        history = torch.load(Path(folder) / STATE_FILE, weights_only=True)["history"]
+        saved = torch.load(Path(folder) / STATE_FILE, weights_only=True)["history"]
+    history = [EpochMetrics.model_validate(h) for h in saved]
     best_uri = _checkpoint_uri(best.path, output_root)
-    samples = sum(h["train_samples"] for h in history)
-    seconds = sum(h["train_seconds"] for h in history)
-    best_metrics = next((h for h in history if h[SCORE] == max(x[SCORE] for x in history)), history[-1])
+    samples = sum(h.train_samples for h in history)
+    seconds = sum(h.train_seconds for h in history)
+    best_metrics = max(history, key=lambda h: h.val_accuracy)  # the first of equal epochs
     return TrainResult(
         run_name=cfg.run_name,
         run_uri=run_uri,
         checkpoint_uri=best_uri,
         weights_uri=storage.join(best_uri, WEIGHTS_FILE),
-        metrics={k: float(v) for k, v in best_metrics.items()},
-        history=[{k: float(v) for k, v in h.items()} for h in history],
+        metrics={k: float(v) for k, v in best_metrics.model_dump().items()},
+        history=history,
         epochs=len(history),
         elapsed_s=time.perf_counter() - started,
         samples_per_s=samples / seconds if seconds else 0.0,

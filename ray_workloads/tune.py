@@ -151,10 +151,10 @@ def loop_config(trial: dict[str, Any], base: TrainLoopConfig) -> TrainLoopConfig
 
 
 def trial_fn(
-    config: dict[str, Any], train_ds: ray.data.Dataset, val_ds: ray.data.Dataset, base: dict[str, Any]
+    config: dict[str, Any], train_ds: ray.data.Dataset, val_ds: ray.data.Dataset, base: TrainLoopConfig
 ) -> None:
     """One Tune trial: the shared epoch loop, reporting and checkpointing every epoch."""
-    cfg = loop_config(config, TrainLoopConfig.model_validate(base))
+    cfg = loop_config(config, base)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -194,7 +194,7 @@ def _param_space(space: SearchSpace) -> dict[str, Any]:
 def _trainable(cfg: TuneJobConfig, prepared: preprocess.PreprocessResult, base: TrainLoopConfig) -> Any:
     train_ds = dataset_for_split(prepared, "train").materialize()
     val_ds = dataset_for_split(prepared, "val").materialize()
-    fn = tune.with_parameters(trial_fn, train_ds=train_ds, val_ds=val_ds, base=base.model_dump(mode="json"))
+    fn = tune.with_parameters(trial_fn, train_ds=train_ds, val_ds=val_ds, base=base)
     return tune.with_resources(fn, {"cpu": cfg.cpus_per_trial})
 
 

@@ -15,7 +15,7 @@ from rayline.lineage import DatasetRef
 from tasks.common import png_markdown, ray_task, record_lineage
 
 # wall-clock marks: when, not how well; MLflow has its own timestamps
-_UNTRACKED = ("attempt_started_at", "epoch_ended_at", "attempt_start_epoch")
+_UNTRACKED = {"attempt_started_at", "epoch_ended_at", "attempt_start_epoch"}
 
 
 @ray_task("train")
@@ -28,21 +28,21 @@ def train_model_task(config: train.TrainConfig, tracking_experiment: str | None 
     for epoch in result.history:
         logger.info(
             "epoch %d: train loss %.4f acc %.4f, val loss %.4f acc %.4f",
-            int(epoch["epoch"]),
-            epoch["train_loss"],
-            epoch["train_accuracy"],
-            epoch["val_loss"],
-            epoch["val_accuracy"],
+            epoch.epoch,
+            epoch.train_loss,
+            epoch.train_accuracy,
+            epoch.val_loss,
+            epoch.val_accuracy,
         )
     create_table_artifact(
         key="train-epochs",
-        table=[{k: round(v, 4) for k, v in h.items()} for h in result.history],
+        table=[{k: round(float(v), 4) for k, v in h.model_dump().items()} for h in result.history],
         description=f"Ray Train run `{result.run_name}`: best checkpoint `{result.checkpoint_uri}`",
     )
     curves = {
-        "train accuracy": [(h["epoch"], h["train_accuracy"]) for h in result.history],
-        "val accuracy": [(h["epoch"], h["val_accuracy"]) for h in result.history],
-        "train loss": [(h["epoch"], h["train_loss"]) for h in result.history],
+        "train accuracy": [(h.epoch, h.train_accuracy) for h in result.history],
+        "val accuracy": [(h.epoch, h.val_accuracy) for h in result.history],
+        "train loss": [(h.epoch, h.train_loss) for h in result.history],
     }
     png = evaluate.curves_png(curves, "value", f"training curves: {result.run_name}")
     png_uri = storage.join(result.run_uri, "curves.png")
@@ -53,7 +53,7 @@ def train_model_task(config: train.TrainConfig, tracking_experiment: str | None 
         result.run_uri,
         result.run_name,
         config.model_dump(mode="json"),
-        [{k: v for k, v in h.items() if k not in _UNTRACKED} for h in result.history],
+        [h.model_dump(exclude=_UNTRACKED) for h in result.history],
         {"curves.png": png},
     )
     record_lineage(

@@ -31,7 +31,7 @@ class ModelOutputError(RuntimeError):
 class ModelServer:
     """One registered model version: weights read once per replica, requests batched."""
 
-    def __init__(self, model: dict[str, Any], top_k: int, max_pixels: int) -> None:
+    def __init__(self, model: ModelVersion, top_k: int, max_pixels: int) -> None:
         # torch only here: router replicas and the control actor never pay for importing it
         import torch
 
@@ -39,8 +39,8 @@ class ModelServer:
 
         torch.set_num_threads(1)
         self._torch = torch
-        self.model = ModelVersion.model_validate(model)
-        spec = self.model.image_spec
+        self.model = model
+        spec = model.image_spec
         self.image_spec = spec.model_copy(update={"max_pixels": max_pixels})
         # weights_only loading; a checkpoint with pickled objects is refused
         self.net = load_model(self.model.model_spec, self.model.weights_uri)
@@ -115,4 +115,4 @@ def model_app(model: ModelVersion, cfg: ServeConfig) -> Any:
         max_surge_percent=100,  # a restart (new config) starts replacements before stopping old replicas
         logging_config={"enable_access_log": cfg.access_log},
     )(ModelServer)
-    return deployment.bind(model.model_dump(mode="json"), cfg.top_k, cfg.max_pixels)
+    return deployment.bind(model, cfg.top_k, cfg.max_pixels)

@@ -212,9 +212,12 @@ def _check_fine_tune_options(init_from: str | None, arch: str | None, tune: int)
 
 @app.command("register-model")
 def register_model_command(
+    ctx: typer.Context,
     name: Annotated[str, typer.Option(help="Registry name, e.g. photos (lowercase letters, digits, '-').")],
     arch: Annotated[str, typer.Option(help="torchvision architecture: resnet18, resnet50, mobilenet_v3_large, …")],
-    weights: Annotated[str, typer.Option(help="State dict file or s3:// URI (torch.save(model.state_dict(), …)).")],
+    weights_uri: Annotated[
+        str, typer.Option("--weights", help="State dict file or s3:// URI (torch.save(model.state_dict(), …)).")
+    ],
     classes: Annotated[
         str, typer.Option(help="'imagenet' (torchvision's 1,000 names) or a file/S3 URI with one name a line.")
     ] = "imagenet",
@@ -239,17 +242,7 @@ def register_model_command(
         get_settings()
         if preprocess not in ("imagenet", "squash"):
             raise ConfigError(f"--preprocess must be imagenet or squash, got {preprocess!r}")
-        result = register_model(  # type: ignore[call-overload]  # preprocess: a str checked above
-            name=name,
-            arch=arch,
-            weights_uri=weights,
-            classes=classes,
-            preprocess=preprocess,
-            resize=resize,
-            crop=crop,
-            draft=draft,
-            alias=alias,
-        )
+        result = register_model(**ctx.params)  # the options are the flow's parameters, named alike
     except RaylineError as exc:
         _fail(exc)
     summaries.print_registration(result)

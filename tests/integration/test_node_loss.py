@@ -288,15 +288,15 @@ def test_training_resumes_from_its_last_checkpoint_after_the_loss_of_a_node(
 
     # Ray Train restarted the worker group on the new node (FailureConfig) from the newest checkpoint
     history = result.history
-    assert [int(h["epoch"]) for h in history] == list(range(epochs)), "each epoch reported once"
-    starts = sorted({int(h["attempt_start_epoch"]) for h in history})
+    assert [h.epoch for h in history] == list(range(epochs)), "each epoch reported once"
+    starts = sorted({h.attempt_start_epoch for h in history})
     assert len(starts) == 2 and starts[0] == 0, f"one restart expected, attempts started at {starts}"
     resumed = starts[1]
     assert resumed >= len(seen) >= 1, "resumed before the newest checkpoint that existed at the kill"
     # (an epoch may end just after the kill: the worker process outlives its raylet by a moment)
-    after = [h for h in history if int(h["attempt_start_epoch"]) == resumed]
-    assert min(h["attempt_started_at"] for h in after) > two_nodes.killed_at, "the resumed attempt ran after it"
-    assert all(np.isfinite(h["train_loss"]) for h in history) and 0.0 <= result.metrics["val_accuracy"] <= 1.0
+    after = [h for h in history if h.attempt_start_epoch == resumed]
+    assert min(h.attempt_started_at for h in after) > two_nodes.killed_at, "the resumed attempt ran after it"
+    assert all(np.isfinite(h.train_loss) for h in history) and 0.0 <= result.metrics["val_accuracy"] <= 1.0
     assert storage.exists(result.weights_uri)
 
 

@@ -32,12 +32,12 @@ def test_train_recovers_from_a_worker_failure_and_the_gate_keeps_the_best(local_
 
     strong = train_model(epochs=12, fail_once_at_epoch=2)
     history = strong.trained.history
-    assert [int(h["epoch"]) for h in history] == list(range(12)), "each epoch reported once"
-    assert {int(h["attempt_start_epoch"]) for h in history[2:]} == {2}, "resumed from the epoch-1 checkpoint"
+    assert [h.epoch for h in history] == list(range(12)), "each epoch reported once"
+    assert {h.attempt_start_epoch for h in history[2:]} == {2}, "resumed from the epoch-1 checkpoint"
     counts = {split: sum(c.values()) for split, c in strong.data.preprocess.class_counts.items()}
     # Ray Train shards with streaming_split(equal=True) (DDP steps in lock-step): up to workers - 1 rows left out
-    assert {counts["train"] - h["train_samples"] for h in history} <= {0, 1}, "the 2 shards together are the split"
-    assert {h["val_samples"] for h in history} == {counts["val"]}, "each worker's whole-split figures, not summed"
+    assert {counts["train"] - h.train_samples for h in history} <= {0, 1}, "the 2 shards together are the split"
+    assert {h.val_samples for h in history} == {counts["val"]}, "each worker's whole-split figures, not summed"
     assert strong.evaluation.accuracy >= 0.95, strong.evaluation.accuracy
     assert strong.evaluation.samples == sum(strong.data.preprocess.class_counts["test"].values())
     assert strong.registration.decision.promoted
