@@ -113,20 +113,27 @@ def log_params(mlflow: MlflowClient, run_id: str, params: Mapping[str, str]) -> 
         mlflow.log_batch(run_id, params=items[start : start + 100])
 
 
-def log_steps(mlflow: MlflowClient, run_id: str, steps: list[dict[str, float]], step_key: str = "epoch") -> None:
-    """One metric point per key and step; steps already in the run (a retried call) are not logged again."""
+def log_steps(
+    mlflow: MlflowClient,
+    run_id: str,
+    steps: list[dict[str, float]],
+    step_key: str = "epoch",
+    time_key: str = "epoch_ended_at",
+) -> None:
+    """One metric point per key and step, stamped with the step's ``time_key`` (seconds since the epoch),
+    which is not a metric itself; steps already in the run (a retried call) are not logged again."""
     from mlflow.entities import Metric
 
     if not steps:
         return
-    probe = next(k for k in steps[0] if k != step_key)
+    probe = next(k for k in steps[0] if k not in (step_key, time_key))
     done = {m.step for m in mlflow.get_metric_history(run_id, probe)}
     points = [
-        Metric(key, float(value), int(row.get("epoch_ended_at", 0) * 1000), int(row[step_key]))
+        Metric(key, float(value), int(row.get(time_key, 0) * 1000), int(row[step_key]))
         for row in steps
         if int(row[step_key]) not in done
         for key, value in row.items()
-        if key != step_key
+        if key not in (step_key, time_key)
     ]
     for start in range(0, len(points), 1000):
         mlflow.log_batch(run_id, metrics=points[start : start + 1000])

@@ -14,8 +14,8 @@ from rayline import ray_cluster, storage, tracking
 from rayline.lineage import DatasetRef
 from tasks.common import png_markdown, ray_task, record_lineage
 
-# wall-clock marks: when, not how well; MLflow has its own timestamps
-_UNTRACKED = {"attempt_started_at", "epoch_ended_at", "attempt_start_epoch"}
+# an attempt's marks: when and where it resumed, not how well (epoch_ended_at stamps each point instead)
+_UNTRACKED = {"attempt_started_at", "attempt_start_epoch"}
 
 
 @ray_task("train")

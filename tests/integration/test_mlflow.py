@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,6 +92,9 @@ def test_train_model_logs_trials_run_and_version_and_a_dead_server_fails_nothing
     assert trained.data.params["loop.lr"] == str(searched.best_config.lr)
     assert _steps(tracking, trained.info.run_id, "val_accuracy") == [0, 1]
     assert _steps(tracking, trained.info.run_id, "train_loss") == [0, 1]
+    ended = [m.timestamp / 1000 for m in tracking.get_metric_history(trained.info.run_id, "val_accuracy")]
+    assert all(abs(t - time.time()) < 3600 for t in ended), f"points stamped when their epoch ended: {ended}"
+    assert "epoch_ended_at" not in trained.data.metrics  # a time, not a metric
     assert trained.data.metrics["test_accuracy"] == pytest.approx(first.evaluation.accuracy)
     assert "test_recall.7" in trained.data.metrics
     artifacts = {f.path for f in tracking.list_artifacts(trained.info.run_id)}
