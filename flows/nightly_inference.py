@@ -14,11 +14,12 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 
 from flows.nightly_backfill import check_error_budget, night_config, run_range
 from ray_workloads.batch_inference import InferenceResult, NightSkipped
-from rayline import nights, registry, storage
+from rayline import nights, registry
 from rayline.errors import ConfigError
 from rayline.layout import model_name as checked_model_name
 from rayline.layout import parse_day, yesterday_utc
 from rayline.nights import BackfillResult
+from rayline.skipped import skipped_text
 from tasks.batch_inference import batch_inference_task
 
 
@@ -26,7 +27,7 @@ def _skipped(result: InferenceResult) -> str:
     """The listed objects that got no row, by reason, and the first keys of each: or 0."""
     if not result.skipped:
         return "0"
-    return f"{storage.skipped_text(result.skipped)}: e.g. {result.skipped_examples}"
+    return f"{skipped_text(result.skipped)}: e.g. {result.skipped_examples}"
 
 
 @flow(name="nightly-inference")
