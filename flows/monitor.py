@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from ray_workloads import monitor as mon
 from ray_workloads import preprocess
-from ray_workloads.serving import control as serve_control
+from ray_workloads.serving.config import config_from_settings
 from rayline import events, mlflow_mirror, registry, storage
 from rayline.errors import RaylineError
 from rayline.layout import MONITORING_DIR, parse_day
@@ -120,7 +120,7 @@ def monitor(
     mlflow_mirror.reconcile(champion.name)  # every 15 min: completes a mirror that failed earlier (never raises)
     reference = reference_for(champion, root, reference_date, thresholds.low_confidence)
     logger.info("judging %s v%d's nights against %s", model_name, champion.version, reference.describe())
-    cfg = serve_control.config_from_settings()
+    cfg = config_from_settings()
     serving = mon.serving_health(f"http://{cfg.host}:{cfg.port}", thresholds, model_name) if check_serving else None
     drifts = [
         mon.night_drift(root, model_name, dt, reference, thresholds)

@@ -7,8 +7,7 @@ from contextlib import ExitStack
 from prefect import flow
 from pydantic import BaseModel
 
-from ray_workloads.serving import control as serve_control
-from ray_workloads.serving.config import ServeConfig
+from ray_workloads.serving.config import ServeConfig, config_from_settings
 from ray_workloads.serving.rollout import GateConfig, RolloutConfig, StepReport, default_probe_source
 from rayline import leases, registry, storage
 from rayline.errors import LeaseBusy, LeaseLost, RolloutRolledBack
@@ -31,7 +30,7 @@ class RolloutResult(BaseModel):
 
 def serve_config() -> ServeConfig:
     """The serving instance of this environment (host, port and default model from settings)."""
-    return serve_control.config_from_settings()
+    return config_from_settings()
 
 
 @flow(name="serve-rollout")
