@@ -17,7 +17,7 @@ How the lifecycle runs itself:
   events within ``RETRAIN_DEBOUNCE`` starts one run. It searches with 4 ASHA
   trials first (the digits); a model whose champion is a fine-tune of another
   (an outside ResNet, say) is fine-tuned again from that parent with no search
-  — the flow decides (``flows.train_model.plan_training``), since a trial per
+  — the flow decides (``tasks.training_plan.plan_training``), since a trial per
   fine-tune of a torchvision model at 224 px doesn't fit a small CPU cluster;
 * ``serve-rollout`` when a challenger is registered (or by hand);
 * ``monitor`` every 15 minutes, which also vacuums the predictions tables

@@ -4,6 +4,9 @@ It also vacuums the two night tables (``vacuum_retention_hours``): files
 replaced by reruns and files of runs that never committed are deleted once no
 version within the retention needs them, so every version current within it
 stays readable by number (``rayline.prediction_reads``).
+
+Every read and write of the registry, storage and serving goes through a
+task (``tasks.models``, ``tasks.monitoring``, ``tasks.maintenance``).
 """
 
 from __future__ import annotations
@@ -13,15 +16,18 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
 from ray_workloads import monitor as mon
-from ray_workloads import preprocess
-from ray_workloads.serving import control as serve_control
-from rayline import events, mlflow_mirror, registry, storage
+from ray_workloads.serving.config import config_from_settings
+from rayline import events
 from rayline.errors import RaylineError
-from rayline.layout import MONITORING_DIR, parse_day
+from rayline.layout import metrics_uri as metrics_file_uri
 from rayline.layout import model_name as checked_model_name
-from rayline.prediction_reads import DEFAULT_RETENTION_HOURS, check_retention, committed_nights
+from rayline.layout import root_uri
+from rayline.prediction_reads import DEFAULT_RETENTION_HOURS, check_retention
+from rayline.registry import CHAMPION
 from tasks.common import emit, png_markdown
 from tasks.maintenance import vacuum_tables_task
+from tasks.models import reconcile_mirror_task, resolve_version_task
+from tasks.monitoring import night_drifts_task, reference_task, serving_health_task, write_metrics_task
 
 
 class MonitorResult(BaseModel):
@@ -71,24 +77,6 @@ def _vacuum_line(result: MonitorResult, error: Exception | None) -> str:
     return head + (f"FAILED: {error}" if error is not None else f"{result.files_vacuumed} files deleted")
 
 
-def reference_for(
-    champion: registry.ModelVersion, root: str, reference_date: str | None, low_confidence: float
-) -> mon.Reference:
-    """What the champion's nights are judged against.
-
-    A champion trained here: its training label counts (unless a reference
-    date is named). An outside one has no training data: the predicted
-    classes of ``reference_date``'s night, else of the model's first committed
-    night — "has it changed since it started?" rather than "is it like what it
-    learned from?".
-    """
-    if reference_date is None and champion.data_manifest_uri is not None:
-        counts = preprocess.read_manifest(champion.data_manifest_uri).class_counts["train"]
-        return mon.Reference(kind="training labels", uri=champion.data_manifest_uri, counts=dict(counts))
-    dt = parse_day(reference_date, "reference_date").isoformat() if reference_date else None
-    return mon.night_reference(root, champion.name, dt, low_confidence)
-
-
 @flow(name="monitor")
 def monitor(
     model_name: str = "digits",
@@ -115,20 +103,16 @@ def monitor(
         psi=psi_threshold, max_low_confidence_share=max_low_confidence_share, max_error_fraction=max_error_fraction
     )
     logger = get_run_logger()
-    root = storage.storage_root()
-    champion = registry.resolve(checked_model_name(model_name), registry.CHAMPION)
-    mlflow_mirror.reconcile(champion.name)  # every 15 min: completes a mirror that failed earlier (never raises)
-    reference = reference_for(champion, root, reference_date, thresholds.low_confidence)
+    root = root_uri()
+    champion = resolve_version_task(checked_model_name(model_name), CHAMPION)
+    reconcile_mirror_task(champion.name)  # every 15 min: completes a mirror that failed earlier (never raises)
+    reference = reference_task(champion, root, reference_date, thresholds.low_confidence)
     logger.info("judging %s v%d's nights against %s", model_name, champion.version, reference.describe())
-    cfg = serve_control.config_from_settings()
-    serving = mon.serving_health(f"http://{cfg.host}:{cfg.port}", thresholds, model_name) if check_serving else None
-    drifts = [
-        mon.night_drift(root, model_name, dt, reference, thresholds)
-        for dt in committed_nights(root, model_name, partitions)
-    ]
-    # one file per model in one flat folder: what node-exporter's textfile collector reads (*.prom)
-    metrics_uri = storage.join(root, MONITORING_DIR, f"{model_name}.prom")
-    storage.write_bytes_atomic(metrics_uri, mon.prometheus_text(serving, drifts, model_name).encode())
+    cfg = config_from_settings()
+    serving = serving_health_task(f"http://{cfg.host}:{cfg.port}", thresholds, model_name) if check_serving else None
+    drifts = night_drifts_task(root, model_name, partitions, reference, thresholds)
+    metrics_uri = metrics_file_uri(root, model_name)
+    write_metrics_task(metrics_uri, mon.prometheus_text(serving, drifts, model_name))
     result = MonitorResult(
         serving=serving,
         partitions=drifts,

@@ -24,9 +24,11 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
 from ray_workloads.batch_inference import InferenceConfig, InferenceResult, NightSkipped
-from rayline import lineage, nights, storage
+from rayline import nights
 from rayline.config import get_settings
 from rayline.errors import ErrorBudgetExceeded
+from rayline.layout import root_uri
+from rayline.lineage import code_version
 from rayline.nights import BackfillResult, NightOutcome, NightsFailed
 from rayline.registry import ModelVersion
 from tasks.batch_inference import batch_inference_task, cluster_cpus
@@ -45,7 +47,7 @@ def night_config(
     day: date, version: ModelVersion, input_uri: str | None, actors: int, batch_size: int
 ) -> InferenceConfig:
     """One night's workload config: the night's arrivals through ``version``, committed under the storage root."""
-    root = storage.storage_root()
+    root = root_uri()
     return InferenceConfig(
         input_uri=nights.night_input_uri(input_uri, root, day),
         tables_root=root,
@@ -54,7 +56,7 @@ def night_config(
         actors=actors,
         batch_size=batch_size,
         io_concurrency=get_settings().io_concurrency,
-        code_version=lineage.code_version(),
+        code_version=code_version(),
         flow_run_id=flow_run_id(),
     )
 

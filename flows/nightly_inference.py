@@ -14,19 +14,21 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 
 from flows.nightly_backfill import check_error_budget, night_config, run_range
 from ray_workloads.batch_inference import InferenceResult, NightSkipped
-from rayline import nights, registry, storage
+from rayline import nights
 from rayline.errors import ConfigError
 from rayline.layout import model_name as checked_model_name
 from rayline.layout import parse_day, yesterday_utc
 from rayline.nights import BackfillResult
+from rayline.skipped import skipped_text
 from tasks.batch_inference import batch_inference_task
+from tasks.models import parse_model_ref_task, resolve_version_task
 
 
 def _skipped(result: InferenceResult) -> str:
     """The listed objects that got no row, by reason, and the first keys of each: or 0."""
     if not result.skipped:
         return "0"
-    return f"{storage.skipped_text(result.skipped)}: e.g. {result.skipped_examples}"
+    return f"{skipped_text(result.skipped)}: e.g. {result.skipped_examples}"
 
 
 @flow(name="nightly-inference")
@@ -66,12 +68,12 @@ def nightly_inference(
         if max_concurrent_nights is not None and max_concurrent_nights < 1:
             raise ConfigError(f"max_concurrent_nights must be at least 1, got {max_concurrent_nights}")
     day = parse_day(date) if date else yesterday_utc()
-    name, ref = registry.parse_ref(model, model_name)
+    name, ref = parse_model_ref_task(model, model_name)
     if name != model_name:  # the parameters stay explicit: a NAME@ref is the CLI's shorthand only
         raise ConfigError(
             f"model {model!r} names {name!r} but model_name is {model_name!r}: give the alias or version alone in model"
         )
-    version = registry.resolve(checked_model_name(name), ref)
+    version = resolve_version_task(checked_model_name(name), ref)
     if days is not None:
         return run_range(
             days,

@@ -9,9 +9,8 @@ from pydantic import BaseModel
 from ray_workloads.images import ImageSpec
 from ray_workloads.ingest import IngestConfig, IngestResult
 from ray_workloads.preprocess import PreprocessConfig, PreprocessResult, error_sample
-from rayline import storage
 from rayline.config import get_settings
-from rayline.layout import RAW_DIR
+from rayline.layout import RAW_DIR, under_root
 from rayline.specs import squash
 from tasks.ingest import ingest_objects
 from tasks.preprocess import preprocess_images
@@ -68,11 +67,10 @@ def prepare_data(
     train on this data itself (``train_model``), so a triggered run would repeat it.
     """
     settings = get_settings()
-    root = storage.storage_root()
     ingested = ingest_objects(
         IngestConfig(
-            source_uri=source_uri or storage.join(root, RAW_DIR),
-            output_root=storage.join(root, INGESTED_DIR),
+            source_uri=source_uri or under_root(RAW_DIR),
+            output_root=under_root(INGESTED_DIR),
             io_concurrency=settings.io_concurrency,
             force=force,
         ),
@@ -81,7 +79,7 @@ def prepare_data(
     prepared = preprocess_images(
         PreprocessConfig(
             ingest_manifest_uri=ingested.manifest_uri,
-            output_root=storage.join(root, PREPROCESSED_DIR),
+            output_root=under_root(PREPROCESSED_DIR),
             image=image if image is not None else squash(image_size),
             force=force,
         )

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-
 from prefect import flow
 from pydantic import BaseModel
 
-from ray_workloads.serving import control as serve_control
-from ray_workloads.serving.config import ServeConfig
-from ray_workloads.serving.rollout import GateConfig, RolloutConfig, StepReport, default_probe_source
-from rayline import leases, registry, storage
-from rayline.errors import LeaseBusy, LeaseLost, RolloutRolledBack
-from tasks.common import lease_holder
+from ray_workloads.serving.config import ServeConfig, config_from_settings
+from ray_workloads.serving.rollout import GateConfig, RolloutConfig, StepReport
+from rayline.errors import LeaseLost, RolloutRolledBack
+from rayline.leases import HeldLease
+from rayline.registry import CHAMPION, ModelVersion
+from tasks.models import alias_version_task, resolve_version_task
+from tasks.rollouts import another_rollout_holds_task, probe_source_task, rollout_lease
 from tasks.serve import PreparedRollout, prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
-
-# renewed every ttl/3 while the rollout runs, so it need not outlast a rollout: a crashed
-# holder's lease is taken over this long after its last renewal
-LEASE_TTL_S = 300.0
 
 
 class RolloutResult(BaseModel):
@@ -31,7 +26,7 @@ class RolloutResult(BaseModel):
 
 def serve_config() -> ServeConfig:
     """The serving instance of this environment (host, port and default model from settings)."""
-    return serve_control.config_from_settings()
+    return config_from_settings()
 
 
 @flow(name="serve-rollout")
@@ -58,12 +53,12 @@ def serve_rollout(
     champion and retires the old version's deployment.
     """
     serve = serve_config()
-    version = registry.resolve(model_name, candidate)
+    version = resolve_version_task(model_name, candidate)
     cfg = RolloutConfig(
         steps=steps or [10.0, 50.0, 100.0],
         soak_s=soak_s,
         probe_rps=probe_rps,
-        probe_uri=probe_uri or default_probe_source(version, storage.storage_root()),
+        probe_uri=probe_uri or probe_source_task(version),
         gates=GateConfig(
             max_error_rate=max_error_rate,
             max_p95_ratio=max_p95_ratio,
@@ -72,34 +67,14 @@ def serve_rollout(
         ),
         serve=serve,
     )
-    with ExitStack() as stack:
-        lease = _wait_for_lease(stack, model_name, lease_wait_s)
+    with rollout_lease(model_name, lease_wait_s) as lease:  # held across every task of the rollout, not in one
         result = _roll_out(cfg, version, serve, lease)
     if not result.steps and lease.waited_s > 1.0:  # say why there was nothing to do
         result.reason += f" (another rollout promoted it while this one waited {lease.waited_s:.0f} s for the lease)"
     return result
 
 
-def _wait_for_lease(stack: ExitStack, model_name: str, wait_s: float) -> leases.HeldLease:
-    """One rollout per model at a time: a second one (a trigger firing twice) waits, then finds its work done."""
-    held = leases.held(
-        registry.rollout_lease_uri(model_name),
-        lease_holder(),
-        ttl_s=LEASE_TTL_S,
-        wait_s=wait_s,
-        describe=registry.rollout_lease_what(model_name),
-    )
-    try:
-        return stack.enter_context(held)
-    except LeaseBusy as exc:
-        raise RolloutRolledBack(
-            f"another rollout of {model_name} still holds the lease after {wait_s:.0f} s: {exc}"
-        ) from exc
-
-
-def _roll_out(
-    cfg: RolloutConfig, version: registry.ModelVersion, serve: ServeConfig, lease: leases.HeldLease
-) -> RolloutResult:
+def _roll_out(cfg: RolloutConfig, version: ModelVersion, serve: ServeConfig, lease: HeldLease) -> RolloutResult:
     prepared = prepare_rollout_task(version, serve)
     if prepared.incumbent.version == prepared.candidate.version:
         return RolloutResult(
@@ -120,7 +95,7 @@ def _roll_out(
     except RolloutRolledBack:
         raise  # rolled back already
     except LeaseLost:
-        if _another_rollout_holds(version.name, lease):
+        if another_rollout_holds_task(version.name, lease.lease.holder):
             raise  # that rollout owns serving now: nothing here to take back
         _roll_back_after_error(prepared, reports, "lost its lease", serve, promoting)
         raise
@@ -145,7 +120,7 @@ def _step_through(
     prepared: PreparedRollout,
     reports: list[StepReport],
     serve: ServeConfig,
-    lease: leases.HeldLease,
+    lease: HeldLease,
 ) -> None:
     """Each traffic step in turn; a failed gate rolls back and raises ``RolloutRolledBack``."""
     baseline: float | None = None
@@ -166,13 +141,6 @@ def _roll_back_after_error(
     """All traffic back on the incumbent, unless this rollout's promotion already landed in the
     registry (then the candidate is champion and serving it is what agrees with the registry)."""
     cand = prepared.candidate
-    if promoting and registry.alias_version(cand.name, registry.CHAMPION) == cand.version:
+    if promoting and alias_version_task(cand.name, CHAMPION) == cand.version:
         return
     roll_back_task(prepared, reports, f"the rollout of v{cand.version} {what}", serve)
-
-
-def _another_rollout_holds(model_name: str, lease: leases.HeldLease) -> bool:
-    """Whether the rollout lease this run lost is live in another run's hands (a takeover after
-    expiry), rather than lost to a storage error with nobody else rolling out."""
-    current = leases.read(registry.rollout_lease_uri(model_name))
-    return current is not None and current.is_live() and current.holder != lease.lease.holder

@@ -11,93 +11,20 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
 from flows.prepare_data import PrepareDataResult, prepare_data
-from ray_workloads import preprocess
 from ray_workloads.evaluate import EvaluationResult
 from ray_workloads.models import ModelSpec
 from ray_workloads.train import TrainConfig, TrainResult
-from ray_workloads.training_loop import InitFrom, TrainLoopConfig
+from ray_workloads.training_loop import TrainLoopConfig
 from ray_workloads.tune import TuneJobConfig, TuneResult
-from rayline import mlflow_mirror, registry, storage
-from rayline.errors import ConfigError
-from rayline.specs import ParentModel
+from rayline.layout import under_root
+from tasks.models import reconcile_mirror_task
 from tasks.register import RegistrationResult, register_and_gate
 from tasks.train import evaluate_task, train_model_task
+from tasks.training_plan import plan_training_task
 from tasks.tune import tune_task
 
 TRAINING_DIR = "training"
 TUNING_DIR = "tuning"
-DEFAULT_MODEL = "digits"
-FINE_TUNE_SUFFIX = "-ft"
-
-
-class FineTunePlan(BaseModel):
-    """Where a fine-tune starts: the parent version, how, and why (for the log)."""
-
-    parent: registry.ModelVersion
-    freeze_backbone: bool
-    why: str
-    data_source: str | None = None  # retraining: the prefix the champion was fine-tuned on
-
-    def parent_link(self) -> ParentModel:
-        return ParentModel(
-            name=self.parent.name,
-            version=self.parent.version,
-            uri=self.parent.uri,
-            freeze_backbone=self.freeze_backbone,
-        )
-
-    def init(self) -> InitFrom:
-        return InitFrom(
-            weights_uri=self.parent.weights_uri,
-            model=self.parent.model_spec,
-            freeze_backbone=self.freeze_backbone,
-        )
-
-
-def plan_training(
-    model_name: str | None, init_from: str | None, freeze_backbone: bool | None
-) -> tuple[str, FineTunePlan | None]:
-    """The registry name to train and, for a fine-tune, where it starts.
-
-    * ``init_from`` (``NAME@champion``, ``NAME@v3``): fine-tune that version;
-      the result is ``model_name`` or ``<parent>-ft``.
-    * otherwise, a model whose champion was fine-tuned from a parent (an
-      outside model, say) is retrained the same way: from the same parent
-      version, frozen or not as before unless ``freeze_backbone`` says. This is
-      what makes the event-triggered ``retrain`` deployment fine-tune such a
-      model instead of training its architecture from scratch.
-    * otherwise: plain training of ``model_name`` (default ``digits``).
-    """
-    if init_from is not None:
-        parent_name, ref = registry.parse_named_ref(init_from)
-        parent = registry.resolve(parent_name, ref)
-        return model_name or f"{parent.name}{FINE_TUNE_SUFFIX}", FineTunePlan(
-            parent=parent, freeze_backbone=bool(freeze_backbone), why=f"init_from={init_from}"
-        )
-    name = model_name or DEFAULT_MODEL
-    number = registry.alias_version(name, registry.CHAMPION)
-    champion = registry.get_version(name, number) if number is not None else None
-    link = champion.parent if champion is not None else None
-    if champion is not None and link is None and champion.weights_source is not None:
-        raise ConfigError(
-            f"{name} v{champion.version} is an outside model (registered from {champion.weights_source.uri}), "
-            f"not trained here: fine-tune it with init_from={name}@champion (--init-from) and a labelled source"
-        )
-    if link is None:
-        if freeze_backbone:
-            raise ConfigError(
-                f"freeze_backbone applies to fine-tuning only: give init_from (NAME@champion); "
-                f"{name} has no fine-tuned champion to retrain from its parent"
-            )
-        return name, None
-    frozen = link.freeze_backbone if freeze_backbone is None else freeze_backbone
-    assert champion is not None  # a parent link comes from a champion
-    return name, FineTunePlan(
-        parent=registry.get_version(link.name, link.version),
-        freeze_backbone=frozen,
-        why=f"champion {name} v{number} was fine-tuned from {link.name} v{link.version}",
-        data_source=preprocess.source_of(champion.data_manifest_uri) if champion.data_manifest_uri else None,
-    )
 
 
 class TrainModelResult(BaseModel):
@@ -145,14 +72,14 @@ def train_model(
     ``challenger`` when a serve rollout is to promote it.
 
     Fine-tuning (``init_from="NAME@champion"``, or retraining a model whose
-    champion is a fine-tune: see :func:`plan_training`) starts from the
+    champion is a fine-tune: see :func:`tasks.training_plan.plan_training`) starts from the
     parent's weights with a new head sized to the data's classes, prepares the
     data with the parent's image spec, never searches, and registers under
     ``model_name`` (default ``<parent>-ft``) with a ``parent`` link. ``arch``
     and ``width`` are then the parent's. ``freeze_backbone`` trains the head only.
     """
-    name, plan = plan_training(model_name, init_from, freeze_backbone)
-    mlflow_mirror.reconcile(name)  # before anything can fail: completes a mirror an earlier run left unfinished
+    name, plan = plan_training_task(model_name, init_from, freeze_backbone)
+    reconcile_mirror_task(name)  # before anything can fail: completes a mirror an earlier run left unfinished
     if plan is not None and tune_samples > 0:
         # each ASHA trial would be a whole fine-tune of a torchvision model at the parent's
         # resolution (224 px for ImageNet weights): more than a small CPU cluster can take
@@ -186,7 +113,7 @@ def train_model(
         searched = tune_task(
             TuneJobConfig(
                 data_manifest_uri=manifest,
-                output_root=storage.join(storage.storage_root(), TUNING_DIR),
+                output_root=under_root(TUNING_DIR),
                 experiment_name=run_name(f"{name}-tune{tune_samples}", data.ingest.content_hash, loop),
                 num_samples=tune_samples,
                 max_epochs=tune_max_epochs,
@@ -206,7 +133,7 @@ def train_model(
     trained = train_model_task(
         TrainConfig(
             data_manifest_uri=manifest,
-            output_root=storage.join(storage.storage_root(), TRAINING_DIR),
+            output_root=under_root(TRAINING_DIR),
             run_name=run_name(name, data.ingest.content_hash, loop),
             loop=loop,
             num_workers=num_workers,

@@ -92,6 +92,7 @@ from rayline.predictions_table import (
     write_data_file,
 )
 from rayline.registry import ModelVersion
+from rayline.skipped import skipped_text
 
 if TYPE_CHECKING:
     from ray.data import Dataset
@@ -351,7 +352,7 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
     listing = storage.list_inputs(source)
     objects = listing.objects
     if not objects:
-        left_out = f"; skipped {storage.skipped_text(listing.skipped)}" if listing.skipped else ""
+        left_out = f"; skipped {skipped_text(listing.skipped)}" if listing.skipped else ""
         raise InputDataError(f"no input objects under {source}{left_out}")
     phases.lap("list")
     with progress.stage(

@@ -37,6 +37,7 @@ from rayline import fetching, folders, leases, manifests, progress, storage
 from rayline.errors import InputDataError, RaylineError, StorageError
 from rayline.manifests import MANIFEST as MANIFEST  # where tests and callers have always found it
 from rayline.manifests import IngestManifest, ShardInfo
+from rayline.skipped import skipped_text
 from rayline.storage import ObjectInfo
 
 SHARD_SCHEMA = pa.schema(
@@ -205,7 +206,7 @@ def run(cfg: IngestConfig) -> IngestResult:
     listing = storage.list_inputs(source)
     objects = listing.objects
     if not objects:
-        left_out = f"; skipped {storage.skipped_text(listing.skipped)}" if listing.skipped else ""
+        left_out = f"; skipped {skipped_text(listing.skipped)}" if listing.skipped else ""
         raise InputDataError(f"no objects found under {source}{left_out}")
     digest = content_hash(objects)
     output = storage.join(storage.normalize(cfg.output_root), dataset_id(source, digest))

@@ -20,6 +20,22 @@ ERRORS_TABLE = "prediction_errors"
 MONITORING_DIR = "monitoring"
 
 
+def root_uri() -> str:
+    """The configured storage root, normalized: where every name here lives (from settings; reads no storage)."""
+    return storage.storage_root()
+
+
+def under_root(*parts: str) -> str:
+    """``<storage root>/<parts>``: e.g. ``under_root(RAW_DIR)``, the labelled training images."""
+    return storage.join(storage.storage_root(), *parts)
+
+
+def metrics_uri(root: str, model: str) -> str:
+    """``<root>/monitoring/<model>.prom``: one file per model in one flat folder, what node-exporter's
+    textfile collector reads (``*.prom``)."""
+    return storage.join(root, MONITORING_DIR, f"{model}.prom")
+
+
 def partition_for(day: date) -> str:
     return f"dt={day.isoformat()}"
 

@@ -260,12 +260,6 @@ class Listing:
     skipped_examples: dict[str, list[str]]
 
 
-def skipped_text(skipped: dict[str, int]) -> str:
-    """``4 (folder marker 1, hidden or underscore name 3)``: a listing's skipped objects, in one phrase."""
-    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(skipped.items()))
-    return f"{sum(skipped.values())} ({reasons})"
-
-
 def _skip_reason(key: str, size: int) -> str | None:
     if any(part.startswith((".", "_")) for part in key.split("/")):
         return SKIP_HIDDEN

@@ -7,9 +7,10 @@ from datetime import UTC, datetime
 from prefect import get_run_logger
 
 from ray_workloads import batch_inference
-from rayline import ray_cluster, storage
+from rayline import ray_cluster
 from rayline.errors import NightCommittedElsewhere
 from rayline.lineage import DatasetRef
+from rayline.skipped import skipped_text
 from tasks.common import idempotency_key, ray_task, record_lineage
 
 
@@ -41,7 +42,7 @@ def batch_inference_task(
         result.elapsed_s,
         result.predictions_version,
         result.errors_version,
-        f"; skipped {storage.skipped_text(result.skipped)}: e.g. {result.skipped_examples}" if result.skipped else "",
+        f"; skipped {skipped_text(result.skipped)}: e.g. {result.skipped_examples}" if result.skipped else "",
     )
     # Ray Data's own logs stay in the Ray workers and its session folder: publish its stats from here
     logger.info("phases (s): %s; Ray Data execution stats:\n%s", result.phase_s, result.ray_data_stats)

@@ -253,3 +253,19 @@ def log_ray_data_stats(stats: str) -> None:
     """Ray Data's per-operator execution stats, in the Prefect task's log (Ray keeps them in its own)."""
     if stats.strip():
         get_run_logger().info("Ray Data execution stats:\n%s", stats.strip())
+
+
+# A flow's own reads and small writes of the registry and storage (a version resolved, an alias
+# read, a metrics file written) take seconds: one that hangs this long is stuck, not slow.
+IO_TIMEOUT_S = 300
+
+
+def io_task(name: str, timeout_s: float = IO_TIMEOUT_S) -> Callable[[Callable[P, R]], Task[P, R]]:
+    """The policy of the tasks through which flows read and write the registry and storage.
+
+    ``maintenance_task``'s retries on transient errors, timeout and no caching, without an
+    OpenLineage run: a lookup produces no dataset. Flows never call the registry, storage,
+    MLflow or leases themselves (``tests/unit/test_structure.py``): a throttled read retries
+    here as in any stage.
+    """
+    return maintenance_task(name, timeout_s)

@@ -8,9 +8,10 @@ from prefect import get_run_logger
 from prefect.runtime import task_run
 
 from ray_workloads import ingest
-from rayline import events, lineage, ray_cluster, storage
+from rayline import events, lineage, ray_cluster
 from rayline.config import get_settings
 from rayline.lineage import DatasetRef
+from rayline.skipped import skipped_text
 from tasks.common import emit, folder_wait_text, lease_holder, ray_task, record_lineage
 
 
@@ -31,7 +32,7 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
         " (reused)" if result.cached else "",
         folder_wait_text(result.waited_s, result.cached, "ingest folder"),
         result.elapsed_s,
-        f"; skipped {storage.skipped_text(result.skipped)}: e.g. {result.skipped_examples}" if result.skipped else "",
+        f"; skipped {skipped_text(result.skipped)}: e.g. {result.skipped_examples}" if result.skipped else "",
     )
     record_lineage(
         stage="ingest",

@@ -1,12 +1,18 @@
-"""What one serving instance is configured with: names, HTTP endpoint, input limits and compute shape."""
+"""What one serving instance is configured with: names, HTTP endpoint, input limits and compute shape.
+
+And this environment's instance, from settings (:func:`config_from_settings`): no Ray, no I/O, so
+flows and the CLI read it without the control module.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ray_workloads.images import DEFAULT_MAX_PIXELS
+from rayline.config import get_settings
+from rayline.errors import ConfigError
 
 
 class ServeConfig(BaseModel):
@@ -61,3 +67,18 @@ class ServeConfig(BaseModel):
         """What the router replicas are deployed with: the default model lives in the routing table
         instead, so changing it never restarts a router."""
         return self.model_dump(mode="json", exclude={"default_model"})
+
+
+def config_from_settings() -> ServeConfig:
+    """The serving instance of this environment: HTTP endpoint and default model from settings."""
+    settings = get_settings()
+    try:
+        return ServeConfig(
+            host=settings.serve_host, port=settings.serve_port, default_model=settings.serve_default_model
+        )
+    except ValidationError as exc:  # every field here comes from RAYLINE_SERVE_<FIELD>
+        problems = "; ".join(
+            f"RAYLINE_SERVE_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']} (got {e.get('input')!r})"
+            for e in exc.errors()
+        )
+        raise ConfigError(f"invalid serving settings: {problems}") from exc

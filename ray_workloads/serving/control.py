@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from ray import serve
 from ray.serve.schema import ApplicationStatus, ServeInstanceDetails
 
@@ -32,7 +32,6 @@ from ray_workloads.serving.ingress import SYNC_INTERVAL_S, router_app
 from ray_workloads.serving.model_server import model_app
 from ray_workloads.serving.routing import RoutingTable, ServeControl
 from rayline import storage
-from rayline.config import get_settings
 from rayline.errors import ClusterError, ConfigError, InputDataError, RaylineError
 from rayline.ray_cluster import NAMESPACE
 from rayline.registry import ModelVersion
@@ -41,7 +40,6 @@ __all__ = [
     "ServeConfig",
     "ServeControl",
     "VersionStats",
-    "config_from_settings",
     "deploy_version",
     "deploy_versions",
     "get_weights",
@@ -75,21 +73,6 @@ class VersionStats(BaseModel):
     @property
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 0.0
-
-
-def config_from_settings() -> ServeConfig:
-    """The serving instance of this environment: HTTP endpoint and default model from settings."""
-    settings = get_settings()
-    try:
-        return ServeConfig(
-            host=settings.serve_host, port=settings.serve_port, default_model=settings.serve_default_model
-        )
-    except ValidationError as exc:  # every field here comes from RAYLINE_SERVE_<FIELD>
-        problems = "; ".join(
-            f"RAYLINE_SERVE_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']} (got {e.get('input')!r})"
-            for e in exc.errors()
-        )
-        raise ConfigError(f"invalid serving settings: {problems}") from exc
 
 
 def _require_ray() -> None:

@@ -81,11 +81,12 @@ def serve_start(
     _quiet_ray()
     from ray_workloads.serving import control as serve_control
     from ray_workloads.serving import rollout
+    from ray_workloads.serving.config import config_from_settings
     from rayline import ray_cluster, registry
 
     try:
         name, ref = registry.parse_named_ref(model)
-        cfg = serve_control.config_from_settings()
+        cfg = config_from_settings()
         version = registry.resolve(name, ref)
         connection = ray_cluster.connect()
         url = rollout.serve(version, cfg)
@@ -130,13 +131,14 @@ def serve_stop(
     apply_process_defaults()
     _quiet_ray()
     from ray_workloads.serving import control as serve_control
+    from ray_workloads.serving.config import config_from_settings
     from rayline import ray_cluster, registry
 
     try:
         name = registry.parse_named_ref(model)[0] if model is not None else None
         if model is not None and "@" in model:
             raise ConfigError(f"--model takes a model name, not a version ({model!r}): stop removes every version")
-        cfg = serve_control.config_from_settings()
+        cfg = config_from_settings()
         ray_cluster.connect()
         if name is None:
             serve_control.shutdown(cfg)

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from rayline import storage
 from rayline.nights import BackfillResult, NightOutcome
+from rayline.skipped import skipped_text
 
 if TYPE_CHECKING:  # for the types only: importing the flows at run time loads Prefect, Ray and torch
     from flows.prepare_data import PrepareDataResult
@@ -22,7 +22,7 @@ def print_prepare_summary(result: PrepareDataResult) -> None:
     typer.secho("prepare-data finished", bold=True)
     typer.echo(f"  objects ingested   {ing.object_count} from {ing.source_uri}{' (reused)' if ing.cached else ''}")
     if ing.skipped:
-        typer.echo(f"  skipped            {storage.skipped_text(ing.skipped)}")
+        typer.echo(f"  skipped            {skipped_text(ing.skipped)}")
     typer.echo(f"  content hash       {ing.content_hash}")
     typer.echo("  images per split   " + ", ".join(f"{k} {v}" for k, v in pre.counts.items()))
     typer.echo(f"  errors             {pre.error_count} {pre.error_types or ''}")
@@ -91,7 +91,7 @@ def print_inference_summary(result: InferenceResult | NightSkipped) -> None:
         f"with {result.model} in {result.elapsed_s:.1f}s"
     )
     if result.skipped:
-        typer.echo(f"  skipped            {storage.skipped_text(result.skipped)}")
+        typer.echo(f"  skipped            {skipped_text(result.skipped)}")
     typer.echo(f"  night              {result.night}")
     typer.echo(f"  predictions        {result.predictions_table} (Delta version {result.predictions_version})")
     typer.echo(f"  errors             {result.errors_table} (Delta version {result.errors_version})")
@@ -112,7 +112,7 @@ def backfill_night_line(night: NightOutcome) -> str:
     if night.inputs is not None:
         line += f"  {night.inputs} inputs → {night.predictions} predictions + {night.errors} errors"
         if night.skipped_objects:
-            line += f"; skipped {storage.skipped_text(night.skipped_objects)}"
+            line += f"; skipped {skipped_text(night.skipped_objects)}"
         line += f"  (Delta versions: predictions {night.predictions_version}, errors {night.errors_version})"
     return f"{line}  {night.message}".rstrip()
 

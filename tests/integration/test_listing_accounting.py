@@ -16,6 +16,7 @@ from rayline import storage
 from rayline.cli.summaries import print_inference_summary
 from rayline.prediction_reads import read_night_pair
 from rayline.seed import digit_objects
+from rayline.skipped import skipped_text
 from tests.integration.helpers import register_untrained
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
@@ -78,4 +79,4 @@ def test_ingest_and_a_night_account_for_every_listed_object(root: str, capsys: p
 
     print_inference_summary(night)
     lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
-    assert f"skipped            {storage.skipped_text(skipped)}" in lines
+    assert f"skipped            {skipped_text(skipped)}" in lines

@@ -6,7 +6,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from flows.train_model import plan_training
 from ray_workloads import preprocess
 from ray_workloads.models import (
     ModelSpec,
@@ -20,6 +19,7 @@ from rayline import registry
 from rayline.cli import app
 from rayline.errors import ConfigError, InputDataError
 from rayline.specs import ImageSpec, ParentModel, squash
+from tasks.training_plan import plan_training
 
 pytestmark = pytest.mark.unit
 

@@ -61,7 +61,7 @@ def test_snapshots_round_trip_and_a_one_model_snapshot_still_loads() -> None:
 
 
 def test_the_default_model_comes_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ray_workloads.serving.control import config_from_settings
+    from ray_workloads.serving.config import config_from_settings
     from rayline.errors import ConfigError
 
     assert config_from_settings().default_model is None

@@ -8,6 +8,7 @@ import pytest
 
 from rayline import fetching, storage
 from rayline.errors import InputDataError
+from rayline.skipped import skipped_text
 
 pytestmark = pytest.mark.unit
 
@@ -64,7 +65,7 @@ def test_list_inputs_counts_what_it_leaves_out(tmp_path: Path) -> None:
     assert [o.key for o in listing.objects] == ["a/1.png", "c/e.png"]
     assert listing.skipped == {storage.SKIP_HIDDEN: 3}
     assert listing.skipped_examples == {storage.SKIP_HIDDEN: [".x/a.png", "_tmp/b.png", "c/_d.png"]}
-    assert storage.skipped_text({storage.SKIP_HIDDEN: 3, storage.SKIP_FOLDER_MARKER: 1}) == (
+    assert skipped_text({storage.SKIP_HIDDEN: 3, storage.SKIP_FOLDER_MARKER: 1}) == (
         "4 (folder marker 1, hidden or underscore name 3)"
     )
 

@@ -199,6 +199,49 @@ def test_flows_import_another_flow_only_as_a_subflow_they_call() -> None:
     assert not bad, _report("a flow imports another flow's module only to call that flow as a subflow", bad)
 
 
+# The modules below the tasks that read or write storage, the registry, MLflow, leases, Delta tables or
+# Ray Serve, each with the names a flow may still take from it: types and constants, a check of a
+# parameter, the code version (no I/O). Flows reach the rest only through tasks, where the retry
+# policy is (issue 15); a flow that needs another pure name adds it here.
+FLOW_SAFE_NAMES_OF_IO_MODULES: dict[str, frozenset[str]] = {
+    "rayline.registry": frozenset({"ModelVersion", "CHAMPION"}),
+    "rayline.storage": frozenset(),
+    "rayline.mlflow_mirror": frozenset(),
+    "rayline.leases": frozenset({"HeldLease"}),
+    "rayline.lineage": frozenset({"code_version"}),
+    "rayline.prediction_reads": frozenset({"DEFAULT_RETENTION_HOURS", "check_retention"}),
+    "rayline.delta_tables": frozenset(),
+    "rayline.conditional": frozenset(),
+    "rayline.predictions_table": frozenset(),
+    "rayline.prediction_migration": frozenset(),
+    "rayline.manifests": frozenset(),
+    "rayline.folders": frozenset(),
+    "rayline.fetching": frozenset(),
+    "rayline.tracking": frozenset(),
+    "rayline.lineage_graph": frozenset(),
+    "rayline.lineage_nights": frozenset(),
+    "rayline.seed": frozenset(),
+    "ray_workloads.serving.control": frozenset(),
+}
+
+
+def test_flows_reach_storage_and_the_registry_only_through_tasks() -> None:
+    def wrong(i: Import) -> bool:
+        safe = FLOW_SAFE_NAMES_OF_IO_MODULES.get(i.target)
+        if safe is None:
+            return False
+        # the module itself (`from rayline import storage`): any of its functions could be called
+        return not i.names or any(name not in safe for name, _ in i.names)
+
+    assert set(FLOW_SAFE_NAMES_OF_IO_MODULES) <= set(_sources()), "a listed module was renamed: list its new name"
+    bad = [i for i in _imports_of("flows") if wrong(i)]
+    assert not bad, _report(
+        "a flow reads and writes storage, the registry, MLflow, leases, Delta tables and Ray Serve only through "
+        "tasks; from these modules it takes only the names FLOW_SAFE_NAMES_OF_IO_MODULES lists",
+        bad,
+    )
+
+
 def test_bench_imports_no_tests() -> None:
     bad = [i for i in _imports_of("bench") if _within(i.target, "tests")]
     assert not bad, _report("bench/ runs from a checkout without the tests: it imports none", bad)

@@ -1,0 +1,40 @@
+"""Prefect tasks: the model registry lookups flows make, and the MLflow mirror they keep in line.
+
+Flows reach the registry only through these, so a lookup that S3 throttles is
+retried like any stage (``tasks.common.io_task``); a missing alias or a
+malformed reference fails at once with its own message (not transient).
+"""
+
+from __future__ import annotations
+
+from rayline import mlflow_mirror, registry
+from rayline.mlflow_mirror import MirrorReport
+from rayline.registry import ModelVersion
+from tasks.common import DEFAULT_TIMEOUT_S, io_task
+
+
+@io_task("parse-model-ref")
+def parse_model_ref_task(text: str, default_name: str) -> tuple[str, str]:
+    """``registry.parse_ref``: (name, alias or version). A task, as a bare word is looked up in the
+    registry (an alias of ``default_name``, or another model's name)."""
+    return registry.parse_ref(text, default_name)
+
+
+@io_task("resolve-model-version")
+def resolve_version_task(name: str, ref: str | int) -> ModelVersion:
+    """The committed version ``ref`` (an alias, ``v3``, or a number) names."""
+    return registry.resolve(name, ref)
+
+
+@io_task("read-model-alias")
+def alias_version_task(name: str, alias: str) -> int | None:
+    """The version ``alias`` points at now; None while there is no such alias."""
+    return registry.alias_version(name, alias)
+
+
+# Mirroring uploads each version's weights to MLflow: minutes for a large model, never hours.
+@io_task("mirror-model-registry", timeout_s=DEFAULT_TIMEOUT_S)
+def reconcile_mirror_task(name: str) -> MirrorReport | None:
+    """Complete MLflow's mirror of ``name`` (what an earlier run left unfinished); never raises
+    (``rayline.mlflow_mirror``): None when tracking is off or the mirror failed."""
+    return mlflow_mirror.reconcile(name)

@@ -1,0 +1,60 @@
+"""Prefect tasks of the ``monitor`` flow: what it reads (the reference, serving health, the nights'
+drift) and the metrics file it writes. The vacuum is ``tasks.maintenance``'s.
+
+Reads only, apart from the metrics file (replaced whole): a retry repeats nothing.
+"""
+
+from __future__ import annotations
+
+from ray_workloads import monitor as mon
+from ray_workloads import preprocess
+from rayline import storage
+from rayline.layout import parse_day
+from rayline.prediction_reads import committed_nights
+from rayline.registry import ModelVersion
+from tasks.common import io_task
+
+# Reading the predicted classes of a few nights' partitions: minutes at most, even on S3.
+DRIFT_TIMEOUT_S = 1800
+
+
+@io_task("monitor-reference")
+def reference_task(
+    champion: ModelVersion, root: str, reference_date: str | None, low_confidence: float
+) -> mon.Reference:
+    """What the champion's nights are judged against.
+
+    A champion trained here: its training label counts (unless a reference
+    date is named). An outside one has no training data: the predicted
+    classes of ``reference_date``'s night, else of the model's first committed
+    night — "has it changed since it started?" rather than "is it like what it
+    learned from?".
+    """
+    if reference_date is None and champion.data_manifest_uri is not None:
+        counts = preprocess.read_manifest(champion.data_manifest_uri).class_counts["train"]
+        return mon.Reference(kind="training labels", uri=champion.data_manifest_uri, counts=dict(counts))
+    dt = parse_day(reference_date, "reference_date").isoformat() if reference_date else None
+    return mon.night_reference(root, champion.name, dt, low_confidence)
+
+
+@io_task("monitor-serving-health")
+def serving_health_task(url: str, thresholds: mon.DriftThresholds, model_name: str) -> mon.ServingHealth:
+    """The router's view of ``model_name`` at ``url`` (an unreachable router is a result, not an error)."""
+    return mon.serving_health(url, thresholds, model_name)
+
+
+@io_task("monitor-night-drift", timeout_s=DRIFT_TIMEOUT_S)
+def night_drifts_task(
+    root: str, model_name: str, partitions: int, reference: mon.Reference, thresholds: mon.DriftThresholds
+) -> list[mon.PartitionDrift]:
+    """The drift of each of ``model_name``'s latest ``partitions`` committed nights from ``reference``."""
+    return [
+        mon.night_drift(root, model_name, dt, reference, thresholds)
+        for dt in committed_nights(root, model_name, partitions)
+    ]
+
+
+@io_task("write-monitor-metrics")
+def write_metrics_task(uri: str, text: str) -> None:
+    """Replace the Prometheus textfile at ``uri`` in one atomic write (a scrape never reads half of it)."""
+    storage.write_bytes_atomic(uri, text.encode())

@@ -1,0 +1,60 @@
+"""What the ``serve-rollout`` flow reads and holds around its Ray tasks (``tasks.serve``): the
+canary probes' default source, and the model's rollout lease."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+from ray_workloads.serving.rollout import default_probe_source
+from rayline import leases, registry, storage
+from rayline.errors import LeaseBusy, RolloutRolledBack
+from rayline.registry import ModelVersion
+from tasks.common import io_task, lease_holder
+
+# renewed every ttl/3 while the rollout runs, so it need not outlast a rollout: a crashed
+# holder's lease is taken over this long after its last renewal
+LEASE_TTL_S = 300.0
+
+
+@io_task("rollout-probe-source")
+def probe_source_task(version: ModelVersion) -> str:
+    """Where canary probes come from when none are named: ``version``'s training prefix, or an outside
+    model's latest night's inputs (``default_probe_source``)."""
+    return default_probe_source(version, storage.storage_root())
+
+
+@contextmanager
+def rollout_lease(model_name: str, wait_s: float) -> Iterator[leases.HeldLease]:
+    """Hold ``model_name``'s rollout lease for the ``with`` block: one rollout per model at a time.
+
+    A second rollout (a trigger firing twice) waits up to ``wait_s``, then
+    finds its work done; still busy then, it raises ``RolloutRolledBack``
+    naming the holder. Not a task: the lease is held, and renewed from its own
+    thread, for the whole flow, across every task of the rollout (the flow
+    calls ``ensure_held()`` on it before moving traffic or the alias). A task
+    would release it when it returned.
+    """
+    held = leases.held(
+        registry.rollout_lease_uri(model_name),
+        lease_holder(),
+        ttl_s=LEASE_TTL_S,
+        wait_s=wait_s,
+        describe=registry.rollout_lease_what(model_name),
+    )
+    with ExitStack() as stack:
+        try:
+            lease = stack.enter_context(held)
+        except LeaseBusy as exc:
+            raise RolloutRolledBack(
+                f"another rollout of {model_name} still holds the lease after {wait_s:.0f} s: {exc}"
+            ) from exc
+        yield lease  # the block's own errors pass through; the lease is released either way
+
+
+@io_task("rollout-lease-holder")
+def another_rollout_holds_task(model_name: str, holder: str) -> bool:
+    """Whether the rollout lease that ``holder`` lost is live in another run's hands (a takeover after
+    expiry), rather than lost to a storage error with nobody else rolling out."""
+    current = leases.read(registry.rollout_lease_uri(model_name))
+    return current is not None and current.is_live() and current.holder != holder
