@@ -68,8 +68,11 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import ray
-from pydantic import BaseModel, Field
 
+from ray_workloads.inference_contract import COMPUTE_BOUND_OBJECTS_PER_TASK, SMALL_IMAGE_SIDE
+from ray_workloads.inference_contract import InferenceConfig as InferenceConfig  # where callers have always found it
+from ray_workloads.inference_contract import InferenceResult as InferenceResult
+from ray_workloads.inference_contract import NightSkipped as NightSkipped
 from ray_workloads.inference_predictor import (
     BLOCK_COLUMNS,
     NightOutput,
@@ -91,14 +94,11 @@ from rayline.predictions_table import (
     verify_exactly_once,
     write_data_file,
 )
-from rayline.registry import ModelVersion
 from rayline.skipped import skipped_text
 
 if TYPE_CHECKING:
     from ray.data import Dataset
 
-SMALL_IMAGE_SIDE = 64
-COMPUTE_BOUND_OBJECTS_PER_TASK = 32
 # A lost actor (OOM, node loss, killed) is restarted and its block retried;
 # an input that kills its actor every time fails the run after this many.
 # (Ray Data's default is to restart and retry forever.)
@@ -109,75 +109,6 @@ _ACTOR_RESTARTS = 3
 # torch for the model; ray.data, and ray.util.state that unpickling Ray Data's
 # context imports, for the actor pool's worker; the UDF's own module.
 WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "ray_workloads.inference_predictor")
-
-
-class InferenceConfig(BaseModel):
-    input_uri: str
-    tables_root: str = Field(description="Where the predictions and prediction_errors tables live: the storage root.")
-    dt: str = Field(description="The night, an ISO date: with the model's name, the partition the run replaces.")
-    model: ModelVersion
-    batch_size: int = Field(
-        64, ge=1, description="Images per model call, at most (capped by pixels: 32 at 224 px; model_batch_size)."
-    )
-    actors: int = Field(2, ge=1)
-    cpus_per_actor: float = Field(0.5, gt=0)
-    gpus_per_actor: float = Field(0.0, ge=0)
-    objects_per_task: int | None = Field(
-        None,
-        ge=1,
-        description="Objects per actor call; each call writes one file. Default: 256 for small images, "
-        f"{COMPUTE_BOUND_OBJECTS_PER_TASK} for images over {SMALL_IMAGE_SIDE} px (compute-bound models).",
-    )
-    io_concurrency: int = Field(64, ge=1, description="Concurrent object reads per actor call.")
-    top_k: int = Field(3, ge=1)
-    code_version: str = "unknown"
-    flow_run_id: str | None = None
-
-
-class InferenceResult(BaseModel):
-    predictions_table: str
-    errors_table: str
-    model_name: str
-    dt: str
-    run_id: str
-    predictions_version: int = Field(description="The predictions table's version holding this run's commit.")
-    errors_version: int = Field(description="The prediction_errors table's version holding this run's commit.")
-    replaced: bool = Field(description="Whether the commit replaced an earlier run's night.")
-    already_committed: bool = Field(False, description="This run id had committed the night before (a retry).")
-    inputs: int
-    predictions: int
-    errors: int
-    error_types: dict[str, int]
-    skipped: dict[str, int] = Field(default_factory=dict, description="Listed objects that are no inputs, by reason.")
-    skipped_examples: dict[str, list[str]] = Field(default_factory=dict, description="The first keys of each reason.")
-    input_content_hash: str
-    model: str
-    files: dict[str, list[str]] = Field(description="The committed data files of each table.")
-    elapsed_s: float
-    phase_s: dict[str, float] = Field(default_factory=dict, description="Wall-clock seconds per phase of the run.")
-    ray_data_stats: str = Field("", description="Ray Data's execution stats of the predict-and-write stage.")
-
-    @property
-    def error_fraction(self) -> float:
-        return self.errors / self.inputs if self.inputs else 0.0
-
-    @property
-    def night(self) -> str:
-        """``<model>/dt=<day>``: the partition, as people name it."""
-        return f"{self.model_name}/dt={self.dt}"
-
-
-class NightSkipped(BaseModel):
-    """A run that found its night committed by another run while it worked: it committed nothing."""
-
-    model_name: str
-    dt: str
-    committed_by: str | None = Field(description="The run id that committed the night, when known.")
-    message: str
-
-    @property
-    def night(self) -> str:
-        return f"{self.model_name}/dt={self.dt}"
 
 
 def _constants(cfg: InferenceConfig) -> dict[str, Any]:
@@ -312,6 +243,8 @@ def _committed_result(
         for kind, uri, commit in (("predictions", predictions_table, landed), ("errors", errors_table, errors_commit))
     }
     return InferenceResult(
+        input_uri=cfg.input_uri,
+        weights_uri=cfg.model.weights_uri,
         predictions_table=predictions_table,
         errors_table=errors_table,
         model_name=night.model_name,
@@ -400,6 +333,8 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
     predictions_commit = commit(output.predictions_table, "predictions", PREDICTIONS_SCHEMA)
     phases.lap("commit")
     return InferenceResult(
+        input_uri=cfg.input_uri,
+        weights_uri=cfg.model.weights_uri,
         predictions_table=output.predictions_table,
         errors_table=output.errors_table,
         model_name=night.model_name,

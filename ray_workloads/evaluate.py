@@ -18,6 +18,7 @@ from ray_workloads import preprocess
 from ray_workloads.models import ModelSpec, load_model
 from ray_workloads.train import dataset_for_split
 from rayline import storage
+from rayline.lineage import DatasetRef
 
 
 class ClassMetrics(BaseModel):
@@ -30,12 +31,21 @@ class ClassMetrics(BaseModel):
 class EvaluationResult(BaseModel):
     split: str
     data_manifest_uri: str
+    weights_uri: str
     samples: int
     accuracy: float
     per_class: list[ClassMetrics]
     confusion: list[list[int]]
     report_uri: str | None = None
     confusion_png_uri: str | None = None
+
+    def lineage_inputs(self) -> list[DatasetRef]:
+        """The weights evaluated and the preprocessed data holding the split."""
+        return [DatasetRef(uri=self.weights_uri), DatasetRef(uri=self.data_manifest_uri)]
+
+    def lineage_outputs(self) -> list[DatasetRef]:
+        """The report, with the accuracy; none when no report was written."""
+        return [DatasetRef(uri=self.report_uri, facets={"accuracy": self.accuracy})] if self.report_uri else []
 
 
 def classification_metrics(
@@ -138,6 +148,7 @@ def run(
     result = EvaluationResult(
         split=split,
         data_manifest_uri=data_manifest_uri,
+        weights_uri=weights_uri,
         samples=int(len(y_true)),
         accuracy=accuracy,
         per_class=per_class,

@@ -33,8 +33,9 @@ import pyarrow as pa
 import ray
 from pydantic import BaseModel, Field
 
-from rayline import fetching, folders, leases, manifests, progress, storage
+from rayline import fetching, folders, leases, lineage, manifests, progress, storage
 from rayline.errors import InputDataError, RaylineError, StorageError
+from rayline.lineage import DatasetRef
 from rayline.manifests import MANIFEST as MANIFEST  # where tests and callers have always found it
 from rayline.manifests import IngestManifest, ShardInfo
 from rayline.skipped import skipped_text
@@ -89,6 +90,21 @@ class IngestResult(BaseModel):
     @property
     def shard_uris(self) -> list[str]:
         return [s.uri for s in self.shards]
+
+    def lineage_inputs(self) -> list[DatasetRef]:
+        """The listed objects, as one version (the hash of their keys and etags)."""
+        counts: dict[str, Any] = {"object_count": self.object_count, "total_bytes": self.total_bytes}
+        return [
+            DatasetRef(
+                uri=self.source_uri,
+                content_hash=self.content_hash,
+                facets=counts | ({"skipped": self.skipped} if self.skipped else {}),
+            )
+        ]
+
+    def lineage_outputs(self) -> list[DatasetRef]:
+        """The manifest that commits the shards, pinned to the same version."""
+        return [DatasetRef(uri=self.manifest_uri, content_hash=self.content_hash, facets={"shards": self.shard_uris})]
 
 
 def content_hash(objects: Sequence[ObjectInfo]) -> str:
@@ -284,6 +300,24 @@ class Arrivals(BaseModel):
     new_objects: int
     new_labelled: int
     labels: dict[str, int]
+
+
+def arrivals_since_previous(current: IngestResult) -> Arrivals:
+    """What ``current`` holds that the previous ingest of its source (another version) did not."""
+    return arrivals(current, previous_ingest(current))
+
+
+def previous_ingest(current: IngestResult) -> IngestResult | None:
+    """The latest earlier ingest of the same source with other content, from the ingest stage's lineage records."""
+    earlier = [
+        r
+        for r in lineage.read_records("ingest")
+        if r.inputs and r.inputs[0].uri == current.source_uri and r.outputs[0].content_hash != current.content_hash
+    ]
+    if not earlier:
+        return None
+    latest = max(earlier, key=lambda r: r.ended_at)
+    return read_manifest(latest.outputs[0].uri)
 
 
 def arrivals(current: IngestResult, previous: IngestResult | None) -> Arrivals:

@@ -40,6 +40,7 @@ from ray_workloads import ingest
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
 from rayline import folders, leases, manifests, progress, storage
 from rayline.errors import StorageError
+from rayline.lineage import DatasetRef
 from rayline.manifests import PreprocessManifest, PreprocessParameters, PreprocessSummary
 from rayline.specs import SplitFractions
 
@@ -76,6 +77,15 @@ class PreprocessResult(PreprocessSummary):
     @property
     def total_rows(self) -> int:
         return sum(self.counts.values()) + self.error_count
+
+    def lineage_inputs(self) -> list[DatasetRef]:
+        """The ingest manifest, pinned to its input's version."""
+        return [DatasetRef(uri=self.input_manifest_uri, content_hash=self.input_content_hash)]
+
+    def lineage_outputs(self) -> list[DatasetRef]:
+        """The manifest of the splits: derived from that version, with its files and counts."""
+        facets = {"files": self.files, "counts": self.counts, "error_count": self.error_count}
+        return [DatasetRef(uri=self.manifest_uri, content_hash=self.input_content_hash, facets=facets)]
 
 
 def split_for_key(key: str, fractions: SplitFractions) -> str:

@@ -30,7 +30,8 @@ from ray_workloads.models import (
     state_dict_from_bytes,
 )
 from rayline import registry, storage
-from rayline.errors import ConfigError, InputDataError
+from rayline.errors import ConfigError, InputDataError, StorageError
+from rayline.lineage import DatasetRef
 from rayline.specs import SQUASH, ImageSpec, ModelSpec, WeightsSource
 
 IMAGENET = "imagenet"
@@ -55,6 +56,30 @@ class RegisterModelResult(BaseModel):
     reused: bool = Field(description="The same weights were registered already: no new version.")
     alias_move: registry.AliasMove | None = None
     note: str | None = Field(None, description="Why the alias differs from the one asked for, if it does.")
+
+    @property
+    def weights_source(self) -> WeightsSource:
+        """Where the version's weights came from (:func:`run` registers and reuses only versions that say)."""
+        source = self.version.weights_source
+        if source is None:
+            raise StorageError(f"{self.version.uri} is an outside model's version but names no weights source")
+        return source
+
+    def lineage_inputs(self) -> list[DatasetRef]:
+        """The weights file, pinned to its SHA-256."""
+        source = self.weights_source
+        return [DatasetRef(uri=source.uri, content_hash=source.sha256, facets={"size_bytes": source.size_bytes})]
+
+    def lineage_outputs(self) -> list[DatasetRef]:
+        """The version, pinned to its weights' SHA-256, with the alias it got."""
+        moves = [self.alias_move.model_dump(mode="json")] if self.alias_move else []
+        return [
+            DatasetRef(
+                uri=self.version.uri,
+                content_hash=self.weights_source.sha256,
+                facets={"moves": moves, "reused": self.reused},
+            )
+        ]
 
 
 def read_classes(source: str, arch: str) -> list[str]:

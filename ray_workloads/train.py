@@ -39,6 +39,7 @@ from ray_workloads.training_loop import (
 )
 from rayline import progress, storage
 from rayline.errors import InputDataError, RetriesExhausted
+from rayline.lineage import DatasetRef
 
 WEIGHTS_FILE = "weights.pt"
 STATE_FILE = "train_state.pt"
@@ -89,6 +90,17 @@ class TrainResult(BaseModel):
     epochs: int
     elapsed_s: float
     samples_per_s: float
+    data_manifest_uri: str = Field(description="The preprocessed data it trained on.")
+    init_weights_uri: str | None = Field(None, description="The weights a fine-tune started from.")
+
+    def lineage_inputs(self) -> list[DatasetRef]:
+        """The preprocessed data, and a fine-tune's starting weights."""
+        start = [DatasetRef(uri=self.init_weights_uri)] if self.init_weights_uri is not None else []
+        return [DatasetRef(uri=self.data_manifest_uri), *start]
+
+    def lineage_outputs(self) -> list[DatasetRef]:
+        """The best checkpoint, with its metrics."""
+        return [DatasetRef(uri=self.checkpoint_uri, facets={"metrics": self.metrics})]
 
 
 # Splits with fewer rows are read by the driver in one go and handed to Ray Data
@@ -276,4 +288,6 @@ def run(cfg: TrainConfig) -> TrainResult:
         epochs=len(history),
         elapsed_s=time.perf_counter() - started,
         samples_per_s=samples / seconds if seconds else 0.0,
+        data_manifest_uri=cfg.data_manifest_uri,
+        init_weights_uri=cfg.loop.init.weights_uri if cfg.loop.init else None,
     )

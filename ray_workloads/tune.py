@@ -40,6 +40,7 @@ from ray_workloads.training_loop import (
 )
 from rayline import progress, storage, tracking
 from rayline.errors import RetriesExhausted
+from rayline.lineage import DatasetRef
 
 
 class SearchSpace(BaseModel):
@@ -135,6 +136,14 @@ class TuneResult(BaseModel):
     trials: list[TrialSummary]
     restored: bool
     elapsed_s: float
+    data_manifest_uri: str = Field(description="The preprocessed data the trials trained on.")
+
+    def lineage_inputs(self) -> list[DatasetRef]:
+        return [DatasetRef(uri=self.data_manifest_uri)]
+
+    def lineage_outputs(self) -> list[DatasetRef]:
+        """The experiment's folder, with the best configuration found."""
+        return [DatasetRef(uri=self.experiment_uri, facets={"best": self.best_config.model_dump(mode="json")})]
 
 
 def loop_config(trial: dict[str, Any], base: TrainLoopConfig) -> TrainLoopConfig:
@@ -285,4 +294,5 @@ def run(cfg: TuneJobConfig, base: TrainLoopConfig | None = None) -> TuneResult:
         trials=trials,
         restored=restored,
         elapsed_s=time.perf_counter() - started,
+        data_manifest_uri=cfg.data_manifest_uri,
     )

@@ -13,7 +13,7 @@ import subprocess
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -34,6 +34,22 @@ class DatasetRef(BaseModel):
     content_hash: str | None = None
     etag: str | None = None
     facets: dict[str, Any] = Field(default_factory=dict)
+
+
+class DeclaresLineage(Protocol):
+    """A stage's result that names the datasets it read and wrote, pinned to versions.
+
+    The task recording the stage's lineage (and its OpenLineage events) takes
+    them from here: the workload that produced them knows what they were.
+    """
+
+    def lineage_inputs(self) -> list[DatasetRef]:
+        """The datasets the stage read."""
+        ...
+
+    def lineage_outputs(self) -> list[DatasetRef]:
+        """The datasets the stage wrote (or found committed and reused)."""
+        ...
 
 
 class RunContext(BaseModel):

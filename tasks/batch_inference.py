@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 from prefect import get_run_logger
 
 from ray_workloads import batch_inference
 from rayline import ray_cluster
 from rayline.errors import NightCommittedElsewhere
-from rayline.lineage import DatasetRef
 from rayline.skipped import skipped_text
 from tasks.common import idempotency_key, ray_task, record_lineage
 
 
-@ray_task("batch-inference")
+@ray_task("batch-inference", preload=batch_inference.WORKER_PRELOAD)
 def batch_inference_task(
     config: batch_inference.InferenceConfig,
 ) -> batch_inference.InferenceResult | batch_inference.NightSkipped:
     """Run the night; a night another run committed meanwhile ends this one cleanly (nothing to retry)."""
-    started = datetime.now(UTC)
-    connection = ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD)
     logger = get_run_logger()
     try:
         # one run id for every attempt of this task run: a retry after the commit returns it, predicting nothing
@@ -46,27 +41,7 @@ def batch_inference_task(
     )
     # Ray Data's own logs stay in the Ray workers and its session folder: publish its stats from here
     logger.info("phases (s): %s; Ray Data execution stats:\n%s", result.phase_s, result.ray_data_stats)
-    night_facets = {"model_name": result.model_name, "dt": result.dt, "run_id": result.run_id}
-    record_lineage(
-        stage="batch_inference",
-        started_at=started,
-        inputs=[
-            DatasetRef(uri=config.input_uri, content_hash=result.input_content_hash),
-            DatasetRef(uri=config.model.weights_uri, facets={"model": result.model}),
-        ],
-        outputs=[
-            DatasetRef(
-                uri=result.predictions_table,
-                facets={**night_facets, "version": result.predictions_version, "files": result.files["predictions"]},
-            ),
-            DatasetRef(
-                uri=result.errors_table,
-                facets={**night_facets, "version": result.errors_version, "files": result.files["errors"]},
-            ),
-        ],
-        parameters=config.model_dump(mode="json"),
-        connection=connection,
-    )
+    record_lineage("batch_inference", result, parameters=config.model_dump(mode="json"))
     return result
 
 

@@ -1,4 +1,5 @@
-"""What every rayline task shares: retry policy, run ids, lease holders, lineage recording, events, artifacts.
+"""What every rayline task shares: retry policy, its run (Ray connection, start, OpenLineage), lineage recording,
+run ids, lease holders, events, artifacts.
 
 The tasks layer's one shared base: a task module imports no other task module, only this one
 (``tests/unit/test_structure.py``), and flows take these helpers from here too.
@@ -10,11 +11,11 @@ import base64
 import functools
 import hashlib
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, ParamSpec, TypeVar
 
 from prefect import Task, get_run_logger, task
@@ -24,9 +25,9 @@ from prefect.context import TaskRunContext
 from prefect.events import emit_event
 from prefect.runtime import flow_run, task_run
 
-from rayline import leases, lineage, openlineage_events, ray_work
+from rayline import leases, lineage, openlineage_events, ray_cluster, ray_work
 from rayline.errors import is_transient
-from rayline.lineage import DatasetRef, LineageRecord, RunContext
+from rayline.lineage import DatasetRef, DeclaresLineage, LineageRecord, RunContext
 from rayline.ray_cluster import RayConnection
 
 # Backoff for transient failures (S3 throttling/5xx, connection resets, lost
@@ -41,15 +42,20 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def ray_task(name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Callable[[Callable[P, R]], Task[P, R]]:
-    """The one retry/timeout/caching policy of every task that runs a Ray workload.
+def ray_task(
+    name: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, preload: Sequence[str] = (), connects: bool = True
+) -> Callable[[Callable[P, R]], Task[P, R]]:
+    """The one retry/timeout/caching policy of every task that runs a Ray workload, and its run's ceremony.
 
     No Prefect result caching: workloads skip committed outputs themselves
     (content-addressed folders, resumable runs), which also survives a lost
-    Prefect database. Each run is an OpenLineage run (START, then COMPLETE or FAIL).
-    An attempt that times out or is cancelled stops the Ray work it started
-    before Prefect moves on (``rayline.ray_work``): Prefect's timeout only
-    raises in the task's thread.
+    Prefect database. Each run is an OpenLineage run (START, then COMPLETE or FAIL)
+    whose start time and Ray connection :func:`record_lineage` reads from the
+    run's context. Before the task's body runs it connects to Ray
+    (``ray_cluster.connect(preload=preload)``); ``connects=False``: a stage that
+    needs no cluster (its lineage names no Ray job). An attempt that times out
+    or is cancelled stops the Ray work it started before Prefect moves on
+    (``rayline.ray_work``): Prefect's timeout only raises in the task's thread.
     """
 
     def decorate(fn: Callable[P, R]) -> Task[P, R]:
@@ -57,7 +63,9 @@ def ray_task(name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Callable[[Calla
         def run_with_openlineage(*args: P.args, **kwargs: P.kwargs) -> R:
             context = TaskRunContext.get()  # the limit in force: with_options(timeout_seconds=…) may change it
             limit = context.task.timeout_seconds if context else timeout_s
-            with openlineage_run(name), ray_work.cancel_on_abort(f"task {name}", limit):
+            with openlineage_run(name) as run, ray_work.cancel_on_abort(f"task {name}", limit):
+                if connects:
+                    run.connection = ray_cluster.connect(preload=preload)
                 return fn(*args, **kwargs)
 
         # Prefect keys the task by this function's code, not the wrapper's.
@@ -98,8 +106,10 @@ def retry_if_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any
     return False
 
 
-def run_context(connection: RayConnection | None) -> RunContext:
-    """Prefect and Ray identifiers of the current run, for lineage."""
+def run_context() -> RunContext:
+    """Prefect and Ray identifiers of the current run (its task's Ray connection, if any), for lineage."""
+    run = _current_run.get()
+    connection = run.connection if run else None
     return RunContext(
         flow_run_id=_str_or_none(flow_run.get_id()),
         flow_name=_str_or_none(flow_run.get_flow_name()),
@@ -111,15 +121,18 @@ def run_context(connection: RayConnection | None) -> RunContext:
 
 
 @dataclass
-class _OpenLineageRun:
-    """The OpenLineage run of the task running now, and the datasets its lineage records named."""
+class _StageRun:
+    """The task running now: its OpenLineage run, when it started, its Ray connection, and the datasets
+    its lineage records named."""
 
     identity: openlineage_events.RunIdentity
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    connection: RayConnection | None = None  # set by ray_task once connected
     inputs: list[DatasetRef] = field(default_factory=list)
     outputs: list[DatasetRef] = field(default_factory=list)
 
 
-_current_run: ContextVar[_OpenLineageRun | None] = ContextVar("rayline_openlineage_run", default=None)
+_current_run: ContextVar[_StageRun | None] = ContextVar("rayline_openlineage_run", default=None)
 
 
 def _run_identity(job_name: str) -> openlineage_events.RunIdentity:
@@ -133,16 +146,17 @@ def _run_identity(job_name: str) -> openlineage_events.RunIdentity:
 
 
 @contextmanager
-def openlineage_run(job_name: str) -> Iterator[None]:
-    """Emit START now, then COMPLETE with the datasets recorded meanwhile, or FAIL/ABORT on an exception.
+def openlineage_run(job_name: str) -> Iterator[_StageRun]:
+    """Start the stage's run: emit START now, then COMPLETE with the datasets recorded meanwhile, or
+    FAIL/ABORT on an exception.
 
     The exception is re-raised; emission itself never raises.
     """
-    run = _OpenLineageRun(_run_identity(job_name))
+    run = _StageRun(_run_identity(job_name))
     token = _current_run.set(run)
     openlineage_events.emit("START", run.identity)
     try:
-        yield
+        yield run
     except Exception as exc:
         openlineage_events.emit("FAIL", run.identity, run.inputs, run.outputs, error=exc)
         raise
@@ -155,36 +169,31 @@ def openlineage_run(job_name: str) -> Iterator[None]:
         _current_run.reset(token)
 
 
-def record_lineage(
-    stage: str,
-    started_at: datetime,
-    inputs: list[DatasetRef],
-    outputs: list[DatasetRef],
-    parameters: dict[str, Any],
-    connection: RayConnection | None,
-    cached: bool = False,
-) -> str:
-    """Write this stage run's lineage record; returns its URI.
+def record_lineage(stage: str, datasets: DeclaresLineage, parameters: dict[str, Any], cached: bool = False) -> str:
+    """Write this stage run's lineage record of the datasets ``datasets`` declares; returns its URI.
 
-    In a Prefect task run the record's id is derived from the task run and the
-    stage, so a retried attempt finds the record an earlier attempt wrote and
-    adds no second one.
+    The start time and Ray connection are the current run's (``ray_task``);
+    outside one the record starts now and names no Ray job. In a Prefect task
+    run the record's id is derived from the task run and the stage, so a
+    retried attempt finds the record an earlier attempt wrote and adds no
+    second one.
     """
+    run = _current_run.get()
+    inputs, outputs = datasets.lineage_inputs(), datasets.lineage_outputs()
     run_id = task_run.get_id()
     identity = {"record_id": uuid.uuid5(uuid.NAMESPACE_URL, f"rayline:{run_id}:{stage}").hex} if run_id else {}
     record = LineageRecord(
         **identity,
         stage=stage,
-        started_at=started_at,
+        started_at=run.started_at if run else datetime.now(UTC),
         inputs=inputs,
         outputs=outputs,
         parameters=parameters,
         code_version=lineage.code_version(),
-        run=run_context(connection),
+        run=run_context(),
         cached=cached,
     )
     uri = lineage.write_record(record, maybe_written=bool(run_id) and (task_run.run_count or 1) > 1)
-    run = _current_run.get()
     if run is None:  # no openlineage_run around: this record is the whole run
         openlineage_events.emit("COMPLETE", _run_identity(stage), inputs, outputs)
     else:  # COMPLETE (or FAIL, if the task fails later) is emitted when the task returns

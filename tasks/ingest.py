@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 from prefect import get_run_logger
 from prefect.runtime import task_run
 
 from ray_workloads import ingest
-from rayline import events, lineage, ray_cluster
+from rayline import events
 from rayline.config import get_settings
-from rayline.lineage import DatasetRef
 from rayline.skipped import skipped_text
 from tasks.common import emit, folder_wait_text, lease_holder, ray_task, record_lineage
 
 
 @ray_task("ingest")
 def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -> ingest.IngestResult:
-    started = datetime.now(UTC)
-    connection = ray_cluster.connect()
     # the folder's lease names this flow run, so a run that waits for it can say which run it waits for
     holder = config.holder or lease_holder()
     result = ingest.run(config.model_copy(update={"holder": holder}))
@@ -34,31 +29,14 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
         result.elapsed_s,
         f"; skipped {skipped_text(result.skipped)}: e.g. {result.skipped_examples}" if result.skipped else "",
     )
-    record_lineage(
-        stage="ingest",
-        started_at=started,
-        inputs=[
-            DatasetRef(
-                uri=result.source_uri,
-                content_hash=result.content_hash,
-                facets={"object_count": result.object_count, "total_bytes": result.total_bytes}
-                | ({"skipped": result.skipped} if result.skipped else {}),
-            )
-        ],
-        outputs=[
-            DatasetRef(uri=result.manifest_uri, content_hash=result.content_hash, facets={"shards": result.shard_uris})
-        ],
-        parameters=config.model_dump(mode="json"),
-        connection=connection,
-        cached=result.cached,
-    )
+    record_lineage("ingest", result, parameters=config.model_dump(mode="json"), cached=result.cached)
     # A new input version: say what arrived since the last one. A retried attempt finds the
     # version its first attempt committed as "cached" and announces it too (that attempt may have
     # failed before it did), but not a version an older run committed (announced back then); the
     # event's id is the version's, so the server keeps one if both attempts announce it.
     committed_by_this_run = (task_run.run_count or 1) > 1 and result.committed_by == holder
     if not result.cached or committed_by_this_run:
-        news = ingest.arrivals(result, _previous_ingest(result))
+        news = ingest.arrivals_since_previous(result)
         if news.new_objects:
             eligible = data_arrived(
                 news, may_retrain=announce_retrain, idempotency_key=f"{result.source_uri}@{result.content_hash}"
@@ -87,16 +65,3 @@ def data_arrived(arrivals: ingest.Arrivals, may_retrain: bool = True, idempotenc
         idempotency_key=idempotency_key,
     )
     return eligible
-
-
-def _previous_ingest(current: ingest.IngestResult) -> ingest.IngestResult | None:
-    """The latest earlier ingest of the same source with other content, from lineage."""
-    earlier = [
-        r
-        for r in lineage.read_records("ingest")
-        if r.inputs and r.inputs[0].uri == current.source_uri and r.outputs[0].content_hash != current.content_hash
-    ]
-    if not earlier:
-        return None
-    latest = max(earlier, key=lambda r: r.ended_at)
-    return ingest.read_manifest(latest.outputs[0].uri)

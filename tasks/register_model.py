@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from ray_workloads import register_model
 from ray_workloads.register_model import RegisterModelConfig, RegisterModelResult
 from rayline import events, lineage, mlflow_mirror, registry
-from rayline.lineage import DatasetRef
 from tasks.common import emit, idempotency_key, ray_task, record_lineage, run_context
 
 
-@ray_task("register-model", timeout_s=900)
+@ray_task("register-model", timeout_s=900, connects=False)
 def register_outside_model(cfg: RegisterModelConfig) -> RegisterModelResult:
     """Check and store the weights; the version's lineage input is the weights file and its hash."""
-    started = datetime.now(UTC)
-    context = run_context(None)
     result = register_model.run(
-        cfg.model_copy(update={"code_version": lineage.code_version(), "flow_run_id": context.flow_run_id})
+        cfg.model_copy(update={"code_version": lineage.code_version(), "flow_run_id": run_context().flow_run_id})
     )
-    version, move = result.version, result.alias_move
-    source = version.weights_source
-    assert source is not None  # run() always records where outside weights came from
+    version, move, source = result.version, result.alias_move, result.weights_source
     if move is not None and move.alias == registry.CHALLENGER:  # serving canaries it: serve-rollout listens
         emit(
             events.CHALLENGER_REGISTERED,
@@ -46,18 +39,5 @@ def register_outside_model(cfg: RegisterModelConfig) -> RegisterModelResult:
             f"weights from `{source.uri}` (sha256 `{source.sha256[:16]}…`), stored at `{version.weights_uri}`"
         ),
     )
-    record_lineage(
-        stage="registry",
-        started_at=started,
-        inputs=[DatasetRef(uri=source.uri, content_hash=source.sha256, facets={"size_bytes": source.size_bytes})],
-        outputs=[
-            DatasetRef(
-                uri=version.uri,
-                content_hash=source.sha256,
-                facets={"moves": [move.model_dump(mode="json")] if move else [], "reused": result.reused},
-            )
-        ],
-        parameters=cfg.model_dump(exclude={"code_version", "flow_run_id"}),
-        connection=None,
-    )
+    record_lineage("registry", result, parameters=cfg.model_dump(exclude={"code_version", "flow_run_id"}))
     return result

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from ray_workloads import evaluate, train
 from ray_workloads.models import ModelSpec
-from rayline import ray_cluster, storage, tracking
-from rayline.lineage import DatasetRef
+from rayline import storage, tracking
 from tasks.common import png_markdown, ray_task, record_lineage
 
 # an attempt's marks: when and where it resumed, not how well (epoch_ended_at stamps each point instead)
@@ -21,8 +19,6 @@ _UNTRACKED = {"attempt_started_at", "attempt_start_epoch"}
 @ray_task("train")
 def train_model_task(config: train.TrainConfig, tracking_experiment: str | None = None) -> train.TrainResult:
     """Fit; with MLflow tracking on, the run is logged into ``tracking_experiment`` (default: the run name)."""
-    started = datetime.now(UTC)
-    connection = ray_cluster.connect()
     result = train.run(config)
     logger = get_run_logger()
     for epoch in result.history:
@@ -56,17 +52,7 @@ def train_model_task(config: train.TrainConfig, tracking_experiment: str | None 
         [h.model_dump(exclude=_UNTRACKED) for h in result.history],
         {"curves.png": png},
     )
-    record_lineage(
-        stage="train",
-        started_at=started,
-        inputs=[
-            DatasetRef(uri=config.data_manifest_uri),
-            *([DatasetRef(uri=config.loop.init.weights_uri)] if config.loop.init else []),  # a fine-tune's start
-        ],
-        outputs=[DatasetRef(uri=result.checkpoint_uri, facets={"metrics": result.metrics})],
-        parameters=config.model_dump(mode="json"),
-        connection=connection,
-    )
+    record_lineage("train", result, parameters=config.model_dump(mode="json"))
     return result
 
 
@@ -81,8 +67,6 @@ def evaluate_task(
 ) -> evaluate.EvaluationResult:
     """Evaluate on the test split; with ``tracking_experiment`` (and tracking on), into the MLflow run of
     the Train run whose folder is ``output_uri``."""
-    started = datetime.now(UTC)
-    connection = ray_cluster.connect()
     result = evaluate.run(spec, weights_uri, data_manifest_uri, output_uri)
     get_run_logger().info("test accuracy %.4f on %d samples", result.accuracy, result.samples)
     create_table_artifact(
@@ -98,14 +82,7 @@ def evaluate_task(
         )
     if tracking_experiment is not None:
         _track_evaluation(tracking_experiment, output_uri, result)
-    record_lineage(
-        stage="evaluate",
-        started_at=started,
-        inputs=[DatasetRef(uri=weights_uri), DatasetRef(uri=data_manifest_uri)],
-        outputs=[DatasetRef(uri=result.report_uri or output_uri, facets={"accuracy": result.accuracy})],
-        parameters={"split": result.split, "model": spec.model_dump()},
-        connection=connection,
-    )
+    record_lineage("evaluate", result, parameters={"split": result.split, "model": spec.model_dump()})
     return result
 
 

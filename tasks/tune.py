@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 from prefect import get_run_logger
@@ -10,15 +9,12 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from ray_workloads import evaluate, tune
 from ray_workloads.training_loop import TrainLoopConfig
-from rayline import ray_cluster, storage
-from rayline.lineage import DatasetRef
+from rayline import storage
 from tasks.common import png_markdown, ray_task, record_lineage
 
 
 @ray_task("tune")
 def tune_task(config: tune.TuneJobConfig, base: TrainLoopConfig) -> tune.TuneResult:
-    started = datetime.now(UTC)
-    connection = ray_cluster.connect()
     result = tune.run(config, base)
     get_run_logger().info(
         "tune %s: %d trials%s, best val accuracy %.4f with lr %.4g, batch %d, width %d, arch %s",
@@ -46,14 +42,7 @@ def tune_task(config: tune.TuneJobConfig, base: TrainLoopConfig) -> tune.TuneRes
     png_uri = storage.join(result.experiment_uri, "trials.png")
     storage.write_bytes_atomic(png_uri, png)
     create_markdown_artifact(key="tune-trials-plot", markdown=png_markdown("Tune trials", png, png_uri))
-    record_lineage(
-        stage="tune",
-        started_at=started,
-        inputs=[DatasetRef(uri=config.data_manifest_uri)],
-        outputs=[DatasetRef(uri=result.experiment_uri, facets={"best": result.best_config.model_dump(mode="json")})],
-        parameters=config.model_dump(mode="json"),
-        connection=connection,
-    )
+    record_lineage("tune", result, parameters=config.model_dump(mode="json"))
     return result
 
 

@@ -22,8 +22,8 @@ A request (``POST /models/<name>/predict``; ``/predict`` for the default model):
                                ▼
                              ServeControl: routing table, StatsBook            routing, stats
 
-A rollout (``rollout``; the serve-rollout flow's tasks call it step by step, and move the
-registry's aliases themselves)::
+A rollout (``rollout``, and ``canary`` for the registry's side: the incumbent, the champion
+alias a promotion moves; the serve-rollout flow's tasks call them step by step)::
 
     prepare    Serve, ServeControl and the Router up; the incumbent serves     control, applications
                (at 100 % if nothing of its model did); the candidate at 0 %

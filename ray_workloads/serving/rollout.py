@@ -23,7 +23,7 @@ share now (deployed at 100% first when nothing of that model serves). Every
 request, weight and stats window here is the model's own
 (``/models/<name>/predict``, ``model=`` on ``control``): other models
 served by the same instance are never touched. Nothing here touches the
-registry or Prefect: the caller moves aliases and records the outcome.
+registry or Prefect: ``canary`` moves aliases, the serve tasks record the outcome.
 """
 
 from __future__ import annotations

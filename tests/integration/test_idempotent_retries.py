@@ -27,13 +27,13 @@ import tasks.ingest
 import tasks.preprocess
 import tasks.register
 from flows.prepare_data import prepare_data
-from ray_workloads import batch_inference, preprocess
+from ray_workloads import batch_inference, preprocess, promotion
 from ray_workloads.evaluate import EvaluationResult
 from ray_workloads.ingest import IngestConfig, IngestResult
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from ray_workloads.preprocess import PreprocessResult
 from ray_workloads.train import TrainResult
-from rayline import events, lineage, registry, storage
+from rayline import events, lineage, ray_cluster, registry, storage
 from rayline.delta_tables import Night
 from rayline.errors import TransientError
 from rayline.predictions_table import night_seq
@@ -102,9 +102,16 @@ def _register_with_retries(name: str, prepared: PreprocessResult) -> tuple[Regis
         epochs=1,
         elapsed_s=1.0,
         samples_per_s=1.0,
+        data_manifest_uri=prepared.manifest_uri,
     )
     evaluation = EvaluationResult(
-        split="test", data_manifest_uri=prepared.manifest_uri, samples=10, accuracy=0.9, per_class=[], confusion=[]
+        split="test",
+        data_manifest_uri=prepared.manifest_uri,
+        weights_uri=weights_uri,
+        samples=10,
+        accuracy=0.9,
+        per_class=[],
+        confusion=[],
     )
     fast = register_and_gate.with_options(retry_delay_seconds=0, retry_jitter_factor=None)
 
@@ -151,7 +158,7 @@ def _champion(name: str, prepared: PreprocessResult) -> registry.ModelVersion:
         model_spec=spec,
         image_spec=prepared.image,
         classes=prepared.classes,
-        metrics={tasks.register.GATE_METRIC: 0.5},
+        metrics={promotion.GATE_METRIC: 0.5},
         data_content_hash=prepared.input_content_hash,
         code_version="test",
     )
@@ -239,7 +246,7 @@ def test_a_retried_ingest_that_finds_an_older_runs_dataset_announces_nothing(
 
     first, _ = probe()  # the earlier run: commits and announces
     announced = _calls_of(tasks.ingest, "data_arrived", monkeypatch)  # announcements from here on
-    _fail_once_after(tasks.ingest.ray_cluster, "connect", monkeypatch)  # the later run's first attempt fails early
+    _fail_once_after(ray_cluster, "connect", monkeypatch)  # the later run's first attempt fails early
     again, task_run_id = probe()
 
     assert task_run_id is not None and asyncio.run(_run_count(task_run_id)) == 2

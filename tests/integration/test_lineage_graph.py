@@ -15,7 +15,6 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -33,7 +32,7 @@ from rayline.lineage_graph import LineageNode, build_graph, render_text
 from rayline.seed import digit_objects
 from tasks.common import openlineage_run, record_lineage
 from tests.unit.test_lineage_graph import DAY, _record
-from tests.unit.test_openlineage import validate
+from tests.unit.test_openlineage import Declared, validate
 
 pytestmark = pytest.mark.integration
 
@@ -63,9 +62,7 @@ def test_a_night_names_its_delta_version_and_leads_back_to_raw_objects_with_etag
     prepared = prepare_data(source_uri=storage.join(local_storage, "raw")).preprocess
     run_uri = storage.join(local_storage, "training", "digits-test")
     checkpoint = storage.join(run_uri, "checkpoint_000001")
-    record_lineage(
-        "train", datetime.now(UTC), [DatasetRef(uri=prepared.manifest_uri)], [DatasetRef(uri=checkpoint)], {}, None
-    )
+    record_lineage("train", Declared([DatasetRef(uri=prepared.manifest_uri)], [DatasetRef(uri=checkpoint)]), {})
     spec = ModelSpec(num_classes=len(prepared.classes), width=8)
     version = registry.register(
         "digits",
@@ -144,9 +141,7 @@ def test_a_night_names_its_delta_version_and_leads_back_to_raw_objects_with_etag
 
 def test_openlineage_events_land_in_an_s3_storage_root(s3_storage: str) -> None:
     with openlineage_run("ingest"):
-        record_lineage(
-            "ingest", datetime.now(UTC), [], [DatasetRef(uri=f"{s3_storage}/ingested/x/manifest.json")], {}, None
-        )
+        record_lineage("ingest", Declared([], [DatasetRef(uri=f"{s3_storage}/ingested/x/manifest.json")]), {})
     events = [storage.read_json(o.uri) for o in storage.list_objects(f"{s3_storage}/lineage/openlineage")]
     assert [validate(e).eventType.value for e in events if e.get("eventType")] == ["START", "COMPLETE"]
     bucket = s3_storage[len("s3://") :].split("/")[0]

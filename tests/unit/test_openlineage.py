@@ -10,6 +10,7 @@ import threading
 import types
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -30,9 +31,11 @@ from openlineage.client.facet_v2 import (
 )
 from openlineage.client.serde import Serde
 
-from rayline import openlineage_events, storage
+import tasks.common
+from rayline import lineage, openlineage_events, storage
 from rayline.errors import StorageError
 from rayline.lineage import DatasetRef
+from rayline.ray_cluster import RayConnection
 from tasks.common import openlineage_run, ray_task, record_lineage
 
 pytestmark = pytest.mark.unit
@@ -46,6 +49,20 @@ FACETS: dict[str, type[BaseFacet]] = {
     "processing_engine": processing_engine_run.ProcessingEngineRunFacet,
     "tags": tags_run.TagsRunFacet,  # the client adds its version as a run tag
 }
+
+
+@dataclass
+class Declared:
+    """Datasets declared as given, as a workload's result declares its own (``rayline.lineage.DeclaresLineage``)."""
+
+    inputs: list[DatasetRef] = field(default_factory=list)
+    outputs: list[DatasetRef] = field(default_factory=list)
+
+    def lineage_inputs(self) -> list[DatasetRef]:
+        return self.inputs
+
+    def lineage_outputs(self) -> list[DatasetRef]:
+        return self.outputs
 
 
 def _structure(tp: Any, data: Any, key: str | None = None) -> Any:
@@ -105,7 +122,7 @@ def test_a_stage_run_emits_start_and_complete_with_its_datasets(local_storage: s
     raw = DatasetRef(uri=storage.join(local_storage, "raw"), content_hash="abc123")
     manifest = DatasetRef(uri=storage.join(local_storage, "ingested", "x", "manifest.json"), content_hash="abc123")
     with openlineage_run("ingest"):
-        record_lineage("ingest", datetime.now(UTC), [raw], [manifest], {"p": 1}, connection=None)
+        record_lineage("ingest", Declared([raw], [manifest]), {"p": 1})
 
     start, complete = (validate(e) for e in _events(local_storage))
     assert start.eventType and start.eventType.value == "START" and not start.inputs and not start.outputs
@@ -133,13 +150,31 @@ def test_a_failing_stage_emits_fail_with_the_error_and_reraises(local_storage: s
 
 def test_a_record_outside_a_task_run_is_one_complete_event(local_storage: str) -> None:
     out = DatasetRef(uri="s3://bucket/models/digits/v1")
-    record_lineage("registry", datetime.now(UTC), [], [out], {}, connection=None)
+    record_lineage("registry", Declared([], [out]), {})
     (complete,) = (validate(e) for e in _events(local_storage))
     assert complete.eventType and complete.eventType.value == "COMPLETE"
     assert [(o.namespace, o.name) for o in complete.outputs] == [("s3://bucket", "models/digits/v1")]
 
 
-def test_ray_task_wraps_every_stage_and_keeps_its_signature(local_storage: str) -> None:
+FAKE_CONNECTION = RayConnection(address="127.0.0.1:6379", job_id="01000000", embedded=True, num_cpus=4.0)
+
+
+@pytest.fixture
+def ray_connections(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
+    """``ray_cluster.connect`` stood in for (a unit test starts no Ray): the preload of each call."""
+    connected: list[tuple[str, ...]] = []
+
+    def connect(preload: tuple[str, ...] = ()) -> RayConnection:
+        connected.append(tuple(preload))
+        return FAKE_CONNECTION
+
+    monkeypatch.setattr(tasks.common.ray_cluster, "connect", connect)
+    return connected
+
+
+def test_ray_task_wraps_every_stage_and_keeps_its_signature(
+    local_storage: str, ray_connections: list[tuple[str, ...]]
+) -> None:
     def stage(count: int, label: str = "x") -> str:
         """Doc."""
         if count < 0:
@@ -152,12 +187,43 @@ def test_ray_task_wraps_every_stage_and_keeps_its_signature(local_storage: str) 
     assert wrapped.fn(2, label="ab") == "abab"
     with pytest.raises(RuntimeError):
         wrapped.fn(-1)
+    assert ray_connections == [(), ()], "each run connects to Ray before the stage runs"
     states = [(e["job"]["name"], e["eventType"]) for e in _events(local_storage)]
     assert sorted(states) == sorted(
         [("unit-stage", "START"), ("unit-stage", "COMPLETE"), ("unit-stage", "START"), ("unit-stage", "FAIL")]
     )
     for payload in _events(local_storage):
         validate(payload)
+
+
+def test_a_stage_records_its_runs_start_and_ray_connection(
+    local_storage: str, ray_connections: list[tuple[str, ...]]
+) -> None:
+    raw = DatasetRef(uri=storage.join(local_storage, "raw"), content_hash="abc123")
+    recorded_at: list[datetime] = []
+
+    def stage() -> None:
+        recorded_at.append(datetime.now(UTC))
+        record_lineage("unit_stage", Declared([raw], []), {"p": 1})
+
+    ray_task("unit-stage", preload=("torch",))(stage).fn()
+    (record,) = lineage.read_records("unit_stage")
+    assert ray_connections == [("torch",)]
+    assert (record.run.ray_job_id, record.run.ray_address) == (FAKE_CONNECTION.job_id, FAKE_CONNECTION.address)
+    assert record.started_at <= recorded_at[0] <= record.ended_at, "the record starts when the run did"
+    assert record.inputs == [raw] and record.parameters == {"p": 1}
+
+
+def test_a_stage_that_needs_no_cluster_never_connects(
+    local_storage: str, ray_connections: list[tuple[str, ...]]
+) -> None:
+    def stage() -> None:
+        record_lineage("unit_stage", Declared([], [DatasetRef(uri="s3://bucket/models/digits/v1")]), {})
+
+    ray_task("unit-stage", connects=False)(stage).fn()
+    (record,) = lineage.read_records("unit_stage")
+    assert ray_connections == []
+    assert (record.run.ray_job_id, record.run.ray_address) == (None, None)
 
 
 def test_a_broken_transport_never_breaks_the_stage(
@@ -223,7 +289,7 @@ def _stage_with_datasets(local_storage: str) -> tuple[DatasetRef, DatasetRef]:
     raw = DatasetRef(uri=storage.join(local_storage, "raw"), content_hash="abc123")
     out = DatasetRef(uri="s3://bucket/predictions/night=1")
     with openlineage_run("batch-inference"):
-        record_lineage("batch_inference", datetime.now(UTC), [raw], [out], {}, None)
+        record_lineage("batch_inference", Declared([raw], [out]), {})
     return raw, out
 
 

@@ -1,0 +1,107 @@
+"""What a night of batch inference is asked (:class:`InferenceConfig`) and answers (:class:`InferenceResult`,
+:class:`NightSkipped`): the typed contract between ``ray_workloads.batch_inference`` and its callers.
+
+A result declares its lineage: it read the night's inputs and the model's
+weights, and wrote both tables at the versions holding its commit.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from rayline.lineage import DatasetRef
+from rayline.registry import ModelVersion
+
+SMALL_IMAGE_SIDE = 64
+COMPUTE_BOUND_OBJECTS_PER_TASK = 32
+
+
+class InferenceConfig(BaseModel):
+    input_uri: str
+    tables_root: str = Field(description="Where the predictions and prediction_errors tables live: the storage root.")
+    dt: str = Field(description="The night, an ISO date: with the model's name, the partition the run replaces.")
+    model: ModelVersion
+    batch_size: int = Field(
+        64, ge=1, description="Images per model call, at most (capped by pixels: 32 at 224 px; model_batch_size)."
+    )
+    actors: int = Field(2, ge=1)
+    cpus_per_actor: float = Field(0.5, gt=0)
+    gpus_per_actor: float = Field(0.0, ge=0)
+    objects_per_task: int | None = Field(
+        None,
+        ge=1,
+        description="Objects per actor call; each call writes one file. Default: 256 for small images, "
+        f"{COMPUTE_BOUND_OBJECTS_PER_TASK} for images over {SMALL_IMAGE_SIDE} px (compute-bound models).",
+    )
+    io_concurrency: int = Field(64, ge=1, description="Concurrent object reads per actor call.")
+    top_k: int = Field(3, ge=1)
+    code_version: str = "unknown"
+    flow_run_id: str | None = None
+
+
+class InferenceResult(BaseModel):
+    input_uri: str = Field(description="The prefix the night's inputs were listed under, as the config named it.")
+    weights_uri: str = Field(description="The weights of the model version that predicted.")
+    predictions_table: str
+    errors_table: str
+    model_name: str
+    dt: str
+    run_id: str
+    predictions_version: int = Field(description="The predictions table's version holding this run's commit.")
+    errors_version: int = Field(description="The prediction_errors table's version holding this run's commit.")
+    replaced: bool = Field(description="Whether the commit replaced an earlier run's night.")
+    already_committed: bool = Field(False, description="This run id had committed the night before (a retry).")
+    inputs: int
+    predictions: int
+    errors: int
+    error_types: dict[str, int]
+    skipped: dict[str, int] = Field(default_factory=dict, description="Listed objects that are no inputs, by reason.")
+    skipped_examples: dict[str, list[str]] = Field(default_factory=dict, description="The first keys of each reason.")
+    input_content_hash: str
+    model: str
+    files: dict[str, list[str]] = Field(description="The committed data files of each table.")
+    elapsed_s: float
+    phase_s: dict[str, float] = Field(default_factory=dict, description="Wall-clock seconds per phase of the run.")
+    ray_data_stats: str = Field("", description="Ray Data's execution stats of the predict-and-write stage.")
+
+    @property
+    def error_fraction(self) -> float:
+        return self.errors / self.inputs if self.inputs else 0.0
+
+    @property
+    def night(self) -> str:
+        """``<model>/dt=<day>``: the partition, as people name it."""
+        return f"{self.model_name}/dt={self.dt}"
+
+    def lineage_inputs(self) -> list[DatasetRef]:
+        """The night's inputs, pinned to their listing's hash, and the model's weights."""
+        return [
+            DatasetRef(uri=self.input_uri, content_hash=self.input_content_hash),
+            DatasetRef(uri=self.weights_uri, facets={"model": self.model}),
+        ]
+
+    def lineage_outputs(self) -> list[DatasetRef]:
+        """Both tables, at the versions holding this run's commit of the night, with its files."""
+        night = {"model_name": self.model_name, "dt": self.dt, "run_id": self.run_id}
+        return [
+            DatasetRef(
+                uri=self.predictions_table,
+                facets={**night, "version": self.predictions_version, "files": self.files["predictions"]},
+            ),
+            DatasetRef(
+                uri=self.errors_table, facets={**night, "version": self.errors_version, "files": self.files["errors"]}
+            ),
+        ]
+
+
+class NightSkipped(BaseModel):
+    """A run that found its night committed by another run while it worked: it committed nothing."""
+
+    model_name: str
+    dt: str
+    committed_by: str | None = Field(description="The run id that committed the night, when known.")
+    message: str
+
+    @property
+    def night(self) -> str:
+        return f"{self.model_name}/dt={self.dt}"

@@ -1,0 +1,151 @@
+"""The promotion gate: register trained weights as a new version, judge it against the champion, move an alias.
+
+The candidate is judged on its own test split. A champion trained on the same
+data is judged by the score it was registered with; one trained on other data
+is evaluated again on the candidate's split (:func:`ray_workloads.evaluate.run`,
+on Ray). A candidate that passes becomes ``promote_to``: ``champion``
+directly, or ``challenger`` when serving decides (a canary rollout moves the
+champion later); the first model that passes the floor is champion either way.
+
+Every step is safe to repeat: a retry with the same ``idempotency_key`` gets
+the version its first attempt registered, and judges it against the version
+it replaced if that attempt promoted it already.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from ray_workloads import evaluate, preprocess
+from ray_workloads.models import ModelSpec, state_dict_from_bytes
+from ray_workloads.train import TrainResult
+from rayline import registry, storage
+from rayline.errors import ConfigError
+from rayline.lineage import DatasetRef
+from rayline.specs import ParentModel
+
+GATE_METRIC = "test_accuracy"
+
+
+class PromotionConfig(BaseModel):
+    """A trained model to register under ``name`` and gate."""
+
+    name: str
+    spec: ModelSpec
+    trained: TrainResult
+    evaluation: evaluate.EvaluationResult
+    margin: float = 0.0
+    floor: float = 0.9
+    promote_to: str = registry.CHAMPION
+    parent: ParentModel | None = Field(None, description="The version a fine-tune started from.")
+    code_version: str = "unknown"
+    flow_run_id: str | None = None
+    idempotency_key: str | None = Field(None, description="The same in every attempt: a retry registers nothing new.")
+
+
+class PromotionResult(BaseModel):
+    """The version registered, the gate's decision, and the alias it got (if it passed)."""
+
+    version: registry.ModelVersion
+    decision: registry.GateDecision
+    alias: str | None = None
+    moves: list[registry.AliasMove] = Field(default_factory=list)
+    champion: int | None = Field(description="The model's champion version after the gate.")
+    checkpoint_uri: str = Field(description="The Train checkpoint the weights came from.")
+    data_manifest_uri: str = Field(description="The preprocessed data holding the test split it was judged on.")
+    data_content_hash: str = Field(description="The version of the input that data was prepared from.")
+    parent: ParentModel | None = None
+
+    def lineage_inputs(self) -> list[DatasetRef]:
+        """The checkpoint, the data it was judged on, and a fine-tune's parent version."""
+        parent = [DatasetRef(uri=self.parent.uri, facets={"parent": self.parent.model_dump()})] if self.parent else []
+        return [DatasetRef(uri=self.checkpoint_uri), DatasetRef(uri=self.data_manifest_uri), *parent]
+
+    def lineage_outputs(self) -> list[DatasetRef]:
+        """The version, pinned to its data's version, with the gate's decision and the alias moves."""
+        facets = {"moves": [m.model_dump(mode="json") for m in self.moves], "gate": self.decision.model_dump()}
+        return [DatasetRef(uri=self.version.uri, content_hash=self.data_content_hash, facets=facets)]
+
+
+def run(cfg: PromotionConfig) -> PromotionResult:
+    """Register the trained weights, gate them against the champion, and move the alias they earned."""
+    if cfg.promote_to not in (registry.CHAMPION, registry.CHALLENGER):
+        raise ConfigError(f"promote_to must be champion or challenger, got {cfg.promote_to!r}")
+    trained, evaluation = cfg.trained, cfg.evaluation
+    prepared = preprocess.read_manifest(evaluation.data_manifest_uri)
+    weights = storage.read_bytes(trained.weights_uri)
+    state_dict_from_bytes(weights, trained.weights_uri)  # refuse anything but tensors before registering
+    _check_same_classes(cfg.name, prepared.classes)
+    version = registry.register(
+        cfg.name,
+        weights,
+        model_spec=cfg.spec.model_copy(update={"num_classes": len(prepared.classes)}),
+        image_spec=prepared.image,
+        classes=prepared.classes,
+        metrics={GATE_METRIC: evaluation.accuracy, **{f"best_{k}": v for k, v in trained.metrics.items()}},
+        data_manifest_uri=evaluation.data_manifest_uri,
+        data_content_hash=prepared.input_content_hash,
+        code_version=cfg.code_version,
+        training_run_uri=trained.run_uri,
+        flow_run_id=cfg.flow_run_id,
+        parent=cfg.parent,
+        idempotency_key=cfg.idempotency_key,
+    )
+    champion, champion_score = _champion_score(cfg.name, version)
+    decision = registry.gate(
+        version,
+        champion,
+        metric=GATE_METRIC,
+        candidate_score=evaluation.accuracy,
+        champion_score=champion_score,
+        margin=cfg.margin,
+        floor=cfg.floor,
+    )
+    moves = []
+    alias = None
+    if decision.promoted:
+        alias = registry.CHAMPION if champion is None or cfg.promote_to == registry.CHAMPION else registry.CHALLENGER
+        moves.append(registry.set_alias(cfg.name, alias, version.version, decision.reason))
+    return PromotionResult(
+        version=version,
+        decision=decision,
+        alias=alias,
+        moves=moves,
+        champion=registry.alias_version(cfg.name, registry.CHAMPION),
+        checkpoint_uri=trained.checkpoint_uri,
+        data_manifest_uri=evaluation.data_manifest_uri,
+        data_content_hash=prepared.input_content_hash,
+        parent=cfg.parent,
+    )
+
+
+def _champion_score(name: str, candidate: registry.ModelVersion) -> tuple[registry.ModelVersion | None, float | None]:
+    """The champion's score on the candidate's test split (re-evaluated if it was trained on other data)."""
+    number = registry.alias_version(name, registry.CHAMPION)
+    if number is not None and number == candidate.version:
+        # a retried attempt: the first one already promoted it; judge it against the version it replaced
+        move = registry.alias_move(name, registry.CHAMPION)
+        number = move.previous if move is not None else None
+    if number is None:
+        return None, None
+    champion = registry.get_version(name, number)
+    if champion.data_content_hash == candidate.data_content_hash and GATE_METRIC in champion.metrics:
+        return champion, champion.metrics[GATE_METRIC]
+    if candidate.data_manifest_uri is None:
+        raise ConfigError(f"{name} v{candidate.version} has no test split to judge it on")
+    return champion, evaluate.run(champion.model_spec, champion.weights_uri, candidate.data_manifest_uri).accuracy
+
+
+def _check_same_classes(name: str, classes: list[str]) -> None:
+    """A candidate is judged against its champion on one test split: both must predict the same classes."""
+    number = registry.alias_version(name, registry.CHAMPION)
+    if number is None:
+        return
+    champion = registry.get_version(name, number)
+    if champion.classes != classes:
+        shown = ", ".join(champion.classes[:5]) + (", …" if len(champion.classes) > 5 else "")
+        raise ConfigError(
+            f"{name}'s champion v{number} predicts {len(champion.classes)} classes ({shown}); this model predicts "
+            f"{len(classes)} ({', '.join(classes[:5])}{', …' if len(classes) > 5 else ''}). "
+            "Register it under another name (--model-name)."
+        )
