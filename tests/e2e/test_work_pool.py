@@ -153,28 +153,36 @@ def test_nightly_inference_runs_through_the_worker(platform: dict[str, str]) -> 
     assert night.commit.run_id, night.commit
 
 
-def _freeze_on_ray(
-    platform: dict[str, str], pid: int, group: bool, said: Any = lambda: "", also: Any = lambda: True
-) -> str:
-    """Step ``pid`` (SIGCONT, 0.2 s, SIGSTOP) until it drives a Ray job and ``also()`` holds; returns the job's
-    id, ``pid`` left stopped.
+def _step_until(pid: int, group: bool, ready: Any, what: str, said: Any = lambda: "") -> None:
+    """Step ``pid`` (SIGCONT, 0.2 s, SIGSTOP) from now until ``ready()`` holds, asked while it is stopped;
+    returns with ``pid`` stopped.
 
-    Frozen while `ray list` looks (a second or two), the process runs at most one step past its Ray
-    connection, so its flow run is mid-way when it is killed however fast the night goes. (Killing as
-    soon as a free-running process was seen on Ray raced the night: in CI a run had already
-    committed, ended Completed a moment before the kill, and never became Crashed.)
+    The process is stopped before this is called, as soon as it exists: it never runs more than one
+    0.2 s step unobserved, so its flow run is mid-way when it is killed however fast the night goes.
+    (A night of 1,797 digits takes 3 s of the process's time on an idle machine: killing a process
+    that ran free until it was seen on Ray raced the night, and a run that committed first ended
+    Completed, never Crashed.)
     """
     send = os.killpg if group else os.kill
     deadline = time.monotonic() + 300
     while True:
-        send(pid, signal.SIGSTOP)
-        jobs = _jobs_of(platform, pid) if also() else []
-        running = [j for j in jobs if j["status"] == "RUNNING"]
-        if running:
-            return str(running[-1]["job_id"])
-        assert time.monotonic() < deadline, f"process {pid} not driving a Ray job within 300 s: {jobs}\n{said()}"
+        stopped = time.monotonic()
+        if ready():
+            return
+        assert time.monotonic() < deadline, f"not within 300 s: {what}\n{said()}"
+        # Stopped at least 4× as long as it runs: what ``ready`` waits for on the server's side (the
+        # heartbeat's way through the events pipeline takes seconds of wall time) arrives while the
+        # process has advanced a fifth as far, not while it finishes its night.
+        time.sleep(max(0.0, 0.8 - (time.monotonic() - stopped)))
         send(pid, signal.SIGCONT)
         time.sleep(0.2)
+        send(pid, signal.SIGSTOP)
+
+
+def _running_job(platform: dict[str, str], pid: int) -> str | None:
+    """The id of the RUNNING Ray job whose driver is ``pid``, if there is one."""
+    running = [j for j in _jobs_of(platform, pid) if j["status"] == "RUNNING"]
+    return str(running[-1]["job_id"]) if running else None
 
 
 def _heartbeat_arrived(client: httpx.Client, run_id: str) -> bool:
@@ -221,6 +229,16 @@ def _flow_run_process(run_id: str) -> int | None:
     return None
 
 
+def _started_process(run_id: str, said: Any) -> int:
+    """The worker's process for ``run_id``, stopped (SIGSTOP) within ~0.1 s of its start."""
+    deadline = time.monotonic() + 300
+    while (pid := _flow_run_process(run_id)) is None:
+        assert time.monotonic() < deadline, f"no process of flow run {run_id} within 300 s\n{said()}"
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
 def _newest_cli_run(client: httpx.Client, launched: datetime) -> dict[str, Any] | None:
     """The newest nightly-inference run of no deployment, if it was created after ``launched``
     (earlier tests of the module leave runs of their own)."""
@@ -259,13 +277,23 @@ def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str
             [str(BIN / "rayline"), "nightly-inference", "--date", "2026-01-06", *SLOW_NIGHT], env=env,
             cwd=platform["RAYLINE_STORAGE"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+        os.killpg(cli.pid, signal.SIGSTOP)  # stepped from its first instant (_step_until)
         try:
-            _wait_for(lambda: _is_running(_newest_cli_run(client, launched)), 300, "the CLI's flow run running", said)
-            cli_run = str((_newest_cli_run(client, launched) or {})["id"])
-            # A run killed before its first heartbeat reached the API is never watched by the automation
-            # (Prefect's guide): wait for it, stepping the process so its night cannot end meanwhile.
-            heartbeat = lambda: _heartbeat_arrived(client, cli_run)  # noqa: E731
-            cli_job = _freeze_on_ray(platform, cli.pid, group=True, said=said, also=heartbeat)
+            found: dict[str, str] = {}
+
+            def cli_on_ray() -> bool:
+                """Its flow run Running, that run's first heartbeat at the API (the zombie automation
+                watches a run from its first one, as in Prefect's guide), and its Ray job running."""
+                run = found.get("run") or str((_newest_cli_run(client, launched) or {}).get("id") or "")
+                if not run or not _is_running(_flow_run(client, run)) or not _heartbeat_arrived(client, run):
+                    return False
+                found["run"], job = run, _running_job(platform, cli.pid)
+                if job is not None:
+                    found["job"] = job
+                return job is not None
+
+            _step_until(cli.pid, True, cli_on_ray, "the CLI's flow run running on Ray after a heartbeat", said)
+            cli_run, cli_job = found["run"], found["job"]
             assert _state(client, cli_run) == "RUNNING", said()
             _kill_frozen(cli.pid, group=True)
             cli_killed = time.monotonic()
@@ -278,10 +306,18 @@ def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str
         night = {"date": "2026-01-07", "actors": 1, "batch_size": 4}
         worker_run = _run_deployment(client, "nightly-inference/nightly-inference", night)
         worker_said = lambda: _worker_log(platform)  # noqa: E731
-        _wait_for(lambda: _state(client, worker_run) == "RUNNING", 300, "the worker's run running", worker_said)
-        pid = _flow_run_process(worker_run)
-        assert pid is not None, worker_said()
-        worker_job = _freeze_on_ray(platform, pid, group=False, said=worker_said)
+        pid = _started_process(worker_run, worker_said)
+        seen: dict[str, str] = {}
+
+        def worker_on_ray() -> bool:
+            """Its flow run Running and its Ray job running."""
+            job = _running_job(platform, pid) if _state(client, worker_run) == "RUNNING" else None
+            if job is not None:
+                seen["job"] = job
+            return job is not None
+
+        _step_until(pid, False, worker_on_ray, "the worker's flow run running on Ray", worker_said)
+        worker_job = seen["job"]
         assert _state(client, worker_run) == "RUNNING", worker_said()
         _kill_frozen(pid, group=False)
         worker_killed = time.monotonic()
