@@ -29,9 +29,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, Field
 
+from ray_workloads import preprocess
 from rayline.errors import InputDataError
-from rayline.layout import PREDICTIONS_TABLE, table_uri
+from rayline.layout import PREDICTIONS_TABLE, parse_day, table_uri
 from rayline.prediction_reads import committed_nights, read_night_pair
+from rayline.registry import ModelVersion
 
 
 class DriftThresholds(BaseModel):
@@ -180,6 +182,22 @@ def serving_health(url: str, thresholds: DriftThresholds, model: str | None = No
     elif bad:
         problem = ", ".join(f"v{v.version} error rate {v.error_rate:.1%}" for v in bad)
     return ServingHealth(url=url, reachable=True, healthy=problem is None, versions=versions, problem=problem)
+
+
+def reference_for(champion: ModelVersion, root: str, reference_date: str | None, low_confidence: float) -> Reference:
+    """What the champion's nights are judged against.
+
+    A champion trained here: its training label counts (unless a reference
+    date is named). An outside one has no training data: the predicted
+    classes of ``reference_date``'s night, else of the model's first committed
+    night — "has it changed since it started?" rather than "is it like what it
+    learned from?".
+    """
+    if reference_date is None and champion.data_manifest_uri is not None:
+        counts = preprocess.read_manifest(champion.data_manifest_uri).class_counts["train"]
+        return Reference(kind="training labels", uri=champion.data_manifest_uri, counts=dict(counts))
+    dt = parse_day(reference_date, "reference_date").isoformat() if reference_date else None
+    return night_reference(root, champion.name, dt, low_confidence)
 
 
 def night_reference(root: str, model_name: str, dt: str | None, low_confidence: float) -> Reference:

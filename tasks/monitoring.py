@@ -7,9 +7,7 @@ Reads only, apart from the metrics file (replaced whole): a retry repeats nothin
 from __future__ import annotations
 
 from ray_workloads import monitor as mon
-from ray_workloads import preprocess
 from rayline import storage
-from rayline.layout import parse_day
 from rayline.prediction_reads import committed_nights
 from rayline.registry import ModelVersion
 from tasks.common import io_task
@@ -22,19 +20,8 @@ DRIFT_TIMEOUT_S = 1800
 def reference_task(
     champion: ModelVersion, root: str, reference_date: str | None, low_confidence: float
 ) -> mon.Reference:
-    """What the champion's nights are judged against.
-
-    A champion trained here: its training label counts (unless a reference
-    date is named). An outside one has no training data: the predicted
-    classes of ``reference_date``'s night, else of the model's first committed
-    night — "has it changed since it started?" rather than "is it like what it
-    learned from?".
-    """
-    if reference_date is None and champion.data_manifest_uri is not None:
-        counts = preprocess.read_manifest(champion.data_manifest_uri).class_counts["train"]
-        return mon.Reference(kind="training labels", uri=champion.data_manifest_uri, counts=dict(counts))
-    dt = parse_day(reference_date, "reference_date").isoformat() if reference_date else None
-    return mon.night_reference(root, champion.name, dt, low_confidence)
+    """What the champion's nights are judged against (``ray_workloads.monitor.reference_for``)."""
+    return mon.reference_for(champion, root, reference_date, low_confidence)
 
 
 @io_task("monitor-serving-health")
