@@ -4,20 +4,29 @@ Listed objects that are no inputs (hidden or underscore names, folder
 markers: :func:`rayline.storage.list_inputs`) get no row; the result counts
 them per reason (``skipped``).
 
-The listing is cut into blocks of ``objects_per_task`` URIs. A Ray Data
-dataset holds one row per block, and one ``map_batches`` stage runs
-:class:`~ray_workloads.inference_predictor.PredictorUDF` over it in an actor
+The listing is streamed into Parquet parts of keys and ETags
+(:func:`rayline.listing.list_to_parts`, in Ray tasks where the prefix has
+sub-prefixes): the driver keeps per part only counts and digests. A Ray Data
+``flat_map`` cuts the parts into blocks of ``objects_per_task`` URIs
+(:mod:`ray_workloads.night_blocks`), and one ``map_batches`` stage runs
+:class:`~ray_workloads.inference_predictor.PredictorUDF` over them in an actor
 pool: an actor loads the model once, then for each block fetches, decodes,
-predicts and writes the block's predictions and errors as Parquet files in the
-night's partition folder of two Delta tables, and returns a report of the
-files it wrote. The driver collects the reports, verifies the run
-(predictions ∪ errors == listed inputs, each once) and commits it: one Delta
+predicts and writes the block's predictions and errors at the block's fixed
+names, and returns a report of rows and an order-independent digest of the
+block's URIs. The driver sums the reports as they stream in
+(:class:`~ray_workloads.night_compaction.NightTotals`), checks that
+predictions plus errors are the listing, each input once, by comparing counts
+and digests, and then Ray tasks compact the block files into files sized for
+readers, checked against the listing again
+(:mod:`ray_workloads.night_compaction`). Those are committed: one Delta
 commit per table that replaces the night's partition (``model_name``,
 ``dt``) with this run's files (:func:`rayline.predictions_table.commit_night`),
 ``prediction_errors`` first, then ``predictions``. Until then the files are
 invisible to every Delta reader, so a killed or failed run leaves nothing a
 reader sees; a rerun replaces the night in one commit and the previous
-version stays readable by version number until a vacuum.
+version stays readable by version number until a vacuum. A rerun of a killed
+night with the same model over the same listing reuses the blocks it wrote
+and predicts only the others (:mod:`ray_workloads.night_blocks`).
 
 The two commits: a reader of ``predictions`` alone sees the old night or the
 new one, never a mix. The predictions commit is the night's "done" marker;
@@ -52,18 +61,22 @@ plain loop.
 Layout (``<root>`` is the storage root)::
 
     <root>/predictions/_delta_log/…                                  the commits
-    <root>/predictions/model_name=<m>/dt=<d>/part-<run>-<part>.parquet
-    <root>/prediction_errors/model_name=<m>/dt=<d>/part-<run>-<part>.parquet
+    <root>/predictions/model_name=<m>/dt=<d>/part-<run>-c<n>.parquet      compacted, committed
+    <root>/predictions/model_name=<m>/dt=<d>/blocks-<key>/<part>/b<n>.parquet   a block, never committed
+    <root>/prediction_errors/…                                       the same
+    <root>/_staging/nights/<m>/dt=<d>/listing/g<group>-<n>.parquet   the listing, removed at the run's end
+    <root>/_staging/nights/<m>/dt=<d>.lease                          one live run predicts a night
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -73,17 +86,22 @@ from ray_workloads.inference_contract import COMPUTE_BOUND_OBJECTS_PER_TASK, SMA
 from ray_workloads.inference_contract import InferenceConfig as InferenceConfig  # where callers have always found it
 from ray_workloads.inference_contract import InferenceResult as InferenceResult
 from ray_workloads.inference_contract import NightSkipped as NightSkipped
-from ray_workloads.inference_predictor import (
-    BLOCK_COLUMNS,
+from ray_workloads.inference_predictor import PredictorUDF
+from ray_workloads.night_blocks import (
+    BlockReport,
     NightOutput,
-    PredictorUDF,
-    WrittenFile,
+    any_block_written,
+    cut_part,
+    held_night,
+    listing_staging_uri,
+    night_key,
 )
-from ray_workloads.ingest import content_hash
-from rayline import errors, progress, storage
-from rayline.delta_tables import Night, NightCommit, attempt_run_id, find_commit, open_table
+from ray_workloads.night_compaction import NightTotals, check_rows, compact_checked, remove_blocks
+from rayline import errors, leases, progress, storage
+from rayline.delta_tables import Night, NightCommit, attempt_run_id, commit_log_bytes, find_commit, open_table
 from rayline.errors import InputDataError, RaylineError, RetriesExhausted, StorageError
 from rayline.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
+from rayline.listing import StreamedListing, list_to_parts
 from rayline.predictions_table import (
     ERRORS_SCHEMA,
     PREDICTIONS_SCHEMA,
@@ -91,8 +109,6 @@ from rayline.predictions_table import (
     check_night_unchanged,
     commit_night,
     night_seq,
-    verify_exactly_once,
-    write_data_file,
 )
 from rayline.skipped import skipped_text
 
@@ -109,6 +125,7 @@ _ACTOR_RESTARTS = 3
 # torch for the model; ray.data, and ray.util.state that unpickling Ray Data's
 # context imports, for the actor pool's worker; the UDF's own module.
 WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "ray_workloads.inference_predictor")
+SCHEMAS = {"predictions": PREDICTIONS_SCHEMA, "errors": ERRORS_SCHEMA}
 
 
 def _constants(cfg: InferenceConfig) -> dict[str, Any]:
@@ -120,28 +137,37 @@ def _constants(cfg: InferenceConfig) -> dict[str, Any]:
     }
 
 
-def _blocks(objects: list[storage.ObjectInfo], size: int) -> list[dict[str, list[str]]]:
-    """One row (URIs and ETags) per block of ``size`` objects."""
-    uris, etags = BLOCK_COLUMNS
-    parts = (objects[i : i + size] for i in range(0, len(objects), size))
-    return [{uris: [o.uri for o in part], etags: [o.etag for o in part]} for part in parts]
-
-
 def objects_per_task(cfg: InferenceConfig) -> int:
-    """Block size: large for cheap models (fewer files), small for compute-bound ones.
+    """Block size: large for cheap models (fewer calls), small for compute-bound ones.
 
     A night ends when its last block does: with a compute-bound model (a ResNet
     at 224 px) a 256-object block can leave one actor working alone for several
     seconds at the end while the others idle; a 32-object block keeps that tail
-    short (bench/README.md).
+    short (bench/README.md). Block files are compacted before the commit, so
+    the size of a block does not decide the size of the night's files.
     """
     if cfg.objects_per_task is not None:
         return cfg.objects_per_task
     return 256 if cfg.model.image_spec.size <= SMALL_IMAGE_SIDE else COMPUTE_BOUND_OBJECTS_PER_TASK
 
 
+def blocks_key(cfg: InferenceConfig, listing: StreamedListing) -> str:
+    """The key of the night's blocks: what decides their rows (night_blocks.night_key)."""
+    return night_key(
+        {
+            "model": [cfg.model.name, cfg.model.version, cfg.model.weights_uri],
+            "dt": cfg.dt,
+            "listing": listing.content_hash,
+            "objects_per_task": objects_per_task(cfg),
+            "top_k": cfg.top_k,
+            "code_version": cfg.code_version,
+            "parts": cfg.listing_part_objects,
+        }
+    )
+
+
 def _counting_predictor() -> type[PredictorUDF]:
-    """The predictor, counting the objects of each block it has written (for the CLI's progress).
+    """The predictor, counting the objects of each block it has reported (for the CLI's progress).
 
     Built on the module's ``PredictorUDF`` when called, not at import, so that a test's stand-in
     predictor (one that crashes on a poison input) is the one that runs.
@@ -153,40 +179,61 @@ def _counting_predictor() -> type[PredictorUDF]:
             self._shown = shown
 
         def __call__(self, batch: pa.Table) -> dict[str, Any]:
-            written = super().__call__(batch)
-            self._shown.add(sum(len(uris) for uris in batch.column(BLOCK_COLUMNS[0]).to_pylist()))
-            return written
+            reports = super().__call__(batch)
+            self._shown.add(sum(int(n) for kind in ("predictions", "errors") for n in reports[kind]))
+            return reports
 
     return _CountingPredictor
 
 
 def _predict_and_write(
-    cfg: InferenceConfig, objects: list[storage.ObjectInfo], output: NightOutput, shown: progress.Stage
+    cfg: InferenceConfig, listing: StreamedListing, output: NightOutput, shown: progress.Stage
 ) -> Dataset:
-    """Run the predictor actors over every block; the result holds their reports, materialized."""
+    """The predictor actors over every block of the listing's parts (lazy: iterating it runs them)."""
     import ray.data  # here: the driver process needs it only while it runs inference
 
-    blocks = _blocks(objects, objects_per_task(cfg))
-    dataset = ray.data.from_items(blocks, override_num_blocks=len(blocks))  # one Ray Data block per block
+    size = objects_per_task(cfg)
+    blocks = sum(math.ceil(part.rows / size) for part in listing.parts)  # arithmetic, not a list of blocks
+    parts = [{"part": part.uri, "name": part.name} for part in listing.parts]
+    dataset = ray.data.from_items(parts, override_num_blocks=len(parts))  # one Ray Data block per part
     context = dataset.context  # this dataset's own copy: the process-wide settings stay as they are
     context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
     context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
-    reports = dataset.map_batches(
+    cut = dataset.flat_map(partial(cut_part, output=output, size=size, resuming=any_block_written(output)))
+    # a part's blocks come out of flat_map as one Ray Data block, which one actor would take whole: streamed
+    # into one block each, every actor of the pool takes blocks as it is free
+    return cut.repartition(target_num_rows_per_block=1).map_batches(
         _counting_predictor(),
         fn_constructor_args=(shown, cfg.model, cfg.top_k, cfg.batch_size, cfg.io_concurrency, output, _constants(cfg)),
         batch_size=1,  # one block per call: it writes one file of each kind
         batch_format="pyarrow",
         # a small night needs no more actors than it has blocks: each costs a process and a model load
-        compute=ray.data.ActorPoolStrategy(size=min(cfg.actors, len(blocks))),
+        compute=ray.data.ActorPoolStrategy(size=min(cfg.actors, blocks)),
         num_cpus=cfg.cpus_per_actor,
         num_gpus=cfg.gpus_per_actor,
         max_restarts=_ACTOR_RESTARTS,
         max_task_retries=_ACTOR_RESTARTS,
     )
-    return _surfacing_errors(reports.materialize)
 
 
-def _surfacing_errors(execute: Callable[[], Dataset]) -> Dataset:
+def _block_reports(reports: Dataset) -> Iterator[BlockReport]:
+    for row in reports.iter_rows():  # streamed: blocks are reported as their actors finish them
+        yield BlockReport.from_row(row)
+
+
+def _sum_reports(reports: Dataset) -> NightTotals:
+    """Run the actors and sum their reports as they stream in (the driver never holds them all)."""
+
+    def run() -> NightTotals:
+        totals = NightTotals()
+        for report in _block_reports(reports):
+            totals.add(report)
+        return totals
+
+    return _surfacing_errors(run)
+
+
+def _surfacing_errors(execute: Callable[[], NightTotals]) -> NightTotals:
     """Run ``execute``; rayline's errors raised in an actor come out as themselves, lost actors as RetriesExhausted.
 
     Ray Data restarted the lost actor and retried its block ``_ACTOR_RESTARTS``
@@ -238,10 +285,6 @@ def _committed_result(
     if errors_commit is None:  # the errors commit comes first: a predictions commit without it is not rayline's
         raise StorageError(f"{errors_table} has no commit of run {landed.run_id}, {predictions_table} has one")
     info, error_info = landed.info, errors_commit.info
-    files = {
-        kind: sorted(open_table(uri, commit.version).file_uris(night.filters))
-        for kind, uri, commit in (("predictions", predictions_table, landed), ("errors", errors_table, errors_commit))
-    }
     return InferenceResult(
         input_uri=cfg.input_uri,
         weights_uri=cfg.model.weights_uri,
@@ -259,10 +302,19 @@ def _committed_result(
         errors=int(error_info["rayline.rows"]),
         error_types=json.loads(str(error_info.get("rayline.error_types", "{}"))),
         input_content_hash=str(info["rayline.input_content_hash"]),
+        input_digest=str(info.get("rayline.input_digest", "")),
         model=f"{cfg.model.name} v{cfg.model.version}",
-        files=files,
+        data_files={"predictions": int(info["rayline.files"]), "errors": int(error_info["rayline.files"])},
         elapsed_s=elapsed_s,
     )
+
+
+def _list_night(source: str, staging: str, part_objects: int) -> StreamedListing:
+    listing = list_to_parts(source, staging, rows_per_part=part_objects)
+    if listing.count == 0:
+        left_out = f"; skipped {skipped_text(listing.skipped)}" if listing.skipped else ""
+        raise InputDataError(f"no input objects under {source}{left_out}")
+    return listing
 
 
 def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
@@ -272,66 +324,78 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
     of a run whose commit landed returns that commit, predicting nothing.
     """
     started = time.perf_counter()
-    phases = _Phases()
-    source = storage.normalize(cfg.input_uri)
     night = Night(cfg.model.name, cfg.dt)
     tables = (table_uri(cfg.tables_root, PREDICTIONS_TABLE), table_uri(cfg.tables_root, ERRORS_TABLE))
     attempt_id, landed = attempt_run_id(*tables, night, run_id or new_run_id())
     if landed is not None:  # a retry of a run whose commit landed: that commit is the result
         return _committed_result(cfg, tables, night, landed, time.perf_counter() - started)
-    output = NightOutput(predictions_table=tables[0], errors_table=tables[1], night=night, run_id=attempt_id)
     # what the night looked like when this run started: a commit of it after this is another run's
-    seen = {table: night_seq(table, night) for table in (output.errors_table, output.predictions_table)}
-    listing = storage.list_inputs(source)
-    objects = listing.objects
-    if not objects:
-        left_out = f"; skipped {skipped_text(listing.skipped)}" if listing.skipped else ""
-        raise InputDataError(f"no input objects under {source}{left_out}")
+    seen = {table: night_seq(table, night) for table in tables}
+    with held_night(cfg.tables_root, night, cfg) as lease:
+        # the run this one waited for may have committed the night: then there is nothing to predict
+        check_night_unchanged(tables[0], night, seen[tables[0]], attempt_id)
+        # the listing's parts, the night's own: only the lease's holder writes there, so a run that died
+        # left its parts for the next holder to clear
+        staging = listing_staging_uri(cfg.tables_root, night)
+        storage.remove_tree(staging)
+        try:
+            return _predict_night(cfg, night, tables, attempt_id, staging, started, seen, lease)
+        finally:
+            storage.remove_tree(staging)
+
+
+def _predict_night(
+    cfg: InferenceConfig,
+    night: Night,
+    tables: tuple[str, str],
+    run_id: str,
+    staging: str,
+    started: float,
+    seen: dict[str, int],
+    lease: leases.HeldLease,
+) -> InferenceResult:
+    phases = _Phases()
+    source = storage.normalize(cfg.input_uri)
+    listing = _list_night(source, staging, cfg.listing_part_objects)
     phases.lap("list")
+    output = NightOutput(tables[0], tables[1], night, run_id, blocks_key(cfg, listing))
     with progress.stage(
-        f"predict {night.model_name} {night.dt}", total=len(objects), unit="images", remote=True
+        f"predict {night.model_name} {night.dt}", total=listing.count, unit="images", remote=True
     ) as shown:
-        reports = _predict_and_write(cfg, objects, output, shown)
-    ray_data_stats = reports.stats()  # before reading the reports: iterating adds its own stats
-    written = [WrittenFile.from_report(row) for row in reports.iter_rows()]
+        reports = _predict_and_write(cfg, listing, output, shown)
+        totals = _sum_reports(reports)
+    ray_data_stats = reports.stats()
     phases.lap("predict_and_write")
-    files: dict[str, list[str]] = {"predictions": [], "errors": []}
-    counts: Counter[str] = Counter()
-    error_types: Counter[str] = Counter()
-    for item in written:
-        files[item.kind].append(item.uri)
-        counts[item.kind] += item.rows
-        error_types.update(item.error_types)
-    verify_exactly_once(files, {o.uri for o in objects})
-    phases.lap("verify")
-    digest = content_hash(objects)
+    check_rows(listing.uris, totals.uris, "the night's blocks")
+    sizes = {"min_rows": cfg.min_file_rows, "min_bytes": cfg.min_file_bytes}
+    compacted = compact_checked(output, totals, listing.uris, SCHEMAS, _constants(cfg), seen[tables[0]], **sizes)
+    phases.lap("compact")
+    files = {kind: [f.uri for f in compacted if f.kind == kind] for kind in SCHEMAS}
     metadata: dict[str, str | int] = {
         "rayline.input_uri": source,
-        "rayline.input_content_hash": digest,
-        "rayline.inputs": len(objects),
+        "rayline.input_content_hash": listing.content_hash,
+        "rayline.input_digest": listing.uris.encode(),
+        "rayline.inputs": listing.count,
         "rayline.model_version": cfg.model.version,
         "rayline.weights_uri": cfg.model.weights_uri,
         "rayline.code_version": cfg.code_version,
         "rayline.flow_run_id": cfg.flow_run_id or "",
-        "rayline.error_types": json.dumps(dict(sorted(error_types.items()))),
+        "rayline.error_types": json.dumps(dict(sorted(totals.error_types.items()))),
     }
 
-    def commit(table: str, kind: str, schema: pa.Schema) -> CommitResult:
-        return commit_night(
-            table, files[kind], night, output.run_id, schema, expected_seq=seen[table], metadata=metadata
-        )
+    def commit(table: str, kind: str) -> CommitResult:
+        schema = SCHEMAS[kind]
+        return commit_night(table, files[kind], night, run_id, schema, expected_seq=seen[table], metadata=metadata)
 
-    if not files["predictions"]:
-        # every input failed: an empty file still marks the night in the predictions table's partitions,
-        # so listings (monitor, rollouts) see the night, and the rerun replaces it like any other
-        empty = PREDICTIONS_SCHEMA.empty_table()
-        files["predictions"] = [write_data_file(output.predictions_table, night, output.run_id, "empty", empty)]
     # errors first: the predictions commit is the night's done marker (module docstring). A run that
     # committed the night since this one started wins, also if this one started between its two commits.
-    check_night_unchanged(output.predictions_table, night, seen[output.predictions_table], output.run_id)
-    errors_commit = commit(output.errors_table, "errors", ERRORS_SCHEMA)
-    predictions_commit = commit(output.predictions_table, "predictions", PREDICTIONS_SCHEMA)
+    check_night_unchanged(output.predictions_table, night, seen[output.predictions_table], run_id)
+    lease.ensure_held()  # a run that lost the night's lease (paused past its ttl) commits nothing
+    errors_commit = commit(output.errors_table, "errors")
+    predictions_commit = commit(output.predictions_table, "predictions")
     phases.lap("commit")
+    remove_blocks(output, [part.name for part in listing.parts])
+    phases.lap("remove_blocks")
     return InferenceResult(
         input_uri=cfg.input_uri,
         weights_uri=cfg.model.weights_uri,
@@ -339,20 +403,28 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
         errors_table=output.errors_table,
         model_name=night.model_name,
         dt=night.dt,
-        run_id=output.run_id,
+        run_id=run_id,
         predictions_version=predictions_commit.version,
         errors_version=errors_commit.version,
         replaced=predictions_commit.replaced,
         already_committed=predictions_commit.already_committed,
-        inputs=len(objects),
-        predictions=counts["predictions"],
-        errors=counts["errors"],
-        error_types=dict(sorted(error_types.items())),
+        inputs=listing.count,
+        predictions=totals.rows["predictions"],
+        errors=totals.rows["errors"],
+        error_types=dict(sorted(totals.error_types.items())),
         skipped=listing.skipped,
         skipped_examples=listing.skipped_examples,
-        input_content_hash=digest,
+        input_content_hash=listing.content_hash,
+        input_digest=listing.uris.encode(),
         model=f"{cfg.model.name} v{cfg.model.version}",
-        files={k: sorted(v) for k, v in files.items()},
+        data_files={kind: len(uris) for kind, uris in files.items()},
+        listing_parts=len(listing.parts),
+        blocks=totals.blocks,
+        reused_blocks=totals.reused_blocks,
+        delta_log_bytes={
+            "predictions": commit_log_bytes(output.predictions_table, predictions_commit.version),
+            "errors": commit_log_bytes(output.errors_table, errors_commit.version),
+        },
         elapsed_s=time.perf_counter() - started,
         phase_s=phases.seconds,
         ray_data_stats=ray_data_stats,

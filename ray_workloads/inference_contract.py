@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from rayline.folders import LeasedOutput
 from rayline.lineage import DatasetRef
 from rayline.registry import ModelVersion
 
@@ -16,7 +17,9 @@ SMALL_IMAGE_SIDE = 64
 COMPUTE_BOUND_OBJECTS_PER_TASK = 32
 
 
-class InferenceConfig(BaseModel):
+class InferenceConfig(LeasedOutput):
+    """A night of batch inference; the lease fields are the night's (one live run predicts a night at a time)."""
+
     input_uri: str
     tables_root: str = Field(description="Where the predictions and prediction_errors tables live: the storage root.")
     dt: str = Field(description="The night, an ISO date: with the model's name, the partition the run replaces.")
@@ -34,6 +37,13 @@ class InferenceConfig(BaseModel):
         f"{COMPUTE_BOUND_OBJECTS_PER_TASK} for images over {SMALL_IMAGE_SIDE} px (compute-bound models).",
     )
     io_concurrency: int = Field(64, ge=1, description="Concurrent object reads per actor call.")
+    listing_part_objects: int = Field(
+        100_000, ge=1, description="Objects per Parquet part of the night's listing (rayline.listing)."
+    )
+    min_file_rows: int = Field(
+        100_000, ge=1, description="Rows a committed data file reaches, unless min_file_bytes comes first."
+    )
+    min_file_bytes: int = Field(64 * 2**20, ge=1, description="Bytes a committed data file reaches, at most.")
     top_k: int = Field(3, ge=1)
     code_version: str = "unknown"
     flow_run_id: str | None = None
@@ -58,8 +68,15 @@ class InferenceResult(BaseModel):
     skipped: dict[str, int] = Field(default_factory=dict, description="Listed objects that are no inputs, by reason.")
     skipped_examples: dict[str, list[str]] = Field(default_factory=dict, description="The first keys of each reason.")
     input_content_hash: str
+    input_digest: str = Field("", description="Count and order-independent digest of the listed URIs.")
     model: str
-    files: dict[str, list[str]] = Field(description="The committed data files of each table.")
+    data_files: dict[str, int] = Field(description="How many data files the night's commit holds, per table.")
+    listing_parts: int = Field(0, description="Parquet parts the listing was streamed into.")
+    blocks: int = Field(0, description="Blocks of objects_per_task objects the actors took.")
+    reused_blocks: int = Field(0, description="Blocks an earlier attempt of the same night wrote: not predicted again.")
+    delta_log_bytes: dict[str, int] = Field(
+        default_factory=dict, description="Bytes each table's commit added to its _delta_log."
+    )
     elapsed_s: float
     phase_s: dict[str, float] = Field(default_factory=dict, description="Wall-clock seconds per phase of the run.")
     ray_data_stats: str = Field("", description="Ray Data's execution stats of the predict-and-write stage.")
@@ -81,15 +98,16 @@ class InferenceResult(BaseModel):
         ]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """Both tables, at the versions holding this run's commit of the night, with its files."""
+        """Both tables, at the versions holding this run's commit of the night, with how many files it has."""
         night = {"model_name": self.model_name, "dt": self.dt, "run_id": self.run_id}
         return [
             DatasetRef(
                 uri=self.predictions_table,
-                facets={**night, "version": self.predictions_version, "files": self.files["predictions"]},
+                facets={**night, "version": self.predictions_version, "data_files": self.data_files["predictions"]},
             ),
             DatasetRef(
-                uri=self.errors_table, facets={**night, "version": self.errors_version, "files": self.files["errors"]}
+                uri=self.errors_table,
+                facets={**night, "version": self.errors_version, "data_files": self.data_files["errors"]},
             ),
         ]
 

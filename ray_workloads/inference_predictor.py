@@ -18,60 +18,20 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
+from ray_workloads.night_blocks import BLOCK_COLUMNS, BlockReport, NightOutput, reports_batch, write_block_files
 from rayline import fetching
-from rayline.delta_tables import Night
-from rayline.predictions_table import ERRORS_SCHEMA, PREDICTIONS_SCHEMA, write_data_file
+from rayline.predictions_table import ERRORS_SCHEMA, PREDICTIONS_SCHEMA
 from rayline.registry import ModelVersion
 
 if TYPE_CHECKING:
     from torch import nn
-
-# Columns of the input dataset (one row per block) and of the reports the UDF returns.
-BLOCK_COLUMNS = ("uris", "etags")
-REPORT_COLUMNS = ("kind", "uri", "rows", "error_types")
-
-
-@dataclass(frozen=True)
-class NightOutput:
-    """Where a run's actors write: the two tables' URIs, the night, and the run id that names the files."""
-
-    predictions_table: str
-    errors_table: str
-    night: Night
-    run_id: str
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    """One Parquet file a UDF call wrote, as reported to the driver."""
-
-    kind: str  # "predictions" or "errors"
-    uri: str
-    rows: int
-    error_types: dict[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def from_report(cls, row: dict[str, Any]) -> WrittenFile:
-        return cls(str(row["kind"]), str(row["uri"]), int(row["rows"]), json.loads(row["error_types"]))
-
-
-def reports(written: list[WrittenFile]) -> dict[str, np.ndarray]:
-    """The written files as a (tiny) output batch of the UDF."""
-    return {
-        "kind": np.array([w.kind for w in written], dtype=object),
-        "uri": np.array([w.uri for w in written], dtype=object),
-        "rows": np.array([w.rows for w in written], dtype=np.int64),
-        "error_types": np.array([json.dumps(w.error_types) for w in written], dtype=object),
-    }
 
 
 def fetch_and_decode(uris: list[str], spec: ImageSpec, concurrency: int) -> dict[str, np.ndarray]:
@@ -163,11 +123,15 @@ class PredictorUDF:
     def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
         if self.load_error is not None:
             raise self.load_error
-        uris, etags = (batch.column(name).to_pylist() for name in BLOCK_COLUMNS)
-        written = [file for block in zip(uris, etags, strict=True) for file in self.run_block(*block)]
-        return reports(written)
+        reports = []
+        for block, uris, etags, reused in zip(*(batch.column(name).to_pylist() for name in BLOCK_COLUMNS), strict=True):
+            if reused:  # written by an earlier attempt of the same night (night_blocks.PartBlocks)
+                reports.append(BlockReport.from_row({**json.loads(reused), "reused": True}))
+            else:
+                reports.append(self.run_block(block, uris, etags))
+        return reports_batch(reports)
 
-    def run_block(self, uris: list[str], etags: list[str]) -> list[WrittenFile]:
+    def run_block(self, block: str, uris: list[str], etags: list[str]) -> BlockReport:
         """Fetch, decode and predict the block a chunk at a time; write the block's rows once.
 
         Chunking bounds what an actor holds: the fetched bytes and the decoded
@@ -186,7 +150,7 @@ class PredictorUDF:
             self.predict(rows)
             del rows["image"]  # the pixels are done with: keep only the chunk's prediction columns
             parts.append(rows)
-        return write_block(concat_rows(parts), self.output, self.constants)
+        return write_block(block, concat_rows(parts), self.output, self.constants)
 
     def predict(self, rows: dict[str, np.ndarray]) -> None:
         """Add top-k predictions to the decoded rows, ``batch_size`` images per model call.
@@ -278,18 +242,9 @@ def _error_table(rows: dict[str, np.ndarray], selected: np.ndarray) -> pa.Table:
     return pa.table({field.name: pa.array(rows[field.name][selected].tolist(), field.type) for field in ERRORS_SCHEMA})
 
 
-def write_block(rows: dict[str, np.ndarray], output: NightOutput, constants: dict[str, Any]) -> list[WrittenFile]:
-    """Write a block's predictions and errors into the night's partition, one Parquet file each (when not empty)."""
+def write_block(block: str, rows: dict[str, np.ndarray], output: NightOutput, constants: dict[str, Any]) -> BlockReport:
+    """Write a block's predictions and errors, one file each, at the block's fixed names (night_blocks)."""
     ok = rows["ok"]
-    part = uuid.uuid4().hex[:16]  # unique per attempt: a retried block never overwrites
-    written = []
-    if ok.any():
-        table = _prediction_table(rows, ok, constants)
-        uri = write_data_file(output.predictions_table, output.night, output.run_id, part, table)
-        written.append(WrittenFile("predictions", uri, table.num_rows))
-    if (~ok).any():
-        table = _error_table(rows, ~ok)
-        uri = write_data_file(output.errors_table, output.night, output.run_id, part, table)
-        types = Counter(str(t) for t in table.column("error_type").to_pylist())
-        written.append(WrittenFile("errors", uri, table.num_rows, dict(types)))
-    return written
+    errors = _error_table(rows, ~ok)
+    types = Counter(str(t) for t in errors.column("error_type").to_pylist())
+    return write_block_files(output, block, _prediction_table(rows, ok, constants), errors, dict(types))

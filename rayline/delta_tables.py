@@ -132,6 +132,16 @@ def table_version(uri: str) -> int | None:
     return open_table(uri).version()
 
 
+def commit_log_bytes(uri: str, version: int) -> int:
+    """The size of the ``_delta_log`` entry of ``version``: what one commit added to the log."""
+    entry = storage.join(storage.normalize(uri), "_delta_log", f"{version:020d}.json")
+    fs, path = storage.arrow_filesystem(entry)
+    try:
+        return int(fs.get_file_info(path).size or 0)
+    except OSError as exc:
+        raise storage_error(exc, "size of", entry) from exc
+
+
 def arrow_schema(tbl: DeltaTable) -> pa.Schema:
     return pa.schema(tbl.schema().to_arrow())
 

@@ -18,6 +18,8 @@ INCOMING_DIR = "incoming"
 PREDICTIONS_TABLE = "predictions"
 ERRORS_TABLE = "prediction_errors"
 MONITORING_DIR = "monitoring"
+# Runs' scratch space (a night's listing parts, its lease): hidden from listings of the root.
+STAGING_DIR = "_staging"
 
 
 def root_uri() -> str:
@@ -34,6 +36,11 @@ def metrics_uri(root: str, model: str) -> str:
     """``<root>/monitoring/<model>.prom``: one file per model in one flat folder, what node-exporter's
     textfile collector reads (``*.prom``)."""
     return storage.join(root, MONITORING_DIR, f"{model}.prom")
+
+
+def staging_uri(root: str, *parts: str) -> str:
+    """``<root>/_staging/<parts>``: e.g. ``staging_uri(root, "nights", model, "dt=…", "listing")``."""
+    return storage.join(storage.normalize(root), STAGING_DIR, *parts)
 
 
 def partition_for(day: date) -> str:

@@ -62,7 +62,8 @@ def night_details(ref: DatasetRef, night: Night) -> dict[str, Any]:
         "dt": night.dt,
         "delta_version": ref.facets.get("version"),
         "run_id": ref.facets.get("run_id"),
-        "files": len(ref.facets.get("files") or []),
+        # a count since nights compact to a few files; records before that listed the files
+        "files": int(ref.facets.get("data_files", len(ref.facets.get("files") or []))),
     }
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from rayline.errors import WorkTimedOut
+from rayline.errors import RaylineError, WorkTimedOut, causes
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,24 @@ def track(refs: Iterable[Any]) -> None:
     scope = _current.get()
     if scope is not None:
         scope.refs.extend(refs)
+
+
+def gather(refs: list[Any]) -> list[Any]:
+    """``ray.get`` of remote tasks' refs, tracked (:func:`track`); a task's rayline error is raised as itself.
+
+    Ray raises a remote exception wrapped in its ``RayTaskError``; callers
+    classify failures by rayline's own types (transient or not), so the
+    original is raised, chained to Ray's.
+    """
+    track(refs)
+    try:
+        return list(ray.get(refs))
+    except ray.exceptions.RayTaskError as exc:
+        wrapper = ray.exceptions.RayTaskError
+        ours = [e for e in causes(exc) if isinstance(e, RaylineError) and not isinstance(e, wrapper)]
+        if ours:
+            raise ours[0] from exc
+        raise
 
 
 def _job_actors() -> dict[str, bool]:

@@ -260,7 +260,8 @@ class Listing:
     skipped_examples: dict[str, list[str]]
 
 
-def _skip_reason(key: str, size: int) -> str | None:
+def skip_reason(key: str, size: int) -> str | None:
+    """Why the object at ``key`` (relative to a listed prefix) is no input, or None when it is one."""
     if any(part.startswith((".", "_")) for part in key.split("/")):
         return SKIP_HIDDEN
     if (key == "" or key.endswith("/")) and size == 0:
@@ -294,7 +295,7 @@ def list_inputs(prefix_uri: str) -> Listing:
         if info.get("type") == "directory" or not full.startswith(base):
             continue
         key, size = full[len(base) :], int(info.get("size") or 0)
-        reason = _skip_reason(key, size)
+        reason = skip_reason(key, size)
         if reason is not None:
             skipped.setdefault(reason, []).append(key or "./")  # "./": the listed prefix's own marker
             continue

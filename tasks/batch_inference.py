@@ -8,7 +8,7 @@ from ray_workloads import batch_inference
 from rayline import ray_cluster
 from rayline.errors import NightCommittedElsewhere
 from rayline.skipped import skipped_text
-from tasks.common import idempotency_key, ray_task, record_lineage
+from tasks.common import idempotency_key, lease_holder, ray_task, record_lineage
 
 
 @ray_task("batch-inference", preload=batch_inference.WORKER_PRELOAD)
@@ -19,7 +19,9 @@ def batch_inference_task(
     logger = get_run_logger()
     try:
         # one run id for every attempt of this task run: a retry after the commit returns it, predicting nothing
-        result = batch_inference.run(config, run_id=f"task-{idempotency_key(config.model.name, config.dt)[:24]}")
+        run_id = f"task-{idempotency_key(config.model.name, config.dt)[:24]}"
+        # the night's lease names this flow run: its retries re-enter it, other runs wait for it
+        result = batch_inference.run(config.model_copy(update={"holder": config.holder or lease_holder()}), run_id)
     except NightCommittedElsewhere as exc:
         # a retry would replace the other run's commit with the same predictions: stop here, Completed
         logger.warning("%s; this run's files stay uncommitted until a vacuum", exc)

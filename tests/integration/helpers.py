@@ -9,12 +9,14 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, Self
 
+import pyarrow as pa
 from prefect import Task, flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import State
 
-from ray_workloads.inference_predictor import PredictorUDF, WrittenFile
+from ray_workloads.inference_predictor import PredictorUDF
 from ray_workloads.models import ModelSpec, build_model, imagenet_image_spec, state_dict_bytes
+from ray_workloads.night_blocks import BlockReport, block_file_uri
 from ray_workloads.preprocess import ERRORS, SPLITS, PreprocessResult
 from rayline import registry, storage
 from rayline.seed import EXPECTED_ERROR_TYPE, SeedResult
@@ -131,10 +133,10 @@ POISON = "poison"
 class CrashingPredictor(PredictorUDF):
     """The batch-inference UDF, except that its process dies on any block holding an object named ``POISON``."""
 
-    def run_block(self, uris: list[str], etags: list[str]) -> list[WrittenFile]:
+    def run_block(self, block: str, uris: list[str], etags: list[str]) -> BlockReport:
         if any(POISON in uri for uri in uris):
             os._exit(1)  # like a decoder segfault or the OOM killer: no exception, no cleanup
-        return super().run_block(uris, etags)
+        return super().run_block(block, uris, etags)
 
 
 class ClientThreads:
@@ -179,3 +181,46 @@ def run_task_once(task: Task[..., Any], *args: Any, **options: Any) -> tuple[Sta
             return (await client.read_task_run(task_run_id)).run_count
 
     return state, asyncio.run(run_count())
+
+
+class _PlantingPredictor(PredictorUDF):
+    """The batch-inference UDF, except that it changes the files of each listing part's first block after
+    writing them (its report stays what it wrote): what a lost, doubled or stray write would leave."""
+
+    def run_block(self, block: str, uris: list[str], etags: list[str]) -> BlockReport:
+        report = super().run_block(block, uris, etags)
+        if block.endswith("/b000000000"):  # the first block of each listing part
+            out = self.output
+            predictions = block_file_uri(out.predictions_table, out.night, out.key, block)
+            errors = block_file_uri(out.errors_table, out.night, out.key, block)
+            self.plant(predictions, errors)
+        return report
+
+    def plant(self, predictions: str, errors: str) -> None:
+        raise NotImplementedError
+
+
+class PlantMissingRow(_PlantingPredictor):
+    def plant(self, predictions: str, errors: str) -> None:
+        table = storage.read_parquet([predictions])
+        storage.write_parquet_atomic(predictions, table.slice(1))
+
+
+class PlantDuplicatedRow(_PlantingPredictor):
+    def plant(self, predictions: str, errors: str) -> None:
+        table = storage.read_parquet([predictions])
+        storage.write_parquet_atomic(predictions, pa.concat_tables([table, table.slice(0, 1)]))
+
+
+class PlantExtraRow(_PlantingPredictor):
+    def plant(self, predictions: str, errors: str) -> None:
+        table = storage.read_parquet([errors])
+        extra = pa.table(
+            {
+                "uri": ["s3://nowhere/not-listed.png"],
+                "stage": ["fetch"],
+                "error_type": ["X"],
+                "error_message": ["planted"],
+            }
+        )
+        storage.write_parquet_atomic(errors, pa.concat_tables([table, extra.cast(table.schema)]))

@@ -1,32 +1,120 @@
-"""A batch-inference driver for a test to kill: it writes part files, then never reaches its commit.
+"""A batch-inference driver for a test to kill: it writes block files, then never reaches its commit.
 
 ``python -m tests.integration.night_driver '<InferenceConfig as JSON>' <run id>``
 
 Runs ``ray_workloads.batch_inference.run`` in this process on the cluster of
 ``RAY_ADDRESS``, or on an embedded cluster of its own when that is unset, with
-a predictor that writes its first block's part files (predictions and
-errors) like the real one and then stalls. So the test that kills this
-process knows where it stands once part files appear: after the actors
-wrote, before the driver committed, without racing the commit.
+a predictor that writes ``RAYLINE_TEST_STALL_AFTER`` blocks (default 1) like
+the real one, counted per actor, and then stalls before the next one. So the
+test that kills this process knows where it stands once that many block
+files appear: after the actors wrote them, before the driver committed,
+without racing the commit.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 from ray_workloads import batch_inference
-from ray_workloads.inference_predictor import PredictorUDF, WrittenFile
+from ray_workloads.inference_predictor import PredictorUDF
+from ray_workloads.night_blocks import BlockReport
 from rayline import ray_cluster
+from rayline.delta_tables import Night
+from tests.support import REPO_ROOT
 
 
 class StallingPredictor(PredictorUDF):
-    """The batch-inference UDF, except that it stalls for good once it has written a block."""
+    """The batch-inference UDF, except that it stalls for good once it has written its blocks."""
 
-    def run_block(self, uris: list[str], etags: list[str]) -> list[WrittenFile]:
-        super().run_block(uris, etags)
-        threading.Event().wait()  # a night still being predicted: the driver waits for this block forever
-        raise AssertionError("unreachable")
+    written = 0
+
+    def run_block(self, block: str, uris: list[str], etags: list[str]) -> BlockReport:
+        if self.written >= int(os.environ.get("RAYLINE_TEST_STALL_AFTER", "1")):
+            threading.Event().wait()  # a night still being predicted: the driver waits for this block forever
+        self.written += 1
+        return super().run_block(block, uris, etags)
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def _stop_cluster_of(driver: subprocess.Popen[bytes], temp_dir: str) -> None:
+    """End the killed driver's embedded Ray cluster: its process group, then stragglers by PID (its temp dir)."""
+    try:
+        os.killpg(driver.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    driver.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while (left := _pids_mentioning(temp_dir)) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def kill_once_written(
+    config: batch_inference.InferenceConfig,
+    run_id: str,
+    written: Callable[[str, Night, str], dict[str, list[str]]],
+    blocks: int = 1,
+) -> dict[str, list[str]]:
+    """Run a night in a driver process (this module), SIGKILL it once its actors wrote ``blocks`` blocks.
+
+    The driver starts an embedded Ray cluster of its own, so killing it touches nothing of the session's;
+    its predictor stalls after ``blocks`` blocks, so the kill lands after writing and before the commit.
+    ``written(root, night, run_id)`` lists the files the run left per table; what it lists after the kill
+    is returned.
+    """
+    night = Night(config.model.name, config.dt)
+    temp_dir = tempfile.mkdtemp(prefix="rl-kill-", dir="/tmp")  # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    log = Path(temp_dir, "driver.log")
+    with log.open("wb") as out:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.night_driver", config.model_dump_json(), run_id],
+            cwd=REPO_ROOT,
+            env={**env, "RAY_TMPDIR": temp_dir, "RAYLINE_TEST_STALL_AFTER": str(blocks)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while len(_block_files(written(config.tables_root, night, run_id)["predictions"])) < blocks:
+            assert driver.poll() is None, f"the driver exited ({driver.returncode}): {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"fewer block files than asked after 300 s: {log.read_text()[-3000:]}"
+            time.sleep(0.1)
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        _stop_cluster_of(driver, temp_dir)
+    return written(config.tables_root, night, run_id)
+
+
+def _block_files(paths: list[str]) -> list[str]:
+    return [p for p in paths if "/blocks-" in p]
 
 
 def main(argv: list[str]) -> None:

@@ -17,6 +17,7 @@ from flows.monitor import monitor
 from flows.nightly_inference import nightly_inference
 from ray_workloads.batch_inference import InferenceResult
 from ray_workloads.models import imagenet_classes
+from ray_workloads.night_blocks import NightOutput, block_file_uri
 from rayline import storage
 from rayline.cli import app
 from rayline.delta_tables import Night
@@ -132,17 +133,22 @@ def test_a_block_predicted_in_small_chunks_gives_the_rows_of_one_chunk(
     uris, etags = [o.uri for o in objects], [o.etag for o in objects]
 
     def rows(run: str) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
-        output = ip.NightOutput(
+        output = NightOutput(
             storage.join(local_storage, run, "predictions"),
             storage.join(local_storage, run, "errors"),
             Night("photos", DAY),
             run,
+            "k0",
         )
         predictor = ip.PredictorUDF(
             version, 3, 4, 8, output, {"model_version": version.version, "code_version": "test", "flow_run_id": ""}
         )
-        written = predictor.run_block(uris, etags)
-        tables = {w.kind: storage.read_parquet([w.uri]).sort_by("uri") for w in written}
+        block = "g00000-00000/b000000000"
+        predictor.run_block(block, uris, etags)
+        tables = {
+            kind: storage.read_parquet([block_file_uri(table, output.night, output.key, block)]).sort_by("uri")
+            for kind, table in (("predictions", output.predictions_table), ("errors", output.errors_table))
+        }
         return tables["predictions"].to_pylist(), tables["errors"].to_pylist()
 
     whole = rows("whole")

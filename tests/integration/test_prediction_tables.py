@@ -17,14 +17,11 @@ night.
 from __future__ import annotations
 
 import json
+import math
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
@@ -39,15 +36,17 @@ from deltalake import DeltaTable
 
 from ray_workloads import batch_inference
 from ray_workloads.batch_inference import InferenceConfig, InferenceResult, new_run_id
+from ray_workloads.night_blocks import listing_staging_uri
 from rayline import storage
 from rayline.delta_tables import PARTITION_COLUMNS, Night, night_commit, storage_options, table_version
-from rayline.errors import NightCommittedElsewhere
+from rayline.errors import NightCommittedElsewhere, StorageError
 from rayline.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
 from rayline.prediction_reads import read_night, read_night_pair, vacuum
 from rayline.predictions_table import PREDICTIONS_SCHEMA, commit_night, write_data_file
 from rayline.registry import ModelVersion
 from rayline.seed import corrupt_objects, digit_objects
-from tests.integration.helpers import register_untrained
+from tests.integration.helpers import PlantDuplicatedRow, PlantExtraRow, PlantMissingRow, register_untrained
+from tests.integration.night_driver import kill_once_written
 from tests.support import REPO_ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
@@ -191,78 +190,34 @@ def _assert_readers_see(
 
 
 def _parts(root: str, night: Night, run_id: str) -> dict[str, list[str]]:
-    """The part files ``run_id`` wrote for ``night`` in each table, committed or not."""
+    """The compacted files ``run_id`` wrote for ``night`` in each table, committed or not."""
     return {
         kind: sorted(str(p) for p in Path(uri, night.relative_dir).glob(f"part-{run_id}-*.parquet"))
         for kind, uri in _tables(root).items()
     }
 
 
+def _written(root: str, night: Night, run_id: str) -> dict[str, list[str]]:
+    """Every file a run of ``night`` left in each table: its compacted files, and block files that no run
+    removed (a run removes the night's block files once its commit landed)."""
+    blocks = {
+        kind: [str(p) for p in Path(uri, night.relative_dir).glob("blocks-*/*/*")]
+        for kind, uri in _tables(root).items()
+    }
+    return {kind: sorted({*paths, *blocks[kind]}) for kind, paths in _parts(root, night, run_id).items()}
+
+
+def _files_of(result: InferenceResult, kind: str) -> list[str]:
+    """The data files of ``result``'s commit in one table (what its version references for the night)."""
+    uri = result.predictions_table if kind == "predictions" else result.errors_table
+    version = result.predictions_version if kind == "predictions" else result.errors_version
+    night = Night(result.model_name, result.dt)
+    return [storage.normalize(u) for u in DeltaTable(uri, version=version).file_uris(night.filters)]
+
+
 def _committed(root: str) -> dict[str, set[str]]:
     """The data files the latest version of each table references."""
     return {kind: set(DeltaTable(uri).file_uris()) for kind, uri in _tables(root).items()}
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
-def _stop_cluster_of(driver: subprocess.Popen[bytes], temp_dir: str) -> None:
-    """End the killed driver's embedded Ray cluster: its process group, then stragglers by PID (its temp dir)."""
-    try:
-        os.killpg(driver.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    driver.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while (left := _pids_mentioning(temp_dir)) and time.monotonic() < deadline:
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.5)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _kill_driver_once_parts_appear(config: InferenceConfig, run_id: str) -> dict[str, list[str]]:
-    """Run a night in a driver process (``night_driver``), SIGKILL it once its actors wrote part files.
-
-    The driver starts an embedded Ray cluster of its own, so killing it touches nothing of the session's;
-    its predictor stalls after a block, so the kill lands after writing and before the commit.
-    """
-    night = Night(config.model.name, config.dt)
-    temp_dir = tempfile.mkdtemp(prefix="rl-kill-", dir="/tmp")  # short: Ray's socket paths live under it
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    log = Path(temp_dir, "driver.log")
-    with log.open("wb") as out:
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.night_driver", config.model_dump_json(), run_id],
-            cwd=REPO_ROOT,
-            env={**env, "RAY_TMPDIR": temp_dir},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + 300
-        while not any(_parts(config.tables_root, night, run_id).values()):
-            assert driver.poll() is None, f"the driver exited ({driver.returncode}): {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"no part file after 300 s: {log.read_text()[-3000:]}"
-            time.sleep(0.1)
-        os.kill(driver.pid, signal.SIGKILL)
-        driver.wait(timeout=30)
-    finally:
-        _stop_cluster_of(driver, temp_dir)
-    return _parts(config.tables_root, night, run_id)
 
 
 # ---------------------------------------------------------------- tests
@@ -284,7 +239,7 @@ def test_outside_readers_see_exactly_the_committed_night_through_a_rerun_and_a_k
 
     # a driver killed after its actors wrote, before it committed: its files are orphans nobody reads
     versions = {kind: table_version(uri) for kind, uri in tables.items()}
-    orphans = _kill_driver_once_parts_appear(_config(inputs, root, D1, "killed", per_task=4), new_run_id())
+    orphans = kill_once_written(_config(inputs, root, D1, "killed", per_task=4), new_run_id(), _written)
     assert any(orphans.values()) and all(os.path.exists(p) for paths in orphans.values() for p in paths)
     assert {kind: table_version(uri) for kind, uri in tables.items()} == versions, "the killed run committed"
     commit = night_commit(tables["predictions"], "digits", D1)
@@ -297,7 +252,7 @@ def test_outside_readers_see_exactly_the_committed_night_through_a_rerun_and_a_k
         removed = vacuum(uri, retention_hours=0, allow_short_retention=True, dry_run=False, keep_versions=[kept[kind]])
         assert sorted(os.path.join(uri, path) for path in removed) == orphans[kind]
     assert not any(os.path.exists(p) for paths in orphans.values() for p in paths)
-    assert all(os.path.exists(p) for p in first.files["predictions"] + first.files["errors"])
+    assert all(os.path.exists(p) for p in _files_of(first, "predictions") + _files_of(first, "errors"))
     _assert_readers_see(root, "digits", D1, inputs.expected, "second")
     _assert_readers_see(root, "digits", D1, inputs.expected, "first", at=first)
 
@@ -362,12 +317,11 @@ def test_concurrent_writers_commit_other_nights_and_serialise_one_night(inputs: 
     night = night_commit(_tables(root)["predictions"], "digits", D2)
     assert night is not None and night.run_id == last.run_id
     _assert_readers_see(root, "digits", D2, inputs.expected, str(same[last.run_id].flow_run_id))
-    # no run deleted another's files: every run's parts are on disk, only the last one's are committed
+    # only the last run's files are committed: a loser's compacted files (if it got that far) are not
     files = _committed(root)
+    assert all(_parts(root, Night("digits", D2), last.run_id).values())
     for run_id in same:
-        parts = _parts(root, Night("digits", D2), run_id)
-        assert parts["predictions"] and parts["errors"], run_id
-        for kind, paths in parts.items():
+        for kind, paths in _parts(root, Night("digits", D2), run_id).items():
             assert (files[kind] & set(paths)) == (set(paths) if run_id == last.run_id else set()), (run_id, kind)
     # the other nights are untouched
     assert _labels(root, "digits", D1) == {"digits-d1"} and _labels(root, "digits-b", D1) == {"other-d1"}
@@ -406,7 +360,7 @@ def test_a_new_prediction_column_reads_as_null_in_old_nights_without_rewriting_t
     old = batch_inference.run(_config(inputs, root, D1, "old"))
     before = _add_actions(table, old_night)
     uris_before = DeltaTable(table).file_uris(file_pruning_predicate=old_night.filters)
-    mtimes = {path: os.stat(path).st_mtime_ns for path in old.files["predictions"]}
+    mtimes = {path: os.stat(path).st_mtime_ns for path in _files_of(old, "predictions")}
 
     # a later writer whose prediction files carry one more column
     run_id = new_run_id()
@@ -427,7 +381,7 @@ def test_a_new_prediction_column_reads_as_null_in_old_nights_without_rewriting_t
     # the old night's data files are the same files, untouched: only the schema changed in the log
     assert _add_actions(table, old_night) == before
     assert DeltaTable(table).file_uris(file_pruning_predicate=old_night.filters) == uris_before
-    assert {path: os.stat(path).st_mtime_ns for path in old.files["predictions"]} == mtimes
+    assert {path: os.stat(path).st_mtime_ns for path in _files_of(old, "predictions")} == mtimes
 
     # and today's writer, which knows nothing of the column, still commits into the wider table
     rerun = batch_inference.run(_config(inputs, root, D1, "narrow"))
@@ -437,3 +391,55 @@ def test_a_new_prediction_column_reads_as_null_in_old_nights_without_rewriting_t
         "narrow"
     }
     assert read_night(table, "digits", D2).column(EXTRA).null_count == 0
+
+
+def test_a_night_killed_at_60_percent_resumes_predicting_only_the_blocks_it_had_not_finished(
+    inputs: Inputs, tmp_path: Path
+) -> None:
+    root = str(tmp_path / "tables")
+    # the killed driver's lease stops being renewed: the rerun takes the night over after this ttl
+    config = _config(inputs, root, D1, "killed", per_task=4).model_copy(update={"lease_ttl_s": 2.0})
+    blocks = math.ceil(len(inputs.expected) / 4)
+    finished = round(blocks * 0.6)
+    killed = new_run_id()
+    left = kill_once_written(config, killed, _written, blocks=finished)
+    assert len([p for p in left["predictions"] if "/blocks-" in p]) == finished
+    assert table_version(_tables(root)["predictions"]) is None, "the killed run committed"
+
+    rerun = batch_inference.run(config.model_copy(update={"flow_run_id": "rerun"}))
+    # the killed run's finished blocks are reused; only the rest (the one in flight, those not started) predicted
+    assert (rerun.blocks, rerun.reused_blocks) == (blocks, finished)
+    assert rerun.inputs == len(inputs.expected) and rerun.predictions + rerun.errors == rerun.inputs
+    _assert_readers_see(root, "digits", D1, inputs.expected, "rerun")  # one row per input, named by its committer
+    # what the killed attempt left is what a vacuum removes: the rerun took its blocks and removed them once
+    # committed, and cleared its listing; nothing else is in the night's folders
+    leftover = _written(root, Night("digits", D1), killed)
+    for kind, uri in _tables(root).items():
+        removed = vacuum(uri, retention_hours=0, allow_short_retention=True, dry_run=True)
+        assert sorted(os.path.join(uri, path) for path in removed) == leftover[kind] == []
+    assert not os.path.exists(listing_staging_uri(root, Night("digits", D1)))
+
+
+def test_the_result_of_a_night_stays_small_however_many_parts_and_blocks_it_has(inputs: Inputs, tmp_path: Path) -> None:
+    # a part per input and a block per input: what grows with N at scale, here at N = 40
+    config = _config(inputs, str(tmp_path / "tables"), D1, "small", per_task=1)
+    result = batch_inference.run(config.model_copy(update={"listing_part_objects": 1}))
+    assert result.listing_parts == result.blocks == len(inputs.expected)
+    assert result.data_files == {"predictions": 1, "errors": 1}  # compacted: one file per table
+    size = len(result.model_dump_json())
+    assert size < 64 * 1024, size
+    fields = result.model_dump()
+    # no field holds a list that grows with the night: only counts, digests and versions
+    assert all(len(v) <= 5 for examples in fields["skipped_examples"].values() for v in [examples])
+    assert not [name for name, value in fields.items() if isinstance(value, list)]
+
+
+@pytest.mark.parametrize("planted", [PlantMissingRow, PlantDuplicatedRow, PlantExtraRow])
+def test_a_row_missing_duplicated_or_extra_in_the_written_files_refuses_the_commit(
+    inputs: Inputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: type
+) -> None:
+    root = str(tmp_path / "tables")
+    monkeypatch.setattr(batch_inference, "PredictorUDF", planted)
+    with pytest.raises(StorageError, match="refusing to commit: the compacted files hold"):
+        batch_inference.run(_config(inputs, root, D1, "planted"))
+    assert {kind: table_version(uri) for kind, uri in _tables(root).items()} == {"predictions": None, "errors": None}

@@ -5,18 +5,21 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from ray_workloads.inference_predictor import WrittenFile, reports, torch_threads
+from ray_workloads.inference_predictor import torch_threads
+from ray_workloads.night_blocks import BlockReport, reports_batch
+from rayline.digests import SetDigest
 
 pytestmark = pytest.mark.unit
 
 
-def test_written_files_round_trip_through_a_report_batch() -> None:
+def test_block_reports_round_trip_through_a_report_batch() -> None:
+    uris = [f"/in/{i}.png" for i in range(256)]
     written = [
-        WrittenFile("predictions", "/p/run-1/predictions/part-a.parquet", 250),
-        WrittenFile("errors", "/p/run-1/errors/part-a.parquet", 6, {"CorruptImageError": 4, "EmptyImageError": 2}),
+        BlockReport("g00000-00000/b000000000", 250, 6, 9000, 800, SetDigest.of(uris), {"CorruptImageError": 6}),
+        BlockReport("g00000-00000/b000000256", 3, 0, 700, 90, SetDigest.of(uris[:3]), {}, reused=True),
     ]
-    batch = pa.table(reports(written))  # what Ray Data makes of the UDF's dict of arrays
-    assert [WrittenFile.from_report(row) for row in batch.to_pylist()] == written
+    batch = pa.table(reports_batch(written))  # what Ray Data makes of the UDF's dict of arrays
+    assert [BlockReport.from_row(row) for row in batch.to_pylist()] == written
 
 
 def test_importing_the_udf_module_does_not_import_torch() -> None:

@@ -101,7 +101,7 @@ def test_a_preprocess_declares_the_ingest_manifest_and_its_own() -> None:
 
 
 def test_a_night_declares_its_inputs_the_weights_and_both_tables_at_its_versions() -> None:
-    files = {"predictions": ["s3://b/predictions/p-0.parquet"], "errors": ["s3://b/prediction_errors/e-0.parquet"]}
+    files = {"predictions": 2, "errors": 1}
     result = InferenceResult(
         input_uri="s3://b/incoming/dt=2026-11-28",
         weights_uri="s3://b/models/digits/v3/weights.pt",
@@ -119,7 +119,7 @@ def test_a_night_declares_its_inputs_the_weights_and_both_tables_at_its_versions
         error_types={"ImageDecodeError": 1},
         input_content_hash="def",
         model="digits v3",
-        files=files,
+        data_files=files,
         elapsed_s=1.0,
     )
     night = {"model_name": "digits", "dt": "2026-11-28", "run_id": "task-1"}
@@ -128,8 +128,8 @@ def test_a_night_declares_its_inputs_the_weights_and_both_tables_at_its_versions
         DatasetRef(uri="s3://b/models/digits/v3/weights.pt", facets={"model": "digits v3"}),
     ]
     assert result.lineage_outputs() == [
-        DatasetRef(uri="s3://b/predictions", facets={**night, "version": 4, "files": files["predictions"]}),
-        DatasetRef(uri="s3://b/prediction_errors", facets={**night, "version": 5, "files": files["errors"]}),
+        DatasetRef(uri="s3://b/predictions", facets={**night, "version": 4, "data_files": 2}),
+        DatasetRef(uri="s3://b/prediction_errors", facets={**night, "version": 5, "data_files": 1}),
     ]
 
 

@@ -1,0 +1,251 @@
+"""Before a night's commit: its rows checked against the listing by digests, and its block files compacted.
+
+What the driver keeps while the block reports stream in is a
+:class:`NightTotals`: counts, the sum of the blocks' URI digests
+(:class:`~rayline.digests.SetDigest`) and, per listing part, the rows and
+bytes of each kind; never a list of blocks or URIs. :func:`check_rows`
+compares counts and digests with the listing's: predictions plus errors must
+name every listed input exactly once (the bound on a false match is in
+:mod:`rayline.digests`).
+
+Then the block files, one or two per block (32 rows each on a ResNet night),
+are rewritten by Ray tasks into files sized for readers
+(:func:`plan_groups`): consecutive parts are grouped until a group holds
+``min_rows`` rows or ``min_bytes`` bytes, and a last, smaller group joins the
+one before it, so every file of a night reaches the size except one per
+table when the whole night is smaller. Each task streams its parts' block
+files into one Parquet file under the night's partition folder
+(``part-<run id>-c<group>.parquet``), in row groups of at most
+:data:`ROW_GROUP_ROWS`, and reports that file's rows and URI digest, read from
+what it wrote: the driver checks those against the listing again, so what is
+committed is what was checked. The compacted files stay invisible until the
+one commit per table; a killed run's are orphans that vacuum deletes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from ray_workloads.night_blocks import BlockReport, NightOutput, block_folder
+from rayline import ray_work, storage
+from rayline.delta_tables import Night
+from rayline.digests import SetDigest, combine
+from rayline.errors import StorageError
+from rayline.predictions_table import check_night_unchanged, data_file_uri
+
+KINDS = ("predictions", "errors")
+MIN_FILE_ROWS = 100_000
+MIN_FILE_BYTES = 64 * 2**20
+ROW_GROUP_ROWS = 131_072
+
+
+@dataclass
+class NightTotals:
+    """The sum of a night's block reports, kept as they stream in (bounded by the number of listing parts)."""
+
+    uris: SetDigest = SetDigest()
+    rows: Counter[str] = field(default_factory=Counter)
+    error_types: Counter[str] = field(default_factory=Counter)
+    blocks: int = 0
+    reused_blocks: int = 0
+    # part name -> kind -> [rows, bytes]
+    per_part: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+
+    def add(self, report: BlockReport) -> None:
+        self.uris = self.uris + report.uris
+        self.rows.update({"predictions": report.predictions, "errors": report.errors})
+        self.error_types.update(report.error_types)
+        self.blocks += 1
+        self.reused_blocks += report.reused
+        sizes = self.per_part.setdefault(report.part, {kind: [0, 0] for kind in KINDS})
+        for kind, rows, size in (
+            ("predictions", report.predictions, report.predictions_bytes),
+            ("errors", report.errors, report.errors_bytes),
+        ):
+            sizes[kind][0] += rows
+            sizes[kind][1] += size
+
+    def sizes(self, kind: str) -> list[tuple[str, int, int]]:
+        """(part, rows, bytes) of one kind, in part order."""
+        return [(part, s[kind][0], s[kind][1]) for part, s in sorted(self.per_part.items())]
+
+
+def check_rows(listed: SetDigest, written: SetDigest, what: str) -> None:
+    """Refuse the commit unless ``written`` (predictions plus errors) is the listed set of URIs, each once."""
+    if written == listed:
+        return
+    diff = written.count - listed.count
+    count = f"{abs(diff)} rows {'more' if diff > 0 else 'fewer'} than" if diff else "as many rows as"
+    raise StorageError(
+        f"refusing to commit: {what} holds {written.count} rows, {count} the {listed.count} listed inputs"
+        + ("" if diff else ", but not the same URIs (an input missing or duplicated where another is extra)")
+        + f" (URI digests {written.hex[:12]}… and {listed.hex[:12]}…); nothing was committed"
+    )
+
+
+def plan_groups(sizes: list[tuple[str, int, int]], min_rows: int, min_bytes: int) -> list[list[str]]:
+    """Consecutive parts grouped until a group has ``min_rows`` rows or ``min_bytes``; parts without rows left out."""
+    groups: list[list[str]] = []
+    current: list[str] = []
+    rows = size = 0
+    for part, part_rows, part_bytes in sizes:
+        if part_rows == 0:
+            continue
+        current.append(part)
+        rows, size = rows + part_rows, size + part_bytes
+        if rows >= min_rows or size >= min_bytes:
+            groups.append(current)
+            current, rows, size = [], 0, 0
+    if current:  # the rest is smaller than a file should be: it joins the group before, if any
+        if groups:
+            groups[-1].extend(current)
+        else:
+            groups.append(current)
+    return groups
+
+
+@dataclass(frozen=True)
+class CompactedFile:
+    kind: str
+    uri: str
+    rows: int
+    bytes: int
+    uris: SetDigest
+
+
+def _block_files(table: str, night: Night, key: str, part: str) -> list[str]:
+    folder = block_folder(table, night, key, part)
+    fs, path = storage.arrow_filesystem(folder)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError as exc:
+        raise storage.storage_error(exc, "listing", folder) from exc
+    return sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
+
+
+def _with_constants(data: pa.Table, constants: dict[str, Any]) -> pa.Table:
+    for name, value in constants.items():
+        index = data.schema.get_field_index(name)
+        column = data.schema.field(index)
+        data = data.set_column(index, column, pa.array([value] * data.num_rows, column.type))
+    return data
+
+
+def compact_group(
+    output: NightOutput, kind: str, parts: list[str], index: int, schema: pa.Schema, constants: dict[str, Any]
+) -> CompactedFile:
+    """Stream the block files of ``parts`` into one file of the night (a Ray task); what it wrote.
+
+    ``constants`` (columns with one value per run) are set to the committing
+    run's: a block reused from an earlier attempt carries that attempt's
+    flow run id, and the night's rows name the run that committed them.
+    """
+    table = output.predictions_table if kind == "predictions" else output.errors_table
+    uri = data_file_uri(table, output.night, output.run_id, f"c{index:05d}")
+    fs, path = storage.arrow_filesystem(uri)
+    digest, rows, buffered = SetDigest(), 0, []
+    try:
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
+            for part in parts:
+                for block_path in _block_files(table, output.night, output.key, part):
+                    data = pq.read_table(block_path, filesystem=fs).select(schema.names).cast(schema)
+                    data = _with_constants(data, constants)
+                    digest = digest + SetDigest.of(data.column("uri").to_pylist())
+                    rows += data.num_rows
+                    buffered.append(data)
+                    if sum(t.num_rows for t in buffered) >= ROW_GROUP_ROWS:
+                        writer.write_table(pa.concat_tables(buffered), row_group_size=ROW_GROUP_ROWS)
+                        buffered = []
+            if buffered or rows == 0:
+                writer.write_table(pa.concat_tables(buffered) if buffered else schema.empty_table())
+        size = fs.get_file_info(path).size
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise storage.storage_error(exc, "compacting into", uri) from exc
+    return CompactedFile(kind, uri, rows, int(size or 0), digest)
+
+
+def compact_night(
+    output: NightOutput,
+    totals: NightTotals,
+    schemas: dict[str, pa.Schema],
+    constants: dict[str, Any],
+    *,
+    min_rows: int = MIN_FILE_ROWS,
+    min_bytes: int = MIN_FILE_BYTES,
+) -> list[CompactedFile]:
+    """Compact the night's block files (module docstring), in Ray tasks; one empty predictions file when none."""
+    import ray
+
+    remote = ray.remote(num_cpus=0.25)(compact_group)
+    refs: list[Any] = []
+    for kind in KINDS:
+        groups = plan_groups(totals.sizes(kind), min_rows, min_bytes)
+        if kind == "predictions" and not groups:
+            # every input failed: an empty file still marks the night in the predictions table's partitions,
+            # so listings (monitor, rollouts) see the night, and the rerun replaces it like any other
+            groups = [[]]
+        values = constants if kind == "predictions" else {}
+        refs.extend(remote.remote(output, kind, parts, i, schemas[kind], values) for i, parts in enumerate(groups))
+    return ray_work.gather(refs)
+
+
+def compacted_digest(files: list[CompactedFile]) -> SetDigest:
+    return combine(f.uris for f in files)
+
+
+def compact_checked(
+    output: NightOutput,
+    totals: NightTotals,
+    listed: SetDigest,
+    schemas: dict[str, pa.Schema],
+    constants: dict[str, Any],
+    seen_seq: int,
+    **sizes: int,
+) -> list[CompactedFile]:
+    """The night's block files compacted (:func:`compact_night`) and checked against the listing again.
+
+    A run of the same night and listing that committed meanwhile removed the
+    block files this run would compact: that run won, and this one says so
+    (:class:`~rayline.errors.NightCommittedElsewhere`) instead of failing.
+    """
+    check_night_unchanged(output.predictions_table, output.night, seen_seq, output.run_id)
+    try:
+        compacted = compact_night(output, totals, schemas, constants, **sizes)
+        check_rows(listed, compacted_digest(compacted), "the compacted files")
+    except StorageError:
+        check_night_unchanged(output.predictions_table, output.night, seen_seq, output.run_id)
+        raise
+    return compacted
+
+
+PARTS_PER_REMOVAL = 16
+
+
+def _remove_parts(output: NightOutput, parts: list[str]) -> None:
+    for table in (output.predictions_table, output.errors_table):
+        for part in parts:
+            storage.remove_tree(block_folder(table, output.night, output.key, part))
+
+
+def remove_blocks(output: NightOutput, parts: list[str]) -> None:
+    """Delete the night's block files once its commit landed, a group of parts per Ray task.
+
+    Only after the commit: until then they are what a rerun resumes from.
+    Done, the next run of the same night and listing predicts it anew (a
+    rerun replaces a night; it does not copy it). Whatever is left (a run
+    killed here) is unreferenced: vacuum deletes it.
+    """
+    import ray
+
+    remote = ray.remote(num_cpus=0.25)(_remove_parts)
+    groups = [parts[i : i + PARTS_PER_REMOVAL] for i in range(0, len(parts), PARTS_PER_REMOVAL)]
+    ray_work.gather([remote.remote(output, group) for group in groups])
+    for table in (output.predictions_table, output.errors_table):
+        storage.remove_tree(storage.join(storage.normalize(table), output.night.relative_dir, f"blocks-{output.key}"))

@@ -1,0 +1,94 @@
+"""The streamed listing: parts, digests that do not depend on order, skips counted; compaction's grouping."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ray_workloads.night_compaction import check_rows, plan_groups
+from rayline import listing, storage
+from rayline.digests import SetDigest, combine
+from rayline.errors import StorageError
+
+pytestmark = pytest.mark.unit
+
+
+def _tree(root: Path) -> set[str]:
+    """Hashed sub-prefixes, a deeper day/hour layout, flat objects and names that are no inputs."""
+    keys = {f"{h:02x}/img-{i}.png" for h in range(12) for i in range(7)}
+    keys |= {f"dt=2026-11-28/hour={h:02d}/p{i}.jpg" for h in range(3) for i in range(4)}
+    keys |= {f"flat-{i}.png" for i in range(9)}
+    for key in keys | {".hidden.png", "_SUCCESS", "0a/_tmp.png"}:
+        path = root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(key.encode())
+    return keys
+
+
+def test_a_listing_streams_into_parts_and_finds_every_input_once(tmp_path: Path) -> None:
+    keys = _tree(tmp_path / "in")
+    streamed = listing.list_to_parts(str(tmp_path / "in"), str(tmp_path / "staging"), rows_per_part=10)
+    assert all(part.rows <= 10 for part in streamed.parts) and len(streamed.parts) > len(keys) // 10
+    listed = list(listing.iter_objects(streamed))
+    assert sorted(o.key for o in listed) == sorted(keys) and streamed.count == len(keys)
+    old = storage.list_inputs(str(tmp_path / "in"))  # the listing that held everything: same objects, same skips
+    assert {(o.uri, o.etag, o.size) for o in old.objects} == {(o.uri, o.etag, o.size) for o in listed}
+    assert streamed.skipped == old.skipped == {storage.SKIP_HIDDEN: 3}
+    assert streamed.uris == SetDigest.of(o.uri for o in old.objects)
+    names = [part.name for part in streamed.parts]
+    assert len(set(names)) == len(names) and all(os.path.exists(part.uri) for part in streamed.parts)
+
+
+def test_the_content_hash_is_a_function_of_the_set_of_objects(tmp_path: Path) -> None:
+    _tree(tmp_path / "in")
+    hashes = {
+        listing.list_to_parts(str(tmp_path / "in"), str(tmp_path / f"s{n}"), rows_per_part=n).content_hash
+        for n in (1, 7, 1000)
+    }
+    assert len(hashes) == 1
+    (first,) = hashes
+    (tmp_path / "in" / "flat-3.png").write_bytes(b"changed, and so its ETag")
+    assert listing.list_to_parts(str(tmp_path / "in"), str(tmp_path / "s9")).content_hash != first
+    (tmp_path / "in" / "new.png").write_bytes(b"an arrival")
+    assert listing.list_to_parts(str(tmp_path / "in"), str(tmp_path / "s10")).content_hash != first
+
+
+def test_listing_the_same_objects_twice_gives_the_same_parts(tmp_path: Path) -> None:
+    _tree(tmp_path / "in")
+    a, b = (listing.list_to_parts(str(tmp_path / "in"), str(tmp_path / s), rows_per_part=8) for s in ("a", "b"))
+    assert [(p.name, p.rows, p.uris) for p in a.parts] == [(p.name, p.rows, p.uris) for p in b.parts]
+
+
+def test_a_missing_prefix_lists_nothing(tmp_path: Path) -> None:
+    streamed = listing.list_to_parts(str(tmp_path / "nowhere"), str(tmp_path / "staging"))
+    assert streamed.count == 0 and streamed.parts == [] and streamed.skipped == {}
+
+
+def test_digests_add_up_in_any_order_and_see_a_missing_a_duplicated_and_an_extra_row() -> None:
+    uris = [f"s3://b/in/{i}.png" for i in range(1000)]
+    listed = SetDigest.of(uris)
+    assert combine(SetDigest.of(uris[i : i + 37]) for i in range(0, 1000, 37)) == listed
+    assert SetDigest.of(reversed(uris)) == listed and SetDigest.decode(listed.encode()) == listed
+    planted = {
+        "missing": uris[1:],
+        "duplicated": [*uris, uris[5]],
+        "extra": [*uris, "s3://b/in/elsewhere.png"],
+        "swapped": [*uris[1:], uris[2]],  # as many rows as listed: one missing, another twice
+    }
+    for what, rows in planted.items():
+        with pytest.raises(StorageError, match="refusing to commit"):
+            check_rows(listed, SetDigest.of(rows), what)
+    check_rows(listed, SetDigest.of(uris), "the night")  # the real thing passes
+
+
+def test_compaction_groups_reach_the_file_size_except_one_per_table() -> None:
+    sizes = [(f"p{i:03d}", rows, rows * 100) for i, rows in enumerate([40, 70, 0, 10, 100, 5, 3])]
+    groups = plan_groups(sizes, min_rows=100, min_bytes=10**9)
+    assert groups == [["p000", "p001"], ["p003", "p004", "p005", "p006"]]  # p002 has no rows of this kind
+    rows = dict((name, n) for name, n, _ in sizes)
+    assert all(sum(rows[p] for p in group) >= 100 for group in groups)
+    assert plan_groups([("p0", 3, 10)], 100, 10**9) == [["p0"]]  # a small night: one small file
+    assert plan_groups([("p0", 3, 500)], 100, 400) == [["p0"]]  # bytes reach the size first
+    assert plan_groups([], 100, 100) == []
