@@ -90,7 +90,7 @@ sys.path.insert(0, str(REPO))
 
 from bench import resnet_inference, table_reads  # noqa: E402
 from bench.inference_images import CACHE, IMAGE_SIZE, ensure_images, input_folder, warm_page_cache  # noqa: E402
-from bench.inference_night import DAY, connect_for_night  # noqa: E402
+from bench.inference_night import DAY, connect_for_night, register_untrained  # noqa: E402
 from bench.inference_report import commit_share, print_pair, rate  # noqa: E402
 from bench.inference_s3 import s3_images, server_ceiling  # noqa: E402
 from bench.plain_inference import BATCH_SIZE, choose_torch_threads, plain_loop  # noqa: E402
@@ -205,24 +205,8 @@ def measure(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
 
 def register_model(root: str) -> None:
     """An untrained small_cnn of the default width as champion: throughput does not depend on weights."""
-    from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
-    from rayline import registry
-    from rayline.specs import squash
-
     os.environ["RAYLINE_STORAGE"] = root
-    spec = ModelSpec(num_classes=10)
-    version = registry.register(
-        "digits",
-        state_dict_bytes(build_model(spec)),
-        model_spec=spec,
-        image_spec=squash(IMAGE_SIZE),
-        classes=[str(i) for i in range(10)],
-        metrics={"test_accuracy": 0.1},
-        data_manifest_uri="-",
-        data_content_hash="-",
-        code_version="bench",
-    )
-    registry.set_alias("digits", registry.CHAMPION, version.version, "bench")
+    register_untrained("digits", IMAGE_SIZE)
 
 
 def end_to_end(root: str, images: list[Path], count: int, env: dict[str, str]) -> tuple[float, str]:

@@ -31,3 +31,29 @@ def connect_for_night(spec: dict[str, Any], version: Any, **settings: Any) -> tu
         **settings,
     )
     return cfg, connect_s, idle_wait_s
+
+
+def register_untrained(name: str, side: int = 32, champion: bool = True) -> Any:
+    """An untrained ``small_cnn`` of the default width, registered (as champion by default): a bench's model.
+
+    Throughput does not depend on the weights. ``RAYLINE_STORAGE`` names the registry's storage.
+    """
+    from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
+    from rayline import registry
+    from rayline.specs import squash
+
+    spec = ModelSpec(num_classes=10)
+    version = registry.register(
+        name,
+        state_dict_bytes(build_model(spec)),
+        model_spec=spec,
+        image_spec=squash(side),
+        classes=[str(i) for i in range(10)],
+        metrics={"test_accuracy": 0.1},
+        data_manifest_uri="-",
+        data_content_hash="-",
+        code_version="bench",
+    )
+    if champion:
+        registry.set_alias(name, registry.CHAMPION, version.version, "bench")
+    return version

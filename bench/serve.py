@@ -248,34 +248,24 @@ def main() -> None:
 
     from ray import serve
 
+    from bench.inference_night import register_untrained
     from bench.s3_server import free_port
-    from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
+    from ray_workloads.models import ModelSpec
     from ray_workloads.serving import control as serve_control
     from ray_workloads.serving.config import ServeConfig
     from ray_workloads.serving.model_server import model_app
-    from rayline import ray_cluster, registry
+    from rayline import ray_cluster
     from rayline.seed import digit_objects
-    from rayline.specs import squash
 
     bodies = [data for _, data in itertools.islice(digit_objects(32), 500)]
-    spec = ModelSpec(num_classes=10)
+    spec = ModelSpec(num_classes=10)  # what register_untrained registers
     print(f"load average before: {load_average()}")
     started = time.perf_counter()
     connection = ray_cluster.connect()
     cfg = ServeConfig(name="rayline-bench", port=free_port())
     direct_app = f"{cfg.name}-direct"
     try:
-        model = registry.register(
-            "digits-bench",
-            state_dict_bytes(build_model(spec)),
-            model_spec=spec,
-            image_spec=squash(32),
-            classes=[str(i) for i in range(10)],
-            metrics={"test_accuracy": 0.1},
-            data_manifest_uri="-",
-            data_content_hash="-",
-            code_version="bench",
-        )
+        model = register_untrained("digits-bench", champion=False)
         serve_control.start(cfg)
         serve_control.deploy_version(model, cfg)
         serve_control.set_weights({model.version: 100.0}, cfg)

@@ -47,6 +47,8 @@ class InferenceConfig(LeasedOutput):
     top_k: int = Field(3, ge=1)
     code_version: str = "unknown"
     flow_run_id: str | None = None
+    # the night's lease: a dead holder blocks the night's next run this long at most
+    lease_ttl_s: float = Field(60.0, gt=0, description="Lease expiry after the last renewal (renewed every ttl/3).")
 
 
 class InferenceResult(BaseModel):

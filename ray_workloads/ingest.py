@@ -11,12 +11,18 @@ dataset never holds a transient error. Listed objects that are no inputs
 (hidden or underscore names, folder markers) get no row: the manifest counts
 them per reason (``skipped``).
 
-The output folder is named by the input's identity (source URI + content hash
-of the sorted ``(key, etag)`` list): unchanged input maps to the same folder,
+The listing is streamed into Parquet parts (:func:`rayline.listing.list_to_parts`)
+and shards are cut from them a part at a time: no process holds the whole
+listing. The output folder is named by the input's identity (source URI +
+the listing's content hash, a function of the set of ``(key, etag)`` pairs):
+unchanged input maps to the same folder,
 and a committed folder (``manifest.json`` written last,
 :class:`rayline.manifests.IngestManifest`) is reused as is. A run fills the
 folder only while it holds the folder's lease (:mod:`rayline.folders`): a
 concurrent run on the same input waits, then reuses what the first committed.
+An ingest from before the hash changed form (the sorted listing's sha256) is
+recognised by its shards' (key, etag) digest and committed again under the
+new name, its shards reused (:func:`legacy_ingest`).
 """
 
 from __future__ import annotations
@@ -25,17 +31,24 @@ import hashlib
 import math
 import posixpath
 import time
+import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import ray
 from pydantic import BaseModel, Field
 
-from rayline import fetching, folders, leases, lineage, manifests, progress, storage
-from rayline.errors import InputDataError, RaylineError, StorageError
+from ray_workloads.ingest_legacy import legacy_ingest, migrated
+from rayline import fetching, folders, leases, lineage, manifests, progress, ray_work, storage
+from rayline.digests import SetDigest, item_hash
+from rayline.errors import InputDataError, StorageError
+from rayline.layout import STAGING_DIR
 from rayline.lineage import DatasetRef
+from rayline.listing import LISTING_VERSION, ROWS_PER_PART, StreamedListing, content_digest, iter_objects, list_to_parts
+from rayline.listing import content_hash as listing_hash
 from rayline.manifests import MANIFEST as MANIFEST  # where tests and callers have always found it
 from rayline.manifests import IngestManifest, ShardInfo
 from rayline.skipped import skipped_text
@@ -66,6 +79,7 @@ class IngestConfig(folders.LeasedOutput):
     io_concurrency: int = Field(64, ge=1, le=1024)
     num_cpus_per_task: float = Field(0.25, gt=0)
     force: bool = Field(False, description="Rewrite even if this input was already ingested.")
+    listing_part_objects: int = Field(ROWS_PER_PART, ge=1, description="Objects per Parquet part of the listing.")
 
 
 class IngestResult(BaseModel):
@@ -107,12 +121,12 @@ class IngestResult(BaseModel):
         return [DatasetRef(uri=self.manifest_uri, content_hash=self.content_hash, facets={"shards": self.shard_uris})]
 
 
-def content_hash(objects: Sequence[ObjectInfo]) -> str:
-    """sha256 of the sorted (key, etag) list: the identity of an input version."""
-    digest = hashlib.sha256()
-    for obj in sorted(objects, key=lambda o: o.key):
-        digest.update(f"{obj.key}\t{obj.etag}\n".encode())
-    return digest.hexdigest()
+def content_hash(objects: Iterable[ObjectInfo]) -> str:
+    """The identity of an input version: :func:`rayline.listing.content_hash` of its (key, etag) pairs.
+
+    The same as a streamed listing's (:attr:`StreamedListing.content_hash`), whatever the order.
+    """
+    return listing_hash(SetDigest.of(content_digest(o.key, o.etag) for o in objects))
 
 
 def label_from_key(key: str) -> str | None:
@@ -121,22 +135,28 @@ def label_from_key(key: str) -> str | None:
     return posixpath.basename(parent) or None
 
 
+def objects_per_shard(count: int, cfg: IngestConfig) -> int:
+    """Objects per shard for an input of ``count``: at most ``shard_max_objects``, at least ``min_shards`` shards."""
+    wanted = max(cfg.min_shards, math.ceil(count / cfg.shard_max_objects))
+    return max(1, min(cfg.shard_max_objects, math.ceil(count / wanted)))
+
+
 def plan_shards(objects: Sequence[ObjectInfo], cfg: IngestConfig) -> list[list[ObjectInfo]]:
     """Cut the listing into contiguous shards bounded by object count and bytes."""
-    wanted = max(cfg.min_shards, math.ceil(len(objects) / cfg.shard_max_objects))
-    per_shard = max(1, min(cfg.shard_max_objects, math.ceil(len(objects) / wanted)))
-    shards: list[list[ObjectInfo]] = []
+    return list(_cut(objects, objects_per_shard(len(objects), cfg), cfg.shard_max_bytes))
+
+
+def _cut(objects: Iterable[ObjectInfo], per_shard: int, max_bytes: int) -> Iterator[list[ObjectInfo]]:
     current: list[ObjectInfo] = []
     current_bytes = 0
     for obj in objects:
-        if current and (len(current) >= per_shard or current_bytes + obj.size > cfg.shard_max_bytes):
-            shards.append(current)
+        if current and (len(current) >= per_shard or current_bytes + obj.size > max_bytes):
+            yield current
             current, current_bytes = [], 0
         current.append(obj)
         current_bytes += obj.size
     if current:
-        shards.append(current)
-    return shards
+        yield current
 
 
 class ObjectChangedError(Exception):
@@ -216,25 +236,36 @@ def read_manifest(manifest_uri: str) -> IngestResult:
 
 
 def run(cfg: IngestConfig) -> IngestResult:
-    """List, fetch concurrently on Ray, pack into shards, then commit the manifest."""
+    """List (streamed, in parts), fetch concurrently on Ray, pack into shards, then commit the manifest."""
     started = time.perf_counter()
     source = storage.normalize(cfg.source_uri)
-    listing = storage.list_inputs(source)
-    objects = listing.objects
-    if not objects:
-        left_out = f"; skipped {skipped_text(listing.skipped)}" if listing.skipped else ""
-        raise InputDataError(f"no objects found under {source}{left_out}")
-    digest = content_hash(objects)
-    output = storage.join(storage.normalize(cfg.output_root), dataset_id(source, digest))
-    done = folders.fill_once(
-        output,
-        cfg,
-        f"the ingest folder {posixpath.basename(output)}",
-        IngestManifest,
-        reusable=lambda manifest: manifest.content_hash == digest,
-        force=cfg.force,
-        fill=lambda lease: _fetch(cfg, listing, source, digest, output, lease),
-    )
+    # this run's listing parts; the run removes them (a killed run's are left under the hidden _staging)
+    staging = storage.join(storage.normalize(cfg.output_root), STAGING_DIR, "listings", uuid.uuid4().hex)
+    try:
+        listing = list_to_parts(source, staging, rows_per_part=cfg.listing_part_objects)
+        if listing.count == 0:
+            left_out = f"; skipped {skipped_text(listing.skipped)}" if listing.skipped else ""
+            raise InputDataError(f"no objects found under {source}{left_out}")
+        digest = listing.content_hash
+        output = storage.join(storage.normalize(cfg.output_root), dataset_id(source, digest))
+
+        def fill(lease: leases.HeldLease) -> IngestManifest:
+            earlier = None if cfg.force else legacy_ingest(source, listing)
+            if earlier is not None:
+                return migrated(earlier, listing, lease)
+            return _fetch(cfg, listing, source, digest, output, lease)
+
+        done = folders.fill_once(
+            output,
+            cfg,
+            f"the ingest folder {posixpath.basename(output)}",
+            IngestManifest,
+            reusable=lambda manifest: manifest.content_hash == digest,
+            force=cfg.force,
+            fill=fill,
+        )
+    finally:
+        storage.remove_tree(staging)
     result = _result_from_manifest(done.manifest, done.uri, done.cached, time.perf_counter() - started, done.waited_s)
     if not done.cached:
         return result
@@ -242,48 +273,49 @@ def run(cfg: IngestConfig) -> IngestResult:
     return result.model_copy(update={"skipped": listing.skipped, "skipped_examples": listing.skipped_examples})
 
 
-def _gather(refs: list[Any], shown: progress.Stage) -> list[dict[str, Any]]:
-    """``ray.get(refs)`` in order, counting each shard's objects as it lands.
-
-    A rayline error raised in a task comes out as itself: a transient fetch stays transient.
-    """
-    pending = list(refs)
-    try:
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            shown.add(sum(s["rows"] for s in ray.get(ready)))
-        return list(ray.get(refs))
-    except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, RaylineError):
-            raise exc.cause from exc
-        raise
+# Shard tasks submitted and not yet done: bounds what the driver and the object store hold of the listing.
+MAX_SHARDS_IN_FLIGHT = 64
 
 
 def _fetch(
-    cfg: IngestConfig, listing: storage.Listing, source: str, digest: str, output: str, lease: leases.HeldLease
+    cfg: IngestConfig, listing: StreamedListing, source: str, digest: str, output: str, lease: leases.HeldLease
 ) -> IngestManifest:
-    """Fetch every listed object into ``output``'s shards; the manifest that commits them (written after)."""
-    objects = listing.objects
-    shards = plan_shards(objects, cfg)
-    fetch = _fetch_and_write_shard.options(num_cpus=cfg.num_cpus_per_task)
-    refs = [
-        fetch.remote(chunk, storage.join(output, "shards", f"part-{i:05d}.parquet"), cfg.io_concurrency)
-        for i, chunk in enumerate(shards)
-    ]
-    with progress.stage("ingest", total=len(objects), unit="objects") as shown:
-        stats = _gather(refs, shown)
-    rows = sum(s["rows"] for s in stats)
-    if rows != len(objects):
-        raise StorageError(f"ingest wrote {rows} rows for {len(objects)} objects under {source}")
+    """Fetch every listed object into ``output``'s shards; the manifest that commits them (written after).
 
+    Shards are cut from the listing's parts, one part in memory at a time, and
+    at most :data:`MAX_SHARDS_IN_FLIGHT` shard tasks wait at once.
+    """
+    per_shard = objects_per_shard(listing.count, cfg)
+    fetch = _fetch_and_write_shard.options(num_cpus=cfg.num_cpus_per_task)
+    stats: list[dict[str, Any]] = []
+    in_flight: list[Any] = []
+    with progress.stage("ingest", total=listing.count, unit="objects") as shown:
+
+        def land(ready: list[Any]) -> None:
+            for landed in ray_work.gather(ready):
+                shown.add(landed["rows"])
+                stats.append(landed)
+
+        for chunk in _cut(iter_objects(listing), per_shard, cfg.shard_max_bytes):
+            uri = storage.join(output, "shards", f"part-{len(stats) + len(in_flight):05d}.parquet")
+            in_flight.append(fetch.remote(chunk, uri, cfg.io_concurrency))
+            if len(in_flight) >= MAX_SHARDS_IN_FLIGHT:
+                ready, in_flight = ray.wait(in_flight, num_returns=1)
+                land(ready)
+        land(in_flight)
+    stats.sort(key=lambda s: str(s["uri"]))
+    rows = sum(s["rows"] for s in stats)
+    if rows != listing.count:
+        raise StorageError(f"ingest wrote {rows} rows for {listing.count} objects under {source}")
     labels: Counter[str] = Counter()
     for s in stats:
         labels.update(s["labels"])
     return IngestManifest(
         source_uri=source,
         content_hash=digest,
-        object_count=len(objects),
-        total_bytes=sum(o.size for o in objects),
+        listing_version=LISTING_VERSION,
+        object_count=listing.count,
+        total_bytes=listing.bytes,
         fetch_errors=sum(s["fetch_errors"] for s in stats),
         labels=dict(sorted(labels.items())),
         shards=[ShardInfo.model_validate(s) for s in stats],  # a shard's labels count in the sum above only
@@ -320,21 +352,35 @@ def previous_ingest(current: IngestResult) -> IngestResult | None:
     return read_manifest(latest.outputs[0].uri)
 
 
+def _pair_hashes(keys: list[str], etags: list[str]) -> np.ndarray:
+    """A 64-bit hash of each (key, etag): what arrivals compare, 8 bytes an object instead of a set of strings."""
+    mask = (1 << 64) - 1
+    return np.array([item_hash(content_digest(k, e)) & mask for k, e in zip(keys, etags, strict=True)], dtype=np.uint64)
+
+
 def arrivals(current: IngestResult, previous: IngestResult | None) -> Arrivals:
-    """What changed between two ingests of one source, by (key, etag)."""
+    """What changed between two ingests of one source, by (key, etag), one shard in memory at a time.
+
+    The previous ingest is held as a sorted array of 64-bit hashes (8 bytes an
+    object). A new object whose hash equals an old one's (chance about n·2^-64)
+    is taken for old.
+    """
     columns = ["key", "etag", "label"]
-    before = set()
+    before = np.zeros(0, dtype=np.uint64)
     if previous is not None:
-        old = storage.read_parquet(previous.shard_uris, columns=columns)
-        before = set(zip(old.column("key").to_pylist(), old.column("etag").to_pylist(), strict=True))
-    now = storage.read_parquet(current.shard_uris, columns=columns)
+        parts = []
+        for uri in previous.shard_uris:
+            old = storage.read_parquet([uri], columns=["key", "etag"])
+            parts.append(_pair_hashes(old.column("key").to_pylist(), old.column("etag").to_pylist()))
+        before = np.sort(np.concatenate(parts)) if parts else before
     labels: Counter[str] = Counter()
     new = 0
-    for key, etag, label in zip(*(now.column(c).to_pylist() for c in columns), strict=True):
-        if (key, etag) not in before:
-            new += 1
-            if label is not None:
-                labels[label] += 1
+    for uri in current.shard_uris:
+        now = storage.read_parquet([uri], columns=columns)
+        keys, etags, names = (now.column(c).to_pylist() for c in columns)
+        fresh = ~np.isin(_pair_hashes(keys, etags), before, assume_unique=False)
+        new += int(fresh.sum())
+        labels.update(label for label, is_new in zip(names, fresh, strict=True) if is_new and label is not None)
     return Arrivals(
         source_uri=current.source_uri,
         new_objects=new,

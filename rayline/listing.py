@@ -53,7 +53,9 @@ FANOUT = 8
 MAX_DEPTH = 3
 PREFIXES_PER_GROUP = 64
 _EXAMPLES_PER_REASON = 5
-_LISTING_VERSION = "rayline-listing-v2"
+# The form of the content hash: 1, the sha256 of the sorted listing (before); 2, of the set digest.
+LISTING_VERSION = 2
+_LISTING_TAG = "rayline-listing-v2"
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ class _GroupListing:
 
 def content_hash(contents: SetDigest) -> str:
     """The listing's identity: a sha256 of the set digest of its (key, ETag) pairs (64 hex digits)."""
-    return hashlib.sha256(f"{_LISTING_VERSION}\n{contents.encode()}".encode()).hexdigest()
+    return hashlib.sha256(f"{_LISTING_TAG}\n{contents.encode()}".encode()).hexdigest()
 
 
 def content_digest(key: str, etag: str) -> str:
@@ -134,8 +136,12 @@ class StreamedListing:
         return combine(part.uris for part in self.parts)
 
     @property
+    def contents(self) -> SetDigest:
+        return combine(part.contents for part in self.parts)
+
+    @property
     def content_hash(self) -> str:
-        return content_hash(combine(part.contents for part in self.parts))
+        return content_hash(self.contents)
 
 
 class _PartWriter:

@@ -55,7 +55,9 @@ class IngestManifest(Manifest):
 
     kind: Literal["rayline.ingest"] = "rayline.ingest"
     source_uri: str
-    content_hash: str = Field(description="sha256 of the sorted (key, etag) listing: the input's identity.")
+    content_hash: str = Field(description="The listing's content hash (rayline.listing): the input's identity.")
+    # 1 (manifests without the field): the sha256 of the sorted (key, etag) listing; 2: of its set digest
+    listing_version: int = Field(1, description="The form of content_hash (rayline.listing.LISTING_VERSION).")
     object_count: int
     total_bytes: int
     fetch_errors: int

@@ -92,6 +92,9 @@ def print_inference_summary(result: InferenceResult | NightSkipped) -> None:
     )
     if result.skipped:
         typer.echo(f"  skipped            {skipped_text(result.skipped)}")
+    if result.reused_blocks:
+        reused = f"{result.reused_blocks} of {result.blocks}"
+        typer.echo(f"  resumed            {reused} blocks of an earlier attempt reused")
     typer.echo(f"  night              {result.night}")
     typer.echo(f"  predictions        {result.predictions_table} (Delta version {result.predictions_version})")
     typer.echo(f"  errors             {result.errors_table} (Delta version {result.errors_version})")

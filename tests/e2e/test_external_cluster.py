@@ -161,11 +161,19 @@ def test_nightly_inference_on_an_external_cluster_survives_a_driver_killed_befor
     assert _committed(s3_storage) == committed, "the killed run changed the committed night"
     predicted_once()  # the killed run's files are invisible: readers go by the Delta log
 
+    # the rerun takes the night's lease once the killed driver's expires, and resumes its blocks
     done = subprocess.run(command, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "blocks of an earlier attempt reused" in done.stdout, done.stdout[-3000:]
     predicted_once()
     assert _committed(s3_storage) == tuple(v + 1 for v in committed if v is not None), "one commit per table"
-    # nothing deleted the killed run's files; a vacuum finds them (and the replaced run's) as unreferenced
+    # the killed run's blocks were reused and, once committed, removed; what is left unreferenced (the
+    # replaced run's files) is what a vacuum finds
+    left = _part_files(s3_storage, night)
+    assert not orphans & left
     unreferenced = vacuum(table_uri(s3_storage, PREDICTIONS_TABLE), retention_hours=0, allow_short_retention=True)
     prefix = table_uri(s3_storage, PREDICTIONS_TABLE) + "/"
-    assert {uri.removeprefix(prefix) for uri in orphans | committed_files} <= set(unreferenced)
+    assert {uri.removeprefix(prefix) for uri in committed_files} <= set(unreferenced)
+    assert {uri.removeprefix(prefix) for uri in left} - set(unreferenced) == {
+        uri.removeprefix(prefix) for uri in left if "/part-" in uri and uri not in committed_files
+    }, "only the rerun's committed files are referenced"

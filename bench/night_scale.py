@@ -1,0 +1,260 @@
+"""Nights at scale: what grows with the number of images, measured as ratios between sizes of one run.
+
+``python bench/night_scale.py`` runs ``ray_workloads.batch_inference.run``
+(the nightly-inference workload) on nights of tiny objects, so that
+orchestration, not the model, dominates: the digits CNN (untrained
+``small_cnn``, 32 px) on ``--sizes`` objects on local disk (default 100,000
+and 1,000,000, in 256 hashed sub-prefixes, as buckets of photos are laid
+out), and ``--s3-size`` objects (default 100,000) on the S3-protocol server
+(moto) through the fault proxy with ``--latency-ms`` of latency per request.
+
+Each night runs in a fresh driver process on its own embedded Ray cluster.
+Printed per night: the driver process's peak RSS (alone, and with the whole
+tree: its Ray cluster and actors), the listing's seconds, the seconds until
+the first block file is written, images/s over the whole night, the data
+files per table, the commit's seconds and the bytes it added to each
+``_delta_log``, and the seconds to read the night back with ``deltalake``.
+
+Targets: driver peak RSS at the large size <= 1.25x at the small one; first
+block within 30 s at the large size; <= 20 files per table at the large
+size; images/s at the large size >= 0.95x the small one; the commit <= 2 %
+of the large night. Ends with one JSON line. The objects are generated once
+under ``$RAYLINE_BENCH_CACHE`` (default /tmp/rayline-bench-night-scale) and
+reused. ``--quick``: 2,000 and 20,000 objects (a smoke test, not the figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.inference_night import register_untrained  # noqa: E402
+from bench.process_tree import _rss_bytes, watch_tree  # noqa: E402
+
+CACHE = Path(os.environ.get("RAYLINE_BENCH_CACHE", "/tmp/rayline-bench-night-scale"))
+RESULT = "BENCH-RESULT "
+DAY = "2026-11-28"
+PREFIXES = 256
+
+
+# ---------------------------------------------------------------- the inputs
+
+
+def local_night(count: int) -> Path:
+    """``count`` tiny digit PNGs under ``<hh>/<i>.png`` (256 hashed prefixes); made once, then reused."""
+    folder = CACHE / f"local-{count}"
+    done = folder / "_COMPLETE"  # an underscore name: no input, skipped by the listing
+    if done.exists():
+        return folder
+    from rayline.seed import digit_objects
+
+    images = [data for _, data in digit_objects(32)]
+    shutil.rmtree(folder, ignore_errors=True)
+    for prefix in range(PREFIXES):
+        (folder / f"{prefix:02x}").mkdir(parents=True)
+    for i in range(count):
+        (folder / f"{i % PREFIXES:02x}" / f"{i:08d}.png").write_bytes(images[i % len(images)])
+    done.write_text(str(count))
+    return folder
+
+
+def s3_night(endpoint: str, count: int) -> str:
+    """``count`` tiny PNGs in a bucket of the S3-protocol server, in 256 hashed prefixes; their prefix."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+    from botocore.config import Config
+
+    from rayline.seed import digit_objects
+
+    images = [data for _, data in digit_objects(32)]
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=Config(max_pool_connections=32))
+    client.create_bucket(Bucket="night-scale")
+
+    def put(i: int) -> None:
+        client.put_object(Bucket="night-scale", Key=f"in/{i % PREFIXES:02x}/{i:08d}.png", Body=images[i % len(images)])
+
+    with ThreadPoolExecutor(32) as pool:
+        for _ in pool.map(put, range(count), chunksize=256):
+            pass
+    return "s3://night-scale/in"
+
+
+# ---------------------------------------------------------------- one night, in a driver process of its own
+
+
+def register_model(root: str) -> None:
+    os.environ["RAYLINE_STORAGE"] = root
+    register_untrained("digits")
+
+
+def child_main(spec: dict[str, Any]) -> None:
+    from deltalake import DeltaTable
+
+    from ray_workloads import batch_inference
+    from rayline import ray_cluster, registry
+    from rayline.delta_tables import Night, storage_options
+
+    os.environ["RAYLINE_STORAGE"] = spec["model_root"]
+    version = registry.resolve("digits", "champion")
+    ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD)
+    cfg = batch_inference.InferenceConfig(
+        input_uri=spec["input"], tables_root=spec["tables"], dt=DAY, model=version, code_version="bench", actors=2
+    )
+    result = batch_inference.run(cfg)
+    began = time.perf_counter()
+    table = DeltaTable(result.predictions_table, storage_options=storage_options(result.predictions_table))
+    rows = table.to_pyarrow_table(partitions=[(k, "=", v) for k, _, v in Night("digits", DAY).filters]).num_rows
+    read_s = time.perf_counter() - began
+    summary = {
+        "inputs": result.inputs,
+        "rows": rows,
+        "elapsed_s": result.elapsed_s,
+        "phase_s": result.phase_s,
+        "data_files": result.data_files,
+        "delta_log_bytes": result.delta_log_bytes,
+        "listing_parts": result.listing_parts,
+        "blocks": result.blocks,
+        "read_s": read_s,
+        "result_bytes": len(result.model_dump_json()),
+    }
+    print(RESULT + json.dumps(summary), flush=True)
+
+
+def _first_block_s(tables: str, began: float, stop: threading.Event, out: dict[str, float]) -> None:
+    """Seconds from the driver's start until the first block file of the night exists (local tables only)."""
+    night = Path(tables, "predictions", "model_name=digits", f"dt={DAY}")
+    while not stop.is_set():
+        for blocks in night.glob("blocks-*") if night.exists() else []:
+            if any(next(os.scandir(part), None) for part in os.scandir(blocks) if part.is_dir()):
+                out["first_block_s"] = time.perf_counter() - began
+                return
+        stop.wait(0.05)
+
+
+def measure(name: str, input_uri: str, work: str, env: dict[str, str]) -> dict[str, Any]:
+    """One night in a fresh driver process: its figures, and the driver's and the tree's peak RSS."""
+    tables = str(Path(work, "tables", name))
+    spec = {"input": input_uri, "tables": tables, "model_root": work}
+    stop, first = threading.Event(), {"first_block_s": float("nan")}
+    peak = {"driver_mb": 0.0}
+    with watch_tree() as tree:
+        began = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", json.dumps(spec)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        watcher = threading.Thread(target=_first_block_s, args=(tables, began, stop, first), daemon=True)
+        watcher.start()
+
+        def sample_driver() -> None:
+            while proc.poll() is None:
+                peak["driver_mb"] = max(peak["driver_mb"], _rss_bytes(proc.pid) / 2**20)
+                time.sleep(0.2)
+
+        sampler = threading.Thread(target=sample_driver, daemon=True)
+        sampler.start()
+        stdout, stderr = proc.communicate()
+        stop.set()
+        sampler.join()
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(stdout[-4000:] + stderr[-4000:])
+        raise SystemExit(f"night {name} failed (exit {proc.returncode})")
+    figures = dict(json.loads(lines[-1][len(RESULT) :]))
+    figures.update(first, driver_rss_mb=peak["driver_mb"], tree_rss_mb=tree["rss_mb"])
+    return figures
+
+
+def report(name: str, f: dict[str, Any]) -> None:
+    phases = f["phase_s"]
+    print(
+        f"{name}: {f['inputs']:,} images in {f['elapsed_s']:.1f} s = {f['inputs'] / f['elapsed_s']:,.0f} img/s; "
+        f"driver peak RSS {f['driver_rss_mb']:.0f} MB (tree {f['tree_rss_mb']:.0f} MB); "
+        f"listing {phases.get('list', 0):.1f} s in {f['listing_parts']} parts; first block {f['first_block_s']:.1f} s; "
+        f"files {f['data_files']}; commit {phases.get('commit', 0):.2f} s, _delta_log +{f['delta_log_bytes']} B; "
+        f"compaction {phases.get('compact', 0):.1f} s; read back {f['read_s']:.2f} s; result {f['result_bytes']} B"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", type=int, nargs=2, default=[100_000, 1_000_000])
+    parser.add_argument("--s3-size", type=int, default=100_000, help="0: no S3 night")
+    parser.add_argument("--latency-ms", type=float, default=20.0)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.child:
+        child_main(json.loads(args.child))
+        return
+    if args.quick:
+        args.sizes, args.s3_size = [2_000, 20_000], 2_000
+    small, large = args.sizes
+    work = tempfile.mkdtemp(prefix="rlns-", dir="/tmp")  # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYLINE_", "RAY_ADDRESS", "PREFECT_API_URL"))}
+    env.update({"RAYLINE_STORAGE": work, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": work})
+    nights: dict[str, dict[str, Any]] = {}
+    try:
+        register_model(work)
+        for size in (small, large):
+            nights[f"local {size:,}"] = measure(f"local-{size}", str(local_night(size)), work, env)
+            report(f"local {size:,}", nights[f"local {size:,}"])
+        if args.s3_size:
+            nights["s3"] = s3_measure(args.s3_size, args.latency_ms, work, env)
+            report(f"S3 {args.s3_size:,} at {args.latency_ms:.0f} ms", nights["s3"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    a, b = nights[f"local {small:,}"], nights[f"local {large:,}"]
+    rate = {k: f["inputs"] / f["elapsed_s"] for k, f in nights.items()}
+    summary = {
+        "driver_rss_ratio": round(b["driver_rss_mb"] / a["driver_rss_mb"], 3),
+        "first_block_s_1m": round(b["first_block_s"], 2),
+        "files_per_night_1m": max(b["data_files"].values()),
+        "img_s_ratio_1m_100k": round(rate[f"local {large:,}"] / rate[f"local {small:,}"], 3),
+        "commit_share_1m": round(b["phase_s"].get("commit", 0.0) / b["elapsed_s"], 4),
+        "sizes": [small, large],
+        "nights": nights,
+    }
+    print(
+        f"targets: driver RSS ratio {summary['driver_rss_ratio']} (<= 1.25), first block "
+        f"{summary['first_block_s_1m']} s (<= 30), files {summary['files_per_night_1m']} (<= 20), "
+        f"img/s ratio {summary['img_s_ratio_1m_100k']} (>= 0.95), commit share {summary['commit_share_1m']} (<= 0.02)"
+    )
+    print(json.dumps(summary))
+
+
+def s3_measure(count: int, latency_ms: float, work: str, env: dict[str, str]) -> dict[str, Any]:
+    from bench.s3_proxy import s3_proxy
+    from bench.s3_server import s3_server
+
+    with s3_server() as endpoint:
+        prefix = s3_night(endpoint, count)
+        with s3_proxy(endpoint, latency_ms=latency_ms, methods=["GET", "HEAD", "PUT", "POST", "DELETE"]) as proxy:
+            s3_env = {
+                **env,
+                "AWS_ENDPOINT_URL": proxy.endpoint,
+                "AWS_ACCESS_KEY_ID": "bench",
+                "AWS_SECRET_ACCESS_KEY": "bench",
+                "AWS_DEFAULT_REGION": "us-east-1",
+            }
+            return measure("s3", prefix, work, s3_env)
+
+
+if __name__ == "__main__":
+    main()
