@@ -243,6 +243,7 @@ def s3_measure(count: int, latency_ms: float, work: str, env: dict[str, str]) ->
     from bench.s3_proxy import s3_proxy
     from bench.s3_server import s3_server
 
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"})  # moto takes any
     with s3_server() as endpoint:
         prefix = s3_night(endpoint, count)
         with s3_proxy(endpoint, latency_ms=latency_ms, methods=["GET", "HEAD", "PUT", "POST", "DELETE"]) as proxy:

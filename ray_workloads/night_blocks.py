@@ -140,7 +140,8 @@ def reports_batch(reports: list[BlockReport]) -> dict[str, np.ndarray]:
 def _write_parquet(uri: str, table: pa.Table, report: BlockReport | None = None) -> int:
     if report is not None:
         table = table.replace_schema_metadata({_REPORT_KEY: report.to_json().encode()})
-    return storage.write_parquet_atomic(uri, table)
+    # not fsynced: a block torn by a machine crash reads as unwritten (written_report) and is predicted again
+    return storage.write_parquet_atomic(uri, table, durable=False)
 
 
 def write_block_files(
@@ -165,7 +166,9 @@ def written_report(output: NightOutput, block: str) -> BlockReport | None:
         if info.size is None:  # not there: never written, or written by no attempt that finished it
             return None
         metadata = pq.read_metadata(path, filesystem=fs).metadata or {}
-    except (OSError, pa.ArrowInvalid) as exc:
+    except pa.ArrowInvalid:
+        return None  # torn (a machine crash before it reached the disk): predicted again
+    except OSError as exc:
         raise storage.storage_error(exc, "reading the footer of", uri) from exc
     if _REPORT_KEY not in metadata:
         return None

@@ -183,8 +183,7 @@ def compact_night(
     """Compact the night's block files (module docstring), in Ray tasks; one empty predictions file when none."""
     import ray
 
-    remote = ray.remote(num_cpus=0.25)(compact_group)
-    refs: list[Any] = []
+    work: list[tuple[Any, ...]] = []
     for kind in KINDS:
         groups = plan_groups(totals.sizes(kind), min_rows, min_bytes)
         if kind == "predictions" and not groups:
@@ -192,8 +191,12 @@ def compact_night(
             # so listings (monitor, rollouts) see the night, and the rerun replaces it like any other
             groups = [[]]
         values = constants if kind == "predictions" else {}
-        refs.extend(remote.remote(output, kind, parts, i, schemas[kind], values) for i, parts in enumerate(groups))
-    return ray_work.gather(refs)
+        work.extend((output, kind, parts, i, schemas[kind], values) for i, parts in enumerate(groups))
+    if len(work) <= len(KINDS):
+        # a night of at most one file per table (under min_rows): compacted here, without a task's worker
+        return [compact_group(*args) for args in work]
+    remote = ray.remote(num_cpus=0.25)(compact_group)
+    return ray_work.gather([remote.remote(*args) for args in work])
 
 
 def compacted_digest(files: list[CompactedFile]) -> SetDigest:
@@ -244,8 +247,11 @@ def remove_blocks(output: NightOutput, parts: list[str]) -> None:
     """
     import ray
 
-    remote = ray.remote(num_cpus=0.25)(_remove_parts)
     groups = [parts[i : i + PARTS_PER_REMOVAL] for i in range(0, len(parts), PARTS_PER_REMOVAL)]
-    ray_work.gather([remote.remote(output, group) for group in groups])
+    if len(groups) == 1:
+        _remove_parts(output, groups[0])  # a small night: here, without a task's worker
+    else:
+        remote = ray.remote(num_cpus=0.25)(_remove_parts)
+        ray_work.gather([remote.remote(output, group) for group in groups])
     for table in (output.predictions_table, output.errors_table):
         storage.remove_tree(storage.join(storage.normalize(table), output.night.relative_dir, f"blocks-{output.key}"))

@@ -51,7 +51,9 @@ ROWS_PER_PART = 100_000
 # Sub-prefixes a level must have before its groups go to Ray tasks; with fewer, the next level is looked at.
 FANOUT = 8
 MAX_DEPTH = 3
-PREFIXES_PER_GROUP = 64
+PREFIXES_PER_GROUP = 8
+# Objects the caller lists itself before it hands the remaining groups of sub-prefixes to Ray tasks.
+INLINE_OBJECTS = 100_000
 _EXAMPLES_PER_REASON = 5
 # The form of the content hash: 1, the sha256 of the sorted listing (before); 2, of the set digest.
 LISTING_VERSION = 2
@@ -182,6 +184,11 @@ class _PartWriter:
             )
         )
 
+    @property
+    def count(self) -> int:
+        """Inputs taken so far."""
+        return sum(part.rows for part in self.parts) + len(self._columns["uri"])
+
     def close(self) -> _GroupListing:
         if self._columns["uri"]:
             self._flush()
@@ -287,14 +294,22 @@ def list_group(root: str, prefixes: list[str], staging: str, group: str, rows_pe
 
 
 class _Dispatcher:
-    """Sends groups of sub-prefixes to Ray tasks (inline without a Ray connection); collects them in order."""
+    """Lists groups of sub-prefixes: in the caller while what it listed is small, then in Ray tasks.
 
-    def __init__(self, root: str, staging: str, rows_per_part: int) -> None:
+    A small prefix is listed faster by the caller alone, into its own parts,
+    than by tasks that each need a worker process (seconds apiece on a fresh
+    cluster) and each write parts of their own; past :data:`INLINE_OBJECTS`
+    listed objects the remaining groups go to Ray tasks, which list in
+    parallel. Without a Ray connection everything is listed in the caller.
+    Results are collected in group order.
+    """
+
+    def __init__(self, own: _PartWriter) -> None:
         import ray
 
-        self.root, self.staging, self.rows_per_part = root, staging, rows_per_part
+        self.own = own
         self._pending: list[str] = []
-        self._results: list[Any] = []
+        self._refs: list[Any] = []
         self._remote = ray.remote(num_cpus=0.25)(list_group) if ray.is_initialized() else None
 
     def add(self, prefix: str) -> None:
@@ -306,13 +321,18 @@ class _Dispatcher:
         if not self._pending:
             return
         prefixes, self._pending = self._pending, []
-        group = f"g{len(self._results) + 1:05d}"  # g00000 is the caller's own objects
-        args = (self.root, prefixes, self.staging, group, self.rows_per_part)
-        self._results.append(self._remote.remote(*args) if self._remote else list_group(*args))
+        if self._remote is None or self.own.count < INLINE_OBJECTS:
+            _, walk_all = _walkers(self.own.root)
+            for rel in prefixes:
+                for entry in walk_all(self.own.root, rel):
+                    self.own.add(entry)
+            return
+        group = f"g{len(self._refs) + 1:05d}"  # g00000 is the caller's own parts
+        self._refs.append(self._remote.remote(self.own.root, prefixes, self.own.staging, group, self.own.rows_per_part))
 
     def gather(self) -> list[_GroupListing]:
         self.flush()
-        return ray_work.gather(self._results) if self._remote else self._results
+        return [self.own.close(), *(ray_work.gather(self._refs) if self._refs else [])]
 
 
 def list_to_parts(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROWS_PER_PART) -> StreamedListing:
@@ -322,7 +342,7 @@ def list_to_parts(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROW
     root = storage.normalize(prefix_uri)
     walk_level, _ = _walkers(root)
     own = _PartWriter(root, staging_uri, "g00000", rows_per_part)
-    dispatcher = _Dispatcher(root, staging_uri, rows_per_part)
+    dispatcher = _Dispatcher(own)
     frontier = [""]
     for depth in range(MAX_DEPTH + 1):
         found: list[str] = []
@@ -343,7 +363,7 @@ def list_to_parts(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROW
         if not found:
             break
         frontier = found
-    listings = [own.close(), *dispatcher.gather()]
+    listings = dispatcher.gather()
     skips = _Skips()
     for listing in listings:
         skips.merge(listing.skips)

@@ -136,11 +136,12 @@ def read_bytes(uri: str) -> bytes:
         raise storage_error(exc, "reading", uri) from exc
 
 
-def write_bytes_atomic(uri: str, data: bytes) -> None:
+def write_bytes_atomic(uri: str, data: bytes, *, durable: bool = True) -> None:
     """Write ``data`` so that readers see either nothing/the old object or all of it.
 
-    Local: a temp file in the same folder, fsynced, then ``os.replace``.
-    S3: a single PUT is already atomic for readers.
+    Local: a temp file in the same folder, fsynced (unless not ``durable``:
+    scratch files that a reader checks anyway, such as a night's blocks), then
+    ``os.replace``. S3: a single PUT is already atomic for readers.
     """
     fs, path = filesystem(uri)
     try:
@@ -153,8 +154,9 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+                if durable:
+                    handle.flush()
+                    os.fsync(handle.fileno())
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
@@ -177,12 +179,12 @@ def read_json(uri: str) -> Any:
         raise InputDataError(f"{uri} is not valid JSON: {exc}") from exc
 
 
-def write_parquet_atomic(uri: str, table: pa.Table) -> int:
+def write_parquet_atomic(uri: str, table: pa.Table, *, durable: bool = True) -> int:
     """Write ``table`` as one Parquet file atomically; returns the file's size in bytes."""
     buffer = io.BytesIO()
     pq.write_table(table, buffer, compression="zstd")
     data = buffer.getvalue()
-    write_bytes_atomic(uri, data)
+    write_bytes_atomic(uri, data, durable=durable)
     return len(data)
 
 

@@ -40,6 +40,7 @@ def test_the_listing_in_ray_tasks_finds_what_the_whole_listing_found(
     source = storage.join(root, "incoming")
     keys = _seed(source)
     monkeypatch.setattr(listing, "PREFIXES_PER_GROUP", 4)  # several groups of hour and hash prefixes
+    monkeypatch.setattr(listing, "INLINE_OBJECTS", 0)  # every group in a Ray task, however small the prefix
     streamed = listing.list_to_parts(source, storage.join(root, "_staging", "l"), rows_per_part=5)
     assert len({part.name.split("-")[0] for part in streamed.parts}) >= 4, "the sub-prefixes went to several tasks"
     listed = list(listing.iter_objects(streamed))
