@@ -81,6 +81,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_workloads.inference_contract import COMPUTE_BOUND_OBJECTS_PER_TASK, SMALL_IMAGE_SIDE
 from ray_workloads.inference_contract import InferenceConfig as InferenceConfig  # where callers have always found it
@@ -204,7 +205,10 @@ def _predict_and_write(
     # (a streaming repartition does the same as one more operator, ~7 s slower to the first block here)
     context.target_max_block_size = 1
     cut_blocks = partial(cut_part, output=output, size=size, resuming=any_block_written(output))
-    cut = dataset.flat_map(cut_blocks, num_cpus=0.25)  # reads a part: light, beside the actors' CPUs
+    # on the driver's node, as from_items would put them: the blocks' rows then outlive a lost worker node
+    # (a row on a lost node would need its part's task run again, which Ray Data here waited for in vain)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    cut = dataset.flat_map(cut_blocks, num_cpus=0.25, scheduling_strategy=here)  # light: beside the actors
     return cut.map_batches(
         _counting_predictor(),
         fn_constructor_args=(shown, cfg.model, cfg.top_k, cfg.batch_size, cfg.io_concurrency, output, _constants(cfg)),

@@ -309,8 +309,9 @@ class _Builder:
     def _raw_objects(self, manifest_uri: str) -> tuple[list[LineageNode], int]:
         """The objects an ingest read, each pinned to its etag by the shard rows."""
         shards = [s.uri for s in manifests.read(manifest_uri, IngestManifest).shards]
-        table = storage.read_parquet(shards)
-        rows = table.select(["uri", "etag"]).to_pylist() if table.num_rows else []
+        table = storage.read_parquet(shards, columns=["uri", "etag"])
+        # by URI: shards follow the listing's order, which on local disk is each folder's own
+        rows = sorted(table.to_pylist(), key=lambda row: str(row["uri"])) if table.num_rows else []
         shown = rows if self.max_objects is None else rows[: self.max_objects]
         nodes = [LineageNode(uri=r["uri"], kind="raw object", etag=r["etag"]) for r in shown]
         return nodes, len(rows) - len(shown)
