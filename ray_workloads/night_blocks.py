@@ -75,8 +75,13 @@ def block_name(part: str, start: int) -> str:
     return f"{part}/b{start:09d}"
 
 
+def blocks_root(table: str, night: Night, key: str) -> str:
+    """``<table>/model_name=<m>/dt=<d>/blocks-<key>``: every block file of one night key in one table."""
+    return storage.join(storage.normalize(table), night.relative_dir, f"blocks-{key}")
+
+
 def block_folder(table: str, night: Night, key: str, part: str) -> str:
-    return storage.join(storage.normalize(table), night.relative_dir, f"blocks-{key}", part)
+    return storage.join(blocks_root(table, night, key), part)
 
 
 def block_file_uri(table: str, night: Night, key: str, block: str) -> str:
@@ -202,9 +207,7 @@ def cut_part(row: dict[str, Any], *, output: NightOutput, size: int, resuming: b
 
 def any_block_written(output: NightOutput) -> bool:
     """Whether any attempt under the night's key wrote a block (then a rerun looks for each one)."""
-    table = storage.normalize(output.predictions_table)
-    folder = storage.join(table, output.night.relative_dir, f"blocks-{output.key}")
-    return bool(storage.list_folders(folder))
+    return bool(storage.list_folders(blocks_root(output.predictions_table, output.night, output.key)))
 
 
 def listing_staging_uri(root: str, night: Night) -> str:

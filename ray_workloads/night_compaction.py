@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ray_workloads.night_blocks import BlockReport, NightOutput, block_folder
+from ray_workloads.night_blocks import BlockReport, NightOutput, block_folder, blocks_root
 from rayline import ray_work, storage
 from rayline.delta_tables import Night
 from rayline.digests import SetDigest, combine
@@ -149,7 +149,7 @@ def compact_group(
     table = output.predictions_table if kind == "predictions" else output.errors_table
     uri = data_file_uri(table, output.night, output.run_id, f"c{index:05d}")
     fs, path = storage.arrow_filesystem(uri)
-    digest, rows, buffered = SetDigest(), 0, []
+    digest, rows, buffered, buffered_rows = SetDigest(), 0, [], 0
     try:
         fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
         with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
@@ -160,9 +160,10 @@ def compact_group(
                     digest = digest + SetDigest.of(data.column("uri").to_pylist())
                     rows += data.num_rows
                     buffered.append(data)
-                    if sum(t.num_rows for t in buffered) >= ROW_GROUP_ROWS:
+                    buffered_rows += data.num_rows
+                    if buffered_rows >= ROW_GROUP_ROWS:
                         writer.write_table(pa.concat_tables(buffered), row_group_size=ROW_GROUP_ROWS)
-                        buffered = []
+                        buffered, buffered_rows = [], 0
             if buffered or rows == 0:
                 writer.write_table(pa.concat_tables(buffered) if buffered else schema.empty_table())
         size = fs.get_file_info(path).size
@@ -254,4 +255,4 @@ def remove_blocks(output: NightOutput, parts: list[str]) -> None:
         remote = ray.remote(num_cpus=0.25)(_remove_parts)
         ray_work.gather([remote.remote(output, group) for group in groups])
     for table in (output.predictions_table, output.errors_table):
-        storage.remove_tree(storage.join(storage.normalize(table), output.night.relative_dir, f"blocks-{output.key}"))
+        storage.remove_tree(blocks_root(table, output.night, output.key))
