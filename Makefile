@@ -1,41 +1,51 @@
 # The two commands a newcomer types: `make demo` and `make test`.
 # Both create .venv and install on first use; later runs skip the install
-# unless pyproject.toml or constraints.txt changed. `make check` is the inner
-# loop: lint, types and the unit tier only (no Ray, no S3 server, no Prefect API).
+# unless pyproject.toml or constraints.txt changed. The demo installs only
+# what it runs; the test targets add the `dev` extras (pytest, moto, ruff,
+# mypy, playwright) on top. `make check` is the inner loop: lint, types and
+# the unit tier only (no Ray, no S3 server, no Prefect API).
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: install demo test check lint typecheck unit bench clean
+.PHONY: install install-dev demo test check lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(PIP) -e .
 	@touch $(STAMP)
 
+$(DEV_STAMP): $(STAMP)
+	$(PIP) -e '.[dev]'
+	@touch $(DEV_STAMP)
+
 install: $(STAMP)
+
+install-dev: $(DEV_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/rayline demo
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: $(STAMP)
+typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
 test: lint typecheck
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-unit: $(STAMP)
+unit: $(DEV_STAMP)
 	$(BIN)/pytest -m unit $(PYTEST_ARGS)
 
 check: lint typecheck unit
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(BIN)/python bench/ingest.py
 	$(BIN)/python bench/train.py
 	$(BIN)/python bench/batch_inference.py

@@ -54,12 +54,12 @@ What each figure includes:
   (database under the cache folder, created by a first untimed run), a fresh
   embedded Ray cluster, the flow, teardown.
 
-Reading a night back (``--parts table``, bench/table_reads.py): no Ray, no
+Reading a night back (``--parts table``, bench/support/table_reads.py): no Ray, no
 model; a predictions table of 30 synthetic nights of 20k rows
 (``--table-nights``, ``--table-rows``), ``read_night`` of night 1 when the
 table holds one night against night 30 when it holds 30.
 
-Compute-bound case (``--parts resnet``, bench/resnet_inference.py): ResNet-18
+Compute-bound case (``--parts resnet``, bench/support/resnet_inference.py): ResNet-18
 (``--arch resnet50``) with random weights on 2,000 and 10,000 real-photo JPEGs
 (``--resnet-sizes``), local and/or S3 (``--resnet-storage``), against a plain
 DataLoader loop; on a machine with a GPU both sides also run on it.
@@ -88,13 +88,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench import resnet_inference, table_reads  # noqa: E402
-from bench.inference_images import CACHE, IMAGE_SIZE, ensure_images, input_folder, warm_page_cache  # noqa: E402
-from bench.inference_night import DAY, connect_for_night, register_untrained  # noqa: E402
-from bench.inference_report import commit_share, print_pair, rate  # noqa: E402
-from bench.inference_s3 import s3_images, server_ceiling  # noqa: E402
-from bench.plain_inference import BATCH_SIZE, choose_torch_threads, plain_loop  # noqa: E402
-from bench.process_tree import wait_until_idle, watch_tree  # noqa: E402
+from bench.support import resnet_inference, table_reads  # noqa: E402
+from bench.support.inference_images import CACHE, IMAGE_SIZE, ensure_images, input_folder, warm_page_cache  # noqa: E402
+from bench.support.inference_night import DAY, connect_for_night, register_untrained  # noqa: E402
+from bench.support.inference_report import commit_share, print_pair, rate  # noqa: E402
+from bench.support.inference_s3 import s3_images, server_ceiling  # noqa: E402
+from bench.support.plain_inference import BATCH_SIZE, choose_torch_threads, plain_loop  # noqa: E402
+from bench.support.process_tree import wait_until_idle, watch_tree  # noqa: E402
 
 RESULT = "BENCH-RESULT "
 
@@ -103,7 +103,7 @@ RESULT = "BENCH-RESULT "
 
 
 def _model_version(root: str) -> Any:
-    from rayline import registry
+    from rayline.models import registry
 
     os.environ["RAYLINE_STORAGE"] = root
     return registry.resolve("digits", "champion")

@@ -5,7 +5,7 @@
 (c) a plain boto3 client doing 32 concurrent GETs, no Ray, no output.
 
 Each is measured twice: against the bare server, and through the
-fault-injecting proxy (``bench/s3_proxy.py``, no faults) adding
+fault-injecting proxy (``rayline/testing/s3_proxy.py``, no faults) adding
 ``--latency-ms`` (20 by default: real S3's order of magnitude for a small
 GET) to every request, where per-request latency, not the server's CPU,
 bounds throughput.
@@ -20,16 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.s3_proxy import s3_proxy  # noqa: E402
-from bench.s3_server import S3_ENV, create_bucket, process_cpu_seconds, s3_server  # noqa: E402
+from rayline.testing.s3_proxy import s3_proxy
+from rayline.testing.s3_server import S3_ENV, create_bucket, process_cpu_seconds, s3_server
 
 BUCKET = "rayline-bench"
 REPEATS = 3

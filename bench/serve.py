@@ -248,14 +248,14 @@ def main() -> None:
 
     from ray import serve
 
-    from bench.inference_night import register_untrained
-    from bench.s3_server import free_port
+    from bench.support.inference_night import register_untrained
     from ray_workloads.models import ModelSpec
     from ray_workloads.serving import control as serve_control
     from ray_workloads.serving.config import ServeConfig
     from ray_workloads.serving.model_server import model_app
     from rayline import ray_cluster
     from rayline.seed import digit_objects
+    from rayline.testing.s3_server import free_port
 
     bodies = [data for _, data in itertools.islice(digit_objects(32), 500)]
     spec = ModelSpec(num_classes=10)  # what register_untrained registers

@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 LENGTHS = [int(e) for e in os.environ.get("BENCH_EPOCHS", "12,60").split(",")]
 RESULT = "BENCH-RESULT "
 

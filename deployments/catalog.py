@@ -37,7 +37,7 @@ from prefect.events.schemas.automations import Posture
 from prefect.schedules import Cron, Interval, Schedule
 
 from rayline import events
-from rayline.prediction_reads import DEFAULT_RETENTION_HOURS
+from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS
 
 RETRAIN_DEBOUNCE = timedelta(minutes=30)
 

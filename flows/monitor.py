@@ -3,7 +3,7 @@
 It also vacuums the two night tables (``vacuum_retention_hours``): files
 replaced by reruns and files of runs that never committed are deleted once no
 version within the retention needs them, so every version current within it
-stays readable by number (``rayline.prediction_reads``).
+stays readable by number (``rayline.tables.prediction_reads``).
 
 Every read and write of the registry, storage and serving goes through a
 task (``tasks.models``, ``tasks.monitoring``, ``tasks.maintenance``).
@@ -19,11 +19,11 @@ from ray_workloads import monitor as mon
 from ray_workloads.serving.config import config_from_settings
 from rayline import events
 from rayline.errors import RaylineError
-from rayline.layout import metrics_uri as metrics_file_uri
-from rayline.layout import model_name as checked_model_name
-from rayline.layout import root_uri
-from rayline.prediction_reads import DEFAULT_RETENTION_HOURS, check_retention
-from rayline.registry import CHAMPION
+from rayline.models.registry import CHAMPION
+from rayline.storage.layout import metrics_uri as metrics_file_uri
+from rayline.storage.layout import model_name as checked_model_name
+from rayline.storage.layout import root_uri
+from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS, check_retention
 from tasks.common import emit, png_markdown
 from tasks.maintenance import vacuum_tables_task
 from tasks.models import reconcile_mirror_task, resolve_version_task

@@ -8,7 +8,7 @@ submits one ``batch-inference`` task per night, at most
 ``max_concurrent_nights`` at a time: each night is its own Delta commit and
 its own task run, and a night that fails (any exception, or over its error
 budget) leaves the others running. The run ends with one table artifact row
-per night, then raises :class:`~rayline.nights.NightsFailed` if any night
+per night, then raises :class:`~rayline.tables.nights.NightsFailed` if any night
 failed, so the flow run ends Failed naming them.
 """
 
@@ -24,13 +24,13 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
 from ray_workloads.batch_inference import InferenceConfig, InferenceResult, NightSkipped
-from rayline import nights
 from rayline.config import get_settings
 from rayline.errors import ErrorBudgetExceeded
-from rayline.layout import root_uri
 from rayline.lineage import code_version
-from rayline.nights import BackfillResult, NightOutcome, NightsFailed
-from rayline.registry import ModelVersion
+from rayline.models.registry import ModelVersion
+from rayline.storage.layout import root_uri
+from rayline.tables import nights
+from rayline.tables.nights import BackfillResult, NightOutcome, NightsFailed
 from tasks.batch_inference import batch_inference_task, cluster_cpus
 
 BACKFILL_ARTIFACT = "nightly-inference-backfill"

@@ -14,12 +14,12 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 
 from flows.nightly_backfill import check_error_budget, night_config, run_range
 from ray_workloads.batch_inference import InferenceResult, NightSkipped
-from rayline import nights
 from rayline.errors import ConfigError
-from rayline.layout import model_name as checked_model_name
-from rayline.layout import parse_day, yesterday_utc
-from rayline.nights import BackfillResult
 from rayline.skipped import skipped_text
+from rayline.storage.layout import model_name as checked_model_name
+from rayline.storage.layout import parse_day, yesterday_utc
+from rayline.tables import nights
+from rayline.tables.nights import BackfillResult
 from tasks.batch_inference import batch_inference_task
 from tasks.models import parse_model_ref_task, resolve_version_task
 
@@ -56,7 +56,7 @@ def nightly_inference(
     ``date_from`` and ``date_to`` (inclusive, instead of ``date``) run a range
     of nights with the version ``model`` names when the run starts,
     ``max_concurrent_nights`` at a time (default: as many as the cluster has
-    CPUs for, see :func:`rayline.nights.nights_at_once`). Each night commits
+    CPUs for, see :func:`rayline.tables.nights.nights_at_once`). Each night commits
     on its own and is judged against the error budget on its own; the run
     returns a ``BackfillResult`` when every night committed or was skipped,
     and fails naming the failed nights otherwise (the others stay committed).

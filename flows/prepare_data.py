@@ -10,8 +10,8 @@ from ray_workloads.images import ImageSpec
 from ray_workloads.ingest import IngestConfig, IngestResult
 from ray_workloads.preprocess import PreprocessConfig, PreprocessResult, error_sample
 from rayline.config import get_settings
-from rayline.layout import RAW_DIR, under_root
 from rayline.specs import squash
+from rayline.storage.layout import RAW_DIR, under_root
 from tasks.ingest import ingest_objects
 from tasks.preprocess import preprocess_images
 

@@ -8,10 +8,10 @@ from pydantic import BaseModel
 from ray_workloads.serving.config import ServeConfig, config_from_settings
 from ray_workloads.serving.rollout import GateConfig, RolloutConfig, StepReport
 from rayline.errors import LeaseLost, RolloutRolledBack
-from rayline.leases import HeldLease
-from rayline.registry import CHAMPION, ModelVersion
+from rayline.models.registry import CHAMPION, ModelVersion
+from rayline.storage.leases import HeldLease
 from tasks.models import alias_version_task, resolve_version_task
-from tasks.rollouts import another_rollout_holds_task, probe_source_task, rollout_lease
+from tasks.rollouts import LEASE_TTL_S, another_rollout_holds_task, probe_source_task, rollout_lease
 from tasks.serve import PreparedRollout, prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
 
 
@@ -22,6 +22,7 @@ class RolloutResult(BaseModel):
     promoted: bool
     reason: str
     steps: list[StepReport]
+    reconciled: str | None = None  # what a rollout that did not finish left, and that it was rolled back
 
 
 def serve_config() -> ServeConfig:
@@ -37,20 +38,28 @@ def serve_rollout(
     soak_s: float = 10.0,
     probe_rps: float = 20.0,
     probe_uri: str | None = None,
+    probe_images: int = 64,
     max_error_rate: float = 0.01,
     max_p95_ratio: float = 1.5,
     min_agreement: float = 0.9,
     min_requests: int = 20,
     lease_wait_s: float = 1800.0,
+    lease_ttl_s: float = LEASE_TTL_S,
 ) -> RolloutResult:
     """Step ``candidate`` (alias or version) through the traffic ``steps`` (default 10 → 50 → 100 %).
 
-    Each step soaks for ``soak_s`` seconds with canary probes from ``probe_uri``
-    (default: the candidate's training images, or an outside model's latest
-    night's inputs) and is judged on error rate, p95 latency and — at the
-    first step — agreement with the serving version. A failed gate rolls back
+    It starts by reconciling serving with the registry: weights a rollout that did not finish (its
+    process killed, its lease expired) left on versions other than the champion go back to the
+    champion, and the result's ``reconciled`` says what was found. Each step soaks for ``soak_s``
+    seconds with canary probes from ``probe_uri`` (default: the candidate's training images, or
+    an outside model's latest night's inputs) and is judged on error rate, p95 latency and — at the
+    first step — agreement with the serving version on ``probe_images`` of those images. A failed gate rolls back
     and fails the flow with the reason; a full pass makes the candidate
     champion and retires the old version's deployment.
+
+    The model's rollout lease is renewed every ``lease_ttl_s`` / 3 seconds: a rollout whose process
+    died is taken over ``lease_ttl_s`` after its last renewal; a second rollout waits up to
+    ``lease_wait_s`` for it.
     """
     serve = serve_config()
     version = resolve_version_task(model_name, candidate)
@@ -59,6 +68,7 @@ def serve_rollout(
         soak_s=soak_s,
         probe_rps=probe_rps,
         probe_uri=probe_uri or probe_source_task(version),
+        probe_images=probe_images,
         gates=GateConfig(
             max_error_rate=max_error_rate,
             max_p95_ratio=max_p95_ratio,
@@ -67,7 +77,8 @@ def serve_rollout(
         ),
         serve=serve,
     )
-    with rollout_lease(model_name, lease_wait_s) as lease:  # held across every task of the rollout, not in one
+    # held across every task of the rollout, not in one
+    with rollout_lease(model_name, lease_wait_s, lease_ttl_s) as lease:
         result = _roll_out(cfg, version, serve, lease)
     if not result.steps and lease.waited_s > 1.0:  # say why there was nothing to do
         result.reason += f" (another rollout promoted it while this one waited {lease.waited_s:.0f} s for the lease)"
@@ -75,8 +86,20 @@ def serve_rollout(
 
 
 def _roll_out(cfg: RolloutConfig, version: ModelVersion, serve: ServeConfig, lease: HeldLease) -> RolloutResult:
-    prepared = prepare_rollout_task(version, serve)
-    if prepared.incumbent.version == prepared.candidate.version:
+    # every traffic move carries the lease's fencing token: one paused past the lease's ttl (after its
+    # ensure_held) is refused by the control actor once the rollout that took over has moved traffic
+    prepared = prepare_rollout_task(version, serve, lease.fencing_token())
+    result = _roll_out_prepared(cfg, prepared, serve, lease)
+    if prepared.reconciled is not None:
+        result.reconciled = prepared.reconciled.describe()
+    return result
+
+
+def _roll_out_prepared(
+    cfg: RolloutConfig, prepared: PreparedRollout, serve: ServeConfig, lease: HeldLease
+) -> RolloutResult:
+    version = prepared.candidate
+    if not prepared.needed:  # the champion serves all traffic (prepare reconciled any other weights)
         return RolloutResult(
             model=version.name,
             candidate=version.version,
@@ -91,7 +114,7 @@ def _roll_out(cfg: RolloutConfig, version: ModelVersion, serve: ServeConfig, lea
         _step_through(cfg, prepared, reports, serve, lease)
         lease.ensure_held()  # a run that lost its lease (paused past its expiry) must not move the champion alias
         promoting = True
-        promote_task(prepared, reports, serve)
+        promote_task(prepared, reports, serve, lease.lease.holder)
     except RolloutRolledBack:
         raise  # rolled back already
     except LeaseLost:

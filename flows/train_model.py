@@ -16,7 +16,7 @@ from ray_workloads.models import ModelSpec
 from ray_workloads.train import TrainConfig, TrainResult
 from ray_workloads.training_loop import TrainLoopConfig
 from ray_workloads.tune import TuneJobConfig, TuneResult
-from rayline.layout import under_root
+from rayline.storage.layout import under_root
 from tasks.models import reconcile_mirror_task
 from tasks.register import RegistrationResult, register_and_gate
 from tasks.train import evaluate_task, train_model_task

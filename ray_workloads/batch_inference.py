@@ -5,7 +5,7 @@ markers: :func:`rayline.storage.list_inputs`) get no row; the result counts
 them per reason (``skipped``).
 
 The listing is streamed into Parquet parts of keys and ETags
-(:func:`rayline.listing.list_to_parts`, in Ray tasks where the prefix has
+(:func:`rayline.storage.listing.list_to_parts`, in Ray tasks where the prefix has
 sub-prefixes): the driver keeps per part only counts and digests. A Ray Data
 ``flat_map`` cuts the parts into blocks of ``objects_per_task`` URIs
 (:mod:`ray_workloads.night_blocks`), and one ``map_batches`` stage runs
@@ -20,7 +20,7 @@ and digests, and then Ray tasks compact the block files into files sized for
 readers, checked against the listing again
 (:mod:`ray_workloads.night_compaction`). Those are committed: one Delta
 commit per table that replaces the night's partition (``model_name``,
-``dt``) with this run's files (:func:`rayline.predictions_table.commit_night`),
+``dt``) with this run's files (:func:`rayline.tables.predictions_table.commit_night`),
 ``prediction_errors`` first, then ``predictions``. Until then the files are
 invisible to every Delta reader, so a killed or failed run leaves nothing a
 reader sees; a rerun replaces the night in one commit and the previous
@@ -31,7 +31,7 @@ and predicts only the others (:mod:`ray_workloads.night_blocks`).
 The two commits: a reader of ``predictions`` alone sees the old night or the
 new one, never a mix. The predictions commit is the night's "done" marker;
 between the two commits the errors table already holds the new run's errors.
-:func:`rayline.prediction_reads.read_night_pair` pairs both tables by run id
+:func:`rayline.tables.prediction_reads.read_night_pair` pairs both tables by run id
 (the errors table read at the version carrying the predictions' run).
 
 Overlapping runs of one night: each run reads the night's commit count when
@@ -83,10 +83,10 @@ import pyarrow as pa
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_workloads.inference_contract import COMPUTE_BOUND_OBJECTS_PER_TASK, SMALL_IMAGE_SIDE
 from ray_workloads.inference_contract import InferenceConfig as InferenceConfig  # where callers have always found it
 from ray_workloads.inference_contract import InferenceResult as InferenceResult
 from ray_workloads.inference_contract import NightSkipped as NightSkipped
+from ray_workloads.inference_contract import block_size
 from ray_workloads.inference_predictor import PredictorUDF
 from ray_workloads.night_blocks import (
     BlockReport,
@@ -98,12 +98,14 @@ from ray_workloads.night_blocks import (
     night_key,
 )
 from ray_workloads.night_compaction import NightTotals, check_rows, compact_checked, remove_blocks
-from rayline import errors, leases, progress, storage
-from rayline.delta_tables import Night, NightCommit, attempt_run_id, commit_log_bytes, find_commit, open_table
+from rayline import errors, progress, ray_work, storage
 from rayline.errors import InputDataError, RaylineError, RetriesExhausted, StorageError
-from rayline.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
-from rayline.listing import StreamedListing, list_to_parts
-from rayline.predictions_table import (
+from rayline.skipped import skipped_text
+from rayline.storage import leases
+from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
+from rayline.storage.listing import StreamedListing, list_to_parts
+from rayline.tables.delta_tables import Night, NightCommit, attempt_run_id, commit_log_bytes, find_commit, open_table
+from rayline.tables.predictions_table import (
     ERRORS_SCHEMA,
     PREDICTIONS_SCHEMA,
     CommitResult,
@@ -111,7 +113,6 @@ from rayline.predictions_table import (
     commit_night,
     night_seq,
 )
-from rayline.skipped import skipped_text
 
 if TYPE_CHECKING:
     from ray.data import Dataset
@@ -119,6 +120,12 @@ if TYPE_CHECKING:
 # A lost actor (OOM, node loss, killed) is restarted and its block retried;
 # an input that kills its actor every time fails the run after this many.
 # (Ray Data's default is to restart and retry forever.)
+# Ray's driver logs "Actor … has constructor arguments in the object store and max_restarts > 0"
+# (ray-project/ray#53727: a restart fails once such an argument is freed) for every actor pool:
+# the arguments are Ray Data's own, the DataContext and the map transformer (which carries the
+# predictor's constructor arguments), put by the operator and held by it for the whole run, so they
+# stay pinned on the driver's node and a restart after a worker node's loss finds them
+# (tests/integration/test_node_loss.py).
 _ACTOR_RESTARTS = 3
 # What a process that runs batch inference asks its embedded Ray cluster to
 # import in every worker at start (``ray_cluster.connect(preload=...)``), so
@@ -138,18 +145,22 @@ def _constants(cfg: InferenceConfig) -> dict[str, Any]:
     }
 
 
-def objects_per_task(cfg: InferenceConfig) -> int:
-    """Block size: large for cheap models (fewer calls), small for compute-bound ones.
+def objects_per_task(cfg: InferenceConfig, count: int) -> int:
+    """Block size for a night of ``count`` objects: large for cheap models (fewer calls), small for
+    compute-bound ones, and larger again past ``MAX_BLOCKS_PER_NIGHT`` blocks.
 
     A night ends when its last block does: with a compute-bound model (a ResNet
     at 224 px) a 256-object block can leave one actor working alone for several
     seconds at the end while the others idle; a 32-object block keeps that tail
     short (bench/README.md). Block files are compacted before the commit, so
-    the size of a block does not decide the size of the night's files.
+    the size of a block does not decide the size of the night's files. What
+    does grow with the number of blocks is the driver's work (Ray Data
+    schedules and reports each one: bench/README.md's CPU per block) and the
+    files written, listed and compacted: a 100 M-photo night in 32-object blocks
+    would be 3.1 M of each. Capped at 100,000 blocks it is 1,000 photos a block,
+    a tail of under a minute of one core at ResNet-18's rate (docs/capacity.md).
     """
-    if cfg.objects_per_task is not None:
-        return cfg.objects_per_task
-    return 256 if cfg.model.image_spec.size <= SMALL_IMAGE_SIDE else COMPUTE_BOUND_OBJECTS_PER_TASK
+    return block_size(cfg.model.image_spec.size, count, cfg.objects_per_task)
 
 
 def blocks_key(cfg: InferenceConfig, listing: StreamedListing) -> str:
@@ -159,7 +170,7 @@ def blocks_key(cfg: InferenceConfig, listing: StreamedListing) -> str:
             "model": [cfg.model.name, cfg.model.version, cfg.model.weights_uri],
             "dt": cfg.dt,
             "listing": listing.content_hash,
-            "objects_per_task": objects_per_task(cfg),
+            "objects_per_task": objects_per_task(cfg, listing.count),
             "top_k": cfg.top_k,
             "code_version": cfg.code_version,
             "parts": cfg.listing_part_objects,
@@ -193,13 +204,14 @@ def _predict_and_write(
     """The predictor actors over every block of the listing's parts (lazy: iterating it runs them)."""
     import ray.data  # here: the driver process needs it only while it runs inference
 
-    size = objects_per_task(cfg)
+    size = objects_per_task(cfg, listing.count)
     blocks = sum(math.ceil(part.rows / size) for part in listing.parts)  # arithmetic, not a list of blocks
     parts = [{"part": part.uri, "name": part.name} for part in listing.parts]
     dataset = ray.data.from_items(parts, override_num_blocks=len(parts))  # one Ray Data block per part
     context = dataset.context  # this dataset's own copy: the process-wide settings stay as they are
     context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
     context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
+    ray_work.stop_with_scope(context)  # a timed-out night stops its own actors, not its siblings' (a backfill)
     # every row its own Ray Data block: flat_map would otherwise put a part's blocks into one Ray Data
     # block, which one actor would take whole; one each, every actor of the pool takes blocks as it is free
     # (a streaming repartition does the same as one more operator, ~7 s slower to the first block here)

@@ -9,12 +9,23 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from rayline.folders import LeasedOutput
+from rayline.config import lease_ttl
 from rayline.lineage import DatasetRef
-from rayline.registry import ModelVersion
+from rayline.models.registry import ModelVersion
+from rayline.storage.folders import LeasedOutput
 
 SMALL_IMAGE_SIDE = 64
 COMPUTE_BOUND_OBJECTS_PER_TASK = 32
+# Blocks per night, at most: past it blocks grow instead (batch_inference.objects_per_task).
+MAX_BLOCKS_PER_NIGHT = 100_000
+
+
+def block_size(image_side: int, count: int, chosen: int | None = None) -> int:
+    """Objects per block of a night of ``count`` objects at ``image_side`` px (``chosen``: the user's)."""
+    if chosen is not None:
+        return chosen
+    base = 256 if image_side <= SMALL_IMAGE_SIDE else COMPUTE_BOUND_OBJECTS_PER_TASK
+    return max(base, -(-count // MAX_BLOCKS_PER_NIGHT))
 
 
 class InferenceConfig(LeasedOutput):
@@ -34,11 +45,12 @@ class InferenceConfig(LeasedOutput):
         None,
         ge=1,
         description="Objects per actor call; each call writes one file. Default: 256 for small images, "
-        f"{COMPUTE_BOUND_OBJECTS_PER_TASK} for images over {SMALL_IMAGE_SIDE} px (compute-bound models).",
+        f"{COMPUTE_BOUND_OBJECTS_PER_TASK} for images over {SMALL_IMAGE_SIDE} px (compute-bound models), "
+        f"more for nights past {MAX_BLOCKS_PER_NIGHT:,} such blocks.",
     )
     io_concurrency: int = Field(64, ge=1, description="Concurrent object reads per actor call.")
     listing_part_objects: int = Field(
-        100_000, ge=1, description="Objects per Parquet part of the night's listing (rayline.listing)."
+        100_000, ge=1, description="Objects per Parquet part of the night's listing (rayline.storage.listing)."
     )
     min_file_rows: int = Field(
         100_000, ge=1, description="Rows a committed data file reaches, unless min_file_bytes comes first."
@@ -48,7 +60,11 @@ class InferenceConfig(LeasedOutput):
     code_version: str = "unknown"
     flow_run_id: str | None = None
     # the night's lease: a dead holder blocks the night's next run this long at most
-    lease_ttl_s: float = Field(60.0, gt=0, description="Lease expiry after the last renewal (renewed every ttl/3).")
+    lease_ttl_s: float = Field(
+        default_factory=lambda: lease_ttl(60.0),
+        gt=0,
+        description="Lease expiry after the last renewal (renewed every ttl/3); default RAYLINE_LEASE_TTL_S or 60 s.",
+    )
 
 
 class InferenceResult(BaseModel):

@@ -26,9 +26,10 @@ import pyarrow as pa
 
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
 from ray_workloads.night_blocks import BLOCK_COLUMNS, BlockReport, NightOutput, reports_batch, write_block_files
-from rayline import fetching
-from rayline.predictions_table import ERRORS_SCHEMA, PREDICTIONS_SCHEMA
-from rayline.registry import ModelVersion
+from rayline import errors
+from rayline.models.registry import ModelVersion
+from rayline.storage import fetching
+from rayline.tables.predictions_table import ERRORS_SCHEMA, PREDICTIONS_SCHEMA
 
 if TYPE_CHECKING:
     from torch import nn
@@ -37,10 +38,12 @@ if TYPE_CHECKING:
 def fetch_and_decode(uris: list[str], spec: ImageSpec, concurrency: int) -> dict[str, np.ndarray]:
     """Fetch the objects and decode each image; a bad object becomes error fields, not an exception.
 
-    Reads that keep failing transiently (throttling, 5xx, resets) are no bad
-    object: ``fetching.fetch_many`` retries them and then raises
-    ``TransientStorageError``, which fails the night (uncommitted, outside the
-    error budget) for the task's retry to take up.
+    Reads that keep failing transiently (throttling, 5xx, resets, bodies cut
+    short) are no bad object: ``fetching.fetch_many`` retries them and then
+    raises ``TransientStorageError``, which fails the night (uncommitted,
+    outside the error budget) for the task's retry to take up. A read refused
+    for want of permission fails it too, as ``StorageAccessDenied`` (not
+    retried): the night's policy, not its inputs.
     """
     n = len(uris)
     images = np.zeros((n, 3, spec.size, spec.size), dtype=np.float32)
@@ -155,7 +158,12 @@ class PredictorUDF:
     def predict(self, rows: dict[str, np.ndarray]) -> None:
         """Add top-k predictions to the decoded rows, ``batch_size`` images per model call.
 
-        A model call that fails turns its rows into ``predict`` errors.
+        A model call that fails for its input turns its rows into ``predict``
+        errors. One that fails for the machine (out of memory, a CUDA error:
+        ``errors.model_call_fault``) raises instead: every sample would fail the
+        same way on this machine and none of them is to blame, so the night
+        fails uncommitted (``OutOfMemory`` not retried, ``DeviceError`` retried
+        by the task in a fresh actor pool).
         """
         n, ok = len(rows["ok"]), rows["ok"]
         rows["predicted_index"] = np.full(n, -1, dtype=np.int64)
@@ -169,6 +177,9 @@ class PredictorUDF:
             try:
                 self._predict_batch(rows, batch)
             except Exception as exc:  # the model call failed as a whole: each of its samples is an error row
+                fault = errors.model_call_fault(exc, f"a model call on {len(batch)} images")
+                if fault is not None:
+                    raise fault from exc
                 ok[batch] = False
                 rows["stage"][batch], rows["error_type"][batch] = "predict", type(exc).__name__
                 rows["error_message"][batch] = str(exc)[:500]

@@ -3,22 +3,24 @@
 Per-object latency dominates when reading thousands of small objects, so
 each Ray task fetches its slice of the listing with many concurrent reads
 (``fetching.fetch_many``), not one GET after another. An object that cannot
-be read for good (missing, forbidden, replaced since the listing) becomes a
-row with ``error_type`` set, never a failed job; one whose reads keep failing
-transiently (throttling, 5xx, resets, after ``fetch_many``'s rounds of
-retries) fails the job as transient and nothing is committed: a cached
-dataset never holds a transient error. Listed objects that are no inputs
+be read for good (missing, replaced since the listing) becomes a row with
+``error_type`` set, never a failed job; one whose reads keep failing
+transiently (throttling, 5xx, resets, bodies cut short, after ``fetch_many``'s
+rounds of retries) fails the job as transient, and a read refused for want of
+permission fails it as ``StorageAccessDenied`` (not retried): nothing is
+committed, so a cached dataset never holds a transient error or rows that only
+say this run's policy refused it. Listed objects that are no inputs
 (hidden or underscore names, folder markers) get no row: the manifest counts
 them per reason (``skipped``).
 
-The listing is streamed into Parquet parts (:func:`rayline.listing.list_to_parts`)
+The listing is streamed into Parquet parts (:func:`rayline.storage.listing.list_to_parts`)
 and shards are cut from them a part at a time: no process holds the whole
 listing. The output folder is named by the input's identity (source URI +
 the listing's content hash, a function of the set of ``(key, etag)`` pairs):
 unchanged input maps to the same folder,
 and a committed folder (``manifest.json`` written last,
-:class:`rayline.manifests.IngestManifest`) is reused as is. A run fills the
-folder only while it holds the folder's lease (:mod:`rayline.folders`): a
+:class:`rayline.storage.manifests.IngestManifest`) is reused as is. A run fills the
+folder only while it holds the folder's lease (:mod:`rayline.storage.folders`): a
 concurrent run on the same input waits, then reuses what the first committed.
 An ingest from before the hash changed form (the sorted listing's sha256) is
 recognised by its shards' (key, etag) digest and committed again under the
@@ -42,17 +44,24 @@ import ray
 from pydantic import BaseModel, Field
 
 from ray_workloads.ingest_legacy import legacy_ingest, migrated
-from rayline import fetching, folders, leases, lineage, manifests, progress, ray_work, storage
-from rayline.digests import SetDigest, item_hash
+from rayline import lineage, progress, ray_work, storage
 from rayline.errors import InputDataError, StorageError
-from rayline.layout import STAGING_DIR
 from rayline.lineage import DatasetRef
-from rayline.listing import LISTING_VERSION, ROWS_PER_PART, StreamedListing, content_digest, iter_objects, list_to_parts
-from rayline.listing import content_hash as listing_hash
-from rayline.manifests import MANIFEST as MANIFEST  # where tests and callers have always found it
-from rayline.manifests import IngestManifest, ShardInfo
 from rayline.skipped import skipped_text
-from rayline.storage import ObjectInfo
+from rayline.storage import ObjectInfo, fetching, folders, leases, manifests
+from rayline.storage.digests import SetDigest, item_hash
+from rayline.storage.layout import STAGING_DIR
+from rayline.storage.listing import (
+    LISTING_VERSION,
+    ROWS_PER_PART,
+    StreamedListing,
+    content_digest,
+    iter_objects,
+    list_to_parts,
+)
+from rayline.storage.listing import content_hash as listing_hash
+from rayline.storage.manifests import MANIFEST as MANIFEST  # where tests and callers have always found it
+from rayline.storage.manifests import IngestManifest, ShardInfo
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -122,7 +131,7 @@ class IngestResult(BaseModel):
 
 
 def content_hash(objects: Iterable[ObjectInfo]) -> str:
-    """The identity of an input version: :func:`rayline.listing.content_hash` of its (key, etag) pairs.
+    """The identity of an input version: :func:`rayline.storage.listing.content_hash` of its (key, etag) pairs.
 
     The same as a streamed listing's (:attr:`StreamedListing.content_hash`), whatever the order.
     """
@@ -249,11 +258,11 @@ def run(cfg: IngestConfig) -> IngestResult:
         digest = listing.content_hash
         output = storage.join(storage.normalize(cfg.output_root), dataset_id(source, digest))
 
-        def fill(lease: leases.HeldLease) -> IngestManifest:
+        def fill(lease: leases.HeldLease, files: str) -> IngestManifest:
             earlier = None if cfg.force else legacy_ingest(source, listing)
             if earlier is not None:
                 return migrated(earlier, listing, lease)
-            return _fetch(cfg, listing, source, digest, output, lease)
+            return _fetch(cfg, listing, source, digest, files, lease)
 
         done = folders.fill_once(
             output,
@@ -278,9 +287,9 @@ MAX_SHARDS_IN_FLIGHT = 64
 
 
 def _fetch(
-    cfg: IngestConfig, listing: StreamedListing, source: str, digest: str, output: str, lease: leases.HeldLease
+    cfg: IngestConfig, listing: StreamedListing, source: str, digest: str, files: str, lease: leases.HeldLease
 ) -> IngestManifest:
-    """Fetch every listed object into ``output``'s shards; the manifest that commits them (written after).
+    """Fetch every listed object into shards under ``files``; the manifest that commits them (written after).
 
     Shards are cut from the listing's parts, one part in memory at a time, and
     at most :data:`MAX_SHARDS_IN_FLIGHT` shard tasks wait at once.
@@ -297,8 +306,11 @@ def _fetch(
                 stats.append(landed)
 
         for chunk in _cut(iter_objects(listing), per_shard, cfg.shard_max_bytes):
-            uri = storage.join(output, "shards", f"part-{len(stats) + len(in_flight):05d}.parquet")
-            in_flight.append(fetch.remote(chunk, uri, cfg.io_concurrency))
+            uri = storage.join(files, "shards", f"part-{len(stats) + len(in_flight):05d}.parquet")
+            submitted = fetch.remote(chunk, uri, cfg.io_concurrency)
+            # tracked at once: a timed-out attempt cancels what it started before a retry clears the folder
+            ray_work.track([submitted])
+            in_flight.append(submitted)
             if len(in_flight) >= MAX_SHARDS_IN_FLIGHT:
                 ready, in_flight = ray.wait(in_flight, num_returns=1)
                 land(ready)

@@ -3,7 +3,7 @@
 Until ``rayline-listing-v2`` an ingest folder was named by the sha256 of the
 sorted (key, ETag) listing, a hash that needs the whole listing in one
 process. The hash is now of the listing's set digest
-(:mod:`rayline.listing`), so an unchanged input gets a new folder name. Rather
+(:mod:`rayline.storage.listing`), so an unchanged input gets a new folder name. Rather
 than fetch every object again, :func:`legacy_ingest` finds an older ingest of
 the same source in the ingest stage's lineage records whose shards hold
 exactly the listed (key, ETag) pairs, and :func:`migrated` commits its
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 
-from rayline import leases, lineage, manifests, storage
-from rayline.digests import SetDigest
+from rayline import lineage, storage
 from rayline.errors import InputDataError, StorageError
-from rayline.listing import LISTING_VERSION, StreamedListing, content_digest
-from rayline.manifests import IngestManifest
+from rayline.storage import leases, manifests
+from rayline.storage.digests import SetDigest
+from rayline.storage.listing import LISTING_VERSION, StreamedListing, content_digest
+from rayline.storage.manifests import IngestManifest
 
 log = logging.getLogger(__name__)
 

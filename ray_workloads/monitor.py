@@ -31,9 +31,9 @@ from pydantic import BaseModel, Field
 
 from ray_workloads import preprocess
 from rayline.errors import InputDataError
-from rayline.layout import PREDICTIONS_TABLE, parse_day, table_uri
-from rayline.prediction_reads import committed_nights, read_night_pair
-from rayline.registry import ModelVersion
+from rayline.models.registry import ModelVersion
+from rayline.storage.layout import PREDICTIONS_TABLE, parse_day, table_uri
+from rayline.tables.prediction_reads import committed_nights, read_night_pair
 
 
 class DriftThresholds(BaseModel):
@@ -60,6 +60,8 @@ class ServingHealth(BaseModel):
     served: bool = True
     versions: list[VersionHealth] = Field(default_factory=list)
     problem: str | None = None
+    champion: int | None = Field(None, description="The registry's champion, when checked against it.")
+    champion_mismatch: bool = Field(False, description="Most traffic on another version, with no rollout under way.")
 
 
 class Reference(BaseModel):
@@ -331,6 +333,9 @@ def prometheus_text(health: ServingHealth | None, drifts: list[PartitionDrift], 
                     [(labels, v.errors) for labels, v in per_version]),
             _family(GaugeMetricFamily, "rayline_serve_weight", "Traffic weight per version.",
                     [(labels, v.weight) for labels, v in per_version]),
+            _family(GaugeMetricFamily, "rayline_serve_champion_mismatch",
+                    "1 when the version with the most traffic is not the registry's champion and no rollout runs.",
+                    [(serve, float(health.champion_mismatch))]),
         ]  # fmt: skip
     batch = [
         ({"model": model, "stage": "batch_inference", "model_version": d.model, "night": str(back)}, d)

@@ -1,7 +1,7 @@
 """The blocks of a night: cut from the listing's parts in Ray tasks, written once each, found again by a rerun.
 
 A block is ``objects_per_task`` consecutive rows of one listing part
-(:mod:`rayline.listing`), named ``<part>/b<first row>``. Blocks are cut by a
+(:mod:`rayline.storage.listing`), named ``<part>/b<first row>``. Blocks are cut by a
 Ray Data ``flat_map`` over the parts, so the driver never holds a list of
 them, and each goes to a predictor actor, which writes it as two Parquet files
 at names fixed by the night's *key* and the block's name
@@ -39,12 +39,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rayline import leases, storage
-from rayline.delta_tables import Night
-from rayline.digests import SetDigest
-from rayline.folders import LeasedOutput
-from rayline.layout import staging_uri
-from rayline.listing import read_part
+from rayline import storage
+from rayline.storage import leases
+from rayline.storage.digests import SetDigest
+from rayline.storage.folders import LeasedOutput
+from rayline.storage.layout import staging_uri
+from rayline.storage.listing import read_part
+from rayline.tables.delta_tables import Night
 
 # Columns of the rows the predictor actors take (one row per block) and of the reports they return.
 BLOCK_COLUMNS = ("block", "uris", "etags", "reused")

@@ -2,11 +2,11 @@
 
 What the driver keeps while the block reports stream in is a
 :class:`NightTotals`: counts, the sum of the blocks' URI digests
-(:class:`~rayline.digests.SetDigest`) and, per listing part, the rows and
+(:class:`~rayline.storage.digests.SetDigest`) and, per listing part, the rows and
 bytes of each kind; never a list of blocks or URIs. :func:`check_rows`
 compares counts and digests with the listing's: predictions plus errors must
 name every listed input exactly once (the bound on a false match is in
-:mod:`rayline.digests`).
+:mod:`rayline.storage.digests`).
 
 Then the block files, one or two per block (32 rows each on a ResNet night),
 are rewritten by Ray tasks into files sized for readers
@@ -34,10 +34,10 @@ import pyarrow.parquet as pq
 
 from ray_workloads.night_blocks import BlockReport, NightOutput, block_folder, blocks_root
 from rayline import ray_work, storage
-from rayline.delta_tables import Night
-from rayline.digests import SetDigest, combine
 from rayline.errors import StorageError
-from rayline.predictions_table import check_night_unchanged, data_file_uri
+from rayline.storage.digests import SetDigest, combine
+from rayline.tables.delta_tables import Night
+from rayline.tables.predictions_table import check_night_unchanged, data_file_uri
 
 KINDS = ("predictions", "errors")
 MIN_FILE_ROWS = 100_000

@@ -7,7 +7,7 @@ failed job nor a dropped block), and a custom datasink routes rows to
 an image keeps its split when new objects arrive.
 
 Output layout (committed by ``manifest.json``, written last: a
-:class:`rayline.manifests.PreprocessManifest`)::
+:class:`rayline.storage.manifests.PreprocessManifest`)::
 
     <output>/train/part-*.parquet  val/…  test/…   uri, key, etag, label, label_index, image
     <output>/errors/part-*.parquet                   uri, key, stage, error_type, error_message
@@ -15,7 +15,7 @@ Output layout (committed by ``manifest.json``, written last: a
     <output>/manifest.json                           files + summary: the commit point
 
 A run fills the folder only while it holds the folder's lease
-(:mod:`rayline.folders`): a concurrent run on the same input and
+(:mod:`rayline.storage.folders`): a concurrent run on the same input and
 parameters waits, then reuses what the first committed.
 """
 
@@ -38,11 +38,12 @@ from ray.data.datasource import Datasink, WriteResult
 
 from ray_workloads import ingest
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
-from rayline import folders, leases, manifests, progress, storage
+from rayline import progress, ray_work, storage
 from rayline.errors import StorageError
 from rayline.lineage import DatasetRef
-from rayline.manifests import PreprocessManifest, PreprocessParameters, PreprocessSummary
 from rayline.specs import SplitFractions
+from rayline.storage import folders, leases, manifests
+from rayline.storage.manifests import PreprocessManifest, PreprocessParameters, PreprocessSummary
 
 SPLITS = ("train", "val", "test")
 ERRORS = "errors"
@@ -226,13 +227,14 @@ def _result(
     manifest: PreprocessManifest, manifest_uri: str, cached: bool, elapsed: float, waited: float = 0.0
 ) -> PreprocessResult:
     output, summary = manifest.output_uri, manifest.summary
+    files = manifests.files_folder(manifest_uri, manifest)  # the committed generation's
     return PreprocessResult(
         input_manifest_uri=manifest.input_manifest_uri,
         input_content_hash=manifest.input_content_hash,
         output_uri=output,
         manifest_uri=manifest_uri,
-        summary_uri=storage.join(output, SUMMARY),
-        errors_uri=storage.join(output, ERRORS),
+        summary_uri=storage.join(files, SUMMARY),
+        errors_uri=storage.join(files, ERRORS),
         classes=summary.classes,
         counts={s: summary.counts.get(s, 0) for s in SPLITS},
         class_counts=summary.class_counts,
@@ -264,9 +266,9 @@ def run(cfg: PreprocessConfig) -> PreprocessResult:
     output = storage.join(storage.normalize(cfg.output_root), dataset_name)
     stats = ""  # Ray Data's stats of this run's decoding; none when the folder is reused
 
-    def decode(lease: leases.HeldLease) -> PreprocessManifest:
+    def decode(lease: leases.HeldLease, files: str) -> PreprocessManifest:
         nonlocal stats
-        manifest, stats = _decode_and_commit(cfg, source, classes, output)
+        manifest, stats = _decode_and_commit(cfg, source, classes, output, files)
         return manifest
 
     done = folders.fill_once(
@@ -284,9 +286,9 @@ def run(cfg: PreprocessConfig) -> PreprocessResult:
 
 
 def _decode_and_commit(
-    cfg: PreprocessConfig, source: ingest.IngestResult, classes: list[str], output: str
+    cfg: PreprocessConfig, source: ingest.IngestResult, classes: list[str], output: str, files: str
 ) -> tuple[PreprocessManifest, str]:
-    """Decode and split into ``output``; the manifest that commits it, and Ray Data's stats.
+    """Decode and split into ``files`` (``output``'s generation); the manifest that commits it, and Ray Data's stats.
 
     ``folders.fill_once`` writes the manifest after these files: the commit point.
     """
@@ -298,8 +300,9 @@ def _decode_and_commit(
         batch_format="numpy",
         num_cpus=cfg.num_cpus_per_task,
     )
+    ray_work.stop_with_scope(decoded.context)  # an interrupted attempt stops its decoding before a retry clears
     with progress.stage("preprocess", total=source.object_count, unit="images", remote=True) as shown:
-        sink = SplitShardSink(output, shown)
+        sink = SplitShardSink(files, shown)
         decoded.write_datasink(sink, ray_remote_args={"num_cpus": cfg.num_cpus_per_task})
     if sink.result is None:
         raise StorageError(f"preprocess wrote nothing for {cfg.ingest_manifest_uri}")
@@ -308,7 +311,7 @@ def _decode_and_commit(
     if written != source.object_count:
         raise StorageError(f"preprocess wrote {written} rows for {source.object_count} ingested objects")
 
-    storage.write_json_atomic(storage.join(output, SUMMARY), summary.model_dump(mode="json", exclude={"files"}))
+    storage.write_json_atomic(storage.join(files, SUMMARY), summary.model_dump(mode="json", exclude={"files"}))
     manifest = PreprocessManifest(
         input_manifest_uri=cfg.ingest_manifest_uri,
         input_content_hash=source.content_hash,

@@ -14,17 +14,24 @@ it replaced if that attempt promoted it already.
 
 from __future__ import annotations
 
+import logging
+
 from pydantic import BaseModel, Field
 
 from ray_workloads import evaluate, preprocess
 from ray_workloads.models import ModelSpec, state_dict_from_bytes
 from ray_workloads.train import TrainResult
-from rayline import registry, storage
-from rayline.errors import ConfigError
+from rayline import storage
+from rayline.errors import AliasConflict, ConfigError
 from rayline.lineage import DatasetRef
+from rayline.models import registry
 from rayline.specs import ParentModel
 
 GATE_METRIC = "test_accuracy"
+# how often a candidate is judged again when the champion moved between its gate and its promotion
+REGATES = 3
+
+log = logging.getLogger(__name__)
 
 
 class PromotionConfig(BaseModel):
@@ -41,6 +48,10 @@ class PromotionConfig(BaseModel):
     code_version: str = "unknown"
     flow_run_id: str | None = None
     idempotency_key: str | None = Field(None, description="The same in every attempt: a retry registers nothing new.")
+    champion_wait_s: float = Field(
+        600.0,
+        description="How long a champion move waits for a running rollout of the model to end (then judges again).",
+    )
 
 
 class PromotionResult(BaseModel):
@@ -91,21 +102,16 @@ def run(cfg: PromotionConfig) -> PromotionResult:
         parent=cfg.parent,
         idempotency_key=cfg.idempotency_key,
     )
-    champion, champion_score = _champion_score(cfg.name, version)
-    decision = registry.gate(
+    decision, moves = gate_and_move(
+        cfg.name,
         version,
-        champion,
-        metric=GATE_METRIC,
-        candidate_score=evaluation.accuracy,
-        champion_score=champion_score,
+        evaluation.accuracy,
         margin=cfg.margin,
         floor=cfg.floor,
+        promote_to=cfg.promote_to,
+        champion_wait_s=cfg.champion_wait_s,
     )
-    moves = []
-    alias = None
-    if decision.promoted:
-        alias = registry.CHAMPION if champion is None or cfg.promote_to == registry.CHAMPION else registry.CHALLENGER
-        moves.append(registry.set_alias(cfg.name, alias, version.version, decision.reason))
+    alias = moves[0].alias if moves else None
     return PromotionResult(
         version=version,
         decision=decision,
@@ -117,6 +123,54 @@ def run(cfg: PromotionConfig) -> PromotionResult:
         data_content_hash=prepared.input_content_hash,
         parent=cfg.parent,
     )
+
+
+def gate_and_move(
+    name: str,
+    version: registry.ModelVersion,
+    score: float,
+    *,
+    margin: float,
+    floor: float,
+    promote_to: str = registry.CHAMPION,
+    champion_wait_s: float = 0.0,
+) -> tuple[registry.GateDecision, list[registry.AliasMove]]:
+    """Gate ``version`` against the champion and move the alias it earned, on that same champion.
+
+    The champion move is conditional on the champion the gate judged against;
+    one moved meanwhile (a rollout promoted another version) means judging
+    again, against the new one. A running rollout holding the champion is
+    waited for up to ``champion_wait_s``, then its ``AliasConflict`` is raised.
+    """
+    for attempt in range(REGATES):
+        champion, champion_score = _champion_score(name, version)
+        decision = registry.gate(
+            version,
+            champion,
+            metric=GATE_METRIC,
+            candidate_score=score,
+            champion_score=champion_score,
+            margin=margin,
+            floor=floor,
+        )
+        if not decision.promoted:
+            return decision, []
+        alias = registry.CHAMPION if champion is None or promote_to == registry.CHAMPION else registry.CHALLENGER
+        # a challenger is judged against the champion too, but moves no champion: any challenger may be replaced
+        expected = decision.champion if alias == registry.CHAMPION else registry.Unchecked.ANY
+        try:
+            move = registry.set_alias(
+                name, alias, version.version, decision.reason, expected=expected, lease_wait_s=champion_wait_s
+            )
+        except AliasConflict as exc:
+            if exc.rollout_holder is not None or attempt + 1 == REGATES:
+                raise  # a rollout still holds the champion, or the alias keeps moving under every gate
+            log.info(
+                "%s's %s moved to v%s while v%d was gated: judging again", name, alias, exc.current, version.version
+            )
+            continue
+        return decision, [move]
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _champion_score(name: str, candidate: registry.ModelVersion) -> tuple[registry.ModelVersion | None, float | None]:

@@ -29,9 +29,10 @@ from ray_workloads.models import (
     state_dict_bytes,
     state_dict_from_bytes,
 )
-from rayline import registry, storage
+from rayline import storage
 from rayline.errors import ConfigError, InputDataError, StorageError
 from rayline.lineage import DatasetRef
+from rayline.models import registry
 from rayline.specs import SQUASH, ImageSpec, ModelSpec, WeightsSource
 
 IMAGENET = "imagenet"
@@ -151,12 +152,14 @@ def run(cfg: RegisterModelConfig) -> RegisterModelResult:
         )
         reused = False
     alias, note = cfg.alias, None
+    expected: int | None | registry.Unchecked = registry.Unchecked.ANY  # an operator's --alias: wherever it is now
     if alias == registry.CHALLENGER and registry.alias_version(cfg.name, registry.CHAMPION) is None:
         # a challenger is canaried against the champion it serves next to: with none, it is the champion
         alias, note = registry.CHAMPION, f"{cfg.name} had no champion: v{version.version} is champion, not challenger"
+        expected = None  # only while there still is none (AliasConflict if another run made one meanwhile)
     move = None
     if alias and registry.alias_version(cfg.name, alias) != version.version:
-        move = registry.set_alias(cfg.name, alias, version.version, f"registered from {source.uri}")
+        move = registry.set_alias(cfg.name, alias, version.version, f"registered from {source.uri}", expected=expected)
     return RegisterModelResult(version=version, reused=reused, alias_move=move, note=note)
 
 

@@ -4,7 +4,9 @@ The per-worker function takes a typed config and knows nothing of Scaling or
 Run configs; the driver (:func:`run`) builds those. Checkpoints go to the
 storage root (local or S3), the best N are kept, a worker crash resumes from
 the latest checkpoint (``FailureConfig``), and running again with the same
-run name resumes instead of starting over.
+run name resumes instead of starting over. A run that finished leaves its
+result beside its checkpoints (``RESULT_FILE``): running it again with the
+same data and loop returns that result without starting a worker group.
 
 CPU budget on small machines: each worker asks for ``cpus_per_worker``
 logical CPUs (0.5 by default) and uses one torch thread, so two workers plus
@@ -23,7 +25,7 @@ from typing import Any
 import ray
 import ray.train
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
@@ -43,6 +45,7 @@ from rayline.lineage import DatasetRef
 
 WEIGHTS_FILE = "weights.pt"
 STATE_FILE = "train_state.pt"
+RESULT_FILE = "train_result.json"  # a finished fit's config and result, in its run folder
 SCORE = "val_accuracy"  # the EpochMetrics field that ranks checkpoints
 
 
@@ -92,6 +95,7 @@ class TrainResult(BaseModel):
     samples_per_s: float
     data_manifest_uri: str = Field(description="The preprocessed data it trained on.")
     init_weights_uri: str | None = Field(None, description="The weights a fine-tune started from.")
+    reused: bool = Field(False, description="A finished run's result, returned without training again.")
 
     def lineage_inputs(self) -> list[DatasetRef]:
         """The preprocessed data, and a fine-tune's starting weights."""
@@ -223,15 +227,62 @@ class _EpochProgress(ray.train.UserCallback):
             self.shown.set(int(metrics[0]["epoch"]) + 1)
 
 
+class _FinishedRun(BaseModel):
+    """What :data:`RESULT_FILE` holds: the config a fit finished with, and its result."""
+
+    config: TrainConfig
+    result: TrainResult
+
+
+def run_folder(cfg: TrainConfig) -> str:
+    """The run's folder under the output root: Ray Train's checkpoints and :data:`RESULT_FILE`."""
+    return storage.join(storage.normalize(cfg.output_root), cfg.run_name)
+
+
+def finished_result(cfg: TrainConfig) -> TrainResult | None:
+    """The result of this run if it already finished with the same data and loop, its best weights still there.
+
+    Ray Train would resume such a run at its last epoch and train none: the
+    same result, after starting (and stopping) a whole worker group. The
+    compute shape (workers, CPUs, failures allowed) does not change what a
+    finished run produced.
+    """
+    uri = storage.join(run_folder(cfg), RESULT_FILE)
+    if not storage.exists(uri):
+        return None
+    try:
+        finished = _FinishedRun.model_validate(storage.read_json(uri))
+    except (InputDataError, ValidationError):  # unreadable, or written by another version: train (resume) instead
+        return None
+    same = finished.config.loop == cfg.loop and finished.config.data_manifest_uri == cfg.data_manifest_uri
+    if not same or not storage.exists(finished.result.weights_uri):
+        return None
+    return finished.result
+
+
 def run(cfg: TrainConfig) -> TrainResult:
-    """Fit with Ray Train; resumes from this run name's checkpoints if any exist."""
+    """Fit with Ray Train; resumes from this run name's checkpoints if any exist, or returns its finished result."""
+    started = time.perf_counter()
+    finished = finished_result(cfg)
+    if finished is not None:
+        return finished.model_copy(update={"reused": True, "elapsed_s": time.perf_counter() - started})
+    result = _fit(cfg)
+    # written after the fit's last checkpoint: a run killed before it is resumed by Ray Train instead
+    storage.write_json_atomic(
+        storage.join(run_folder(cfg), RESULT_FILE), _FinishedRun(config=cfg, result=result).model_dump(mode="json")
+    )
+    return result
+
+
+def _fit(cfg: TrainConfig) -> TrainResult:
+    """Fit with Ray Train, resuming from this run name's checkpoints if any exist."""
     started = time.perf_counter()
     prepared = preprocess.read_manifest(cfg.data_manifest_uri)
     loop = cfg.loop.model_copy(
         update={"model": cfg.loop.model.model_copy(update={"num_classes": len(prepared.classes)})}
     )
     output_root = storage.normalize(cfg.output_root)
-    run_uri = storage.join(output_root, cfg.run_name)
+    run_uri = run_folder(cfg)
     # A small validation split is not sharded: every worker validates on all of it
     # (the same figures everywhere), which spares starting a split coordinator.
     loop = loop.model_copy(update={"val_on_every_worker": prepared.counts.get("val", 0) <= SMALL_SPLIT_ROWS})

@@ -38,9 +38,10 @@ from ray_workloads.training_loop import (
     run_epoch,
     set_epoch_lr,
 )
-from rayline import progress, storage, tracking
+from rayline import progress, storage
 from rayline.errors import RetriesExhausted
 from rayline.lineage import DatasetRef
+from rayline.models import tracking
 
 
 class SearchSpace(BaseModel):

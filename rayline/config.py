@@ -9,6 +9,7 @@ variables (or an instance role) and are read by botocore/the AWS SDK itself.
 from __future__ import annotations
 
 import os
+import re
 from functools import lru_cache
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator
@@ -17,6 +18,21 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rayline.errors import ConfigError
 
 DEFAULT_STORAGE = "./rayline-data"
+
+S3_FORM = "s3://bucket[/prefix]"
+_S3_URI = re.compile(r"s3://[^/\s]+(/.*)?", re.DOTALL)
+
+
+def malformed_s3_uri(uri: str) -> str | None:
+    """Why ``uri`` is a mistyped S3 URI (it starts with ``s3:`` but is not ``s3://bucket[/prefix]``), else None.
+
+    Anything without ``://`` is a local path to the rest of rayline: ``s3:/bucket/raw`` would become
+    ``<cwd>/s3:/bucket/raw`` and ``s3://`` (stripped of its slashes) ``<cwd>/s3:``, so that a seed or
+    an ingest silently wrote to, or read, a local folder.
+    """
+    if uri[:3].lower() != "s3:" or _S3_URI.fullmatch(uri):
+        return None
+    return f"malformed S3 URI {uri!r}: expected {S3_FORM}"
 
 
 class Settings(BaseSettings):
@@ -69,6 +85,12 @@ class Settings(BaseSettings):
     fetch_retry_delay_s: float = Field(
         0.5, ge=0, le=60, description="Wait before the first of those rounds; it doubles each round (with jitter)."
     )
+    lease_ttl_s: float | None = Field(
+        None,
+        gt=0,
+        description="Expiry of the data leases (a night, an ingest or preprocess folder) after their last renewal: "
+        "how long a run that died blocks the next run. Unset: 60 s for a night, 120 s for a folder.",
+    )
     retrain_min_new_labelled: int = Field(
         100, ge=1, description="New labelled objects in one arrival that make it worth retraining."
     )
@@ -90,6 +112,12 @@ class Settings(BaseSettings):
         None,
         description="Model answering POST /predict (no model name in the path); unset: the first model served.",
     )
+    serve_graceful_shutdown_wait_loop_s: float = Field(
+        2.0,
+        gt=0,
+        description="How often a stopping Serve replica checks that its requests have drained: every deletion "
+        "of a version (a rollback, a retired incumbent, `serve stop`) waits at least this long.",
+    )
     prefect_api_url: str | None = Field(
         None,
         validation_alias=AliasChoices("PREFECT_API_URL"),
@@ -106,6 +134,8 @@ class Settings(BaseSettings):
             raise ValueError(f"unsupported scheme in {value!r}; use a local path or s3://bucket/prefix")
         if value.startswith("s3://") and not value[len("s3://") :].strip("/"):
             raise ValueError(f"{value!r} names no bucket")
+        if (problem := malformed_s3_uri(value)) is not None:
+            raise ValueError(problem)
         return value.rstrip("/") if value != "/" else value
 
     @property
@@ -142,15 +172,26 @@ def load_settings() -> Settings:
     try:
         return Settings()
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in exc.errors()
-        )
+        problems = "; ".join(f"{_variable(err['loc'])}: {err['msg']}" for err in exc.errors())
         raise ConfigError(f"invalid rayline settings: {problems}") from exc
+
+
+def _variable(loc: tuple[int | str, ...]) -> str:
+    """The environment variable a settings error is about, as the user set it (RAYLINE_LEASE_TTL_S)."""
+    field = ".".join(str(p) for p in loc)
+    if not field:
+        return "settings"
+    return field if field.isupper() else f"RAYLINE_{field.upper()}"
 
 
 @lru_cache(maxsize=1)
 def _cached_settings(_key: tuple[tuple[str, str], ...]) -> Settings:
     return load_settings()
+
+
+def lease_ttl(default_s: float) -> float:
+    """The data leases' ttl: ``RAYLINE_LEASE_TTL_S`` when set, else the lease kind's own default."""
+    return get_settings().lease_ttl_s or default_s
 
 
 def get_settings() -> Settings:

@@ -10,30 +10,47 @@ to the library error that caused it::
     │   └── ErrorBudgetExceeded  more of a night's inputs failed than allowed
     │                          (the night is committed first, then refused)
     ├── StorageError           a storage operation failed for good
+    │   └── StorageAccessDenied  a read refused for want of permission (AccessDenied,
+    │                          403): the run's policy or credentials, never one
+    │                          object's fault (not retried)
+    ├── OutOfMemory            a model call ran out of device or host memory (not
+    │                          retried: the same batch on the same machine runs out
+    │                          again)
     ├── RolloutRolledBack      a canary gate failed; traffic went back to the
     │                          incumbent (not retried)
     ├── NightCommittedElsewhere  another run committed the same night of a
     │                          Delta table first (not retried: a retry would
     │                          replace that run's commit)
     ├── NightsFailed           some nights of a range failed, the others
-    │                          committed (``rayline.nights``: it carries them)
+    │                          committed (``rayline.tables.nights``: it carries them)
     ├── RetriesExhausted       Ray's own retries of a stage were used up: a Train
     │                          run past ``max_failures``, every Tune trial
     │                          failed, an input that kills its actor each time
     │                          (not retried: Ray already ran it again)
     ├── WorkTimedOut           a task's Ray work outran the task's time limit and
     │                          was stopped (not retried: it would outrun it again)
-    ├── LeaseError             a lease in storage (``rayline.leases``)
+    ├── AliasConflict          another writer moved a registry alias first, or a
+    │                          rollout holds the champion (not retried: the
+    │                          move was decided against what is gone)
+    ├── LeaseError             a lease in storage (``rayline.storage.leases``)
     │   ├── LeaseBusy          another run still holds it after the wait (the
     │   │                      message names that run)
     │   └── LeaseLost          it expired and another run took it over: this
-    │                          run must not commit what it guards (not retried)
+    │       │                  run must not commit what it guards (not retried)
+    │       └── StaleFence     a move carried an older lease generation than one
+    │                          the receiver has seen (``rayline.storage.fencing``)
+    ├── PlatformBusy           another ``rayline up``/``down`` holds the state folder
+    │                          (the message names it; not retried)
     └── TransientError         worth retrying at the task level
-        ├── TransientStorageError   S3 throttling / 5xx / connection reset
-        └── ClusterError            Ray unreachable, workers or nodes lost
+        ├── TransientStorageError   S3 throttling / 5xx / connection reset / a body cut short
+        ├── ClusterError            Ray unreachable, workers or nodes lost
+        └── DeviceError             the accelerator failed a model call (a CUDA error)
 
-Per-sample problems (one undecodable image) are *not* exceptions at this
-level: workloads record them as error rows and carry on.
+Per-sample problems (one undecodable image, a model call its input broke)
+are *not* exceptions at this level: workloads record them as error rows and
+carry on. Failures of the machine or of the run's rights are not per-sample,
+however many samples they hit: :func:`model_call_fault` and
+:func:`is_access_denied` tell them apart, and the stage fails uncommitted.
 """
 
 from __future__ import annotations
@@ -92,6 +109,16 @@ class WorkTimedOut(RaylineError):
     """The Ray work of a task outran the task's time limit; rayline stopped it (``rayline.ray_work``)."""
 
 
+class AliasConflict(RaylineError):
+    """An alias move lost to another writer (or to the rollout holding the champion); ``current`` is the
+    version the alias is on now, ``rollout_holder`` the rollout holding the champion (if that was why)."""
+
+    def __init__(self, message: str, *, current: int | None = None, rollout_holder: str | None = None) -> None:
+        super().__init__(message)
+        self.current = current
+        self.rollout_holder = rollout_holder  # set when a running rollout holds the champion
+
+
 class LeaseError(RaylineError):
     """A lease in storage could not be had or kept."""
 
@@ -108,6 +135,35 @@ class LeaseLost(LeaseError):
     """The lease this run held expired and another run took it over: commit nothing it guards."""
 
 
+class StaleFence(LeaseLost):
+    """A receiver refused a change made under an older lease generation than one it has already seen:
+    the lease was taken over while its holder was paused or cut off (``rayline.storage.fencing``)."""
+
+
+class PlatformBusy(RaylineError):
+    """Another ``rayline up`` or ``down`` holds the state folder's lock: two at once would orphan each other's
+    processes."""
+
+
+class StorageAccessDenied(StorageError):
+    """S3 or the filesystem refused a read for want of permission (AccessDenied, 403).
+
+    A bucket policy, a role or expired credentials refuse the caller, not an
+    object: one such read fails the stage, so that no night is committed and
+    no ingest cached with rows that say only that this run could not look.
+    Not retried: the policy is the same a minute later.
+    """
+
+
+class OutOfMemory(RaylineError):
+    """A model call ran out of device or host memory (``torch.OutOfMemoryError``, ``MemoryError``).
+
+    Not retried: a retry of the same batch shape on the same kind of machine
+    runs out again. Lower the batch size or give each actor more memory (fewer
+    actors per GPU or node).
+    """
+
+
 class TransientError(RaylineError):
     """A failure that is expected to go away on retry."""
 
@@ -118,6 +174,16 @@ class TransientStorageError(TransientError, StorageError):
 
 class ClusterError(TransientError):
     """The Ray cluster could not be reached or lost workers mid-job."""
+
+
+class DeviceError(TransientError):
+    """The accelerator failed a model call: a CUDA error (illegal access, launch failure, ECC, device-side assert).
+
+    Transient: CUDA errors are sticky, so the process that met one cannot use
+    its device again and nothing is retried in place; a task retry runs a fresh
+    actor pool, which clears a faulty context or a failing device. A bug that
+    raises one every time costs the task's bounded retries.
+    """
 
 
 _TRANSIENT_BUILTINS: tuple[type[BaseException], ...] = (
@@ -147,6 +213,12 @@ _TRANSIENT_NAMES = frozenset(
         "ServerDisconnectedError",
         "ClientConnectorError",
         "ClientOSError",
+        # a body cut short: botocore's length check, its wrapper of urllib3's error, urllib3's own,
+        # and http.client's under them
+        "IncompleteReadError",
+        "ResponseStreamingError",
+        "ProtocolError",
+        "IncompleteRead",
     }
 )
 
@@ -171,6 +243,27 @@ _TRANSIENT_S3_CODES = frozenset(
 )
 
 
+# S3 error codes that refuse the caller rather than report on an object: policies and credentials.
+_ACCESS_DENIED_S3_CODES = frozenset(
+    {
+        "AccessDenied",
+        "403",
+        "Forbidden",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccountProblem",
+    }
+)
+
+# Model-call failures of the machine, by class name (torch need not be imported here) and by message:
+# torch raises many device errors as a plain RuntimeError whose text alone says what happened.
+_OUT_OF_MEMORY_NAMES = frozenset({"OutOfMemoryError", "MemoryError"})  # torch.OutOfMemoryError is torch.cuda's
+_OUT_OF_MEMORY_TEXT = ("out of memory", "not enough memory", "can't allocate memory", "cannot allocate memory")
+_DEVICE_NAMES = frozenset({"AcceleratorError"})  # torch >= 2.8: a CUDA error
+_DEVICE_TEXT = ("cuda error", "cuda driver", "cudnn", "cublas", "cufft", "nccl", "device-side", "hip error")
+
+
 def causes(exc: BaseException) -> Iterator[BaseException]:
     """``exc`` and what caused it, across Ray's task-error wrappers."""
     seen: set[int] = set()
@@ -190,6 +283,44 @@ def _s3_error_code(exc: BaseException) -> str | None:
     return None
 
 
+def _http_status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return int(status) if isinstance(status, int) else None
+    return None
+
+
+def is_access_denied(exc: BaseException) -> bool:
+    """True when a read failed because the caller may not read: an S3 AccessDenied or 403, a ``PermissionError``.
+
+    s3fs turns S3's AccessDenied into ``PermissionError``; boto3 keeps the code.
+    """
+    return any(
+        isinstance(err, PermissionError | StorageAccessDenied)
+        or _s3_error_code(err) in _ACCESS_DENIED_S3_CODES
+        or _http_status(err) == 403
+        for err in causes(exc)
+    )
+
+
+def model_call_fault(exc: BaseException, what: str) -> RaylineError | None:
+    """The run's error when ``what`` (a model call) failed for the machine, not for its input; else None.
+
+    Out of memory (CUDA's or the host's) is :class:`OutOfMemory`, a CUDA or
+    other device error :class:`DeviceError`. Anything else (a shape the model
+    refuses, a NaN check) is the input's: the caller records its samples as
+    error rows.
+    """
+    name, text = type(exc).__name__, str(exc).lower()
+    detail = f"{what} failed for the machine, not the input: {name}: {str(exc)[:300]}"
+    if name in _OUT_OF_MEMORY_NAMES or (isinstance(exc, RuntimeError) and any(t in text for t in _OUT_OF_MEMORY_TEXT)):
+        return OutOfMemory(detail)
+    if name in _DEVICE_NAMES or (isinstance(exc, RuntimeError) and any(t in text for t in _DEVICE_TEXT)):
+        return DeviceError(detail)
+    return None
+
+
 def is_transient(exc: BaseException) -> bool:
     """True when ``exc`` (or anything in its cause chain) is worth retrying.
 
@@ -198,7 +329,9 @@ def is_transient(exc: BaseException) -> bool:
     transient-looking cause.
     """
     for err in causes(exc):
-        if isinstance(err, ConfigError | InputDataError | RetriesExhausted | WorkTimedOut):
+        if isinstance(err, ConfigError | InputDataError | RetriesExhausted | WorkTimedOut | StorageAccessDenied):
+            return False
+        if isinstance(err, OutOfMemory):
             return False
         if type(err).__name__ in _DETERMINISTIC_NAMES:
             return False

@@ -15,6 +15,8 @@ from __future__ import annotations
 DATA_ARRIVED = "rayline.data.arrived"
 DRIFT_DETECTED = "rayline.drift.detected"
 HEALTH_DEGRADED = "rayline.serve.unhealthy"
+# the version with the most traffic is not the registry's champion, and no rollout holds the model's lease
+CHAMPION_NOT_SERVED = "rayline.serve.champion_mismatch"
 CHALLENGER_REGISTERED = "rayline.model.challenger"
 ROLLED_BACK = "rayline.rollout.rolled_back"
 PROMOTED = "rayline.rollout.promoted"

@@ -45,6 +45,7 @@ class TextSink(Protocol):
 
 
 _worker_log_stream: TextSink | None = None
+_ray_print_to_stdstream: Any = None  # Ray's own print_to_stdstream, kept to put back
 
 
 @dataclass(frozen=True)
@@ -133,30 +134,40 @@ def _start(settings: Settings, preload: Sequence[str]) -> bool:
 
 
 def send_worker_logs_to(stream: TextSink | None) -> None:
-    """Where the output of Ray workers goes once this process connects: ``stream``, or None for Ray's default.
+    """Where Ray's output in this process goes: ``stream``, or None for Ray's default (the terminal).
 
-    Ray prints every worker's stdout/stderr in the driver's terminal (``log_to_driver``); the CLI keeps its
-    terminal for rayline's own progress and puts them in its log file instead.
+    Ray prints every worker's stdout/stderr in the driver's terminal (``log_to_driver``), and so the
+    messages the raylet and core workers push to the driver ("8 PYTHON worker processes have been
+    started…", "Actor … has constructor arguments in the object store…"); the CLI keeps its terminal
+    for rayline's own progress and puts them all in its log file instead.
     """
     global _worker_log_stream
     _worker_log_stream = stream
-    import ray
-
-    if ray.is_initialized():
-        _route_worker_logs()
+    _route_worker_logs()  # ray.init adds its own handler again: connect() routes once more after it
 
 
 def _route_worker_logs() -> None:
     # Ray has no public option to send the driver's copy of worker output elsewhere than the terminal
-    # (log_to_driver=False would drop it): swap the handler its log thread dispatches to.
+    # (log_to_driver=False would drop it): swap the handler its log thread dispatches to. The messages
+    # pushed to the driver bypass that dispatcher: Ray's error-listener thread calls the module's
+    # print_to_stdstream itself (looked up at each call), so that function is swapped too.
     from ray._private import ray_logging, worker
 
+    global _ray_print_to_stdstream
+    if _ray_print_to_stdstream is None:
+        _ray_print_to_stdstream = worker.print_to_stdstream
     dispatcher, stream = ray_logging.global_worker_stdstream_dispatcher, _worker_log_stream
     dispatcher.remove_handler("ray_print_logs")
     if stream is None:
-        dispatcher.add_handler("ray_print_logs", functools.partial(worker.print_to_stdstream, ignore_prefix=False))
+        worker.print_to_stdstream = _ray_print_to_stdstream
+        dispatcher.add_handler("ray_print_logs", functools.partial(_ray_print_to_stdstream, ignore_prefix=False))
     else:
-        dispatcher.add_handler("ray_print_logs", lambda data: worker.print_worker_logs(data, stream))
+
+        def to_stream(data: dict[str, Any], ignore_prefix: bool = False) -> None:
+            worker.print_worker_logs(data, stream, ignore_prefix)
+
+        worker.print_to_stdstream = to_stream
+        dispatcher.add_handler("ray_print_logs", to_stream)
 
 
 _embedded: bool | None = None

@@ -13,7 +13,15 @@ handed to :func:`track`, and waits until all of them are gone.
 
 Actors are attributed by job and time, not by thread: while two scopes run
 at once in one process (a backfill's concurrent nights), an interrupted one
-cancels only its tracked refs and says so, rather than kill its siblings' work.
+cannot tell its actors from its siblings'. So what a scope stops is what it
+can name as its own: the refs handed to :func:`track`, and the Ray Data
+executions of datasets marked by :func:`stop_with_scope` (their executors
+register with the scope they start in, and are shut down with force: their
+actor pools killed, their tasks cancelled). Ray Data's own shutdown of an
+execution its consumer abandoned only drops the pool's handles, which leaves
+an actor busy in a task running: a failed execution's shutdown is forced, and
+the actors of one shut down without force are remembered and killed when the
+scope stops. A sibling's work goes on.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ class _Scope:
     what: str
     actors_before: frozenset[str] | None  # None: Ray was not connected yet, so every actor of the job is new
     refs: list[Any] = field(default_factory=list)
+    executors: list[Any] = field(default_factory=list)  # Ray Data's StreamingExecutors running in this scope
+    released: set[str] = field(default_factory=set)  # actors of its executions shut down without force
     stopped: bool = False  # by an interrupt or by the watchdog: once
     timed_out: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -54,10 +64,83 @@ _lock = threading.Lock()
 
 
 def track(refs: Iterable[Any]) -> None:
-    """Hand Ray object refs of remote tasks to the current scope: an interrupt cancels them (no-op outside one)."""
+    """Hand Ray object refs of remote tasks to the current scope: an interrupt cancels them (no-op outside one).
+
+    A ref handed to a scope already stopped is cancelled at once: the work was
+    submitted after the stop, which did not see it.
+    """
     scope = _current.get()
-    if scope is not None:
+    if scope is None:
+        return
+    refs = list(refs)
+    with scope.lock:
         scope.refs.extend(refs)
+        stopped = scope.stopped
+    if stopped:
+        _cancel(refs)
+
+
+def stop_with_scope(context: Any) -> None:
+    """Make the Ray Data executions of datasets with this ``DataContext`` stop with the scope they run in.
+
+    A dataset's context is its own copy (``dataset.context``), so only this
+    dataset and those derived from it after the call are marked. Each
+    execution's executor registers with the current scope when it starts; an
+    interrupt of that scope shuts it down with force, and the dataset's
+    consumer gets the interrupt as an error rather than a short, normal end.
+    """
+    if _StopsWithScope not in context.custom_execution_callback_classes:
+        context.custom_execution_callback_classes.append(_StopsWithScope)
+
+
+class _StopsWithScope:
+    """A Ray Data execution callback (duck-typed: Ray Data makes one per execution, with no arguments)."""
+
+    def __init__(self) -> None:
+        self.scope: _Scope | None = None
+
+    def before_execution_starts(self, executor: Any) -> None:
+        scope = _current.get()  # this runs in the consumer's thread, in the scope that started the execution
+        if scope is None:
+            return
+        self.scope = scope
+        original = executor.shutdown
+
+        def shutdown(force: bool, exception: BaseException | None = None) -> None:
+            # Ray Data's own shutdown of a failed or abandoned execution (its consumer interrupted by a
+            # timeout, say) only drops its actor pools' handles: an actor busy in a task lives on until the
+            # task ends. A failed one is forced; the actors of one ended without force are remembered, for
+            # a stop of the scope to kill
+            forced = force or scope.stopped or exception is not None
+            if not forced:
+                with scope.lock:
+                    scope.released |= _pool_actors(executor)
+            original(forced, exception)
+
+        executor.shutdown = shutdown
+        with scope.lock:
+            if scope.stopped:
+                raise WorkTimedOut(f"{scope.what} was stopped: no new Ray Data execution starts in it")
+            scope.executors.append(executor)
+
+    def on_execution_step(self, executor: Any) -> None:
+        return None
+
+    def after_execution_succeeds(self, executor: Any) -> None:
+        self._forget(executor)
+
+    def after_execution_fails(self, executor: Any, error: Exception) -> None:
+        self._forget(executor)
+
+    def _forget(self, executor: Any) -> None:
+        if self.scope is not None:
+            with self.scope.lock:
+                if executor in self.scope.executors:
+                    self.scope.executors.remove(executor)
+
+
+def _is_interrupt(exc: BaseException | None) -> bool:
+    return exc is not None and (isinstance(exc, TimeoutError) or not isinstance(exc, Exception))
 
 
 def gather(refs: list[Any]) -> list[Any]:
@@ -110,7 +193,7 @@ def cancel_on_abort(what: str, timeout_s: float | None = None) -> Iterator[None]
     try:
         yield
     except BaseException as exc:
-        if isinstance(exc, TimeoutError) or not isinstance(exc, Exception):
+        if _is_interrupt(exc):
             _stop(scope, exc)
         elif scope.timed_out:
             raise WorkTimedOut(f"{what} outran its {timeout_s:g} s limit; its Ray work was stopped") from exc
@@ -140,19 +223,28 @@ def _time_out(scope: _Scope, timeout_s: float) -> None:
 
 
 def _stop(scope: _Scope, exc: BaseException) -> None:
-    """Kill the scope's new actors (when it is the only scope running), cancel its refs, wait until gone."""
+    """Stop the scope's Ray Data executions, kill its new actors (when it is the only scope running), cancel
+    its refs, and wait until they are gone."""
     with scope.lock:
         if scope.stopped or not ray.is_initialized():
             return
         scope.stopped = True
+        executors = list(scope.executors)
+    started = time.monotonic()
+    for executor in executors:
+        _stop_execution(executor, WorkTimedOut(f"{scope.what} was interrupted ({type(exc).__name__}): {exc}"))
     with _lock:
         alone = _active == 1
-    started = time.monotonic()
-    actors: list[str] = []
+    with scope.lock:
+        actors = sorted(scope.released)  # the scope's own for certain, alone or not
     if alone:
-        actors = [a for a, detached in _job_actors().items() if not detached and a not in (scope.actors_before or ())]
+        new = [a for a, detached in _job_actors().items() if not detached and a not in (scope.actors_before or ())]
+        actors = sorted({*actors, *new})
     else:
-        log.warning("%s interrupted beside other tasks running Ray work: it cancels its tracked tasks only", scope.what)
+        log.warning(
+            "%s interrupted beside other tasks running Ray work: it stops its tracked tasks and Ray Data runs only",
+            scope.what,
+        )
     # ray.kill needs a handle, and these actors are anonymous: kill by id, as ray.kill does inside
     core = ray._private.worker.global_worker.core_worker  # type: ignore[attr-defined]
     for actor_id in actors:
@@ -160,21 +252,56 @@ def _stop(scope: _Scope, exc: BaseException) -> None:
             core.kill_actor(ray.ActorID.from_hex(actor_id), True)
         except Exception as err:  # already gone, or not ours to kill: the wait below says which
             log.debug("killing actor %s: %s", actor_id, err)
-    for ref in scope.refs:
+    with scope.lock:
+        refs = list(scope.refs)
+    _cancel(refs)
+    left = _wait_gone(set(actors), refs, started + GONE_WITHIN_S)
+    log.warning(
+        "%s interrupted (%s): stopped %d Ray Data run(s), %d actor(s) and %d task(s) it started in %.1f s%s",
+        scope.what,
+        type(exc).__name__,
+        len(executors),
+        len(actors),
+        len(refs),
+        time.monotonic() - started,
+        f"; still alive: {sorted(left)}" if left else "",
+    )
+
+
+def _pool_actors(executor: Any) -> set[str]:
+    """The ids of the actors in a Ray Data execution's actor pools (its operators hold them; no public list)."""
+    ids: set[str] = set()
+    try:
+        for op in executor._topology or ():
+            for pool in op.get_autoscaling_actor_pools() if hasattr(op, "get_autoscaling_actor_pools") else ():
+                handles = [*pool._running_actors, *pool._pending_actors.values()]
+                ids.update(handle._actor_id.hex() for handle in handles)
+    except Exception as err:  # Ray Data's internals moved: the stop then relies on the forced shutdowns alone
+        log.warning("listing a Ray Data execution's actors: %s", err)
+    return ids
+
+
+def _cancel(refs: list[Any]) -> None:
+    for ref in refs:
         try:
             ray.cancel(ref, force=True, recursive=True)
         except Exception as err:  # finished already, or not a task's ref
             log.debug("cancelling %s: %s", ref, err)
-    left = _wait_gone(set(actors), scope.refs, started + GONE_WITHIN_S)
-    log.warning(
-        "%s interrupted (%s): stopped %d actor(s) and %d task(s) it started in %.1f s%s",
-        scope.what,
-        type(exc).__name__,
-        len(actors),
-        len(scope.refs),
-        time.monotonic() - started,
-        f"; still alive: {sorted(left)}" if left else "",
-    )
+
+
+def _stop_execution(executor: Any, error: WorkTimedOut) -> None:
+    """Shut one Ray Data execution down with force: its actor pools killed, its tasks cancelled.
+
+    Under the executor's own shutdown lock, so that its consumer, woken by the
+    error, cannot shut it down first without force. The consumer raises
+    ``error``: without it, the stopped execution would end like a finished one.
+    """
+    try:
+        with executor._shutdown_lock:
+            executor._output_node[1].mark_finished(error)
+            executor.shutdown(True, error)
+    except Exception as err:  # an execution already ending: what it leaves shows in the wait below
+        log.warning("stopping a Ray Data execution: %s", err)
 
 
 def _wait_gone(actors: set[str], refs: list[Any], deadline: float) -> set[str]:

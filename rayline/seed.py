@@ -13,6 +13,7 @@ not rewritten, so their etags (and the ingest content hash) stay put.
 from __future__ import annotations
 
 import io
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -166,8 +167,12 @@ def seed(
     seed: int = 0,
     photos: int = 0,
     digits: bool = True,
+    digit_count: int | None = None,
 ) -> SeedResult:
     """Write the sample objects under ``to_uri``; returns what was written.
+
+    ``digit_count`` writes only the first that many digits (all 1,797 by default): every class is
+    among the first hundred, so a smaller set still has them all.
 
     With ``photos``, the broken objects are broken JPEGs among the photos.
     """
@@ -176,7 +181,7 @@ def seed(
     result = SeedResult(uri=target)
     wanted: dict[str, bytes] = {}
     if digits:
-        for key, data in digit_objects(size):
+        for key, data in itertools.islice(digit_objects(size), digit_count):
             wanted[key] = data
             result.digits += 1
     broken = corrupt_photos(corrupt, rng) if photos else corrupt_objects(corrupt, size, rng)

@@ -3,10 +3,10 @@
 :class:`ModelSpec` says what to build (architecture, class count, width);
 :class:`ImageSpec` says how raw image bytes become the model's input tensor.
 Both are stored in each version's ``version.json`` and carried typed by
-:class:`rayline.registry.ModelVersion`, so the trainer, batch inference and
+:class:`rayline.models.registry.ModelVersion`, so the trainer, batch inference and
 serving read one object instead of re-validating a dict each.
 :class:`SplitFractions` says how preprocess splits the samples; it and the
-image spec are stored in a preprocess manifest (:mod:`rayline.manifests`).
+image spec are stored in a preprocess manifest (:mod:`rayline.storage.manifests`).
 
 Two ways of sizing an image (``ImageSpec.mode``):
 
@@ -21,9 +21,12 @@ This module is plain pydantic (no torch, no PIL), so the core can hold it.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
+
+from rayline.errors import ConfigError
 
 DEFAULT_MAX_PIXELS = 40_000_000
 SMALL_CNN = "small_cnn"
@@ -31,6 +34,17 @@ SQUASH = "squash"
 RESIZE_CROP = "resize_crop"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+# a registered model's name, and an alias's: one path segment and one Delta partition value
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+def check_model_name(name: str) -> str:
+    """``name`` if it can name a registered model, else a :class:`ConfigError` saying what a name may hold."""
+    if not NAME_PATTERN.match(name):
+        raise ConfigError(f"model name {name!r} must be lowercase letters, digits and '-' (at most 63)")
+    return name
 
 
 class ModelSpec(BaseModel):

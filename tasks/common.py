@@ -25,10 +25,11 @@ from prefect.context import TaskRunContext
 from prefect.events import emit_event
 from prefect.runtime import flow_run, task_run
 
-from rayline import leases, lineage, openlineage_events, ray_cluster, ray_work
+from rayline import lineage, ray_cluster, ray_work
 from rayline.errors import is_transient
-from rayline.lineage import DatasetRef, DeclaresLineage, LineageRecord, RunContext
+from rayline.lineage import DatasetRef, DeclaresLineage, LineageRecord, RunContext, openlineage_events
 from rayline.ray_cluster import RayConnection
+from rayline.storage import leases
 
 # Backoff for transient failures (S3 throttling/5xx, connection resets, lost
 # Ray workers); jitter spreads retries of parallel runs.
@@ -238,7 +239,7 @@ def png_markdown(title: str, png: bytes, link: str | None = None) -> str:
 
 
 def lease_holder() -> str:
-    """Who takes a lease (``rayline.leases``): this flow run by name and id, on this host and process.
+    """Who takes a lease (``rayline.storage.leases``): this flow run by name and id, on this host and process.
 
     Outside a flow run, this process (with a random tag: two calls are two holders).
     """

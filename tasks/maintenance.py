@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger
 
-from rayline.prediction_reads import vacuum_tables
+from rayline.tables.prediction_reads import vacuum_tables
 from tasks.common import maintenance_task
 
 # Listing a table's folder and deleting files: minutes at most, even for a large table on S3.
@@ -17,7 +17,7 @@ def vacuum_tables_task(root: str, retention_hours: int) -> int:
     """Delete the files of both night tables that no version within ``retention_hours`` needs; how many.
 
     Not a dry run. Versions current within the retention stay readable by
-    number (``rayline.prediction_reads`` docstring). Raises ``ConfigError``
+    number (``rayline.tables.prediction_reads`` docstring). Raises ``ConfigError``
     while legacy night folders remain (``rayline migrate-predictions``).
     """
     logger = get_run_logger()

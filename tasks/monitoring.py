@@ -1,16 +1,18 @@
 """Prefect tasks of the ``monitor`` flow: what it reads (the reference, serving health, the nights'
 drift) and the metrics file it writes. The vacuum is ``tasks.maintenance``'s.
 
-Reads only, apart from the metrics file (replaced whole): a retry repeats nothing.
+Reads only, apart from the metrics file (replaced whole) and the serving check's event (one per
+task run): a retry repeats nothing.
 """
 
 from __future__ import annotations
 
 from ray_workloads import monitor as mon
-from rayline import storage
-from rayline.prediction_reads import committed_nights
-from rayline.registry import ModelVersion
-from tasks.common import io_task
+from ray_workloads.serving_champion import serving_against_registry
+from rayline import events, storage
+from rayline.models.registry import ModelVersion
+from rayline.tables.prediction_reads import committed_nights
+from tasks.common import emit, idempotency_key, io_task
 
 # Reading the predicted classes of a few nights' partitions: minutes at most, even on S3.
 DRIFT_TIMEOUT_S = 1800
@@ -26,8 +28,24 @@ def reference_task(
 
 @io_task("monitor-serving-health")
 def serving_health_task(url: str, thresholds: mon.DriftThresholds, model_name: str) -> mon.ServingHealth:
-    """The router's view of ``model_name`` at ``url`` (an unreachable router is a result, not an error)."""
-    return mon.serving_health(url, thresholds, model_name)
+    """The router's view of ``model_name`` at ``url`` (an unreachable router is a result, not an error),
+    checked against the registry's champion: most traffic on another version with no rollout under way
+    is unhealthy, and announced (``events.CHAMPION_NOT_SERVED``)."""
+    health = serving_against_registry(mon.serving_health(url, thresholds, model_name), model_name)
+    if health.champion_mismatch and health.champion is not None:
+        emit(
+            events.CHAMPION_NOT_SERVED,
+            events.model_resource(model_name, health.champion),
+            payload={
+                "model": model_name,
+                "champion": health.champion,
+                "weights": {str(v.version): v.weight for v in health.versions},
+                "problem": health.problem,
+            },
+            labels={"rayline.model": model_name},
+            idempotency_key=idempotency_key(url, model_name),  # a retried check: one event
+        )
+    return health
 
 
 @io_task("monitor-night-drift", timeout_s=DRIFT_TIMEOUT_S)

@@ -9,7 +9,8 @@ from pydantic import BaseModel
 from ray_workloads import evaluate, promotion
 from ray_workloads.models import ModelSpec
 from ray_workloads.train import TrainResult
-from rayline import events, lineage, mlflow_mirror, registry
+from rayline import events, lineage
+from rayline.models import mlflow_mirror, registry
 from rayline.specs import ParentModel
 from tasks.common import emit, idempotency_key, ray_task, record_lineage, run_context
 

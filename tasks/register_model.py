@@ -7,7 +7,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from ray_workloads import register_model
 from ray_workloads.register_model import RegisterModelConfig, RegisterModelResult
-from rayline import events, lineage, mlflow_mirror, registry
+from rayline import events, lineage
+from rayline.models import mlflow_mirror, registry
 from tasks.common import emit, idempotency_key, ray_task, record_lineage, run_context
 
 

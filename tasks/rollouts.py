@@ -7,13 +7,15 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from ray_workloads.serving.rollout import default_probe_source
-from rayline import leases, registry, storage
+from rayline import storage
 from rayline.errors import LeaseBusy, RolloutRolledBack
-from rayline.registry import ModelVersion
+from rayline.models import registry
+from rayline.models.registry import ModelVersion
+from rayline.storage import leases
 from tasks.common import io_task, lease_holder
 
 # renewed every ttl/3 while the rollout runs, so it need not outlast a rollout: a crashed
-# holder's lease is taken over this long after its last renewal
+# holder's lease is taken over this long after its last renewal (the flow's default)
 LEASE_TTL_S = 300.0
 
 
@@ -25,7 +27,7 @@ def probe_source_task(version: ModelVersion) -> str:
 
 
 @contextmanager
-def rollout_lease(model_name: str, wait_s: float) -> Iterator[leases.HeldLease]:
+def rollout_lease(model_name: str, wait_s: float, ttl_s: float = LEASE_TTL_S) -> Iterator[leases.HeldLease]:
     """Hold ``model_name``'s rollout lease for the ``with`` block: one rollout per model at a time.
 
     A second rollout (a trigger firing twice) waits up to ``wait_s``, then
@@ -33,12 +35,13 @@ def rollout_lease(model_name: str, wait_s: float) -> Iterator[leases.HeldLease]:
     naming the holder. Not a task: the lease is held, and renewed from its own
     thread, for the whole flow, across every task of the rollout (the flow
     calls ``ensure_held()`` on it before moving traffic or the alias). A task
-    would release it when it returned.
+    would release it when it returned. ``ttl_s``: how long after its last renewal a killed
+    rollout's lease is taken over.
     """
     held = leases.held(
         registry.rollout_lease_uri(model_name),
         lease_holder(),
-        ttl_s=LEASE_TTL_S,
+        ttl_s=ttl_s,
         wait_s=wait_s,
         describe=registry.rollout_lease_what(model_name),
     )

@@ -10,14 +10,24 @@ from prefect.artifacts import create_table_artifact
 from ray_workloads.serving import canary, rollout
 from ray_workloads.serving.canary import PreparedRollout as PreparedRollout  # where flows have always found it
 from ray_workloads.serving.config import ServeConfig
-from rayline import events, mlflow_mirror, registry
+from rayline import events
+from rayline.models import mlflow_mirror, registry
+from rayline.storage.fencing import Fence
 from tasks.common import emit, idempotency_key, ray_task, record_lineage
 
 
 @ray_task("serve-prepare-rollout", timeout_s=900)
-def prepare_rollout_task(candidate: registry.ModelVersion, serve: ServeConfig) -> PreparedRollout:
-    """Serve the incumbent (the model's live version with most traffic, else its champion) and the candidate at 0%."""
-    prepared = canary.prepare(candidate, serve)
+def prepare_rollout_task(
+    candidate: registry.ModelVersion, serve: ServeConfig, fence: Fence | None = None
+) -> PreparedRollout:
+    """Serve the incumbent (the champion, after rolling back what a rollout that did not finish left:
+    ``canary.reconcile``) and the candidate at 0%.
+
+    ``fence``: the rollout lease's fencing token; every traffic move of the rollout carries it.
+    """
+    prepared = canary.prepare(candidate, serve, fence)
+    if prepared.reconciled is not None:
+        get_run_logger().warning("%s: %s", candidate.name, prepared.reconciled.describe())
     if prepared.needed:
         get_run_logger().info(
             "serving %s v%d at %s; candidate v%d deployed at 0%%",
@@ -49,6 +59,7 @@ def rollout_step_task(
         incumbent_p95_ms,
         check_agreement,
         model=prepared.candidate.name,
+        fence=prepared.fence,
     )
     get_run_logger().info(
         "v%d at %g%%: %s — %s",
@@ -107,8 +118,11 @@ def roll_back_task(prepared: PreparedRollout, steps: list[rollout.StepReport], r
 
 
 @ray_task("serve-promote", timeout_s=300)
-def promote_task(prepared: PreparedRollout, steps: list[rollout.StepReport], serve: ServeConfig) -> registry.AliasMove:
-    promotion = canary.promote(prepared, steps, serve)
+def promote_task(
+    prepared: PreparedRollout, steps: list[rollout.StepReport], serve: ServeConfig, rollout_holder: str
+) -> registry.AliasMove:
+    """Make the candidate champion (as the holder of the model's rollout lease) and retire the incumbent."""
+    promotion = canary.promote(prepared, steps, serve, rollout_holder)
     cand = prepared.candidate
     mlflow_mirror.reconcile(cand.name)  # best effort: logged on failure, completed by the next call
     get_run_logger().info("v%d is champion; v%d retired from serving", cand.version, prepared.incumbent.version)

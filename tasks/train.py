@@ -9,7 +9,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from ray_workloads import evaluate, train
 from ray_workloads.models import ModelSpec
-from rayline import storage, tracking
+from rayline import storage
+from rayline.models import tracking
 from tasks.common import png_markdown, ray_task, record_lineage
 
 # an attempt's marks: when and where it resumed, not how well (epoch_ended_at stamps each point instead)
@@ -21,6 +22,8 @@ def train_model_task(config: train.TrainConfig, tracking_experiment: str | None 
     """Fit; with MLflow tracking on, the run is logged into ``tracking_experiment`` (default: the run name)."""
     result = train.run(config)
     logger = get_run_logger()
+    if result.reused:
+        logger.info("training run %s had finished with this data and loop: its result reused", result.run_name)
     for epoch in result.history:
         logger.info(
             "epoch %d: train loss %.4f acc %.4f, val loss %.4f acc %.4f",

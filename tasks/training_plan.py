@@ -12,9 +12,9 @@ from pydantic import BaseModel
 
 from ray_workloads import preprocess
 from ray_workloads.training_loop import InitFrom
-from rayline import registry
 from rayline.errors import ConfigError
-from rayline.registry import ModelVersion
+from rayline.models import registry
+from rayline.models.registry import ModelVersion
 from rayline.specs import ParentModel
 from tasks.common import io_task
 

@@ -2,7 +2,7 @@
 
 The services themselves (a moto S3 server, the fault-injecting proxy in
 front of it, free ports, stopping a process group) are the benchmarks'
-(``bench/s3_server.py``, ``bench/s3_proxy.py``): tests may build on
+(``rayline/testing/s3_server.py``, ``rayline/testing/s3_proxy.py``): tests may build on
 ``bench``, never the other way round, so one copy serves both.
 """
 
@@ -12,10 +12,10 @@ import socket
 import time
 from pathlib import Path
 
-from bench.s3_proxy import S3Proxy
-from bench.s3_proxy import s3_proxy as proxy_in_front
-from bench.s3_server import S3_ENV as S3_TEST_ENV
-from bench.s3_server import (
+from rayline.testing.s3_proxy import S3Proxy
+from rayline.testing.s3_proxy import s3_proxy as proxy_in_front
+from rayline.testing.s3_server import S3_ENV as S3_TEST_ENV
+from rayline.testing.s3_server import (
     create_bucket,
     free_port,
     process_cpu_seconds,

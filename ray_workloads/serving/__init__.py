@@ -25,8 +25,10 @@ A request (``POST /models/<name>/predict``; ``/predict`` for the default model):
 A rollout (``rollout``, and ``canary`` for the registry's side: the incumbent, the champion
 alias a promotion moves; the serve-rollout flow's tasks call them step by step)::
 
-    prepare    Serve, ServeControl and the Router up; the incumbent serves     control, applications
-               (at 100 % if nothing of its model did); the candidate at 0 %
+    prepare    Serve, ServeControl and the Router up; weight a dead rollout    control, applications
+               left off the champion goes back to it (canary.reconcile); the
+               incumbent, the champion, serves (at 100 % if nothing of its
+               model did); the candidate at 0 %
     each step  first step only: agreement, the same images pinned to both
     (10, 50,   set_weights {incumbent: 100 - w, candidate: w}: one new table
      100 %)    generation, returned once every router routes by it

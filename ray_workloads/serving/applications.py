@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray import serve
-from ray.serve.schema import ApplicationStatus
+from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview
 
 from ray_workloads.serving.config import ServeConfig
 from rayline.errors import ClusterError, InputDataError
@@ -40,15 +41,45 @@ def start_serve(cfg: ServeConfig) -> None:
             ) from exc
 
 
-def run_and_wait(targets: list[tuple[str, Any, str | None]], timeout_s: float) -> dict[str, str]:
-    """Deploy Serve applications ``(name, app, route_prefix)`` together and wait until each is RUNNING.
+@dataclass(frozen=True)
+class DeployTarget:
+    """One application for :func:`run_and_wait` to see RUNNING.
 
-    An ``app`` of None is not submitted, only waited for (someone else is deploying it).
-    Returns ``{name: why}`` of those that failed or timed out; they are deleted again.
+    ``app`` None: not submitted, only waited for (someone else is deploying it). ``in_service``:
+    it answered traffic before this call (a live version, a router with running replicas).
+    """
+
+    name: str
+    app: Any | None
+    route_prefix: str | None = None
+    in_service: bool = False
+
+    @property
+    def deletable(self) -> bool:
+        """Whether a failed deploy takes it away: only what this call submitted and nothing was served by.
+        Deleting anything else on a timeout could take away all of a model's traffic (or the router)."""
+        return self.app is not None and not self.in_service
+
+
+def has_running_replicas(app: ApplicationStatusOverview | None) -> bool:
+    """Whether an application (its ``serve.status()`` overview, None when absent) has a replica serving now,
+    whatever its status says (DEPLOYING or UNHEALTHY while a replacement replica starts, say)."""
+    if app is None:
+        return False
+    # replica states are Serve's private str enum: compared by value
+    return any(n > 0 for d in app.deployments.values() for state, n in d.replica_states.items() if state == "RUNNING")
+
+
+def run_and_wait(targets: Sequence[DeployTarget], timeout_s: float) -> dict[str, str]:
+    """Deploy Serve applications together and wait until each is RUNNING.
+
+    Returns ``{name: why}`` of those that failed or timed out. Of those, the
+    :attr:`DeployTarget.deletable` ones are deleted again; the others are left as they are,
+    serving as they can (the caller raises).
     """
     if not targets:
         return {}
-    submit = [serve.RunTarget(app, name=name, route_prefix=prefix) for name, app, prefix in targets if app is not None]
+    submit = [serve.RunTarget(t.app, name=t.name, route_prefix=t.route_prefix) for t in targets if t.app is not None]
     try:
         if submit:
             serve.run_many(submit, wait_for_applications_running=False)
@@ -58,17 +89,22 @@ def run_and_wait(targets: list[tuple[str, Any, str | None]], timeout_s: float) -
     settled = (ApplicationStatus.RUNNING, ApplicationStatus.DEPLOY_FAILED)
     while True:
         apps = serve.status().applications
-        overviews = {name: apps.get(name) for name, _, _ in targets}
+        overviews = {t.name: apps.get(t.name) for t in targets}
         if all(o is not None and o.status in settled for o in overviews.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     failures: dict[str, str] = {}
-    for name, overview in overviews.items():
+    for target in targets:
+        overview = overviews[target.name]
         if overview is None or overview.status != ApplicationStatus.RUNNING:
             state = overview.status.value if overview is not None else "MISSING"
             detail = overview.message.strip()[-2000:] if overview is not None else ""
-            failures[name] = f"{state} after {timeout_s:.0f} s: {detail}" if state != "DEPLOY_FAILED" else detail
-            serve.delete(name, _blocking=False)
+            why = f"{state} after {timeout_s:.0f} s: {detail}" if state != "DEPLOY_FAILED" else detail
+            if target.deletable:
+                serve.delete(target.name, _blocking=False)
+            else:
+                why += " (left as it is: it served traffic before, or another caller deploys it)"
+            failures[target.name] = why
     return failures
 
 

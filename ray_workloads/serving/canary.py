@@ -5,6 +5,12 @@ here the incumbent is chosen (the model's live version with most traffic,
 else its champion), a promotion moves the champion alias before the old
 version is retired, and each ending is an outcome that declares its lineage
 (both versions in, the candidate out, with why).
+
+A rollout starts by reconciling serving with the registry (:func:`reconcile`):
+it runs holding the model's rollout lease, so weight on any version but the
+champion was left by a rollout that did not finish (its process killed, its
+lease expired). The registry is the source of truth: that weight goes back to
+the champion, which is then the incumbent, and the rollout says so.
 """
 
 from __future__ import annotations
@@ -15,17 +21,45 @@ from pydantic import BaseModel
 
 from ray_workloads.serving import rollout
 from ray_workloads.serving.config import ServeConfig
-from rayline import registry
 from rayline.lineage import DatasetRef
+from rayline.models import registry
+from rayline.storage.fencing import Fence
 
 PROMOTED = "promoted"
 ROLLED_BACK = "rolled back"
 
 
+class Reconciliation(BaseModel):
+    """Weights a rollout that did not finish left on versions other than the champion, rolled back."""
+
+    champion: int
+    left: dict[int, float]  # version -> % of the model's traffic, as found
+    removed: list[int]  # versions of the dead rollout taken out of serving (not this rollout's candidate)
+
+    def describe(self) -> str:
+        found = ", ".join(f"v{v} at {share:g}%" for v, share in sorted(self.left.items()))
+        removed = f"; removed {', '.join(f'v{v}' for v in self.removed)} from serving" if self.removed else ""
+        return (
+            f"serving disagreed with the registry at the start ({found}, left by a rollout that did not "
+            f"finish, killed or failed mid-way): rolled all traffic back to the champion v{self.champion}{removed}"
+        )
+
+
+def leftover_shares(weights: dict[int, float], champion: int) -> dict[int, float]:
+    """The % of traffic each version other than ``champion`` has (those with any): {} when the champion has all."""
+    total = sum(w for w in weights.values() if w > 0)
+    return {v: round(100.0 * w / total, 2) for v, w in sorted(weights.items()) if w > 0 and v != champion}
+
+
 class PreparedRollout(BaseModel):
+    """What a rollout serves, and the fencing token of its lease that each of its traffic moves carries
+    (None outside a rollout flow): a rollout paused past its lease's ttl is refused by the control actor."""
+
     base_url: str
     incumbent: registry.ModelVersion
     candidate: registry.ModelVersion
+    fence: Fence | None = None
+    reconciled: Reconciliation | None = None  # what a rollout that did not finish left, rolled back at the start
 
     @property
     def needed(self) -> bool:
@@ -65,28 +99,56 @@ class Promotion(RolloutOutcome):
         return {"alias_move": self.alias_move.model_dump(mode="json")}
 
 
-def prepare(candidate: registry.ModelVersion, serve: ServeConfig) -> PreparedRollout:
-    """Serve the incumbent (the model's live version with most traffic, else its champion) and the candidate at 0%.
+def reconcile(candidate: registry.ModelVersion, serve: ServeConfig, fence: Fence | None) -> Reconciliation | None:
+    """Roll back to the champion the weight a rollout that did not finish left on other versions (None: none).
 
-    A candidate that is the incumbent already (e.g. a second trigger) is left as it serves: nothing to roll out.
+    Called holding the model's rollout lease, so no other rollout is moving weights: any weight off the
+    champion is a dead rollout's (a finished one leaves one version at 100 %: promoted or rolled back).
+    Its versions leave serving, except ``candidate``, which this rollout deploys anyway.
+    """
+    champion = registry.alias_version(candidate.name, registry.CHAMPION)
+    if champion is None:  # nothing in the registry to disagree with
+        return None
+    left = leftover_shares(rollout.served_weights(serve, candidate.name), champion)
+    if not left:
+        return None
+    stray = [v for v in left if v != candidate.version]
+    rollout.restore(registry.get_version(candidate.name, champion), stray, serve, fence)
+    return Reconciliation(champion=champion, left=left, removed=stray)
+
+
+def prepare(candidate: registry.ModelVersion, serve: ServeConfig, fence: Fence | None = None) -> PreparedRollout:
+    """Serve the incumbent (the champion; the model's live version with most traffic when it has none)
+    and the candidate at 0%, after reconciling serving with the registry (:func:`reconcile`).
+
+    The caller holds the model's rollout lease. A candidate that is the incumbent already (e.g. a second
+    trigger) is left as it serves: nothing to roll out.
     """
     base_url = rollout.start(serve)
+    reconciled = reconcile(candidate, serve, fence)
     live = rollout.incumbent_version(serve, candidate.name)
     incumbent = (
         registry.get_version(candidate.name, live) if live else registry.resolve(candidate.name, registry.CHAMPION)
     )
-    prepared = PreparedRollout(base_url=base_url, incumbent=incumbent, candidate=candidate)
+    prepared = PreparedRollout(
+        base_url=base_url, incumbent=incumbent, candidate=candidate, fence=fence, reconciled=reconciled
+    )
     if not prepared.needed:
         return prepared
-    return prepared.model_copy(update={"base_url": rollout.prepare(incumbent, candidate, serve)})
+    return prepared.model_copy(update={"base_url": rollout.prepare(incumbent, candidate, serve, fence)})
 
 
-def promote(prepared: PreparedRollout, steps: list[rollout.StepReport], serve: ServeConfig) -> Promotion:
-    """The candidate becomes champion, then takes all of its model's traffic and the old version goes."""
+def promote(
+    prepared: PreparedRollout, steps: list[rollout.StepReport], serve: ServeConfig, rollout_holder: str
+) -> Promotion:
+    """The candidate becomes champion, then takes all of its model's traffic and the old version goes.
+
+    ``rollout_holder``: the holder of the model's rollout lease, which this rollout must still hold.
+    """
     cand = prepared.candidate
     reason = f"canary rollout passed every step ({', '.join(f'{s.weight:g}%' for s in steps)})"
-    move = registry.set_alias(cand.name, registry.CHAMPION, cand.version, reason)
-    rollout.retire(prepared.incumbent.version, cand.version, serve, model=cand.name)
+    move = registry.set_alias(cand.name, registry.CHAMPION, cand.version, reason, rollout_holder=rollout_holder)
+    rollout.retire(prepared.incumbent.version, cand.version, serve, model=cand.name, fence=prepared.fence)
     return Promotion(prepared=prepared, steps=steps, reason=reason, alias_move=move)
 
 
@@ -95,5 +157,5 @@ def roll_back(
 ) -> RolloutOutcome:
     """All of the model's traffic back on the incumbent; the candidate's deployment goes."""
     cand = prepared.candidate
-    rollout.roll_back(prepared.incumbent.version, cand.version, serve, model=cand.name)
+    rollout.roll_back(prepared.incumbent.version, cand.version, serve, model=cand.name, fence=prepared.fence)
     return RolloutOutcome(outcome=ROLLED_BACK, prepared=prepared, steps=steps, reason=reason)

@@ -34,6 +34,8 @@ class ServeConfig(BaseModel):
     router_replicas: int = Field(1, ge=1)
     router_cpus: float = Field(0.25, gt=0)
     router_max_ongoing_requests: int = Field(256, ge=1)
+    stats_per_s: float = Field(2.0, gt=0, description="GET /stats per client address and router replica, a second.")
+    stats_burst: int = Field(10, ge=1, description="GET /stats a client may ask at once before stats_per_s applies.")
     max_replicas_per_node: int | None = Field(
         None,
         ge=1,
@@ -46,6 +48,13 @@ class ServeConfig(BaseModel):
     request_timeout_s: float = Field(30.0, gt=0, description="A version slower than this answers 504.")
     access_log: bool = Field(True, description="Serve's per-request log lines (router and model replicas).")
     deploy_timeout_s: float = Field(300.0, gt=0)
+    # Serve's own defaults: how soon a dead replica is noticed (and replaced), and how often a stopping
+    # one looks whether its requests have drained (every deletion waits at least one such period)
+    model_health_check_period_s: float = Field(10.0, gt=0, description="Serve's health check of model replicas.")
+    router_health_check_period_s: float = Field(5.0, gt=0, description="Serve's health check of router replicas.")
+    graceful_shutdown_wait_loop_s: float = Field(
+        2.0, gt=0, description="How often a stopping replica checks that its requests have drained."
+    )
     default_model: str | None = Field(
         None,
         pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
@@ -74,7 +83,10 @@ def config_from_settings() -> ServeConfig:
     settings = get_settings()
     try:
         return ServeConfig(
-            host=settings.serve_host, port=settings.serve_port, default_model=settings.serve_default_model
+            host=settings.serve_host,
+            port=settings.serve_port,
+            default_model=settings.serve_default_model,
+            graceful_shutdown_wait_loop_s=settings.serve_graceful_shutdown_wait_loop_s,
         )
     except ValidationError as exc:  # every field here comes from RAYLINE_SERVE_<FIELD>
         problems = "; ".join(

@@ -10,7 +10,13 @@ rollout of one model never touches another's weights.
 
 Weights are relative (``{1: 90, 2: 10}`` and ``{1: 0.9, 2: 0.1}`` route the same); a live
 version left out of ``set_weights`` gets 0. ``set_weights`` returns once every router
-replica has picked the new table up (they sync every ``SYNC_INTERVAL_S``).
+replica has picked the new table up (they sync every ``SYNC_INTERVAL_S``): every replica of
+the router deployment Serve runs (:func:`router_replicas`), however long one has been silent
+(a paused one routes by the old table the moment it resumes: the call fails naming it after
+``wait_s``); a replica Serve no longer runs is not waited for.
+
+``fence=``: a rollout's calls that change the table carry its lease's fencing token
+(``rayline.storage.fencing``); the control actor refuses one older than it has seen (``StaleFence``).
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ from ray.serve.schema import ApplicationStatus, ServeInstanceDetails
 
 from ray_workloads.serving import applications
 from ray_workloads.serving.config import ServeConfig
-from ray_workloads.serving.ingress import SYNC_INTERVAL_S, router_app
+from ray_workloads.serving.ingress import ROUTER_DEPLOYMENT, SYNC_INTERVAL_S, router_app
 from ray_workloads.serving.model_server import model_app
 from ray_workloads.serving.routing import RoutingTable, ServeControl
 from rayline import storage
 from rayline.errors import ClusterError, ConfigError, InputDataError, RaylineError
+from rayline.models.registry import ModelVersion
 from rayline.ray_cluster import NAMESPACE
-from rayline.registry import ModelVersion
+from rayline.storage.fencing import Fence
 
 __all__ = [
     "ServeConfig",
@@ -48,6 +55,7 @@ __all__ = [
     "remove_version",
     "replica_pids",
     "reset_stats",
+    "router_replicas",
     "routing_table",
     "set_default_model",
     "set_weights",
@@ -57,6 +65,8 @@ __all__ = [
 ]
 
 _CALL_TIMEOUT_S = 30.0
+# the replica states Serve routes requests to (PENDING_MIGRATION: still serving on a draining node)
+_ROUTED_REPLICA_STATES = frozenset({"RUNNING", "PENDING_MIGRATION"})
 
 
 class VersionStats(BaseModel):
@@ -114,12 +124,38 @@ def _call(ref: Any, what: str) -> Any:
         raise ClusterError(f"{what}: the serving control actor did not answer: {exc}") from exc
 
 
-def _wait_routers(control: Any, generation: int, wait_s: float) -> None:
+def router_replicas(cfg: ServeConfig) -> dict[str, int | None]:
+    """Replica id → PID of each router replica Serve routes requests to now: the routers a table
+    change waits for (they sync under their replica id); {} when Serve or the router is not running."""
+    try:
+        client = serve.context._get_global_client(raise_if_no_controller_running=False)
+        # the raw dict: the public status() has no replica ids, and building ServeInstanceDetails pickles
+        # Serve's request-router class with process-global settings (racing a deploy in another thread)
+        details = client.get_serve_details() if client is not None else {}
+    except Exception as exc:
+        raise ClusterError(f"could not read the router's replicas from Serve: {type(exc).__name__}: {exc}") from exc
+    app = details.get("applications", {}).get(cfg.name)
+    deployment = app["deployments"].get(ROUTER_DEPLOYMENT) if app else None
+    replicas = deployment["replicas"] if deployment else []
+    return {r["replica_id"]: r.get("pid") for r in replicas if r["state"] in _ROUTED_REPLICA_STATES}
+
+
+def _named(replicas: dict[str, int | None], ids: list[str]) -> str:
+    return ", ".join(f"{r} (pid {replicas.get(r)})" for r in ids)
+
+
+def _wait_routers(control: Any, cfg: ServeConfig, generation: int, wait_s: float) -> None:
+    """Until every router replica Serve runs routes by ``generation`` (or Serve stops running it)."""
     deadline = time.monotonic() + wait_s
-    while behind := _call(control.routers_behind.remote(generation), "checking routers"):
+    while True:
+        replicas = router_replicas(cfg)
+        behind = _call(control.routers_behind.remote(generation, list(replicas)), "checking routers")
+        if not behind:
+            return
         if time.monotonic() > deadline:
             raise ClusterError(
-                f"router replicas {behind} did not pick up routing generation {generation} in {wait_s} s"
+                f"router replicas {_named(replicas, behind)} did not pick up routing generation {generation} "
+                f"in {wait_s} s; Serve still runs them (paused, overloaded, or cut off from the control actor?)"
             )
         time.sleep(SYNC_INTERVAL_S / 4)
 
@@ -142,14 +178,19 @@ def start(cfg: ServeConfig) -> str:
     _call(control.prune.remote(list(serve.status().applications)), "reconciling the routing table")
     if cfg.default_model is not None:  # unset leaves what an earlier start (or set_default_model) configured
         generation = _call(control.set_default.remote(cfg.default_model), "setting the default model")
-        _wait_routers(control, generation, 10.0)  # routers already up route /predict by it from now on
+        _wait_routers(control, cfg, generation, 10.0)  # routers already up route /predict by it from now on
     wanted = cfg.router_config()
     # recorded before deploying: a concurrent start() (another process's rollout) then waits for
     # this deployment instead of submitting its own, which would restart the router under load
     deployed = _call(control.swap_router_config.remote(wanted), "saving the router config")
-    redeploy = deployed != wanted or applications.needs_deploy(serve.status().applications.get(cfg.name))
-    # else running or being deployed with this config: only wait for it
-    failures = applications.run_and_wait([(cfg.name, router_app(cfg) if redeploy else None, "/")], cfg.deploy_timeout_s)
+    router = serve.status().applications.get(cfg.name)
+    redeploy = deployed != wanted or applications.needs_deploy(router)
+    # else running or being deployed with this config: only wait for it. A router that served
+    # (one with a replica running) is never deleted on a timeout: the replicas up keep routing.
+    target = applications.DeployTarget(
+        cfg.name, router_app(cfg) if redeploy else None, "/", in_service=applications.has_running_replicas(router)
+    )
+    failures = applications.run_and_wait([target], cfg.deploy_timeout_s)
     if failures:
         _call(control.swap_router_config.remote(None), "clearing the router config")  # the next start() deploys
     applications.raise_deploy_failures(failures)
@@ -172,18 +213,23 @@ def start(cfg: ServeConfig) -> str:
         time.sleep(0.2)
 
 
-def deploy_version(model: ModelVersion, cfg: ServeConfig, *, wait_s: float = 10.0) -> None:
+def deploy_version(model: ModelVersion, cfg: ServeConfig, *, wait_s: float = 10.0, fence: Fence | None = None) -> None:
     """Deploy ``model`` as its own application at weight 0; returns once it is healthy and routable.
 
     Idempotent: a running application of that version is left alone.
     """
-    deploy_versions([model], cfg, wait_s=wait_s)
+    deploy_versions([model], cfg, wait_s=wait_s, fence=fence)
 
 
-def deploy_versions(models: Sequence[ModelVersion], cfg: ServeConfig, *, wait_s: float = 10.0) -> None:
+def deploy_versions(
+    models: Sequence[ModelVersion], cfg: ServeConfig, *, wait_s: float = 10.0, fence: Fence | None = None
+) -> None:
     """:func:`deploy_version` for several versions at once (their replicas start in parallel).
 
     Versions of any models: a model not served yet is served from then on (all weights 0).
+    A version that does not come up within ``cfg.deploy_timeout_s`` is deleted again only if this
+    call submitted it and it served nothing before (not in the routing table, no replica running):
+    a live one, above all the incumbent with the traffic, is left serving as it can, and the call raises.
     """
     control = _control(cfg)
     table: RoutingTable = _call(control.table.remote(), "reading the routing table")
@@ -192,11 +238,16 @@ def deploy_versions(models: Sequence[ModelVersion], cfg: ServeConfig, *, wait_s:
             raise InputDataError(f"weights of {model.name} v{model.version} not found at {model.weights_uri}")
     wanted = {cfg.version_app(m.name, m.version): m for m in models}
     apps = serve.status().applications
+    live = {app for routes in table.models.values() for app in routes.apps.values()}
     # a version being deployed by someone else (a concurrent rollout) is waited for, not resubmitted:
     # resubmitting restarts its replicas
     failures = applications.run_and_wait(
         [
-            (name, model_app(m, cfg) if applications.needs_deploy(apps.get(name)) else None, None)
+            applications.DeployTarget(
+                name,
+                model_app(m, cfg) if applications.needs_deploy(apps.get(name)) else None,
+                in_service=name in live or applications.has_running_replicas(apps.get(name)),
+            )
             for name, m in wanted.items()
             if name not in apps or apps[name].status != ApplicationStatus.RUNNING
         ],
@@ -205,27 +256,36 @@ def deploy_versions(models: Sequence[ModelVersion], cfg: ServeConfig, *, wait_s:
     generation = table.generation
     for name, m in wanted.items():
         if name not in failures:
-            generation = _call(control.register.remote(m.name, m.version, name), "registering a version")
-    _wait_routers(control, generation, wait_s)
+            generation = _call(
+                control.register.remote(m.name, m.version, name, fence), f"registering v{m.version} of {m.name}"
+            )
+    _wait_routers(control, cfg, generation, wait_s)
     applications.raise_deploy_failures(failures)
 
 
 def set_weights(
-    weights: Mapping[int, float], cfg: ServeConfig | None = None, *, model: str | None = None, wait_s: float = 10.0
+    weights: Mapping[int, float],
+    cfg: ServeConfig | None = None,
+    *,
+    model: str | None = None,
+    wait_s: float = 10.0,
+    fence: Fence | None = None,
 ) -> None:
     """Switch ``model``'s traffic weights atomically; returns once every router routes by them."""
-    control = _control(cfg or ServeConfig())
+    cfg = cfg or ServeConfig()
+    control = _control(cfg)
     new = {int(v): float(w) for v, w in weights.items()}
-    generation = _call(control.set_weights.remote(new, model), "setting weights")
-    _wait_routers(control, generation, wait_s)
+    generation = _call(control.set_weights.remote(new, model, fence), "setting weights")
+    _wait_routers(control, cfg, generation, wait_s)
 
 
 def set_default_model(model: str | None, cfg: ServeConfig | None = None, *, wait_s: float = 10.0) -> None:
     """Make ``model`` the one ``/predict`` answers with (None: the first model served); returns once every
     router routes by it. It need not be served yet (``/predict`` answers 503 until it is)."""
-    control = _control(cfg or ServeConfig())
+    cfg = cfg or ServeConfig()
+    control = _control(cfg)
     generation = _call(control.set_default.remote(model), "setting the default model")
-    _wait_routers(control, generation, wait_s)
+    _wait_routers(control, cfg, generation, wait_s)
 
 
 def routing_table(cfg: ServeConfig | None = None) -> RoutingTable:
@@ -242,10 +302,11 @@ def get_weights(
     ``settled`` first waits until every router routes by them: another process (a concurrent
     rollout) may have just changed them, and its ``set_weights`` may not have returned yet.
     """
-    control = _control(cfg or ServeConfig())
+    cfg = cfg or ServeConfig()
+    control = _control(cfg)
     table: RoutingTable = _call(control.table.remote(), "reading weights")
     if settled:
-        _wait_routers(control, table.generation, wait_s)
+        _wait_routers(control, cfg, table.generation, wait_s)
     return dict(table.routes(model).weights)
 
 
@@ -261,19 +322,25 @@ def stats(
     fresh: bool = True,
     gated: bool = False,
 ) -> dict[int, VersionStats]:
-    """``model``'s per-version stats since its last reset (or since ``since``, a unix time).
+    """``model``'s per-version stats since its last reset (or since ``since``, a unix time, counted
+    from the start of its second: ``stats``).
 
     ``fresh`` waits (about ``SYNC_INTERVAL_S``) until every router has flushed, so every
     request answered before the call is counted; without it, stats lag by up to that long.
     ``gated``: only answers a rollout's gate counts (routed, not pinned; not 4xx: ``stats``).
     """
-    control = _control(cfg or ServeConfig())
+    cfg = cfg or ServeConfig()
+    control = _control(cfg)
     if fresh:
         mark = _call(control.clock.remote(), "reading the control clock")
         deadline = time.monotonic() + 10
-        while _call(control.routers_not_synced_since.remote(mark), "waiting for routers to flush"):
+        while True:
+            replicas = router_replicas(cfg)
+            behind = _call(control.routers_not_synced_since.remote(mark, list(replicas)), "waiting for routers")
+            if not behind:
+                break
             if time.monotonic() > deadline:
-                raise ClusterError("router replicas did not flush their stats within 10 s")
+                raise ClusterError(f"router replicas {_named(replicas, behind)} did not flush their stats within 10 s")
             time.sleep(SYNC_INTERVAL_S / 4)
     raw = _call(control.stats.remote(since, model, gated), "reading stats")
     return {int(v): VersionStats.model_validate(s) for v, s in raw.items()}
@@ -285,7 +352,12 @@ def reset_stats(cfg: ServeConfig | None = None, *, model: str | None = None) -> 
 
 
 def remove_version(
-    version: int, cfg: ServeConfig | None = None, *, model: str | None = None, wait_s: float = 10.0
+    version: int,
+    cfg: ServeConfig | None = None,
+    *,
+    model: str | None = None,
+    wait_s: float = 10.0,
+    fence: Fence | None = None,
 ) -> None:
     """Take a version with weight 0 out of routing, then delete its app (Serve drains its requests)."""
     cfg = cfg or ServeConfig()
@@ -293,8 +365,8 @@ def remove_version(
     table: RoutingTable = _call(control.table.remote(), "reading the routing table")
     name = table.resolve(model)
     app = table.routes(name).apps.get(version) or (cfg.version_app(name, version) if name else None)
-    generation = _call(control.retire.remote(version, name), f"retiring version {version} of {name}")
-    _wait_routers(control, generation, wait_s)
+    generation = _call(control.retire.remote(version, name, fence), f"retiring version {version} of {name}")
+    _wait_routers(control, cfg, generation, wait_s)
     if app is not None:
         applications.delete_apps([app])
 
@@ -309,7 +381,7 @@ def remove_model(model: str, cfg: ServeConfig | None = None, *, wait_s: float = 
     cfg = cfg or ServeConfig()
     control = _control(cfg)
     generation, apps = _call(control.remove_model.remote(model), f"removing model {model}")
-    _wait_routers(control, generation, wait_s)
+    _wait_routers(control, cfg, generation, wait_s)
     applications.delete_apps(apps)
     return list(apps)
 

@@ -1,4 +1,5 @@
-"""The router's request-level helpers: routes, headers, multipart parsing, body limits, JSON errors.
+"""The router's request-level helpers: routes, headers, multipart parsing, body limits, the ``/stats``
+rate limit, JSON errors.
 
 Standard library and Starlette only; used by ``ingress.Router`` (and ``ModelServer`` for the
 status of an undecodable image).
@@ -7,6 +8,7 @@ status of an undecodable image).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from email.message import Message
 from email.parser import HeaderParser
 
@@ -45,11 +47,37 @@ DECODE_STATUS: dict[type[ImageDecodeError], int] = {
 
 
 class HttpError(Exception):
-    """A request answered with a 4xx/5xx JSON error."""
+    """A request answered with a 4xx/5xx JSON error (and ``headers``, e.g. a 429's ``Retry-After``)."""
 
-    def __init__(self, status: int, error: str, detail: str) -> None:
+    def __init__(self, status: int, error: str, detail: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(detail)
-        self.status, self.error, self.detail = status, error, detail
+        self.status, self.error, self.detail, self.headers = status, error, detail, headers
+
+
+class RateLimit:
+    """A token bucket per client: ``burst`` requests at once, then ``per_s`` a second.
+
+    :meth:`retry_after` admits a request (None) or says how long the client must wait. At most
+    ``max_clients`` are tracked: past that the least recently seen go (a client forgotten starts
+    with a full bucket again; memory stays bounded whatever the addresses a flood comes from).
+    """
+
+    def __init__(self, per_s: float, burst: int, max_clients: int = 10_000) -> None:
+        self.per_s, self.burst, self.max_clients = per_s, float(burst), max_clients
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client: (tokens, at)
+
+    def retry_after(self, client: str, now: float) -> float | None:
+        """None: admitted (one token taken); else the seconds until ``client`` has a token again."""
+        tokens, at = self._buckets.pop(client, (self.burst, now))
+        tokens = min(self.burst, tokens + max(0.0, now - at) * self.per_s)
+        admitted = tokens >= 1.0
+        self._buckets[client] = (tokens - 1.0 if admitted else tokens, now)
+        while len(self._buckets) > self.max_clients:
+            self._buckets.popitem(last=False)
+        return None if admitted else (1.0 - tokens) / self.per_s
+
+    def clients(self) -> int:
+        return len(self._buckets)
 
 
 def route(path: str) -> tuple[str | None, str]:
@@ -149,9 +177,11 @@ def parse_since(raw: str | None) -> float | None:
     return since
 
 
-def error_response(status: int, error: str, detail: str, version: int | None = None) -> JSONResponse:
-    headers = {ANSWER_HEADER: str(version)} if version is not None else None
-    return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
+def error_response(
+    status: int, error: str, detail: str, version: int | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    headers = {**(headers or {}), **({ANSWER_HEADER: str(version)} if version is not None else {})}
+    return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers or None)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

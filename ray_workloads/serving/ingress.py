@@ -36,7 +36,12 @@ HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
 * ``GET /stats[?since=<unix time>]``, ``GET /models/<name>/stats[?since=…]``: the model's
   weights and per-version requests, errors, rejected, latency p50/p95/p99, counting every
   answer (pinned ones and 4xx included; a rollout's gate counts only routed, non-4xx ones:
-  ``stats``). 400 for a ``since`` that is not a finite number.
+  ``stats``), from the control actor's per-second windows (``since`` counts from the start of
+  its second). 400 for a ``since`` that is not a finite number. Rate-limited per client address
+  (rayline's router authenticates no one), per router replica: ``stats_burst`` at once, then
+  ``stats_per_s`` a second; past that 429 ``TooManyRequests`` with ``Retry-After`` (seconds).
+  The answer comes from the control actor every router syncs with: a client looping on it
+  must not delay their syncs.
 * ``GET /models``: every served model with its live versions and weights, and the default.
 """
 
@@ -44,9 +49,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
-import uuid
 from typing import Any
 
 import ray
@@ -64,6 +69,7 @@ from ray_workloads.serving.http_api import (
     ROUTES,
     VERSION_HEADER,
     HttpError,
+    RateLimit,
     error_response,
     multipart_image,
     parse_since,
@@ -98,7 +104,10 @@ class Router:
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = ServeConfig.model_validate(cfg)
-        self.router_id = uuid.uuid4().hex[:12]
+        # the control actor knows routers by their Serve replica id: the routers a table change waits
+        # for are the replicas Serve runs (``control.router_replicas``)
+        self.router_id = serve.get_replica_context().replica_id.unique_id
+        self._stats_limit = RateLimit(self.cfg.stats_per_s, self.cfg.stats_burst)
         self._table = RoutingTable()
         self._synced = asyncio.Event()
         self._handles: dict[str, DeploymentHandle[Any]] = {}  # by application name
@@ -157,7 +166,7 @@ class Router:
                 return await self._healthz(model)
             return await self._stats(request, model)
         except HttpError as exc:
-            return error_response(exc.status, exc.error, exc.detail)
+            return error_response(exc.status, exc.error, exc.detail, headers=exc.headers)
         except Exception as exc:  # a bug of ours: still a JSON answer, and logged
             logger.exception("router %s failed on %s %s", self.router_id, request.method, path)
             return error_response(500, type(exc).__name__, str(exc)[:500])
@@ -267,7 +276,21 @@ class Router:
         }
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
+    def _limit_stats(self, request: Request) -> None:
+        """429 with Retry-After for a client (by address) asking ``/stats`` faster than its rate."""
+        client = request.client.host if request.client is not None else "unknown"
+        wait_s = self._stats_limit.retry_after(client, time.monotonic())
+        if wait_s is not None:
+            raise HttpError(
+                429,
+                "TooManyRequests",
+                f"/stats is limited to {self.cfg.stats_per_s:g} requests a second per client "
+                f"(bursts of {self.cfg.stats_burst}); retry in {wait_s:.1f} s",
+                headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+            )
+
     async def _stats(self, request: Request, model: str | None) -> JSONResponse:
+        self._limit_stats(request)
         since = parse_since(request.query_params.get("since"))
         table = self._table
         if model is not None and model not in table.models:
@@ -313,7 +336,8 @@ def router_app(cfg: ServeConfig) -> Any:
         **cfg.placement(),
         ray_actor_options={"num_cpus": cfg.router_cpus},
         max_ongoing_requests=cfg.router_max_ongoing_requests,
-        health_check_period_s=5,
+        health_check_period_s=cfg.router_health_check_period_s,
+        graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s,
         max_constructor_retry_count=3,
         max_surge_percent=100,  # Serve's default 0 stops the only router before its replacement is up
         logging_config={"enable_access_log": cfg.access_log},

@@ -18,7 +18,7 @@ from ray import serve
 from ray_workloads.images import ImageDecodeError, decode_image
 from ray_workloads.serving.config import ServeConfig
 from ray_workloads.serving.http_api import DECODE_STATUS
-from rayline.registry import ModelVersion
+from rayline.models.registry import ModelVersion
 
 MODEL_DEPLOYMENT = "ModelServer"
 HEALTH_PROBE_IDLE_S = 30.0  # a model replica idle this long proves itself with a forward pass
@@ -109,8 +109,9 @@ def model_app(model: ModelVersion, cfg: ServeConfig) -> Any:
         ray_actor_options={"num_cpus": cfg.cpus_per_replica},
         max_ongoing_requests=max(cfg.max_ongoing_requests, cfg.max_batch_size),
         user_config={"max_batch_size": cfg.max_batch_size, "batch_wait_timeout_s": cfg.batch_wait_timeout_s},
-        health_check_period_s=10,
+        health_check_period_s=cfg.model_health_check_period_s,
         health_check_timeout_s=30,
+        graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s,
         max_constructor_retry_count=3,
         max_surge_percent=100,  # a restart (new config) starts replacements before stopping old replicas
         logging_config={"enable_access_log": cfg.access_log},

@@ -40,10 +40,12 @@ from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
 from ray_workloads.serving import control
 from ray_workloads.serving.config import ServeConfig
 from ray_workloads.serving.control import VersionStats
-from rayline import fetching, storage
+from rayline import storage
 from rayline.errors import ConfigError, InputDataError
-from rayline.layout import RAW_DIR
-from rayline.registry import ModelVersion
+from rayline.models.registry import ModelVersion
+from rayline.storage import fetching
+from rayline.storage.fencing import Fence
+from rayline.storage.layout import RAW_DIR
 
 VERSION_HEADER = "X-Rayline-Version"
 
@@ -127,7 +129,7 @@ def default_probe_source(version: ModelVersion, root: str) -> str:
     latest committed night. Otherwise the caller must say.
     """
     from ray_workloads import preprocess  # the rollout's own imports stay light
-    from rayline.prediction_reads import latest_night_commit
+    from rayline.tables.prediction_reads import latest_night_commit
 
     if version.data_manifest_uri is not None:
         if storage.exists(version.data_manifest_uri):
@@ -166,24 +168,41 @@ def incumbent_version(cfg: ServeConfig, model: str | None = None) -> int | None:
     return max(weights, key=lambda v: weights[v]) if weights else None
 
 
+def served_weights(cfg: ServeConfig, model: str) -> dict[int, float]:
+    """``model``'s weights as every router routes by them ({} when it is not served)."""
+    return control.get_weights(cfg, model=model, settled=True)
+
+
+def restore(champion: ModelVersion, remove: Iterable[int], cfg: ServeConfig, fence: Fence | None = None) -> None:
+    """All of ``champion``'s model's traffic on ``champion`` (deployed first if it was retired), then the
+    versions in ``remove`` go: what a rollout that did not finish left is undone."""
+    control.deploy_version(champion, cfg, fence=fence)
+    control.set_weights({champion.version: 100.0}, cfg, model=champion.name, fence=fence)
+    for version in remove:
+        control.remove_version(version, cfg, model=champion.name, fence=fence)
+
+
 def start(cfg: ServeConfig) -> str:
     """Serve and the router up (idempotent); the base URL."""
     return control.start(cfg)
 
 
-def serve(version: ModelVersion, cfg: ServeConfig) -> str:
-    """Make sure ``version`` is deployed; it takes all traffic if nothing of its model serves yet. The base URL."""
+def serve(version: ModelVersion, cfg: ServeConfig, fence: Fence | None = None) -> str:
+    """Make sure ``version`` is deployed; it takes all traffic if nothing of its model serves yet. The base URL.
+
+    ``fence``: the rollout lease's fencing token its changes carry (``control``), None outside a rollout.
+    """
     base_url = start(cfg)
-    control.deploy_version(version, cfg)
+    control.deploy_version(version, cfg, fence=fence)
     if incumbent_version(cfg, version.name) is None:
-        control.set_weights({version.version: 100.0}, cfg, model=version.name)
+        control.set_weights({version.version: 100.0}, cfg, model=version.name, fence=fence)
     return base_url
 
 
-def prepare(incumbent: ModelVersion, candidate: ModelVersion, cfg: ServeConfig) -> str:
+def prepare(incumbent: ModelVersion, candidate: ModelVersion, cfg: ServeConfig, fence: Fence | None = None) -> str:
     """Serve the incumbent and deploy the candidate at 0%; the base URL."""
-    base_url = serve(incumbent, cfg)
-    control.deploy_version(candidate, cfg)
+    base_url = serve(incumbent, cfg, fence)
+    control.deploy_version(candidate, cfg, fence=fence)
     return base_url
 
 
@@ -283,6 +302,7 @@ def run_step(
     incumbent_p95_ms: float | None,
     check_agreement: bool,
     model: str | None = None,
+    fence: Fence | None = None,
 ) -> StepReport:
     """Give the candidate ``weight`` % of ``model``'s traffic, soak, and judge the window."""
     agreed = agreement(base_url, images, incumbent, candidate, model) if check_agreement else None
@@ -297,7 +317,7 @@ def run_step(
             passed=passed,
             reason=reason,
         )
-    control.set_weights({incumbent: 100.0 - weight, candidate: weight}, cfg.serve, model=model)
+    control.set_weights({incumbent: 100.0 - weight, candidate: weight}, cfg.serve, model=model, fence=fence)
     window = soak(cfg, base_url, images, candidate, model)
     seen = window.get(incumbent)
     if seen is not None and seen.p95_ms is not None and seen.requests >= cfg.gates.min_requests:
@@ -314,13 +334,15 @@ def run_step(
     )
 
 
-def roll_back(incumbent: int, candidate: int, cfg: ServeConfig, model: str | None = None) -> None:
+def roll_back(
+    incumbent: int, candidate: int, cfg: ServeConfig, model: str | None = None, fence: Fence | None = None
+) -> None:
     """All of ``model``'s traffic back to the incumbent, then the candidate's deployment goes."""
-    control.set_weights({incumbent: 100.0}, cfg, model=model)
-    control.remove_version(candidate, cfg, model=model)
+    control.set_weights({incumbent: 100.0}, cfg, model=model, fence=fence)
+    control.remove_version(candidate, cfg, model=model, fence=fence)
 
 
-def retire(old: int, new: int, cfg: ServeConfig, model: str | None = None) -> None:
+def retire(old: int, new: int, cfg: ServeConfig, model: str | None = None, fence: Fence | None = None) -> None:
     """After promotion: the new version takes all of ``model``'s traffic, the old deployment goes."""
-    control.set_weights({new: 100.0}, cfg, model=model)
-    control.remove_version(old, cfg, model=model)
+    control.set_weights({new: 100.0}, cfg, model=model, fence=fence)
+    control.remove_version(old, cfg, model=model, fence=fence)

@@ -13,9 +13,20 @@ first model registered that is still served. Versions, weights and stats of one 
 never affect another's; every method taking ``model=None`` means the default model.
 
 Router replicas (``ingress.Router``) call :meth:`ServeControl.sync` periodically: they hand
-over their request samples (kept by ``stats.StatsBook``) and get the current
+over their request samples (tallied by ``stats.StatsBook``) and get the current
 :class:`RoutingTable` back, by whose weights :func:`choose_version` picks each request's
 version. The driver side (``control``) creates the actor and calls the rest.
+
+Which routers a table change waits for is Serve's to say, not the actor's: each router syncs
+under its Serve replica id, and the driver hands :meth:`ServeControl.routers_behind` the ids of
+the router replicas Serve runs now. One that is slow or paused is waited for however long it
+has been silent (it routes by its old table the moment it resumes); one Serve no longer runs is
+not (:func:`routers_behind`).
+
+A rollout's changes (registering a version, setting weights, retiring one) carry its
+rollout lease's fencing token (``rayline.storage.fencing``): the actor keeps the newest one per
+lease, in its snapshot too, and refuses an older one with ``StaleFence``, so a rollout
+paused past its lease's ttl cannot move traffic over the rollout that took over.
 
 This module imports neither Serve's HTTP stack nor torch: it is all the actor's process loads.
 """
@@ -28,7 +39,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +48,32 @@ from ray.experimental import internal_kv
 from ray_workloads.serving.stats import Sample, StatsBook
 from rayline.errors import ConfigError
 from rayline.ray_cluster import NAMESPACE
+from rayline.storage.fencing import Fence, admit
 
-ROUTER_STALE_S = 5.0  # a router silent this long is gone (killed, scaled down)
+# a router silent this long is forgotten (memory only: which routers are waited for is Serve's membership)
+ROUTER_FORGET_S = 600.0
+
+
+@dataclass(frozen=True)
+class RouterSync:
+    """A router's last sync: when (the actor's monotonic clock) and the table generation it had then."""
+
+    at: float
+    generation: int
+
+
+def routers_behind(seen: Mapping[str, RouterSync], members: Iterable[str], generation: int) -> list[str]:
+    """The routers of ``members`` (the router replicas Serve runs) not routing by ``generation`` yet.
+
+    A member never seen (just started, or the actor restarted) is behind until its next sync; a
+    router seen but no longer a member (stopped, killed, scaled down) is not waited for.
+    """
+    return sorted(r for r in set(members) if r not in seen or seen[r].generation < generation)
+
+
+def routers_not_synced_since(seen: Mapping[str, RouterSync], members: Iterable[str], mark: float) -> list[str]:
+    """The routers of ``members`` whose last sync (their samples' flush) is not after ``mark``."""
+    return sorted(r for r in set(members) if r not in seen or seen[r].at <= mark)
 
 
 @dataclass(frozen=True)
@@ -128,12 +163,14 @@ class ServeControl:
         self._kv_key = f"{name}-routing-table"
         self._table = RoutingTable()
         self._router_config: dict[str, Any] | None = None
+        self._fences: dict[str, Fence] = {}  # the newest fencing token seen per lease
         saved = internal_kv._internal_kv_get(self._kv_key, namespace=NAMESPACE)
         if saved:
             data = json.loads(saved)
             self._table = RoutingTable.from_json(data)
             self._router_config = data.get("router_config")
-        self._routers: dict[str, tuple[float, int]] = {}
+            self._fences = {f["lease"]: Fence(**f) for f in data.get("fences", [])}
+        self._routers: dict[str, RouterSync] = {}  # by Serve replica id
         self._stats = StatsBook(started=time.time())
 
     def _replace(self, **changes: Any) -> int:
@@ -151,7 +188,11 @@ class ServeControl:
         return self._replace(models=models)
 
     def _save(self) -> None:
-        data = {**self._table.to_json(), "router_config": self._router_config}
+        data = {
+            **self._table.to_json(),
+            "router_config": self._router_config,
+            "fences": [dataclasses.asdict(f) for f in self._fences.values()],
+        }
         internal_kv._internal_kv_put(self._kv_key, json.dumps(data), overwrite=True, namespace=NAMESPACE)
 
     def _served(self, model: str | None) -> tuple[str, ModelRoutes]:
@@ -162,6 +203,11 @@ class ServeControl:
             what = f"model {name!r} is" if name is not None else "no model is"
             raise ConfigError(f"{what} not served by this instance; served models: {served}")
         return name, self._table.models[name]
+
+    def _admit(self, fence: Fence | None, what: str) -> None:
+        """Refuse ``what`` under a fence older than one seen (``StaleFence``); remember the newest."""
+        if admit(self._fences, fence, what):
+            self._save()  # before the change it admits: a restarted actor must still refuse the older one
 
     def forget(self) -> None:
         internal_kv._internal_kv_del(self._kv_key, namespace=NAMESPACE)
@@ -184,24 +230,25 @@ class ServeControl:
     def sync(self, router_id: str, generation: int, samples: list[Sample]) -> RoutingTable:
         """A router's periodic call: record its samples, note what it has seen, hand it the table."""
         now = time.monotonic()
-        self._routers[router_id] = (now, generation)
-        self._routers = {r: seen for r, seen in self._routers.items() if now - seen[0] < ROUTER_STALE_S}
+        self._routers[router_id] = RouterSync(now, generation)
+        self._routers = {r: seen for r, seen in self._routers.items() if now - seen.at < ROUTER_FORGET_S}
         self._stats.record(samples)
         return self._table
 
-    def routers_behind(self, generation: int) -> list[str]:
-        now = time.monotonic()
-        return [r for r, (seen_at, gen) in self._routers.items() if now - seen_at < ROUTER_STALE_S and gen < generation]
+    def routers_behind(self, generation: int, members: list[str]) -> list[str]:
+        """Of ``members`` (the router replicas Serve runs), those not routing by ``generation`` yet."""
+        return routers_behind(self._routers, members, generation)
 
     def clock(self) -> float:
         return time.monotonic()
 
-    def routers_not_synced_since(self, mark: float) -> list[str]:
-        now = time.monotonic()
-        return [r for r, (seen_at, _) in self._routers.items() if now - seen_at < ROUTER_STALE_S and seen_at <= mark]
+    def routers_not_synced_since(self, mark: float, members: list[str]) -> list[str]:
+        """Of ``members``, those that have not flushed their samples since ``mark`` (:meth:`clock`)."""
+        return routers_not_synced_since(self._routers, members, mark)
 
-    def register(self, model: str, version: int, app: str) -> int:
+    def register(self, model: str, version: int, app: str, fence: Fence | None = None) -> int:
         """Add a live version of ``model`` at weight 0 (a new model is served from then on)."""
+        self._admit(fence, f"registering v{version} of {model}")
         routes = self._table.models.get(model, ModelRoutes())
         if routes.apps.get(version) == app:
             return self._table.generation
@@ -213,7 +260,8 @@ class ServeControl:
             ),
         )
 
-    def set_weights(self, weights: dict[int, float], model: str | None = None) -> int:
+    def set_weights(self, weights: dict[int, float], model: str | None = None, fence: Fence | None = None) -> int:
+        self._admit(fence, f"setting weights {weights} of {self._table.resolve(model)}")
         name, routes = self._served(model)
         unknown = sorted(set(weights) - set(routes.apps))
         if unknown:
@@ -228,9 +276,10 @@ class ServeControl:
             return self._table.generation
         return self._with_model(name, dataclasses.replace(routes, weights=new))
 
-    def retire(self, version: int, model: str | None = None) -> int:
+    def retire(self, version: int, model: str | None = None, fence: Fence | None = None) -> int:
         """Take a version out of the table (it must have no traffic weight); its model goes with its last one."""
         name = self._table.resolve(model)
+        self._admit(fence, f"retiring v{version} of {name}")
         routes = self._table.models.get(name) if name is not None else None
         if name is None or routes is None or version not in routes.apps:
             return self._table.generation

@@ -27,7 +27,7 @@ def fail(exc: BaseException) -> NoReturn:
 
 def model_ref(model: str, model_name: str | None) -> tuple[str, str]:
     """(name, alias or version) from ``--model`` and ``--model-name``; the two must not disagree."""
-    from rayline import registry
+    from rayline.models import registry
 
     name, ref = registry.parse_ref(model, model_name or DEFAULT_MODEL_NAME)
     if model_name is not None and name != model_name:

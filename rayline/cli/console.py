@@ -1,9 +1,11 @@
 """The CLI's terminal: rayline's own progress and summaries; Ray's and Prefect's chatter in a log file.
 
-Quiet (the default): Ray worker output, Ray's and Ray Data's log lines, Ray
-Data stats and Prefect's per-task INFO lines go to
+Quiet (the default): Ray worker output, the messages the raylet pushes to
+the driver ("N PYTHON worker processes have been started…"), Ray's and Ray
+Data's log lines, Ray Data stats and Prefect's per-task INFO lines go to
 ``<state>/logs/<command>-<time>.log``; the terminal keeps ERROR records, which
-print in full, and the Prefect API still gets every task log. ``--verbose``
+print in full (the driver's Ray core worker writes its own ERROR lines to the
+process's stderr itself), and the Prefect API still gets every task log. ``--verbose``
 leaves all of it on the terminal as before.
 
 Progress of each long stage (``rayline.progress``): live bars on a terminal;

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -17,6 +22,20 @@ from rayline.errors import RaylineError
 if TYPE_CHECKING:  # for the types only: the flows load Prefect, Ray and torch, which `rayline --help` does without
     from flows.serve_rollout import RolloutResult
     from flows.train_model import TrainModelResult
+    from rayline.models.registry import ModelVersion
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def _stage(name: str, times: dict[str, float]) -> Iterator[None]:
+    """Time one stage of the demo into ``times`` and the log file: where a first run's minutes go."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[name] = time.perf_counter() - started
+        log.info("demo stage %s took %.1f s", name, times[name])
 
 
 def demo(
@@ -26,41 +45,55 @@ def demo(
     baseline_epochs: Annotated[int, typer.Option(min=1, help="Epochs of the first, untuned champion.")] = 4,
     baseline_width: Annotated[int, typer.Option(min=1, help="Width of the first champion's CNN.")] = 8,
     soak_s: Annotated[float, typer.Option(min=0.1, help="Seconds each rollout step holds.")] = 5.0,
-    photos: Annotated[int, typer.Option(min=0, help="Photos in the outside model's night (0: skip that walk).")] = 200,
+    photos: Annotated[int, typer.Option(min=0, help="Photos in the outside model's night (0: skip that walk).")] = 100,
 ) -> None:
     """The whole lifecycle on the digits: data, a first champion, a tuned challenger, serving with a
     canary rollout under load, and a night of batch inference; then an outside ResNet-18 registered,
     a night of photos predicted with it and one photo served."""
+    started = time.perf_counter()
     apply_process_defaults()
     _quiet_ray()
     from flows.nightly_inference import nightly_inference
     from flows.train_model import train_model
-    from rayline.layout import INCOMING_DIR, RAW_DIR, partition_for, yesterday_utc
     from rayline.lineage import lineage_dir
     from rayline.seed import seed as write_seed
     from rayline.seed import seed_incoming
+    from rayline.storage.layout import INCOMING_DIR, RAW_DIR, partition_for, yesterday_utc
 
+    times: dict[str, float] = {}
+    log.setLevel(logging.INFO)  # the stage times go to the log file (its handler takes every level)
     try:
         get_settings()  # fail fast, before Prefect and Ray start
         root = storage.storage_root()
         raw = storage.join(root, RAW_DIR)
-        seeded = write_seed(raw, corrupt=corrupt)
+        with _stage("seed", times):
+            seeded = write_seed(raw, corrupt=corrupt)
         typer.echo(f"seeded {seeded.total} objects under {raw} ({seeded.written} new)")
         # A deliberately small first champion (0.83-0.84 test accuracy on a quiet machine, 0.76 seen
         # on one loaded 30-fold: Ray Data's block order under load changes the batches). At width 32
         # it reached 0.96, within a test image or two of what the tuned challenger's search sometimes
         # finds, and a challenger that lands below it fails the gate and ends the demo's story. Its
         # floor is low for the same reason: a first champion under it would end the story too.
-        baseline = train_model(source_uri=raw, epochs=baseline_epochs, width=baseline_width, floor=0.6)
+        with _stage("baseline champion", times):
+            baseline = train_model(source_uri=raw, epochs=baseline_epochs, width=baseline_width, floor=0.6)
         typer.echo(f"baseline: {baseline.registration.decision.reason}")
-        result = train_model(source_uri=raw, tune_samples=tune_samples, epochs=epochs, promote_to="challenger")
-        rollout = _serve_and_roll_out(result, raw, soak_s)
+        # The champion serves before the challenger trains, so that the demo's rollout starts the moment the
+        # challenger is registered: before the serve-rollout deployment that registering it triggers (the
+        # platform's worker takes seconds to start it), which then waits for this one and finds it done.
+        with _stage("serve the champion", times):
+            serving = _serve_champion(baseline.registration.version.name)
+        with _stage("tuned challenger", times):
+            result = train_model(source_uri=raw, tune_samples=tune_samples, epochs=epochs, promote_to="challenger")
+        with _stage("roll out", times):
+            rollout = _roll_out_under_load(result, serving, raw, soak_s)
         day = yesterday_utc()
         incoming = storage.join(root, INCOMING_DIR, partition_for(day))
         arrivals = seed_incoming(incoming, corrupt=corrupt)
         typer.echo(f"dropped {arrivals.total} arrivals under {incoming}")
-        predictions = nightly_inference(date=day.isoformat())
-        walk = outside.walk(root, day, photos, corrupt=3) if photos else None
+        with _stage("nightly inference", times):
+            predictions = nightly_inference(date=day.isoformat())
+        with _stage("outside model", times):
+            walk = outside.walk(root, day, photos, corrupt=3) if photos else None
     except RaylineError as exc:
         _fail(exc)
     summaries.print_prepare_summary(result.data)
@@ -71,6 +104,7 @@ def demo(
     if walk is not None:
         outside.print_walk(walk)
     typer.echo(f"  lineage records    {lineage_dir()}")
+    typer.echo(f"  demo took          {(time.perf_counter() - started) / 60:.1f} min ({_slowest(times)})")
     api = os.environ.get("PREFECT_API_URL")
     typer.echo("")
     if api:
@@ -80,23 +114,45 @@ def demo(
         typer.echo("see them with `.venv/bin/prefect server start` and http://127.0.0.1:4200")
 
 
-def _serve_and_roll_out(trained: TrainModelResult, probe_uri: str, soak_s: float) -> RolloutResult | None:
-    """Serve the champion, keep a small load on it, and canary the tuned challenger next to it."""
+@dataclass(frozen=True)
+class _Serving:
+    url: str
+    champion: ModelVersion
+
+
+def _serve_champion(model_name: str) -> _Serving | None:
+    """Serve ``model_name``'s champion behind the router; None when it has no champion (nothing to roll out to)."""
+    from flows.serve_rollout import serve_config
+    from ray_workloads.serving import rollout
+    from rayline import ray_cluster
+    from rayline.models import registry
+
+    if registry.alias_version(model_name, registry.CHAMPION) is None:
+        return None
+    ray_cluster.connect()
+    champion = registry.resolve(model_name, registry.CHAMPION)
+    return _Serving(url=rollout.serve(champion, serve_config()), champion=champion)
+
+
+def _roll_out_under_load(
+    trained: TrainModelResult, serving: _Serving | None, probe_uri: str, soak_s: float
+) -> RolloutResult | None:
+    """Keep a small load on the serving champion and canary the tuned challenger next to it."""
     import threading
 
-    from flows.serve_rollout import serve_config, serve_rollout
+    from flows.serve_rollout import serve_rollout
     from ray_workloads.serving import rollout
-    from rayline import ray_cluster, registry
     from rayline.errors import RolloutRolledBack
+    from rayline.models import registry
 
     candidate = trained.registration
     if candidate.alias != registry.CHALLENGER:
         typer.echo(f"no rollout: v{candidate.version.version} did not pass the gate ({candidate.decision.reason})")
         return None
-    ray_cluster.connect()
-    cfg = serve_config()
-    champion = registry.resolve(candidate.version.name, registry.CHAMPION)
-    url = rollout.serve(champion, cfg)
+    if serving is None:
+        typer.echo(f"no rollout: no champion served before v{candidate.version.version} was registered")
+        return None
+    url, champion = serving.url, serving.champion
     typer.echo(f"serving v{champion.version} at {url}; rolling out v{candidate.version.version} under load")
     images = rollout.load_probe_images(probe_uri, 32, champion.image_spec)
     load, stop = rollout.ProbeClient(url, images, rps=10.0, model=champion.name), threading.Event()
@@ -118,3 +174,9 @@ def _serve_and_roll_out(trained: TrainModelResult, probe_uri: str, soak_s: float
     for failure in load.first_failures:
         typer.secho(f"  failed request: {failure}", fg=typer.colors.YELLOW)
     return result
+
+
+def _slowest(times: dict[str, float]) -> str:
+    """The stages that took most of the run, longest first: what to look at when a first run is slow."""
+    ranked = sorted(times.items(), key=lambda item: -item[1])[:3]
+    return ", ".join(f"{name} {seconds / 60:.1f}" for name, seconds in ranked)

@@ -8,13 +8,13 @@ from typing import Annotated, Literal
 
 import typer
 
-from rayline import nights
 from rayline.cli import console, demo, ops, platform, summaries, tables
 from rayline.cli.common import DEFAULT_MODEL_NAME, model_ref
 from rayline.cli.common import fail as _fail
 from rayline.cli.common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import ConfigError, RaylineError
+from rayline.tables import nights
 
 # Each command imports its flow when it runs: the flows load Prefect, Ray and torch (seconds),
 # which `rayline --help` and the commands that start no flow do without.
@@ -117,7 +117,7 @@ def prepare_data_command(
     apply_process_defaults()
     _quiet_ray()
     from flows.prepare_data import prepare_data
-    from rayline import registry
+    from rayline.models import registry
 
     try:
         get_settings()  # fail fast, before Prefect and Ray start
@@ -199,7 +199,7 @@ def _check_fine_tune_options(init_from: str | None, arch: str | None, tune: int)
     """Refuse what a fine-tune cannot honour, before anything starts."""
     if init_from is None:
         return
-    from rayline.registry import parse_named_ref
+    from rayline.models.registry import parse_named_ref
 
     parse_named_ref(init_from)  # a malformed reference fails here, naming itself
     if arch is not None:

@@ -82,7 +82,8 @@ def serve_start(
     from ray_workloads.serving import control as serve_control
     from ray_workloads.serving import rollout
     from ray_workloads.serving.config import config_from_settings
-    from rayline import ray_cluster, registry
+    from rayline import ray_cluster
+    from rayline.models import registry
 
     try:
         name, ref = registry.parse_named_ref(model)
@@ -132,7 +133,8 @@ def serve_stop(
     _quiet_ray()
     from ray_workloads.serving import control as serve_control
     from ray_workloads.serving.config import config_from_settings
-    from rayline import ray_cluster, registry
+    from rayline import ray_cluster
+    from rayline.models import registry
 
     try:
         name = registry.parse_named_ref(model)[0] if model is not None else None
@@ -208,6 +210,8 @@ def serve_rollout_command(
 def print_rollout_summary(result: RolloutResult) -> None:
     typer.echo("")
     typer.secho("serve-rollout finished", bold=True)
+    if result.reconciled is not None:  # what a rollout that did not finish left, before this one's steps
+        typer.echo(f"  first: {result.reconciled}")
     for step in result.steps:
         typer.echo(f"  {step.weight:>5g}%  {'passed' if step.passed else 'FAILED'}: {step.reason}")
     typer.echo(f"  {result.reason}")
@@ -240,7 +244,7 @@ def lineage_command(
     """
     import json
 
-    from rayline.lineage_graph import build_graph, render_text
+    from rayline.lineage.graph import build_graph, render_text
 
     try:
         if model is not None and dt is None:

@@ -58,10 +58,11 @@ def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
     from flows.serve_rollout import serve_config
     from ray_workloads.batch_inference import InferenceResult
     from ray_workloads.serving import rollout
-    from rayline import ray_cluster, registry
-    from rayline.layout import partition_for
+    from rayline import ray_cluster
+    from rayline.models import registry
     from rayline.seed import jpeg_bytes, source_photos
     from rayline.seed import seed as write_seed
+    from rayline.storage.layout import partition_for
 
     weights = save_user_weights(root)
     typer.echo(f"saved a ResNet-18 (weights=None) as the user's weights: {weights}")

@@ -16,15 +16,18 @@ PID file under the state folder:
                    zombie-run automation (``rayline.cli.work_pool``).
 
 Each runs in its own session, so ``down`` stops exactly what ``up`` started:
-the process groups named in the PID files, nothing matched by name. ``up``
-twice finds the live processes and starts nothing.
+the process groups named in the PID files, nothing matched by name, and only
+while a record's identity (boot and start time) still holds
+(``rayline.cli.service_records``). ``up`` twice finds the live processes and
+starts nothing; ``up`` and ``down`` hold the state folder's lock, so a second
+one at the same time fails at once. A failed ``up`` stops what it started,
+nothing else.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -36,24 +39,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from rayline import storage
 from rayline.cli import work_pool
+from rayline.cli.interrupts import interruptible, uninterrupted
+from rayline.cli.service_records import (
+    SERVICES,
+    ServiceRecord,
+    leader_runs,
+    pid_file,
+    read_records,
+    record_of,
+    state_lock,
+    stop,
+    write_record,
+)
 from rayline.config import Settings, get_settings
 from rayline.errors import ClusterError, ConfigError
 from rayline.ray_cluster import RAY_ENV_DEFAULTS
 
-SERVICES = ("prefect", "ray", "mlflow", "worker")  # started in this order, stopped in the reverse
 MLFLOW_ARTIFACTS_DIR = "mlflow-artifacts"
 
-
-class ServiceRecord(BaseModel):
-    name: str
-    pid: int
-    command: list[str]
-    url: str
-    log: str
+# what one `up` started, oldest first: a failed `up` stops these and nothing else
+Started = list[tuple[ServiceRecord, subprocess.Popen[bytes]]]
 
 
 @dataclass(frozen=True)
@@ -89,42 +96,18 @@ def endpoints(settings: Settings) -> Endpoints:
     )
 
 
-def _pid_file(state: Path, name: str) -> Path:
-    return state / "pids" / f"{name}.json"
-
-
-def _alive(record: ServiceRecord) -> bool:
-    """The recorded PID still runs the recorded command (PIDs get reused)."""
-    try:
-        cmdline = Path(f"/proc/{record.pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    # a console script runs as `python <script> …`: the recorded program is argv[0] or argv[1]
-    return record.command[0].encode() in cmdline[:2]
-
-
-def read_records(state: Path) -> dict[str, ServiceRecord]:
-    found = {}
-    for name in SERVICES:
-        path = _pid_file(state, name)
-        if path.exists():
-            found[name] = ServiceRecord.model_validate_json(path.read_text())
-    return found
-
-
 def _start(
-    state: Path, name: str, command: list[str], env: dict[str, str], url: str
+    state: Path, started: Started, name: str, command: list[str], env: dict[str, str], url: str
 ) -> tuple[ServiceRecord, subprocess.Popen[bytes]]:
     log = state / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as out:
+    with log.open("ab") as out, uninterrupted():
         proc = subprocess.Popen(
             command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
-    record = ServiceRecord(name=name, pid=proc.pid, command=command, url=url, log=str(log))
-    path = _pid_file(state, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(record.model_dump_json())
+        record = record_of(name, proc.pid, command, url, log)
+        started.append((record, proc))  # before its PID file: if writing that fails, the failed `up` still stops it
+    write_record(state, record)
     return record, proc
 
 
@@ -216,79 +199,131 @@ def _free_port() -> int:
 def up(settings: Settings | None = None, timeout_s: float = 180.0) -> tuple[Endpoints, dict[str, str]]:
     """Start what is not running yet; returns the endpoints and what each service did ("started"/"running").
 
-    If a service fails to come up, what this call started is stopped again.
+    If a service fails to come up (or the call is interrupted), what this call started is stopped again and its
+    PID files removed; nothing else is signalled, whatever the state folder's other PID files name. Another
+    ``up`` or ``down`` on the same state folder at the same time: ``PlatformBusy``.
     """
     settings = settings or get_settings()
     state = state_dir(settings)
-    state.mkdir(parents=True, exist_ok=True)
-    existing = {n: r for n, r in read_records(state).items() if _alive(r)}
-    try:
-        return _up(settings, state, existing, timeout_s)
-    except Exception:
-        for name, record in reversed(read_records(state).items()):
-            if name not in existing:
-                _stop(record, timeout_s=30)
-                _pid_file(state, name).unlink(missing_ok=True)
-        raise
+    with interruptible(), state_lock(state, "up"):
+        existing = {n: r for n, r in read_records(state).items() if r is not None and leader_runs(r)}
+        started: Started = []
+        try:
+            return _up(settings, state, existing, started, timeout_s)
+        except BaseException:
+            for record, proc in reversed(started):
+                stop(record, timeout_s=30, reap=proc.poll)
+                pid_file(state, record.name).unlink(missing_ok=True)
+            raise
+
+
+# a service started and not ready yet: returns once it answers, raises ClusterError if it does not in time
+Readiness = Callable[[], None]
 
 
 def _up(
-    settings: Settings, state: Path, existing: dict[str, ServiceRecord], timeout_s: float
+    settings: Settings, state: Path, existing: dict[str, ServiceRecord], started: Started, timeout_s: float
 ) -> tuple[Endpoints, dict[str, str]]:
     ends = endpoints(settings)
-    outcome: dict[str, str] = {}
-    bin_dir = Path(sys.executable).parent
+    starting = [name for name in SERVICES if name not in existing]
+    _check_ports_free(settings, starting)  # before anything starts: a taken port fails `up` with nothing to undo
+    outcome = {name: "running" for name in SERVICES if name in existing}
+    # Everything starts at once and is waited for afterwards: the start-ups (imports, database migrations, the
+    # Ray head's processes, rendering prefect.yaml) overlap instead of adding up. Only the worker's steps need
+    # another service (the Prefect server) to answer first.
+    rendering = None
+    if "worker" in starting:
+        with uninterrupted():
+            rendering = work_pool.PrefectYamlRendering(_worker_setup_env(state, settings, ends))
+    try:
+        waiting: dict[str, Readiness] = {}
+        if "prefect" in starting:
+            waiting["prefect"] = _start_prefect(settings, state, started, ends, timeout_s)
+        if "ray" in starting:
+            waiting["ray"] = _start_ray(settings, state, started, ends, timeout_s)
+        if "mlflow" in starting:
+            outcome["mlflow"], mlflow_ready = _start_mlflow(settings, state, started, timeout_s)
+            if mlflow_ready is not None:
+                waiting["mlflow"] = mlflow_ready
+        if "prefect" in waiting:
+            waiting.pop("prefect")()
+            outcome["prefect"] = "started"
+        if rendering is not None:
+            waiting["worker"] = _start_worker(settings, state, started, ends, rendering, timeout_s)
+        for name, ready in waiting.items():
+            ready()
+            outcome[name] = "started"
+    finally:
+        if rendering is not None:
+            rendering.close()
+    return ends, {name: outcome[name] for name in SERVICES}
 
-    if "prefect" in existing:
-        outcome["prefect"] = "running"
-    else:
+
+def _check_ports_free(settings: Settings, starting: list[str]) -> None:
+    if "prefect" in starting:
         check_port_free(settings.prefect_port, "the Prefect server (RAYLINE_PREFECT_PORT)")
-        command = [
-            str(bin_dir / "prefect"),
-            "server",
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(settings.prefect_port),
-        ]
-        record, proc = _start(state, "prefect", command, _prefect_env(state, settings), ends.prefect_ui)
-        health = f"{ends.prefect_api}/health"
-        _wait(health, _until(lambda: _http_ok(health, _auth_headers()), proc, timeout_s), record, timeout_s)
-        outcome["prefect"] = "started"
-
-    if "ray" in existing:
-        outcome["ray"] = "running"
-    else:
+    if "ray" in starting:
         check_port_free(settings.ray_port, "the Ray head (RAYLINE_RAY_PORT)")
         check_port_free(settings.dashboard_port, "the Ray dashboard (RAYLINE_DASHBOARD_PORT)")
         check_port_free(settings.ray_metrics_port, "Ray's metrics export (RAYLINE_RAY_METRICS_PORT)")
-        env = dict(os.environ)
-        env.pop("RAY_ADDRESS", None)
-        env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "5")
-        for key, value in RAY_ENV_DEFAULTS.items():  # the head's own processes (Serve's controller, proxy) too
-            env.setdefault(key, value)
-        record, proc = _start(state, "ray", _ray_command(state, settings), env, ends.dashboard)
-        port = settings.ray_port
-        _wait(f"port {port}", _until(lambda: _port_open(port), proc, timeout_s), record, timeout_s)
-        outcome["ray"] = "started"
+    if "mlflow" in starting and not os.environ.get("MLFLOW_TRACKING_URI"):
+        check_port_free(settings.mlflow_port, "the MLflow server (RAYLINE_MLFLOW_PORT)")
 
-    outcome["mlflow"] = _up_mlflow(settings, state, existing, timeout_s)
 
-    if "worker" in existing:
-        outcome["worker"] = "running"
-    else:
-        env = {**_prefect_env(state, settings), "MLFLOW_TRACKING_URI": ends.mlflow_ui}
-        pool = settings.work_pool
-        work_pool.create_pool(pool, env)
-        work_pool.deploy_all(pool, env, state)
-        work_pool.install_zombie_automation(ends.prefect_api, env.get("PREFECT_API_AUTH_STRING"))
-        worker_env = work_pool.worker_env(env, ends.ray_address, ray_temp_dir(state))
-        record, proc = _start(state, "worker", work_pool.worker_command(pool), worker_env, ends.prefect_ui)
-        ready = _until(lambda: _worker_online(ends, pool), proc, timeout_s)
-        _wait(f"a worker polling work pool {pool}", ready, record, timeout_s)
-        outcome["worker"] = "started"
-    return ends, outcome
+def _readiness(
+    check: str, predicate: Callable[[], bool], record: ServiceRecord, proc: subprocess.Popen[bytes], timeout_s: float
+) -> Readiness:
+    return lambda: _wait(check, _until(predicate, proc, timeout_s), record, timeout_s)
+
+
+def _start_prefect(settings: Settings, state: Path, started: Started, ends: Endpoints, timeout_s: float) -> Readiness:
+    command = [
+        str(Path(sys.executable).parent / "prefect"),
+        "server",
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(settings.prefect_port),
+    ]
+    record, proc = _start(state, started, "prefect", command, _prefect_env(state, settings), ends.prefect_ui)
+    health = f"{ends.prefect_api}/health"
+    return _readiness(health, lambda: _http_ok(health, _auth_headers()), record, proc, timeout_s)
+
+
+def _start_ray(settings: Settings, state: Path, started: Started, ends: Endpoints, timeout_s: float) -> Readiness:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "5")
+    for key, value in RAY_ENV_DEFAULTS.items():  # the head's own processes (Serve's controller, proxy) too
+        env.setdefault(key, value)
+    record, proc = _start(state, started, "ray", _ray_command(state, settings), env, ends.dashboard)
+    port = settings.ray_port
+    return _readiness(f"port {port}", lambda: _port_open(port), record, proc, timeout_s)
+
+
+def _worker_setup_env(state: Path, settings: Settings, ends: Endpoints) -> dict[str, str]:
+    return {**_prefect_env(state, settings), "MLFLOW_TRACKING_URI": ends.mlflow_ui}
+
+
+def _start_worker(
+    settings: Settings,
+    state: Path,
+    started: Started,
+    ends: Endpoints,
+    rendering: work_pool.PrefectYamlRendering,
+    timeout_s: float,
+) -> Readiness:
+    """The work pool, then its worker, then the deployments and the automation (the worker's start-up overlaps
+    theirs: it polls a pool that has no deployment yet, which starts nothing)."""
+    env = _worker_setup_env(state, settings, ends)
+    pool = settings.work_pool
+    work_pool.create_pool(pool, env)
+    worker_env = work_pool.worker_env(env, ends.ray_address, ray_temp_dir(state))
+    record, proc = _start(state, started, "worker", work_pool.worker_command(pool), worker_env, ends.prefect_ui)
+    work_pool.deploy_all(pool, env, state, rendering.result())
+    work_pool.install_zombie_automation(ends.prefect_api, env.get("PREFECT_API_AUTH_STRING"))
+    return _readiness(f"a worker polling work pool {pool}", lambda: _worker_online(ends, pool), record, proc, timeout_s)
 
 
 def mlflow_command(state: Path, settings: Settings) -> list[str]:
@@ -311,21 +346,17 @@ def _local_dir(root: str) -> str:
     return str(path)
 
 
-def _up_mlflow(settings: Settings, state: Path, existing: dict[str, ServiceRecord], timeout_s: float) -> str:
-    if "mlflow" in existing:
-        return "running"
+def _start_mlflow(settings: Settings, state: Path, started: Started, timeout_s: float) -> tuple[str, Readiness | None]:
     if os.environ.get("MLFLOW_TRACKING_URI"):
-        return "external"  # the user's own tracking server: flow runs log there
-    check_port_free(settings.mlflow_port, "the MLflow server (RAYLINE_MLFLOW_PORT)")
+        return "external", None  # the user's own tracking server: flow runs log there
     (state / "mlflow").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     # MLflow's job runner (GenAI jobs) is not used here; without it the server starts and stops faster
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     ui = endpoints(settings).mlflow_ui
-    record, proc = _start(state, "mlflow", mlflow_command(state, settings), env, ui)
+    record, proc = _start(state, started, "mlflow", mlflow_command(state, settings), env, ui)
     health = f"{ui}/health"
-    _wait(health, _until(lambda: _http_ok(health, {}), proc, timeout_s), record, timeout_s)
-    return "started"
+    return "started", _readiness(health, lambda: _http_ok(health, {}), record, proc, timeout_s)
 
 
 def _worker_online(ends: Endpoints, pool: str) -> bool:
@@ -343,43 +374,23 @@ def _worker_online(ends: Endpoints, pool: str) -> bool:
 
 
 def down(settings: Settings | None = None, timeout_s: float = 60.0) -> dict[str, str]:
-    """Stop what ``up`` started (by PID file, newest first); returns what happened to each service."""
+    """Stop what ``up`` started (by PID file, newest first); returns what happened to each service.
+
+    A record whose process is not the one ``up`` started (it ended, its PID was reused, an earlier boot) is
+    removed without a signal.
+    """
     settings = settings or get_settings()
     state = state_dir(settings)
-    records = read_records(state)
-    outcome: dict[str, str] = {}
-    for name in reversed(SERVICES):
-        record = records.get(name)
-        if record is None:
-            continue
-        outcome[name] = _stop(record, timeout_s) if _alive(record) else "not running"
-        _pid_file(state, name).unlink(missing_ok=True)
-    return outcome
-
-
-def _stop(record: ServiceRecord, timeout_s: float) -> str:
-    """SIGTERM the service's process group, SIGKILL what is left after ``timeout_s``."""
-    try:
-        os.killpg(record.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return "not running"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _group_alive(record.pid):
-            return "stopped"
-        time.sleep(0.3)
-    os.killpg(record.pid, signal.SIGKILL)
-    return "killed"
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    with state_lock(state, "down"):
+        records = read_records(state)
+        outcome: dict[str, str] = {}
+        for name in reversed(SERVICES):
+            if name not in records:
+                continue
+            record = records[name]
+            outcome[name] = "not running (unreadable PID file)" if record is None else stop(record, timeout_s)
+            pid_file(state, name).unlink(missing_ok=True)
+        return outcome
 
 
 def check_port_free(port: int, what: str) -> None:

@@ -10,8 +10,9 @@ from rayline import storage
 from rayline.cli.common import fail
 from rayline.config import get_settings
 from rayline.errors import RaylineError
-from rayline.prediction_migration import Outcome, migrate_predictions
-from rayline.prediction_reads import DEFAULT_RETENTION_HOURS, MIN_SAFE_RETENTION_HOURS
+from rayline.lineage.nights import record_migrated_night
+from rayline.tables.prediction_migration import Outcome, migrate_predictions
+from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS, MIN_SAFE_RETENTION_HOURS
 
 
 def migrate_predictions_command(
@@ -26,7 +27,7 @@ def migrate_predictions_command(
     """
     try:
         get_settings()
-        results = migrate_predictions(storage.storage_root(), dry_run=dry_run)
+        results = migrate_predictions(storage.storage_root(), record=record_migrated_night, dry_run=dry_run)
     except RaylineError as exc:
         fail(exc)
     for result in results:
@@ -51,7 +52,7 @@ def vacuum_command(
     """List (or with --apply delete) the files of both predictions tables that no version within the retention needs:
     files replaced by reruns and files of runs that never committed. Refused while legacy night folders remain
     (run `rayline migrate-predictions` first)."""
-    from rayline.prediction_reads import vacuum_tables
+    from rayline.tables.prediction_reads import vacuum_tables
 
     try:
         get_settings()

@@ -11,7 +11,8 @@
 
 Prefect is driven through its CLI and client, and the table is rendered in a
 child process (``python -m deployments.prefect_yaml``): rendering imports
-every flow (Prefect, Ray, torch), which the ``up`` process itself never needs.
+every flow (Prefect, Ray, torch), which the ``up`` process itself never needs;
+it runs while the services start.
 """
 
 from __future__ import annotations
@@ -61,10 +62,41 @@ def create_pool(pool: str, env: dict[str, str]) -> None:
     _run(_prefect("work-pool", "create", pool, "--type", POOL_TYPE, "--overwrite"), env, project_root(), "work pool")
 
 
-def deploy_all(pool: str, env: dict[str, str], state: Path) -> Path:
-    """Render ``prefect.yaml`` from the catalog and ``prefect deploy --all`` it into ``pool``; returns the file."""
+class PrefectYamlRendering:
+    """``python -m deployments.prefect_yaml`` in a child process, started before the services: it imports every
+    flow (Prefect, Ray, torch) and needs no service, so its seconds overlap their start-ups."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "deployments.prefect_yaml"],
+            env=env,
+            cwd=project_root(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def result(self) -> str:
+        """The rendered file; waits for the child, at most ``_DEPLOY_TIMEOUT_S``."""
+        try:
+            out, err = self._proc.communicate(timeout=_DEPLOY_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            raise ClusterError(f"rendering prefect.yaml did not finish within {_DEPLOY_TIMEOUT_S:.0f} s") from exc
+        if self._proc.returncode != 0:
+            raise ClusterError(f"rendering prefect.yaml failed (exit {self._proc.returncode}):\n{(out + err)[-3000:]}")
+        return out
+
+    def close(self) -> None:
+        """End the child if it still runs (``up`` failed or was interrupted before it needed the file)."""
+        if self._proc.returncode is None:
+            self._proc.kill()
+            self._proc.communicate()
+
+
+def deploy_all(pool: str, env: dict[str, str], state: Path, rendered: str) -> Path:
+    """``prefect deploy --all`` the ``rendered`` ``prefect.yaml`` into ``pool``; returns the file written."""
     root = project_root()
-    rendered = _run([sys.executable, "-m", "deployments.prefect_yaml"], env, root, "rendering prefect.yaml")
     prefect_file = state / "prefect.yaml"
     prefect_file.write_text(rendered)
     # prefect deploy resolves both placeholders now: the pool, and where the worker's runs start

@@ -64,14 +64,10 @@ def processes_under(text: str) -> list[str]:
     return found
 
 
-@contextlib.contextmanager
-def running_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """`rayline up` (API basic auth on) on free loopback ports in a fresh storage root; `down` after, by PID.
-
-    Yields the environment a user exports to work against it (README: "The operated system").
-    """
-    root = tmp_path_factory.mktemp("platform") / "data"
-    root.mkdir()
+def platform_env(root: Path) -> dict[str, str]:
+    """The environment of a `rayline up` on free loopback ports with its storage root (and state) in ``root``,
+    created here: nothing of the caller's own Ray, Prefect, MLflow or rayline settings leaks in."""
+    root.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k not in _OUTSIDE and not k.startswith("RAYLINE_")}
     env.update(
         RAYLINE_STORAGE=str(root),
@@ -82,9 +78,23 @@ def running_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
         RAYLINE_MLFLOW_PORT=str(free_port()),
         RAYLINE_SERVE_PORT=str(free_port()),
         PREFECT_SERVER_API_AUTH_STRING=AUTH,
+        # the worker looks for flow runs to start every 2 s (10 s by default): each run a test starts through a
+        # deployment waits that much less for it
+        PREFECT_WORKER_QUERY_SECONDS="2",
     )
-    started = run_rayline(["up"], env)
+    return env
+
+
+@contextlib.contextmanager
+def running_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """`rayline up` (API basic auth on) on free loopback ports in a fresh storage root; `down` after, by PID.
+
+    Yields the environment a user exports to work against it (README: "The operated system").
+    """
+    root = tmp_path_factory.mktemp("platform") / "data"
+    env = platform_env(root)
     try:
+        started = run_rayline(["up"], env)  # in the try: an `up` that timed out leaves services for `down`
         assert started.returncode == 0, started.stdout + started.stderr
         assert all(f"{name:<12} started" in started.stdout for name in SERVICES), started.stdout
         yield {

@@ -16,10 +16,10 @@ import ray
 
 from ray_workloads import preprocess
 from rayline import lineage, storage
-from rayline.delta_tables import Night, table_version
-from rayline.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
-from rayline.prediction_reads import read_night_pair, vacuum
 from rayline.seed import seed, seed_incoming
+from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
+from rayline.tables.delta_tables import Night, table_version
+from rayline.tables.prediction_reads import read_night_pair, vacuum
 from tests.integration.helpers import assert_exactly_one_row_per_object, register_untrained_champion
 from tests.support import free_port, pids_mentioning, stop_process, wait_for_port
 
@@ -37,6 +37,8 @@ def _driver_env(cluster: str, root: str, endpoint: str, prefect_api: str) -> dic
         "RAYLINE_STORAGE": root,
         "AWS_ENDPOINT_URL": endpoint,
         "PREFECT_API_URL": prefect_api,
+        # a killed driver's night lease expires in 15 s, not 60: the rerun of the kill drill waits that long
+        "RAYLINE_LEASE_TTL_S": "15",
     }
 
 

@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from rayline import storage
-from rayline.layout import INCOMING_DIR, partition_for
 from rayline.seed import digit_objects
+from rayline.storage.layout import INCOMING_DIR, partition_for
 from tests.e2e.platform_support import AUTH, BIN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("champions")]
@@ -35,8 +35,8 @@ SLOW_NIGHT = ["--actors", "1", "--batch-size", "4"]
 @pytest.fixture(scope="module")
 def champions(platform: dict[str, str]) -> Iterator[None]:
     """A `digits` champion in the platform's registry: the demo's, or an untrained one registered here."""
-    from rayline import registry
     from rayline.errors import RaylineError
+    from rayline.models import registry
     from tests.integration.helpers import register_untrained_champion
 
     with pytest.MonkeyPatch.context() as env:
@@ -138,7 +138,7 @@ def test_up_deployed_prefect_yaml_into_its_work_pool(platform: dict[str, str]) -
 
 def test_nightly_inference_runs_through_the_worker(platform: dict[str, str]) -> None:
     """A deployment run is picked up by `up`'s worker, runs as its own process, and commits its night."""
-    from rayline.prediction_reads import read_night_pair
+    from rayline.tables.prediction_reads import read_night_pair
 
     day = "2026-01-05"
     _drop_night(platform, day, count=40)

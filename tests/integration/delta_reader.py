@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 from deltalake import DeltaTable
 
-from rayline.delta_tables import storage_options
+from rayline.tables.delta_tables import storage_options
 
 # columns whose distinct values a test compares (besides the uris)
 DISTINCT = ("model_name", "dt", "flow_run_id")

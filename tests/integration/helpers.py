@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Self
 
 import pyarrow as pa
@@ -16,11 +19,14 @@ from prefect.client.schemas.objects import State
 
 from ray_workloads.inference_predictor import PredictorUDF
 from ray_workloads.models import ModelSpec, build_model, imagenet_image_spec, state_dict_bytes
-from ray_workloads.night_blocks import BlockReport, block_file_uri
+from ray_workloads.night_blocks import BlockReport, block_file_uri, night_lease_uri
 from ray_workloads.preprocess import ERRORS, SPLITS, PreprocessResult
-from rayline import registry, storage
+from rayline import storage
+from rayline.models import registry
 from rayline.seed import EXPECTED_ERROR_TYPE, SeedResult
 from rayline.specs import ImageSpec, WeightsSource
+from rayline.storage import leases
+from rayline.tables.delta_tables import Night
 
 DIGITS = 1797
 
@@ -43,15 +49,19 @@ def assert_exactly_one_row_per_object(result: PreprocessResult, seeded: SeedResu
     assert len(all_uris) == len(set(all_uris)), "an object produced more than one row"
     expected = {storage.join(seeded.uri, o.key) for o in storage.list_objects(seeded.uri)}
     assert set(all_uris) == expected
-    assert len(good) == seeded.digits == DIGITS, "a good image was lost"
+    assert len(good) == seeded.digits, "a good image was lost"
     corrupt_uris = {storage.join(seeded.uri, key): kind for key, kind in seeded.corrupt.items()}
     assert {r["uri"] for r in errors} == set(corrupt_uris)
     for row in errors:
         assert row["error_type"] == EXPECTED_ERROR_TYPE[corrupt_uris[row["uri"]]], row
         assert row["stage"] == "decode" and row["error_message"]
-    assert Counter(r["label"] for r in good) == Counter(
-        {str(d): n for d, n in enumerate([178, 182, 177, 183, 181, 182, 181, 179, 174, 180])}
-    )
+    # each good row carries its object's label (the folder its key is in)
+    labels = {storage.join(seeded.uri, o.key): o.key.split("/")[0] for o in storage.list_objects(seeded.uri)}
+    assert all(r["label"] == labels[r["uri"]] for r in good), "a row's label is not its object's folder"
+    if seeded.digits == DIGITS:  # the whole set: scikit-learn's counts per class
+        assert Counter(r["label"] for r in good) == Counter(
+            {str(d): n for d, n in enumerate([178, 182, 177, 183, 181, 182, 181, 179, 174, 180])}
+        )
 
 
 def register_untrained(
@@ -137,6 +147,102 @@ class CrashingPredictor(PredictorUDF):
         if any(POISON in uri for uri in uris):
             os._exit(1)  # like a decoder segfault or the OOM killer: no exception, no cleanup
         return super().run_block(block, uris, etags)
+
+
+class OutOfMemoryPredictor(PredictorUDF):
+    """The batch-inference UDF over a model whose forward raises torch's own CUDA out-of-memory error."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import torch
+
+        super().__init__(*args, **kwargs)
+
+        class OutOfMemoryModel(torch.nn.Module):
+            def forward(self, images: torch.Tensor) -> torch.Tensor:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {images.numel() * 64 // 2**20} MiB (GPU 0; 0 B free)"
+                )
+
+        self.model = OutOfMemoryModel()
+
+
+HUNG_MARK = "hung-"  # + the pid of an actor of the night that hangs
+SIBLING_MARK = "sibling-"  # + the pid of an actor of another night, once it saw the hung one gone
+SIBLING_WAIT_S = 90.0
+
+
+class HangsOneNight(PredictorUDF):
+    """The batch-inference UDF, except that the night ``hang_dt`` hangs, and every other night waits for it.
+
+    Which night hangs is the file ``hang.json`` beside the storage root (local storage), and the marks go
+    beside it too. An actor of the hanging night marks its pid as it starts (before its model loads) and
+    then sleeps in every block; an actor of any other night, before its first block, polls until the
+    hanging night gave its lease up and none of its marked actors is running (a night alive while its hung
+    sibling was stopped), marks its own pid and predicts.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        output = args[4]  # model, top_k, batch_size, io_concurrency, output, constants
+        root = Path(output.predictions_table).parent
+        self.marks = root.parent / "marks"
+        hang_dt = json.loads((root.parent / "hang.json").read_text())["hang_dt"]
+        self.hung_lease = night_lease_uri(str(root), Night(output.night.model_name, hang_dt))
+        self.hangs = output.night.dt == hang_dt
+        if self.hangs:
+            self.marks.mkdir(exist_ok=True)
+            (self.marks / f"{HUNG_MARK}{os.getpid()}").touch()
+        super().__init__(*args, **kwargs)
+
+    def run_block(self, block: str, uris: list[str], etags: list[str]) -> BlockReport:
+        if self.hangs:
+            time.sleep(600)  # far past any test: only being stopped ends it
+        elif not (self.marks / f"{SIBLING_MARK}{os.getpid()}").exists():
+            self._wait_for_the_hung_night_to_be_stopped()
+        return super().run_block(block, uris, etags)
+
+    def _hung_pids(self) -> list[int]:
+        return [int(p.name[len(HUNG_MARK) :]) for p in self.marks.glob(f"{HUNG_MARK}*")]
+
+    def _wait_for_the_hung_night_to_be_stopped(self) -> None:
+        deadline = time.monotonic() + SIBLING_WAIT_S
+        lease = None
+        while time.monotonic() < deadline:
+            lease = leases.read(self.hung_lease)
+            if lease is not None and lease.released and not running_pids(self._hung_pids()):
+                self.marks.mkdir(exist_ok=True)
+                (self.marks / f"{SIBLING_MARK}{os.getpid()}").touch()
+                return
+            time.sleep(0.2)
+        raise RuntimeError(
+            f"the hung night was not stopped within {SIBLING_WAIT_S:g} s: its lease {lease}, its actors still "
+            f"running: {_describe(running_pids(self._hung_pids()))}"
+        )
+
+
+def _describe(pids: list[int]) -> str:
+    """Each process by pid, state and command line (for a failure's message)."""
+    described = []
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            state = next(line for line in status if line.startswith("State"))
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+        except OSError:
+            state, command = "gone", ""
+        described.append(f"{pid} ({state}) {command}")
+    return "; ".join(described)
+
+
+def running_pids(pids: list[int]) -> list[int]:
+    """The processes of ``pids`` still there (a dead worker is reaped by its raylet at once)."""
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.append(pid)
+    return alive
 
 
 class ClientThreads:

@@ -28,7 +28,7 @@ from ray_workloads import batch_inference
 from ray_workloads.inference_predictor import PredictorUDF
 from ray_workloads.night_blocks import BlockReport
 from rayline import ray_cluster
-from rayline.delta_tables import Night
+from rayline.tables.delta_tables import Night
 from tests.support import REPO_ROOT
 
 

@@ -16,9 +16,9 @@ from ray_workloads.batch_inference import InferenceConfig, InferenceResult, Nigh
 from rayline import storage
 from rayline.cli import app
 from rayline.errors import ErrorBudgetExceeded
-from rayline.nights import BackfillResult, NightOutcome, NightsFailed
-from rayline.prediction_reads import read_night_pair
 from rayline.seed import digit_objects
+from rayline.tables.nights import BackfillResult, NightOutcome, NightsFailed
+from rayline.tables.prediction_reads import read_night_pair
 from tests.integration.helpers import register_untrained_champion
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]

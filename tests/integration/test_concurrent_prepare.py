@@ -10,9 +10,10 @@ from typing import TypeVar
 import pytest
 
 from ray_workloads import ingest, preprocess
-from rayline import folders, leases, storage
+from rayline import storage
 from rayline.errors import LeaseBusy, LeaseLost
 from rayline.seed import seed
+from rayline.storage import folders, leases
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
 

@@ -13,9 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rayline import conditional, delta_tables, layout, leases, prediction_reads, predictions_table, storage
+from rayline import storage
 from rayline.errors import LeaseLost, NightCommittedElsewhere
-from tests.unit.test_predictions_table import DT, SCHEMA, _labels, _write
+from rayline.storage import conditional, layout, leases
+from rayline.tables import delta_tables, prediction_reads, predictions_table
+from tests.unit.test_predictions_table import DT, SCHEMA, _labels, _write, errors_landed_predictions_raised
 
 pytestmark = pytest.mark.integration
 
@@ -70,3 +72,18 @@ def test_commits_on_the_s3_protocol_server_smoke(s3_storage: str) -> None:
     assert rows.num_rows == 8 and len(_labels(rows)) == 1, "one run's rows, once"
     for dt, run in (("2026-11-01", "run-o0"), ("2026-11-02", "run-o1")):
         assert _labels(prediction_reads.read_night(table, "vit", dt)) == {run}
+
+
+def test_vacuum_keeps_the_paired_errors_on_the_s3_protocol_server(s3_storage: str) -> None:
+    """The errors commit landed, the predictions commit raised; a vacuum with no retention keeps the pair.
+
+    One case of the unit test's two (local disk), the one with most commits: another run won the predictions.
+    """
+    night = delta_tables.Night("resnet", DT)
+    paired = errors_landed_predictions_raised(s3_storage, night, "another-run-won")
+    removed = prediction_reads.vacuum(
+        layout.table_uri(s3_storage, layout.ERRORS_TABLE), retention_hours=0, allow_short_retention=True, dry_run=False
+    )
+    assert not any(f"part-{paired}-" in path for path in removed)
+    pair = prediction_reads.read_night_pair(s3_storage, "resnet", DT)
+    assert _labels(pair.predictions) == _labels(pair.errors) == {paired} and pair.errors.num_rows == 4

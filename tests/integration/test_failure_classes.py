@@ -25,7 +25,7 @@ from rayline.seed import digit_objects
 from tasks.common import ray_task
 from tasks.train import train_model_task
 from tasks.tune import tune_task
-from tests.integration.helpers import run_task_once
+from tests.integration.helpers import run_task_once, running_pids
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 
@@ -115,25 +115,14 @@ def _outruns_its_timeout(folder: str) -> None:
     ray.get([naps, *refs])
 
 
-def _running(pids: list[int]) -> list[int]:
-    """The processes still there (a dead worker is reaped by its raylet at once)."""
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        alive.append(pid)
-    return alive
-
-
 def test_a_timed_out_task_stops_its_ray_work_and_is_not_retried(tmp_path: Path) -> None:
     warm = tmp_path / "warm-up"  # worker processes that have imported this module: the probe starts in ~1 s
     warm.mkdir()
     ray.get([_long_sleep.remote(0, str(warm)), _starts_a_nested_sleep.remote(0, str(warm))])
     tmp_path = tmp_path / "probe"
     tmp_path.mkdir()
-    state, attempts = run_task_once(_outruns_its_timeout, str(tmp_path), timeout_seconds=10)
+    # the limit leaves a loaded machine time to start the actor's own worker process before it strikes
+    state, attempts = run_task_once(_outruns_its_timeout, str(tmp_path), timeout_seconds=25)
 
     assert state.is_failed() and attempts == 1, (state, attempts)
     with pytest.raises((WorkTimedOut, TaskRunTimeoutError)):  # whichever reached the task first
@@ -142,6 +131,6 @@ def test_a_timed_out_task_stops_its_ray_work_and_is_not_retried(tmp_path: Path) 
     pids = [int(p.name) for p in tmp_path.iterdir()]
     assert len(pids) == 4, "the actor and the three tasks were running (each in its own worker process)"
     deadline = time.monotonic() + 30
-    while left := _running(pids):
+    while left := running_pids(pids):
         assert time.monotonic() < deadline, f"Ray workers still running 30 s after the timeout: {left}"
         time.sleep(0.5)

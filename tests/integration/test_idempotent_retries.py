@@ -33,11 +33,12 @@ from ray_workloads.ingest import IngestConfig, IngestResult
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from ray_workloads.preprocess import PreprocessResult
 from ray_workloads.train import TrainResult
-from rayline import events, lineage, ray_cluster, registry, storage
-from rayline.delta_tables import Night
+from rayline import events, lineage, ray_cluster, storage
 from rayline.errors import TransientError
-from rayline.predictions_table import night_seq
+from rayline.models import registry
 from rayline.seed import digit_objects, synthetic_objects
+from rayline.tables.delta_tables import Night
+from rayline.tables.predictions_table import night_seq
 from tasks.batch_inference import batch_inference_task
 from tasks.ingest import ingest_objects
 from tasks.preprocess import preprocess_images

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ray_workloads import ingest, preprocess
@@ -33,13 +35,17 @@ def _run(root: str, force: bool = False) -> tuple[ingest.IngestResult, preproces
     return ingested, prepared
 
 
+# a few hundred digits: every class, several shards, and a fraction of the full set's S3 requests
+DIGITS = 400
+
+
 def test_every_object_yields_exactly_one_row_and_bad_ones_are_errors(root: str) -> None:
     corrupt = 2 * len(CORRUPT_KINDS)
-    seeded = seed(storage.join(root, "raw"), corrupt=corrupt)
+    seeded = seed(storage.join(root, "raw"), corrupt=corrupt, digit_count=DIGITS)
     ingested, prepared = _run(root)
-    assert ingested.object_count == seeded.total == 1797 + corrupt
+    assert ingested.object_count == seeded.total == DIGITS + corrupt
     assert prepared.error_count == corrupt
-    assert sum(prepared.counts.values()) == 1797
+    assert sum(prepared.counts.values()) == DIGITS
     assert_exactly_one_row_per_object(prepared, seeded)
     summary = storage.read_json(prepared.summary_uri)
     assert summary["error_count"] == corrupt
@@ -55,12 +61,23 @@ def test_rerun_on_unchanged_input_reuses_output_and_force_rewrites_same_files(lo
     assert again_ingest.cached and again.cached
     assert again_ingest.content_hash == first_ingest.content_hash
     assert {o.key for o in storage.list_objects(local_storage)} == files_before
+    manifest_before = storage.read_json(first_ingest.manifest_uri)
 
     forced_ingest, forced = _run(local_storage, force=True)
     assert not forced.cached
     assert forced_ingest.content_hash == first_ingest.content_hash
-    assert storage.read_json(forced_ingest.manifest_uri) == storage.read_json(first_ingest.manifest_uri)
-    assert {o.key for o in storage.list_objects(local_storage)} == files_before
+    assert forced_ingest.manifest_uri == first_ingest.manifest_uri and forced.manifest_uri == first.manifest_uri
+    # the same files again, in a new generation of each folder that replaced the old one at the commit
+    # (the manifest read before the forced run: the same URI now names its commit)
+    manifest = storage.read_json(forced_ingest.manifest_uri)
+    assert manifest["generation"] and manifest_before["generation"] is None
+    differing = ("generation", "shards", "committed_by")  # the forced run is another holder
+    assert {k: v for k, v in manifest.items() if k not in differing} == {
+        k: v for k, v in manifest_before.items() if k not in differing
+    }
+    files_after = {o.key for o in storage.list_objects(local_storage)}
+    assert len(files_after) == len(files_before)
+    assert {re.sub(r"/gen-[0-9a-f]+/", "/", key) for key in files_after} == files_before
 
 
 def test_new_objects_change_the_hash_but_keep_existing_splits(local_storage: str) -> None:

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from ray_workloads import ingest
-from rayline import lineage, manifests, storage
+from rayline import lineage, storage
 from rayline.lineage import DatasetRef, LineageRecord
-from rayline.manifests import IngestManifest
 from rayline.seed import seed
+from rayline.storage import manifests
+from rayline.storage.manifests import IngestManifest
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
 

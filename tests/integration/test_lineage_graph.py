@@ -24,12 +24,13 @@ from flows.nightly_inference import nightly_inference
 from flows.prepare_data import prepare_data
 from ray_workloads.batch_inference import InferenceResult
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
-from rayline import lineage, registry, storage
+from rayline import lineage, storage
 from rayline.cli import app
-from rayline.delta_tables import NightCommit, night_commit
 from rayline.lineage import DatasetRef
-from rayline.lineage_graph import LineageNode, build_graph, render_text
+from rayline.lineage.graph import LineageNode, build_graph, render_text
+from rayline.models import registry
 from rayline.seed import digit_objects
+from rayline.tables.delta_tables import NightCommit, night_commit
 from tasks.common import openlineage_run, record_lineage
 from tests.unit.test_lineage_graph import DAY, _record
 from tests.unit.test_openlineage import Declared, validate

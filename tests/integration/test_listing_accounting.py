@@ -14,9 +14,9 @@ import pytest
 from ray_workloads import batch_inference, ingest
 from rayline import storage
 from rayline.cli.summaries import print_inference_summary
-from rayline.prediction_reads import read_night_pair
 from rayline.seed import digit_objects
 from rayline.skipped import skipped_text
+from rayline.tables.prediction_reads import read_night_pair
 from tests.integration.helpers import register_untrained
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]

@@ -12,7 +12,8 @@ from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 
 from flows.train_model import train_model
-from rayline import mlflow_mirror, registry, storage
+from rayline import storage
+from rayline.models import mlflow_mirror, registry
 from rayline.seed import seed
 from tests.integration.helpers import register_untrained
 from tests.mlflow_support import mlflow_server

@@ -17,7 +17,8 @@ from flows.prepare_data import prepare_data
 from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
 from ray_workloads.monitor import DriftThresholds
 from ray_workloads.training_loop import TrainLoopConfig, in_memory_batches, make_optimizer, run_epoch
-from rayline import events, registry, storage
+from rayline import events, storage
+from rayline.models import registry
 from rayline.seed import digit_objects, seed, synthetic_objects
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import Counter
 
 import numpy as np
@@ -10,11 +12,21 @@ from deltalake import DeltaTable
 
 from flows.nightly_inference import nightly_inference
 from ray_workloads.batch_inference import InferenceResult, NightSkipped
-from rayline import registry, storage
-from rayline.errors import RetriesExhausted, is_transient
-from rayline.prediction_reads import committed_nights, read_night_pair
+from ray_workloads.night_blocks import night_lease_uri
+from rayline import storage
+from rayline.errors import OutOfMemory, RetriesExhausted, is_transient
+from rayline.models import registry
 from rayline.seed import digit_objects, seed_incoming, synthetic_objects
-from tests.integration.helpers import POISON, CrashingPredictor, register_untrained_champion, run_task_once
+from rayline.storage import leases
+from rayline.tables.delta_tables import Night
+from rayline.tables.prediction_reads import committed_nights, read_night_pair
+from tests.integration.helpers import (
+    POISON,
+    CrashingPredictor,
+    OutOfMemoryPredictor,
+    register_untrained_champion,
+    run_task_once,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 
@@ -83,8 +95,14 @@ def test_three_runs_of_one_night_started_together_all_end_completed(local_storag
     for key, data in list(digit_objects(32))[:24]:
         storage.write_bytes_atomic(storage.join(incoming, key), data)
     inputs = {o.uri for o in storage.list_objects(incoming)}
-    with ThreadPoolExecutor(3) as pool:
-        states = list(pool.map(lambda _: nightly_inference(date=DAY, actors=1, return_state=True), range(3)))
+    # "together" made sure of: the test holds the night's lease until all three runs wait on it. Left to the
+    # scheduler, a run that starts after the first one committed is a rerun, which rightly replaces the night.
+    lease_uri = night_lease_uri(local_storage, Night("digits", DAY))
+    with _LeaseWaiters() as waiters, ThreadPoolExecutor(3) as pool:
+        with leases.held(lease_uri, "the-test", ttl_s=300, wait_s=0):
+            runs = [pool.submit(nightly_inference, date=DAY, actors=1, return_state=True) for _ in range(3)]
+            waiters.wait_for(3, timeout_s=240)
+        states = [run.result() for run in runs]
     assert all(state.is_completed() for state in states), [state.message for state in states]
     results = [state.result() for state in states]
     committed = {r.run_id for r in results if isinstance(r, InferenceResult)}
@@ -96,6 +114,37 @@ def test_three_runs_of_one_night_started_together_all_end_completed(local_storag
     predicted, errored, _ = _rows(local_storage)
     assert sorted(predicted + errored) == sorted(inputs), "exactly one row per input"
     assert read_night_pair(local_storage, "digits", DAY).commit.run_id in committed
+
+
+class _LeaseWaiters(logging.Handler):
+    """Counts the distinct holders that logged waiting for a lease (``rayline.storage.leases`` says so once a wait)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self._holders: set[str] = set()
+        self._changed = threading.Condition()
+        self._logger = logging.getLogger("rayline.storage.leases")
+        self._level = self._logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if " waits up to " in record.getMessage():
+            with self._changed:
+                self._holders.add(record.getMessage().split(" waits up to ")[0])
+                self._changed.notify_all()
+
+    def wait_for(self, count: int, timeout_s: float) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: len(self._holders) >= count, timeout=timeout_s):
+                raise AssertionError(f"only {sorted(self._holders)} waited for the night's lease in {timeout_s} s")
+
+    def __enter__(self) -> _LeaseWaiters:
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
 
 
 def test_error_budget_fails_the_flow_after_writing_errors(local_storage: str) -> None:
@@ -187,6 +236,28 @@ def test_an_input_that_kills_its_actor_every_time_fails_the_run_after_bounded_re
     # Ray Data restarted the actor and retried the block 3 times: Prefect runs the task once
     state, attempts = run_task_once(batch_inference_task, config)
     with pytest.raises(RetriesExhausted, match="failed in all 4 attempt") as failed:
+        state.result()
+    assert attempts == 1 and not is_transient(failed.value)
+    assert committed_nights(local_storage, "digits") == [], "nothing committed"
+
+
+def test_a_model_call_out_of_memory_fails_the_night_once_and_commits_nothing(
+    local_storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory is the machine's fault, not the samples': no "predict" error rows, and no retry of the same shape."""
+    from ray_workloads import batch_inference as bi
+    from tasks.batch_inference import batch_inference_task
+
+    register_untrained_champion()
+    incoming = storage.join(local_storage, "incoming", f"dt={DAY}")
+    for key, data in synthetic_objects(12, 32, np.random.default_rng(0)):
+        storage.write_bytes_atomic(storage.join(incoming, key), data)
+    monkeypatch.setattr(bi, "PredictorUDF", OutOfMemoryPredictor)
+    config = bi.InferenceConfig(
+        input_uri=incoming, tables_root=local_storage, dt=DAY, model=registry.resolve("digits", "champion")
+    )
+    state, attempts = run_task_once(batch_inference_task, config)
+    with pytest.raises(OutOfMemory, match="CUDA out of memory") as failed:
         state.result()
     assert attempts == 1 and not is_transient(failed.value)
     assert committed_nights(local_storage, "digits") == [], "nothing committed"

@@ -36,9 +36,9 @@ from ray_workloads.serving import control as serve_control
 from ray_workloads.serving.config import ServeConfig
 from ray_workloads.training_loop import TrainLoopConfig
 from rayline import ray_cluster, storage
-from rayline.prediction_reads import read_night_pair
 from rayline.seed import png_bytes, seed, seed_incoming
 from rayline.specs import ImageSpec, ModelSpec
+from rayline.tables.prediction_reads import read_night_pair
 from tests.integration.helpers import ClientThreads, register_untrained
 from tests.support import free_port, pids_mentioning, stop_process, wait_for_port
 

@@ -20,10 +20,10 @@ from ray_workloads.models import imagenet_classes
 from ray_workloads.night_blocks import NightOutput, block_file_uri
 from rayline import storage
 from rayline.cli import app
-from rayline.delta_tables import Night
-from rayline.lineage_graph import build_graph, render_text
-from rayline.prediction_reads import read_night_pair
+from rayline.lineage.graph import build_graph, render_text
 from rayline.seed import EXPECTED_ERROR_TYPE, digit_objects, photo_variant, seed, source_photos
+from rayline.tables.delta_tables import Night
+from rayline.tables.prediction_reads import read_night_pair
 from tests.integration.helpers import register_outside, register_untrained_champion
 
 pytestmark = pytest.mark.integration

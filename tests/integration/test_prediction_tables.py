@@ -38,13 +38,13 @@ from ray_workloads import batch_inference
 from ray_workloads.batch_inference import InferenceConfig, InferenceResult, new_run_id
 from ray_workloads.night_blocks import listing_staging_uri
 from rayline import storage
-from rayline.delta_tables import PARTITION_COLUMNS, Night, night_commit, storage_options, table_version
 from rayline.errors import NightCommittedElsewhere, StorageError
-from rayline.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
-from rayline.prediction_reads import read_night, read_night_pair, vacuum
-from rayline.predictions_table import PREDICTIONS_SCHEMA, commit_night, write_data_file
-from rayline.registry import ModelVersion
+from rayline.models.registry import ModelVersion
 from rayline.seed import corrupt_objects, digit_objects
+from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
+from rayline.tables.delta_tables import PARTITION_COLUMNS, Night, night_commit, storage_options, table_version
+from rayline.tables.prediction_reads import read_night, read_night_pair, vacuum
+from rayline.tables.predictions_table import PREDICTIONS_SCHEMA, commit_night, write_data_file
 from tests.integration.helpers import PlantDuplicatedRow, PlantExtraRow, PlantMissingRow, register_untrained
 from tests.integration.night_driver import kill_once_written
 from tests.support import REPO_ROOT

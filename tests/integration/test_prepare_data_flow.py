@@ -55,7 +55,7 @@ def test_flow_on_local_storage_records_lineage_and_artifacts(local_storage: str)
 
 
 def test_flow_on_s3_writes_everything_to_the_bucket(s3_storage: str, s3_bucket: str, s3_endpoint: str) -> None:
-    seeded = seed(storage.join(s3_storage, "raw"), corrupt=4)
+    seeded = seed(storage.join(s3_storage, "raw"), corrupt=4, digit_count=300)  # every class; few S3 requests
     result = prepare_data()
     assert result.ingest.manifest_uri.startswith(f"s3://{s3_bucket}/root/ingested/")
     assert_exactly_one_row_per_object(result.preprocess, seeded)

@@ -16,8 +16,9 @@ import torch
 import torchvision
 from typer.testing import CliRunner
 
-from rayline import registry, storage
+from rayline import storage
 from rayline.cli import app
+from rayline.models import registry
 
 pytestmark = pytest.mark.integration
 

@@ -6,120 +6,49 @@ cluster, two router replicas so that stats are checked across routers), shut dow
 
 from __future__ import annotations
 
-import io
 import os
 import random
 import signal
-import struct
 import threading
 import time
-import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import pytest
 import ray
-from PIL import Image
 
 from ray_workloads.serving import control as serve_control
-from ray_workloads.serving.control import ServeConfig
 from ray_workloads.serving.http_api import ANSWER_HEADER, KEY_HEADER, VERSION_HEADER, HttpError, multipart_image
 from ray_workloads.serving.rollout import GateConfig, judge
 from ray_workloads.serving.routing import choose_version
-from rayline.errors import ConfigError
+from rayline.errors import ClusterError, ConfigError
 from rayline.ray_cluster import NAMESPACE
-from rayline.registry import ModelVersion
-from tests.integration.helpers import ClientThreads, register_untrained
-from tests.support import free_port
+from tests.integration.helpers import ClientThreads
+from tests.integration.serve_harness import (
+    MAX_BODY,
+    MODEL,
+    Load,
+    Serving,
+    answers_under_load,
+    client_of,
+    kill_and_wait_for_replacement,
+    png,
+    png_bomb,
+    predict,
+    router_replicas,
+    serving_instance,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
-
-MODEL = "digits-serve"
-MAX_BODY = 1024 * 1024
-
-
-@dataclass
-class Serving:
-    cfg: ServeConfig
-    url: str
-    versions: dict[int, ModelVersion]
-
-
-def _register(seed: int, broken: bool = False) -> ModelVersion:
-    return register_untrained(MODEL, seed=seed, broken=broken, class_prefix="digit-")
 
 
 @pytest.fixture(scope="module")
 def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serving]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAYLINE_STORAGE", str(tmp_path_factory.mktemp("serve-storage")))
-        versions = {v.version: v for v in (_register(0), _register(1), _register(2, broken=True))}
-    cfg = ServeConfig(
-        name="rayline-test", port=free_port(), max_body_bytes=MAX_BODY, router_replicas=2, access_log=False
-    )
-    try:
-        started = time.monotonic()
-        url = serve_control.start(cfg)
-        up = time.monotonic()
-        serve_control.deploy_versions(list(versions.values()), cfg)
-        print(f"serve + router up in {up - started:.1f} s, 3 versions deployed in {time.monotonic() - up:.1f} s")
-        yield Serving(cfg, url, versions)
-    finally:
-        serve_control.shutdown(cfg)
-
-
-def _png(seed: int, size: int = 32) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _png_bomb(width: int, height: int) -> bytes:
-    """A valid 1-bit PNG of ``width`` x ``height`` zeros: tiny on the wire, huge once decoded."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    row = b"\x00" * (1 + (width + 7) // 8)
-    compressor = zlib.compressobj(9)
-    idat = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
-    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
-
-
-def _client(serving: Serving) -> httpx.Client:
-    return httpx.Client(base_url=serving.url, timeout=60, trust_env=False)
-
-
-def _predict(client: httpx.Client, body: bytes, **headers: str) -> httpx.Response:
-    return client.post("/predict", content=body, headers={"content-type": "image/png", **headers})
-
-
-def _load(serving: Serving, n: int, workers: int, key: Callable[[int], dict[str, str]] | None = None) -> list[int]:
-    """``n`` predictions from ``workers`` concurrent clients; the answering version of each."""
-    image = _png(7)
-    local = threading.local()
-    clients: list[httpx.Client] = []
-
-    def one(i: int) -> int:
-        if not hasattr(local, "client"):
-            local.client = _client(serving)
-            clients.append(local.client)
-        response = _predict(local.client, image, **(key(i) if key else {}))
-        assert response.status_code == 200, response.text
-        return int(response.headers[ANSWER_HEADER])
-
-    try:
-        with ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(one, range(n)))
-    finally:
-        for client in clients:
-            client.close()
+    with serving_instance(tmp_path_factory) as instance:
+        yield instance
 
 
 def test_routing_by_key_is_sticky_and_moves_keys_one_way() -> None:
@@ -148,9 +77,9 @@ def test_predict_api_raw_multipart_pinned_and_sticky(serving: Serving) -> None:
     serve_control.set_weights({1: 1.0}, cfg)  # versions left out get 0
     assert serve_control.get_weights(cfg) == {1: 1.0, 2: 0.0, 3: 0.0}
     assert serve_control.live_versions(cfg) == [1, 2, 3]
-    image = _png(1)
-    with _client(serving) as client:
-        raw = _predict(client, image)
+    image = png(1)
+    with client_of(serving) as client:
+        raw = predict(client, image)
         assert raw.status_code == 200, raw.text
         body = raw.json()
         assert raw.headers[ANSWER_HEADER] == "1" and body["version"] == 1 and body["model"] == MODEL
@@ -163,15 +92,15 @@ def test_predict_api_raw_multipart_pinned_and_sticky(serving: Serving) -> None:
         assert multipart.status_code == 200, multipart.text
         assert multipart.json()["top_k"] == body["top_k"]
 
-        pinned = _predict(client, image, **{VERSION_HEADER: "2"})  # weight 0, but live: the gate compares so
+        pinned = predict(client, image, **{VERSION_HEADER: "2"})  # weight 0, but live: the gate compares so
         assert pinned.status_code == 200 and pinned.json()["version"] == 2
-        missing = _predict(client, image, **{VERSION_HEADER: "99"})
+        missing = predict(client, image, **{VERSION_HEADER: "99"})
         assert missing.status_code == 404 and missing.json()["error"] == "VersionNotLive"
 
-        latencies = []
-        for _ in range(100):
+        latencies = []  # a glimpse for the log (bench/serve.py measures latency): each answer must be a 200
+        for _ in range(30):
             begin = time.perf_counter()
-            assert _predict(client, image).status_code == 200
+            assert predict(client, image).status_code == 200
             latencies.append((time.perf_counter() - begin) * 1000)
         p50, p95, p99 = np.percentile(latencies, [50, 95, 99])
         print(f"sequential client latency p50/p95/p99 {p50:.1f}/{p95:.1f}/{p99:.1f} ms")
@@ -181,7 +110,7 @@ def test_predict_api_raw_multipart_pinned_and_sticky(serving: Serving) -> None:
 
     serve_control.set_weights({1: 1.0, 2: 1.0}, cfg)
     keys = [f"client-{i}" for i in range(40)]
-    answers = _load(serving, 5 * len(keys), 8, key=lambda i: {KEY_HEADER: keys[i % len(keys)]})
+    answers = answers_under_load(serving, 5 * len(keys), 8, key=lambda i: {KEY_HEADER: keys[i % len(keys)]})
     per_key = {k: {answers[i] for i in range(len(answers)) if i % len(keys) == n} for n, k in enumerate(keys)}
     assert all(len(seen) == 1 for seen in per_key.values()), "a key saw two versions"
     assert {v for seen in per_key.values() for v in seen} == {1, 2}
@@ -199,7 +128,7 @@ def test_split_accuracy_at_10_percent(serving: Serving) -> None:
     serve_control.reset_stats(cfg)
     n = 1500
     started = time.monotonic()
-    answers = Counter(_load(serving, n, 8))
+    answers = Counter(answers_under_load(serving, n, 8))
     elapsed = time.monotonic() - started
     share = answers[2] / n
     assert abs(share - 0.10) <= 0.03, f"challenger share {share:.3f} at weight 10%"
@@ -208,7 +137,7 @@ def test_split_accuracy_at_10_percent(serving: Serving) -> None:
     observed = serve_control.stats(cfg)
     assert {v: s.requests for v, s in observed.items()} == dict(answers)
     assert all(s.errors == 0 and s.p50_ms is not None for s in observed.values())
-    with _client(serving) as client:
+    with client_of(serving) as client:
         over_http = client.get("/stats").json()["versions"]
     assert {int(v): s["requests"] for v, s in over_http.items()} == dict(answers)
     s1 = observed[1]
@@ -224,13 +153,13 @@ def test_pinned_requests_and_4xx_do_not_count_toward_the_gate(serving: Serving) 
     cfg = serving.cfg
     serve_control.set_weights({1: 1}, cfg)  # v2, v3: candidates at 0 %
     window = serve_control.reset_stats(cfg)
-    good, junk = _png(5), b"junk, not an image: the decoder refuses it"
-    with _client(serving) as client:
-        pinned = [_predict(client, body, **{VERSION_HEADER: "2"}) for body in [good] * 5 + [junk] * 5]
-        pinned += [_predict(client, good, **{VERSION_HEADER: "3"}) for _ in range(3)]  # the broken one: 500
-        routed = [_predict(client, body) for body in [good] * 4 + [junk] * 3]
+    good, junk = png(5), b"junk, not an image: the decoder refuses it"
+    with client_of(serving) as client:
+        pinned = [predict(client, body, **{VERSION_HEADER: "2"}) for body in [good] * 5 + [junk] * 5]
+        pinned += [predict(client, good, **{VERSION_HEADER: "3"}) for _ in range(3)]  # the broken one: 500
+        routed = [predict(client, body) for body in [good] * 4 + [junk] * 3]
         serve_control.set_weights({3: 1}, cfg)
-        routed += [_predict(client, good) for _ in range(2)]
+        routed += [predict(client, good) for _ in range(2)]
     serve_control.set_weights({1: 1}, cfg)
     assert [a.status_code for a in pinned] == [200] * 5 + [415] * 5 + [500] * 3
     assert [a.status_code for a in routed] == [200] * 4 + [415] * 3 + [500] * 2
@@ -253,22 +182,22 @@ def test_bad_inputs_get_clear_4xx_and_replicas_survive(serving: Serving) -> None
     cfg = serving.cfg
     serve_control.set_weights({1: 1, 2: 1}, cfg)
     pids = serve_control.replica_pids(cfg)
-    good = _png(3)
+    good = png(3)
 
     def chunked() -> Iterator[bytes]:  # no Content-Length: the router counts what arrives
         for _ in range(20):
             yield b"\x00" * 64 * 1024
 
     cases: list[tuple[str, httpx.Response, int, str]] = []
-    with _client(serving) as client:
+    with client_of(serving) as client:
         cases += [
-            ("oversize", _predict(client, b"\x00" * (MAX_BODY + 1)), 413, "PayloadTooLarge"),
-            ("oversize x8", _predict(client, b"\x00" * (8 * MAX_BODY)), 413, "PayloadTooLarge"),
+            ("oversize", predict(client, b"\x00" * (MAX_BODY + 1)), 413, "PayloadTooLarge"),
+            ("oversize x8", predict(client, b"\x00" * (8 * MAX_BODY)), 413, "PayloadTooLarge"),
             ("oversize chunked", client.post("/predict", content=chunked()), 413, "PayloadTooLarge"),
-            ("empty", _predict(client, b""), 400, "EmptyBody"),
-            ("not an image", _predict(client, b"hello, this is text and not a picture"), 415, "UnsupportedFormatError"),
-            ("truncated", _predict(client, good[: len(good) // 2]), 422, "CorruptImageError"),
-            ("bomb", _predict(client, _png_bomb(20_000, 20_000)), 422, "ImageTooLargeError"),
+            ("empty", predict(client, b""), 400, "EmptyBody"),
+            ("not an image", predict(client, b"hello, this is text and not a picture"), 415, "UnsupportedFormatError"),
+            ("truncated", predict(client, good[: len(good) // 2]), 422, "CorruptImageError"),
+            ("bomb", predict(client, png_bomb(20_000, 20_000)), 422, "ImageTooLargeError"),
             (
                 "multipart text",
                 client.post("/predict", files={"file": ("a.txt", b"text", "text/plain")}),
@@ -277,7 +206,7 @@ def test_bad_inputs_get_clear_4xx_and_replicas_survive(serving: Serving) -> None
             ),
             (
                 "multipart no boundary",
-                _predict(client, good, **{"content-type": "multipart/form-data"}),
+                predict(client, good, **{"content-type": "multipart/form-data"}),
                 400,
                 "BadMultipart",
             ),
@@ -294,7 +223,7 @@ def test_bad_inputs_get_clear_4xx_and_replicas_survive(serving: Serving) -> None
             assert body["error"] == error and len(body["detail"]) > 10, f"{name}: {body}"
         detail = {name: response.json()["detail"] for name, response, _, _ in cases}
         assert "limit" in detail["oversize"] and "pixels" in detail["bomb"] and "limit" in detail["bomb"]
-        assert _predict(client, good).status_code == 200
+        assert predict(client, good).status_code == 200
     assert serve_control.replica_pids(cfg) == pids, "a bad input restarted a replica"
 
 
@@ -303,8 +232,8 @@ def test_broken_version_answers_5xx_counted_in_stats(serving: Serving) -> None:
     app = cfg.version_app(MODEL, 3)
     pids = serve_control.replica_pids(cfg)[app]
     serve_control.reset_stats(cfg)
-    with _client(serving) as client:
-        answers = [_predict(client, _png(i), **{VERSION_HEADER: "3"}) for i in range(5)]
+    with client_of(serving) as client:
+        answers = [predict(client, png(i), **{VERSION_HEADER: "3"}) for i in range(5)]
     assert all(a.status_code == 500 and a.json()["error"] == "ModelOutputError" for a in answers), answers[0].text
     observed = serve_control.stats(cfg)[3]
     assert (observed.requests, observed.errors, observed.error_rate) == (5, 5, 1.0)
@@ -319,46 +248,8 @@ def test_broken_version_answers_5xx_counted_in_stats(serving: Serving) -> None:
     serve_control.set_weights({1: 1}, cfg)
     serve_control.remove_version(3, cfg)
     assert serve_control.live_versions(cfg) == [1, 2] and app not in serve_control.replica_pids(cfg)
-    with _client(serving) as client:
-        assert _predict(client, _png(0), **{VERSION_HEADER: "3"}).status_code == 404
-
-
-class _Load(ClientThreads):
-    """Clients sending predictions until stopped; each failure retried once (like a real client)."""
-
-    def __init__(self, serving: Serving, workers: int, retry: bool) -> None:
-        self.serving, self.retry = serving, retry
-        self.lock = threading.Lock()
-        self.results: list[tuple[float, float, int | None]] = []  # started, finished, version (None: failed)
-        self.first_failures: list[str] = []
-        super().__init__(self._run, workers)
-
-    def _attempt(self, client: httpx.Client, image: bytes) -> tuple[int | None, str]:
-        try:
-            response = _predict(client, image)
-        except httpx.HTTPError as exc:
-            return None, f"{type(exc).__name__}: {exc}"
-        if response.status_code != 200:
-            return None, f"{response.status_code} {response.text[:200]}"
-        return int(response.headers[ANSWER_HEADER]), ""
-
-    def _run(self, worker: int) -> None:
-        image = _png(100 + worker)
-        with _client(self.serving) as client:
-            while not self.stop.is_set():
-                started = time.monotonic()
-                version, why = self._attempt(client, image)
-                if version is None:
-                    with self.lock:
-                        self.first_failures.append(why)
-                    if self.retry:
-                        time.sleep(0.2)
-                        version, why = self._attempt(client, image)
-                with self.lock:
-                    self.results.append((started, time.monotonic(), version))
-
-    def failed(self) -> int:
-        return sum(1 for *_, version in self.results if version is None)
+    with client_of(serving) as client:
+        assert predict(client, png(0), **{VERSION_HEADER: "3"}).status_code == 404
 
 
 def test_weights_move_0_10_50_100_under_load_without_errors(serving: Serving) -> None:
@@ -366,7 +257,7 @@ def test_weights_move_0_10_50_100_under_load_without_errors(serving: Serving) ->
     serve_control.set_weights({1: 1, 2: 0}, cfg)
     asked: dict[int, float] = {}
     switched: dict[int, float] = {}
-    with _Load(serving, workers=6, retry=False) as load:
+    with Load(serving, workers=6, retry=False) as load:
         time.sleep(1.0)
         for weight in (10, 50, 100):
             asked[weight] = time.monotonic()
@@ -382,26 +273,14 @@ def test_weights_move_0_10_50_100_under_load_without_errors(serving: Serving) ->
     assert 0.3 < middle[2] / sum(middle.values()) < 0.7
 
 
-def _kill_and_wait_for_replacement(cfg: ServeConfig, app: str, timeout_s: float = 90) -> float:
-    pids = serve_control.replica_pids(cfg)[app]
-    os.kill(pids[0], signal.SIGKILL)  # a replica process of our own session's cluster
-    killed = time.monotonic()
-    while time.monotonic() - killed < timeout_s:
-        current = serve_control.replica_pids(cfg).get(app, [])
-        if len(current) == len(pids) and pids[0] not in current:
-            return time.monotonic() - killed
-        time.sleep(0.2)
-    raise AssertionError(f"{app}: replica {pids[0]} was not replaced within {timeout_s} s")
-
-
 def test_killed_replicas_are_replaced_while_requests_continue(serving: Serving) -> None:
     cfg = serving.cfg
     serve_control.set_weights({2: 1}, cfg)
-    with _Load(serving, workers=4, retry=True) as load:
+    with Load(serving, workers=4, retry=True) as load:
         time.sleep(1.0)
-        model_s = _kill_and_wait_for_replacement(cfg, cfg.version_app(MODEL, 2))
+        model_s = kill_and_wait_for_replacement(cfg, cfg.version_app(MODEL, 2))
         time.sleep(1.0)
-        router_s = _kill_and_wait_for_replacement(cfg, cfg.name)
+        router_s = kill_and_wait_for_replacement(cfg, cfg.name)
         time.sleep(1.0)
     print(
         f"model replica replaced in {model_s:.1f} s, router replica in {router_s:.1f} s; "
@@ -409,7 +288,7 @@ def test_killed_replicas_are_replaced_while_requests_continue(serving: Serving) 
     )
     assert load.failed() == 0, "a request failed even after the client's retry"
     assert {v for *_, v in load.results} == {2}
-    with _client(serving) as client:
+    with client_of(serving) as client:
         assert client.get("/healthz").status_code == 200
 
 
@@ -418,7 +297,7 @@ def test_control_actor_killed_routing_goes_on_and_weights_survive(serving: Servi
     serve_control.set_weights({1: 3, 2: 1}, cfg)
     control = ray.get_actor(cfg.control_actor_name, namespace=NAMESPACE)
     pid = ray.get(control.__ray_call__.remote(lambda _self: os.getpid()))
-    with _Load(serving, workers=4, retry=False) as load:
+    with Load(serving, workers=4, retry=False) as load:
         time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
         time.sleep(1.0)
@@ -427,3 +306,91 @@ def test_control_actor_killed_routing_goes_on_and_weights_survive(serving: Servi
         time.sleep(0.5)
     assert ray.get(control.__ray_call__.remote(lambda _self: os.getpid())) != pid
     assert load.first_failures == [] and {v for *_, v in load.results} == {1, 2}
+
+
+def test_a_paused_router_holds_set_weights_and_a_gone_one_does_not(serving: Serving) -> None:
+    """Issue 21, point 5: the routers a table change waits for are the router replicas Serve runs. One
+    frozen (SIGSTOP) for longer than the routers used to be counted after falling silent (5 s) still routes
+    by the old table as soon as it resumes: set_weights waits for it and fails naming it. Killed, Serve
+    drops it from its replicas, and set_weights no longer waits for it."""
+    cfg = serving.cfg
+    serve_control.set_weights({1: 1, 2: 0}, cfg)
+    replicas = router_replicas(cfg)
+    assert len(replicas) == 2, replicas
+    paused, pid = sorted(replicas.items())[0]
+    os.kill(pid, signal.SIGSTOP)  # a router replica of our own session's cluster
+    killed = False
+    try:
+        time.sleep(6.0)  # the scenario: silent for longer than the old 5 s cut-off
+        began = time.monotonic()
+        with pytest.raises(ClusterError, match="did not pick up routing generation") as caught:
+            serve_control.set_weights({1: 1, 2: 1}, cfg, wait_s=2.0)
+        assert time.monotonic() - began >= 2.0
+        assert paused in str(caught.value) and f"pid {pid}" in str(caught.value), caught.value
+        os.kill(pid, signal.SIGKILL)
+        killed = True
+    finally:
+        if not killed:
+            os.kill(pid, signal.SIGCONT)
+    serve_control.set_weights({1: 1, 2: 0}, cfg, wait_s=30.0)  # returns once Serve no longer runs it
+    # the module's two routers again, for the tests that follow
+    wait_for("a replacement router", lambda: len(r := router_replicas(cfg)) == 2 and paused not in r)
+    serve_control.set_weights({1: 1, 2: 1}, cfg)
+
+
+def test_a_stats_loop_does_not_starve_the_router_syncs_of_a_rollout_step(serving: Serving) -> None:
+    """Issue 21, point 4: clients looping on ``GET /stats?since=0`` over a full book (200,000 answers for
+    each of 4 versions, the most the control actor used to keep) while a rollout step moves the weights.
+    The step returns about as fast as without them (its routers' syncs with the control actor stay on
+    time), and the loop is answered 429 with Retry-After past its rate, the same shape as ever below it."""
+    cfg = serving.cfg
+    serve_control.set_weights({1: 1, 2: 0}, cfg)
+    start = serve_control.reset_stats(cfg)
+    control = ray.get_actor(cfg.control_actor_name, namespace=NAMESPACE)
+    ray.get(
+        control.__ray_call__.remote(
+            lambda actor: actor._stats.record(
+                (MODEL, v, start + i * 1e-6, 5.0 + i % 50, 0, True) for v in (1, 2, 3, 4) for i in range(200_000)
+            )
+        ),
+        timeout=120,
+    )
+    lock = threading.Lock()
+    statuses: Counter[int] = Counter()
+    retry_after: set[str | None] = set()
+    answered: list[dict[str, object]] = []
+    done = threading.Event()
+
+    def poll_stats(_: int) -> None:
+        with client_of(serving) as client:
+            while not done.is_set():
+                response = client.get("/stats", params={"since": 0})
+                with lock:
+                    statuses[response.status_code] += 1
+                    if response.status_code == 429:
+                        retry_after.add(response.headers.get("retry-after"))
+                    elif response.status_code == 200:
+                        answered.append(response.json())
+                done.wait(0.05)
+
+    steps: list[float] = []
+    with ClientThreads(poll_stats, 8, join_timeout_s=60):
+        try:
+            wait_for("the loop's first answers", lambda: sum(statuses.values()) >= 8, timeout_s=60)
+            for weight in (10, 50, 100):
+                began = time.monotonic()
+                serve_control.set_weights({1: 100 - weight, 2: weight}, cfg, wait_s=20.0)
+                steps.append(time.monotonic() - began)
+        finally:
+            done.set()
+    print(f"rollout steps took {[round(s, 2) for s in steps]} s under the /stats loop; answers {dict(statuses)}")
+    # a step waits for two syncs of each router (0.5 s apart): ~1 s here; 6-8 s when /stats scanned the samples
+    assert max(steps) < 4.0, f"router syncs fell behind under the /stats loop: steps took {steps} s"
+    assert set(statuses) == {200, 429} and statuses[429] > statuses[200], statuses
+    assert retry_after and all(r is not None and r.isdigit() and int(r) >= 1 for r in retry_after), retry_after
+    versions = answered[0]["versions"]
+    assert isinstance(versions, dict) and {v: s["requests"] for v, s in versions.items()} == {
+        str(v): 200_000 for v in (1, 2, 3, 4)
+    }
+    assert set(answered[0]) == {"model", "weights", "since", "versions"}
+    serve_control.reset_stats(cfg)

@@ -22,9 +22,10 @@ from flows.serve_rollout import serve_config, serve_rollout
 from ray_workloads.models import imagenet_classes
 from ray_workloads.serving import control as serve_control
 from ray_workloads.serving.http_api import ANSWER_HEADER, MODEL_HEADER
-from rayline import registry, storage
+from rayline import storage
 from rayline.cli import app
-from rayline.registry import ModelVersion
+from rayline.models import registry
+from rayline.models.registry import ModelVersion
 from rayline.seed import digit_objects, jpeg_bytes, photo_objects, source_photos
 from tests.integration.helpers import ClientThreads, register_outside, register_untrained
 from tests.support import free_port
@@ -50,6 +51,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAYLINE_STORAGE", root)
         env.setenv("RAYLINE_SERVE_PORT", str(free_port()))
+        # a stopping replica looks every 2 s (Serve's default) whether it has drained: the rollout's
+        # retirement and each `serve stop` waited at least that long for its replicas to go
+        env.setenv("RAYLINE_SERVE_GRACEFUL_SHUTDOWN_WAIT_LOOP_S", "0.1")
         probes = storage.join(root, "photo-probes")
         for key, data in photo_objects(24, np.random.default_rng(0), large_share=0.0):
             storage.write_bytes_atomic(storage.join(probes, key), data)
@@ -257,6 +261,7 @@ def test_canary_rollout_of_the_outside_model_leaves_the_other_model_alone(served
         soak_s=2.0,
         min_requests=10,
         probe_uri=served.probe_uri,
+        probe_images=8,  # of the 24 probes: each pinned to both versions, one after another, for agreement
     )
     print(f"photos rollout in {time.monotonic() - started:.1f} s: {result.reason}")
 

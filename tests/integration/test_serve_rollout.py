@@ -7,30 +7,51 @@ sending requests through the router.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 
 import httpx
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from ray.serve.schema import ApplicationStatus
 
 from flows.serve_rollout import serve_config, serve_rollout
+from ray_workloads import monitor as mon
+from ray_workloads.serving import canary, rollout
 from ray_workloads.serving import control as serve_control
-from ray_workloads.serving import rollout
 from ray_workloads.serving.http_api import ANSWER_HEADER
-from rayline import leases, lineage, registry, storage
+from ray_workloads.serving.model_server import MODEL_DEPLOYMENT, ModelServer, model_app
+from rayline import events, lineage, storage
+from rayline.errors import ClusterError
+from rayline.models import registry
+from rayline.models.registry import ModelVersion
 from rayline.ray_cluster import NAMESPACE
-from rayline.registry import ModelVersion
 from rayline.seed import digit_objects
+from rayline.storage import leases
+from tasks.monitoring import serving_health_task
 from tests.integration.helpers import ClientThreads, register_untrained
-from tests.support import free_port
+from tests.support import REPO_ROOT, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 
-FAST = {"soak_s": 3.0, "min_requests": 10}  # short windows; the gates are the production ones
+# short windows; the gates are the production ones. 8 probe images (64 by default): the agreement
+# check pins each to both versions, one request after another, before the first step's weight moves
+FAST = {"soak_s": 3.0, "min_requests": 10, "probe_images": 8}
+# a stopping replica looks every 2 s (Serve's default) whether it has drained: every rollback,
+# retirement and removal here waited at least that long for its replica to go
+_SERVE_SETTINGS = {"RAYLINE_SERVE_GRACEFUL_SHUTDOWN_WAIT_LOOP_S": "0.1"}
 
 
 def _register(seed: int, broken: bool = False) -> ModelVersion:
@@ -44,6 +65,8 @@ def champion_serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAYLINE_STORAGE", root)
         env.setenv("RAYLINE_SERVE_PORT", str(free_port()))
+        for key, value in _SERVE_SETTINGS.items():
+            env.setenv(key, value)
         probes = storage.join(root, "raw")
         for key, data in list(digit_objects(32))[:200]:
             storage.write_bytes_atomic(storage.join(probes, key), data)
@@ -60,7 +83,14 @@ def champion_serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 class Load(ClientThreads):
-    """Client threads posting images through the router until stopped; every outcome kept."""
+    """Client threads posting images through the router until stopped; every outcome kept.
+
+    Each client waits ``PAUSE_S`` between its requests: three of them back to back kept both
+    cores busy with requests, slowing the deploys and the flow under test (and the latency
+    samples the gate judges) for no more evidence than tens of requests a second give.
+    """
+
+    PAUSE_S = 0.05
 
     def __init__(self, url: str, image: bytes) -> None:
         self.url, self.image = url, image
@@ -71,7 +101,7 @@ class Load(ClientThreads):
 
     def _client_loop(self, _: int) -> None:
         with httpx.Client(base_url=self.url, timeout=30) as client:
-            while not self.stop.is_set():
+            while not self.stop.wait(self.PAUSE_S):
                 try:
                     answer = client.post("/predict", content=self.image)
                 except httpx.HTTPError as exc:
@@ -131,7 +161,7 @@ def test_a_broken_challenger_is_rolled_back_at_the_first_step(champion_serving: 
 
 
 def test_a_rollout_waits_for_the_lease_and_gives_up_naming_its_holder(champion_serving: str) -> None:
-    """The rollout lease (rayline.leases): a second rollout waits, proceeds once it is released, and
+    """The rollout lease (rayline.storage.leases): a second rollout waits, proceeds once it is released, and
     otherwise fails naming the run that holds it."""
     other = leases.try_acquire(registry.rollout_lease_uri("digits"), "flow run other-rollout on host-9 pid 1", 60)
     assert other is not None
@@ -221,3 +251,200 @@ def test_a_rollout_that_raises_rolls_back_and_serving_agrees_with_the_registry(
     (record,) = [r for r in lineage.read_records("serve_rollout") if r.outputs[0].uri == twin.uri]
     assert record.outputs[0].facets["outcome"] == "rolled back"
     assert "raised RuntimeError: injected" in record.outputs[0].facets["reason"]
+
+
+def _wait_until(what: str, done: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
+        time.sleep(0.1)
+
+
+def _run_app(name: str, app: object) -> None:
+    serve.run_many([serve.RunTarget(app, name=name, route_prefix=None)], wait_for_applications_running=False)
+
+
+def _app_status(name: str) -> ApplicationStatus | None:
+    found = serve.status().applications.get(name)
+    return found.status if found is not None else None
+
+
+def test_a_deploy_timing_out_on_the_live_incumbent_leaves_it_serving(champion_serving: str) -> None:
+    """The incumbent serves all traffic but is DEPLOYING (scaled onto a replica no node can place: it asks
+    for a resource none has; Serve's surge keeps the old replica serving). A rollout's first deploy waits
+    for it and times out: it fails, and the incumbent it only waited for keeps answering.
+
+    The deploy is ``deploy_version``'s, the first a rollout makes (``rollout.serve``), called directly: a
+    ServeConfig with another deploy timeout would also redeploy the router (``ServeConfig.router_config``).
+    """
+    cfg = serve_config()
+    champion = registry.resolve("digits", registry.CHAMPION)
+    app = cfg.version_app("digits", champion.version)
+    unplaceable = serve.deployment(
+        name=MODEL_DEPLOYMENT,
+        num_replicas=cfg.replicas,
+        ray_actor_options={"num_cpus": cfg.cpus_per_replica, "resources": {"rayline-test-absent": 1.0}},
+        max_surge_percent=100,
+    )(ModelServer).bind(champion, cfg.top_k, cfg.max_pixels)
+    _run_app(app, unplaceable)
+    try:
+        _wait_until(f"{app} deploying", lambda: _app_status(app) == ApplicationStatus.DEPLOYING)
+        with Load(champion_serving, _probe_image()) as load:
+            with pytest.raises(ClusterError, match=f"{app}: DEPLOYING after 2 s"):
+                serve_control.deploy_version(champion, cfg.model_copy(update={"deploy_timeout_s": 2.0}))
+            answered = sum(load.statuses.values())
+            # the time a deletion needs to stop the replica: long enough to see requests fail if it did
+            _wait_until("60 more answers", lambda: sum(load.statuses.values()) > answered + 60)
+        assert load.connection_errors == [] and set(load.statuses) == {200}, (load.statuses, load.connection_errors)
+        assert _app_status(app) == ApplicationStatus.DEPLOYING, "the incumbent was deleted"
+        assert serve_control.get_weights(cfg, model="digits") == {champion.version: 100.0}
+    finally:
+        _run_app(app, model_app(champion, cfg))  # its own version again: the unplaceable replica goes
+        _wait_until(f"{app} running again", lambda: _app_status(app) == ApplicationStatus.RUNNING)
+
+
+def _lease_expired(uri: str) -> bool:
+    current = leases.read(uri)
+    return current is not None and not current.is_live()
+
+
+def _line_from(process: subprocess.Popen[str], timeout_s: float = 120.0) -> dict[str, object]:
+    """The next line ``process`` prints, as JSON; fails (rather than hangs) when none comes."""
+    lines: queue.Queue[str] = queue.Queue()
+    assert process.stdout is not None
+    stdout = process.stdout
+    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=timeout_s)
+    except queue.Empty:
+        raise AssertionError(f"the paused rollout printed nothing within {timeout_s:.0f} s") from None
+    assert line, f"the paused rollout exited ({process.wait(timeout=30)}) without a word"
+    parsed: dict[str, object] = json.loads(line)
+    return parsed
+
+
+def test_a_rollout_paused_past_its_lease_cannot_move_traffic_over_the_one_that_took_over(
+    champion_serving: str,
+) -> None:
+    """Fencing: a rollout process frozen (SIGSTOP) between its lease check and its move, past the lease's
+    ttl; another takes the lease over and moves the weights; resumed, the first one's move is refused by
+    the control actor (its lease generation is older) and the weights stay the second one's."""
+    cfg = serve_config()
+    champion = registry.resolve("digits", registry.CHAMPION)
+    twin = _register(seed=0)
+    serve_control.deploy_version(twin, cfg)
+    prepared = canary.PreparedRollout(base_url=champion_serving, incumbent=champion, candidate=twin)
+    uri = registry.rollout_lease_uri("digits")
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "token"}
+    args = ["-m", "tests.integration.paused_rollout", prepared.model_dump_json(), cfg.model_dump_json(), "1.5"]
+    taken: leases.Lease | None = None
+    try:
+        paused = subprocess.Popen(
+            [sys.executable, *args], cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert paused.stdin is not None
+        try:
+            holding = _line_from(paused)
+            os.kill(paused.pid, signal.SIGSTOP)  # between its check and its move: its renewer stops too
+            _wait_until("the paused rollout's lease expired", lambda: _lease_expired(uri))
+            taken = leases.try_acquire(uri, "flow run taking-over on host-9 pid 1", 60)
+            assert taken is not None and taken.fence > int(str(holding["holding"]))
+            serve_control.set_weights({twin.version: 100.0}, cfg, model="digits", fence=taken.fencing_token())
+            os.kill(paused.pid, signal.SIGCONT)
+            paused.stdin.write("move\n")
+            paused.stdin.flush()
+            outcome = _line_from(paused)
+            assert paused.wait(timeout=60) == 0
+        finally:
+            if paused.poll() is None:
+                os.kill(paused.pid, signal.SIGCONT)
+                paused.kill()
+                paused.wait(timeout=30)
+        refused = str(outcome.get("refused"))
+        assert "refused" in outcome, outcome
+        assert f"generation {holding['holding']} of lease {taken.uri}" in refused, refused
+        assert f"flow run taking-over on host-9 pid 1 has since acted with generation {taken.fence}" in refused, refused
+        assert serve_control.get_weights(cfg, model="digits") == {champion.version: 0.0, twin.version: 100.0}
+        assert _app_status(cfg.version_app("digits", twin.version)) == ApplicationStatus.RUNNING
+    finally:  # serving as the module had it: the champion at 100 %, the twin gone
+        fence = taken.fencing_token() if taken is not None else None
+        serve_control.set_weights({champion.version: 100.0}, cfg, model="digits", fence=fence)
+        serve_control.remove_version(twin.version, cfg, model="digits", fence=fence)
+        if taken is not None:
+            leases.release(taken)
+
+
+async def _events_since(api: str, name: str, since: float) -> list[dict[str, object]]:
+    async with httpx.AsyncClient(base_url=api) as client:
+        since_iso = datetime.fromtimestamp(since, UTC).isoformat()
+        answer = await client.post(
+            "/events/filter", json={"filter": {"event": {"name": [name]}, "occurred": {"since": since_iso}}}
+        )
+        answer.raise_for_status()
+        return list(answer.json()["events"])
+
+
+def test_a_rollout_killed_mid_soak_is_reconciled_by_the_next_one(champion_serving: str, prefect_api: str) -> None:
+    """The flow's process SIGKILLed while the candidate soaks at 100 %: serving has it at 100 % while the
+    registry's champion is the old version. While the dead run's lease lasts that is a rollout under way;
+    once it has expired the monitor reports serving unhealthy (gauge and event), and the next rollout
+    rolls the weights back to the champion, says so, and rolls the candidate out again from there."""
+    started = time.time()
+    cfg = serve_config()
+    champion = registry.resolve("digits", registry.CHAMPION)
+    twin = _register(seed=0)
+    registry.set_alias("digits", registry.CHALLENGER, twin.version, "test")
+    uri = registry.rollout_lease_uri("digits")
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        "RAY_AUTH_MODE": "token",
+        "PREFECT_API_URL": prefect_api,
+    }
+    # one step at 100 % soaking far longer than the test waits: the kill lands in the last soak
+    parameters = {"steps": [100.0], "soak_s": 300.0, "min_requests": 10, "probe_images": 8, "lease_ttl_s": 3.0}
+    dying = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.paused_rollout", "flow", json.dumps(parameters)],
+        cwd=REPO_ROOT,
+        env=env,
+    )
+    try:
+        _wait_until(
+            "the candidate at 100 %",
+            lambda: serve_control.get_weights(cfg, model="digits").get(twin.version) == 100.0,
+            timeout_s=120,
+        )
+        os.kill(dying.pid, signal.SIGKILL)
+        assert dying.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if dying.poll() is None:
+            dying.kill()
+            dying.wait(timeout=30)
+    assert registry.alias_version("digits", registry.CHAMPION) == champion.version
+    thresholds = mon.DriftThresholds()
+    under_way = serving_health_task.fn(champion_serving, thresholds, "digits")
+    assert under_way.healthy, "while the killed run's lease lasts, the candidate at 100 % is a rollout under way"
+
+    _wait_until("the killed rollout's lease expired", lambda: _lease_expired(uri), timeout_s=30)
+    health = serving_health_task.fn(champion_serving, thresholds, "digits")
+    assert not health.healthy, health
+    assert f"v{twin.version} has the most traffic (100%)" in str(health.problem), health.problem
+    assert f"the registry's champion is v{champion.version}" in str(health.problem), health.problem
+    families = {f.name: f for f in text_string_to_metric_families(mon.prometheus_text(health, [], "digits"))}
+    (mismatch,) = families["rayline_serve_champion_mismatch"].samples
+    assert mismatch.value == 1.0
+    _wait_until(
+        "the champion-mismatch event",
+        lambda: bool(asyncio.run(_events_since(prefect_api, events.CHAMPION_NOT_SERVED, started))),
+        timeout_s=30,
+    )
+
+    result = serve_rollout(steps=[100.0], lease_ttl_s=3.0, lease_wait_s=30.0, **FAST)  # type: ignore[arg-type]
+    assert result.reconciled is not None and "rolled all traffic back" in result.reconciled, result
+    assert f"v{twin.version} at 100%" in result.reconciled and f"champion v{champion.version}" in result.reconciled
+    assert result.promoted and [s.weight for s in result.steps] == [100.0], result
+    assert result.incumbent == champion.version, "the reconciled champion was the incumbent, not the dead run's"
+    assert registry.alias_version("digits", registry.CHAMPION) == twin.version
+    assert serve_control.get_weights(cfg, model="digits") == {twin.version: 100.0}
+    assert serve_control.live_versions(cfg) == [twin.version]
+    assert serving_health_task.fn(champion_serving, thresholds, "digits").healthy

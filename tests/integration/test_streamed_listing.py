@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from rayline import listing, storage
-from rayline.digests import SetDigest
+from rayline import storage
+from rayline.storage import listing
+from rayline.storage.digests import SetDigest
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
 

@@ -1,4 +1,4 @@
-"""A transient fault is not a bad image: S3 faults injected by the session's proxy (``bench/s3_proxy.py``).
+"""A transient fault is not a bad image: S3 faults injected by the session's proxy (``rayline/testing/s3_proxy.py``).
 
 Faults hit only the reads of the input objects (``key_regex``): what is
 shown is what ingest and nightly inference do with an object whose read
@@ -15,14 +15,15 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError
 
-from bench.s3_proxy import S3Proxy
 from ray_workloads import batch_inference as bi
 from ray_workloads import ingest
-from rayline import registry, storage
+from rayline import storage
 from rayline.config import get_settings
-from rayline.errors import TransientStorageError, is_transient
-from rayline.prediction_reads import committed_nights, read_night_pair
+from rayline.errors import StorageAccessDenied, TransientStorageError, is_transient
+from rayline.models import registry
 from rayline.seed import digit_objects
+from rayline.tables.prediction_reads import committed_nights, read_night_pair
+from rayline.testing.s3_proxy import S3Proxy
 from tests.integration.helpers import register_untrained_champion
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
@@ -95,6 +96,58 @@ def test_the_proxy_answers_slowdown_internal_error_and_resets(s3_faults: S3Proxy
     assert client.head_object(Bucket=bucket, Key=key)["ContentLength"] == 1, "HEAD is not faulted (methods)"
     stats = s3_faults.stats()
     assert (stats["fault_503"], stats["fault_500"], stats["fault_reset"]) == (1, 1, 1)
+
+
+def test_the_proxy_refuses_reads_and_cuts_bodies_short(s3_faults: S3Proxy, s3_storage: str) -> None:
+    """A 403 reaches the client as S3's AccessDenied; a body cut short as botocore's streaming error, transient."""
+    uri = storage.join(s3_storage, "raw", "one.png")
+    storage.write_bytes_atomic(uri, b"0123456789" * 10)
+    bucket, _, key = uri[len(storage.S3) :].partition("/")
+    client = boto3.client(
+        "s3", endpoint_url=s3_faults.endpoint, config=Config(retries={"mode": "standard", "total_max_attempts": 1})
+    )
+    s3_faults.configure(always_fail="one\\.png$", fault_kinds=["403", "truncate"])
+    with pytest.raises(ClientError) as denied:
+        client.get_object(Bucket=bucket, Key=key)
+    assert denied.value.response["Error"]["Code"] == "AccessDenied" and not is_transient(denied.value)
+    answer = client.get_object(Bucket=bucket, Key=key)  # the head arrives whole; the body is short
+    with pytest.raises(Exception) as cut:
+        answer["Body"].read()
+    assert type(cut.value).__name__ in {"ResponseStreamingError", "IncompleteReadError"}, repr(cut.value)
+    assert is_transient(cut.value)
+    stats = s3_faults.stats()
+    assert (stats["fault_403"], stats["fault_truncate"]) == (1, 1)
+
+
+def test_a_body_cut_short_is_read_again_never_an_error_row(s3_faults: S3Proxy, s3_storage: str) -> None:
+    written = _put_many(storage.join(s3_storage, "raw"), 40)
+    s3_faults.configure(fail_first_n=1, fault_kinds=["truncate"], key_regex="/raw/\\d/digit-0000[0-2]\\.png$")
+    result = _ingest(s3_storage)
+    assert s3_faults.stats()["fault_truncate"] == 3
+    assert result.fetch_errors == 0 and _ingested_rows(result) == written
+
+
+def test_reads_refused_by_policy_fail_ingest_and_the_night_and_commit_nothing(
+    s3_faults: S3Proxy, s3_storage: str
+) -> None:
+    """An AccessDenied is the run's permission fault, not a bad sample: no error rows committed or cached."""
+    register_untrained_champion()
+    written = _put_many(storage.join(s3_storage, "raw"), 20)
+    incoming = storage.join(s3_storage, "incoming", f"dt={DAY}")
+    _put_many(incoming, 20)
+    s3_faults.configure(always_fail="/(raw|incoming)/", fault_kinds=["403"])
+    with pytest.raises(StorageAccessDenied, match="refused for want of permission") as info:
+        _ingest(s3_storage)
+    assert not is_transient(info.value)
+    ingested = storage.join(s3_storage, "ingested")
+    assert not [o for o in storage.list_objects(ingested) if o.key.endswith(ingest.MANIFEST)], "nothing committed"
+    with pytest.raises(StorageAccessDenied, match="AccessDenied"):
+        bi.run(_night_config(s3_storage, incoming))
+    assert committed_nights(s3_storage, "digits") == [], "the night is not committed"
+
+    s3_faults.reset()  # the policy is fixed: the next ingest reads everything, it finds nothing cached
+    again = _ingest(s3_storage)
+    assert not again.cached and again.fetch_errors == 0 and _ingested_rows(again) == written
 
 
 def test_ingest_with_five_percent_of_reads_faulted_gives_one_correct_row_per_object(

@@ -54,3 +54,18 @@ def test_the_nightly_artifact_names_the_skipped_and_their_first_keys() -> None:
     )
     assert _skipped(night) == "1 (folder marker 1): e.g. {'folder marker': ['photos/']}"
     assert _skipped(InferenceResult.model_construct(skipped={}, skipped_examples={})) == "0"
+
+
+def test_rollout_summary_says_what_it_reconciled_first(capsys: pytest.CaptureFixture[str]) -> None:
+    from flows.serve_rollout import RolloutResult
+    from rayline.cli.ops import print_rollout_summary
+
+    found = "serving disagreed with the registry at the start (v2 at 100%, …): rolled all traffic back to v1"
+    result = RolloutResult(
+        model="digits", candidate=2, incumbent=1, promoted=True, reason="v2 passed", steps=[], reconciled=found
+    )
+    print_rollout_summary(result)
+    lines = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
+    assert f"  first: {found}" in lines, lines
+    print_rollout_summary(result.model_copy(update={"reconciled": None}))
+    assert not any("first:" in line for line in capsys.readouterr().out.splitlines())

@@ -34,18 +34,36 @@ def test_standard_variables_are_honoured(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.parametrize(
     ("value", "fragment"),
-    [("gs://bucket", "unsupported scheme"), ("s3://", "names no bucket"), ("  ", "must not be empty")],
+    [
+        ("gs://bucket", "unsupported scheme"),
+        ("s3://", "names no bucket"),
+        ("  ", "must not be empty"),
+        ("s3:/bucket/raw", r"malformed S3 URI 's3:/bucket/raw': expected s3://bucket\[/prefix\]"),
+    ],
 )
 def test_bad_storage_uri_fails_with_a_clear_message(monkeypatch: pytest.MonkeyPatch, value: str, fragment: str) -> None:
     monkeypatch.setenv("RAYLINE_STORAGE", value)
     with pytest.raises(ConfigError, match=fragment) as info:
         load_settings()
-    assert "storage" in str(info.value)
+    assert "RAYLINE_STORAGE: " in str(info.value), "the message names the variable the user set"
+
+
+def test_one_setting_sets_the_ttl_of_every_data_lease(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray_workloads.inference_contract import InferenceConfig
+    from rayline.storage.folders import LeasedOutput
+
+    assert LeasedOutput().lease_ttl_s == 120.0 and InferenceConfig.model_fields["lease_ttl_s"].default_factory
+    monkeypatch.setenv("RAYLINE_LEASE_TTL_S", "15")
+    assert LeasedOutput().lease_ttl_s == 15.0
+    assert LeasedOutput(lease_ttl_s=7).lease_ttl_s == 7.0, "an explicit ttl wins"
+    monkeypatch.setenv("RAYLINE_LEASE_TTL_S", "0")
+    with pytest.raises(ConfigError, match="RAYLINE_LEASE_TTL_S: Input should be greater than 0"):
+        LeasedOutput()
 
 
 def test_bad_oversubscription_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAYLINE_RAY_CPU_OVERSUBSCRIPTION", "0")
-    with pytest.raises(ConfigError, match="ray_cpu_oversubscription"):
+    with pytest.raises(ConfigError, match="RAYLINE_RAY_CPU_OVERSUBSCRIPTION"):
         load_settings()
 
 
@@ -105,3 +123,20 @@ def test_cause_chain_is_followed_and_input_errors_win() -> None:
             raise InputDataError("no such prefix") from inner
     except InputDataError as outer:
         assert not is_transient(outer)
+
+
+def _body_cut_short() -> list[BaseException]:
+    """What botocore and urllib3 raise when an S3 answer's body ends before its Content-Length."""
+    from http.client import IncompleteRead
+
+    from botocore.exceptions import IncompleteReadError, ResponseStreamingError
+    from urllib3.exceptions import ProtocolError
+
+    broken = ProtocolError("Connection broken: IncompleteRead(10 bytes read, 90 more expected)", IncompleteRead(b"x"))
+    # each by itself, as it arrives from another process (pickling drops __cause__ and __context__)
+    return [IncompleteReadError(actual_bytes=10, expected_bytes=100), ResponseStreamingError(error=broken), broken]
+
+
+@pytest.mark.parametrize("exc", _body_cut_short(), ids=lambda e: type(e).__name__)
+def test_a_body_cut_short_is_transient(exc: BaseException) -> None:
+    assert is_transient(exc)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
-from rayline import fetching
-from rayline.errors import TransientStorageError, is_transient
-from rayline.fetching import Fetched
+from rayline.errors import StorageAccessDenied, TransientStorageError, is_transient
+from rayline.storage import fetching
+from rayline.storage.fetching import Fetched
 
 pytestmark = pytest.mark.unit
 
@@ -65,3 +66,29 @@ def test_delays_double_from_the_setting_with_jitter(monkeypatch: pytest.MonkeyPa
     assert len(delays) == 4
     for i, delay in enumerate(delays):
         assert 0.25 * 2**i <= delay <= 0.75 * 2**i
+
+
+def _denied(uri: str) -> BaseException:
+    from botocore.exceptions import ClientError
+
+    answer = {"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}
+    answer["ResponseMetadata"] = {"HTTPStatusCode": 403}
+    return ClientError(answer, "GetObject")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("error", [_denied, PermissionError], ids=["s3-AccessDenied", "PermissionError"])
+def test_a_read_refused_for_permission_fails_the_call_not_the_object(error: Callable[[str], BaseException]) -> None:
+    """A policy or credentials fault is the run's, never a property of the sample: no error row for it."""
+
+    def fetch(uris: list[str]) -> list[Fetched]:
+        return [Fetched(None, error=error(u)) if u == "b" else Fetched(u.encode(), etag="e") for u in uris]
+
+    with pytest.raises(StorageAccessDenied, match=r"1 of 3 objects refused for want of permission .* e\.g\. b") as info:
+        fetching.fetch_checked(["a", "b", "c"], fetch, [0.1], sleep=lambda _: None)
+    assert not is_transient(info.value), "a retry minutes later meets the same policy"
+    assert info.value.__cause__ is not None
+
+
+def test_a_missing_object_stays_its_own_error_row_beside_the_permission_check() -> None:
+    fetched = fetching.fetch_checked(["a", "c"], Flaky({}, missing=frozenset({"c"})), [], sleep=lambda _: None)
+    assert fetched[0].data == b"a" and isinstance(fetched[1].error, FileNotFoundError)

@@ -15,9 +15,9 @@ from ray_workloads.models import (
     trainable_parameters,
 )
 from ray_workloads.training_loop import TrainLoopConfig, make_optimizer, run_epoch
-from rayline import registry
 from rayline.cli import app
 from rayline.errors import ConfigError, InputDataError
+from rayline.models import registry
 from rayline.specs import ImageSpec, ParentModel, squash
 from tasks.training_plan import plan_training
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from ray_workloads.inference_contract import block_size
 from ray_workloads.inference_predictor import torch_threads
 from ray_workloads.night_blocks import BlockReport, reports_batch
-from rayline.digests import SetDigest
+from rayline.storage.digests import SetDigest
 
 pytestmark = pytest.mark.unit
 
@@ -20,6 +21,21 @@ def test_block_reports_round_trip_through_a_report_batch() -> None:
     ]
     batch = pa.table(reports_batch(written))  # what Ray Data makes of the UDF's dict of arrays
     assert [BlockReport.from_row(row) for row in batch.to_pylist()] == written
+
+
+@pytest.mark.parametrize(
+    ("side", "count", "chosen", "size"),
+    [
+        (32, 20_000, None, 256),  # the digits: cheap model calls, large blocks
+        (224, 20_000, None, 32),  # a ResNet at 224 px: small blocks keep the tail short
+        (224, 3_200_000, None, 32),  # 100,000 blocks: still the base size
+        (224, 100_000_000, None, 1_000),  # past 100,000 blocks they grow: the driver's work stays bounded
+        (32, 100_000_000, None, 1_000),
+        (224, 100_000_000, 16, 16),  # a size the user chose is kept
+    ],
+)
+def test_blocks_grow_past_a_hundred_thousand_a_night(side: int, count: int, chosen: int | None, size: int) -> None:
+    assert block_size(side, count, chosen) == size
 
 
 def test_importing_the_udf_module_does_not_import_torch() -> None:

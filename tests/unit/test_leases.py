@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from rayline import conditional, leases, storage
-from rayline.errors import ConfigError, LeaseBusy, LeaseLost
+from rayline import storage
+from rayline.errors import ConfigError, LeaseBusy, LeaseLost, StaleFence
+from rayline.storage import conditional, fencing, leases
 
 pytestmark = pytest.mark.unit
 
@@ -131,6 +132,31 @@ def test_a_lease_taken_over_after_expiry_is_lost_to_its_old_holder(tmp_path: Pat
     assert leases.try_acquire(uri, "run-c", ttl_s=60) is None
 
 
+def test_the_fencing_token_stays_through_renewals_and_rises_with_every_acquisition(tmp_path: Path) -> None:
+    uri = str(tmp_path / "x.lease")
+    first = leases.try_acquire(uri, "run-a", ttl_s=-1)  # expires at once: run-a paused past its ttl
+    assert first is not None and first.fencing_token() == fencing.Fence(storage.normalize(uri), 1, "run-a")
+    renewed = leases.renew(leases.renew(first, ttl_s=-1), ttl_s=-1)
+    assert renewed.generation == 3 and renewed.fencing_token() == first.fencing_token()
+    taken = leases.try_acquire(uri, "run-b", ttl_s=60)
+    assert taken is not None and taken.fence == 4 > renewed.generation, "newer than every write of run-a"
+    assert leases.read(uri) == taken, "the fence is stored with the lease"
+    assert leases.release(taken)
+    again = leases.try_acquire(uri, "run-a", ttl_s=60)
+    assert again is not None and again.fence == 6
+
+
+def test_a_receiver_refuses_an_older_fence_and_remembers_the_newest() -> None:
+    seen: dict[str, fencing.Fence] = {}
+    old, new = fencing.Fence("s3://b/x.lease", 3, "run-a"), fencing.Fence("s3://b/x.lease", 7, "run-b")
+    assert fencing.admit(seen, old, "moving") and fencing.admit(seen, new, "moving")
+    assert not fencing.admit(seen, new, "moving") and not fencing.admit(seen, None, "an operator's move")
+    with pytest.raises(StaleFence, match=r"moving refused: run-a holds generation 3 .* run-b .* generation 7"):
+        fencing.admit(seen, old, "moving")
+    assert seen == {"s3://b/x.lease": new}
+    assert fencing.admit(seen, fencing.Fence("s3://b/y.lease", 1, "run-c"), "moving"), "each lease its own"
+
+
 def test_release_lets_the_next_run_in(tmp_path: Path) -> None:
     uri = str(tmp_path / "x.lease")
     lease = leases.try_acquire(uri, "run-a", ttl_s=60)
@@ -218,7 +244,7 @@ def test_a_lease_written_before_generations_is_honoured_then_taken_over(tmp_path
     assert leases.try_acquire(uri, "run-a", ttl_s=60) is None
     storage.write_json_atomic(uri, {"holder": "old-run", "expires_at": time.time() - 1})
     taker = leases.try_acquire(uri, "run-a", ttl_s=60)
-    assert taker is not None and taker.generation == 1
+    assert taker is not None and taker.generation == taker.fence == 1
 
 
 def test_held_needs_a_positive_ttl(tmp_path: Path) -> None:

@@ -23,12 +23,13 @@ from ray_workloads.serving.rollout import StepReport
 from ray_workloads.train import TrainResult
 from ray_workloads.training_loop import TrainLoopConfig
 from ray_workloads.tune import TuneResult
-from rayline import registry, storage
+from rayline import storage
 from rayline.errors import StorageError
 from rayline.lineage import DatasetRef
-from rayline.manifests import IngestManifest, ShardInfo
+from rayline.models import registry
 from rayline.specs import ImageSpec, ModelSpec, ParentModel, WeightsSource
 from rayline.storage import ObjectInfo
+from rayline.storage.manifests import IngestManifest, ShardInfo
 from tasks.common import record_lineage
 
 pytestmark = pytest.mark.unit

@@ -11,11 +11,12 @@ from datetime import UTC, datetime
 import pytest
 from typer.testing import CliRunner
 
-from rayline import lineage, registry, storage
+from rayline import lineage, storage
 from rayline.cli import app
 from rayline.errors import InputDataError
 from rayline.lineage import DatasetRef, LineageRecord
-from rayline.lineage_graph import NoLineageError, build_graph, render_text
+from rayline.lineage.graph import NoLineageError, build_graph, render_text
+from rayline.models import registry
 
 pytestmark = pytest.mark.unit
 

@@ -8,9 +8,9 @@ from datetime import date
 import pytest
 from typer.testing import CliRunner
 
-from rayline import nights
 from rayline.errors import ConfigError, InputDataError
-from rayline.nights import BackfillResult, NightOutcome, NightsFailed, RangeLabels
+from rayline.tables import nights
+from rayline.tables.nights import BackfillResult, NightOutcome, NightsFailed, RangeLabels
 
 pytestmark = pytest.mark.unit
 

@@ -32,9 +32,9 @@ from openlineage.client.facet_v2 import (
 from openlineage.client.serde import Serde
 
 import tasks.common
-from rayline import lineage, openlineage_events, storage
+from rayline import lineage, storage
 from rayline.errors import StorageError
-from rayline.lineage import DatasetRef
+from rayline.lineage import DatasetRef, openlineage_events
 from rayline.ray_cluster import RayConnection
 from tasks.common import openlineage_run, ray_task, record_lineage
 
@@ -344,7 +344,7 @@ def test_the_storage_transport_can_be_named_in_a_users_configuration(
     local_storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = tmp_path / "elsewhere"
-    monkeypatch.setenv("OPENLINEAGE__TRANSPORT__TYPE", "rayline.openlineage_events.StorageTransport")
+    monkeypatch.setenv("OPENLINEAGE__TRANSPORT__TYPE", "rayline.lineage.openlineage_events.StorageTransport")
     monkeypatch.setenv("OPENLINEAGE__TRANSPORT__ROOT", str(root))
     _stage_with_datasets(local_storage)
     assert len(list(root.glob("*-batch-inference-*.json"))) == 2

@@ -10,12 +10,15 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from rayline import delta_tables, layout, prediction_migration, prediction_reads, predictions_table, storage
+from rayline import storage
 from rayline.cli import app
 from rayline.errors import ConfigError, StorageError
-from rayline.lineage_graph import build_graph, render_text
-from rayline.prediction_migration import Outcome, migrate_predictions
-from rayline.predictions_table import PREDICTIONS_SCHEMA
+from rayline.lineage.graph import build_graph, render_text
+from rayline.lineage.nights import record_migrated_night
+from rayline.storage import layout
+from rayline.tables import delta_tables, prediction_migration, prediction_reads, predictions_table
+from rayline.tables.prediction_migration import Outcome, migrate_predictions
+from rayline.tables.predictions_table import PREDICTIONS_SCHEMA
 
 pytestmark = pytest.mark.unit
 
@@ -93,11 +96,11 @@ def test_a_legacy_night_moves_into_both_tables_once(local_storage: str) -> None:
     with pytest.raises(ConfigError, match="rayline migrate-predictions"):
         prediction_reads.refuse_legacy_nights(predictions_uri)
 
-    (dry,) = migrate_predictions(root, dry_run=True)
+    (dry,) = migrate_predictions(root, record=record_migrated_night, dry_run=True)
     assert dry.outcome is Outcome.WOULD_MIGRATE and "5 predictions, 1 errors" in dry.message
     assert legacy.exists() and delta_tables.table_version(predictions_uri) is None
 
-    (result,) = migrate_predictions(root)
+    (result,) = migrate_predictions(root, record=record_migrated_night)
     assert result.outcome is Outcome.MIGRATED, result.message
     assert not legacy.exists() and not legacy.parent.exists(), "the legacy night and its empty model folder are gone"
 
@@ -126,7 +129,7 @@ def test_a_legacy_night_moves_into_both_tables_once(local_storage: str) -> None:
     )
 
     versions = (delta_tables.table_version(predictions_uri), night.errors_version)
-    assert migrate_predictions(root) == [], "a rerun finds nothing to do"
+    assert migrate_predictions(root, record=record_migrated_night) == [], "a rerun finds nothing to do"
     assert delta_tables.table_version(predictions_uri) == versions[0]
     assert prediction_reads.vacuum_tables(root) == {
         predictions_uri: [],
@@ -162,14 +165,14 @@ def test_a_night_the_table_already_has_is_superseded_and_its_folder_removed(loca
     assert "2 legacy night(s): 1 would migrate, 1 superseded (dry run: nothing changed)" in cli.output
     assert legacy.exists() and other.exists()
 
-    results = {r.legacy.dt: r for r in migrate_predictions(root)}
+    results = {r.legacy.dt: r for r in migrate_predictions(root, record=record_migrated_night)}
     assert results[DT].outcome is Outcome.SUPERSEDED
     assert results[DT].message == f"by run run-new (table version {committed.version}): {legacy} removed"
     assert results["2026-11-26"].outcome is Outcome.MIGRATED
     assert not legacy.exists() and not other.exists() and not legacy.parent.exists()
     assert delta_tables.night_commit(predictions_uri, "digits", DT) == newest, "the table's night is unchanged"
     assert prediction_reads.read_night(predictions_uri, "digits", DT).column("uri").to_pylist() == ["s3://in/0.png"]
-    assert migrate_predictions(root) == [], "nothing left"
+    assert migrate_predictions(root, record=record_migrated_night) == [], "nothing left"
     cli = CliRunner().invoke(app, ["vacuum"])
     assert cli.exit_code == 0, cli.output
 
@@ -202,12 +205,12 @@ def test_a_migration_stopped_after_its_commits_finishes_on_rerun(
 
     with monkeypatch.context() as patched:
         patched.setattr(prediction_migration.storage, "remove_tree", crash)
-        (failed,) = migrate_predictions(root)
+        (failed,) = migrate_predictions(root, record=record_migrated_night)
     assert failed.outcome is Outcome.FAILED and legacy.exists()
     predictions_uri = layout.table_uri(root, layout.PREDICTIONS_TABLE)
     version = delta_tables.table_version(predictions_uri)
 
-    (resumed,) = migrate_predictions(root)
+    (resumed,) = migrate_predictions(root, record=record_migrated_night)
     assert resumed.outcome is Outcome.MIGRATED and not legacy.exists()
     assert delta_tables.table_version(predictions_uri) == version == resumed.predictions_version, "no second commit"
     assert prediction_reads.read_night_pair(root, "digits", DT).predictions.num_rows == 5

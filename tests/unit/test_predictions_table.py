@@ -9,8 +9,10 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from rayline import delta_tables, layout, prediction_reads, predictions_table
-from rayline.errors import ConfigError, InputDataError, NightCommittedElsewhere
+from rayline import storage
+from rayline.errors import ConfigError, InputDataError, NightCommittedElsewhere, StorageError
+from rayline.storage import layout
+from rayline.tables import delta_tables, prediction_reads, predictions_table
 
 pytestmark = pytest.mark.unit
 
@@ -231,3 +233,71 @@ def test_storage_options_for_s3_come_from_settings(monkeypatch: pytest.MonkeyPat
         "AWS_REGION": "eu-west-1",
     }
     assert delta_tables.storage_options("/tmp/x") is None
+
+
+def _commit_run(root: str, night: delta_tables.Night, run: str, kind: str) -> predictions_table.CommitResult:
+    """One of a nightly run's two commits (``kind``: errors or predictions), as the run makes it."""
+    table = layout.table_uri(root, layout.ERRORS_TABLE if kind == "errors" else layout.PREDICTIONS_TABLE)
+    seq = predictions_table.night_seq(table, night)
+    return predictions_table.commit_night(
+        table, _write(table, night, run, parts=1), night, run, SCHEMA, expected_seq=seq
+    )
+
+
+def errors_landed_predictions_raised(root: str, night: delta_tables.Night, how: str) -> str:
+    """A night whose last run committed its errors and then failed to commit its predictions; the paired run.
+
+    ``commit-failed``: run-a commits both tables, run-b its errors, then its predictions file is lost and the
+    commit raises. ``another-run-won``: run-a commits both, run-c its errors, run-b (started after that) its
+    errors, then run-c its predictions, so run-b's predictions commit is refused. Either way the predictions
+    night pairs with errors rows that a later errors commit replaced.
+    """
+    predictions = layout.table_uri(root, layout.PREDICTIONS_TABLE)
+    for kind in ("errors", "predictions"):
+        _commit_run(root, night, "run-a", kind)
+    if how == "commit-failed":
+        _commit_run(root, night, "run-b", "errors")
+        lost = predictions_table.write_data_file(predictions, night, "run-b", 0, _rows("run-b"))
+        fs, path = storage.arrow_filesystem(lost)
+        fs.delete_file(path)  # lost before the commit: its footer cannot be read
+        with pytest.raises(StorageError, match="read the footer"):
+            predictions_table.commit_night(predictions, [lost], night, "run-b", SCHEMA, expected_seq=1)
+        return "run-a"
+    seen_by_b = predictions_table.night_seq(predictions, night)
+    _commit_run(root, night, "run-c", "errors")
+    _commit_run(root, night, "run-b", "errors")
+    _commit_run(root, night, "run-c", "predictions")
+    with pytest.raises(NightCommittedElsewhere, match="run-c committed"):
+        files = _write(predictions, night, "run-b", parts=1)
+        predictions_table.commit_night(predictions, files, night, "run-b", SCHEMA, expected_seq=seen_by_b)
+    return "run-c"
+
+
+@pytest.mark.parametrize("how", ["commit-failed", "another-run-won"])
+def test_vacuum_keeps_the_errors_a_current_predictions_night_pairs_with(tmp_path: Path, how: str) -> None:
+    root = str(tmp_path)
+    night = delta_tables.Night("resnet", DT)
+    paired = errors_landed_predictions_raised(root, night, how)
+    errors = layout.table_uri(root, layout.ERRORS_TABLE)
+    before = prediction_reads.read_night_pair(root, "resnet", DT)
+
+    removed = {
+        name: prediction_reads.vacuum(
+            layout.table_uri(root, name), retention_hours=0, allow_short_retention=True, dry_run=False
+        )
+        for name in (layout.PREDICTIONS_TABLE, layout.ERRORS_TABLE)
+    }
+    pair = prediction_reads.read_night_pair(root, "resnet", DT)
+    assert _labels(pair.predictions) == _labels(pair.errors) == {paired}
+    assert pair.errors_version == before.errors_version and pair.errors.num_rows == 4
+    # only the paired version is kept: what no version in use needs still goes
+    assert not any(f"part-{paired}-" in path for path in removed[layout.ERRORS_TABLE])
+    if how == "another-run-won":
+        assert [p for p in removed[layout.ERRORS_TABLE] if "part-run-a-" in p]
+
+    # once a rerun pairs the night again, the vacuum deletes what it had kept
+    for kind in ("errors", "predictions"):
+        _commit_run(root, night, "run-d", kind)
+    again = prediction_reads.vacuum(errors, retention_hours=0, allow_short_retention=True, dry_run=False)
+    assert any(f"part-{paired}-" in path for path in again)
+    assert _labels(prediction_reads.read_night_pair(root, "resnet", DT).errors) == {"run-d"}

@@ -15,8 +15,9 @@ from ray_workloads.models import (
     load_model,
     state_dict_bytes,
 )
-from rayline import registry, storage
+from rayline import storage
 from rayline.errors import ConfigError, InputDataError
+from rayline.models import registry
 from rayline.specs import ImageSpec
 
 pytestmark = pytest.mark.unit

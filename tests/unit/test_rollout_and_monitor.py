@@ -106,7 +106,7 @@ def test_prometheus_serving_counters_are_counters() -> None:
 
 
 def test_one_rollout_lease_per_model(local_storage: str) -> None:
-    from rayline import registry
+    from rayline.models import registry
 
     assert registry.acquire_rollout_lease("digits", "run-a", ttl_s=60)
     assert not registry.acquire_rollout_lease("digits", "run-b", ttl_s=60), "held by run-a"
@@ -131,3 +131,49 @@ def test_smoothed_psi_stays_sensible_with_a_thousand_mostly_empty_classes() -> N
     elsewhere = {f"class-{i}": 1 for i in range(500, 520)}
     assert smoothed_psi(night, elsewhere, 0.5) > 0.2
     assert smoothed_psi({}, {}, 0.5) == 0.0
+
+
+def test_leftover_shares_are_the_traffic_off_the_champion() -> None:
+    from ray_workloads.serving.canary import leftover_shares
+
+    assert leftover_shares({1: 0.0, 2: 100.0}, champion=1) == {2: 100.0}, "killed at 100 %"
+    assert leftover_shares({1: 0.25, 2: 0.75}, champion=1) == {2: 75.0}, "relative weights, as %"
+    assert leftover_shares({1: 100.0, 2: 0.0}, champion=1) == {}, "a candidate at 0 % is no leftover"
+    assert leftover_shares({1: 90.0, 2: 10.0, 3: 0.0}, champion=3) == {1: 90.0, 2: 10.0}
+    assert leftover_shares({}, champion=1) == {}
+
+
+def test_reconciliation_says_what_it_found_and_did() -> None:
+    from ray_workloads.serving.canary import Reconciliation
+
+    text = Reconciliation(champion=1, left={2: 75.0, 3: 25.0}, removed=[3]).describe()
+    assert "v2 at 75%, v3 at 25%" in text and "rolled all traffic back to the champion v1" in text, text
+    assert "removed v3 from serving" in text, text
+
+
+def _health(weights: dict[int, float]) -> ServingHealth:
+    versions = [
+        {"version": v, "weight": w, "requests": 5, "errors": 0, "error_rate": 0.0, "p95_ms": 3.0}
+        for v, w in weights.items()
+    ]
+    return ServingHealth.model_validate({"url": "http://x", "reachable": True, "healthy": True, "versions": versions})
+
+
+def test_most_traffic_off_the_champion_is_unhealthy_unless_a_rollout_runs() -> None:
+    from ray_workloads.serving_champion import check_champion
+
+    left = check_champion(_health({1: 0.0, 2: 100.0}), champion=1, rollout_holder=None)
+    assert not left.healthy and left.champion_mismatch and left.champion == 1
+    assert "v2 has the most traffic (100%) but the registry's champion is v1" in str(left.problem), left.problem
+    soaking = check_champion(_health({1: 0.0, 2: 100.0}), champion=1, rollout_holder="flow run x")
+    assert soaking.healthy and not soaking.champion_mismatch, "a rollout's 100 % step is no fault"
+    assert check_champion(_health({1: 90.0, 2: 10.0}), champion=1, rollout_holder=None).healthy
+    assert check_champion(_health({1: 50.0, 2: 50.0}), champion=1, rollout_holder=None).healthy, "a tie"
+    assert check_champion(_health({2: 100.0}), champion=None, rollout_holder=None).healthy, "no champion to check"
+
+    families = {f.name: f for f in text_string_to_metric_families(prometheus_text(left, [], model="digits"))}
+    (gauge,) = families["rayline_serve_champion_mismatch"].samples
+    assert gauge.value == 1.0 and gauge.labels == {"model": "digits", "stage": "serve"}
+    ok = prometheus_text(check_champion(_health({1: 100.0}), 1, None), [], model="digits")
+    (gauge,) = {f.name: f for f in text_string_to_metric_families(ok)}["rayline_serve_champion_mismatch"].samples
+    assert gauge.value == 0.0

@@ -1,14 +1,29 @@
-"""Pure parts of serving: request paths, multipart bounds, ``since``, the routing table, the gate's stats."""
+"""Pure parts of serving: request paths, multipart bounds, ``since``, the routing table, the gate's stats,
+the stats windows, the routers a table change waits for, the ``/stats`` rate limit."""
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
-from ray_workloads.serving.http_api import MAX_MULTIPART_PARTS, HttpError, multipart_image, parse_since, route
-from ray_workloads.serving.routing import ModelRoutes, RoutingTable
-from ray_workloads.serving.stats import ERROR, OK, REJECTED, StatsBook
+from ray_workloads.serving.http_api import (
+    MAX_MULTIPART_PARTS,
+    HttpError,
+    RateLimit,
+    multipart_image,
+    parse_since,
+    route,
+)
+from ray_workloads.serving.routing import (
+    ModelRoutes,
+    RouterSync,
+    RoutingTable,
+    routers_behind,
+    routers_not_synced_since,
+)
+from ray_workloads.serving.stats import BUCKET_S, ERROR, OK, REJECTED, WINDOW_S, StatsBook
 
 pytestmark = pytest.mark.unit
 
@@ -140,3 +155,91 @@ def test_pinned_requests_and_4xx_do_not_count_toward_the_gate() -> None:
     book.reset("m", now=100.0)
     book.record([("m", 2, 99.0, 5.0, OK, True), ("m", 2, 101.0, 5.0, OK, True)])
     assert book.stats("m", gated=True)[2]["requests"] == 1, "a sample from before the reset came back"
+
+
+def test_stats_answer_from_windows_whatever_the_samples_kept() -> None:
+    """``GET /stats?since=0`` on a full book must not scan it: the control actor that answers is the
+    one every router syncs with (issue 21, point 4)."""
+    book = StatsBook(started=0.0)
+    book.record(("m", v, 1000.0 + i * 1e-3, 5.0 + i % 50, OK, True) for v in (1, 2) for i in range(100_000))
+    for since in (None, 0.0, 1050.0):
+        started = time.perf_counter()
+        for _ in range(10):
+            answer = book.stats("m", since=since)
+        each_ms = (time.perf_counter() - started) * 100
+        assert each_ms < 5.0, f"since={since}: {each_ms:.1f} ms an answer over 200,000 samples"
+        assert answer[1]["requests"] == (100_000 if since != 1050.0 else 50_000), since
+
+
+def test_stats_windows_count_each_answer_in_its_second_late_ones_included() -> None:
+    book = StatsBook(started=0.0)
+    book.record([("m", 1, 10.2, 4.0, OK, True), ("m", 1, 11.5, 6.0, ERROR, True)])
+    book.record([("m", 1, 13.1, 8.0, OK, True)])
+    book.record([("m", 1, 10.9, 5.0, OK, True), ("m", 1, 12.0, 7.0, REJECTED, True)])  # a slow router's flush
+    counts = {
+        since: (s["requests"], s["errors"], s["rejected"], s["p50_ms"])
+        for since in (None, 10.0, 11.0, 12.0, 13.0, 13.9, 14.0)
+        for s in [book.stats("m", since=since)[1]]
+    }
+    assert counts == {
+        None: (5, 1, 1, 5.0),
+        10.0: (5, 1, 1, 5.0),
+        11.0: (3, 1, 1, 8.0),  # the second holding ``since`` counts whole
+        12.0: (2, 0, 1, 8.0),
+        13.0: (1, 0, 0, 8.0),
+        13.9: (1, 0, 0, 8.0),
+        14.0: (0, 0, 0, None),
+    }
+    assert book.stats("m", since=12.0, gated=True)[1]["requests"] == 1
+
+
+def test_stats_percentiles_from_windows_are_close_to_the_exact_ones() -> None:
+    rng = np.random.default_rng(0)
+    latencies = rng.lognormal(mean=3.0, sigma=0.6, size=5_000)
+    book = StatsBook(started=0.0)
+    book.record(("m", 1, 100.0 + i * 0.01, float(ms), OK, True) for i, ms in enumerate(latencies))
+    for since in (None, 120.0):
+        exact = np.percentile(latencies[2_000:] if since else latencies, [50, 95, 99])
+        got = book.stats("m", since=since)[1]
+        for q, want in zip(("p50_ms", "p95_ms", "p99_ms"), exact, strict=True):
+            assert abs(got[q] / want - 1) < 0.08, (since, q, got[q], want)
+
+
+def test_stats_windows_older_than_kept_count_from_the_oldest_kept() -> None:
+    book = StatsBook(started=0.0)
+    seconds = int(2 * WINDOW_S)
+    book.record(("m", 1, float(t), 5.0, OK, True) for t in range(seconds))  # an answer every second
+    assert book.windows_kept() <= WINDOW_S / BUCKET_S + 1, "windows older than WINDOW_S are dropped"
+    assert book.stats("m")[1]["requests"] == seconds, "totals since the reset stay whole"
+    assert book.stats("m", since=0.0)[1]["requests"] == seconds, "since the reset: the totals"
+    assert book.stats("m", since=seconds - 10.0)[1]["requests"] == 10
+    oldest_kept = book.stats("m", since=1.0)[1]["requests"]  # its window is gone: from the oldest kept
+    assert WINDOW_S / BUCKET_S - 1 <= oldest_kept <= WINDOW_S / BUCKET_S + 1
+
+
+def test_routers_behind_are_the_serve_replicas_that_have_not_acked() -> None:
+    seen = {"a": RouterSync(at=100.0, generation=7), "b": RouterSync(at=50.0, generation=5)}
+    # b silent for a long time is still waited for while Serve counts it; c never synced; d is gone
+    assert routers_behind(seen, ["a", "b", "c"], generation=7) == ["b", "c"]
+    assert routers_behind(seen, ["a"], generation=7) == []
+    assert routers_behind({**seen, "d": RouterSync(at=1.0, generation=0)}, ["a"], generation=8) == ["a"]
+    assert routers_not_synced_since(seen, ["a", "b", "c"], mark=60.0) == ["b", "c"]
+    assert routers_not_synced_since(seen, ["a"], mark=60.0) == []
+
+
+def test_stats_rate_limit_answers_how_long_to_wait() -> None:
+    limit = RateLimit(per_s=2.0, burst=3)
+    assert [limit.retry_after("10.0.0.1", now=0.0) for _ in range(3)] == [None, None, None]
+    assert limit.retry_after("10.0.0.1", now=0.0) == pytest.approx(0.5)
+    assert limit.retry_after("10.0.0.2", now=0.0) is None, "each client has its own budget"
+    assert limit.retry_after("10.0.0.1", now=0.25) == pytest.approx(0.25)
+    assert limit.retry_after("10.0.0.1", now=0.5) is None
+    assert limit.retry_after("10.0.0.1", now=100.0) is None and limit.retry_after("10.0.0.1", now=100.0) is None
+
+
+def test_stats_rate_limit_tracks_a_bounded_number_of_clients() -> None:
+    limit = RateLimit(per_s=1.0, burst=1, max_clients=100)
+    for i in range(1_000):
+        limit.retry_after(f"10.0.{i // 256}.{i % 256}", now=0.0)
+    assert limit.clients() <= 100
+    assert limit.retry_after("10.0.3.231", now=0.0) is not None, "the newest client is still limited"

@@ -6,9 +6,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rayline import fetching, storage
+from rayline import storage
 from rayline.errors import InputDataError
 from rayline.skipped import skipped_text
+from rayline.storage import fetching
 
 pytestmark = pytest.mark.unit
 
@@ -106,3 +107,24 @@ def test_a_prefix_of_only_skipped_objects_is_an_error_that_says_what_was_skipped
         InputDataError, match=r"no objects found under .*raw; skipped 1 \(hidden or underscore name 1\)"
     ):
         ingest.run(config)
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["s3:/bucket/raw", "s3:bucket/raw", "s3://", "s3:///raw", "s3:", "S3://bucket/raw", "s3:\\\\bucket"],
+)
+def test_a_mistyped_s3_uri_is_refused_naming_the_expected_form(uri: str) -> None:
+    with pytest.raises(InputDataError, match=r"expected s3://bucket\[/prefix\]") as info:
+        storage.normalize(uri)
+    assert repr(uri) in str(info.value)
+
+
+def test_well_formed_s3_uris_pass_unchanged_but_for_a_trailing_slash() -> None:
+    assert storage.normalize("s3://bucket") == "s3://bucket"
+    assert storage.normalize("s3://bucket/") == "s3://bucket"
+    assert storage.normalize("s3://my.bucket-1/raw/dt=2026-11-28/") == "s3://my.bucket-1/raw/dt=2026-11-28"
+
+
+def test_joining_onto_a_mistyped_s3_uri_is_refused() -> None:
+    with pytest.raises(InputDataError, match=r"expected s3://bucket\[/prefix\]"):
+        storage.join("s3:", "raw")

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from ray_workloads.night_compaction import check_rows, plan_groups
-from rayline import listing, storage
-from rayline.digests import SetDigest, combine
+from rayline import storage
 from rayline.errors import StorageError
+from rayline.storage import listing
+from rayline.storage.digests import SetDigest, combine
 
 pytestmark = pytest.mark.unit
 

@@ -162,6 +162,89 @@ def test_core_imports_no_higher_layer() -> None:
     assert not bad, _report("core (rayline/ but rayline/cli/) imports nothing above it", bad)
 
 
+# The core's subpackages, each with those it may import: one way, storage at the bottom, lineage on top.
+CORE_SUBPACKAGES: dict[str, frozenset[str]] = {
+    "rayline.storage": frozenset(),
+    "rayline.tables": frozenset({"rayline.storage"}),
+    "rayline.models": frozenset({"rayline.storage"}),
+    "rayline.lineage": frozenset({"rayline.storage", "rayline.tables", "rayline.models"}),
+}
+# The cross-cutting modules at the top of the core import no subpackage, but the demo's seed, which writes
+# its images into storage (and no subpackage imports the seed).
+TOP_MODULES_MAY_IMPORT: dict[str, frozenset[str]] = {"rayline.seed": frozenset({"rayline.storage"})}
+
+
+def _core_subpackage(module: str) -> str | None:
+    return next((p for p in CORE_SUBPACKAGES if _within(module, p)), None)
+
+
+def test_the_core_subpackages_import_each_other_one_way() -> None:
+    def wrong(i: Import) -> bool:
+        own, target = _core_subpackage(i.importer), _core_subpackage(i.target)
+        if own is None or target is None or own == target:
+            return False
+        return target not in CORE_SUBPACKAGES[own]
+
+    bad = [i for i in _imports_of("core") if wrong(i)]
+    assert set(CORE_SUBPACKAGES) <= set(_sources()), "a core subpackage was renamed: name it here"
+    assert not bad, _report(
+        "rayline.storage imports no other subpackage; tables and models import storage only; lineage may "
+        "import all three",
+        bad,
+    )
+
+
+def test_the_top_modules_of_the_core_import_no_subpackage() -> None:
+    def wrong(i: Import) -> bool:
+        top = i.importer.count(".") == 1 and _core_subpackage(i.importer) is None
+        target = _core_subpackage(i.target)
+        return top and target is not None and target not in TOP_MODULES_MAY_IMPORT.get(i.importer, frozenset())
+
+    bad = [i for i in _imports_of("core") if wrong(i)]
+    bad += [i for i in _imports_of("core") if i.target in TOP_MODULES_MAY_IMPORT and _core_subpackage(i.importer)]
+    assert not bad, _report(
+        "the cross-cutting modules at the top of rayline/ (errors, config, specs, the Ray connection, …) sit "
+        "below its subpackages: they import none (the seed only storage), and no subpackage imports the seed",
+        bad,
+    )
+
+
+def test_only_the_tests_and_the_benches_import_the_drill_tools() -> None:
+    bad = [
+        i
+        for i in _all_imports()
+        if _within(i.target, "rayline.testing") and not _within(i.importer, "rayline.testing", "bench")
+    ]
+    assert not bad, _report("rayline.testing (the S3 server and fault proxy) is for tests and benches only", bad)
+
+
+def test_bench_helpers_import_no_entry_point() -> None:
+    entry_points = {m for m in _sources() if m.count(".") == 1 and _within(m, "bench")}
+    bad = [i for i in _all_imports() if _within(i.importer, "bench.support") and i.target in entry_points]
+    assert entry_points >= {"bench.night_scale", "bench.ingest"}, entry_points
+    assert not bad, _report("bench/support/ holds what the entry points build on: it imports none of them", bad)
+
+
+def test_each_core_subpackage_says_what_it_holds_and_may_import() -> None:
+    for package in CORE_SUBPACKAGES:
+        doc = ast.get_docstring(ast.parse(_sources()[package].read_text())) or ""
+        assert "import" in doc and len(doc.splitlines()) >= 3, f"{package}'s __init__ docstring says what it holds"
+
+
+def _lines_of_code(path: Path) -> int:
+    return sum(1 for line in path.read_text().splitlines() if line.strip())
+
+
+def test_no_folder_holds_more_than_a_quarter_of_the_package_code() -> None:
+    folders: dict[Path, int] = {}
+    for module in (m for p in PACKAGES for m in _modules(p)):
+        path = _sources()[module]
+        folders[path.parent] = folders.get(path.parent, 0) + _lines_of_code(path)
+    total = sum(folders.values())
+    big = {str(f.relative_to(REPO_ROOT)): n for f, n in folders.items() if n > total / 4}
+    assert not big, f"a folder (without its subfolders) holds over a quarter of {total} lines: {big}; split it"
+
+
 def test_only_the_shell_imports_the_shell() -> None:
     below = ("core", "ray_workloads", "tasks", "flows", "deployments")
     bad = [i for i in _all_imports() if _layer(i.importer) in below and _within(i.target, SHELL)]
@@ -204,22 +287,22 @@ def test_flows_import_another_flow_only_as_a_subflow_they_call() -> None:
 # parameter, the code version (no I/O). Flows reach the rest only through tasks, where the retry
 # policy is (issue 15); a flow that needs another pure name adds it here.
 FLOW_SAFE_NAMES_OF_IO_MODULES: dict[str, frozenset[str]] = {
-    "rayline.registry": frozenset({"ModelVersion", "CHAMPION"}),
+    "rayline.models.registry": frozenset({"ModelVersion", "CHAMPION"}),
     "rayline.storage": frozenset(),
-    "rayline.mlflow_mirror": frozenset(),
-    "rayline.leases": frozenset({"HeldLease"}),
+    "rayline.models.mlflow_mirror": frozenset(),
+    "rayline.storage.leases": frozenset({"HeldLease"}),
     "rayline.lineage": frozenset({"code_version"}),
-    "rayline.prediction_reads": frozenset({"DEFAULT_RETENTION_HOURS", "check_retention"}),
-    "rayline.delta_tables": frozenset(),
-    "rayline.conditional": frozenset(),
-    "rayline.predictions_table": frozenset(),
-    "rayline.prediction_migration": frozenset(),
-    "rayline.manifests": frozenset(),
-    "rayline.folders": frozenset(),
-    "rayline.fetching": frozenset(),
-    "rayline.tracking": frozenset(),
-    "rayline.lineage_graph": frozenset(),
-    "rayline.lineage_nights": frozenset(),
+    "rayline.tables.prediction_reads": frozenset({"DEFAULT_RETENTION_HOURS", "check_retention"}),
+    "rayline.tables.delta_tables": frozenset(),
+    "rayline.storage.conditional": frozenset(),
+    "rayline.tables.predictions_table": frozenset(),
+    "rayline.tables.prediction_migration": frozenset(),
+    "rayline.storage.manifests": frozenset(),
+    "rayline.storage.folders": frozenset(),
+    "rayline.storage.fetching": frozenset(),
+    "rayline.models.tracking": frozenset(),
+    "rayline.lineage.graph": frozenset(),
+    "rayline.lineage.nights": frozenset(),
     "rayline.seed": frozenset(),
     "ray_workloads.serving.control": frozenset(),
 }

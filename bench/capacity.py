@@ -1,0 +1,274 @@
+"""The capacity model, measured and checked: per-image costs here, a 2-node night predicted, run, compared.
+
+``python bench/capacity.py``:
+
+1. **Per-image costs** (a process of its own, one torch thread, the
+   actors' own code: ``PredictorUDF``'s fetch and decode, its model call, and
+   ``write_block``): ResNet-18 (random weights, registered as an outside model)
+   on ``--photos`` JPEG photos of ~2 megapixels read from local disk, in
+   blocks of 32 as a compute-bound night cuts them.
+2. **A 2-node Ray cluster** (``ray.cluster_utils.Cluster``: a head and a
+   worker node, separate raylets, 2 logical CPUs each) that a driver joins as
+   ``RAY_ADDRESS`` would. A calibration night of ``--calibrate`` photos gives
+   the cluster's fixed start-up (actor start, model load, commit); the model
+   then predicts the night of ``--photos`` photos and the bench runs it.
+   Printed: predicted and measured seconds, and their ratio (target: within
+   25 %).
+3. **The sizing table** (``bench/support/capacity_model.py``, derived in
+   docs/capacity.md): nodes of 16 cores, or of one GPU and 8 cores, for a
+   night of 10 M and of 100 M photos in 2 h and in 6 h, and which outside
+   limit comes closest at each (S3 GET/s per prefix, the listing, the driver's
+   blocks/s, the Delta commit). The driver's CPU per block, compaction's CPU
+   per row and the S3 listing's keys/s come from ``bench/night_scale.py``'s
+   figures (flags below; defaults are the figures in bench/README.md). The
+   GPU's forward rate is an assumption (``--gpu-img-s``): no GPU machine was
+   lent to measure it.
+
+Ends with one JSON line: ``predicted_s``, ``measured_s``, ``predicted_vs_measured``
+(measured / predicted), the costs, and the sizing plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.support.capacity_model import (  # noqa: E402
+    Costs,
+    Limits,
+    cpu_node,
+    files_per_table,
+    gpu_node,
+    plan,
+    predict_night_s,
+)
+from bench.support.photo_images import photo_folder, warm_photos  # noqa: E402
+from bench.support.resnet_inference import model_name, register_resnet  # noqa: E402
+
+RESULT = "BENCH-RESULT "
+ARCH = "resnet18"
+DAY = "2026-11-28"
+BLOCK = 32  # objects per task of a compute-bound night (ray_workloads.batch_inference)
+
+
+# ---------------------------------------------------------------- 1. per-image costs, one core
+
+
+def child_costs(spec: dict[str, Any]) -> dict[str, Any]:
+    """Seconds per image of each step of a predictor actor's block, one thread, after one warm-up block."""
+    import numpy as np
+    import torch
+
+    from ray_workloads import batch_inference
+    from ray_workloads.inference_predictor import PredictorUDF, fetch_and_decode, write_block
+    from ray_workloads.night_blocks import NightOutput
+    from rayline import storage
+    from rayline.models import registry
+    from rayline.tables.delta_tables import Night
+
+    torch.set_num_threads(1)
+    os.environ["RAYLINE_STORAGE"] = spec["root"]
+    version = registry.resolve(model_name(ARCH), registry.CHAMPION)
+    tables = storage.join(spec["root"], "costs")
+    cfg = batch_inference.InferenceConfig(
+        input_uri=spec["input"], tables_root=tables, dt=DAY, model=version, code_version="bench"
+    )
+    output = NightOutput(f"{tables}/predictions", f"{tables}/errors", Night(version.name, DAY), "costs", "kcosts")
+    udf = PredictorUDF(version, cfg.top_k, cfg.batch_size, cfg.io_concurrency, output, batch_inference._constants(cfg))
+    uris = sorted(p.as_uri() for p in Path(spec["input"]).rglob("*.jpg"))[: spec["count"]]
+    spent = {"fetch_decode": 0.0, "forward": 0.0, "write": 0.0}
+    measured = 0
+    for start in range(0, len(uris), BLOCK):
+        block = uris[start : start + BLOCK]
+        t0 = time.perf_counter()
+        rows = fetch_and_decode(block, udf.spec, udf.io_concurrency)
+        rows["uri"] = np.array(block, dtype=object)
+        rows["etag"] = np.array(["-"] * len(block), dtype=object)
+        t1 = time.perf_counter()
+        udf.predict(rows)
+        del rows["image"]
+        t2 = time.perf_counter()
+        write_block(f"p/b{start:09d}", rows, output, udf.constants)
+        t3 = time.perf_counter()
+        if start == 0:
+            continue  # the warm-up block: first calls allocate and fill caches
+        spent["fetch_decode"] += t1 - t0
+        spent["forward"] += t2 - t1
+        spent["write"] += t3 - t2
+        measured += len(block)
+    storage.remove_tree(tables)
+    return {f"{k}_s": v / measured for k, v in spent.items()} | {"images": measured}
+
+
+# ---------------------------------------------------------------- 2. nights on a 2-node cluster
+
+
+def child_cluster(spec: dict[str, Any]) -> dict[str, Any]:
+    """A head and one worker node; a calibration night, then the measured night, from this driver."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from ray_workloads import batch_inference
+    from rayline import ray_cluster, storage
+    from rayline.models import registry
+
+    os.environ["RAYLINE_STORAGE"] = spec["root"]
+    node = {"num_cpus": 2, "object_store_memory": 1 << 30}  # 2 logical CPUs a core, as rayline's embedded cluster
+    cluster = Cluster(initialize_head=True, head_node_args=node)
+    cluster.add_node(**node)
+    os.environ["RAY_ADDRESS"] = cluster.address  # joined as an outside cluster: rayline ships its packages
+    try:
+        ray_cluster.connect()
+        nodes = sum(1 for n in ray.nodes() if n["Alive"])  # type: ignore[no-untyped-call]
+        version = registry.resolve(model_name(ARCH), registry.CHAMPION)
+        seconds = {}
+        for name in ("calibrate", "night"):
+            cfg = batch_inference.InferenceConfig(
+                input_uri=spec[name],
+                tables_root=storage.join(spec["root"], "tables", name),
+                dt=DAY,
+                model=version,
+                code_version="bench",
+                actors=2,
+                batch_size=32,
+                objects_per_task=BLOCK,
+            )
+            began = time.perf_counter()
+            result = batch_inference.run(cfg)
+            seconds[name] = time.perf_counter() - began
+            assert result.predictions == result.inputs, result
+        return {"calibrate_s": seconds["calibrate"], "night_s": seconds["night"], "nodes": nodes}
+    finally:
+        ray_cluster.disconnect()
+        cluster.shutdown()
+
+
+def run_child(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYLINE_", "RAY_ADDRESS", "PREFECT_API_URL"))}
+    env.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": spec["root"]})
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", kind, json.dumps(spec)], env=env, capture_output=True, text=True
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if done.returncode != 0 or not lines:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise SystemExit(f"{kind} failed (exit {done.returncode})")
+    return dict(json.loads(lines[-1][len(RESULT) :]))
+
+
+# ---------------------------------------------------------------- 3. the sizing table
+
+
+def sizing(costs: Costs, limits: Limits) -> list[dict[str, Any]]:
+    plans = []
+    for n in (10_000_000, 100_000_000):
+        for hours in (2, 6):
+            for kind in (cpu_node(costs, limits), gpu_node(costs, limits)):
+                p = plan(n, hours * 3600.0, kind, costs, limits)
+                shares = ", ".join(f"{k} {v:.0%}" for k, v in p.shares.items())
+                print(
+                    f"  {n / 1e6:.0f} M in {hours} h, {kind.name} at {kind.img_s:,.0f} img/s ({kind.bound_by}): "
+                    f"{p.nodes} nodes; limits used: {shares}; closest: {p.bites_first}; "
+                    f"{files_per_table(n, limits):,} files per table"
+                )
+                plans.append(
+                    {
+                        "images": n,
+                        "hours": hours,
+                        "kind": kind.name,
+                        "node_img_s": round(kind.img_s, 1),
+                        "bound_by": kind.bound_by,
+                        "nodes": p.nodes,
+                        "shares": {k: round(v, 4) for k, v in p.shares.items()},
+                        "bites_first": p.bites_first,
+                    }
+                )
+    return plans
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--photos", type=int, default=1_500, help="the measured night (default 1,500)")
+    parser.add_argument("--calibrate", type=int, default=64, help="the calibration night (default 64)")
+    parser.add_argument("--cost-photos", type=int, default=160, help="photos the per-image costs are taken over")
+    # bench/night_scale.py, 2026-12-02: 207 s of driver CPU for 3,933 blocks against 24 s for 391; compaction
+    # 49.9 s on 2 cores for 1,000,000 rows (bench/README.md)
+    parser.add_argument("--driver-s-per-block", type=float, default=0.052, help="bench/night_scale.py's figure")
+    parser.add_argument("--compact-s-per-row", type=float, default=1e-4, help="bench/night_scale.py's figure")
+    parser.add_argument("--list-keys-per-s", type=float, default=20_000.0, help="one S3 listing stream")
+    parser.add_argument("--commit-s", type=float, default=0.3, help="both tables' commits of one night")
+    parser.add_argument("--gpu-img-s", type=float, default=2_000.0, help="ASSUMED: one GPU's ResNet-18 rate")
+    parser.add_argument("--prefixes", type=int, default=256, help="hashed key prefixes of the bucket")
+    args = parser.parse_args()
+    if args.child:
+        kind, spec = args.child[0], json.loads(args.child[1])
+        print(RESULT + json.dumps(child_costs(spec) if kind == "costs" else child_cluster(spec)), flush=True)
+        return
+
+    work = tempfile.mkdtemp(prefix="rlcap-", dir="/tmp")  # short: Ray's socket paths live under it
+    register_resnet(work, ARCH)
+    night, calibrate = photo_folder(args.photos), photo_folder(args.calibrate)
+    warm_photos(night)
+    measured = run_child("costs", {"root": work, "input": str(night), "count": args.cost_photos + BLOCK})
+    print(
+        f"per image, one core: fetch+decode {measured['fetch_decode_s'] * 1e3:.1f} ms, "
+        f"ResNet-18 forward {measured['forward_s'] * 1e3:.1f} ms, write {measured['write_s'] * 1e3:.2f} ms "
+        f"(over {measured['images']} photos)"
+    )
+    ran = run_child("cluster", {"root": work, "calibrate": str(calibrate), "night": str(night)})
+    base = Costs(
+        fetch_decode_s=measured["fetch_decode_s"],
+        forward_s=measured["forward_s"],
+        write_s=measured["write_s"],
+        fixed_s=0.0,
+        driver_s_per_block=args.driver_s_per_block,
+        compact_s_per_row=args.compact_s_per_row,
+        list_keys_per_s=args.list_keys_per_s,
+        commit_s=args.commit_s,
+    )
+    workers = min(2, os.cpu_count() or 1)  # single-thread actors, one a core: 2 actors on this machine's cores
+    # the calibration night's seconds less what the model gives its images: the cluster's fixed start-up
+    fixed = max(0.0, ran["calibrate_s"] - predict_night_s(args.calibrate, workers, base, BLOCK))
+    costs = Costs(**{**asdict(base), "fixed_s": fixed})
+    predicted = predict_night_s(args.photos, workers, costs, BLOCK)
+    ratio = ran["night_s"] / predicted
+    print(
+        f"{ran['nodes']}-node cluster: calibration night of {args.calibrate} photos {ran['calibrate_s']:.1f} s "
+        f"(fixed start-up {fixed:.1f} s); night of {args.photos:,} photos predicted {predicted:.1f} s, "
+        f"measured {ran['night_s']:.1f} s: measured / predicted {ratio:.2f} (target 0.75-1.25)"
+    )
+    # the sizing table: a production cluster's fixed start-up is its own (measured the same way); this one's
+    plans = []
+    for prefixes in (args.prefixes, 1):
+        limits = Limits(gpu_img_s=args.gpu_img_s, prefixes=prefixes)
+        layout = f"{prefixes} hashed key prefixes" if prefixes > 1 else "a flat prefix"
+        print(f"sizing, {layout} (the GPU's forward rate, {args.gpu_img_s:,.0f} img/s, is an assumption):")
+        plans += [{**plan, "prefixes": prefixes} for plan in sizing(costs, limits)]
+    print(
+        json.dumps(
+            {
+                "predicted_s": round(predicted, 2),
+                "measured_s": round(ran["night_s"], 2),
+                "predicted_vs_measured": round(ratio, 3),
+                "nodes": ran["nodes"],
+                "costs": asdict(costs),
+                "plans": plans,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,413 @@
+"""The compute-bound case of the batch-inference bench (issue 11, point 6): ResNet on real-photo JPEGs.
+
+* **model**: torchvision's ResNet-18 (``--arch resnet50`` as an option) with
+  random weights, saved as a state dict and registered as an outside model is:
+  1,000 ImageNet classes, the ImageNet preprocessing of the arch's own
+  torchvision weights entry (ResNet-18: resize 256, centre crop 224).
+  Throughput does not depend on the weights.
+* **images**: ``rayline.seed.photo_objects`` JPEGs (bench/support/photo_images.py),
+  from a local folder (read once before timing: page cache) or from a
+  loopback moto S3 server.
+* **rayline**: ``ray_workloads.batch_inference.run`` with the settings of
+  :func:`choose_settings`, on an embedded cluster started as the nightly task
+  starts it; ``ray.init`` is not timed.
+* **plain**: one process, no Ray: a ``torch.utils.data.DataLoader`` whose
+  workers (one per core) read and decode with the same ``decode_image``, torch
+  threads = cores in the main process, the same ``prepare_for_inference`` and
+  batch size, Parquet files of the same columns with the same objects per file.
+
+Both sides are timed from listing to the last file written, model loading and
+process start-up included. Peak RSS/PSS is that of the whole measuring
+process tree (bench/support/process_tree.py), sampled every 0.5 s on both sides.
+With a GPU (``torch.cuda.is_available()``) both sides are measured a second
+time on it: rayline's actors share the GPU (``gpus_per_actor`` = 1/actors),
+the plain loop moves its batches to it. Nothing needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.support.inference_night import DAY, connect_for_night
+
+ARCHS = ("resnet18", "resnet50")
+BUCKET = "rayline-bench-photos"
+MODEL_CODE_VERSION = "bench"
+
+
+# ---------------------------------------------------------------- rayline's settings for this case
+
+
+@dataclass(frozen=True)
+class RaylineSettings:
+    """The ``InferenceConfig`` fields this bench chooses (everything else stays at its default)."""
+
+    actors: int
+    cpus_per_actor: float
+    gpus_per_actor: float
+    batch_size: int
+    objects_per_task: int
+
+    def describe(self) -> str:
+        from ray_workloads.inference_predictor import torch_threads
+
+        gpus = f", {self.gpus_per_actor:g} GPU each" if self.gpus_per_actor else ""
+        threads = torch_threads(self.cpus_per_actor)  # what PredictorUDF sets from the actor's CPUs
+        return (
+            f"{self.actors} actors x {self.cpus_per_actor:g} CPU{gpus}, {threads} torch thread(s) each, "
+            f"batch {self.batch_size}, {self.objects_per_task} objects per task"
+        )
+
+
+def choose_settings(cores: int, gpu: bool, overrides: dict[str, Any] | None = None) -> RaylineSettings:
+    """rayline's settings for a compute-bound model on ``cores`` cores.
+
+    * one actor per core, one torch thread each (PredictorUDF gives an actor
+      as many threads as whole CPUs it holds, at least one), since two
+      single-thread processes run ResNet-18 as fast as one two-thread process;
+      while one actor decodes (a fraction of its forward pass) the other
+      computes, so decode overlaps the forward pass across actors with no
+      extra threads.
+    * 0.5 CPU each: the embedded cluster declares 2 logical CPUs per core; a
+      fractional share leaves room for Ray Data's own tasks (whole CPUs per
+      actor can starve them).
+    * batch 32: ResNet-18 on one thread runs no slower at 16-32 images per
+      call than at 64, with half the activations.
+    * 32 objects per task (one model call per block): the run ends when the
+      last block does, so small blocks keep both actors busy to the end (a
+      short tail of one actor instead of a long one with 256), and an actor's
+      decoded block is 19 MB instead of 154 MB (ResNet input is 3x224x224
+      float32), which keeps peak RSS flat with the input size.
+
+    The figures behind each choice are in bench/README.md.
+    * GPU: the actors share it (1/actors each); decode stays on the CPU cores.
+    """
+    chosen = RaylineSettings(
+        actors=max(1, cores),
+        cpus_per_actor=0.5,
+        gpus_per_actor=_gpu_share(cores) if gpu else 0.0,
+        batch_size=32,
+        objects_per_task=32,
+    )
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if "actors" in given and gpu:
+        given.setdefault("gpus_per_actor", _gpu_share(given["actors"]))
+    return RaylineSettings(**{**asdict(chosen), **given})
+
+
+def _gpu_share(actors: int) -> float:
+    """1/actors of one GPU, rounded down to Ray's resource precision (1e-4) so that they all fit on it."""
+    return math.floor(10_000 / max(1, actors)) / 10_000
+
+
+# ---------------------------------------------------------------- model
+
+
+def model_name(arch: str) -> str:
+    return f"photos-{arch}"
+
+
+def register_resnet(root: str, arch: str) -> None:
+    """``arch`` with random weights, saved as a state dict and registered as an outside model (champion)."""
+    import torch
+
+    from ray_workloads.models import build_model, imagenet_classes, imagenet_image_spec, state_dict_bytes
+    from rayline.models import registry
+    from rayline.specs import ModelSpec, WeightsSource
+
+    os.environ["RAYLINE_STORAGE"] = root
+    classes = imagenet_classes(arch)
+    spec = ModelSpec(arch=arch, num_classes=len(classes))
+    torch.manual_seed(0)
+    saved = Path(root) / "outside" / f"{arch}-random.pt"  # what a user would hand over
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_bytes(state_dict_bytes(build_model(spec)))
+    weights = saved.read_bytes()
+    version = registry.register(
+        model_name(arch),
+        weights,
+        model_spec=spec,
+        image_spec=imagenet_image_spec(arch),
+        classes=classes,
+        metrics={},
+        code_version=MODEL_CODE_VERSION,
+        weights_source=WeightsSource(
+            uri=saved.as_uri(), sha256=hashlib.sha256(weights).hexdigest(), size_bytes=len(weights)
+        ),
+    )
+    registry.set_alias(model_name(arch), registry.CHAMPION, version.version, "bench")
+
+
+def _version(spec: dict[str, Any]) -> Any:
+    from rayline.models import registry
+
+    os.environ["RAYLINE_STORAGE"] = spec["root"]
+    return registry.resolve(model_name(spec["arch"]), registry.CHAMPION)
+
+
+# ---------------------------------------------------------------- the measuring processes
+
+
+def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
+    """Measure the plain loop (in a process of its own)."""
+    import torch
+
+    import ray_workloads.images  # noqa: F401  (imports before the clock starts, as on the rayline side)
+    from bench.support.process_tree import watch_tree
+    from bench.support.resnet_plain import plain_loop
+    from rayline import storage
+
+    version = _version(spec)
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(cores)
+    cfg = {
+        "gpu": spec["gpu"],
+        "batch_size": spec["settings"]["batch_size"],
+        "objects_per_file": spec["settings"]["objects_per_task"],
+        "workers": cores,
+    }
+    out_dir = storage.join(spec["root"], "plain", spec["name"])
+    with watch_tree() as figures:
+        began = time.perf_counter()
+        objects = storage.list_objects(spec["input"])
+        rows = plain_loop(objects, version, out_dir, cfg)
+        seconds = time.perf_counter() - began
+    assert rows == len(objects) == spec["count"], (rows, len(objects), spec["count"])
+    storage.remove_tree(out_dir)
+    return {**figures, "seconds": seconds, "images_s": rows / seconds, "torch_threads": cores, "workers": cores}
+
+
+# ---------------------------------------------------------------- rayline
+
+
+def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
+    """Measure ``batch_inference.run`` with the chosen settings (in a process of its own)."""
+    from bench.support.process_tree import watch_tree
+    from ray_workloads import batch_inference
+    from rayline import ray_cluster, storage
+
+    version = _version(spec)
+    cfg, connect_s, idle_wait_s = connect_for_night(spec, version, **spec["settings"])
+    with watch_tree() as figures:
+        began = time.perf_counter()
+        result = batch_inference.run(cfg)
+        seconds = time.perf_counter() - began
+    assert result.inputs == result.predictions == spec["count"], result
+    ray_cluster.disconnect()
+    storage.remove_tree(cfg.tables_root)  # both tables of this measurement
+    return {
+        **figures,
+        "seconds": seconds,
+        "images_s": result.inputs / seconds,
+        "phases": result.phase_s,
+        "connect_s": connect_s,
+        "idle_wait_s": idle_wait_s,
+    }
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    return child_plain(spec) if spec["kind"] == "resnet-plain" else child_rayline(spec)
+
+
+# ---------------------------------------------------------------- the parent: sizes x storages
+
+
+Measure = Callable[[dict[str, Any], dict[str, str]], dict[str, Any]]
+
+
+@dataclass
+class Pair:
+    """One size on one storage (on one device): both sides' figures."""
+
+    storage: str
+    count: int
+    device: str
+    plain: dict[str, Any]
+    rayline: dict[str, Any]
+
+    @property
+    def ratio(self) -> float:
+        return float(self.rayline["images_s"]) / float(self.plain["images_s"])
+
+
+def _cores(figures: dict[str, Any]) -> str:
+    return f"used {figures['cores']:.2f} cores, other processes {figures['others_cores']:.2f}"
+
+
+def _memory(figures: dict[str, Any]) -> str:
+    return f"peak RSS {figures['rss_mb']:.0f} MB, PSS {figures['pss_mb']:.0f} MB, {figures['processes']:.0f} processes"
+
+
+def print_pair(pair: Pair) -> None:
+    plain, ray_ = pair.plain, pair.rayline
+    print(f"{pair.storage}, {pair.count} photos, {pair.device}:")
+    print(
+        f"  plain loop {plain['images_s']:7.1f} images/s ({plain['seconds']:.1f}s; torch threads "
+        f"{plain['torch_threads']}, {plain['workers']} DataLoader workers; {_cores(plain)}; {_memory(plain)})"
+    )
+    print(f"  rayline    {ray_['images_s']:7.1f} images/s ({ray_['seconds']:.1f}s; {_cores(ray_)}; {_memory(ray_)})")
+    print(f"    phases (s): {ray_['phases']}; ray.init {ray_['connect_s']:.1f}s (not counted)")
+    print(f"  ratio rayline / plain {pair.ratio:.2f}", flush=True)
+
+
+def _sizes_on(
+    label: str,
+    inputs: Iterator[tuple[int, str, dict[str, Any]]],
+    base: dict[str, Any],
+    settings: dict[str, RaylineSettings],
+    env: dict[str, str],
+    measure: Measure,
+) -> list[Pair]:
+    """Both sides at each size of ``inputs`` ((count, input URI, extra spec fields)), on each device."""
+    pairs = []
+    for count, uri, extra in inputs:
+        for device, chosen in settings.items():
+            spec = {
+                **base,
+                **extra,
+                "input": uri,
+                "count": count,
+                "gpu": device == "gpu",
+                "settings": asdict(chosen),
+                "name": f"{label}-{count}-{device}",
+            }
+            ray_ = measure({**spec, "kind": "resnet-rayline"}, env)
+            plain = measure({**spec, "kind": "resnet-plain"}, env)
+            pairs.append(Pair(label, count, device, plain, ray_))
+            print_pair(pairs[-1])
+    return pairs
+
+
+def _local_inputs(sizes: list[int]) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    from bench.support.photo_images import photo_folder, warm_photos
+
+    for count in sizes:
+        folder = photo_folder(count)
+        warm_photos(folder)
+        yield count, str(folder), {}
+
+
+def _s3_inputs(sizes: list[int], env: dict[str, str]) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """Each size under a prefix of its own in a bucket of a loopback moto server (started here, stopped after)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+
+    from bench.support.photo_images import PHOTOS, ensure_photos
+    from rayline.testing.s3_server import S3_ENV, create_bucket, s3_server
+
+    os.environ.update(S3_ENV)
+    env.update(S3_ENV)
+    with s3_server() as endpoint:
+        create_bucket(endpoint, BUCKET)
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        for count in sizes:
+            prefix = f"photos-{count}/dt={DAY}"
+
+            def put(source: Path, prefix: str = prefix) -> None:
+                client.put_object(Bucket=BUCKET, Key=f"{prefix}/{source.relative_to(PHOTOS)}", Body=source.read_bytes())
+
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(put, ensure_photos(count)))
+            yield count, f"s3://{BUCKET}/{prefix}", {"s3": endpoint}
+
+
+def bench_resnet(
+    work: str,
+    arch: str,
+    sizes: list[int],
+    storages: list[str],
+    overrides: dict[str, Any],
+    env: dict[str, str],
+    measure: Measure,
+) -> dict[str, Any]:
+    """Run the case; returns the closing JSON's ``resnet_*`` keys."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    settings = {"cpu": choose_settings(cores, gpu=False, overrides=overrides)}
+    if torch.cuda.is_available():  # exercised only where there is one; nothing here needs it
+        settings["gpu"] = choose_settings(cores, gpu=True, overrides=overrides)
+    register_resnet(work, arch)
+    print(f"compute-bound case: {arch}, random weights, ImageNet preprocessing; {cores} cores")
+    for device, chosen in settings.items():
+        print(f"  rayline settings ({device}): {chosen.describe()}")
+    print(f"  plain: DataLoader with {cores} workers, torch threads {cores}, same batch size", flush=True)
+    base = {"root": work, "arch": arch}
+    pairs: list[Pair] = []
+    for where in storages:
+        inputs = _local_inputs(sizes) if where == "local" else _s3_inputs(sizes, env)
+        pairs += _sizes_on(where, inputs, base, settings, env, measure)
+    return summarize(pairs, sizes, storages, settings)
+
+
+def summarize(
+    pairs: list[Pair], sizes: list[int], storages: list[str], settings: dict[str, RaylineSettings]
+) -> dict[str, Any]:
+    """The JSON keys: ratios, RSS ratio and images/s of the first storage measured (local unless only S3)."""
+    small, large = sizes[0], sizes[-1]
+
+    def find(where: str, count: int, device: str = "cpu") -> Pair | None:
+        return next((p for p in pairs if (p.storage, p.count, p.device) == (where, count, device)), None)
+
+    def ratio(pair: Pair | None) -> float | None:
+        return None if pair is None else round(pair.ratio, 3)
+
+    main = storages[0]
+    lo, hi = find(main, small), find(main, large)
+    rss_ratio = None if lo is None or hi is None else hi.rayline["rss_mb"] / lo.rayline["rss_mb"]
+    if rss_ratio is not None and lo is not None and hi is not None:
+        print(
+            f"peak RSS of rayline's process tree ({main}): {hi.rayline['rss_mb']:.0f} MB at {large} / "
+            f"{lo.rayline['rss_mb']:.0f} MB at {small} = {rss_ratio:.2f}"
+        )
+    gpu_hi = find(main, large, "gpu")
+    return {
+        "resnet_ratio_2k": ratio(lo),
+        "resnet_ratio_10k": ratio(hi),
+        "resnet_rss_ratio": None if rss_ratio is None else round(rss_ratio, 3),
+        "resnet_img_s_10k": None if hi is None else round(float(hi.rayline["images_s"]), 1),
+        "resnet_s3_ratio_2k": ratio(find("s3", small)),
+        "resnet_s3_ratio_10k": ratio(find("s3", large)),
+        "resnet_gpu_ratio_10k": ratio(gpu_hi),
+        "resnet_gpu_img_s_10k": None if gpu_hi is None else round(float(gpu_hi.rayline["images_s"]), 1),
+        "resnet_storage": main,
+        "resnet_sizes": [small, large],
+        "resnet_settings": asdict(settings["cpu"]),
+    }
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("compute-bound case (--parts resnet)")
+    group.add_argument("--arch", choices=ARCHS, default="resnet18")
+    group.add_argument("--resnet-sizes", type=int, nargs=2, default=[2000, 10_000], metavar=("SMALL", "LARGE"))
+    group.add_argument("--resnet-storage", choices=("local", "s3", "both"), default="both")
+    # rayline's settings are chosen by resnet_inference.choose_settings; these override them (tuning)
+    group.add_argument("--resnet-actors", type=int)
+    group.add_argument("--resnet-batch-size", type=int)
+    group.add_argument("--resnet-objects-per-task", type=int)
+    group.add_argument("--resnet-cpus-per-actor", type=float)
+
+
+def storages(choice: str) -> list[str]:
+    return ["local", "s3"] if choice == "both" else [choice]
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "actors": args.resnet_actors,
+        "batch_size": args.resnet_batch_size,
+        "objects_per_task": args.resnet_objects_per_task,
+        "cpus_per_actor": args.resnet_cpus_per_actor,
+    }

@@ -1,0 +1,52 @@
+"""Whether serving agrees with the registry: the version with the most traffic should be the champion.
+
+A rollout moves traffic before it moves the champion alias, so while one runs (it holds the model's
+rollout lease) a candidate with the most traffic is its soak, not a fault. With no rollout holding the
+lease, most traffic on another version is what a rollout that did not finish (its process killed)
+left: nightly inference uses the champion while online clients get another model, until the next
+serve-rollout rolls it back (``serving.canary.reconcile``). The monitor reports it as unhealthy.
+"""
+
+from __future__ import annotations
+
+from ray_workloads.monitor import ServingHealth
+from rayline.models import registry
+from rayline.storage import leases
+
+
+def check_champion(health: ServingHealth, champion: int | None, rollout_holder: str | None) -> ServingHealth:
+    """``health`` judged also against the registry's ``champion``; ``rollout_holder``: who holds the
+    model's rollout lease now (None: nobody, or a dead holder whose lease expired)."""
+    weighted = [v for v in health.versions if v.weight > 0]
+    checked = health.model_copy(update={"champion": champion})
+    if champion is None or not weighted or rollout_holder is not None:
+        return checked
+    top = max(weighted, key=lambda v: v.weight)
+    if top.version == champion or any(v.version == champion and v.weight == top.weight for v in weighted):
+        return checked
+    share = 100.0 * top.weight / sum(v.weight for v in weighted)
+    problem = (
+        f"v{top.version} has the most traffic ({share:g}%) but the registry's champion is v{champion}, and no "
+        "rollout holds the model's lease: a rollout that did not finish left it (the next serve-rollout rolls "
+        "it back to the champion)"
+    )
+    return checked.model_copy(
+        update={
+            "healthy": False,
+            "champion_mismatch": True,
+            "problem": problem if health.problem is None else f"{health.problem}; {problem}",
+        }
+    )
+
+
+def live_rollout_holder(model: str) -> str | None:
+    """Who holds ``model``'s rollout lease now (None: nobody, released, or expired)."""
+    current = leases.read(registry.rollout_lease_uri(model))
+    return current.holder if current is not None and current.is_live() else None
+
+
+def serving_against_registry(health: ServingHealth, model: str) -> ServingHealth:
+    """:func:`check_champion` with the champion alias and the rollout lease read from the registry."""
+    if not health.served or not health.reachable:
+        return health
+    return check_champion(health, registry.alias_version(model, registry.CHAMPION), live_rollout_holder(model))

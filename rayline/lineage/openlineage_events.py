@@ -1,0 +1,286 @@
+"""OpenLineage run events for stage runs: START, then COMPLETE, FAIL or ABORT.
+
+Events are built with ``openlineage-python``'s models and sent through its
+``OpenLineageClient``, so the client's own configuration decides where they
+go, as in every other OpenLineage integration: an ``openlineage.yml``
+(``OPENLINEAGE_CONFIG``, the working directory, ``~/.openlineage``),
+``OPENLINEAGE__TRANSPORT__…`` variables, the ``OPENLINEAGE_URL`` shorthand
+(+ ``OPENLINEAGE_ENDPOINT``, ``OPENLINEAGE_API_KEY``), ``OPENLINEAGE_DISABLED``.
+
+With none of these the client would print every event to the console. rayline
+detects that case and keeps its default instead: one JSON file per event
+under ``<storage>/lineage/openlineage/``, written by :class:`StorageTransport`
+through rayline's storage layer so that an ``s3://`` root works too (the
+client's file transport opens local files or needs its own fsspec
+credentials). A user may name that transport in their own configuration too
+(``type: rayline.lineage.openlineage_events.StorageTransport``).
+
+Emission never fails a stage: the lineage records under
+``<storage>/lineage/<stage>/`` are the source of truth, these events a copy
+for other tools, so a transport error is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import traceback
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Literal
+
+from openlineage.client.client import OpenLineageClient
+from openlineage.client.constants import __version__ as CLIENT_VERSION
+from openlineage.client.event_v2 import InputDataset, Job, OutputDataset, Run, RunEvent, RunState
+from openlineage.client.facet_v2 import (
+    DatasetFacet,
+    JobFacet,
+    RunFacet,
+    dataset_version_dataset,
+    error_message_run,
+    job_type_job,
+    parent_run,
+    processing_engine_run,
+)
+from openlineage.client.serde import Serde
+from openlineage.client.transport.noop import NoopConfig, NoopTransport
+from openlineage.client.transport.transport import Config, Transport
+
+from rayline import lineage, storage
+from rayline.lineage import DatasetRef
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NAMESPACE = "rayline"
+EVENTS_DIR = "openlineage"  # under <storage>/lineage/
+
+State = Literal["START", "COMPLETE", "FAIL", "ABORT"]
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """Which OpenLineage run an event belongs to, and the run (flow) that spawned it."""
+
+    run_id: str
+    job_name: str
+    parent_run_id: str | None = None
+    parent_job_name: str | None = None
+
+
+def namespace() -> str:
+    """The job namespace: ``OPENLINEAGE_NAMESPACE`` as other integrations read it, else ``rayline``."""
+    return os.environ.get("OPENLINEAGE_NAMESPACE") or DEFAULT_NAMESPACE
+
+
+def as_run_id(value: str | None) -> str:
+    """A UUID run id: ``value`` when it is one (Prefect's ids are), a stable UUID derived from it, or a new one."""
+    if not value:
+        return str(uuid.uuid4())
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"rayline:{value}"))
+
+
+def dataset_id(uri: str) -> tuple[str, str]:
+    """OpenLineage (namespace, name) of a URI: ``s3://bucket`` + key, or ``file`` + absolute path."""
+    if storage.is_s3(uri):
+        bucket, _, key = uri[len(storage.S3) :].partition("/")
+        return f"{storage.S3}{bucket}", key.rstrip("/") or "/"
+    return "file", storage.normalize(uri)
+
+
+@lru_cache(maxsize=1)
+def producer() -> str:
+    try:
+        return f"urn:rayline:{version('rayline')}"
+    except PackageNotFoundError:
+        return "urn:rayline"
+
+
+def _dataset_facets(ref: DatasetRef) -> dict[str, DatasetFacet]:
+    pinned = ref.content_hash or ref.etag
+    if not pinned:
+        return {}
+    return {"version": dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=pinned, producer=producer())}
+
+
+def _run_facets(run: RunIdentity, error: BaseException | None) -> dict[str, RunFacet]:
+    facets: dict[str, RunFacet] = {
+        "processing_engine": processing_engine_run.ProcessingEngineRunFacet(
+            version=_ray_version(), name="Ray", openlineageAdapterVersion=CLIENT_VERSION, producer=producer()
+        )
+    }
+    if run.parent_run_id and run.parent_job_name:
+        facets["parent"] = parent_run.ParentRunFacet(
+            run=parent_run.Run(runId=as_run_id(run.parent_run_id)),
+            job=parent_run.Job(namespace=namespace(), name=run.parent_job_name),
+            producer=producer(),
+        )
+    if error is not None:
+        facets["errorMessage"] = error_message_run.ErrorMessageRunFacet(
+            message=f"{type(error).__name__}: {error}"[:2000],
+            programmingLanguage="python",
+            stackTrace="".join(traceback.format_exception(error))[-8000:],
+            producer=producer(),
+        )
+    return facets
+
+
+@lru_cache(maxsize=1)
+def _ray_version() -> str:
+    try:
+        return version("ray")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _job_facets() -> dict[str, JobFacet]:
+    return {
+        "jobType": job_type_job.JobTypeJobFacet(
+            processingType="BATCH", integration="RAYLINE", jobType="TASK", producer=producer()
+        )
+    }
+
+
+def build_event(
+    state: State,
+    run: RunIdentity,
+    inputs: Sequence[DatasetRef] = (),
+    outputs: Sequence[DatasetRef] = (),
+    error: BaseException | None = None,
+    event_time: datetime | None = None,
+) -> RunEvent:
+    """A RunEvent in the client's model (its validators check time, run id and URIs)."""
+    return RunEvent(
+        eventType=RunState[state],
+        eventTime=(event_time or datetime.now(UTC)).isoformat(),
+        run=Run(runId=as_run_id(run.run_id), facets=_run_facets(run, error)),
+        job=Job(namespace=namespace(), name=run.job_name, facets=_job_facets()),
+        inputs=[InputDataset(*dataset_id(r.uri), facets=_dataset_facets(r)) for r in _unique(inputs)],
+        outputs=[OutputDataset(*dataset_id(r.uri), facets=_dataset_facets(r)) for r in _unique(outputs)],
+        producer=producer(),
+    )
+
+
+def _unique(refs: Sequence[DatasetRef]) -> list[DatasetRef]:
+    """One dataset per URI (a task may record the same input twice); the first wins."""
+    seen: dict[str, DatasetRef] = {}
+    for ref in refs:
+        seen.setdefault(ref.uri, ref)
+    return list(seen.values())
+
+
+def events_dir() -> str:
+    return lineage.lineage_dir(EVENTS_DIR)
+
+
+class StorageTransportConfig(Config):
+    """Where :class:`StorageTransport` writes: a folder URI, or (unset) ``<storage>/lineage/openlineage/``."""
+
+    def __init__(self, root: str | None = None) -> None:
+        self.root = root
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> StorageTransportConfig:
+        root = params.get("root")
+        return cls(root=str(root) if root else None)
+
+
+class StorageTransport(Transport):
+    """An OpenLineage transport writing one JSON file per event through rayline's storage (local or S3)."""
+
+    kind = "rayline_storage"
+    config_class = StorageTransportConfig
+
+    def __init__(self, config: StorageTransportConfig) -> None:
+        self.config = config
+
+    def uri(self, event: RunEvent) -> str:
+        """``<time>-<job>-<state>-<run id>.json``: names sort by time, and one run's events group by id."""
+        stamp = datetime.fromisoformat(event.eventTime).astimezone(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+        job = "".join(c if c.isalnum() or c in "-_." else "_" for c in event.job.name)
+        state = event.eventType.value if event.eventType else "OTHER"
+        return storage.join(self.config.root or events_dir(), f"{stamp}-{job}-{state}-{event.run.runId}.json")
+
+    def emit(self, event: Any) -> str:
+        if not isinstance(event, RunEvent):
+            raise TypeError(f"{self.kind} writes run events, not {type(event).__name__}")
+        uri = self.uri(event)
+        storage.write_json_atomic(uri, json.loads(Serde.to_json(event)))
+        return uri
+
+
+def event_uri(event: RunEvent) -> str:
+    """Where the default transport writes ``event``."""
+    return StorageTransport(StorageTransportConfig()).uri(event)
+
+
+def _configured_by_user() -> bool:
+    """True when the client's own resolution finds a transport (anything but its console fallback)."""
+    if os.environ.get("OPENLINEAGE_URL") or os.environ.get("OPENLINEAGE_DISABLED", "").strip().lower() == "true":
+        return True
+    # an explicit transport skips the client's resolution; its config property still reads file and env
+    probe = OpenLineageClient(transport=NoopTransport(NoopConfig()))
+    transport = probe.config.transport or {}
+    return bool(transport.get("type"))
+
+
+def _config_fingerprint() -> tuple[object, ...]:
+    """What the client's configuration is read from: a new client only when one of these changed."""
+    candidates = [os.environ.get("OPENLINEAGE_CONFIG"), os.path.join(os.getcwd(), "openlineage.yml")]
+    candidates.append(os.path.join(os.path.expanduser("~/.openlineage"), "openlineage.yml"))
+    files = tuple((path, os.stat(path).st_mtime_ns) for path in candidates if path and os.path.isfile(path))
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OPENLINEAGE")))
+    return files, env
+
+
+@lru_cache(maxsize=4)
+def _client_for(fingerprint: tuple[object, ...]) -> OpenLineageClient:
+    if _configured_by_user():
+        return OpenLineageClient()
+    return OpenLineageClient(transport=StorageTransport(StorageTransportConfig()))
+
+
+def client() -> OpenLineageClient:
+    """The OpenLineage client for the current configuration (rebuilt when that changes)."""
+    return _client_for(_config_fingerprint())
+
+
+def send(event: RunEvent) -> str | None:
+    """Deliver one event; returns where it went (a URI or the transport kind), None when disabled; raises on failure."""
+    sender = client()
+    transport = sender.transport
+    if transport.kind == NoopTransport.kind:
+        return None
+    sender.emit(event)
+    if isinstance(transport, StorageTransport):
+        return transport.uri(event)
+    return str(transport.kind)
+
+
+def emit(
+    state: State,
+    run: RunIdentity,
+    inputs: Sequence[DatasetRef] = (),
+    outputs: Sequence[DatasetRef] = (),
+    error: BaseException | None = None,
+) -> str | None:
+    """Build and deliver an event; never raises (a failure is logged as a warning and dropped)."""
+    try:
+        return send(build_event(state, run, inputs, outputs, error))
+    except Exception as exc:
+        log.warning(
+            "OpenLineage %s event of %s (run %s) not sent: %s: %s",
+            state,
+            run.job_name,
+            run.run_id,
+            type(exc).__name__,
+            exc,
+        )
+        return None

@@ -1,0 +1,9 @@
+"""Models: the registry of trained models and what mirrors it.
+
+- ``registry``: immutable versions, movable aliases (``champion``, ``challenger``), the promotion gate;
+- ``aliases``: one alias move as a compare-and-swap;
+- ``tracking``, ``mlflow_mirror``: MLflow tracking of Train runs, and the registry mirrored into MLflow's.
+
+It imports ``rayline.storage`` and the cross-cutting modules (a model's spec is ``rayline.specs``):
+never ``rayline.tables`` or ``rayline.lineage``.
+"""

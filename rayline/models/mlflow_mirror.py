@@ -1,0 +1,154 @@
+"""A mirror of rayline's model registry in MLflow's Model Registry.
+
+rayline's registry (``rayline.models.registry``) stays the source of truth; this
+module makes MLflow show the same thing:
+
+* one registered model per rayline model name;
+* one MLflow model version per rayline version. MLflow numbers its versions
+  itself, so they are matched by the ``rayline.version`` tag, never by number.
+  The artifact is the version's tensors-only ``weights.pt``, logged to a run
+  of its own (experiment = model name) — no pickled model, no MLmodel flavour;
+  the version's metrics are that run's metrics and tags of the version;
+* the ``champion`` and ``challenger`` aliases on the same versions.
+
+:func:`reconcile` compares and fixes, so it is idempotent: called after every
+registration and alias move, and at the start of training, it completes what
+an earlier call could not (server down, say). It never raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
+
+from rayline import storage
+from rayline.models import registry, tracking
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities.model_registry import ModelVersion as MlflowVersion
+
+log = logging.getLogger(__name__)
+
+VERSION_TAG = "rayline.version"
+ALIASES = (registry.CHAMPION, registry.CHALLENGER)
+
+
+class MirrorReport(BaseModel):
+    """What one reconcile did."""
+
+    name: str
+    created: list[int]  # rayline versions that got an MLflow model version now
+    versions: dict[int, str]  # rayline version → MLflow version number
+    aliases: dict[str, int | None]  # alias → rayline version, as mirrored
+
+
+def reconcile(name: str) -> MirrorReport | None:
+    """Bring MLflow's registered model ``name`` in line with rayline's registry; None when tracking
+    is off or the mirror failed (logged; the next call retries)."""
+    mlflow = tracking.client()
+    if mlflow is None:
+        return None
+    with tracking.best_effort(f"mirroring model {name} into the MLflow registry"):
+        return _reconcile(mlflow, name)
+    return None
+
+
+def _reconcile(mlflow: MlflowClient, name: str) -> MirrorReport:
+    _ensure_registered_model(mlflow, name)
+    mirrored = mirrored_versions(mlflow, name)
+    created = []
+    for version in registry.list_versions(name):
+        if version.version not in mirrored:
+            mirrored[version.version] = _mirror_version(mlflow, version)
+            created.append(version.version)
+    aliases = {alias: _mirror_alias(mlflow, name, alias, mirrored) for alias in ALIASES}
+    return MirrorReport(
+        name=name, created=created, versions={k: v.version for k, v in mirrored.items()}, aliases=aliases
+    )
+
+
+def _ensure_registered_model(mlflow: MlflowClient, name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow.get_registered_model(name)
+    except MlflowException:
+        mlflow.create_registered_model(
+            name,
+            tags={"rayline.registry": registry.model_root(name)},
+            description=f"Mirror of rayline's registry at {registry.model_root(name)} (the source of truth).",
+        )
+
+
+def mirrored_versions(mlflow: MlflowClient, name: str) -> dict[int, MlflowVersion]:
+    """rayline version number → its MLflow model version (the oldest, should two calls have raced)."""
+    found: dict[int, MlflowVersion] = {}
+    for mv in sorted(mlflow.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)):
+        tag = (mv.tags or {}).get(VERSION_TAG)
+        if tag is not None and tag.isdigit():
+            found.setdefault(int(tag), mv)
+    return found
+
+
+def _mirror_version(mlflow: MlflowClient, version: registry.ModelVersion) -> MlflowVersion:
+    """A run holding the weights file and the metrics, and a model version whose source is that file."""
+    weights = storage.read_bytes(version.weights_uri)
+    sha256 = hashlib.sha256(weights).hexdigest()
+    run_id = tracking.keyed_run(
+        mlflow,
+        version.name,
+        version.uri,
+        f"{version.name}-v{version.version}",
+        {tracking.STAGE_TAG: "registry", VERSION_TAG: str(version.version)},
+    )
+    tracking.log_params(
+        mlflow,
+        run_id,
+        tracking.flatten(
+            {
+                "model": version.model_spec.model_dump(mode="json"),
+                "classes": ",".join(version.classes),
+                "code_version": version.code_version,
+                "data_content_hash": version.data_content_hash,
+                "training_run_uri": version.training_run_uri,
+            }
+        ),
+    )
+    if version.metrics:
+        tracking.log_metrics(mlflow, run_id, version.metrics)
+    tracking.log_files(mlflow, run_id, {registry.WEIGHTS_FILE: weights}, "weights")
+    mlflow.set_terminated(run_id, "FINISHED")
+    source = f"{mlflow.get_run(run_id).info.artifact_uri}/weights"
+    tags = {
+        VERSION_TAG: str(version.version),
+        "rayline.uri": version.uri,
+        "rayline.weights_sha256": sha256,
+        **{f"rayline.metric.{k}": f"{v:.6g}" for k, v in version.metrics.items()},
+    }
+    description = (
+        f"rayline {version.name} v{version.version}: {registry.WEIGHTS_FILE} is a tensors-only state dict "
+        f"(torch.load(weights_only=True)) of {version.model_spec.arch}, sha256 {sha256}. "
+        f"Metrics: {', '.join(f'{k} {v:.4f}' for k, v in version.metrics.items()) or 'none'}."
+    )
+    # await_creation_for=0: the artifact is logged already; waiting would only print "Waiting up to 300 seconds"
+    return mlflow.create_model_version(
+        version.name, source, run_id=run_id, tags=tags, description=description, await_creation_for=0
+    )
+
+
+def _mirror_alias(mlflow: MlflowClient, name: str, alias: str, mirrored: dict[int, MlflowVersion]) -> int | None:
+    """Point MLflow's ``alias`` at the version mirroring rayline's; drop it where rayline has none."""
+    target = registry.alias_version(name, alias)
+    current = mlflow.get_registered_model(name).aliases.get(alias)
+    if target is None or target not in mirrored:
+        if current is not None:
+            mlflow.delete_registered_model_alias(name, alias)
+        return None
+    wanted = mirrored[target].version
+    if str(current) != str(wanted):
+        mlflow.set_registered_model_alias(name, alias, wanted)
+    return target

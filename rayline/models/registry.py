@@ -1,0 +1,414 @@
+"""Model registry: immutable versions, movable aliases, a promotion gate.
+
+Layout under ``<storage>/models/<name>/``::
+
+    v<N>/weights.pt      state dict (tensors only)
+    v<N>/version.json    model spec, classes, metrics, data hash, code version,
+                         producing run ids — written last: the version's commit
+    aliases/<alias>.json the move that put the alias there ({"version": N,
+                         "previous": M, ...}); moved by compare-and-swap
+    rollout.lease        held while a rollout of the model runs, and for the
+                         swap of a champion move outside one (``rayline.storage.leases``)
+
+Version numbers are claimed with a create-if-absent write
+(``rayline.storage.conditional``: a hard link locally, ``If-None-Match: *`` on S3),
+so concurrent writers never get the same number. A claimed number without
+``version.json`` is an unfinished registration and is never served. Alias
+moves are compare-and-swaps on the alias as read (``rayline.models.aliases``): a move
+never overwrites one it did not see (``AliasConflict``), so its ``previous``
+is what it replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack
+from datetime import UTC, datetime
+
+from pydantic import BaseModel, Field
+
+from rayline import storage
+from rayline.errors import AliasConflict, ConfigError, InputDataError, LeaseBusy, LeaseLost, StorageError
+from rayline.models import aliases
+from rayline.models.aliases import AliasMove as AliasMove
+from rayline.models.aliases import Unchecked as Unchecked
+from rayline.specs import NAME_PATTERN, ImageSpec, ModelSpec, ParentModel, WeightsSource, check_model_name
+from rayline.storage import conditional, leases
+
+MODELS_DIR = "models"
+VERSION_FILE = "version.json"
+WEIGHTS_FILE = "weights.pt"
+CLAIM_FILE = "_claim"
+ROLLOUT_LEASE = "rollout.lease"
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+# a champion move outside a rollout holds the rollout lease for one compare-and-swap
+CHAMPION_MOVE_TTL_S = 60.0
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+class ModelVersion(BaseModel):
+    """Everything needed to load, judge and trace one registered model."""
+
+    name: str
+    version: int
+    uri: str
+    weights_uri: str
+    model_spec: ModelSpec
+    image_spec: ImageSpec
+    classes: list[str]
+    metrics: dict[str, float]
+    # trained here: the prepared data it learned from; an outside model has none (weights_source instead)
+    data_manifest_uri: str | None = None
+    data_content_hash: str | None = None
+    code_version: str
+    training_run_uri: str | None = None
+    flow_run_id: str | None = None
+    weights_source: WeightsSource | None = None
+    parent: ParentModel | None = None
+    registered_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
+class GateDecision(BaseModel):
+    promoted: bool
+    reason: str
+    candidate: int
+    champion: int | None
+    metric: str
+    candidate_score: float
+    champion_score: float | None
+
+
+def model_root(name: str) -> str:
+    return storage.join(storage.storage_root(), MODELS_DIR, check_model_name(name))
+
+
+def _claimed_versions(name: str) -> list[int]:
+    fs, path = storage.filesystem(model_root(name))
+    try:
+        entries = fs.ls(path, detail=False) if fs.exists(path) else []
+    except FileNotFoundError:
+        entries = []
+    numbers = []
+    for entry in entries:
+        match = _VERSION_DIR.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
+        if match:
+            numbers.append(int(match.group(1)))
+    return sorted(numbers)
+
+
+def _create_exclusive(uri: str, data: bytes) -> bool:
+    """Write ``uri`` only if it does not exist; False if someone else did first."""
+    return conditional.create_exclusive(uri, data) is not None
+
+
+def rollout_lease_uri(name: str) -> str:
+    return storage.join(model_root(name), ROLLOUT_LEASE)
+
+
+def acquire_rollout_lease(name: str, holder: str, ttl_s: float) -> bool:
+    """One rollout per model at a time: True if ``holder`` now holds the lease.
+
+    A lease left past its ttl (its holder crashed) is taken over; a flow
+    holds it with ``leases.held`` instead, which also renews it.
+    """
+    return leases.try_acquire(rollout_lease_uri(name), holder, ttl_s, describe=rollout_lease_what(name)) is not None
+
+
+def rollout_lease_what(name: str) -> str:
+    return f"the rollout of model {name}"
+
+
+def release_rollout_lease(name: str, holder: str) -> None:
+    """Release the rollout lease if ``holder`` holds it; someone else's is left alone."""
+    current = leases.read(rollout_lease_uri(name))
+    if current is not None and current.holder == holder and not current.released:
+        leases.release(current)
+
+
+def _claim_next_version(name: str, idempotency_key: str | None = None) -> int:
+    candidate = (max(_claimed_versions(name), default=0)) + 1
+    # the claim names its writer: a retried S3 PUT recognises its own bytes by them
+    claim_body = json.dumps(
+        {"claimed_at": datetime.now(UTC).isoformat(), "writer": leases.run_holder(), "idempotency_key": idempotency_key}
+    )
+    for _ in range(1000):
+        claim = storage.join(model_root(name), f"v{candidate}", CLAIM_FILE)
+        if _create_exclusive(claim, claim_body.encode()):
+            return candidate
+        candidate += 1
+    raise StorageError(f"could not claim a version number for model {name}")
+
+
+def _version_claimed_with(name: str, idempotency_key: str) -> int | None:
+    """The version number a registration with this key claimed, newest first (a retry follows soon).
+
+    A claim that cannot be read (throttled, a 5xx, denied) raises: it may be
+    the first attempt's, and skipping it would register a second version. A
+    ``TransientStorageError`` is retried by the task's retry policy.
+    """
+    for number in reversed(_claimed_versions(name)):
+        claim = conditional.read_versioned(storage.join(model_root(name), f"v{number}", CLAIM_FILE))
+        if claim is None:
+            continue  # a version folder with no claim: nobody's registration
+        try:
+            recorded = json.loads(claim.data)
+        except ValueError:
+            continue  # a claim from before claims were JSON (a bare timestamp): it recorded no key
+        if isinstance(recorded, dict) and recorded.get("idempotency_key") == idempotency_key:
+            return number
+    return None
+
+
+def register(
+    name: str,
+    weights: bytes,
+    *,
+    model_spec: ModelSpec,
+    image_spec: ImageSpec,
+    classes: list[str],
+    metrics: dict[str, float],
+    code_version: str,
+    data_manifest_uri: str | None = None,
+    data_content_hash: str | None = None,
+    training_run_uri: str | None = None,
+    flow_run_id: str | None = None,
+    weights_source: WeightsSource | None = None,
+    parent: ParentModel | None = None,
+    idempotency_key: str | None = None,
+) -> ModelVersion:
+    """Store a new immutable version; ``version.json`` is written last.
+
+    ``idempotency_key``: a retry of the same registration (same key) gets the
+    version its earlier attempt claimed — committed already, or finished now —
+    never a second one.
+    """
+    number = _version_claimed_with(name, idempotency_key) if idempotency_key else None
+    if number is not None:
+        done = storage.join(model_root(name), f"v{number}", VERSION_FILE)
+        if storage.exists(done):
+            return ModelVersion.model_validate(storage.read_json(done))
+    else:
+        number = _claim_next_version(name, idempotency_key)
+    uri = storage.join(model_root(name), f"v{number}")
+    weights_uri = storage.join(uri, WEIGHTS_FILE)
+    storage.write_bytes_atomic(weights_uri, weights)
+    version = ModelVersion(
+        name=name,
+        version=number,
+        uri=uri,
+        weights_uri=weights_uri,
+        model_spec=model_spec,
+        image_spec=image_spec,
+        classes=classes,
+        metrics=metrics,
+        data_manifest_uri=data_manifest_uri,
+        data_content_hash=data_content_hash,
+        code_version=code_version,
+        training_run_uri=training_run_uri,
+        flow_run_id=flow_run_id,
+        weights_source=weights_source,
+        parent=parent,
+    )
+    storage.write_json_atomic(storage.join(uri, VERSION_FILE), version.model_dump(mode="json"))
+    return version
+
+
+def get_version(name: str, version: int) -> ModelVersion:
+    uri = storage.join(model_root(name), f"v{version}", VERSION_FILE)
+    if not storage.exists(uri):
+        raise InputDataError(f"model {name} has no registered version {version}")
+    return ModelVersion.model_validate(storage.read_json(uri))
+
+
+def list_versions(name: str) -> list[ModelVersion]:
+    """Committed versions, oldest first (claimed-but-unfinished ones are skipped)."""
+    found = []
+    for number in _claimed_versions(name):
+        uri = storage.join(model_root(name), f"v{number}", VERSION_FILE)
+        if storage.exists(uri):
+            found.append(ModelVersion.model_validate(storage.read_json(uri)))
+    return found
+
+
+def _alias_uri(name: str, alias: str) -> str:
+    if not NAME_PATTERN.match(alias):
+        raise ConfigError(f"alias {alias!r} must be lowercase letters, digits and '-'")
+    return storage.join(model_root(name), "aliases", f"{alias}.json")
+
+
+def alias_version(name: str, alias: str) -> int | None:
+    uri = _alias_uri(name, alias)
+    if not storage.exists(uri):
+        return None
+    return int(storage.read_json(uri)["version"])
+
+
+def alias_move(name: str, alias: str) -> AliasMove | None:
+    """The move that put ``alias`` where it is now (None: no such alias)."""
+    uri = _alias_uri(name, alias)
+    if not storage.exists(uri):
+        return None
+    return AliasMove.model_validate(storage.read_json(uri))
+
+
+def resolve(name: str, ref: str | int) -> ModelVersion:
+    """A version from an alias (``champion``), ``v3``/``3``, or a number."""
+    if isinstance(ref, int) or str(ref).lstrip("v").isdigit():
+        return get_version(name, int(str(ref).lstrip("v")))
+    number = alias_version(name, str(ref))
+    if number is None:
+        raise InputDataError(f"model {name} has no {ref!r} alias yet")
+    return get_version(name, number)
+
+
+def parse_ref(text: str, default_name: str, *, default_ref: str = CHAMPION) -> tuple[str, str]:
+    """A model reference as the CLI takes it → (name, alias or version).
+
+    ``NAME@champion`` / ``NAME@v3`` name both. A bare ``champion`` or ``v3``
+    refers to ``default_name``; a bare word that is no alias of
+    ``default_name`` but a registered model's name means that model's
+    ``default_ref`` (``--model photos`` = ``photos@champion``).
+    """
+    name, ref = _split_ref(text)
+    if name is not None:
+        return check_model_name(name), _check_ref(ref or default_ref)
+    token = _check_ref(ref or default_ref)
+    is_version = token.lstrip("v").isdigit()
+    if not is_version and alias_version(default_name, token) is None and _claimed_versions(token):
+        return token, default_ref
+    return check_model_name(default_name), token
+
+
+def parse_named_ref(text: str, *, default_ref: str = CHAMPION) -> tuple[str, str]:
+    """``NAME``, ``NAME@alias`` or ``NAME@vN`` → (name, alias or version); a bare name means ``default_ref``."""
+    name, ref = _split_ref(text)
+    if name is None:  # a bare word is the name; the ref is the default
+        return check_model_name(ref), _check_ref(default_ref)
+    return check_model_name(name), _check_ref(ref)
+
+
+def _split_ref(text: str) -> tuple[str | None, str]:
+    """``NAME@REF`` → (NAME, REF); a bare word → (None, word)."""
+    name, at, ref = text.strip().partition("@")
+    if not at:
+        return None, name
+    if not ref:
+        raise ConfigError(f"model reference {text!r}: nothing after '@' (try {name}@champion or {name}@v3)")
+    return name, ref
+
+
+def _check_ref(ref: str) -> str:
+    if ref.lstrip("v").isdigit() or NAME_PATTERN.match(ref):
+        return ref
+    raise ConfigError(f"{ref!r} is neither an alias (champion, challenger) nor a version (v3)")
+
+
+def set_alias(
+    name: str,
+    alias: str,
+    version: int,
+    reason: str,
+    *,
+    expected: int | None | Unchecked = Unchecked.ANY,
+    rollout_holder: str | None = None,
+    lease_wait_s: float = 0.0,
+) -> AliasMove:
+    """Point ``alias`` at ``version``: a compare-and-swap on the alias as read; returns the move for lineage.
+
+    ``expected``: the version the caller decided against (a gate judged the
+    candidate against that champion; None: against no alias). Anything else
+    there by now raises ``AliasConflict`` naming it: decide again. Without it
+    the move still replaces only what it read, so ``previous`` is exactly the
+    version it replaced; another writer's move in between raises
+    ``AliasConflict`` and is never overwritten.
+
+    The champion is a rollout's to move while one runs: a rollout passes its
+    lease's ``rollout_holder`` (``LeaseLost`` unless it still holds it); any
+    other champion move takes the model's rollout lease for the swap, waiting
+    up to ``lease_wait_s`` for a running rollout, then ``AliasConflict``.
+
+    An alias already on ``version`` is not moved again: the move that put it
+    there stands (a retried task must not record a move from v3 to v3 in place
+    of the move from v2 to v3).
+    """
+    get_version(name, version)  # only committed versions can be aliased
+    if alias != CHAMPION:
+        return aliases.swap(_alias_uri(name, alias), name, alias, version, reason, expected)
+    if rollout_holder is not None:
+        # a look, not a swap of the lease: its holder renews it from another thread. Should it expire
+        # right after, a champion move taking it over still cannot overwrite this one (the alias's own swap)
+        _check_rollout_holds(name, rollout_holder)
+        return aliases.swap(_alias_uri(name, alias), name, alias, version, reason, expected)
+    with ExitStack() as stack:
+        holder = leases.run_holder(f"a champion move of {name}")
+        lease = leases.held(
+            rollout_lease_uri(name),
+            holder,
+            ttl_s=CHAMPION_MOVE_TTL_S,
+            wait_s=lease_wait_s,
+            describe=rollout_lease_what(name),
+        )
+        try:
+            stack.enter_context(lease)
+        except LeaseBusy as exc:
+            raise AliasConflict(
+                f"champion of {name} not moved to v{version}: {exc}. The champion is that rollout's to move; "
+                "move it once the rollout ends, or make this version the challenger",
+                current=alias_version(name, CHAMPION),
+                rollout_holder=exc.holder,
+            ) from exc
+        return aliases.swap(_alias_uri(name, alias), name, alias, version, reason, expected)
+
+
+def _check_rollout_holds(name: str, holder: str) -> None:
+    """A rollout moves the champion only while it holds the model's rollout lease."""
+    current = leases.read(rollout_lease_uri(name))
+    if current is not None and current.is_live() and current.holder == holder:
+        return
+    if current is None or not current.is_live():
+        now = "nobody holds it now"
+    else:
+        now = f"now held by {current.holder} (expires in {current.expires_in():.0f} s)"
+    raise LeaseLost(f"{holder} no longer holds {rollout_lease_what(name)} ({now}); it must not move the champion")
+
+
+def gate(
+    candidate: ModelVersion,
+    champion: ModelVersion | None,
+    *,
+    metric: str,
+    candidate_score: float,
+    champion_score: float | None,
+    margin: float,
+    floor: float,
+) -> GateDecision:
+    """Decide promotion: beat the champion by ``margin`` on the same split, or pass ``floor`` if none."""
+
+    def decide(promoted: bool, reason: str) -> GateDecision:
+        return GateDecision(
+            promoted=promoted,
+            reason=reason,
+            candidate=candidate.version,
+            champion=champion.version if champion else None,
+            metric=metric,
+            candidate_score=candidate_score,
+            champion_score=champion_score,
+        )
+
+    if champion is None or champion_score is None:
+        if candidate_score >= floor:
+            return decide(True, f"first champion: {metric} {candidate_score:.4f} >= floor {floor:.4f}")
+        return decide(False, f"{metric} {candidate_score:.4f} is below the floor {floor:.4f}")
+    if candidate_score >= champion_score + margin:
+        return decide(
+            True,
+            f"{metric} {candidate_score:.4f} beats champion v{champion.version} "
+            f"({champion_score:.4f}) by >= {margin:.4f}",
+        )
+    return decide(
+        False,
+        f"{metric} {candidate_score:.4f} does not beat champion v{champion.version} "
+        f"({champion_score:.4f}) by {margin:.4f}",
+    )

@@ -1,0 +1,72 @@
+"""Storage: where everything rayline writes lives, and how it is written safely.
+
+- ``uris``: URIs to filesystems, whole-object reads and atomic writes, listings (this package's face:
+  ``from rayline import storage``; ``storage.join(...)``, ``storage.read_json(...)``);
+- ``conditional``, ``fencing``, ``leases``: create-if-absent and compare-and-swap, fencing tokens, leases;
+- ``folders``, ``manifests``: content-addressed output folders committed by typed manifests;
+- ``listing``, ``digests``, ``fetching``: a prefix's listing streamed into parts, set digests, many small reads;
+- ``layout``: the names of the layout (``raw``, ``incoming/dt=…``, the tables, ``_staging``).
+
+It imports only the cross-cutting modules at the top of ``rayline`` (errors, config, specs, ray_work):
+never ``rayline.tables``, ``rayline.lineage`` or ``rayline.models``, which all build on it.
+"""
+
+from rayline.storage.uris import (
+    S3,
+    SKIP_FOLDER_MARKER,
+    SKIP_HIDDEN,
+    Listing,
+    ObjectInfo,
+    arrow_filesystem,
+    exists,
+    filesystem,
+    is_s3,
+    join,
+    list_folders,
+    list_inputs,
+    list_names,
+    list_objects,
+    normalize,
+    read_bytes,
+    read_json,
+    read_parquet,
+    remove_tree,
+    s3_client,
+    skip_reason,
+    split_s3,
+    storage_error,
+    storage_root,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_parquet_atomic,
+)
+
+__all__ = [
+    "S3",
+    "SKIP_FOLDER_MARKER",
+    "SKIP_HIDDEN",
+    "Listing",
+    "ObjectInfo",
+    "arrow_filesystem",
+    "exists",
+    "filesystem",
+    "is_s3",
+    "join",
+    "list_folders",
+    "list_inputs",
+    "list_names",
+    "list_objects",
+    "normalize",
+    "read_bytes",
+    "read_json",
+    "read_parquet",
+    "remove_tree",
+    "s3_client",
+    "skip_reason",
+    "split_s3",
+    "storage_error",
+    "storage_root",
+    "write_bytes_atomic",
+    "write_json_atomic",
+    "write_parquet_atomic",
+]

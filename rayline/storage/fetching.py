@@ -1,0 +1,157 @@
+"""Reading many small objects: concurrent GETs, and rounds of re-reads for transient failures.
+
+The fetch loop of ingest, nightly inference, rollouts' probes and lineage reads.
+A transient failure (throttling, 5xx, a reset, a body cut short) is retried by
+botocore, then by this loop's rounds; one that outlasts them fails the stage as
+transient, never an object's error row. A read refused for want of permission
+fails the stage too: a policy is the run's fault, not the object's.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from rayline.config import get_settings
+from rayline.errors import StorageAccessDenied, TransientStorageError, is_access_denied, is_transient
+from rayline.storage import is_s3, normalize, s3_client, split_s3
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """One object's bytes and the version actually read (S3 ETag), or why it failed."""
+
+    data: bytes | None
+    etag: str | None = None
+    error: BaseException | None = None
+
+
+def _fetch_s3(uri: str, client: Any) -> Fetched:
+    bucket, key = split_s3(uri)
+    try:
+        response = client.get_object(Bucket=bucket, Key=key)
+        return Fetched(data=response["Body"].read(), etag=str(response.get("ETag", "")).strip('"') or None)
+    except Exception as exc:
+        return Fetched(data=None, error=exc)
+
+
+def _fetch_local(uri: str) -> Fetched:
+    path = uri if uri.startswith("/") else normalize(uri)  # listed URIs are absolute already
+    try:
+        with open(path, "rb") as handle:
+            return Fetched(data=handle.read())
+    except Exception as exc:
+        return Fetched(data=None, error=exc)
+
+
+def _fetch_pass(uris: list[str], concurrency: int) -> list[Fetched]:
+    """One read of each object, in order; failures are returned, not raised.
+
+    S3 reads overlap on a thread pool: per-request latency dominates with many
+    small objects (botocore releases the GIL while waiting on the network).
+    Local files are read one after another: from the page cache a read costs
+    less than handing it to a thread pool would (bench/README.md).
+    """
+    if not any(is_s3(u) for u in uris):
+        return [_fetch_local(u) for u in uris]
+    workers = max(1, min(concurrency, len(uris)))
+    client = s3_client(max(1, concurrency))  # one client per process and setting, also for the few of a retry
+
+    def fetch(uri: str) -> Fetched:
+        return _fetch_s3(uri, client) if is_s3(uri) else _fetch_local(uri)
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fetch, uris))
+
+
+def fetch_retry_delays() -> list[float]:
+    """Waits before each round of :func:`fetch_many`'s re-fetches: doubling from the setting, jittered ±50 %.
+
+    The jitter spreads the rounds of tasks throttled together.
+    """
+    settings = get_settings()
+    base = settings.fetch_retry_delay_s
+    return [base * 2**i * random.uniform(0.5, 1.5) for i in range(settings.fetch_retries)]
+
+
+def _failing(results: list[Fetched], kind: Callable[[BaseException], bool]) -> list[int]:
+    """The places of the reads whose error is of ``kind`` (transient, refused for permission)."""
+    return [i for i, f in enumerate(results) if f.error is not None and kind(f.error)]
+
+
+def retry_transient(
+    uris: list[str],
+    fetch: Callable[[list[str]], list[Fetched]],
+    delays: list[float],
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[Fetched]:
+    """``fetch(uris)``, then fetch again, after each delay, the objects whose read failed transiently.
+
+    A transient failure (throttling, 5xx, a reset: ``errors.is_transient``) is
+    not the object's fault, so it must never become its error row: objects
+    still failing so after the last round fail the whole call with
+    :class:`TransientStorageError`, which the stage's task retry takes up.
+    Other failures (no such key, access denied) are returned as they are.
+    """
+    results = fetch(uris)
+    for delay in delays:
+        pending = _failing(results, is_transient)
+        if not pending:
+            break
+        sleep(delay)
+        for i, fetched in zip(pending, fetch([uris[i] for i in pending]), strict=True):
+            results[i] = fetched
+    pending = _failing(results, is_transient)
+    if pending:
+        first = results[pending[0]].error
+        raise TransientStorageError(
+            f"{len(pending)} of {len(uris)} objects still failed transiently after {len(delays)} more rounds of "
+            f"reads (each with the S3 client's own retries), e.g. {uris[pending[0]]}: "
+            f"{type(first).__name__}: {first}"
+        ) from first
+    return results
+
+
+def refuse_denied(uris: list[str], results: list[Fetched]) -> list[Fetched]:
+    """``results``, unless a read was refused for want of permission: then :class:`StorageAccessDenied`.
+
+    One refusal is enough. An AccessDenied (403, ``PermissionError``) says
+    what the caller may do, not what the object is: a bucket policy, a role or
+    credentials that refuse one GET of an input refuse the others, and rows of
+    them committed or cached would outlive the fix of the policy.
+    """
+    denied = _failing(results, is_access_denied)
+    if denied:
+        first = results[denied[0]].error
+        raise StorageAccessDenied(
+            f"{len(denied)} of {len(uris)} objects refused for want of permission (a bucket policy, role or "
+            f"credentials of this run, not the objects), e.g. {uris[denied[0]]}: {type(first).__name__}: {first}"
+        ) from first
+    return results
+
+
+def fetch_checked(
+    uris: list[str],
+    fetch: Callable[[list[str]], list[Fetched]],
+    delays: list[float],
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[Fetched]:
+    """:func:`retry_transient`, then :func:`refuse_denied`: what is left are the objects' own errors."""
+    return refuse_denied(uris, retry_transient(uris, fetch, delays, sleep))
+
+
+def fetch_many(uris: list[str], concurrency: int) -> list[Fetched]:
+    """Read many small objects, in order, ``concurrency`` at a time.
+
+    Objects that cannot be read for good (missing, replaced) come back with
+    their error; reads failing transiently are retried in rounds
+    (``RAYLINE_FETCH_RETRIES``, ``RAYLINE_FETCH_RETRY_DELAY_S``), and if some
+    still fail, :class:`TransientStorageError` is raised (:func:`retry_transient`);
+    a read refused for want of permission raises :class:`StorageAccessDenied`
+    (:func:`refuse_denied`).
+    """
+    return fetch_checked(uris, lambda batch: _fetch_pass(batch, concurrency), fetch_retry_delays())

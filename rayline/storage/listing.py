@@ -1,0 +1,387 @@
+"""A prefix's listing, streamed into parts: no process ever holds the whole of it.
+
+A night of ten million photos is ten million keys: held as Python objects in
+one driver that is gigabytes, and listed by one thread it is half an hour
+before the first prediction. :func:`list_to_parts` instead
+
+- looks at the prefix one level at a time (S3's ``Delimiter='/'``, a local
+  ``scandir``) while it has few sub-prefixes (``dt=…/hour=…/``, ``<label>/``,
+  hashed key prefixes ``00/``…``ff/``), at most :data:`MAX_DEPTH` levels down;
+- hands the sub-prefixes it found, a group at a time, to Ray tasks that list
+  each recursively, page by page (a flat prefix's own objects are streamed
+  the same way by the caller);
+- writes what is listed, every :data:`ROWS_PER_PART` objects, as a small
+  Parquet file of URIs, keys, sizes and ETags (:data:`PART_SCHEMA`) under a
+  staging folder, and keeps of each part only its row count and two
+  :class:`~rayline.storage.digests.SetDigest` (of its URIs, and of its keys and
+  ETags).
+
+The content hash (:attr:`StreamedListing.content_hash`) is a function of the
+*set* of (key, ETag) pairs, whatever the order of listing: it is built from the
+sum of the digests. Not inputs, as before (:func:`rayline.storage.list_inputs`):
+hidden or underscore names and folder markers, counted per reason with the
+first few keys.
+
+Part names are deterministic (``g<group>-<n>``, groups numbered in the order
+the levels are looked at) and a part's rows keep the order of their listing
+(S3: by key; local disk: the directory's own order, stable while it is
+unchanged), so listing the same objects twice gives the same parts: what a
+resumed night finds its blocks by.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+
+from rayline import ray_work, storage
+from rayline.errors import InputDataError
+from rayline.storage.digests import SetDigest, combine
+
+PART_SCHEMA = pa.schema(
+    [("uri", pa.string()), ("key", pa.string()), ("size", pa.int64()), ("etag", pa.string()), ("modified", pa.string())]
+)
+ROWS_PER_PART = 100_000
+# Sub-prefixes a level must have before its groups go to Ray tasks; with fewer, the next level is looked at.
+FANOUT = 8
+MAX_DEPTH = 3
+PREFIXES_PER_GROUP = 8
+# Objects the caller lists itself before it hands the remaining groups of sub-prefixes to Ray tasks.
+INLINE_OBJECTS = 100_000
+_EXAMPLES_PER_REASON = 5
+# The form of the content hash: 1, the sha256 of the sorted listing (before); 2, of the set digest.
+LISTING_VERSION = 2
+_LISTING_TAG = "rayline-listing-v2"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One listed object, its key relative to the listed prefix."""
+
+    key: str
+    size: int
+    etag: str
+    modified: str
+
+
+@dataclass(frozen=True)
+class ListedPart:
+    """One Parquet file of a listing, and what the driver keeps of it."""
+
+    uri: str
+    name: str
+    rows: int
+    bytes: int
+    uris: SetDigest  # of the objects' URIs: what a night's rows are checked against
+    contents: SetDigest  # of "key<TAB>etag": the listing's identity
+
+
+@dataclass
+class _Skips:
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, reason: str, key: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        shown = self.examples.setdefault(reason, [])
+        if len(shown) < _EXAMPLES_PER_REASON:
+            shown.append(key or "./")  # "./": the listed prefix's own marker
+
+    def merge(self, other: _Skips) -> None:
+        for reason, count in other.counts.items():
+            self.counts[reason] = self.counts.get(reason, 0) + count
+            shown = self.examples.setdefault(reason, [])
+            shown.extend(other.examples.get(reason, [])[: _EXAMPLES_PER_REASON - len(shown)])
+
+
+@dataclass(frozen=True)
+class _GroupListing:
+    parts: list[ListedPart]
+    skips: _Skips
+
+
+def content_hash(contents: SetDigest) -> str:
+    """The listing's identity: a sha256 of the set digest of its (key, ETag) pairs (64 hex digits)."""
+    return hashlib.sha256(f"{_LISTING_TAG}\n{contents.encode()}".encode()).hexdigest()
+
+
+def content_digest(key: str, etag: str) -> str:
+    """The string a listing's content digest sums for one object."""
+    return f"{key}\t{etag}"
+
+
+@dataclass(frozen=True)
+class StreamedListing:
+    """A listed prefix: its parts, and the objects that are no inputs (per reason, the first keys of each)."""
+
+    prefix: str
+    parts: list[ListedPart]
+    skipped: dict[str, int]
+    skipped_examples: dict[str, list[str]]
+
+    @property
+    def count(self) -> int:
+        return sum(part.rows for part in self.parts)
+
+    @property
+    def bytes(self) -> int:
+        return sum(part.bytes for part in self.parts)
+
+    @property
+    def uris(self) -> SetDigest:
+        return combine(part.uris for part in self.parts)
+
+    @property
+    def contents(self) -> SetDigest:
+        return combine(part.contents for part in self.parts)
+
+    @property
+    def content_hash(self) -> str:
+        return content_hash(self.contents)
+
+
+class _PartWriter:
+    """Takes listed entries one by one and writes them out every ``rows_per_part``; skipped ones are counted."""
+
+    def __init__(self, root: str, staging: str, group: str, rows_per_part: int) -> None:
+        self.root, self.staging, self.group, self.rows_per_part = root.rstrip("/"), staging, group, rows_per_part
+        self.parts: list[ListedPart] = []
+        self.skips = _Skips()
+        self._columns: dict[str, list[Any]] = {name: [] for name in PART_SCHEMA.names}
+
+    def add(self, entry: Entry) -> None:
+        reason = storage.skip_reason(entry.key, entry.size)
+        if reason is not None:
+            self.skips.add(reason, entry.key)
+            return
+        # not join(): a key ending in "/" keeps its slash, so the read is of that object
+        row = (f"{self.root}/{entry.key}", entry.key, entry.size, entry.etag, entry.modified)
+        for name, value in zip(PART_SCHEMA.names, row, strict=True):
+            self._columns[name].append(value)
+        if len(self._columns["uri"]) >= self.rows_per_part:
+            self._flush()
+
+    def _flush(self) -> None:
+        columns, self._columns = self._columns, {name: [] for name in PART_SCHEMA.names}
+        name = f"{self.group}-{len(self.parts):05d}"
+        uri = storage.join(self.staging, f"{name}.parquet")
+        storage.write_parquet_atomic(uri, pa.table(columns, schema=PART_SCHEMA))
+        contents = (content_digest(k, e) for k, e in zip(columns["key"], columns["etag"], strict=True))
+        self.parts.append(
+            ListedPart(
+                uri=uri,
+                name=name,
+                rows=len(columns["uri"]),
+                bytes=sum(columns["size"]),
+                uris=SetDigest.of(columns["uri"]),
+                contents=SetDigest.of(contents),
+            )
+        )
+
+    @property
+    def count(self) -> int:
+        """Inputs taken so far."""
+        return sum(part.rows for part in self.parts) + len(self._columns["uri"])
+
+    def close(self) -> _GroupListing:
+        if self._columns["uri"]:
+            self._flush()
+        return _GroupListing(self.parts, self.skips)
+
+
+# --- walking a prefix: one level, or everything below -------------------------------------------------
+
+
+def _local_etag(size: int, mtime: float) -> str:
+    # local files have no ETag: size and mtime identify a version, as HTTP servers do (storage._etag's form)
+    return f"{size:x}-{int(mtime * 1e9):x}"
+
+
+def _local_entry(root: str, entry: os.DirEntry[str]) -> Entry:
+    st = entry.stat()
+    key = os.path.relpath(entry.path, root).replace(os.sep, "/")
+    modified = datetime.fromtimestamp(st.st_mtime, UTC).isoformat()
+    return Entry(key, st.st_size, _local_etag(st.st_size, st.st_mtime), modified)
+
+
+def _local_level(root: str, rel: str) -> Iterator[Entry | str]:
+    try:
+        with os.scandir(os.path.join(root, rel) if rel else root) as it:
+            for entry in it:
+                if entry.is_dir():
+                    yield f"{rel}/{entry.name}" if rel else entry.name
+                elif entry.is_file():
+                    yield _local_entry(root, entry)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+
+
+def _local_all(root: str, rel: str) -> Iterator[Entry]:
+    stack = [rel]
+    while stack:
+        current = stack.pop()
+        for item in _local_level(root, current):
+            if isinstance(item, str):
+                stack.append(item)
+            else:
+                yield item
+
+
+def _s3_pages(root: str, rel: str, delimiter: bool) -> Iterator[dict[str, Any]]:
+    from botocore.exceptions import ClientError
+
+    bucket, key = storage.split_s3(root)
+    base = key.rstrip("/")
+    prefix = "/".join(p for p in (base, rel) if p) + "/" if (base or rel) else ""
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, **({"Delimiter": "/"} if delimiter else {})}
+    try:
+        yield from storage.s3_client().get_paginator("list_objects_v2").paginate(**kwargs)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") == "NoSuchBucket":
+            return  # like a missing folder: nothing listed
+        raise storage.storage_error(exc, "listing", f"{root}/{rel}") from exc
+    except Exception as exc:
+        raise storage.storage_error(exc, "listing", f"{root}/{rel}") from exc
+
+
+def _s3_entries(root: str, page: dict[str, Any]) -> Iterator[Entry]:
+    _, key = storage.split_s3(root)
+    base = key.rstrip("/") + "/" if key.rstrip("/") else ""
+    for obj in page.get("Contents", []):
+        full = str(obj["Key"])
+        if not full.startswith(base):
+            continue
+        modified = obj.get("LastModified")
+        when = modified.astimezone(UTC).isoformat() if isinstance(modified, datetime) else str(modified or "")
+        yield Entry(full[len(base) :], int(obj.get("Size") or 0), str(obj.get("ETag", "")).strip('"'), when)
+
+
+def _s3_level(root: str, rel: str) -> Iterator[Entry | str]:
+    _, key = storage.split_s3(root)
+    base = key.rstrip("/") + "/" if key.rstrip("/") else ""
+    for page in _s3_pages(root, rel, delimiter=True):
+        yield from _s3_entries(root, page)
+        for common in page.get("CommonPrefixes", []):
+            yield str(common["Prefix"])[len(base) :].rstrip("/")
+
+
+def _s3_all(root: str, rel: str) -> Iterator[Entry]:
+    for page in _s3_pages(root, rel, delimiter=False):
+        yield from _s3_entries(root, page)
+
+
+def _walkers(root: str) -> tuple[Callable[[str, str], Iterator[Entry | str]], Callable[[str, str], Iterator[Entry]]]:
+    return (_s3_level, _s3_all) if storage.is_s3(root) else (_local_level, _local_all)
+
+
+def list_group(root: str, prefixes: list[str], staging: str, group: str, rows_per_part: int) -> _GroupListing:
+    """List each of ``prefixes`` (relative to ``root``) recursively, into the parts of one group."""
+    _, walk_all = _walkers(root)
+    writer = _PartWriter(root, staging, group, rows_per_part)
+    for rel in prefixes:
+        for entry in walk_all(root, rel):
+            writer.add(entry)
+    return writer.close()
+
+
+# --- the plan: levels in the caller, groups of sub-prefixes in Ray tasks ---------------------------------
+
+
+class _Dispatcher:
+    """Lists groups of sub-prefixes: in the caller while what it listed is small, then in Ray tasks.
+
+    A small prefix is listed faster by the caller alone, into its own parts,
+    than by tasks that each need a worker process (seconds apiece on a fresh
+    cluster) and each write parts of their own; past :data:`INLINE_OBJECTS`
+    listed objects the remaining groups go to Ray tasks, which list in
+    parallel. Without a Ray connection everything is listed in the caller.
+    Results are collected in group order.
+    """
+
+    def __init__(self, own: _PartWriter) -> None:
+        import ray
+
+        self.own = own
+        self._pending: list[str] = []
+        self._refs: list[Any] = []
+        self._remote = ray.remote(num_cpus=0.25)(list_group) if ray.is_initialized() else None
+
+    def add(self, prefix: str) -> None:
+        self._pending.append(prefix)
+        if len(self._pending) >= PREFIXES_PER_GROUP:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        prefixes, self._pending = self._pending, []
+        if self._remote is None or self.own.count < INLINE_OBJECTS:
+            _, walk_all = _walkers(self.own.root)
+            for rel in prefixes:
+                for entry in walk_all(self.own.root, rel):
+                    self.own.add(entry)
+            return
+        group = f"g{len(self._refs) + 1:05d}"  # g00000 is the caller's own parts
+        self._refs.append(self._remote.remote(self.own.root, prefixes, self.own.staging, group, self.own.rows_per_part))
+
+    def gather(self) -> list[_GroupListing]:
+        self.flush()
+        return [self.own.close(), *(ray_work.gather(self._refs) if self._refs else [])]
+
+
+def list_to_parts(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROWS_PER_PART) -> StreamedListing:
+    """List everything under ``prefix_uri`` into Parquet parts under ``staging_uri`` (module docstring)."""
+    if rows_per_part < 1:
+        raise InputDataError(f"rows_per_part must be at least 1, got {rows_per_part}")
+    root = storage.normalize(prefix_uri)
+    walk_level, _ = _walkers(root)
+    own = _PartWriter(root, staging_uri, "g00000", rows_per_part)
+    dispatcher = _Dispatcher(own)
+    frontier = [""]
+    for depth in range(MAX_DEPTH + 1):
+        found: list[str] = []
+        dispatching = depth == MAX_DEPTH
+        for rel in frontier:
+            for item in walk_level(root, rel):
+                if isinstance(item, Entry):
+                    own.add(item)  # a flat prefix: streamed page by page into the caller's own parts
+                elif dispatching:
+                    dispatcher.add(item)
+                else:
+                    found.append(item)  # few so far: perhaps worth looking one level further
+                    if len(found) > FANOUT:  # many: this level's sub-prefixes go to tasks
+                        dispatching = True
+                        for prefix in found:
+                            dispatcher.add(prefix)
+                        found = []
+        if not found:
+            break
+        frontier = found
+    listings = dispatcher.gather()
+    skips = _Skips()
+    for listing in listings:
+        skips.merge(listing.skips)
+    return StreamedListing(
+        prefix=root,
+        parts=[part for listing in listings for part in listing.parts],
+        skipped=dict(sorted(skips.counts.items())),
+        skipped_examples={reason: skips.examples[reason] for reason in sorted(skips.counts)},
+    )
+
+
+def read_part(part_uri: str) -> pa.Table:
+    """One part's rows (:data:`PART_SCHEMA`)."""
+    return storage.read_parquet([part_uri])
+
+
+def iter_objects(listing: StreamedListing) -> Iterator[storage.ObjectInfo]:
+    """The listed objects, one part in memory at a time."""
+    for part in listing.parts:
+        for row in read_part(part.uri).to_pylist():
+            yield storage.ObjectInfo(row["uri"], row["key"], row["size"], row["etag"], row["modified"])

@@ -1,0 +1,177 @@
+"""Manifests: the commit point of a stage's output folder, as typed models.
+
+A stage that fills a folder (ingest, preprocess) writes its files first and
+``manifest.json`` last. The manifest names every file the run wrote, so a
+reader trusts a folder only when its manifest is there: a run that died half
+way left files nobody reads, and the next run clears them.
+
+Each kind of manifest is a model here, so writers and readers (the stages,
+the task finding new arrivals, the lineage graph) agree on one shape instead
+of on string keys. The JSON a model writes is the JSON the stages wrote as
+dicts before (same keys, same values), and fields added since have defaults,
+so folders committed long ago read as they are.
+
+:func:`commit` is the only writer, and only while the run still holds the
+folder's lease (:func:`rayline.storage.folders.fill_once` takes it and calls
+:func:`commit`); :func:`read` is the one reader, and a manifest that does not
+validate is an :class:`InputDataError` naming the file and the fields.
+
+Generations: a folder's first run writes its files in the folder itself; a
+run over a committed folder (forced, or its manifest no longer reusable)
+writes a new generation, ``<folder>/gen-<id>/``, and its manifest (naming
+the generation) replaces the old one in one atomic write: the switch. Until
+then readers of the old manifest read the old generation whole.
+:func:`generation_folder` is where a manifest's files are, for every reader.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, Field, ValidationError
+
+from rayline import storage
+from rayline.errors import InputDataError
+from rayline.specs import ImageSpec, SplitFractions
+from rayline.storage import leases
+
+MANIFEST = "manifest.json"
+# ``gen-<id>``: no ``key=value`` (Ray Data would read it back as a partition) and no leading ``_`` (hidden)
+GENERATION_PREFIX = "gen-"
+
+
+class Manifest(BaseModel):
+    """What every manifest has: its kind (checked on reading) and the version of its layout."""
+
+    WHAT: ClassVar[str] = "a manifest"  # in messages: "<uri> is not an ingest manifest"
+
+    kind: str
+    version: int = 1  # no layout has changed since the first: fields were only added, with defaults
+    generation: str | None = Field(
+        None, description="Where the files are: None, the folder itself; else its gen-<generation>/ subfolder."
+    )
+
+
+class ShardInfo(BaseModel):
+    """One Parquet shard an ingest wrote: one row per listed object, bytes or an error."""
+
+    uri: str
+    rows: int
+    bytes: int
+    fetch_errors: int
+
+
+class IngestManifest(Manifest):
+    """An ingest folder: where the objects came from, their identity, and the shards holding them."""
+
+    WHAT: ClassVar[str] = "an ingest manifest"
+
+    kind: Literal["rayline.ingest"] = "rayline.ingest"
+    source_uri: str
+    content_hash: str = Field(description="The listing's content hash (rayline.storage.listing): the input's identity.")
+    # 1 (manifests without the field): the sha256 of the sorted (key, etag) listing; 2: of its set digest
+    listing_version: int = Field(1, description="The form of content_hash (rayline.storage.listing.LISTING_VERSION).")
+    object_count: int
+    total_bytes: int
+    fetch_errors: int
+    labels: dict[str, int]
+    shards: list[ShardInfo]
+    # manifests written before skips were counted, or before leases, have none of these
+    skipped: dict[str, int] = Field(default_factory=dict)
+    skipped_examples: dict[str, list[str]] = Field(default_factory=dict)
+    committed_by: str | None = Field(None, description="The lease holder (a flow run) whose run committed it.")
+
+
+class PreprocessParameters(BaseModel):
+    """How the images were decoded and split: with the input, what names the folder."""
+
+    image: ImageSpec
+    splits: SplitFractions
+
+
+class PreprocessSummary(BaseModel):
+    """Counts per split and class, the errors, and every file the run wrote by split (and ``errors``)."""
+
+    classes: list[str]
+    counts: dict[str, int]
+    class_counts: dict[str, dict[str, int]]
+    error_count: int
+    error_types: dict[str, int]
+    files: dict[str, list[str]]
+
+
+class PreprocessManifest(Manifest):
+    """A preprocessed folder: the ingest it decoded, with which parameters, and what came out."""
+
+    WHAT: ClassVar[str] = "a preprocess manifest"
+
+    kind: Literal["rayline.preprocess"] = "rayline.preprocess"
+    input_manifest_uri: str
+    input_content_hash: str
+    output_uri: str
+    parameters: PreprocessParameters
+    summary: PreprocessSummary
+
+
+Kind = TypeVar("Kind", bound=Manifest)
+
+
+def manifest_uri(folder: str) -> str:
+    """Where ``folder``'s manifest is (or will be)."""
+    return storage.join(folder, MANIFEST)
+
+
+def generation_folder(folder: str, generation: str | None) -> str:
+    """Where the files of ``folder``'s generation ``generation`` are (None: the folder itself)."""
+    return folder if generation is None else storage.join(folder, f"{GENERATION_PREFIX}{generation}")
+
+
+def files_folder(manifest_uri: str, manifest: Manifest) -> str:
+    """Where the files of the generation a read manifest commits are: what every reader resolves them by."""
+    return generation_folder(posixpath.dirname(manifest_uri), manifest.generation)
+
+
+def belongs_to(name: str, generation: str | None) -> bool:
+    """Whether ``name``, directly under a folder, is its manifest or a file of its generation ``generation``."""
+    if name == MANIFEST:
+        return True
+    if generation is None:
+        return not name.startswith(GENERATION_PREFIX)
+    return name == f"{GENERATION_PREFIX}{generation}"
+
+
+def read(uri: str, kind: type[Kind]) -> Kind:
+    """The manifest at ``uri`` as ``kind``; :class:`InputDataError` if it is another kind or malformed."""
+    raw = storage.read_json(uri)
+    # the kind first: a manifest of another stage would otherwise fail on a list of its missing fields
+    if not isinstance(raw, dict) or raw.get("kind") != kind.model_fields["kind"].default:
+        raise InputDataError(f"{uri} is not {kind.WHAT}")
+    try:
+        return kind.model_validate(raw)
+    except ValidationError as exc:
+        raise InputDataError(f"{uri} is {kind.WHAT} with bad fields: {_fields(exc)}") from exc
+
+
+def read_committed(folder: str, kind: type[Kind]) -> Kind | None:
+    """``folder``'s manifest, or None while it is uncommitted (no manifest yet, or leftovers of a dead run)."""
+    uri = manifest_uri(folder)
+    return read(uri, kind) if storage.exists(uri) else None
+
+
+def commit(folder: str, manifest: Manifest, lease: leases.HeldLease) -> str:
+    """Write ``folder``'s manifest after its files: the commit point. Returns the manifest's URI.
+
+    Atomic (a reader sees no manifest or all of it), and only while this run
+    still holds the folder's lease: a run paused past its lease's expiry may
+    have had its files cleared by the run that took the folder over.
+    """
+    lease.ensure_held()
+    uri = manifest_uri(folder)
+    storage.write_json_atomic(uri, manifest.model_dump(mode="json"))
+    return uri
+
+
+def _fields(exc: ValidationError) -> str:
+    """Each failing field by its path in the JSON (``shards.0.rows``) and what is wrong with it."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors())

@@ -1,0 +1,22 @@
+"""The night tables: nightly predictions and their errors as Delta Lake tables, partitioned by model and day.
+
+- ``delta_tables``: opening a table, a night's partition, finding a run's commit;
+- ``predictions_table``: the writer (the driver's one commit per table per night) and the schemas;
+- ``prediction_reads``: the readers (a night, both tables paired by run, committed nights) and vacuum
+  (the face users call: ``rayline.tables.read_night_pair(...)``);
+- ``prediction_migration``: legacy manifest folders moved into the tables;
+- ``nights``: which nights a nightly run covers and what became of each.
+
+It imports ``rayline.storage`` and the cross-cutting modules only: never ``rayline.models`` or
+``rayline.lineage`` (the lineage graph reads the tables, so a migration's lineage writer is passed in).
+"""
+
+from rayline.tables.prediction_reads import (
+    committed_nights,
+    latest_night_commit,
+    read_night,
+    read_night_pair,
+    vacuum_tables,
+)
+
+__all__ = ["committed_nights", "latest_night_commit", "read_night", "read_night_pair", "vacuum_tables"]

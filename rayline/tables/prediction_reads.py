@@ -1,0 +1,246 @@
+"""Reading the night tables: one night (optionally at a version), both tables paired by run, and vacuum.
+
+Any Delta reader gets the same rows (DuckDB's ``delta_scan``, Polars'
+``read_delta``, Spark, ``ray.data.read_delta``); these are rayline's own
+readers, used by the monitor, lineage, rollouts and the CLI.
+
+Vacuum and time travel
+    A rerun of a night only marks the replaced files removed, and a failed
+    run leaves files no commit references; :func:`vacuum` deletes both once
+    they are older than the retention (Delta's semantics, kept as they are):
+    a file still referenced by the current version is never deleted, a
+    replaced file only when the commit that replaced it is older than the
+    retention, a never-committed file only when it was written before the
+    retention. So every version that was current at some time within the
+    retention stays readable by number (time travel); older versions may
+    have lost files. One more rule keeps the tables paired: the errors
+    table's version that a night's current predictions pair with keeps its
+    files however old (:func:`paired_errors_versions`; a run whose errors
+    commit landed but whose predictions commit did not replaced them). The log itself keeps every commit (the tables are
+    created without expired-log cleanup: ``predictions_table.TABLE_CONFIGURATION``).
+    The retention also protects a night still being written
+    (its files are not committed yet), hence at least 24 h. The ``monitor``
+    flow vacuums both tables (``vacuum_retention_hours``), ``rayline vacuum``
+    by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+from deltalake import DeltaTable
+from deltalake.exceptions import DeltaError
+
+from rayline import storage
+from rayline.errors import ConfigError, InputDataError
+from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
+from rayline.tables.delta_tables import (
+    Night,
+    NightCommit,
+    current_runs,
+    find_commit,
+    night_commit,
+    open_table,
+    storage_error,
+    storage_options,
+)
+from rayline.tables.prediction_migration import legacy_nights
+
+DEFAULT_RETENTION_HOURS = 168
+MIN_SAFE_RETENTION_HOURS = 24
+
+
+def read_night(uri: str, model_name: str, dt: str, version: int | None = None) -> pa.Table:
+    """A night's committed rows (as of ``version`` when given: time travel), partition columns included."""
+    uri = storage.normalize(uri)
+    night = Night(model_name, dt)
+    tbl = open_table(uri, version)
+    try:
+        # single-threaded on purpose: Arrow's scanner threads from a Delta dataset
+        # sometimes outlive the interpreter and abort it at exit ("terminate called
+        # without an active exception", seen ~1 run in 6; delta-rs #2184)
+        dataset = tbl.to_pyarrow_dataset(file_pruning_predicate=night.filters)
+        return dataset.to_table(use_threads=False)
+    except (DeltaError, OSError) as exc:
+        raise storage_error(exc, "read", uri) from exc
+
+
+@dataclass(frozen=True)
+class NightRows:
+    """One night as a reader pairs it: the predictions and the errors of the run that committed them."""
+
+    predictions: pa.Table
+    errors: pa.Table
+    commit: NightCommit  # the predictions table's commit of the night
+    errors_version: int
+
+
+def committed_nights(root: str, model_name: str, latest: int | None = None) -> list[str]:
+    """The ``dt`` of ``model_name``'s nights that have predictions committed, newest first (at most ``latest``)."""
+    uri = table_uri(root, PREDICTIONS_TABLE)
+    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
+        return []
+    try:
+        partitions = open_table(uri).partitions(partition_filters=[("model_name", "=", model_name)])
+    except (DeltaError, OSError) as exc:
+        raise storage_error(exc, "list the partitions of", uri) from exc
+    return sorted({p["dt"] for p in partitions}, reverse=True)[:latest]
+
+
+def latest_night_commit(root: str, model_name: str) -> NightCommit | None:
+    """The commit of ``model_name``'s newest committed night (its info names the inputs), None before any."""
+    nights = committed_nights(root, model_name, latest=1)
+    if not nights:
+        return None
+    return night_commit(table_uri(root, PREDICTIONS_TABLE), model_name, nights[0])
+
+
+def read_night_pair(root: str, model_name: str, dt: str, version: int | None = None) -> NightRows:
+    """A night's predictions (as of predictions table ``version``) and the errors committed by the same run.
+
+    The run commits its errors first and its predictions last, so the errors
+    table may already hold a newer run's errors for the night; reading it at
+    the version that carries the predictions' run id pairs the two exactly.
+    """
+    predictions_uri = table_uri(root, PREDICTIONS_TABLE)
+    errors_uri = table_uri(root, ERRORS_TABLE)
+    night = Night(model_name, dt)
+    if not DeltaTable.is_deltatable(predictions_uri, storage_options(predictions_uri)):
+        raise InputDataError(f"no predictions table at {predictions_uri}: run nightly-inference first")
+    commit = night_commit(predictions_uri, model_name, dt, version)
+    if commit is None:
+        raise InputDataError(f"no committed night {model_name} dt={dt} in {predictions_uri}")
+    errors_commit = find_commit(errors_uri, open_table(errors_uri), night, commit.run_id)
+    if errors_commit is None:
+        raise InputDataError(f"{errors_uri} has no commit of run {commit.run_id} for {model_name} dt={dt}")
+    return NightRows(
+        predictions=read_night(predictions_uri, model_name, dt, commit.version),
+        errors=read_night(errors_uri, model_name, dt, errors_commit.version),
+        commit=commit,
+        errors_version=errors_commit.version,
+    )
+
+
+def vacuum(
+    uri: str,
+    retention_hours: int = DEFAULT_RETENTION_HOURS,
+    *,
+    keep_versions: list[int] | None = None,
+    dry_run: bool = True,
+    allow_short_retention: bool = False,
+) -> list[str]:
+    """Files (relative paths) no version within the retention needs: replaced ones and never-committed ones.
+
+    A dry run by default; ``dry_run=False`` deletes them. A full vacuum, so
+    files never committed (failed runs) are found too; files younger than
+    ``retention_hours`` are left alone, which is what protects the parts of a
+    night still being written, so less than 24 h needs ``allow_short_retention``.
+    Versions current within the retention stay readable (module docstring);
+    ``keep_versions`` keeps older versions' files too, and so does every
+    version of the errors table that a night of the predictions table next to
+    it pairs with (:func:`read_night_pair`), however old.
+
+    Refused (:class:`ConfigError`) while legacy manifest nights sit in the
+    table's folder: a full vacuum would delete them, as files the log does
+    not reference. ``rayline migrate-predictions`` moves them into the table.
+    """
+    uri = storage.normalize(uri)
+    check_retention(retention_hours, allow_short_retention)
+    refuse_legacy_nights(uri)
+    # the predictions' nights before the errors snapshot: an errors commit between the two is then seen
+    # by the errors snapshot, which keeps its files as referenced, and the version it replaced as paired
+    predictions_runs = current_predictions_runs(uri)
+    tbl = open_table(uri)  # a fresh snapshot: a stale one would count newer commits' files as unreferenced
+    keep = sorted({*(keep_versions or []), *paired_errors_versions(uri, tbl, predictions_runs)})
+    try:
+        removed: list[str] = tbl.vacuum(
+            retention_hours=retention_hours,
+            dry_run=dry_run,
+            enforce_retention_duration=False,  # our own floor above replaces Delta's 168 h one
+            full=True,
+            keep_versions=keep or None,
+        )
+    except (DeltaError, OSError) as exc:
+        raise storage_error(exc, "vacuum", uri) from exc
+    return sorted(removed)
+
+
+def current_predictions_runs(uri: str) -> dict[Night, str]:
+    """When ``uri`` is a night errors table: the run each night of its predictions table pairs with; else empty.
+
+    The two tables are siblings under one root (:mod:`rayline.storage.layout`), as
+    :func:`read_night_pair` finds them.
+    """
+    root, _, name = uri.rpartition("/")
+    predictions_uri = table_uri(root, PREDICTIONS_TABLE)
+    if name != ERRORS_TABLE or not DeltaTable.is_deltatable(predictions_uri, storage_options(predictions_uri)):
+        return {}
+    try:
+        return current_runs(open_table(predictions_uri))
+    except (DeltaError, OSError) as exc:
+        raise storage_error(exc, "read the history of", predictions_uri) from exc
+
+
+def paired_errors_versions(uri: str, tbl: DeltaTable, predictions_runs: dict[Night, str]) -> list[int]:
+    """The versions of errors table ``tbl`` that :func:`read_night_pair` reads but whose files are replaced.
+
+    A run whose errors commit landed and whose predictions commit did not
+    (it failed, or another run won the predictions table) replaced the errors
+    that the night's current predictions pair with: a vacuum would delete
+    them as replaced files once that commit is older than the retention, and
+    the night would no longer read as a pair. Nights whose errors table
+    already holds the predictions' run need nothing: their files are current.
+    """
+    versions: list[int] = []
+    try:
+        errors_runs = current_runs(tbl)
+        for night, run_id in predictions_runs.items():
+            if errors_runs.get(night) == run_id:
+                continue
+            paired = find_commit(uri, tbl, night, run_id)
+            if paired is not None:  # None: the errors table never had it, and read_night_pair says so
+                versions.append(paired.version)
+    except (DeltaError, OSError) as exc:
+        raise storage_error(exc, "find the paired versions of", uri) from exc
+    return versions
+
+
+def check_retention(retention_hours: int, allow_short_retention: bool = False) -> None:
+    if retention_hours < 0:
+        raise ConfigError("retention_hours must not be negative")
+    if retention_hours < MIN_SAFE_RETENTION_HOURS and not allow_short_retention:
+        raise ConfigError(
+            f"retention of {retention_hours} h could delete the files of a night still being written; "
+            f"use at least {MIN_SAFE_RETENTION_HOURS} h or allow_short_retention=True"
+        )
+
+
+def refuse_legacy_nights(uri: str) -> None:
+    """Raise :class:`ConfigError` when legacy manifest nights sit in ``uri``'s folder: a vacuum would delete them."""
+    found = legacy_nights(uri)
+    if found:
+        examples = ", ".join(f"{n.model_name}/dt={n.dt}" for n in found[:3])
+        raise ConfigError(
+            f"{uri} holds {len(found)} legacy manifest night folder(s) ({examples}{', …' if len(found) > 3 else ''}) "
+            "that a vacuum would delete as files the table does not reference: run `rayline migrate-predictions` "
+            "to move them into the table first"
+        )
+
+
+def vacuum_tables(
+    root: str, retention_hours: int = DEFAULT_RETENTION_HOURS, *, dry_run: bool = True
+) -> dict[str, list[str]]:
+    """:func:`vacuum` of both night tables under ``root`` (those that exist): table URI → files (to be) deleted.
+
+    Both tables are checked for legacy nights before either is vacuumed.
+    """
+    tables = [
+        uri
+        for uri in (table_uri(root, PREDICTIONS_TABLE), table_uri(root, ERRORS_TABLE))
+        if DeltaTable.is_deltatable(uri, storage_options(uri))
+    ]
+    check_retention(retention_hours)
+    for uri in tables:
+        refuse_legacy_nights(uri)
+    return {uri: vacuum(uri, retention_hours, dry_run=dry_run) for uri in tables}

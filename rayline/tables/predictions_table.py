@@ -1,0 +1,406 @@
+"""Nightly predictions as Delta Lake tables: the driver's one commit per table per night.
+
+Two tables live under the storage root, ``<storage>/predictions`` and
+``<storage>/prediction_errors``, both partitioned by ``model_name`` and ``dt``
+(both strings; ``dt`` is an ISO date). Their data columns are
+:data:`PREDICTIONS_SCHEMA` and :data:`ERRORS_SCHEMA`.
+
+Who writes what
+    Predictor actors keep writing plain Parquet files, but *inside the table
+    folder*, under the night's Hive-style partition folder
+    (``<table>/model_name=<m>/dt=<d>/part-<run id>-<part>.parquet``, see
+    :func:`data_file_uri` / :func:`write_data_file`), without the partition
+    columns (Delta keeps those in the log). Such files are invisible to every
+    Delta reader until the driver commits them: :func:`commit_night` reads only
+    their footers (size, row count, schema) and commits them as *one*
+    ``overwrite`` transaction whose partition filter is exactly that
+    (model_name, dt), so the night is replaced atomically.
+
+Idempotency and concurrency
+    Each commit carries two app transactions (``txn`` actions):
+    ``rayline-run/<run id>/<model>/<dt>`` (version 1) makes a retried commit of
+    the same run a no-op, and ``rayline-night/<model>/<dt>`` (version = how many
+    times the night was committed) serialises commits of one night. The second
+    one is needed: on a partition that is *empty* in the writer's snapshot,
+    deltalake 1.6.6 rebases concurrent ``overwrite`` commits onto each other
+    without conflict (observed: three runs, three commits, every row three
+    times). With the night transaction the losers fail with
+    ``CommitFailedError: Concurrent transaction failed`` (on a non-empty
+    partition deltalake already fails them with "a concurrent transaction
+    deleted data this operation read"); either way :func:`commit_night` raises
+    :class:`~rayline.errors.NightCommittedElsewhere` naming the winning run.
+    Commits of other nights or models do not conflict and are retried by
+    deltalake itself. A run that passes ``expected_seq`` (how many times the
+    night was committed when it started, from :func:`night_seq`) is also
+    refused when another run committed the night since, even if the commits
+    did not overlap in time.
+    Commit info carries ``rayline.run_id``, ``rayline.model_name``,
+    ``rayline.dt`` and ``rayline.night_seq`` for readers and lineage.
+
+Order of the two tables, and what a reader sees
+    The driver commits ``prediction_errors`` FIRST, then ``predictions``. The
+    predictions commit is the night's "done" marker: a night is complete when
+    the run that last committed it in ``predictions``
+    (:func:`rayline.tables.delta_tables.night_commit`) also has its commit in
+    ``prediction_errors`` (same run id; always true in this order unless the
+    errors table was committed by a later run). Between the two commits a
+    reader sees the new run's errors next to the previous run's (or no)
+    predictions; a reader that pairs the tables
+    (:func:`rayline.tables.prediction_reads.read_night_pair`) reads
+    ``prediction_errors`` at the version that carries the predictions' run id.
+    A run that loses the race on the errors table never reaches the
+    predictions table.
+
+Files and vacuum
+    Overwrites only *mark* files removed; nothing is deleted until
+    :func:`rayline.tables.prediction_reads.vacuum`, which deletes removed files and
+    files never committed (orphans of failed runs) once their age exceeds the
+    retention. The
+    retention must exceed the longest time between an actor writing a file and
+    the driver committing it, or vacuum would delete a running night's files;
+    hence the 168 h default and the refusal of anything under 24 h unless asked.
+    Time travel reaches versions whose files are still there (``keep_versions``
+    protects chosen ones, and the errors version that a night's current
+    predictions pair with is always kept: a run whose errors commit landed
+    but whose predictions commit did not replaced it); the log keeps every
+    commit (:data:`TABLE_CONFIGURATION`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, Transaction
+from deltalake import Field as DeltaField
+from deltalake import Schema as DeltaSchema
+from deltalake.exceptions import CommitFailedError, DeltaError
+from deltalake.transaction import AddAction
+
+from rayline import storage
+from rayline.errors import ConfigError, InputDataError, NightCommittedElsewhere, StorageError, TransientStorageError
+from rayline.tables.delta_tables import (
+    PARTITION_COLUMNS,
+    SAFE_NAME,
+    Night,
+    arrow_schema,
+    check_run_id,
+    commit_version,
+    find_commit,
+    open_table,
+    storage_error,
+    storage_options,
+)
+
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9._=/-]+$")
+
+# The data columns of the two tables (the partition columns model_name and dt live in the Delta log).
+PREDICTIONS_SCHEMA = pa.schema(
+    [
+        ("uri", pa.string()),
+        ("etag", pa.string()),
+        ("predicted_index", pa.int64()),
+        ("predicted_class", pa.string()),
+        ("confidence", pa.float32()),
+        # plain list columns (not tensors), so any Parquet reader understands them
+        ("top_k_index", pa.list_(pa.int64())),
+        ("top_k_prob", pa.list_(pa.float64())),
+        ("top_k_class", pa.list_(pa.string())),
+        ("inference_ms", pa.float32()),
+        ("model_version", pa.int64()),
+        ("code_version", pa.string()),
+        ("flow_run_id", pa.string()),
+    ]
+)
+ERRORS_SCHEMA = pa.schema([(name, pa.string()) for name in ("uri", "stage", "error_type", "error_message")])
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What :func:`commit_night` did: the version holding this run's commit."""
+
+    version: int
+    replaced: bool
+    already_committed: bool
+
+
+def data_file_uri(table: str, night: Night, run_id: str, part: str | int) -> str:
+    """Where an actor writes one Parquet part of a night so that the driver can commit it."""
+    check_run_id(run_id)
+    name = f"part-{run_id}-{part}.parquet"
+    if not SAFE_NAME.match(name):
+        raise InputDataError(f"part {part!r} is not usable in a file name")
+    return storage.join(storage.normalize(table), night.relative_dir, name)
+
+
+def write_data_file(table: str, night: Night, run_id: str, part: str | int, data: pa.Table) -> str:
+    """Write one uncommitted part (partition columns dropped: Delta stores them in the log); its URI."""
+    uri = data_file_uri(table, night, run_id, part)
+    body = data.drop_columns([c for c in PARTITION_COLUMNS if c in data.column_names])
+    fs, path = storage.arrow_filesystem(uri)
+    try:
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        pq.write_table(body, path, filesystem=fs)
+    except OSError as exc:
+        raise storage_error(exc, "write", uri) from exc
+    return uri
+
+
+def table_schema(data_schema: pa.Schema) -> pa.Schema:
+    """The table's schema: the data columns, then the partition columns as strings."""
+    for name in PARTITION_COLUMNS:
+        index = data_schema.get_field_index(name)
+        if index >= 0:
+            if data_schema.field(index).type != pa.string():
+                raise ConfigError(f"partition column {name!r} must be a string, got {data_schema.field(index).type}")
+            data_schema = data_schema.remove(index)
+    return pa.schema([*data_schema, *(pa.field(name, pa.string()) for name in PARTITION_COLUMNS)])
+
+
+# Delta deletes commit files older than 30 days at checkpoints by default; rayline finds which run
+# committed a night (and the errors commit of the same run) in the commit history, so a night not rerun
+# for a month would lose that. Commit files are small (one per night and table): keep them all.
+TABLE_CONFIGURATION: dict[str, str | None] = {"delta.enableExpiredLogCleanup": "false"}
+
+
+def _open_or_create(uri: str, schema: pa.Schema) -> DeltaTable:
+    options = storage_options(uri)
+    if not DeltaTable.is_deltatable(uri, options):
+        try:
+            DeltaTable.create(
+                uri,
+                schema,
+                mode="ignore",
+                partition_by=list(PARTITION_COLUMNS),
+                configuration=TABLE_CONFIGURATION,
+                storage_options=options,
+            )
+        except DeltaError:
+            # two runs creating it at once: one wins version 0, the other just opens it
+            if not DeltaTable.is_deltatable(uri, options):
+                raise
+    return open_table(uri)
+
+
+def add_columns_if_missing(uri: str, schema: pa.Schema) -> list[str]:
+    """Add ``schema``'s columns the table lacks (nullable; old nights read them as null); the names added.
+
+    Only a metadata commit: no data file is rewritten. A changed type is refused.
+    """
+    uri = storage.normalize(uri)
+    wanted = table_schema(schema)
+    tbl = open_table(uri)
+    current = arrow_schema(tbl)
+    missing: list[pa.Field] = []
+    for field in wanted:
+        index = current.get_field_index(field.name)
+        if index < 0:
+            missing.append(field.with_nullable(True))
+        elif not current.field(index).type.equals(field.type):
+            raise ConfigError(
+                f"column {field.name!r} of {uri} is {current.field(index).type}, not {field.type}: "
+                "Delta columns cannot change type in place"
+            )
+    if not missing:
+        return []
+    fields: list[DeltaField] = DeltaSchema.from_arrow(pa.schema(missing)).fields
+    try:
+        tbl.alter.add_columns(fields)
+    except (DeltaError, OSError) as exc:
+        raise storage_error(exc, "add columns to", uri) from exc
+    return [field.name for field in missing]
+
+
+def _relative_path(uri: str, file_uri: str, night: Night) -> str:
+    file_uri = storage.normalize(file_uri)
+    prefix = f"{uri}/{night.relative_dir}/"
+    if not file_uri.startswith(prefix):
+        raise InputDataError(f"{file_uri} is not under {prefix}: actors must write there for Delta to reference it")
+    relative = file_uri[len(uri) + 1 :]
+    if not _SAFE_PATH.match(relative):
+        raise InputDataError(f"{file_uri}: file names need characters that Delta paths would have to encode")
+    return relative
+
+
+def _add_action(uri: str, file_uri: str, night: Night, columns: pa.Schema) -> tuple[AddAction, int]:
+    relative = _relative_path(uri, file_uri, night)
+    fs, path = storage.arrow_filesystem(storage.normalize(file_uri))
+    try:
+        info = fs.get_file_info(path)
+        meta = pq.read_metadata(path, filesystem=fs)  # the footer only: rows are never re-read
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise storage_error(exc, "read the footer of", file_uri) from exc
+    if info.size is None or info.mtime is None:
+        raise InputDataError(f"{file_uri}: not found")
+    stray = [
+        name for name in meta.schema.to_arrow_schema().names if name in PARTITION_COLUMNS or name not in columns.names
+    ]
+    if stray:
+        raise InputDataError(f"{file_uri} has columns {stray} that the table does not store in data files")
+    stats = json.dumps({"numRecords": meta.num_rows})
+    modified_ms = int(info.mtime.timestamp() * 1000)
+    return AddAction(relative, info.size, night.values, modified_ms, True, stats), meta.num_rows
+
+
+def _night_seq(tbl: DeltaTable, night: Night) -> int:
+    return tbl.transaction_version(night.app_id) or 0
+
+
+def night_seq(uri: str, partition: Mapping[str, str] | Night) -> int:
+    """How many times the night was committed (0 before its first commit or the table's): a run's ``expected_seq``."""
+    uri = storage.normalize(uri)
+    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
+        return 0
+    return _night_seq(open_table(uri), Night.of(partition))
+
+
+def _taken_by_another(uri: str, tbl: DeltaTable, night: Night, seen_seq: int, run_id: str) -> NightCommittedElsewhere:
+    winner = find_commit(uri, tbl, night)
+    who = winner.run_id if winner else "another run"
+    where = f" (version {winner.version})" if winner else ""
+    return NightCommittedElsewhere(
+        f"another run committed that night: {who} committed {night.model_name} {night.dt} in {uri}{where} "
+        f"after run {run_id} read it (night commit {seen_seq}); {run_id}'s files stay uncommitted",
+        winner_run_id=winner.run_id if winner else None,
+    )
+
+
+def check_night_unchanged(uri: str, partition: Mapping[str, str] | Night, expected_seq: int, run_id: str) -> None:
+    """Raise :class:`NightCommittedElsewhere` when the night was committed since a run saw ``expected_seq``.
+
+    The nightly run checks the predictions table (the night's done marker)
+    this way before committing its errors, so a run that started while
+    another was between its two commits stops before writing either table.
+    """
+    uri = storage.normalize(uri)
+    night = Night.of(partition)
+    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
+        if expected_seq == 0:
+            return
+        raise InputDataError(f"{uri} is not a Delta table any more (the run saw the night committed {expected_seq}x)")
+    tbl = open_table(uri)
+    if _night_seq(tbl, night) != expected_seq:
+        raise _taken_by_another(uri, tbl, night, expected_seq, run_id)
+
+
+def commit_night(
+    uri: str,
+    files: Iterable[str],
+    partition: Mapping[str, str] | Night,
+    run_id: str,
+    schema: pa.Schema,
+    *,
+    expected_seq: int | None = None,
+    metadata: Mapping[str, str | int] | None = None,
+    max_attempts: int = 3,
+) -> CommitResult:
+    """Commit a night's Parquet files as one transaction replacing that (model_name, dt).
+
+    ``files`` are already written under the night's folder in the table
+    (:func:`data_file_uri`); ``schema`` is the data schema (partition columns
+    optional). The table is created on first use and missing columns are added
+    first. A second call with the same ``run_id`` is a no-op. Raises
+    :class:`NightCommittedElsewhere` when another run committed the night
+    while this one was working: after the run read :func:`night_seq` as
+    ``expected_seq`` when given, else between this call's snapshot and its
+    commit. ``metadata`` goes into the commit info next to rayline's own keys.
+    """
+    uri = storage.normalize(uri)
+    night = Night.of(partition)
+    check_run_id(run_id)
+    wanted = table_schema(schema)
+    tbl = _open_or_create(uri, wanted)
+    if tbl.transaction_version(night.run_app_id(run_id)) is not None:
+        return _already(uri, tbl, night, run_id)
+    if add_columns_if_missing(uri, wanted):
+        tbl = open_table(uri)
+    seen_seq = _night_seq(tbl, night) if expected_seq is None else expected_seq
+    actions: list[AddAction] = []
+    rows = 0
+    for file_uri in files:
+        action, num_rows = _add_action(uri, file_uri, night, wanted)
+        actions.append(action)
+        rows += num_rows
+    for attempt in range(1, max_attempts + 1):
+        if attempt > 1:
+            tbl = open_table(uri)
+            if tbl.transaction_version(night.run_app_id(run_id)) is not None:
+                return _already(uri, tbl, night, run_id)  # our own earlier attempt landed after all
+        seq = _night_seq(tbl, night)
+        if seq != seen_seq:
+            raise _taken_by_another(uri, tbl, night, seen_seq, run_id)
+        properties = CommitProperties(
+            custom_metadata={
+                **(metadata or {}),
+                "rayline.run_id": run_id,
+                "rayline.model_name": night.model_name,
+                "rayline.dt": night.dt,
+                "rayline.night_seq": seq + 1,
+                "rayline.files": len(actions),
+                "rayline.rows": rows,
+            },
+            app_transactions=[Transaction(night.app_id, seq + 1), Transaction(night.run_app_id(run_id), 1)],
+        )
+        try:
+            tbl.create_write_transaction(
+                list(actions),
+                "overwrite",
+                arrow_schema(tbl),
+                partition_by=list(PARTITION_COLUMNS),
+                partition_filters=night.filters,
+                commit_properties=properties,
+                # also for tables created elsewhere without TABLE_CONFIGURATION
+                post_commithook_properties=PostCommitHookProperties(cleanup_expired_logs=False),
+            )
+        except CommitFailedError as exc:
+            # a conflict: the loop re-reads the table and tells a lost race from an unrelated one
+            if attempt == max_attempts:
+                raise TransientStorageError(f"commit {night.relative_dir} to {uri}: {exc}") from exc
+            continue
+        except (DeltaError, OSError) as exc:
+            raise storage_error(exc, f"commit {night.relative_dir} to", uri) from exc
+        # the handle does not follow its own commit: the version lies between its snapshot and now
+        version = commit_version(
+            uri, night.run_app_id(run_id), tbl.version() + 1, open_table(uri).version(), tbl.version()
+        )
+        return CommitResult(version=version, replaced=seq > 0, already_committed=False)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _already(uri: str, tbl: DeltaTable, night: Night, run_id: str) -> CommitResult:
+    committed = find_commit(uri, tbl, night, run_id)
+    version = committed.version if committed else commit_version(uri, night.run_app_id(run_id), -1, tbl.version())
+    replaced = committed is not None and committed.night_seq > 1
+    return CommitResult(version=version, replaced=replaced, already_committed=True)
+
+
+def _read_uri_columns(uris: list[str]) -> list[str]:
+    """The ``uri`` column of the written files, read concurrently (the other columns are not needed)."""
+
+    def read(uri: str) -> list[str]:
+        fs, path = storage.arrow_filesystem(uri)
+        try:
+            return [str(u) for u in pq.read_table(path, columns=["uri"], filesystem=fs).column("uri").to_pylist()]
+        except Exception as exc:
+            raise StorageError(f"reading back {uri}: {type(exc).__name__}: {exc}") from exc
+
+    with ThreadPoolExecutor(8) as pool:
+        return [u for part in pool.map(read, uris) for u in part]
+
+
+def verify_exactly_once(files: dict[str, list[str]], expected: set[str]) -> None:
+    """Refuse a commit unless the written files name every expected input once (predictions ∪ errors)."""
+    seen = _read_uri_columns(files["predictions"] + files["errors"])
+    duplicates = [u for u, c in Counter(seen).items() if c > 1]
+    missing, extra = expected - set(seen), set(seen) - expected
+    if duplicates or missing or extra:
+        raise StorageError(
+            f"refusing to commit: {len(missing)} inputs missing, {len(extra)} unexpected, "
+            f"{len(duplicates)} duplicated (e.g. {(sorted(missing) + sorted(extra) + duplicates)[:3]})"
+        )

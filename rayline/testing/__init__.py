@@ -1,0 +1,10 @@
+"""Fault drills' tools, shared by the tests and the benchmarks: nothing else in rayline imports them.
+
+- ``s3_server``: a loopback S3-protocol server (moto's server mode, in its own process), free ports,
+  stopping a process by PID;
+- ``s3_proxy``: a real HTTP proxy in front of any S3 endpoint that throttles, fails, resets, cuts
+  bodies short and refuses reads by policy (``python -m rayline.testing.s3_proxy --help``).
+
+Standard library only (moto runs as ``python -m moto.server``), so an installed rayline finds them
+without the test suite or ``bench/`` on the path.
+"""
