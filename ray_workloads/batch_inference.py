@@ -217,10 +217,15 @@ def _predict_and_write(
     # (a streaming repartition does the same as one more operator, ~7 s slower to the first block here)
     context.target_max_block_size = 1
     cut_blocks = partial(cut_part, output=output, size=size, resuming=any_block_written(output))
-    # on the driver's node, as from_items would put them: the blocks' rows then outlive a lost worker node
-    # (a row on a lost node would need its part's task run again, which Ray Data here waited for in vain)
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    cut = dataset.flat_map(cut_blocks, num_cpus=0.25, scheduling_strategy=here)  # light: beside the actors
+    # On the driver's node, as from_items puts them: the blocks' rows then outlive a lost worker node (a row
+    # on a lost node needs its part's task run again, which Ray Data waited for in vain). Hard affinity, and
+    # no CPU asked: a soft one fell back to the worker node whenever the actors held the head's CPUs, and any
+    # CPU asked could wait behind them. The node lives as long as the driver; at most two tasks at a time
+    # (no more than there are parts: Ray Data warns of a cap it cannot reach), as they only read a listing
+    # part and name its blocks.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    cutters = ray.data.TaskPoolStrategy(size=min(2, len(parts)))
+    cut = dataset.flat_map(cut_blocks, compute=cutters, num_cpus=0, scheduling_strategy=here)
     return cut.map_batches(
         _counting_predictor(),
         fn_constructor_args=(shown, cfg.model, cfg.top_k, cfg.batch_size, cfg.io_concurrency, output, _constants(cfg)),
