@@ -73,6 +73,7 @@ def child_costs(spec: dict[str, Any]) -> dict[str, Any]:
     from ray_workloads import batch_inference
     from ray_workloads.inference_predictor import PredictorUDF, fetch_and_decode, write_block
     from ray_workloads.night_blocks import NightOutput
+    from ray_workloads.night_pipeline import run_constants
     from rayline import storage
     from rayline.models import registry
     from rayline.tables.delta_tables import Night
@@ -85,7 +86,7 @@ def child_costs(spec: dict[str, Any]) -> dict[str, Any]:
         input_uri=spec["input"], tables_root=tables, dt=DAY, model=version, code_version="bench"
     )
     output = NightOutput(f"{tables}/predictions", f"{tables}/errors", Night(version.name, DAY), "costs", "kcosts")
-    udf = PredictorUDF(version, cfg.top_k, cfg.batch_size, cfg.io_concurrency, output, batch_inference._constants(cfg))
+    udf = PredictorUDF(version, cfg.top_k, cfg.batch_size, cfg.io_concurrency, output, run_constants(cfg))
     uris = sorted(p.as_uri() for p in Path(spec["input"]).rglob("*.jpg"))[: spec["count"]]
     spent = {"fetch_decode": 0.0, "forward": 0.0, "write": 0.0}
     measured = 0

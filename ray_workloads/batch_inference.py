@@ -42,7 +42,7 @@ through ``vacuum``, after a retention that outlasts any run).
 
 Why Ray Data, and why one stage of whole blocks: Ray Data gives the actor
 pool, its scheduling, and the restart of a lost actor with the retry of its
-block (bounded here: ``_ACTOR_RESTARTS``). The inputs are URIs and the outputs
+block (bounded: ``night_pipeline.ACTOR_RESTARTS``). The inputs are URIs and the outputs
 a few file names, so only those cross the object store, never images. An
 earlier version with separate fetch, predict and write stages streamed the
 images through the object store and started processes per stage, so it was
@@ -71,17 +71,10 @@ Layout (``<root>`` is the storage root)::
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
-from functools import partial
-from typing import TYPE_CHECKING, Any
-
-import pyarrow as pa
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from typing import TYPE_CHECKING
 
 from ray_workloads.inference_contract import InferenceConfig as InferenceConfig  # where callers have always found it
 from ray_workloads.inference_contract import InferenceResult as InferenceResult
@@ -89,17 +82,15 @@ from ray_workloads.inference_contract import NightSkipped as NightSkipped
 from ray_workloads.inference_contract import block_size
 from ray_workloads.inference_predictor import PredictorUDF
 from ray_workloads.night_blocks import (
-    BlockReport,
     NightOutput,
-    any_block_written,
-    cut_part,
     held_night,
     listing_staging_uri,
     night_key,
 )
-from ray_workloads.night_compaction import NightTotals, check_rows, compact_checked, remove_blocks
-from rayline import errors, progress, ray_work, storage
-from rayline.errors import InputDataError, RaylineError, RetriesExhausted, StorageError
+from ray_workloads.night_compaction import check_rows, compact_checked, remove_blocks
+from ray_workloads.night_pipeline import predict_and_write, run_constants, sum_reports
+from rayline import progress, storage
+from rayline.errors import InputDataError, StorageError
 from rayline.skipped import skipped_text
 from rayline.storage import leases
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
@@ -117,16 +108,6 @@ from rayline.tables.predictions_table import (
 if TYPE_CHECKING:
     from ray.data import Dataset
 
-# A lost actor (OOM, node loss, killed) is restarted and its block retried;
-# an input that kills its actor every time fails the run after this many.
-# (Ray Data's default is to restart and retry forever.)
-# Ray's driver logs "Actor … has constructor arguments in the object store and max_restarts > 0"
-# (ray-project/ray#53727: a restart fails once such an argument is freed) for every actor pool:
-# the arguments are Ray Data's own, the DataContext and the map transformer (which carries the
-# predictor's constructor arguments), put by the operator and held by it for the whole run, so they
-# stay pinned on the driver's node and a restart after a worker node's loss finds them
-# (tests/integration/test_node_loss.py).
-_ACTOR_RESTARTS = 3
 # What a process that runs batch inference asks its embedded Ray cluster to
 # import in every worker at start (``ray_cluster.connect(preload=...)``), so
 # that a predictor actor starts without waiting for these imports (bench/README.md):
@@ -134,15 +115,6 @@ _ACTOR_RESTARTS = 3
 # context imports, for the actor pool's worker; the UDF's own module.
 WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "ray_workloads.inference_predictor")
 SCHEMAS = {"predictions": PREDICTIONS_SCHEMA, "errors": ERRORS_SCHEMA}
-
-
-def _constants(cfg: InferenceConfig) -> dict[str, Any]:
-    """Columns with one value per run, added to every prediction row."""
-    return {
-        "model_version": cfg.model.version,
-        "code_version": cfg.code_version,
-        "flow_run_id": cfg.flow_run_id or "",
-    }
 
 
 def objects_per_task(cfg: InferenceConfig, count: int) -> int:
@@ -178,108 +150,13 @@ def blocks_key(cfg: InferenceConfig, listing: StreamedListing) -> str:
     )
 
 
-def _counting_predictor() -> type[PredictorUDF]:
-    """The predictor, counting the objects of each block it has reported (for the CLI's progress).
-
-    Built on the module's ``PredictorUDF`` when called, not at import, so that a test's stand-in
-    predictor (one that crashes on a poison input) is the one that runs.
-    """
-
-    class _CountingPredictor(PredictorUDF):
-        def __init__(self, shown: progress.Stage, *args: Any) -> None:
-            super().__init__(*args)
-            self._shown = shown
-
-        def __call__(self, batch: pa.Table) -> dict[str, Any]:
-            reports = super().__call__(batch)
-            self._shown.add(sum(int(n) for kind in ("predictions", "errors") for n in reports[kind]))
-            return reports
-
-    return _CountingPredictor
-
-
 def _predict_and_write(
     cfg: InferenceConfig, listing: StreamedListing, output: NightOutput, shown: progress.Stage
 ) -> Dataset:
-    """The predictor actors over every block of the listing's parts (lazy: iterating it runs them)."""
-    import ray.data  # here: the driver process needs it only while it runs inference
-
+    """The night's Ray Data pipeline with this module's ``PredictorUDF``, looked up when called (a test's
+    stand-in predictor, one that crashes on a poison input, is the one that runs)."""
     size = objects_per_task(cfg, listing.count)
-    blocks = sum(math.ceil(part.rows / size) for part in listing.parts)  # arithmetic, not a list of blocks
-    parts = [{"part": part.uri, "name": part.name} for part in listing.parts]
-    dataset = ray.data.from_items(parts, override_num_blocks=len(parts))  # one Ray Data block per part
-    context = dataset.context  # this dataset's own copy: the process-wide settings stay as they are
-    context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
-    context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
-    ray_work.stop_with_scope(context)  # a timed-out night stops its own actors, not its siblings' (a backfill)
-    # every row its own Ray Data block: flat_map would otherwise put a part's blocks into one Ray Data
-    # block, which one actor would take whole; one each, every actor of the pool takes blocks as it is free
-    # (a streaming repartition does the same as one more operator, ~7 s slower to the first block here)
-    context.target_max_block_size = 1
-    cut_blocks = partial(cut_part, output=output, size=size, resuming=any_block_written(output))
-    # On the driver's node, as from_items puts them: the blocks' rows then outlive a lost worker node (a row
-    # on a lost node needs its part's task run again, which Ray Data waited for in vain). Hard affinity, and
-    # no CPU asked: a soft one fell back to the worker node whenever the actors held the head's CPUs, and any
-    # CPU asked could wait behind them. The node lives as long as the driver; at most two tasks at a time
-    # (no more than there are parts: Ray Data warns of a cap it cannot reach), as they only read a listing
-    # part and name its blocks.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    cutters = ray.data.TaskPoolStrategy(size=min(2, len(parts)))
-    cut = dataset.flat_map(cut_blocks, compute=cutters, num_cpus=0, scheduling_strategy=here)
-    return cut.map_batches(
-        _counting_predictor(),
-        fn_constructor_args=(shown, cfg.model, cfg.top_k, cfg.batch_size, cfg.io_concurrency, output, _constants(cfg)),
-        batch_size=1,  # one block per call: it writes one file of each kind
-        batch_format="pyarrow",
-        # a small night needs no more actors than it has blocks: each costs a process and a model load
-        compute=ray.data.ActorPoolStrategy(size=min(cfg.actors, blocks)),
-        num_cpus=cfg.cpus_per_actor,
-        num_gpus=cfg.gpus_per_actor,
-        max_restarts=_ACTOR_RESTARTS,
-        max_task_retries=_ACTOR_RESTARTS,
-    )
-
-
-def _block_reports(reports: Dataset) -> Iterator[BlockReport]:
-    for row in reports.iter_rows():  # streamed: blocks are reported as their actors finish them
-        yield BlockReport.from_row(row)
-
-
-def _sum_reports(reports: Dataset) -> NightTotals:
-    """Run the actors and sum their reports as they stream in (the driver never holds them all)."""
-
-    def run() -> NightTotals:
-        totals = NightTotals()
-        for report in _block_reports(reports):
-            totals.add(report)
-        return totals
-
-    return _surfacing_errors(run)
-
-
-def _surfacing_errors(execute: Callable[[], NightTotals]) -> NightTotals:
-    """Run ``execute``; rayline's errors raised in an actor come out as themselves, lost actors as RetriesExhausted.
-
-    Ray Data restarted the lost actor and retried its block ``_ACTOR_RESTARTS``
-    times already: an input that kills its actor each time would kill it in a
-    Prefect retry too.
-    """
-    try:
-        return execute()
-    except Exception as exc:
-        causes = list(errors.causes(exc))
-        # the remote exception itself, not Ray's RayTaskError(...) subclass that wraps it
-        ours = [e for e in causes if isinstance(e, RaylineError) and not isinstance(e, ray.exceptions.RayTaskError)]
-        if ours:
-            raise ours[0] from exc
-        if any(isinstance(e, ray.exceptions.RayActorError) for e in causes):
-            raise RetriesExhausted(
-                "a block of batch inference (its predictor actor died: out of memory, lost nodes, or an input "
-                "that crashes the decoder or the model)",
-                _ACTOR_RESTARTS + 1,
-                exc,
-            ) from exc
-        raise
+    return predict_and_write(cfg, listing, output, shown, size=size, predictor=PredictorUDF)
 
 
 class _Phases:
@@ -387,12 +264,12 @@ def _predict_night(
         f"predict {night.model_name} {night.dt}", total=listing.count, unit="images", remote=True
     ) as shown:
         reports = _predict_and_write(cfg, listing, output, shown)
-        totals = _sum_reports(reports)
+        totals = sum_reports(reports)
     ray_data_stats = reports.stats()
     phases.lap("predict_and_write")
     check_rows(listing.uris, totals.uris, "the night's blocks")
     sizes = {"min_rows": cfg.min_file_rows, "min_bytes": cfg.min_file_bytes}
-    compacted = compact_checked(output, totals, listing.uris, SCHEMAS, _constants(cfg), seen[tables[0]], **sizes)
+    compacted = compact_checked(output, totals, listing.uris, SCHEMAS, run_constants(cfg), seen[tables[0]], **sizes)
     phases.lap("compact")
     files = {kind: [f.uri for f in compacted if f.kind == kind] for kind in SCHEMAS}
     metadata: dict[str, str | int] = {

@@ -1,0 +1,166 @@
+"""A night's Ray Data pipeline: block cutters on the driver's node, predictor actors, their reports summed.
+
+``predict_and_write`` builds the lazy dataset: one Ray Data block per listing
+part, cut into blocks of object URIs (:func:`ray_workloads.night_blocks.cut_part`)
+and predicted by a pool of restartable actors, each of which writes one file
+of each kind per block and reports it. ``sum_reports`` runs it and adds the
+reports up as they stream in, with rayline's errors raised in an actor coming
+out as themselves. The night's listing, lease, compaction and commits are
+:mod:`ray_workloads.batch_inference`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ray_workloads.inference_contract import InferenceConfig
+from ray_workloads.inference_predictor import PredictorUDF
+from ray_workloads.night_blocks import BlockReport, NightOutput, any_block_written, cut_part
+from ray_workloads.night_compaction import NightTotals
+from rayline import errors, progress, ray_work
+from rayline.errors import RaylineError, RetriesExhausted
+from rayline.storage.listing import StreamedListing
+
+if TYPE_CHECKING:
+    from ray.data import Dataset
+
+# A lost actor (OOM, node loss, killed) is restarted and its block retried;
+# an input that kills its actor every time fails the run after this many.
+# (Ray Data's default is to restart and retry forever.)
+# Ray's driver logs "Actor … has constructor arguments in the object store and max_restarts > 0"
+# (ray-project/ray#53727: a restart fails once such an argument is freed) for every actor pool:
+# the arguments are Ray Data's own, the DataContext and the map transformer (which carries the
+# predictor's constructor arguments), put by the operator and held by it for the whole run, so they
+# stay pinned on the driver's node and a restart after a worker node's loss finds them
+# (tests/integration/test_node_loss.py).
+ACTOR_RESTARTS = 3
+
+
+def run_constants(cfg: InferenceConfig) -> dict[str, Any]:
+    """Columns with one value per run, added to every prediction row."""
+    return {
+        "model_version": cfg.model.version,
+        "code_version": cfg.code_version,
+        "flow_run_id": cfg.flow_run_id or "",
+    }
+
+
+def _counting(predictor: type[PredictorUDF]) -> type[PredictorUDF]:
+    """``predictor``, counting the objects of each block it has reported (for the CLI's progress)."""
+
+    class _CountingPredictor(predictor):  # type: ignore[valid-type,misc]
+        def __init__(self, shown: progress.Stage, *args: Any) -> None:
+            super().__init__(*args)
+            self._shown = shown
+
+        def __call__(self, batch: pa.Table) -> dict[str, Any]:
+            reports: dict[str, Any] = super().__call__(batch)
+            self._shown.add(sum(int(n) for kind in ("predictions", "errors") for n in reports[kind]))
+            return reports
+
+    return _CountingPredictor
+
+
+def predict_and_write(
+    cfg: InferenceConfig,
+    listing: StreamedListing,
+    output: NightOutput,
+    shown: progress.Stage,
+    *,
+    size: int,
+    predictor: type[PredictorUDF],
+) -> Dataset:
+    """``predictor`` actors over every block of ``size`` objects of the listing's parts (lazy: iterating
+    the dataset runs them)."""
+    import ray.data  # here: the driver process needs it only while it runs inference
+
+    blocks = sum(math.ceil(part.rows / size) for part in listing.parts)  # arithmetic, not a list of blocks
+    parts = [{"part": part.uri, "name": part.name} for part in listing.parts]
+    dataset = ray.data.from_items(parts, override_num_blocks=len(parts))  # one Ray Data block per part
+    context = dataset.context  # this dataset's own copy: the process-wide settings stay as they are
+    context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
+    context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
+    ray_work.stop_with_scope(context)  # a timed-out night stops its own actors, not its siblings' (a backfill)
+    # every row its own Ray Data block: flat_map would otherwise put a part's blocks into one Ray Data
+    # block, which one actor would take whole; one each, every actor of the pool takes blocks as it is free
+    # (a streaming repartition does the same as one more operator, ~7 s slower to the first block here)
+    context.target_max_block_size = 1
+    cut_blocks = partial(cut_part, output=output, size=size, resuming=any_block_written(output))
+    # On the driver's node, as from_items puts them: the blocks' rows then outlive a lost worker node (a row
+    # on a lost node needs its part's task run again, which Ray Data waited for in vain). Hard affinity, and
+    # no CPU asked: a soft one fell back to the worker node whenever the actors held the head's CPUs, and any
+    # CPU asked could wait behind them. The node lives as long as the driver; at most two tasks at a time
+    # (no more than there are parts: Ray Data warns of a cap it cannot reach), as they only read a listing
+    # part and name its blocks.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    cutters = ray.data.TaskPoolStrategy(size=min(2, len(parts)))
+    cut = dataset.flat_map(cut_blocks, compute=cutters, num_cpus=0, scheduling_strategy=here)
+    return cut.map_batches(
+        _counting(predictor),
+        fn_constructor_args=(
+            shown,
+            cfg.model,
+            cfg.top_k,
+            cfg.batch_size,
+            cfg.io_concurrency,
+            output,
+            run_constants(cfg),
+        ),
+        batch_size=1,  # one block per call: it writes one file of each kind
+        batch_format="pyarrow",
+        # a small night needs no more actors than it has blocks: each costs a process and a model load
+        compute=ray.data.ActorPoolStrategy(size=min(cfg.actors, blocks)),
+        num_cpus=cfg.cpus_per_actor,
+        num_gpus=cfg.gpus_per_actor,
+        max_restarts=ACTOR_RESTARTS,
+        max_task_retries=ACTOR_RESTARTS,
+    )
+
+
+def _block_reports(reports: Dataset) -> Iterator[BlockReport]:
+    for row in reports.iter_rows():  # streamed: blocks are reported as their actors finish them
+        yield BlockReport.from_row(row)
+
+
+def sum_reports(reports: Dataset) -> NightTotals:
+    """Run the actors and sum their reports as they stream in (the driver never holds them all)."""
+
+    def run() -> NightTotals:
+        totals = NightTotals()
+        for report in _block_reports(reports):
+            totals.add(report)
+        return totals
+
+    return _surfacing_errors(run)
+
+
+def _surfacing_errors(execute: Callable[[], NightTotals]) -> NightTotals:
+    """Run ``execute``; rayline's errors raised in an actor come out as themselves, lost actors as RetriesExhausted.
+
+    Ray Data restarted the lost actor and retried its block ``ACTOR_RESTARTS``
+    times already: an input that kills its actor each time would kill it in a
+    Prefect retry too.
+    """
+    try:
+        return execute()
+    except Exception as exc:
+        causes = list(errors.causes(exc))
+        # the remote exception itself, not Ray's RayTaskError(...) subclass that wraps it
+        ours = [e for e in causes if isinstance(e, RaylineError) and not isinstance(e, ray.exceptions.RayTaskError)]
+        if ours:
+            raise ours[0] from exc
+        if any(isinstance(e, ray.exceptions.RayActorError) for e in causes):
+            raise RetriesExhausted(
+                "a block of batch inference (its predictor actor died: out of memory, lost nodes, or an input "
+                "that crashes the decoder or the model)",
+                ACTOR_RESTARTS + 1,
+                exc,
+            ) from exc
+        raise
