@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
@@ -58,19 +59,24 @@ def ensure_images(count: int = MAX_IMAGES) -> list[Path]:
 
 def input_folder(count: int, images: list[Path]) -> Path:
     """A folder holding exactly ``count`` of the images (hard links, made once per size)."""
-    folder = CACHE / f"inputs-{count}"
-    done = CACHE / f"inputs-{count}-complete"
+    return linked_folder(CACHE / f"inputs-{count}", lambda: images[:count], CACHE / "images")
+
+
+def linked_folder(folder: Path, sources: Callable[[], list[Path]], root: Path) -> Path:
+    """``folder`` holding hard links to ``sources()`` at their paths under ``root``; made once (a marker
+    beside it says it is complete, so a killed bench makes it again), and only then are they listed."""
+    done = folder.with_name(f"{folder.name}-complete")
     if not done.exists():
         shutil.rmtree(folder, ignore_errors=True)
-        for source in images[:count]:
-            target = folder / source.relative_to(CACHE / "images")
+        for source in sources():
+            target = folder / source.relative_to(root)
             target.parent.mkdir(parents=True, exist_ok=True)
             os.link(source, target)
         done.write_text("ok\n")
     return folder
 
 
-def warm_page_cache(folder: Path) -> None:
+def warm_page_cache(folder: Path, pattern: str = "*.png") -> None:
     """Read every file once so that neither side pays for cold disk reads."""
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda p: p.read_bytes(), folder.rglob("*.png")))
+        list(pool.map(lambda p: p.read_bytes(), folder.rglob(pattern)))

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 import shutil
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from bench.support.inference_images import CACHE
+from bench.support.inference_images import CACHE, linked_folder, warm_page_cache
 
 PHOTOS = CACHE / "photos"
 CHUNK = 500
@@ -58,19 +58,9 @@ def ensure_photos(count: int) -> list[Path]:
 
 def photo_folder(count: int) -> Path:
     """A folder holding exactly the first ``count`` photos (hard links, made once per size)."""
-    folder = CACHE / f"photo-inputs-{count}"
-    done = CACHE / f"photo-inputs-{count}-complete"
-    if not done.exists():
-        shutil.rmtree(folder, ignore_errors=True)
-        for source in ensure_photos(count):
-            target = folder / source.relative_to(PHOTOS)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.link(source, target)
-        done.write_text("ok\n")
-    return folder
+    return linked_folder(CACHE / f"photo-inputs-{count}", lambda: ensure_photos(count), PHOTOS)
 
 
 def warm_photos(folder: Path) -> None:
     """Read every photo once so that neither side pays for cold disk reads."""
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda p: p.read_bytes(), folder.rglob("*.jpg")))
+    warm_page_cache(folder, "*.jpg")
