@@ -307,6 +307,7 @@ def _fetch(
 
         for chunk in _cut(iter_objects(listing), per_shard, cfg.shard_max_bytes):
             uri = storage.join(files, "shards", f"part-{len(stats) + len(in_flight):05d}.parquet")
+            ray_work.raise_if_stopped()
             submitted = fetch.remote(chunk, uri, cfg.io_concurrency)
             # tracked at once: a timed-out attempt cancels what it started before a retry clears the folder
             ray_work.track([submitted])

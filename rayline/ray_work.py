@@ -50,7 +50,7 @@ _LIVE_ACTOR_STATES = ("DEPENDENCIES_UNREADY", "PENDING_CREATION", "ALIVE", "REST
 class _Scope:
     what: str
     actors_before: frozenset[str] | None  # None: Ray was not connected yet, so every actor of the job is new
-    refs: list[Any] = field(default_factory=list)
+    refs: dict[Any, None] = field(default_factory=dict)  # a set in the order tracked: gather tracks again
     executors: list[Any] = field(default_factory=list)  # Ray Data's StreamingExecutors running in this scope
     released: set[str] = field(default_factory=set)  # actors of its executions shut down without force
     stopped: bool = False  # by an interrupt or by the watchdog: once
@@ -66,18 +66,35 @@ _lock = threading.Lock()
 def track(refs: Iterable[Any]) -> None:
     """Hand Ray object refs of remote tasks to the current scope: an interrupt cancels them (no-op outside one).
 
-    A ref handed to a scope already stopped is cancelled at once: the work was
-    submitted after the stop, which did not see it.
+    A ref handed to a scope already stopped is cancelled at once, and waited
+    for: the work was submitted after the stop, which did not see it. Loops
+    that submit should ask :func:`raise_if_stopped` first, so that nothing is
+    submitted after a stop at all (a task cancelled as it is being pushed to
+    a worker may still run there).
     """
     scope = _current.get()
     if scope is None:
         return
-    refs = list(refs)
+    refs = list(dict.fromkeys(refs))  # ray.wait refuses a list that names a ref twice
     with scope.lock:
-        scope.refs.extend(refs)
+        scope.refs.update(dict.fromkeys(refs))
         stopped = scope.stopped
     if stopped:
         _cancel(refs)
+        _wait_gone(set(), refs, time.monotonic() + GONE_WITHIN_S)
+
+
+def raise_if_stopped() -> None:
+    """Raise :class:`~rayline.errors.WorkTimedOut` when the current scope was stopped (no-op outside one).
+
+    The watchdog stops a scope from its own thread, and the body learns of it
+    only through the Ray work it waits on: a body still before its first
+    submission (a slow listing) would go on submitting work that is cancelled
+    on arrival. Asking before each submission ends it there.
+    """
+    scope = _current.get()
+    if scope is not None and scope.stopped:
+        raise WorkTimedOut(f"{scope.what} was stopped; no more Ray work is submitted")
 
 
 def stop_with_scope(context: Any) -> None:
@@ -196,6 +213,10 @@ def cancel_on_abort(what: str, timeout_s: float | None = None) -> Iterator[None]
         if _is_interrupt(exc):
             _stop(scope, exc)
         elif scope.timed_out:
+            # the body may see its first cancelled ref before the watchdog has seen the rest gone: a
+            # retry must not start (and clear the attempt's folder) while a task of this one still ends
+            if watchdog is not None:
+                watchdog.join(GONE_WITHIN_S + 5.0)
             raise WorkTimedOut(f"{what} outran its {timeout_s:g} s limit; its Ray work was stopped") from exc
         raise
     finally:

@@ -4,8 +4,9 @@
 
 Every request is forwarded unchanged (its Host header and SigV4 signature
 included) over a pool of keep-alive connections to the upstream server, after
-``latency_ms``. A request whose method is in ``methods`` and whose path
-matches ``key_regex`` may be faulted instead of forwarded: a ``503`` answer
+``latency_ms`` (only those whose path matches ``latency_regex``, when set).
+A request whose method is in ``methods`` and whose path matches
+``key_regex`` may be faulted instead of forwarded: a ``503`` answer
 (S3 error XML, code ``SlowDown``), a ``500`` (``InternalError``), a ``403`` (``AccessDenied``, what a bucket
 policy that refuses the caller answers), a ``reset`` (the connection closed
 with SO_LINGER 0, so the client reads an RST and no answer), or a
@@ -60,6 +61,7 @@ class ProxyConfig:
     """What the proxy does to requests; every field can be changed at run time."""
 
     latency_ms: float = 0.0
+    latency_regex: str = ""  # on the request's path; "" delays every request
     fault_rate: float = 0.0
     fault_kinds: list[str] = field(default_factory=lambda: list(DEFAULT_KINDS))
     methods: list[str] = field(default_factory=lambda: ["GET"])
@@ -77,6 +79,7 @@ class ProxyConfig:
         if not set(new.fault_kinds) <= set(FAULT_KINDS) or not new.fault_kinds:
             raise ValueError(f"fault_kinds must be some of {FAULT_KINDS}")
         re.compile(new.key_regex)
+        re.compile(new.latency_regex)
         re.compile(new.always_fail or "")
         return new
 
@@ -97,6 +100,7 @@ class _State:
     def set(self, config: ProxyConfig) -> None:
         self.config = config
         self.key = re.compile(config.key_regex)
+        self.delayed = re.compile(config.latency_regex)
         self.always = re.compile(config.always_fail) if config.always_fail else None
         self.rng = random.Random(config.seed)
         self.seen: Counter[str] = Counter()  # matching requests per path, for fail_first_n
@@ -289,7 +293,7 @@ class Proxy:
         stats = self.state.stats
         stats["requests"] += 1
         stats[f"method_{request.method}"] += 1
-        if self.state.config.latency_ms > 0:
+        if self.state.config.latency_ms > 0 and self.state.delayed.search(request.path):
             await asyncio.sleep(self.state.config.latency_ms / 1000)
         fault = self.state.fault_for(request.method, request.path)
         if fault is not None:

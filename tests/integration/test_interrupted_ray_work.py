@@ -56,7 +56,7 @@ def _cpus_back_to(idle: float, within_s: float = 10.0) -> float:
 
 
 def test_a_timed_out_ingest_cancels_its_fetch_tasks_before_the_retry_clears_the_folder(
-    s3_faults: S3Proxy, s3_storage: str, tmp_path: Path
+    s3_faults: S3Proxy, s3_storage: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     raw = storage.join(s3_storage, "raw")
     count = ingest.MAX_SHARDS_IN_FLIGHT + 4  # more shards than wait at once: the driver waits among them
@@ -71,9 +71,12 @@ def test_a_timed_out_ingest_cancels_its_fetch_tasks_before_the_retry_clears_the_
         io_concurrency=1,
         num_cpus_per_task=idle,
     )
-    s3_faults.configure(latency_ms=1000)
+    # the objects' GETs only: a slow listing would let the limit pass before the first fetch task starts
+    s3_faults.configure(latency_ms=1000, latency_regex=r"\.png$")
     with pytest.raises(WorkTimedOut), ray_work.cancel_on_abort("an ingest attempt", timeout_s=4):
         ingest.run(slow)
+    stopped = [r.getMessage() for r in caplog.records if "an ingest attempt interrupted" in r.getMessage()]
+    assert stopped and " 0 task(s)" not in stopped[0], f"the limit passed before a fetch task started: {stopped}"
     assert _cpus_back_to(idle) >= idle, "a fetch task of the timed-out attempt still runs"
     s3_faults.reset()
 
