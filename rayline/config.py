@@ -94,6 +94,12 @@ class Settings(BaseSettings):
     retrain_min_new_labelled: int = Field(
         100, ge=1, description="New labelled objects in one arrival that make it worth retraining."
     )
+    zombie_window_s: float = Field(
+        90.0,
+        gt=30,
+        description="How long `rayline up`'s zombie automation waits for a flow run's next heartbeat (sent every "
+        "30 s) before it marks the run Crashed; read when `up` installs the automation (once per Prefect server).",
+    )
     state_dir: str | None = Field(
         None, description="Local folder of `rayline up` (PID files, logs, SQLite); default <storage>/state."
     )

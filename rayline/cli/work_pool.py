@@ -7,7 +7,7 @@
 - a ``prefect worker`` polling the pool, which starts each flow run as its own
   process (the command; ``platform`` runs it as a service);
 - the automation of Prefect's "detect zombie flows" guide: a flow run whose
-  heartbeats stop for :data:`ZOMBIE_WINDOW` is marked ``Crashed``.
+  heartbeats stop for ``RAYLINE_ZOMBIE_WINDOW_S`` (default 90 s) is marked ``Crashed``.
 
 Prefect is driven through its CLI and client, and the table is rendered in a
 child process (``python -m deployments.prefect_yaml``): rendering imports
@@ -24,12 +24,11 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+from rayline.config import get_settings
 from rayline.errors import ClusterError, ConfigError
 
 POOL_TYPE = "process"
 ZOMBIE_AUTOMATION = "rayline: crash zombie flow runs"
-# Prefect's guide uses 90 s with heartbeats every 30 s: two missed heartbeats and a margin.
-ZOMBIE_WINDOW = timedelta(seconds=90)
 _DEPLOY_TIMEOUT_S = 600.0
 
 
@@ -116,8 +115,13 @@ def worker_env(env: dict[str, str], ray_address: str, ray_tmpdir: Path) -> dict[
     return {**env, "RAY_ADDRESS": ray_address, "RAY_AUTH_MODE": "token", "RAY_TMPDIR": str(ray_tmpdir)}
 
 
-def install_zombie_automation(api_url: str, auth_string: str | None) -> bool:
-    """Create the "crash zombie flows" automation unless it exists; True when it was created."""
+def install_zombie_automation(api_url: str, auth_string: str | None, window_s: float | None = None) -> bool:
+    """Create the "crash zombie flows" automation unless it exists; True when it was created.
+
+    ``window_s``: how long a run may go without a heartbeat (default ``RAYLINE_ZOMBIE_WINDOW_S``, 90 s as in
+    Prefect's guide for heartbeats every 30 s: two missed heartbeats and a margin). An existing automation keeps
+    the window it was created with.
+    """
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
@@ -147,7 +151,7 @@ def install_zombie_automation(api_url: str, auth_string: str | None) -> bool:
                 for_each={"prefect.resource.id"},
                 posture=Posture.Proactive,
                 threshold=1,
-                within=ZOMBIE_WINDOW,
+                within=timedelta(seconds=window_s if window_s is not None else get_settings().zombie_window_s),
             ),
             actions=[
                 ChangeFlowRunState(

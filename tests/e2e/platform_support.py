@@ -20,6 +20,10 @@ from tests.support import REPO_ROOT, free_port
 BIN = Path(sys.executable).parent
 _OUTSIDE = ("RAY_ADDRESS", "PREFECT_API_URL", "AWS_ENDPOINT_URL", "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_URI")
 AUTH = "rayline:platform-test-secret"  # the Prefect API asks for it (PREFECT_SERVER_API_AUTH_STRING)
+# The zombie automation's window (RAYLINE_ZOMBIE_WINDOW_S, 90 s by default): a killed CLI run is Crashed 30 s
+# sooner. Still twice the heartbeats' 30 s, so a live run's heartbeat may be 30 s late and one a loaded machine
+# delays a few seconds never crashes it.
+ZOMBIE_WINDOW_S = 60
 
 
 def run_rayline(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -81,6 +85,7 @@ def platform_env(root: Path) -> dict[str, str]:
         # the worker looks for flow runs to start every 2 s (10 s by default): each run a test starts through a
         # deployment waits that much less for it
         PREFECT_WORKER_QUERY_SECONDS="2",
+        RAYLINE_ZOMBIE_WINDOW_S=str(ZOMBIE_WINDOW_S),
     )
     return env
 

@@ -8,7 +8,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,12 +18,12 @@ import ray
 
 from ray_workloads import preprocess
 from rayline import lineage, storage
-from rayline.seed import seed, seed_incoming
+from rayline.seed import SeedResult, seed, seed_incoming
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
 from rayline.tables.delta_tables import Night, table_version
 from rayline.tables.prediction_reads import read_night_pair, vacuum
 from tests.integration.helpers import assert_exactly_one_row_per_object, register_untrained_champion
-from tests.support import free_port, pids_mentioning, stop_process, wait_for_port
+from tests.support import create_bucket, delete_bucket, free_port, pids_mentioning, stop_process, wait_for_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("ray_session")]
 
@@ -71,32 +73,59 @@ def external_cluster(s3_endpoint: str) -> Iterator[str]:
         assert pids_mentioning(temp_dir) == [], "processes of the external cluster survived its stop"
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """The module's one `rayline prepare-data` on the external cluster: its storage root, what was seeded, its run."""
+
+    root: str
+    seeded: SeedResult
+    done: subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="module")
+def prepared(external_cluster: str, s3_endpoint: str, prefect_api: str) -> Iterator[Prepared]:
+    """300 digits (every class; few S3 requests) and 4 broken objects, prepared once in a bucket of the module's:
+    train-model then finds its data prepared (ingest and preprocess reused), as after a user's prepare-data,
+    and spends its time on the tune and train it is tested for."""
+    bucket = f"rayline-test-{uuid.uuid4().hex[:12]}"
+    create_bucket(s3_endpoint, bucket)
+    root = f"s3://{bucket}/root"
+    try:
+        seeded = seed(storage.join(root, "raw"), corrupt=4, digit_count=300)
+        env = _driver_env(external_cluster, root, s3_endpoint, prefect_api)
+        # run from outside the repo: workers must get rayline from runtime_env, not the cwd
+        done = subprocess.run(
+            [str(BIN / "rayline"), "prepare-data"], env=env, cwd=tempfile.gettempdir(), capture_output=True,
+            text=True, timeout=600,
+        )  # fmt: skip
+        yield Prepared(root, seeded, done)
+    finally:
+        delete_bucket(s3_endpoint, bucket)
+
+
 def test_prepare_data_runs_on_an_external_cluster(
-    external_cluster: str, s3_storage: str, s3_endpoint: str, prefect_api: str
+    prepared: Prepared, external_cluster: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seeded = seed(storage.join(s3_storage, "raw"), corrupt=4, digit_count=300)  # every class; few S3 requests
-    env = _driver_env(external_cluster, s3_storage, s3_endpoint, prefect_api)
-    # run from outside the repo: workers must get rayline from runtime_env, not the cwd
-    done = subprocess.run(
-        [str(BIN / "rayline"), "prepare-data"], env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
+    monkeypatch.setenv("RAYLINE_STORAGE", prepared.root)
+    done = prepared.done
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "prepare-data finished" in done.stdout
 
-    (record,) = lineage.read_records("preprocess")
+    # the prepare-data run's record (train-model's reuse of its data, when it ran first, records a cached one)
+    (record,) = [r for r in lineage.read_records("preprocess") if not r.cached]
     assert record.run.ray_address == external_cluster
     result = preprocess.read_manifest(record.outputs[0].uri)
-    assert_exactly_one_row_per_object(result, seeded)
+    assert_exactly_one_row_per_object(result, prepared.seeded)
     # the session's own embedded cluster was not disturbed
     assert ray.get(ray.put(41)) + 1 == 42
 
 
 def test_train_and_tune_run_on_an_external_cluster(
-    external_cluster: str, s3_storage: str, s3_endpoint: str, prefect_api: str
+    prepared: Prepared, external_cluster: str, s3_endpoint: str, prefect_api: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seed(storage.join(s3_storage, "raw"), digit_count=300)  # where it runs is checked, not what it learns
-    env = _driver_env(external_cluster, s3_storage, s3_endpoint, prefect_api)
+    root = prepared.root  # where it runs is checked, not what it learns: the module's 300 prepared digits
+    monkeypatch.setenv("RAYLINE_STORAGE", root)
+    env = _driver_env(external_cluster, root, s3_endpoint, prefect_api)
     args = ["train-model", "--epochs", "1", "--tune-samples", "2", "--tune-max-epochs", "1", "--floor", "0"]
     done = subprocess.run(
         [str(BIN / "rayline"), *args], env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=900
@@ -107,9 +136,9 @@ def test_train_and_tune_run_on_an_external_cluster(
     (trained,) = lineage.read_records("train")
     (tuned,) = lineage.read_records("tune")
     assert trained.run.ray_address == tuned.run.ray_address == external_cluster
-    assert trained.outputs[0].uri.startswith(f"{s3_storage}/training/")  # checkpoints live in the bucket
-    assert tuned.outputs[0].uri.startswith(f"{s3_storage}/tuning/")
-    assert storage.list_objects(storage.join(s3_storage, "models", "digits", "v1"))
+    assert trained.outputs[0].uri.startswith(f"{root}/training/")  # checkpoints live in the bucket
+    assert tuned.outputs[0].uri.startswith(f"{root}/tuning/")
+    assert storage.list_objects(storage.join(root, "models", "digits", "v1"))
 
 
 def _committed(root: str) -> tuple[int | None, int | None]:
