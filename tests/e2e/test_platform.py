@@ -62,18 +62,19 @@ def test_a_burst_of_labelled_arrivals_starts_exactly_one_retraining(platform: di
     assert f"burst {[prefix]!r}" in done.stdout, "one run, on the prefix that arrived: " + done.stdout
 
 
-DEMO_EPOCHS, DEMO_PHOTOS = 8, 20  # the demo's challenger epochs and photos night (``--epochs``, ``--photos``)
+DEMO_EPOCHS, DEMO_PHOTOS = 8, 100  # the demo's challenger epochs (``--epochs``) and photos night (its default)
 
 
 def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
     """`rayline demo` against `up` (README): the whole lifecycle on its cluster, recorded by its Prefect server.
 
     With the demo's own knobs turned down where only the amount of work changes: 8 epochs for the
-    challenger instead of 12 (8 already reach 0.99 on this split, see test_train_model_flow), 2 s of
-    soak a rollout step instead of 5, 20 photos instead of 100. Every stage, service and summary
-    line `make demo` prints is the same; CI's 2 cores spend ~7 minutes on the defaults.
+    challenger instead of 12 (8 already reach 0.99 on this split, see test_train_model_flow) and 2 s
+    of soak a rollout step instead of 5. Every stage, service and summary line `make demo` prints is
+    the same; CI's 2 cores spend ~7 minutes on the defaults. (The photos night keeps its 100 photos:
+    its 3 broken ones must stay within the 5 % error budget, and its time is mostly fixed.)
     """
-    args = ["demo", "--epochs", str(DEMO_EPOCHS), "--soak-s", "2", "--photos", str(DEMO_PHOTOS)]
+    args = ["demo", "--epochs", str(DEMO_EPOCHS), "--soak-s", "2"]
     done = run_rayline(args, platform, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
