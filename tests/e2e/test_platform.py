@@ -68,13 +68,12 @@ DEMO_EPOCHS, DEMO_PHOTOS = 8, 100  # the demo's challenger epochs (``--epochs``)
 def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
     """`rayline demo` against `up` (README): the whole lifecycle on its cluster, recorded by its Prefect server.
 
-    With the demo's own knobs turned down where only the amount of work changes: 8 epochs for the
-    challenger instead of 12 (8 already reach 0.99 on this split, see test_train_model_flow) and 2 s
-    of soak a rollout step instead of 5. Every stage, service and summary line `make demo` prints is
-    the same; CI's 2 cores spend ~7 minutes on the defaults. (The photos night keeps its 100 photos:
-    its 3 broken ones must stay within the 5 % error budget, and its time is mostly fixed.)
+    With 8 epochs for the challenger instead of 12 (8 clear the 0.95 bar on this split, see
+    test_train_model_flow): every other stage, service and summary line is `make demo`'s own.
+    The soak and the photos keep their defaults: a 2 s soak gave the canary's 10 % step 18 requests
+    of the 20 its gate needs (rolled back), and 3 broken photos in 23 are over the 5 % budget.
     """
-    args = ["demo", "--epochs", str(DEMO_EPOCHS), "--soak-s", "2"]
+    args = ["demo", "--epochs", str(DEMO_EPOCHS)]
     done = run_rayline(args, platform, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
