@@ -11,7 +11,7 @@ import json
 
 from prefect.client.orchestration import get_client
 
-MARKERS = ["Ray Data execution stats:", "Ray Tune trials (best first):", "epoch 7: train loss"]
+MARKERS = ["Ray Data execution stats:", "Ray Tune trials (best first):", "epoch 11: train loss"]
 
 
 async def found() -> list[str]:
