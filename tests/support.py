@@ -9,6 +9,7 @@ front of it, free ports, stopping a process group) are the benchmarks'
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -37,6 +38,7 @@ __all__ = [
     "process_cpu_seconds",
     "proxy_in_front",
     "s3_server",
+    "start_ray_head",
     "stop_process",
     "wait_for_http",
     "wait_for_port",
@@ -71,3 +73,27 @@ def pids_mentioning(text: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def start_ray_head(args: list[str], env: dict[str, str], temp_dir: Path) -> subprocess.Popen[bytes]:
+    """``ray start --head --block`` once it says the runtime started; started again (twice at most) if it exits.
+
+    Its GCS port opens before the rest of the node is up, and on a loaded machine the start can fail by
+    itself after that ("The current node timed out during startup": the raylet gave up waiting for its
+    agent), which left a dead head behind an open-looking port and every test waiting for its timeout.
+    That is the test's machinery failing, not what is under test, so it is retried here.
+    """
+    for attempt in range(3):
+        out = temp_dir / f"head-start-{attempt}.log"
+        with out.open("wb") as log:
+            head = subprocess.Popen(
+                args, env=env, cwd=temp_dir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + 180
+        while head.poll() is None and b"Ray runtime started" not in out.read_bytes():
+            assert time.monotonic() < deadline, f"the head did not start in 180 s: {out.read_text()[-2000:]}"
+            time.sleep(0.2)
+        if head.poll() is None:
+            return head
+        stop_process(head, timeout_s=30)  # what it left of its group
+    raise AssertionError(f"the head failed to start three times: {out.read_text()[-2000:]}")

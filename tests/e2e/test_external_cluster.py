@@ -23,7 +23,15 @@ from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
 from rayline.tables.delta_tables import Night, table_version
 from rayline.tables.prediction_reads import read_night_pair, vacuum
 from tests.integration.helpers import assert_exactly_one_row_per_object, register_untrained_champion
-from tests.support import create_bucket, delete_bucket, free_port, pids_mentioning, stop_process, wait_for_port
+from tests.support import (
+    create_bucket,
+    delete_bucket,
+    free_port,
+    pids_mentioning,
+    start_ray_head,
+    stop_process,
+    wait_for_port,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("ray_session")]
 
@@ -61,7 +69,7 @@ def external_cluster(s3_endpoint: str) -> Iterator[str]:
         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
         "--min-worker-port=20000", "--max-worker-port=20999",
     ]  # fmt: skip
-    head = _start_head(args, env, Path(temp_dir))
+    head = start_ray_head(args, env, Path(temp_dir))
     try:
         wait_for_port(port)
         yield f"127.0.0.1:{port}"
@@ -71,30 +79,6 @@ def external_cluster(s3_endpoint: str) -> Iterator[str]:
         while pids_mentioning(temp_dir) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert pids_mentioning(temp_dir) == [], "processes of the external cluster survived its stop"
-
-
-def _start_head(args: list[str], env: dict[str, str], temp_dir: Path) -> subprocess.Popen[bytes]:
-    """``ray start --head --block`` once it says the runtime started; started again (twice at most) if it exits.
-
-    Its GCS port opens before the rest of the node is up, and on a loaded machine the start can fail by
-    itself after that ("The current node timed out during startup": the raylet gave up waiting for its
-    agent), which left a dead head behind an open-looking port and every test waiting for its timeout.
-    That is the test's machinery failing, not what is under test, so it is retried here.
-    """
-    for attempt in range(3):
-        out = temp_dir / f"head-start-{attempt}.log"
-        with out.open("wb") as log:
-            head = subprocess.Popen(
-                args, env=env, cwd=temp_dir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + 180
-        while head.poll() is None and b"Ray runtime started" not in out.read_bytes():
-            assert time.monotonic() < deadline, f"the head did not start in 180 s: {out.read_text()[-2000:]}"
-            time.sleep(0.2)
-        if head.poll() is None:
-            return head
-        stop_process(head, timeout_s=30)  # what it left of its group
-    raise AssertionError(f"the head failed to start three times: {out.read_text()[-2000:]}")
 
 
 @dataclass(frozen=True)
