@@ -322,7 +322,7 @@ def _start_worker(
     worker_env = work_pool.worker_env(env, ends.ray_address, ray_temp_dir(state))
     record, proc = _start(state, started, "worker", work_pool.worker_command(pool), worker_env, ends.prefect_ui)
     work_pool.deploy_all(pool, env, state, rendering.result())
-    work_pool.install_zombie_automation(ends.prefect_api, env.get("PREFECT_API_AUTH_STRING"), settings.zombie_window_s)
+    work_pool.install_zombie_automation(ends.prefect_api, env.get("PREFECT_API_AUTH_STRING"))
     return _readiness(f"a worker polling work pool {pool}", lambda: _worker_online(ends, pool), record, proc, timeout_s)
 
 

@@ -115,12 +115,12 @@ def worker_env(env: dict[str, str], ray_address: str, ray_tmpdir: Path) -> dict[
     return {**env, "RAY_ADDRESS": ray_address, "RAY_AUTH_MODE": "token", "RAY_TMPDIR": str(ray_tmpdir)}
 
 
-def install_zombie_automation(api_url: str, auth_string: str | None, window_s: float | None = None) -> bool:
+def install_zombie_automation(api_url: str, auth_string: str | None) -> bool:
     """Create the "crash zombie flows" automation unless it exists; True when it was created.
 
-    ``window_s``: how long a run may go without a heartbeat (default ``RAYLINE_ZOMBIE_WINDOW_S``, 90 s as in
-    Prefect's guide for heartbeats every 30 s: two missed heartbeats and a margin). An existing automation keeps
-    the window it was created with.
+    Its window, how long a run may go without a heartbeat, is ``RAYLINE_ZOMBIE_WINDOW_S`` (90 s as in
+    Prefect's guide for heartbeats every 30 s: two missed heartbeats and a margin). An existing automation
+    keeps the window it was created with.
     """
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client
@@ -151,7 +151,7 @@ def install_zombie_automation(api_url: str, auth_string: str | None, window_s: f
                 for_each={"prefect.resource.id"},
                 posture=Posture.Proactive,
                 threshold=1,
-                within=timedelta(seconds=window_s if window_s is not None else get_settings().zombie_window_s),
+                within=timedelta(seconds=get_settings().zombie_window_s),
             ),
             actions=[
                 ChangeFlowRunState(

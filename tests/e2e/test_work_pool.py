@@ -156,30 +156,21 @@ def test_nightly_inference_runs_through_the_worker(platform: dict[str, str]) -> 
     assert night.commit.run_id, night.commit
 
 
-def _start_until(pid: int, group: bool, begun: Any, what: str, said: Any = lambda: "") -> None:
-    """Run ``pid`` (stopped) 0.5 s at a time until ``begun()`` (its flow run Running) holds, asked while it is
-    stopped; returns with ``pid`` stopped, for :func:`_step_until`.
-
-    Until its flow run is Running a process is still starting (imports, Prefect's client, the run's creation):
-    one step takes it no nearer its night's end than into the flow's first task, so it need not be stepped a
-    fifth of the time as after (stepped so from its first instant, the start-up took 80 s of a loaded machine).
-    """
-    send = os.killpg if group else os.kill
-    deadline = time.monotonic() + 300
-    while not begun():
-        assert time.monotonic() < deadline, f"not within 300 s: {what}\n{said()}"
-        send(pid, signal.SIGCONT)
-        time.sleep(0.5)
-        send(pid, signal.SIGSTOP)
+# How a flow-run process is stepped until its run is Running (_step_until)
+_STARTING = {"run_s": 0.5, "stopped_s": 0.0}
 
 
-def _step_until(pid: int, group: bool, ready: Any, what: str, said: Any = lambda: "") -> None:
-    """Step ``pid`` (SIGCONT, 0.2 s, SIGSTOP) from now until ``ready()`` holds, asked while it is stopped;
-    returns with ``pid`` stopped.
+def _step_until(
+    pid: int, group: bool, ready: Any, what: str, said: Any = lambda: "", run_s: float = 0.2, stopped_s: float = 0.8
+) -> None:
+    """Step ``pid`` (SIGCONT, ``run_s``, SIGSTOP, stopped ``stopped_s`` in all) from now until ``ready()``
+    holds, asked while it is stopped; returns with ``pid`` stopped.
 
-    The process is stopped before this is called, as soon as it exists, and has run in steps since
-    (:func:`_start_until`): it never runs more than one 0.2 s step unobserved once its flow run is
-    Running, so its flow run is mid-way when it is killed however fast the night goes.
+    The process is stopped before this is called, as soon as it exists. Until its flow run is
+    Running it is still starting (imports, Prefect's client, the run's creation), and is stepped
+    0.5 s at a time with no pause (``run_s=0.5, stopped_s=0``): stepped a fifth of the time from its
+    first instant, its start-up took 80 s of a loaded machine. After that it never runs more than
+    one 0.2 s step unobserved, so its flow run is mid-way when it is killed however fast the night goes.
     (A night of 1,797 digits takes 3 s of the process's time on an idle machine: killing a process
     that ran free until it was seen on Ray raced the night, and a run that committed first ended
     Completed, never Crashed.)
@@ -191,12 +182,12 @@ def _step_until(pid: int, group: bool, ready: Any, what: str, said: Any = lambda
         if ready():
             return
         assert time.monotonic() < deadline, f"not within 300 s: {what}\n{said()}"
-        # Stopped at least 4× as long as it runs: what ``ready`` waits for on the server's side (the
-        # heartbeat's way through the events pipeline takes seconds of wall time) arrives while the
-        # process has advanced a fifth as far, not while it finishes its night.
-        time.sleep(max(0.0, 0.8 - (time.monotonic() - stopped)))
+        # Stopped at least 4× as long as it runs (the defaults): what ``ready`` waits for on the server's
+        # side (the heartbeat's way through the events pipeline takes seconds of wall time) arrives while
+        # the process has advanced a fifth as far, not while it finishes its night.
+        time.sleep(max(0.0, stopped_s - (time.monotonic() - stopped)))
         send(pid, signal.SIGCONT)
-        time.sleep(0.2)
+        time.sleep(run_s)
         send(pid, signal.SIGSTOP)
 
 
@@ -298,7 +289,7 @@ def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str
             [str(BIN / "rayline"), "nightly-inference", "--date", "2026-01-06", *SLOW_NIGHT], env=env,
             cwd=platform["RAYLINE_STORAGE"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-        os.killpg(cli.pid, signal.SIGSTOP)  # stepped from its first instant (_start_until, _step_until)
+        os.killpg(cli.pid, signal.SIGSTOP)  # stepped from its first instant (_step_until)
         try:
             found: dict[str, str] = {}
 
@@ -308,7 +299,7 @@ def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str
                     found["run"] = str(run["id"])
                 return _is_running(run)
 
-            _start_until(cli.pid, True, cli_running, "the CLI's flow run Running", said)
+            _step_until(cli.pid, True, cli_running, "the CLI's flow run Running", said, **_STARTING)
 
             def cli_on_ray() -> bool:
                 """Its flow run Running, that run's first heartbeat at the API (the zombie automation
@@ -337,7 +328,7 @@ def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str
         worker_said = lambda: _worker_log(platform)  # noqa: E731
         pid = _started_process(worker_run, worker_said)
         running = lambda: _state(client, worker_run) == "RUNNING"  # noqa: E731
-        _start_until(pid, False, running, "the worker's flow run Running", worker_said)
+        _step_until(pid, False, running, "the worker's flow run Running", worker_said, **_STARTING)
         seen: dict[str, str] = {}
 
         def worker_on_ray() -> bool:
