@@ -169,7 +169,7 @@ def child_ingest(spec: dict[str, Any]) -> None:
     summary = {
         "inputs": result.object_count,
         "elapsed_s": time.perf_counter() - began,
-        "shards": len(result.shards),
+        "shards": result.shard_count,
         "fetch_errors": result.fetch_errors,
         "result_bytes": len(result.model_dump_json()),
     }

@@ -16,7 +16,6 @@ without it.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -25,7 +24,15 @@ import numpy as np
 import pyarrow as pa
 
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
-from ray_workloads.night_blocks import BLOCK_COLUMNS, BlockReport, NightOutput, reports_batch, write_block_files
+from ray_workloads.night_blocks import (
+    SPAN_COLUMNS,
+    BlockReport,
+    NightOutput,
+    PartRows,
+    reports_batch,
+    reused_report,
+    write_block_files,
+)
 from rayline import errors
 from rayline.models.registry import ModelVersion
 from rayline.storage import fetching
@@ -114,6 +121,7 @@ class PredictorUDF:
         self.io_concurrency = io_concurrency
         self.output = output
         self.constants = constants
+        self.part_rows = PartRows()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.load_error: Exception | None = None
         try:
@@ -127,11 +135,11 @@ class PredictorUDF:
         if self.load_error is not None:
             raise self.load_error
         reports = []
-        for block, uris, etags, reused in zip(*(batch.column(name).to_pylist() for name in BLOCK_COLUMNS), strict=True):
-            if reused:  # written by an earlier attempt of the same night (night_blocks.PartBlocks)
-                reports.append(BlockReport.from_row({**json.loads(reused), "reused": True}))
-            else:
-                reports.append(self.run_block(block, uris, etags))
+        for span in batch.select(list(SPAN_COLUMNS)).to_pylist():  # spans of blocks (night_blocks.cut_part)
+            for block, uris, etags in self.part_rows.blocks(span):
+                # a block an earlier attempt of the same night wrote with these rows is reused, not predicted
+                reused = reused_report(self.output, block, uris) if span["resuming"] else None
+                reports.append(reused or self.run_block(block, uris, etags))
         return reports_batch(reports)
 
     def run_block(self, block: str, uris: list[str], etags: list[str]) -> BlockReport:

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import ray
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from ray_workloads.ingest_legacy import legacy_ingest, migrated
 from rayline import lineage, progress, ray_work, storage
@@ -92,7 +92,12 @@ class IngestConfig(folders.LeasedOutput):
 
 
 class IngestResult(BaseModel):
-    """Small, typed summary passed between stages (never the data itself)."""
+    """Small, typed summary passed between stages (never the data itself).
+
+    Its size does not grow with the input: counts, the content hash and the
+    manifest's URI, no list of shards. The manifest at ``manifest_uri`` lists
+    them (:meth:`read_shards` reads it).
+    """
 
     source_uri: str
     output_uri: str
@@ -102,7 +107,7 @@ class IngestResult(BaseModel):
     total_bytes: int
     fetch_errors: int
     labels: dict[str, int]
-    shards: list[ShardInfo]
+    shard_count: int = Field(description="The Parquet shards the manifest commits (read_shards lists them).")
     skipped: dict[str, int] = Field(default_factory=dict, description="Listed objects that are no inputs, by reason.")
     skipped_examples: dict[str, list[str]] = Field(default_factory=dict, description="The first keys of each reason.")
     cached: bool = False
@@ -110,9 +115,25 @@ class IngestResult(BaseModel):
     waited_s: float = Field(0.0, description="How long this run waited for another run filling the same folder.")
     elapsed_s: float = 0.0
 
-    @property
-    def shard_uris(self) -> list[str]:
-        return [s.uri for s in self.shards]
+    @model_validator(mode="before")
+    @classmethod
+    def _shards_to_count(cls, data: Any) -> Any:
+        """A result persisted before ``shard_count`` (it listed its shards, e.g. cached): counted, list dropped."""
+        if isinstance(data, dict) and "shard_count" not in data and isinstance(data.get("shards"), list):
+            return {k: v for k, v in data.items() if k != "shards"} | {"shard_count": len(data["shards"])}
+        return data
+
+    def read_shards(self) -> list[ShardInfo]:
+        """The shards, in order, as the manifest at ``manifest_uri`` lists them: reads it (I/O).
+
+        The manifest committed there now: a forced run since then may have
+        committed another generation of the same objects in its place.
+        """
+        return manifests.read(self.manifest_uri, IngestManifest).shards
+
+    def read_shard_uris(self) -> list[str]:
+        """The shards' URIs, in order: reads the manifest (I/O, :meth:`read_shards`)."""
+        return [s.uri for s in self.read_shards()]
 
     def lineage_inputs(self) -> list[DatasetRef]:
         """The listed objects, as one version (the hash of their keys and etags)."""
@@ -126,8 +147,10 @@ class IngestResult(BaseModel):
         ]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """The manifest that commits the shards, pinned to the same version."""
-        return [DatasetRef(uri=self.manifest_uri, content_hash=self.content_hash, facets={"shards": self.shard_uris})]
+        """The manifest that commits the shards, pinned to the same version; how many (the manifest lists them)."""
+        return [
+            DatasetRef(uri=self.manifest_uri, content_hash=self.content_hash, facets={"shard_count": self.shard_count})
+        ]
 
 
 def content_hash(objects: Iterable[ObjectInfo]) -> str:
@@ -228,7 +251,7 @@ def _result_from_manifest(
         total_bytes=manifest.total_bytes,
         fetch_errors=manifest.fetch_errors,
         labels=manifest.labels,
-        shards=manifest.shards,
+        shard_count=len(manifest.shards),
         skipped=manifest.skipped,
         skipped_examples=manifest.skipped_examples,
         committed_by=manifest.committed_by,
@@ -382,13 +405,13 @@ def arrivals(current: IngestResult, previous: IngestResult | None) -> Arrivals:
     before = np.zeros(0, dtype=np.uint64)
     if previous is not None:
         parts = []
-        for uri in previous.shard_uris:
+        for uri in previous.read_shard_uris():
             old = storage.read_parquet([uri], columns=["key", "etag"])
             parts.append(_pair_hashes(old.column("key").to_pylist(), old.column("etag").to_pylist()))
         before = np.sort(np.concatenate(parts)) if parts else before
     labels: Counter[str] = Counter()
     new = 0
-    for uri in current.shard_uris:
+    for uri in current.read_shard_uris():
         now = storage.read_parquet([uri], columns=columns)
         keys, etags, names = (now.column(c).to_pylist() for c in columns)
         fresh = ~np.isin(_pair_hashes(keys, etags), before, assume_unique=False)

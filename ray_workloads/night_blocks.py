@@ -1,11 +1,15 @@
-"""The blocks of a night: cut from the listing's parts in Ray tasks, written once each, found again by a rerun.
+"""The blocks of a night: spans of them cut from the listing's parts, written once each, found again by a rerun.
 
 A block is ``objects_per_task`` consecutive rows of one listing part
-(:mod:`rayline.storage.listing`), named ``<part>/b<first row>``. Blocks are cut by a
-Ray Data ``flat_map`` over the parts, so the driver never holds a list of
-them, and each goes to a predictor actor, which writes it as two Parquet files
-at names fixed by the night's *key* and the block's name
-(:func:`block_file_uri`)::
+(:mod:`rayline.storage.listing`), named ``<part>/b<first row>``. A Ray Data
+``flat_map`` over the parts cuts each into *spans* of up to
+``blocks_per_span`` consecutive blocks (:func:`cut_part`: arithmetic on the
+part's row count, no I/O), so the driver never holds a list of blocks, and
+what crosses the object store and waits in Ray Data's queues is a few numbers
+per span, never URIs. A predictor actor takes a span, reads its rows from
+the listing part (:class:`PartRows`, the last part kept) and writes each
+block as two Parquet files at names fixed by the night's *key* and the
+block's name (:func:`block_file_uri`)::
 
     <table>/model_name=<m>/dt=<d>/blocks-<key>/<part>/b<first row>.parquet
 
@@ -15,13 +19,21 @@ digest of the block's URIs, the error types). Each attempt writes both files,
 even empty ones, and a retry overwrites them, so a block never has a stale
 file of an earlier attempt beside it.
 
+Why spans: a queued Ray Data block costs the driver memory (its metadata,
+and its rows when a small object is inlined in the driver's own store), and
+the cutters run ahead of slower actors. One row per block carrying its URIs
+made the driver's peak grow with the night (~0.4 KB an object:
+bench/README.md); a span is one row of five numbers for up to
+:data:`SPAN_BLOCKS` blocks. Small nights keep one block per span, so every
+actor of the pool takes blocks as it is free (:func:`blocks_per_span`).
+
 The key (:func:`night_key`) is a hash of what decides a block's rows: the
 night, the model version and its weights, the listing's content hash, the
 block size, ``top_k`` and the code version. A rerun of the same night with the
 same model over the same listing has the same key, so it finds the blocks a
 killed attempt wrote: a block whose predictions file exists and whose report
 names the same URIs (same digest) is reused, not predicted again
-(:class:`PartBlocks`). Block files are never committed; the night's compacted
+(:func:`reused_report`). Block files are never committed; the night's compacted
 files are (:mod:`ray_workloads.night_compaction`), and vacuum deletes block
 files as files no version references, once past the retention.
 """
@@ -30,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,14 +57,18 @@ from rayline.storage import leases
 from rayline.storage.digests import SetDigest
 from rayline.storage.folders import LeasedOutput
 from rayline.storage.layout import staging_uri
-from rayline.storage.listing import read_part
 from rayline.tables.delta_tables import Night
 
-# Columns of the rows the predictor actors take (one row per block) and of the reports they return.
-BLOCK_COLUMNS = ("block", "uris", "etags", "reused")
-REPORT_COLUMNS = (
-    *("block", "predictions", "errors", "predictions_bytes", "errors_bytes", "uris", "error_types", "reused"),
-)
+# Columns of the rows the predictor actors take (one row per span of blocks) and of the reports they return.
+SPAN_COLUMNS = ("part", "name", "start", "stop", "size", "resuming")
+# Blocks per span, at most: a span is what one actor call takes (night_blocks' docstring).
+SPAN_BLOCKS = 16
+# Spans per actor a night has at least before its blocks are grouped: the pool's load stays balanced.
+SPANS_PER_ACTOR = 16
+# A predictor call returns one row per span: its blocks' reports, a JSON list (reports_batch). One output
+# row per call: the night's target_max_block_size of 1 makes every output row a Ray Data block of its own,
+# and a call whose rows were each a block waited on the executor's loop once per block (~0.5 s a span).
+REPORT_COLUMN = "reports"
 _REPORT_KEY = b"rayline.block"
 
 
@@ -138,9 +155,18 @@ class BlockReport:
 
 
 def reports_batch(reports: list[BlockReport]) -> dict[str, np.ndarray]:
-    """Block reports as a (tiny) output batch of the predictor UDF."""
-    rows = [r.row() for r in reports]
-    return {name: np.array([row[name] for row in rows], dtype=object) for name in REPORT_COLUMNS}
+    """Block reports as a (tiny) output batch of the predictor UDF: one row, the reports as a JSON list."""
+    return {REPORT_COLUMN: np.array([json.dumps([r.row() for r in reports], sort_keys=True)], dtype=object)}
+
+
+def objects_reported(batch: dict[str, np.ndarray]) -> int:
+    """The objects (rows of either kind) that an output batch of the predictor UDF reports."""
+    return sum(r.predictions + r.errors for text in batch[REPORT_COLUMN] for r in reports_of({REPORT_COLUMN: text}))
+
+
+def reports_of(row: dict[str, Any]) -> list[BlockReport]:
+    """The block reports of one output row of the predictor UDF (:func:`reports_batch`)."""
+    return [BlockReport.from_row(report) for report in json.loads(str(row[REPORT_COLUMN]))]
 
 
 def _write_parquet(uri: str, table: pa.Table, report: BlockReport | None = None) -> int:
@@ -184,26 +210,78 @@ def written_report(output: NightOutput, block: str) -> BlockReport | None:
     )
 
 
-def cut_part(row: dict[str, Any], *, output: NightOutput, size: int, resuming: bool) -> list[dict[str, Any]]:
-    """The ``flat_map`` over listing parts: one part's rows cut into blocks, each marked reused or to predict.
+def blocks_per_span(blocks: int, actors: int) -> int:
+    """Blocks per span for a night of ``blocks`` blocks over ``actors`` actors: one for small nights, up to
+    :data:`SPAN_BLOCKS` once the night has ``SPANS_PER_ACTOR`` spans an actor anyway (the tail stays short)."""
+    return max(1, min(SPAN_BLOCKS, blocks // max(1, actors * SPANS_PER_ACTOR)))
 
-    Without an earlier attempt under the night's key (``resuming=False``) no
-    block file is looked for. Otherwise a block is reused when its
-    predictions file exists and its report's digest is that of the block's
-    URIs now: an earlier attempt wrote exactly these rows.
+
+def cut_part(row: dict[str, Any], *, size: int, per_span: int, resuming: bool) -> list[dict[str, Any]]:
+    """The ``flat_map`` over listing parts: one part's rows as spans of ``per_span`` blocks of ``size`` rows.
+
+    Arithmetic on the part's row count: the rows themselves are read by the
+    actor that takes the span. ``resuming``: an earlier attempt under the
+    night's key wrote blocks, so the actor looks for each block's files
+    before predicting it (:func:`reused_report`).
     """
-    table = read_part(str(row["part"]))
-    uris, etags = table.column("uri").to_pylist(), table.column("etag").to_pylist()
-    blocks = []
-    for start in range(0, len(uris), size):
-        name = block_name(str(row["name"]), start)
-        chunk = uris[start : start + size]
-        previous = written_report(output, name) if resuming else None
-        if previous is not None and previous.uris == SetDigest.of(chunk):
-            blocks.append({"block": name, "uris": [], "etags": [], "reused": previous.to_json()})
+    rows, step = int(row["rows"]), size * per_span
+    return [
+        {
+            "part": row["part"],
+            "name": row["name"],
+            "start": start,
+            "stop": min(rows, start + step),
+            "size": size,
+            "resuming": resuming,
+        }
+        for start in range(0, rows, step)
+    ]
+
+
+class PartRows:
+    """The URIs and ETags of listing parts, the last few read kept as Arrow columns (spans of two or three
+    parts are cut at once and interleave; a block's slice becomes Python strings only when it is taken)."""
+
+    KEPT = 4
+
+    def __init__(self) -> None:
+        self._parts: OrderedDict[str, tuple[pa.ChunkedArray, pa.ChunkedArray]] = OrderedDict()
+
+    def _columns(self, uri: str) -> tuple[pa.ChunkedArray, pa.ChunkedArray]:
+        if uri in self._parts:
+            self._parts.move_to_end(uri)
         else:
-            blocks.append({"block": name, "uris": chunk, "etags": etags[start : start + size], "reused": ""})
-    return blocks
+            table = storage.read_parquet([uri], columns=["uri", "etag"])
+            self._parts[uri] = (table.column("uri"), table.column("etag"))
+            if len(self._parts) > self.KEPT:
+                self._parts.popitem(last=False)
+        return self._parts[uri]
+
+    def blocks(self, span: dict[str, Any]) -> Iterator[tuple[str, list[str], list[str]]]:
+        """(block name, URIs, ETags) of each block of ``span`` (a row of :func:`cut_part`)."""
+        uris, etags = self._columns(str(span["part"]))
+        size, stop = int(span["size"]), int(span["stop"])
+        for start in range(int(span["start"]), stop, size):
+            rows = min(stop, start + size) - start
+            name = block_name(str(span["name"]), start)
+            yield name, uris.slice(start, rows).to_pylist(), etags.slice(start, rows).to_pylist()
+
+
+def reused_report(output: NightOutput, block: str, uris: list[str]) -> BlockReport | None:
+    """The report of ``block`` as an earlier attempt under the same key wrote it, if it wrote exactly these rows."""
+    previous = written_report(output, block)
+    if previous is None or previous.uris != SetDigest.of(uris):
+        return None
+    return BlockReport(
+        block,
+        previous.predictions,
+        previous.errors,
+        previous.predictions_bytes,
+        previous.errors_bytes,
+        previous.uris,
+        previous.error_types,
+        reused=True,
+    )
 
 
 def any_block_written(output: NightOutput) -> bool:

@@ -22,7 +22,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_workloads.inference_contract import InferenceConfig
 from ray_workloads.inference_predictor import PredictorUDF
-from ray_workloads.night_blocks import BlockReport, NightOutput, any_block_written, cut_part
+from ray_workloads.night_blocks import (
+    BlockReport,
+    NightOutput,
+    any_block_written,
+    blocks_per_span,
+    cut_part,
+    objects_reported,
+    reports_of,
+)
 from ray_workloads.night_compaction import NightTotals
 from rayline import errors, progress, ray_work
 from rayline.errors import RaylineError, RetriesExhausted
@@ -62,7 +70,7 @@ def _counting(predictor: type[PredictorUDF]) -> type[PredictorUDF]:
 
         def __call__(self, batch: pa.Table) -> dict[str, Any]:
             reports: dict[str, Any] = super().__call__(batch)
-            self._shown.add(sum(int(n) for kind in ("predictions", "errors") for n in reports[kind]))
+            self._shown.add(objects_reported(reports))
             return reports
 
     return _CountingPredictor
@@ -82,26 +90,28 @@ def predict_and_write(
     import ray.data  # here: the driver process needs it only while it runs inference
 
     blocks = sum(math.ceil(part.rows / size) for part in listing.parts)  # arithmetic, not a list of blocks
-    parts = [{"part": part.uri, "name": part.name} for part in listing.parts]
+    per_span = blocks_per_span(blocks, cfg.actors)
+    spans = sum(math.ceil(part.rows / (size * per_span)) for part in listing.parts)
+    parts = [{"part": part.uri, "name": part.name, "rows": part.rows} for part in listing.parts]
     dataset = ray.data.from_items(parts, override_num_blocks=len(parts))  # one Ray Data block per part
     context = dataset.context  # this dataset's own copy: the process-wide settings stay as they are
     context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
     context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
     ray_work.stop_with_scope(context)  # a timed-out night stops its own actors, not its siblings' (a backfill)
-    # every row its own Ray Data block: flat_map would otherwise put a part's blocks into one Ray Data
-    # block, which one actor would take whole; one each, every actor of the pool takes blocks as it is free
+    # every span its own Ray Data block: flat_map would otherwise put a part's spans into one Ray Data
+    # block, which one actor would take whole; one each, every actor of the pool takes spans as it is free
     # (a streaming repartition does the same as one more operator, ~7 s slower to the first block here)
     context.target_max_block_size = 1
-    cut_blocks = partial(cut_part, output=output, size=size, resuming=any_block_written(output))
+    cut_spans = partial(cut_part, size=size, per_span=per_span, resuming=any_block_written(output))
     # On the driver's node, as from_items puts them: the blocks' rows then outlive a lost worker node (a row
     # on a lost node needs its part's task run again, which Ray Data waited for in vain). Hard affinity, and
     # no CPU asked: a soft one fell back to the worker node whenever the actors held the head's CPUs, and any
     # CPU asked could wait behind them. The node lives as long as the driver; at most two tasks at a time
-    # (no more than there are parts: Ray Data warns of a cap it cannot reach), as they only read a listing
-    # part and name its blocks.
+    # (no more than there are parts: Ray Data warns of a cap it cannot reach), as they only take a listing
+    # part's row count and name its spans.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     cutters = ray.data.TaskPoolStrategy(size=min(2, len(parts)))
-    cut = dataset.flat_map(cut_blocks, compute=cutters, num_cpus=0, scheduling_strategy=here)
+    cut = dataset.flat_map(cut_spans, compute=cutters, num_cpus=0, scheduling_strategy=here)
     return cut.map_batches(
         _counting(predictor),
         fn_constructor_args=(
@@ -113,10 +123,10 @@ def predict_and_write(
             output,
             run_constants(cfg),
         ),
-        batch_size=1,  # one block per call: it writes one file of each kind
+        batch_size=1,  # one span per call: it writes one file of each kind per block
         batch_format="pyarrow",
-        # a small night needs no more actors than it has blocks: each costs a process and a model load
-        compute=ray.data.ActorPoolStrategy(size=min(cfg.actors, blocks)),
+        # a small night needs no more actors than it has spans: each costs a process and a model load
+        compute=ray.data.ActorPoolStrategy(size=min(cfg.actors, spans)),
         num_cpus=cfg.cpus_per_actor,
         num_gpus=cfg.gpus_per_actor,
         max_restarts=ACTOR_RESTARTS,
@@ -125,8 +135,8 @@ def predict_and_write(
 
 
 def _block_reports(reports: Dataset) -> Iterator[BlockReport]:
-    for row in reports.iter_rows():  # streamed: blocks are reported as their actors finish them
-        yield BlockReport.from_row(row)
+    for row in reports.iter_rows():  # streamed: spans of blocks are reported as their actors finish them
+        yield from reports_of(row)
 
 
 def sum_reports(reports: Dataset) -> NightTotals:

@@ -292,8 +292,9 @@ def _decode_and_commit(
 
     ``folders.fill_once`` writes the manifest after these files: the commit point.
     """
-    fs, _ = storage.arrow_filesystem(source.shard_uris[0])
-    paths = [storage.arrow_filesystem(uri)[1] for uri in source.shard_uris]
+    shard_uris = source.read_shard_uris()  # the ingest's manifest lists them
+    fs, _ = storage.arrow_filesystem(shard_uris[0])
+    paths = [storage.arrow_filesystem(uri)[1] for uri in shard_uris]
     decoded = ray.data.read_parquet(paths, filesystem=fs, override_num_blocks=len(paths)).map_batches(
         functools.partial(decode_batch, spec=cfg.image, fractions=cfg.splits, classes=classes),
         batch_size=cfg.batch_size,

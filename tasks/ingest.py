@@ -23,7 +23,7 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
         result.object_count,
         result.total_bytes,
         result.fetch_errors,
-        len(result.shards),
+        result.shard_count,
         " (reused)" if result.cached else "",
         folder_wait_text(result.waited_s, result.cached, "ingest folder"),
         result.elapsed_s,

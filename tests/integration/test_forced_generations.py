@@ -105,6 +105,7 @@ def test_a_forced_ingest_refused_mid_run_leaves_the_committed_ingest_for_preproc
         storage.write_bytes_atomic(storage.join(raw, key), data)
     config = ingest.IngestConfig(source_uri=raw, output_root=storage.join(s3_storage, "ingested"), min_shards=3)
     before = ingest.run(config)
+    before_shards = before.read_shard_uris()  # before its manifest is replaced
     forced = config.model_copy(update={"force": True})
 
     # one object's read refused: the forced run fails after fetching the others into their shards
@@ -114,12 +115,12 @@ def test_a_forced_ingest_refused_mid_run_leaves_the_committed_ingest_for_preproc
     s3_faults.reset()
 
     still = ingest.read_manifest(before.manifest_uri)
-    assert still.shard_uris == before.shard_uris and still.committed_by == before.committed_by
-    assert storage.read_parquet(still.shard_uris).num_rows == 12, "the committed shards were cleared"
+    assert still.read_shard_uris() == before_shards and still.committed_by == before.committed_by
+    assert storage.read_parquet(before_shards).num_rows == 12, "the committed shards were cleared"
 
     again = ingest.run(forced)
-    assert again.manifest_uri == before.manifest_uri and not set(again.shard_uris) & set(before.shard_uris)
-    assert not any(storage.exists(uri) for uri in before.shard_uris), "the superseded generation is left"
+    assert again.manifest_uri == before.manifest_uri and not set(again.read_shard_uris()) & set(before_shards)
+    assert not any(storage.exists(uri) for uri in before_shards), "the superseded generation is left"
     # preprocess finds the ingest's current generation through its manifest (the old shards are gone)
     pre_config = preprocess.PreprocessConfig(
         ingest_manifest_uri=before.manifest_uri, output_root=storage.join(s3_storage, "pre")

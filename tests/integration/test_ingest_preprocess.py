@@ -101,7 +101,7 @@ def test_uncommitted_leftovers_are_replaced(local_storage: str) -> None:
     ingested, _ = _run(local_storage)
     shard_keys = {o.key for o in storage.list_objects(storage.join(output, "shards"))}
     assert "part-99999.parquet" not in shard_keys
-    assert len(shard_keys) == len(ingested.shards)
+    assert len(shard_keys) == ingested.shard_count
 
 
 def test_empty_prefix_is_a_clear_error(local_storage: str) -> None:

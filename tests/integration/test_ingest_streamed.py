@@ -28,8 +28,10 @@ def _config(root: str, **changes: object) -> ingest.IngestConfig:
 def test_shards_cut_from_many_listing_parts_hold_every_object_once(local_storage: str) -> None:
     seeded = seed(storage.join(local_storage, "raw"), corrupt=2)
     result = ingest.run(_config(local_storage, listing_part_objects=100, shard_max_objects=64))
-    assert result.object_count == seeded.total and max(s.rows for s in result.shards) <= 64
-    keys = storage.read_parquet(result.shard_uris, columns=["key"]).column("key").to_pylist()
+    shards = result.read_shards()
+    assert result.object_count == seeded.total and len(shards) == result.shard_count
+    assert max(s.rows for s in shards) <= 64
+    keys = storage.read_parquet([s.uri for s in shards], columns=["key"]).column("key").to_pylist()
     assert len(keys) == len(set(keys)) == seeded.total
     listed = storage.list_objects(storage.join(local_storage, "raw"))
     assert result.content_hash == ingest.content_hash(listed)  # the streamed hash is the set's, in any order
@@ -68,7 +70,8 @@ def test_an_ingest_from_before_the_hash_changed_is_recognised_and_its_shards_reu
     legacy = _as_legacy(local_storage, ingest.run(_config(local_storage)))
     again = ingest.run(_config(local_storage))
     assert not again.cached and again.output_uri != legacy
-    assert again.shard_uris and all(uri.startswith(legacy + "/") for uri in again.shard_uris), "shards reused"
+    reused = again.read_shard_uris()
+    assert reused and all(uri.startswith(legacy + "/") for uri in reused), "shards reused"
     manifest = manifests.read(again.manifest_uri, IngestManifest)
     assert manifest.listing_version == 2 and manifest.content_hash == again.content_hash
     assert ingest.run(_config(local_storage)).cached  # from now on the new name is found at once
@@ -76,4 +79,4 @@ def test_an_ingest_from_before_the_hash_changed_is_recognised_and_its_shards_reu
     # a changed input is no old ingest: fetched anew
     storage.write_bytes_atomic(storage.join(local_storage, "raw", "0", "new.png"), b"not the same objects")
     changed = ingest.run(_config(local_storage))
-    assert not changed.cached and all(uri.startswith(changed.output_uri + "/") for uri in changed.shard_uris)
+    assert not changed.cached and all(uri.startswith(changed.output_uri + "/") for uri in changed.read_shard_uris())

@@ -82,9 +82,10 @@ def test_a_timed_out_ingest_cancels_its_fetch_tasks_before_the_retry_clears_the_
 
     retried = ingest.run(slow.model_copy(update={"shard_max_objects": 512, "num_cpus_per_task": 0.25}))
     assert not retried.cached and retried.object_count == count
-    assert storage.read_parquet(retried.shard_uris).num_rows == count
+    shard_uris = retried.read_shard_uris()
+    assert storage.read_parquet(shard_uris).num_rows == count
     shards = storage.join(retried.output_uri, "shards")
-    assert [storage.join(shards, name) for name in storage.list_names(shards)] == retried.shard_uris, "a stray shard"
+    assert [storage.join(shards, name) for name in storage.list_names(shards)] == shard_uris, "a stray shard"
 
 
 def _seed_night(root: str, dt: str, offset: int, count: int = 4) -> None:

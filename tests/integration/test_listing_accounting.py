@@ -62,7 +62,7 @@ def test_ingest_and_a_night_account_for_every_listed_object(root: str, capsys: p
     manifest = storage.read_json(ingested.manifest_uri)
     assert manifest["skipped"] == skipped
     assert manifest["skipped_examples"][storage.SKIP_HIDDEN] == sorted(HIDDEN)
-    rows = storage.read_parquet(ingested.shard_uris, columns=["key", "error_type"]).to_pylist()
+    rows = storage.read_parquet(ingested.read_shard_uris(), columns=["key", "error_type"]).to_pylist()
     assert sorted(r["key"] for r in rows) == sorted(good) and not any(r["error_type"] for r in rows)
     reused = ingest.run(config)
     assert reused.cached and reused.skipped == skipped

@@ -52,7 +52,7 @@ def _ingest(root: str) -> ingest.IngestResult:
 
 
 def _ingested_rows(result: ingest.IngestResult) -> dict[str, bytes | None]:
-    table = storage.read_parquet(result.shard_uris, columns=["uri", "data", "error_type"])
+    table = storage.read_parquet(result.read_shard_uris(), columns=["uri", "data", "error_type"])
     uris = table.column("uri").to_pylist()
     assert len(uris) == len(set(uris)), "an object produced more than one row"
     assert table.column("error_type").null_count == table.num_rows, "an error row"

@@ -23,7 +23,7 @@ def _prepare_summary(skipped: dict[str, int], capsys: pytest.CaptureFixture[str]
         total_bytes=50,
         fetch_errors=0,
         labels={},
-        shards=[],
+        shard_count=0,
         skipped=skipped,
     )
     prepared = SimpleNamespace(

@@ -7,7 +7,7 @@ import pytest
 
 from ray_workloads.inference_contract import block_size
 from ray_workloads.inference_predictor import torch_threads
-from ray_workloads.night_blocks import BlockReport, reports_batch
+from ray_workloads.night_blocks import BlockReport, reports_batch, reports_of
 from rayline.storage.digests import SetDigest
 
 pytestmark = pytest.mark.unit
@@ -20,7 +20,7 @@ def test_block_reports_round_trip_through_a_report_batch() -> None:
         BlockReport("g00000-00000/b000000256", 3, 0, 700, 90, SetDigest.of(uris[:3]), {}, reused=True),
     ]
     batch = pa.table(reports_batch(written))  # what Ray Data makes of the UDF's dict of arrays
-    assert [BlockReport.from_row(row) for row in batch.to_pylist()] == written
+    assert [report for row in batch.to_pylist() for report in reports_of(row)] == written
 
 
 @pytest.mark.parametrize(
