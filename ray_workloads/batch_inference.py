@@ -5,9 +5,13 @@ markers: :func:`rayline.storage.list_inputs`) get no row; the result counts
 them per reason (``skipped``).
 
 The listing is streamed into Parquet parts of keys and ETags
-(:func:`rayline.storage.listing.list_to_parts`, in Ray tasks where the prefix has
-sub-prefixes): the driver keeps per part only counts and digests. A Ray Data
-``flat_map`` cuts the parts into blocks of ``objects_per_task`` URIs
+(:mod:`rayline.storage.listing`): the driver lists the prefix's levels and its
+first ``INLINE_OBJECTS`` objects or so itself (all of a small night), and
+leaves the other groups of sub-prefixes to the night's block cutters, which
+list them part by part as the night goes, so the first blocks are predicted
+while the rest is still listed; the driver keeps per part only counts and
+digests. A Ray Data ``flat_map`` cuts the parts into spans of blocks of
+``objects_per_task`` URIs
 (:mod:`ray_workloads.night_blocks`), and one ``map_batches`` stage runs
 :class:`~ray_workloads.inference_predictor.PredictorUDF` over them in an actor
 pool: an actor loads the model once, then for each block fetches, decodes,
@@ -65,6 +69,7 @@ Layout (``<root>`` is the storage root)::
     <root>/predictions/model_name=<m>/dt=<d>/blocks-<key>/<part>/b<n>.parquet   a block, never committed
     <root>/prediction_errors/…                                       the same
     <root>/_staging/nights/<m>/dt=<d>/listing/g<group>-<n>.parquet   the listing, removed at the run's end
+    <root>/_staging/nights/<m>/dt=<d>/listing/g<group>.json          a group's parts and skips, once listed
     <root>/_staging/nights/<m>/dt=<d>.lease                          one live run predicts a night
 """
 
@@ -94,7 +99,7 @@ from rayline.errors import InputDataError, StorageError
 from rayline.skipped import skipped_text
 from rayline.storage import leases
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
-from rayline.storage.listing import StreamedListing, list_to_parts
+from rayline.storage.listing import ListingStart, begin_listing, finish_listing
 from rayline.tables.delta_tables import Night, NightCommit, attempt_run_id, commit_log_bytes, find_commit, open_table
 from rayline.tables.predictions_table import (
     ERRORS_SCHEMA,
@@ -135,14 +140,21 @@ def objects_per_task(cfg: InferenceConfig, count: int) -> int:
     return block_size(cfg.model.image_spec.size, count, cfg.objects_per_task)
 
 
-def blocks_key(cfg: InferenceConfig, listing: StreamedListing) -> str:
-    """The key of the night's blocks: what decides their rows (night_blocks.night_key)."""
+def blocks_key(cfg: InferenceConfig, listing: ListingStart) -> str:
+    """The key of the night's blocks: what decides their rows (night_blocks.night_key).
+
+    Not the listing's content hash: that is known only once the whole prefix
+    is listed, and the first blocks are predicted before (``listing.groups``).
+    Each block's report holds the digest of its inputs with their ETags, and a
+    rerun reuses only blocks whose inputs are the same objects at the same
+    versions (``night_blocks.reused_report``).
+    """
     return night_key(
         {
             "model": [cfg.model.name, cfg.model.version, cfg.model.weights_uri],
             "dt": cfg.dt,
-            "listing": listing.content_hash,
-            "objects_per_task": objects_per_task(cfg, listing.count),
+            "input": listing.prefix,
+            "objects_per_task": objects_per_task(cfg, listing.estimated_count),
             "top_k": cfg.top_k,
             "code_version": cfg.code_version,
             "parts": cfg.listing_part_objects,
@@ -151,11 +163,11 @@ def blocks_key(cfg: InferenceConfig, listing: StreamedListing) -> str:
 
 
 def _predict_and_write(
-    cfg: InferenceConfig, listing: StreamedListing, output: NightOutput, shown: progress.Stage
+    cfg: InferenceConfig, listing: ListingStart, output: NightOutput, shown: progress.Stage
 ) -> Dataset:
     """The night's Ray Data pipeline with this module's ``PredictorUDF``, looked up when called (a test's
     stand-in predictor, one that crashes on a poison input, is the one that runs)."""
-    size = objects_per_task(cfg, listing.count)
+    size = objects_per_task(cfg, listing.estimated_count)
     return predict_and_write(cfg, listing, output, shown, size=size, predictor=PredictorUDF)
 
 
@@ -210,10 +222,10 @@ def _committed_result(
     )
 
 
-def _list_night(source: str, staging: str, part_objects: int) -> StreamedListing:
-    listing = list_to_parts(source, staging, rows_per_part=part_objects)
-    if listing.count == 0:
-        left_out = f"; skipped {skipped_text(listing.skipped)}" if listing.skipped else ""
+def _begin_night(source: str, staging: str, part_objects: int) -> ListingStart:
+    listing = begin_listing(source, staging, rows_per_part=part_objects)
+    if listing.complete and listing.own.count == 0:
+        left_out = f"; skipped {skipped_text(listing.own.skipped)}" if listing.own.skipped else ""
         raise InputDataError(f"no input objects under {source}{left_out}")
     return listing
 
@@ -257,16 +269,17 @@ def _predict_night(
 ) -> InferenceResult:
     phases = _Phases()
     source = storage.normalize(cfg.input_uri)
-    listing = _list_night(source, staging, cfg.listing_part_objects)
-    phases.lap("list")
-    output = NightOutput(tables[0], tables[1], night, run_id, blocks_key(cfg, listing))
+    begun = _begin_night(source, staging, cfg.listing_part_objects)
+    phases.lap("list")  # the driver's own part of the listing: the rest is listed by the cutters as the night goes
+    output = NightOutput(tables[0], tables[1], night, run_id, blocks_key(cfg, begun))
     with progress.stage(
-        f"predict {night.model_name} {night.dt}", total=listing.count, unit="images", remote=True
+        f"predict {night.model_name} {night.dt}", total=begun.estimated_count, unit="images", remote=True
     ) as shown:
-        reports = _predict_and_write(cfg, listing, output, shown)
+        reports = _predict_and_write(cfg, begun, output, shown)
         totals = sum_reports(reports)
     ray_data_stats = reports.stats()
     phases.lap("predict_and_write")
+    listing = begun.own if begun.complete else finish_listing(begun)
     check_rows(listing.uris, totals.uris, "the night's blocks")
     sizes = {"min_rows": cfg.min_file_rows, "min_bytes": cfg.min_file_bytes}
     compacted = compact_checked(output, totals, listing.uris, SCHEMAS, run_constants(cfg), seen[tables[0]], **sizes)

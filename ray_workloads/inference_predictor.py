@@ -29,6 +29,7 @@ from ray_workloads.night_blocks import (
     BlockReport,
     NightOutput,
     PartRows,
+    block_contents,
     reports_batch,
     reused_report,
     write_block_files,
@@ -138,7 +139,7 @@ class PredictorUDF:
         for span in batch.select(list(SPAN_COLUMNS)).to_pylist():  # spans of blocks (night_blocks.cut_part)
             for block, uris, etags in self.part_rows.blocks(span):
                 # a block an earlier attempt of the same night wrote with these rows is reused, not predicted
-                reused = reused_report(self.output, block, uris) if span["resuming"] else None
+                reused = reused_report(self.output, block, uris, etags) if span["resuming"] else None
                 reports.append(reused or self.run_block(block, uris, etags))
         return reports_batch(reports)
 
@@ -266,4 +267,5 @@ def write_block(block: str, rows: dict[str, np.ndarray], output: NightOutput, co
     ok = rows["ok"]
     errors = _error_table(rows, ~ok)
     types = Counter(str(t) for t in errors.column("error_type").to_pylist())
-    return write_block_files(output, block, _prediction_table(rows, ok, constants), errors, dict(types))
+    contents = block_contents(list(rows["uri"]), list(rows["etag"]))
+    return write_block_files(output, block, _prediction_table(rows, ok, constants), errors, dict(types), contents)

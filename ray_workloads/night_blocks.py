@@ -27,12 +27,19 @@ bench/README.md); a span is one row of five numbers for up to
 :data:`SPAN_BLOCKS` blocks. Small nights keep one block per span, so every
 actor of the pool takes blocks as it is free (:func:`blocks_per_span`).
 
+The listing's parts come from the driver, which lists the first
+``INLINE_OBJECTS`` objects or so itself, and from the cutters, which list the
+groups of sub-prefixes the driver left (:func:`cut_part`): a night of ten
+million photos has its first blocks predicted while the rest of its prefix is
+still listed.
+
 The key (:func:`night_key`) is a hash of what decides a block's rows: the
-night, the model version and its weights, the listing's content hash, the
-block size, ``top_k`` and the code version. A rerun of the same night with the
-same model over the same listing has the same key, so it finds the blocks a
-killed attempt wrote: a block whose predictions file exists and whose report
-names the same URIs (same digest) is reused, not predicted again
+night, the input prefix, the model version and its weights, the block size,
+``top_k`` and the code version; not the listing's content hash, which is
+known only at the end. A rerun of the same night with the same model has the
+same key, so it finds the blocks a killed attempt wrote: a block whose
+predictions file exists and whose report names the same URIs at the same
+ETags (the digests of both) is reused, not predicted again
 (:func:`reused_report`). Block files are never committed; the night's compacted
 files are (:mod:`ray_workloads.night_compaction`), and vacuum deletes block
 files as files no version references, once past the retention.
@@ -40,6 +47,7 @@ files as files no version references, once past the retention.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections import OrderedDict
@@ -57,6 +65,7 @@ from rayline.storage import leases
 from rayline.storage.digests import SetDigest
 from rayline.storage.folders import LeasedOutput
 from rayline.storage.layout import staging_uri
+from rayline.storage.listing import ListingStart, list_group_parts
 from rayline.tables.delta_tables import Night
 
 # Columns of the rows the predictor actors take (one row per span of blocks) and of the reports they return.
@@ -119,6 +128,8 @@ class BlockReport:
     uris: SetDigest
     error_types: dict[str, int] = field(default_factory=dict)
     reused: bool = False
+    # of "uri<TAB>etag" for the block's inputs: a rerun reuses the block only for the same objects' versions
+    contents: SetDigest = SetDigest()
 
     @property
     def part(self) -> str:
@@ -137,6 +148,7 @@ class BlockReport:
             "uris": self.uris.encode(),
             "error_types": json.dumps(self.error_types, sort_keys=True),
             "reused": self.reused,
+            "contents": self.contents.encode(),
         }
 
     @classmethod
@@ -151,6 +163,8 @@ class BlockReport:
             uris=SetDigest.decode(str(row["uris"])),
             error_types=json.loads(types) if isinstance(types, str) else dict(types),
             reused=bool(row.get("reused", False)),
+            # a report without it (written before it was kept) matches no block: that block is predicted again
+            contents=SetDigest.decode(str(row["contents"])) if row.get("contents") else SetDigest(),
         )
 
 
@@ -176,17 +190,31 @@ def _write_parquet(uri: str, table: pa.Table, report: BlockReport | None = None)
     return storage.write_parquet_atomic(uri, table, durable=False)
 
 
+def block_contents(uris: list[str], etags: list[str]) -> SetDigest:
+    """The digest of a block's inputs with their versions (``uri<TAB>etag`` each)."""
+    return SetDigest.of(f"{uri}\t{etag}" for uri, etag in zip(uris, etags, strict=True))
+
+
 def write_block_files(
-    output: NightOutput, block: str, predictions: pa.Table, errors: pa.Table, error_types: dict[str, int]
+    output: NightOutput,
+    block: str,
+    predictions: pa.Table,
+    errors: pa.Table,
+    error_types: dict[str, int],
+    contents: SetDigest,
 ) -> BlockReport:
-    """Write a block's two files, errors first: the predictions file, with the report in its footer, marks it done."""
+    """Write a block's two files, errors first: the predictions file, with the report in its footer, marks it done.
+
+    ``contents``: :func:`block_contents` of the block's inputs.
+    """
     uris = SetDigest.of(predictions.column("uri").to_pylist()) + SetDigest.of(errors.column("uri").to_pylist())
     errors_bytes = _write_parquet(block_file_uri(output.errors_table, output.night, output.key, block), errors)
     # the report's own size is not known before writing it: the footer holds the errors file's, the driver both
-    report = BlockReport(block, predictions.num_rows, errors.num_rows, 0, errors_bytes, uris, error_types)
+    rows = (predictions.num_rows, errors.num_rows)
+    report = BlockReport(block, *rows, 0, errors_bytes, uris, error_types, contents=contents)
     uri = block_file_uri(output.predictions_table, output.night, output.key, block)
     predictions_bytes = _write_parquet(uri, predictions, report)
-    return BlockReport(block, predictions.num_rows, errors.num_rows, predictions_bytes, errors_bytes, uris, error_types)
+    return BlockReport(block, *rows, predictions_bytes, errors_bytes, uris, error_types, contents=contents)
 
 
 def written_report(output: NightOutput, block: str) -> BlockReport | None:
@@ -206,7 +234,14 @@ def written_report(output: NightOutput, block: str) -> BlockReport | None:
         return None
     stored = BlockReport.from_row(json.loads(metadata[_REPORT_KEY]))
     return BlockReport(
-        block, stored.predictions, stored.errors, int(info.size), stored.errors_bytes, stored.uris, stored.error_types
+        block,
+        stored.predictions,
+        stored.errors,
+        int(info.size),
+        stored.errors_bytes,
+        stored.uris,
+        stored.error_types,
+        contents=stored.contents,
     )
 
 
@@ -216,26 +251,58 @@ def blocks_per_span(blocks: int, actors: int) -> int:
     return max(1, min(SPAN_BLOCKS, blocks // max(1, actors * SPANS_PER_ACTOR)))
 
 
-def cut_part(row: dict[str, Any], *, size: int, per_span: int, resuming: bool) -> list[dict[str, Any]]:
-    """The ``flat_map`` over listing parts: one part's rows as spans of ``per_span`` blocks of ``size`` rows.
+@dataclass(frozen=True)
+class Cutting:
+    """What a night's block cutters need besides their row: the block size, blocks per span, whether an
+    earlier attempt wrote blocks under the key, and where the listing's groups are listed to."""
 
-    Arithmetic on the part's row count: the rows themselves are read by the
-    actor that takes the span. ``resuming``: an earlier attempt under the
-    night's key wrote blocks, so the actor looks for each block's files
-    before predicting it (:func:`reused_report`).
-    """
-    rows, step = int(row["rows"]), size * per_span
-    return [
-        {
-            "part": row["part"],
-            "name": row["name"],
-            "start": start,
-            "stop": min(rows, start + step),
-            "size": size,
-            "resuming": resuming,
-        }
-        for start in range(0, rows, step)
+    size: int
+    per_span: int
+    resuming: bool
+    root: str  # the listed prefix
+    staging: str  # where the listing's parts go
+    rows_per_part: int
+
+
+def cutter_rows(listing: ListingStart) -> list[dict[str, Any]]:
+    """The rows a night's cutters take: each part the driver listed, then each group of sub-prefixes left."""
+    parts = [{"part": p.uri, "name": p.name, "rows": p.rows, "prefixes": ""} for p in listing.own.parts]
+    groups = [
+        {"part": "", "name": name, "rows": 0, "prefixes": json.dumps(prefixes)} for name, prefixes in listing.groups
     ]
+    return parts + groups
+
+
+def cut_part(row: dict[str, Any], *, cutting: Cutting) -> Iterator[dict[str, Any]]:
+    """The ``flat_map`` of a night's cutters: spans of ``cutting.per_span`` blocks of ``cutting.size`` rows.
+
+    A row is a listing part the driver wrote (arithmetic on its row count: the
+    rows themselves are read by the actor that takes the span), or a group of
+    sub-prefixes left to list: listed here, each part's spans yielded as the
+    part is written, so the first blocks are predicted while the rest of the
+    prefix is still listed (:func:`rayline.storage.listing.list_group_parts`).
+    """
+    if row["prefixes"]:
+        prefixes = list(json.loads(str(row["prefixes"])))
+        parts = list_group_parts(cutting.root, prefixes, cutting.staging, str(row["name"]), cutting.rows_per_part)
+        for part in parts:
+            yield from _spans(part.uri, part.name, part.rows, cutting)
+    else:
+        yield from _spans(str(row["part"]), str(row["name"]), int(row["rows"]), cutting)
+
+
+def _spans(part: str, name: str, rows: int, cutting: Cutting) -> Iterator[dict[str, Any]]:
+    step = cutting.size * cutting.per_span
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        yield {
+            "part": part,
+            "name": name,
+            "start": start,
+            "stop": stop,
+            "size": cutting.size,
+            "resuming": cutting.resuming,
+        }
 
 
 class PartRows:
@@ -267,21 +334,13 @@ class PartRows:
             yield name, uris.slice(start, rows).to_pylist(), etags.slice(start, rows).to_pylist()
 
 
-def reused_report(output: NightOutput, block: str, uris: list[str]) -> BlockReport | None:
-    """The report of ``block`` as an earlier attempt under the same key wrote it, if it wrote exactly these rows."""
+def reused_report(output: NightOutput, block: str, uris: list[str], etags: list[str]) -> BlockReport | None:
+    """The report of ``block`` as an earlier attempt under the same key wrote it, if it wrote exactly these
+    objects at these versions (the digests of its URIs, and of its URIs with their ETags)."""
     previous = written_report(output, block)
-    if previous is None or previous.uris != SetDigest.of(uris):
+    if previous is None or previous.uris != SetDigest.of(uris) or previous.contents != block_contents(uris, etags):
         return None
-    return BlockReport(
-        block,
-        previous.predictions,
-        previous.errors,
-        previous.predictions_bytes,
-        previous.errors_bytes,
-        previous.uris,
-        previous.error_types,
-        reused=True,
-    )
+    return dataclasses.replace(previous, reused=True)
 
 
 def any_block_written(output: NightOutput) -> bool:

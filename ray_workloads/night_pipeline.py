@@ -24,17 +24,19 @@ from ray_workloads.inference_contract import InferenceConfig
 from ray_workloads.inference_predictor import PredictorUDF
 from ray_workloads.night_blocks import (
     BlockReport,
+    Cutting,
     NightOutput,
     any_block_written,
     blocks_per_span,
     cut_part,
+    cutter_rows,
     objects_reported,
     reports_of,
 )
 from ray_workloads.night_compaction import NightTotals
 from rayline import errors, progress, ray_work
 from rayline.errors import RaylineError, RetriesExhausted
-from rayline.storage.listing import StreamedListing
+from rayline.storage.listing import ListingStart
 
 if TYPE_CHECKING:
     from ray.data import Dataset
@@ -78,22 +80,26 @@ def _counting(predictor: type[PredictorUDF]) -> type[PredictorUDF]:
 
 def predict_and_write(
     cfg: InferenceConfig,
-    listing: StreamedListing,
+    listing: ListingStart,
     output: NightOutput,
     shown: progress.Stage,
     *,
     size: int,
     predictor: type[PredictorUDF],
 ) -> Dataset:
-    """``predictor`` actors over every block of ``size`` objects of the listing's parts (lazy: iterating
-    the dataset runs them)."""
+    """``predictor`` actors over every block of ``size`` objects of the listing's parts, the groups of
+    sub-prefixes the driver left being listed as the night goes (lazy: iterating the dataset runs them)."""
     import ray.data  # here: the driver process needs it only while it runs inference
 
-    blocks = sum(math.ceil(part.rows / size) for part in listing.parts)  # arithmetic, not a list of blocks
+    blocks = math.ceil(listing.estimated_count / size)  # arithmetic, not a list of blocks
     per_span = blocks_per_span(blocks, cfg.actors)
-    spans = sum(math.ceil(part.rows / (size * per_span)) for part in listing.parts)
-    parts = [{"part": part.uri, "name": part.name, "rows": part.rows} for part in listing.parts]
-    dataset = ray.data.from_items(parts, override_num_blocks=len(parts))  # one Ray Data block per part
+    cutting = Cutting(size, per_span, any_block_written(output), listing.prefix, listing.staging, listing.rows_per_part)
+    # a small night, listed by the driver whole, needs no more actors than it has spans: each costs a
+    # process and a model load; a larger one has spans for all of them
+    spans = sum(math.ceil(part.rows / (size * per_span)) for part in listing.own.parts)
+    actors = min(cfg.actors, spans) if listing.complete else cfg.actors
+    rows = cutter_rows(listing)
+    dataset = ray.data.from_items(rows, override_num_blocks=len(rows))  # one Ray Data block per row
     context = dataset.context  # this dataset's own copy: the process-wide settings stay as they are
     context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
     context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
@@ -102,15 +108,16 @@ def predict_and_write(
     # block, which one actor would take whole; one each, every actor of the pool takes spans as it is free
     # (a streaming repartition does the same as one more operator, ~7 s slower to the first block here)
     context.target_max_block_size = 1
-    cut_spans = partial(cut_part, size=size, per_span=per_span, resuming=any_block_written(output))
+    cut_spans = partial(cut_part, cutting=cutting)
     # On the driver's node, as from_items puts them: the blocks' rows then outlive a lost worker node (a row
     # on a lost node needs its part's task run again, which Ray Data waited for in vain). Hard affinity, and
     # no CPU asked: a soft one fell back to the worker node whenever the actors held the head's CPUs, and any
     # CPU asked could wait behind them. The node lives as long as the driver; at most two tasks at a time
-    # (no more than there are parts: Ray Data warns of a cap it cannot reach), as they only take a listing
-    # part's row count and name its spans.
+    # (no more than there are rows: Ray Data warns of a cap it cannot reach), as they only name the spans
+    # of a listing part, or list a group of sub-prefixes (I/O, streamed: no further ahead of the actors
+    # than Ray Data's buffer of a task's output lets them).
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    cutters = ray.data.TaskPoolStrategy(size=min(2, len(parts)))
+    cutters = ray.data.TaskPoolStrategy(size=min(2, len(rows)))
     cut = dataset.flat_map(cut_spans, compute=cutters, num_cpus=0, scheduling_strategy=here)
     return cut.map_batches(
         _counting(predictor),
@@ -125,8 +132,7 @@ def predict_and_write(
         ),
         batch_size=1,  # one span per call: it writes one file of each kind per block
         batch_format="pyarrow",
-        # a small night needs no more actors than it has spans: each costs a process and a model load
-        compute=ray.data.ActorPoolStrategy(size=min(cfg.actors, spans)),
+        compute=ray.data.ActorPoolStrategy(size=actors),
         num_cpus=cfg.cpus_per_actor,
         num_gpus=cfg.gpus_per_actor,
         max_restarts=ACTOR_RESTARTS,

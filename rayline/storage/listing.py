@@ -32,6 +32,7 @@ resumed night finds its blocks by.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from typing import Any
 import pyarrow as pa
 
 from rayline import ray_work, storage
-from rayline.errors import InputDataError
+from rayline.errors import InputDataError, StorageError
 from rayline.storage.digests import SetDigest, combine
 
 PART_SCHEMA = pa.schema(
@@ -80,6 +81,24 @@ class ListedPart:
     bytes: int
     uris: SetDigest  # of the objects' URIs: what a night's rows are checked against
     contents: SetDigest  # of "key<TAB>etag": the listing's identity
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **{k: getattr(self, k) for k in ("uri", "name", "rows", "bytes")},
+            "uris": self.uris.encode(),
+            "contents": self.contents.encode(),
+        }
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> ListedPart:
+        return cls(
+            uri=str(row["uri"]),
+            name=str(row["name"]),
+            rows=int(row["rows"]),
+            bytes=int(row["bytes"]),
+            uris=SetDigest.decode(str(row["uris"])),
+            contents=SetDigest.decode(str(row["contents"])),
+        )
 
 
 @dataclass
@@ -282,12 +301,47 @@ def _walkers(root: str) -> tuple[Callable[[str, str], Iterator[Entry | str]], Ca
 
 def list_group(root: str, prefixes: list[str], staging: str, group: str, rows_per_part: int) -> _GroupListing:
     """List each of ``prefixes`` (relative to ``root``) recursively, into the parts of one group."""
-    _, walk_all = _walkers(root)
     writer = _PartWriter(root, staging, group, rows_per_part)
-    for rel in prefixes:
-        for entry in walk_all(root, rel):
-            writer.add(entry)
+    for _ in _listed_parts(writer, prefixes):
+        pass
     return writer.close()
+
+
+def _listed_parts(writer: _PartWriter, prefixes: list[str]) -> Iterator[ListedPart]:
+    """List ``prefixes`` into ``writer``, yielding each part as it is written (the last one on close)."""
+    _, walk_all = _walkers(writer.root)
+    written = 0
+    for rel in prefixes:
+        for entry in walk_all(writer.root, rel):
+            writer.add(entry)
+            if len(writer.parts) > written:
+                written += 1
+                yield writer.parts[-1]
+    yield from writer.close().parts[written:]
+
+
+def group_summary_uri(staging: str, group: str) -> str:
+    """``<staging>/<group>.json``: a group's parts and skipped keys, written once the group is listed."""
+    return storage.join(staging, f"{group}.json")
+
+
+def list_group_parts(
+    root: str, prefixes: list[str], staging: str, group: str, rows_per_part: int
+) -> Iterator[ListedPart]:
+    """List ``prefixes`` into the parts of ``group``, yielding each part as it is written; then write the
+    group's summary (:func:`group_summary_uri`), which :func:`finish_listing` reads.
+
+    What a night's block cutters run (:mod:`ray_workloads.night_blocks`): the
+    first blocks are predicted while the rest of the prefix is still listed.
+    """
+    writer = _PartWriter(root, staging, group, rows_per_part)
+    yield from _listed_parts(writer, prefixes)
+    summary = {
+        "parts": [part.to_json() for part in writer.parts],
+        "skipped": writer.skips.counts,
+        "examples": writer.skips.examples,
+    }
+    storage.write_json_atomic(group_summary_uri(staging, group), summary)
 
 
 # --- the plan: levels in the caller, groups of sub-prefixes in Ray tasks ---------------------------------
@@ -301,13 +355,18 @@ class _Dispatcher:
     cluster) and each write parts of their own; past :data:`INLINE_OBJECTS`
     listed objects the remaining groups go to Ray tasks, which list in
     parallel. Without a Ray connection everything is listed in the caller.
-    Results are collected in group order.
+    Results are collected in group order. ``defer``: the remaining groups are
+    only named (:attr:`deferred`), for a night's cutters to list
+    (:func:`begin_listing`).
     """
 
-    def __init__(self, own: _PartWriter) -> None:
+    def __init__(self, own: _PartWriter, defer: bool = False) -> None:
         import ray
 
         self.own = own
+        self.defer = defer
+        self.own_prefixes = 0
+        self.deferred: list[tuple[str, list[str]]] = []
         self._pending: list[str] = []
         self._refs: list[Any] = []
         self._remote = ray.remote(num_cpus=0.25)(list_group) if ray.is_initialized() else None
@@ -321,13 +380,18 @@ class _Dispatcher:
         if not self._pending:
             return
         prefixes, self._pending = self._pending, []
-        if self._remote is None or self.own.count < INLINE_OBJECTS:
+        if (self._remote is None and not self.defer) or self.own.count < INLINE_OBJECTS:
             _, walk_all = _walkers(self.own.root)
             for rel in prefixes:
                 for entry in walk_all(self.own.root, rel):
                     self.own.add(entry)
+            self.own_prefixes += len(prefixes)
             return
-        group = f"g{len(self._refs) + 1:05d}"  # g00000 is the caller's own parts
+        group = f"g{len(self._refs) + len(self.deferred) + 1:05d}"  # g00000 is the caller's own parts
+        if self.defer:
+            self.deferred.append((group, prefixes))
+            return
+        assert self._remote is not None
         self._refs.append(self._remote.remote(self.own.root, prefixes, self.own.staging, group, self.own.rows_per_part))
 
     def gather(self) -> list[_GroupListing]:
@@ -335,14 +399,9 @@ class _Dispatcher:
         return [self.own.close(), *(ray_work.gather(self._refs) if self._refs else [])]
 
 
-def list_to_parts(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROWS_PER_PART) -> StreamedListing:
-    """List everything under ``prefix_uri`` into Parquet parts under ``staging_uri`` (module docstring)."""
-    if rows_per_part < 1:
-        raise InputDataError(f"rows_per_part must be at least 1, got {rows_per_part}")
-    root = storage.normalize(prefix_uri)
+def _walk_levels(root: str, own: _PartWriter, dispatcher: _Dispatcher) -> None:
+    """The levels of ``root`` in the caller: its own objects into ``own``, groups of sub-prefixes to ``dispatcher``."""
     walk_level, _ = _walkers(root)
-    own = _PartWriter(root, staging_uri, "g00000", rows_per_part)
-    dispatcher = _Dispatcher(own)
     frontier = [""]
     for depth in range(MAX_DEPTH + 1):
         found: list[str] = []
@@ -363,7 +422,10 @@ def list_to_parts(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROW
         if not found:
             break
         frontier = found
-    listings = dispatcher.gather()
+    dispatcher.flush()
+
+
+def _merged(root: str, listings: list[_GroupListing]) -> StreamedListing:
     skips = _Skips()
     for listing in listings:
         skips.merge(listing.skips)
@@ -373,6 +435,89 @@ def list_to_parts(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROW
         skipped=dict(sorted(skips.counts.items())),
         skipped_examples={reason: skips.examples[reason] for reason in sorted(skips.counts)},
     )
+
+
+def _check_rows_per_part(rows_per_part: int) -> None:
+    if rows_per_part < 1:
+        raise InputDataError(f"rows_per_part must be at least 1, got {rows_per_part}")
+
+
+def list_to_parts(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROWS_PER_PART) -> StreamedListing:
+    """List everything under ``prefix_uri`` into Parquet parts under ``staging_uri`` (module docstring)."""
+    _check_rows_per_part(rows_per_part)
+    root = storage.normalize(prefix_uri)
+    own = _PartWriter(root, staging_uri, "g00000", rows_per_part)
+    dispatcher = _Dispatcher(own)
+    _walk_levels(root, own, dispatcher)
+    return _merged(root, dispatcher.gather())
+
+
+@dataclass(frozen=True)
+class ListingStart:
+    """A prefix's listing begun by the caller: what it listed itself (:data:`INLINE_OBJECTS` or so, or
+    everything), and the groups of sub-prefixes left, each to be listed by :func:`list_group_parts`."""
+
+    prefix: str
+    staging: str
+    rows_per_part: int
+    own: StreamedListing
+    groups: list[tuple[str, list[str]]]  # (group name, sub-prefixes), in order
+    own_prefixes: int  # sub-prefixes the caller listed itself
+
+    @property
+    def complete(self) -> bool:
+        """Whether the caller listed everything (a small prefix): then :attr:`own` is the listing."""
+        return not self.groups
+
+    @property
+    def estimated_count(self) -> int:
+        """The objects the prefix holds, estimated from the sub-prefixes listed so far (exact when complete).
+
+        Hashed or dated sub-prefixes hold about as many objects each; a
+        function of the objects alone, so every run over the same objects
+        estimates the same count (what a night's block size, part of the key
+        its blocks are found by, is decided from).
+        """
+        left = sum(len(prefixes) for _, prefixes in self.groups)
+        if not left or not self.own_prefixes:
+            return self.own.count
+        return self.own.count * (self.own_prefixes + left) // self.own_prefixes
+
+
+def begin_listing(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROWS_PER_PART) -> ListingStart:
+    """List ``prefix_uri``'s levels and its first :data:`INLINE_OBJECTS` objects or so in the caller, and name
+    the groups of sub-prefixes left, for a night's cutters to list while the first blocks are predicted."""
+    _check_rows_per_part(rows_per_part)
+    root = storage.normalize(prefix_uri)
+    own = _PartWriter(root, staging_uri, "g00000", rows_per_part)
+    dispatcher = _Dispatcher(own, defer=True)
+    _walk_levels(root, own, dispatcher)
+    return ListingStart(
+        prefix=root,
+        staging=staging_uri,
+        rows_per_part=rows_per_part,
+        own=_merged(root, [own.close()]),
+        groups=dispatcher.deferred,
+        own_prefixes=dispatcher.own_prefixes,
+    )
+
+
+def finish_listing(start: ListingStart) -> StreamedListing:
+    """The whole listing once every group of ``start`` was listed (:func:`list_group_parts`): read from
+    the groups' summaries, one small file a group."""
+    listings = [_GroupListing(start.own.parts, _own_skips(start.own))]
+    for group, _ in start.groups:
+        uri = group_summary_uri(start.staging, group)
+        if not storage.exists(uri):  # written last: the group was never listed to its end
+            raise StorageError(f"the listing of {start.prefix} has no summary of its group {group} ({uri})")
+        summary = json.loads(storage.read_bytes(uri))
+        skips = _Skips(dict(summary["skipped"]), {k: list(v) for k, v in summary["examples"].items()})
+        listings.append(_GroupListing([ListedPart.from_json(part) for part in summary["parts"]], skips))
+    return _merged(start.prefix, listings)
+
+
+def _own_skips(listing: StreamedListing) -> _Skips:
+    return _Skips(dict(listing.skipped), {k: list(v) for k, v in listing.skipped_examples.items()})
 
 
 def read_part(part_uri: str) -> pa.Table:

@@ -41,6 +41,7 @@ from rayline import storage
 from rayline.errors import NightCommittedElsewhere, StorageError
 from rayline.models.registry import ModelVersion
 from rayline.seed import corrupt_objects, digit_objects
+from rayline.storage import listing
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
 from rayline.tables.delta_tables import PARTITION_COLUMNS, Night, night_commit, storage_options, table_version
 from rayline.tables.prediction_reads import read_night, read_night_pair, vacuum
@@ -418,6 +419,22 @@ def test_a_night_killed_at_60_percent_resumes_predicting_only_the_blocks_it_had_
         removed = vacuum(uri, retention_hours=0, allow_short_retention=True, dry_run=True)
         assert sorted(os.path.join(uri, path) for path in removed) == leftover[kind] == []
     assert not os.path.exists(listing_staging_uri(root, Night("digits", D1)))
+
+
+def test_a_night_predicts_while_its_cutters_list_the_sub_prefixes_the_driver_left(
+    inputs: Inputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past INLINE_OBJECTS the driver lists no further: the other label folders are listed by the night's
+    cutters, part by part, while the first blocks are predicted; the committed night is the same."""
+    monkeypatch.setattr(listing, "INLINE_OBJECTS", 5)  # the driver lists one group of 8 label folders of 10
+    root = str(tmp_path / "tables")
+    result = batch_inference.run(_config(inputs, root, D1, "streamed", per_task=4))
+    assert result.inputs == len(inputs.expected) and result.predictions + result.errors == result.inputs
+    assert result.listing_parts == 2 and result.data_files == {"predictions": 1, "errors": 1}  # g00000, g00001
+    whole = listing.list_to_parts(inputs.uri, str(tmp_path / "whole"))
+    assert result.input_content_hash == whole.content_hash and result.input_digest == whole.uris.encode()
+    _assert_readers_see(root, "digits", D1, inputs.expected, "streamed")
+    assert not os.path.exists(listing_staging_uri(root, Night("digits", D1))), "the listing's parts were left"
 
 
 def test_the_result_of_a_night_stays_small_however_many_parts_and_blocks_it_has(inputs: Inputs, tmp_path: Path) -> None:

@@ -62,6 +62,33 @@ def test_listing_the_same_objects_twice_gives_the_same_parts(tmp_path: Path) -> 
     assert [(p.name, p.rows, p.uris) for p in a.parts] == [(p.name, p.rows, p.uris) for p in b.parts]
 
 
+def test_a_begun_listing_leaves_groups_whose_parts_finish_it_as_the_whole_listing_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A night lists its first objects in the driver and leaves the other groups of sub-prefixes to its
+    cutters (list_group_parts, streamed part by part); the finished listing is the one list_to_parts makes."""
+    keys = _tree(tmp_path / "in")
+    whole = listing.list_to_parts(str(tmp_path / "in"), str(tmp_path / "whole"), rows_per_part=10)
+    monkeypatch.setattr(listing, "INLINE_OBJECTS", 20)  # the first group of 8 sub-prefixes, of 13
+    begun = listing.begin_listing(str(tmp_path / "in"), str(tmp_path / "staging"), rows_per_part=10)
+    assert not begun.complete and begun.own.count < len(keys) and begun.own_prefixes == 8
+    assert [(name, len(prefixes)) for name, prefixes in begun.groups] == [("g00001", 5)]
+    assert begun.estimated_count == begun.own.count * 13 // 8  # as many objects in each sub-prefix
+    with pytest.raises(StorageError, match="no summary of its group g00001"):
+        listing.finish_listing(begun)  # a group never listed to its end
+    for name, prefixes in begun.groups:
+        streamed = list(listing.list_group_parts(begun.prefix, prefixes, begun.staging, name, begun.rows_per_part))
+        assert all(0 < p.rows <= 10 and os.path.exists(p.uri) for p in streamed)
+        assert sum(p.rows for p in streamed) == len(keys) - begun.own.count
+    finished = listing.finish_listing(begun)
+    assert (finished.count, finished.uris, finished.content_hash) == (whole.count, whole.uris, whole.content_hash)
+    assert finished.skipped == whole.skipped == {storage.SKIP_HIDDEN: 3}
+    assert sorted(o.key for o in listing.iter_objects(finished)) == sorted(keys)
+    monkeypatch.undo()
+    small = listing.begin_listing(str(tmp_path / "in"), str(tmp_path / "small"))  # under INLINE_OBJECTS: whole
+    assert small.complete and small.estimated_count == small.own.count
+
+
 def test_a_missing_prefix_lists_nothing(tmp_path: Path) -> None:
     streamed = listing.list_to_parts(str(tmp_path / "nowhere"), str(tmp_path / "staging"))
     assert streamed.count == 0 and streamed.parts == [] and streamed.skipped == {}
