@@ -230,7 +230,7 @@ def report(name: str, f: dict[str, Any]) -> None:
     print(
         f"{name}: {f['inputs']:,} images in {f['elapsed_s']:.1f} s = {f['inputs'] / f['elapsed_s']:,.0f} img/s; "
         f"driver peak RSS {f['driver_rss_mb']:.0f} MB (tree {f['tree_rss_mb']:.0f} MB); "
-        f"listing {phases.get('list', 0):.1f} s in {f['listing_parts']} parts; first block {f['first_block_s']:.1f} s; "
+        f"listing {phases.get('list', 0):.1f} s in the driver, {f['listing_parts']} parts in all; first block {f['first_block_s']:.1f} s; "
         f"files {f['data_files']}; commit {phases.get('commit', 0):.2f} s, _delta_log +{f['delta_log_bytes']} B; "
         f"compaction {phases.get('compact', 0):.1f} s; read back {f['read_s']:.2f} s; result {f['result_bytes']} B; "
         f"driver CPU {f['driver_cpu_s']:.0f} s for {f['blocks']:,} blocks"

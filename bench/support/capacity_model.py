@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from ray_workloads.inference_contract import block_size
+from rayline.storage.listing import INLINE_OBJECTS
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,15 @@ def listing_s(n: int, costs: Costs, limits: Limits) -> float:
     return n / (streams * costs.list_keys_per_s)
 
 
+def serial_listing_s(n: int, costs: Costs, limits: Limits) -> float:
+    """The listing's seconds before the first block. A flat prefix is listed whole by the driver first; of a
+    prefix with sub-prefixes the driver lists the first ``INLINE_OBJECTS`` (one stream), and the night's
+    cutters list the rest while the blocks are predicted (``rayline.storage.listing.begin_listing``)."""
+    if limits.prefixes <= 1:
+        return listing_s(n, costs, limits)
+    return min(n, INLINE_OBJECTS) / costs.list_keys_per_s
+
+
 @dataclass
 class Plan:
     """One night size, one deadline, one node kind: the nodes it needs and each limit's share of the deadline."""
@@ -90,11 +100,13 @@ class Plan:
 def plan(n: int, deadline_s: float, kind: NodeKind, costs: Costs, limits: Limits) -> Plan:
     """Nodes of ``kind`` for ``n`` images within ``deadline_s``, and how close each outside limit comes.
 
-    Serial parts come off the deadline first: start-up, the listing (before the
-    first block: it is cut from the listing's parts), the commit. Compaction
-    runs in Ray tasks over the cluster's cores after the last block.
+    Serial parts come off the deadline first: start-up, the part of the listing
+    that comes before the first block (``serial_listing_s``: all of it for a
+    flat prefix), the commit. The rest of the listing runs beside the blocks,
+    so it is a limit of its own (its share of the deadline). Compaction runs
+    in Ray tasks over the cluster's cores after the last block.
     """
-    serial = costs.fixed_s + listing_s(n, costs, limits) + costs.commit_s
+    serial = costs.fixed_s + serial_listing_s(n, costs, limits) + costs.commit_s
     compute_s = deadline_s - serial
     if compute_s <= 0:
         return Plan(n, deadline_s, kind, nodes=0, compute_s=compute_s, shares={"listing": math.inf})
@@ -117,11 +129,12 @@ def predict_night_s(n: int, workers: int, costs: Costs, objects_per_task: int) -
     """A night of ``n`` images on a cluster of ``workers`` cores running single-thread actors.
 
     The fixed start-up, then the images' CPU spread over the workers, the
-    driver's per-block CPU on the same cores, the listing and compaction.
+    driver's per-block CPU on the same cores, the listing's part before the
+    first block (all of a night under ``INLINE_OBJECTS``) and compaction.
     """
     blocks = math.ceil(n / objects_per_task)
     cpu = n * (costs.cpu_s_per_image + costs.compact_s_per_row) + blocks * costs.driver_s_per_block
-    return costs.fixed_s + n / costs.list_keys_per_s + cpu / workers
+    return costs.fixed_s + min(n, INLINE_OBJECTS) / costs.list_keys_per_s + cpu / workers
 
 
 def files_per_table(n: int, limits: Limits) -> int:
