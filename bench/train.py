@@ -85,7 +85,7 @@ def _split_in_memory(prepared: Any, split: str) -> dict[str, Any]:
 
     from rayline import storage
 
-    table = storage.read_parquet(prepared.files[split])
+    table = storage.read_parquet(prepared.read_files()[split])
     return {
         "image": torch.from_numpy(table.column("image").combine_chunks().to_numpy_ndarray().copy()),
         "label_index": torch.from_numpy(table.column("label_index").to_numpy()),

@@ -14,6 +14,10 @@ Output layout (committed by ``manifest.json``, written last: a
     <output>/summary.json                            counts per split and class, error count
     <output>/manifest.json                           files + summary: the commit point
 
+What a run returns (:class:`PreprocessResult`) counts the files per split, not
+lists them, so it stays small at any N: :meth:`PreprocessResult.read_files`
+reads the list from the manifest.
+
 A run fills the folder only while it holds the folder's lease
 (:mod:`rayline.storage.folders`): a concurrent run on the same input and
 parameters waits, then reuses what the first committed.
@@ -32,7 +36,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import ray
-from pydantic import Field
+from pydantic import Field, model_validator
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink, WriteResult
 
@@ -43,7 +47,7 @@ from rayline.errors import StorageError
 from rayline.lineage import DatasetRef
 from rayline.specs import SplitFractions
 from rayline.storage import folders, leases, manifests
-from rayline.storage.manifests import PreprocessManifest, PreprocessParameters, PreprocessSummary
+from rayline.storage.manifests import PreprocessCounts, PreprocessManifest, PreprocessParameters, PreprocessSummary
 
 SPLITS = ("train", "val", "test")
 ERRORS = "errors"
@@ -60,9 +64,16 @@ class PreprocessConfig(folders.LeasedOutput):
     force: bool = False
 
 
-class PreprocessResult(PreprocessSummary):
-    """The folder's summary (counts, errors, files: the manifest's), with where it is and how it was made."""
+class PreprocessResult(PreprocessCounts):
+    """The folder's summary (counts, errors: the manifest's), with where it is and how it was made.
 
+    Its size does not grow with the input: how many files per split, never
+    which. The manifest at ``manifest_uri`` lists them (:meth:`read_files` reads it).
+    """
+
+    file_counts: dict[str, int] = Field(
+        description="Parquet files per split (and errors) that the manifest commits (read_files lists them)."
+    )
     input_manifest_uri: str
     input_content_hash: str
     output_uri: str
@@ -75,17 +86,34 @@ class PreprocessResult(PreprocessSummary):
     elapsed_s: float = 0.0
     ray_data_stats: str = Field("", description="Ray Data's execution stats of this run (empty when reused).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _files_to_counts(cls, data: Any) -> Any:
+        """A result persisted before ``file_counts`` (it listed its files, e.g. cached): counted, lists dropped."""
+        if isinstance(data, dict) and "file_counts" not in data and isinstance(data.get("files"), dict):
+            counts = {split: len(uris) for split, uris in data["files"].items()}
+            return {k: v for k, v in data.items() if k != "files"} | {"file_counts": counts}
+        return data
+
     @property
     def total_rows(self) -> int:
         return sum(self.counts.values()) + self.error_count
+
+    def read_files(self) -> dict[str, list[str]]:
+        """Every Parquet file by split (and ``errors``), as the manifest at ``manifest_uri`` lists them: reads it (I/O).
+
+        The manifest committed there now: a forced run since then may have
+        committed another generation of the same input in its place.
+        """
+        return manifests.read(self.manifest_uri, PreprocessManifest).summary.files
 
     def lineage_inputs(self) -> list[DatasetRef]:
         """The ingest manifest, pinned to its input's version."""
         return [DatasetRef(uri=self.input_manifest_uri, content_hash=self.input_content_hash)]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """The manifest of the splits: derived from that version, with its files and counts."""
-        facets = {"files": self.files, "counts": self.counts, "error_count": self.error_count}
+        """The manifest of the splits: derived from that version, with its counts (the manifest lists the files)."""
+        facets = {"file_counts": self.file_counts, "counts": self.counts, "error_count": self.error_count}
         return [DatasetRef(uri=self.manifest_uri, content_hash=self.input_content_hash, facets=facets)]
 
 
@@ -240,7 +268,7 @@ def _result(
         class_counts=summary.class_counts,
         error_count=summary.error_count,
         error_types=summary.error_types,
-        files=summary.files,
+        file_counts={part: len(uris) for part, uris in summary.files.items()},
         image=manifest.parameters.image,
         cached=cached,
         waited_s=waited,
@@ -324,9 +352,11 @@ def _decode_and_commit(
 
 
 def error_sample(result: PreprocessResult, limit: int = 20) -> list[dict[str, Any]]:
-    """The first ``limit`` error rows (uri, stage, type, message) for reports."""
+    """The first ``limit`` error rows (uri, stage, type, message) for reports: reads the manifest when there are any."""
     rows: list[dict[str, Any]] = []
-    for uri in result.files.get(ERRORS, []):
+    if not result.file_counts.get(ERRORS):
+        return rows
+    for uri in result.read_files().get(ERRORS, []):
         rows.extend(storage.read_parquet([uri]).to_pylist())
         if len(rows) >= limit:
             break

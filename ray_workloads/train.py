@@ -113,8 +113,8 @@ SMALL_SPLIT_ROWS = 50_000
 
 
 def dataset_for_split(prepared: preprocess.PreprocessResult, split: str) -> ray.data.Dataset:
-    """The preprocessed rows of one split as a Ray Dataset (image, label_index)."""
-    uris = prepared.files.get(split, [])
+    """The preprocessed rows of one split as a Ray Dataset (image, label_index): reads the manifest's list of files."""
+    uris = prepared.read_files().get(split, []) if prepared.file_counts.get(split) else []
     if not uris:
         raise InputDataError(f"preprocessed data {prepared.output_uri} has no {split!r} split")
     columns = ["image", "label_index"]

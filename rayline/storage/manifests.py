@@ -90,14 +90,19 @@ class PreprocessParameters(BaseModel):
     splits: SplitFractions
 
 
-class PreprocessSummary(BaseModel):
-    """Counts per split and class, the errors, and every file the run wrote by split (and ``errors``)."""
+class PreprocessCounts(BaseModel):
+    """Counts per split and class, and the errors: a preprocess summary without its files (``summary.json``)."""
 
     classes: list[str]
     counts: dict[str, int]
     class_counts: dict[str, dict[str, int]]
     error_count: int
     error_types: dict[str, int]
+
+
+class PreprocessSummary(PreprocessCounts):
+    """The counts, and every file the run wrote by split (and ``errors``): what the manifest commits."""
+
     files: dict[str, list[str]]
 
 

@@ -34,12 +34,14 @@ DIGITS = 1797
 def read_outputs(result: PreprocessResult) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(good rows without pixels, error rows) of a committed preprocess output."""
     good: list[dict[str, Any]] = []
+    files = result.read_files()
+    assert {part: len(uris) for part, uris in files.items()} == result.file_counts
     for split in SPLITS:
-        table = storage.read_parquet(result.files.get(split, []))
+        table = storage.read_parquet(files.get(split, []))
         if table.num_rows:
             rows = table.drop_columns(["image"]).to_pylist()
             good.extend({**row, "split": split} for row in rows)
-    errors = storage.read_parquet(result.files.get(ERRORS, [])).to_pylist()
+    errors = storage.read_parquet(files.get(ERRORS, [])).to_pylist()
     return good, errors
 
 

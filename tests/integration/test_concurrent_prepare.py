@@ -67,8 +67,9 @@ def test_two_concurrent_runs_commit_once_and_the_second_reuses_it(s3_storage: st
     written_pre, reused_pre = sorted(prepared, key=lambda r: r.cached)
     assert not written_pre.cached and reused_pre.cached
     assert reused_pre.waited_s > 0
-    assert reused_pre.files == written_pre.files
-    named = {uri for uris in written_pre.files.values() for uri in uris}
+    assert reused_pre.file_counts == written_pre.file_counts
+    assert reused_pre.read_files() == written_pre.read_files()
+    named = {uri for uris in written_pre.read_files().values() for uri in uris}
     parquet = {f for f in _files(written_pre.output_uri) if f.endswith(".parquet")}
     assert parquet == named, "the manifest names every data file there is, and only those"
     assert sum(written_pre.counts.values()) + written_pre.error_count == 62
@@ -135,7 +136,7 @@ def test_two_concurrent_prepare_data_runs_both_complete(local_storage: str) -> N
     ingested = results[0].ingest
     assert _files(storage.join(ingested.output_uri, "shards")) == set(ingested.read_shard_uris())
     prepared = results[0].preprocess
-    named = {uri for uris in prepared.files.values() for uri in uris}
+    named = {uri for uris in prepared.read_files().values() for uri in uris}
     assert {f for f in _files(prepared.output_uri) if f.endswith(".parquet")} == named
 
 

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "p
 def _train_champion(root: str) -> None:
     """A few in-process epochs on the prepared digits: a model that knows them, registered as champion."""
     prepared = prepare_data(source_uri=storage.join(root, "raw")).preprocess
-    table = storage.read_parquet(prepared.files["train"]).sort_by("key")  # shard order varies run to run
+    table = storage.read_parquet(prepared.read_files()["train"]).sort_by("key")  # shard order varies run to run
     data = {
         "image": torch.from_numpy(table.column("image").combine_chunks().to_numpy_ndarray().copy()),
         "label_index": torch.from_numpy(table.column("label_index").to_numpy().copy()),

@@ -1,8 +1,8 @@
 """Results of bounded size: what a run returns to Prefect holds counts, digests and versions, whatever N.
 
-An ingest's result here, from a manifest of a 10 M-object night (a night's
-own result: tests/integration/test_prediction_tables.py, which runs one).
-The list of shards stays in the manifest, on storage.
+An ingest's and a preprocess's result here, from manifests of 10 M objects
+(a night's own result: tests/integration/test_prediction_tables.py, which
+runs one). The lists of shards and files stay in the manifests, on storage.
 """
 
 from __future__ import annotations
@@ -12,10 +12,18 @@ import math
 
 import pytest
 
-from ray_workloads import ingest
+from ray_workloads import ingest, preprocess
 from ray_workloads.ingest import IngestResult
+from ray_workloads.preprocess import PreprocessResult
 from rayline import storage
-from rayline.storage.manifests import IngestManifest, ShardInfo
+from rayline.specs import ImageSpec, SplitFractions
+from rayline.storage.manifests import (
+    IngestManifest,
+    PreprocessManifest,
+    PreprocessParameters,
+    PreprocessSummary,
+    ShardInfo,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -99,3 +107,99 @@ def test_a_result_persisted_with_its_list_of_shards_still_loads_as_a_count() -> 
     loaded = IngestResult.model_validate_json(json.dumps(old))
     assert loaded.shard_count == 5 and "shards" not in loaded.model_dump()
     assert IngestResult.model_validate(old) == loaded
+
+
+# A preprocess's result: the files per split stay in its manifest, the result counts them.
+
+FILES_PER_SPLIT = 20_000
+
+
+def _preprocessed(root: str, files_per_split: int, classes: int = 100) -> tuple[str, PreprocessManifest]:
+    """A committed preprocess manifest of ``files_per_split`` files in each split and errors, none of them written."""
+    folder = storage.join(root, "preprocessed", "x-1234abcd")
+    names = [f"n{i:08d}" for i in range(classes)]
+    counts = {"train": 8_000_000, "val": 1_000_000, "test": 1_000_000}
+    summary = PreprocessSummary(
+        classes=names,
+        counts=counts,
+        class_counts={s: {c: n // classes for c in names} for s, n in counts.items()},
+        error_count=5_000,
+        error_types={"ImageDecodeError": 4_990, "ObjectChangedError": 10},
+        files={
+            part: [storage.join(folder, part, f"part-{i:05d}.parquet") for i in range(files_per_split)]
+            for part in (*preprocess.SPLITS, preprocess.ERRORS)
+        },
+    )
+    manifest = PreprocessManifest(
+        input_manifest_uri=storage.join(root, "ingested", "x", "manifest.json"),
+        input_content_hash="f" * 64,
+        output_uri=folder,
+        parameters=PreprocessParameters(image=ImageSpec(), splits=SplitFractions()),
+        summary=summary,
+    )
+    uri = storage.join(folder, "manifest.json")
+    storage.write_json_atomic(uri, manifest.model_dump(mode="json"))
+    return uri, manifest
+
+
+def test_a_preprocess_result_of_20_000_files_per_split_stays_under_64_kb(local_storage: str) -> None:
+    uri, manifest = _preprocessed(local_storage, FILES_PER_SPLIT)
+    assert sum(len(uris) for uris in manifest.summary.files.values()) == 4 * FILES_PER_SPLIT
+    result = preprocess.read_manifest(uri)
+    assert result.file_counts == {
+        "train": FILES_PER_SPLIT,
+        "val": FILES_PER_SPLIT,
+        "test": FILES_PER_SPLIT,
+        "errors": FILES_PER_SPLIT,
+    }
+    size = len(result.model_dump_json())
+    assert size < MAX_RESULT_BYTES, size
+    # no field holds a list that grows with the input: the only list is the classes, one name per class
+    assert [name for name, value in result.model_dump().items() if isinstance(value, list)] == ["classes"]
+    assert "files" not in result.model_dump()
+    (output,) = result.lineage_outputs()
+    assert output.facets["file_counts"] == result.file_counts
+    assert not [name for name, value in output.facets.items() if isinstance(value, list)]
+    assert len(json.dumps(output.facets)) < 1024
+
+
+def test_a_preprocess_result_is_the_same_size_for_20_files_per_split_or_20_000(local_storage: str) -> None:
+    few = preprocess.read_manifest(_preprocessed(storage.join(local_storage, "a"), 20)[0])
+    many = preprocess.read_manifest(_preprocessed(storage.join(local_storage, "b"), FILES_PER_SPLIT)[0])
+    assert (few.file_counts["train"], many.file_counts["train"]) == (20, FILES_PER_SPLIT)
+    # the same rows in a thousand times as many files: only the digits of the four file counts differ
+    assert abs(len(many.model_dump_json()) - len(few.model_dump_json())) < 16
+
+
+def test_the_files_of_a_preprocess_result_are_read_from_its_manifest(local_storage: str) -> None:
+    uri, manifest = _preprocessed(local_storage, 3)
+    result = preprocess.read_manifest(uri)
+    assert result.file_counts == {part: 3 for part in manifest.summary.files}
+    assert result.read_files() == manifest.summary.files
+
+
+def test_a_preprocess_result_persisted_with_its_files_still_loads_as_counts() -> None:
+    # what a PreprocessResult was before: every file by split (a cached task result or a flow's persisted result)
+    old = {
+        "classes": ["3", "7"],
+        "counts": {"train": 3, "val": 1, "test": 0},
+        "class_counts": {"train": {"3": 1, "7": 2}, "val": {"3": 1, "7": 0}, "test": {"3": 0, "7": 0}},
+        "error_count": 1,
+        "error_types": {"ImageDecodeError": 1},
+        "files": {
+            "errors": ["s3://b/pre/y/errors/part-00000.parquet"],
+            "train": ["s3://b/pre/y/train/part-00000.parquet", "s3://b/pre/y/train/part-00001.parquet"],
+            "val": ["s3://b/pre/y/val/part-00001.parquet"],
+        },
+        "input_manifest_uri": "s3://b/ingested/x/manifest.json",
+        "input_content_hash": "abc",
+        "output_uri": "s3://b/pre/y",
+        "manifest_uri": "s3://b/pre/y/manifest.json",
+        "summary_uri": "s3://b/pre/y/summary.json",
+        "errors_uri": "s3://b/pre/y/errors",
+        "cached": True,
+    }
+    loaded = PreprocessResult.model_validate_json(json.dumps(old))
+    assert loaded.file_counts == {"errors": 1, "train": 2, "val": 1}
+    assert "files" not in loaded.model_dump()
+    assert PreprocessResult.model_validate(old) == loaded
