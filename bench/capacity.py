@@ -204,10 +204,10 @@ def main() -> None:
     parser.add_argument("--photos", type=int, default=1_500, help="the measured night (default 1,500)")
     parser.add_argument("--calibrate", type=int, default=64, help="the calibration night (default 64)")
     parser.add_argument("--cost-photos", type=int, default=160, help="photos the per-image costs are taken over")
-    # bench/night_scale.py, 2026-12-02: 207 s of driver CPU for 3,933 blocks against 24 s for 391; compaction
-    # 49.9 s on 2 cores for 1,000,000 rows (bench/README.md)
-    parser.add_argument("--driver-s-per-block", type=float, default=0.052, help="bench/night_scale.py's figure")
-    parser.add_argument("--compact-s-per-row", type=float, default=1e-4, help="bench/night_scale.py's figure")
+    # bench/night_scale.py, 2026-12-03 (spans of blocks): 15 s of driver CPU for 3,933 blocks, 5 s for 391;
+    # compaction 25 s on 2 idle cores for 1,000,000 rows (bench/README.md)
+    parser.add_argument("--driver-s-per-block", type=float, default=0.004, help="bench/night_scale.py's figure")
+    parser.add_argument("--compact-s-per-row", type=float, default=5e-5, help="bench/night_scale.py's figure")
     parser.add_argument("--list-keys-per-s", type=float, default=20_000.0, help="one S3 listing stream")
     parser.add_argument("--commit-s", type=float, default=0.3, help="both tables' commits of one night")
     parser.add_argument("--gpu-img-s", type=float, default=2_000.0, help="ASSUMED: one GPU's ResNet-18 rate")
