@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
@@ -44,6 +42,7 @@ import pyarrow as pa
 from rayline import ray_work, storage
 from rayline.errors import InputDataError, StorageError
 from rayline.storage.digests import SetDigest, combine
+from rayline.storage.walking import Entry, walkers
 
 PART_SCHEMA = pa.schema(
     [("uri", pa.string()), ("key", pa.string()), ("size", pa.int64()), ("etag", pa.string()), ("modified", pa.string())]
@@ -59,16 +58,6 @@ _EXAMPLES_PER_REASON = 5
 # The form of the content hash: 1, the sha256 of the sorted listing (before); 2, of the set digest.
 LISTING_VERSION = 2
 _LISTING_TAG = "rayline-listing-v2"
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One listed object, its key relative to the listed prefix."""
-
-    key: str
-    size: int
-    etag: str
-    modified: str
 
 
 @dataclass(frozen=True)
@@ -214,91 +203,6 @@ class _PartWriter:
         return _GroupListing(self.parts, self.skips)
 
 
-# --- walking a prefix: one level, or everything below -------------------------------------------------
-
-
-def _local_etag(size: int, mtime: float) -> str:
-    # local files have no ETag: size and mtime identify a version, as HTTP servers do (storage._etag's form)
-    return f"{size:x}-{int(mtime * 1e9):x}"
-
-
-def _local_entry(root: str, entry: os.DirEntry[str]) -> Entry:
-    st = entry.stat()
-    key = os.path.relpath(entry.path, root).replace(os.sep, "/")
-    modified = datetime.fromtimestamp(st.st_mtime, UTC).isoformat()
-    return Entry(key, st.st_size, _local_etag(st.st_size, st.st_mtime), modified)
-
-
-def _local_level(root: str, rel: str) -> Iterator[Entry | str]:
-    try:
-        with os.scandir(os.path.join(root, rel) if rel else root) as it:
-            for entry in it:
-                if entry.is_dir():
-                    yield f"{rel}/{entry.name}" if rel else entry.name
-                elif entry.is_file():
-                    yield _local_entry(root, entry)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-
-
-def _local_all(root: str, rel: str) -> Iterator[Entry]:
-    stack = [rel]
-    while stack:
-        current = stack.pop()
-        for item in _local_level(root, current):
-            if isinstance(item, str):
-                stack.append(item)
-            else:
-                yield item
-
-
-def _s3_pages(root: str, rel: str, delimiter: bool) -> Iterator[dict[str, Any]]:
-    from botocore.exceptions import ClientError
-
-    bucket, key = storage.split_s3(root)
-    base = key.rstrip("/")
-    prefix = "/".join(p for p in (base, rel) if p) + "/" if (base or rel) else ""
-    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, **({"Delimiter": "/"} if delimiter else {})}
-    try:
-        yield from storage.s3_client().get_paginator("list_objects_v2").paginate(**kwargs)
-    except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") == "NoSuchBucket":
-            return  # like a missing folder: nothing listed
-        raise storage.storage_error(exc, "listing", f"{root}/{rel}") from exc
-    except Exception as exc:
-        raise storage.storage_error(exc, "listing", f"{root}/{rel}") from exc
-
-
-def _s3_entries(root: str, page: dict[str, Any]) -> Iterator[Entry]:
-    _, key = storage.split_s3(root)
-    base = key.rstrip("/") + "/" if key.rstrip("/") else ""
-    for obj in page.get("Contents", []):
-        full = str(obj["Key"])
-        if not full.startswith(base):
-            continue
-        modified = obj.get("LastModified")
-        when = modified.astimezone(UTC).isoformat() if isinstance(modified, datetime) else str(modified or "")
-        yield Entry(full[len(base) :], int(obj.get("Size") or 0), str(obj.get("ETag", "")).strip('"'), when)
-
-
-def _s3_level(root: str, rel: str) -> Iterator[Entry | str]:
-    _, key = storage.split_s3(root)
-    base = key.rstrip("/") + "/" if key.rstrip("/") else ""
-    for page in _s3_pages(root, rel, delimiter=True):
-        yield from _s3_entries(root, page)
-        for common in page.get("CommonPrefixes", []):
-            yield str(common["Prefix"])[len(base) :].rstrip("/")
-
-
-def _s3_all(root: str, rel: str) -> Iterator[Entry]:
-    for page in _s3_pages(root, rel, delimiter=False):
-        yield from _s3_entries(root, page)
-
-
-def _walkers(root: str) -> tuple[Callable[[str, str], Iterator[Entry | str]], Callable[[str, str], Iterator[Entry]]]:
-    return (_s3_level, _s3_all) if storage.is_s3(root) else (_local_level, _local_all)
-
-
 def list_group(root: str, prefixes: list[str], staging: str, group: str, rows_per_part: int) -> _GroupListing:
     """List each of ``prefixes`` (relative to ``root``) recursively, into the parts of one group."""
     writer = _PartWriter(root, staging, group, rows_per_part)
@@ -309,7 +213,7 @@ def list_group(root: str, prefixes: list[str], staging: str, group: str, rows_pe
 
 def _listed_parts(writer: _PartWriter, prefixes: list[str]) -> Iterator[ListedPart]:
     """List ``prefixes`` into ``writer``, yielding each part as it is written (the last one on close)."""
-    _, walk_all = _walkers(writer.root)
+    _, walk_all = walkers(writer.root)
     written = 0
     for rel in prefixes:
         for entry in walk_all(writer.root, rel):
@@ -381,7 +285,7 @@ class _Dispatcher:
             return
         prefixes, self._pending = self._pending, []
         if (self._remote is None and not self.defer) or self.own.count < INLINE_OBJECTS:
-            _, walk_all = _walkers(self.own.root)
+            _, walk_all = walkers(self.own.root)
             for rel in prefixes:
                 for entry in walk_all(self.own.root, rel):
                     self.own.add(entry)
@@ -401,7 +305,7 @@ class _Dispatcher:
 
 def _walk_levels(root: str, own: _PartWriter, dispatcher: _Dispatcher) -> None:
     """The levels of ``root`` in the caller: its own objects into ``own``, groups of sub-prefixes to ``dispatcher``."""
-    walk_level, _ = _walkers(root)
+    walk_level, _ = walkers(root)
     frontier = [""]
     for depth in range(MAX_DEPTH + 1):
         found: list[str] = []
