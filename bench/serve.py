@@ -31,12 +31,19 @@ Latency is per request on the client: send → whole answer read. Figures:
 * open loop: requests through the router sent at fixed times, 20 per second for 15 s
   whatever the answers do; latency from the scheduled send time (so a stall counts for
   every request queued behind it). ``p99_ms_at_20rps`` (target <= 50 ms).
+* saturation: ``SATURATION_CONNECTIONS`` (8) kept-alive connections posting one digit PNG back
+  to back for ``--saturation-s`` (20) seconds, on each path, in ``--saturation-rounds`` (2)
+  rounds of alternating order; by ``wrk`` when it is installed (Debian's package), else by
+  Python threads (``bench/support/http_load.py``). req/s, p50 and p99 per path (the rounds'
+  means). Targets for the router: >= 138 req/s and p99 < 100 ms (what 1c9b899 answered on
+  2026-11-30). ``--saturation-only`` runs only this case.
 * ``errors``: all failed requests of every run above.
 
 Serve's logs (access log included: the default ``ServeConfig`` keeps it on) go to the
-replicas' log files only (``RAY_SERVE_LOG_TO_STDERR=0``), not echoed into the client's process.
+replicas' log files only (rayline's default ``RAY_SERVE_LOG_TO_STDERR=0``), not echoed into
+the client's process.
 
-``--quick`` is a smoke test (few requests, one level, 5 s paced run), not the figures.
+``--quick`` is a smoke test (few requests, one level, 5 s paced and saturated runs), not the figures.
 The embedded cluster shares the machine with the client: run it on a quiet machine (the
 load average is printed before and after). Last line: one line of JSON.
 """
@@ -44,17 +51,14 @@ load average is printed before and after). Last line: one line of JSON.
 from __future__ import annotations
 
 import argparse
-import http.client
 import itertools
 import json
 import os
-import queue
+import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,18 +68,22 @@ from starlette.responses import JSONResponse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.support.http_load import Run, Saturation, closed_loop, open_loop, saturate  # noqa: E402
 from ray_workloads.serving.model_server import ModelServer  # noqa: E402
 
-HOST = "127.0.0.1"
 ROUTER_PATH = "/predict"
 DIRECT_PREFIX = "/direct"
 ROUNDS = 3
 WARMUP_REQUESTS = 100
 PACED_RATE = 20.0
 PACED_S = 15.0
-PACED_CLIENTS = 16  # connections of the open-loop run: enough that a slow answer never delays a send
+SATURATION_CONNECTIONS = 8
+SATURATION_S = 20.0
+SATURATION_ROUNDS = 2
 TARGET_OVERHEAD = 0.15
 TARGET_P99_MS = 50.0
+TARGET_SATURATION_RPS = 138.0  # what the router answered at saturation on 2026-11-30 (issue 21)
+TARGET_SATURATION_P99_MS = 100.0
 
 
 class DirectModelServer(ModelServer):
@@ -86,129 +94,6 @@ class DirectModelServer(ModelServer):
         if not result.pop("ok"):
             return JSONResponse({"error": result["error"], "detail": result["detail"]}, status_code=result["status"])
         return JSONResponse(result)
-
-
-@dataclass
-class Run:
-    """Latencies (ms) of the answered requests of one run, failures, and its wall time."""
-
-    latencies_ms: list[float] = field(default_factory=list)
-    errors: int = 0
-    wall_s: float = 0.0
-
-    def extend(self, other: Run) -> None:
-        self.latencies_ms += other.latencies_ms
-        self.errors += other.errors
-        self.wall_s += other.wall_s
-
-    def percentile(self, q: float) -> float:
-        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
-
-    @property
-    def rps(self) -> float:
-        return (len(self.latencies_ms) + self.errors) / self.wall_s if self.wall_s else 0.0
-
-    def line(self, label: str) -> str:
-        return (
-            f"  {label:<7} p50 {self.percentile(50):7.2f} ms   p99 {self.percentile(99):7.2f} ms   "
-            f"{self.rps:7.1f} req/s   errors {self.errors}   ({len(self.latencies_ms) + self.errors} requests)"
-        )
-
-
-class Client:
-    """One kept-alive HTTP connection; reconnects after a failure."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.conn = http.client.HTTPConnection(HOST, port, timeout=60)
-
-    def post(self, path: str, body: bytes) -> bool:
-        try:
-            self.conn.request("POST", path, body=body, headers={"Content-Type": "image/png"})
-            response = self.conn.getresponse()
-            response.read()
-            return response.status == 200
-        except (OSError, http.client.HTTPException):
-            self.conn.close()
-            self.conn = http.client.HTTPConnection(HOST, self.port, timeout=60)
-            return False
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-def closed_loop(port: int, path: str, bodies: Sequence[bytes], concurrency: int, requests: int) -> Run:
-    """``concurrency`` clients, each sending its next request once the last is answered."""
-    run = Run()
-    lock = threading.Lock()
-    counter = itertools.count()
-    start = threading.Barrier(concurrency + 1)
-
-    def client_loop() -> None:
-        client = Client(port)
-        client.post(path, bodies[0])  # connect before the clock starts
-        start.wait()
-        latencies: list[float] = []
-        errors = 0
-        while (i := next(counter)) < requests:
-            sent = time.perf_counter()
-            ok = client.post(path, bodies[i % len(bodies)])
-            if ok:
-                latencies.append((time.perf_counter() - sent) * 1000)
-            else:
-                errors += 1
-        client.close()
-        with lock:
-            run.latencies_ms += latencies
-            run.errors += errors
-
-    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    began = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    run.wall_s = time.perf_counter() - began
-    return run
-
-
-def open_loop(port: int, path: str, bodies: Sequence[bytes], rate: float, duration_s: float) -> Run:
-    """Requests sent at fixed times (``rate`` per second); latency counted from the scheduled time."""
-    count = int(rate * duration_s)
-    jobs: queue.Queue[int] = queue.Queue()
-    for i in range(count):
-        jobs.put(i)
-    run = Run()
-    lock = threading.Lock()
-    clients = [Client(port) for _ in range(PACED_CLIENTS)]
-    for client in clients:
-        client.post(path, bodies[0])  # connect before the clock starts
-    t0 = time.perf_counter() + 0.1
-
-    def worker(client: Client) -> None:
-        while True:
-            try:
-                i = jobs.get_nowait()
-            except queue.Empty:
-                break
-            scheduled = t0 + i / rate
-            time.sleep(max(0.0, scheduled - time.perf_counter()))
-            ok = client.post(path, bodies[i % len(bodies)])
-            with lock:
-                if ok:
-                    run.latencies_ms.append((time.perf_counter() - scheduled) * 1000)
-                else:
-                    run.errors += 1
-        client.close()
-
-    threads = [threading.Thread(target=worker, args=(c,)) for c in clients]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    run.wall_s = time.perf_counter() - t0
-    return run
 
 
 def compare(port: int, bodies: Sequence[bytes], concurrency: int, requests: int) -> dict[str, Run]:
@@ -228,23 +113,46 @@ def load_average() -> str:
     return f"{one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
+def saturation(port: int, body: bytes, connections: int, seconds: float, rounds: int) -> dict[str, Saturation]:
+    """Both paths saturated, in rounds of alternating order; each path's figures are its rounds' means."""
+    paths = {"router": ROUTER_PATH, "direct": DIRECT_PREFIX}
+    runs: dict[str, list[Saturation]] = {"router": [], "direct": []}
+    for round_ in range(rounds):
+        for name in ("router", "direct") if round_ % 2 == 0 else ("direct", "router"):
+            runs[name].append(saturate(port, paths[name], body, connections, seconds))
+            print(runs[name][-1].line(name))
+    return {
+        name: Saturation(
+            statistics.mean(r.rps for r in done),
+            statistics.mean(r.p50_ms for r in done),
+            statistics.mean(r.p99_ms for r in done),
+            sum(r.requests for r in done),
+            sum(r.errors for r in done),
+            done[0].client,
+        )
+        for name, done in runs.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=1500, help="Requests per path and concurrency level.")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 8], help="Closed-loop clients.")
+    parser.add_argument("--saturation-s", type=float, default=SATURATION_S, help="Seconds of each saturation run.")
+    parser.add_argument("--saturation-rounds", type=int, default=SATURATION_ROUNDS)
+    parser.add_argument("--saturation-only", action="store_true", help="Only the saturation case.")
     parser.add_argument("--quick", action="store_true", help="A smoke test: few requests, one level, 5 s paced.")
     args = parser.parse_args()
     requests, levels, paced_s, warmup = args.requests, args.concurrency, PACED_S, WARMUP_REQUESTS
+    saturation_s, saturation_rounds = args.saturation_s, args.saturation_rounds
     if args.quick:
         requests, levels, paced_s, warmup = min(requests, 150), levels[:1], 5.0, 20
+        saturation_s, saturation_rounds = 5.0, 1
 
     storage_dir = tempfile.TemporaryDirectory(prefix="rayline-bench-serve-")
     os.environ["RAYLINE_STORAGE"] = storage_dir.name
     os.environ.pop("RAY_ADDRESS", None)  # always an embedded cluster of our own
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # replicas log to their files only: echoed through Ray into this process, every access-log
-    # line would cost the client CPU (two lines per request on the router path, one direct)
-    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
 
     from ray import serve
 
@@ -264,6 +172,8 @@ def main() -> None:
     connection = ray_cluster.connect()
     cfg = ServeConfig(name="rayline-bench", port=free_port())
     direct_app = f"{cfg.name}-direct"
+    results: dict[int, dict[str, Run]] = {}
+    paced: Run | None = None
     try:
         model = register_untrained("digits-bench", champion=False)
         serve_control.start(cfg)
@@ -282,27 +192,35 @@ def main() -> None:
         print(
             f"config: router replicas {cfg.router_replicas}, model replicas {cfg.replicas}, "
             f"max_batch_size {cfg.max_batch_size}, batch_wait_timeout_s {cfg.batch_wait_timeout_s}, "
-            f"access_log {cfg.access_log}"
+            f"access_log {cfg.access_log}; RAY_SERVE_LOG_TO_STDERR={os.environ.get('RAY_SERVE_LOG_TO_STDERR')}"
         )
         total_errors = 0
         for path in (ROUTER_PATH, DIRECT_PREFIX):
             total_errors += closed_loop(cfg.port, path, bodies, max(levels), warmup).errors
 
-        results: dict[int, dict[str, Run]] = {}
-        for level in levels:
-            results[level] = compare(cfg.port, bodies, level, requests)
-            router, direct_run = results[level]["router"], results[level]["direct"]
-            overhead = router.percentile(50) / direct_run.percentile(50) - 1
-            print(f"closed loop, {level} clients, {ROUNDS} alternating rounds:")
-            print(router.line("router"))
-            print(direct_run.line("direct"))
-            print(f"  router adds {overhead:+.1%} to p50 ({router.percentile(50) - direct_run.percentile(50):+.2f} ms)")
-            total_errors += router.errors + direct_run.errors
+        if not args.saturation_only:
+            for level in levels:
+                results[level] = compare(cfg.port, bodies, level, requests)
+                router, direct_run = results[level]["router"], results[level]["direct"]
+                overhead = router.percentile(50) / direct_run.percentile(50) - 1
+                print(f"closed loop, {level} clients, {ROUNDS} alternating rounds:")
+                print(router.line("router"))
+                print(direct_run.line("direct"))
+                added_ms = router.percentile(50) - direct_run.percentile(50)
+                print(f"  router adds {overhead:+.1%} to p50 ({added_ms:+.2f} ms)")
+                total_errors += router.errors + direct_run.errors
 
-        paced = open_loop(cfg.port, ROUTER_PATH, bodies, PACED_RATE, paced_s)
-        total_errors += paced.errors
-        print(f"open loop through the router, {PACED_RATE:.0f} req/s for {paced_s:.0f} s:")
-        print(paced.line("router"))
+            paced = open_loop(cfg.port, ROUTER_PATH, bodies, PACED_RATE, paced_s)
+            total_errors += paced.errors
+            print(f"open loop through the router, {PACED_RATE:.0f} req/s for {paced_s:.0f} s:")
+            print(paced.line("router"))
+
+        print(
+            f"saturation: {SATURATION_CONNECTIONS} connections posting one digit PNG for {saturation_s:g} s, "
+            f"{saturation_rounds} alternating round(s):"
+        )
+        saturated = saturation(cfg.port, bodies[3], SATURATION_CONNECTIONS, saturation_s, saturation_rounds)
+        total_errors += sum(s.errors for s in saturated.values())
     finally:
         try:
             if direct_app in serve.status().applications:
@@ -312,21 +230,45 @@ def main() -> None:
             ray_cluster.disconnect()
             storage_dir.cleanup()
     print(f"load average after: {load_average()}")
+    print(json.dumps(figures(results, levels, paced, saturated, total_errors)))
 
-    first = results[levels[0]]
-    figures = {
-        "router_p50_ms": round(first["router"].percentile(50), 3),
-        "direct_p50_ms": round(first["direct"].percentile(50), 3),
-        "router_overhead": round(first["router"].percentile(50) / first["direct"].percentile(50) - 1, 4),
-        "p99_ms_at_20rps": round(paced.percentile(99), 3),
-        "errors": total_errors,
-    }
+
+def figures(
+    results: dict[int, dict[str, Run]],
+    levels: Sequence[int],
+    paced: Run | None,
+    saturated: dict[str, Saturation],
+    total_errors: int,
+) -> dict[str, Any]:
+    """The JSON line's figures (closed and open loop ones only when they ran), with the targets printed."""
+    router, direct = saturated["router"], saturated["direct"]
+    out: dict[str, Any] = {}
+    if results and paced is not None:
+        first = results[levels[0]]
+        overhead = first["router"].percentile(50) / first["direct"].percentile(50) - 1
+        out = {
+            "router_p50_ms": round(first["router"].percentile(50), 3),
+            "direct_p50_ms": round(first["direct"].percentile(50), 3),
+            "router_overhead": round(overhead, 4),
+            "p99_ms_at_20rps": round(paced.percentile(99), 3),
+        }
+        print(
+            f"targets: router overhead {overhead:+.1%} at {levels[0]} clients (<= +{TARGET_OVERHEAD:.0%}); "
+            f"p99 at {PACED_RATE:.0f} req/s {paced.percentile(99):.1f} ms (<= {TARGET_P99_MS:.0f} ms)"
+        )
     print(
-        f"targets: router overhead {figures['router_overhead']:+.1%} at {levels[0]} clients "
-        f"(<= +{TARGET_OVERHEAD:.0%}); p99 at {PACED_RATE:.0f} req/s {figures['p99_ms_at_20rps']:.1f} ms "
-        f"(<= {TARGET_P99_MS:.0f} ms); errors {total_errors}"
+        f"saturation targets: router {router.rps:.1f} req/s (>= {TARGET_SATURATION_RPS:.0f}), "
+        f"p99 {router.p99_ms:.1f} ms (< {TARGET_SATURATION_P99_MS:.0f} ms); direct {direct.rps:.1f} req/s, "
+        f"p99 {direct.p99_ms:.1f} ms; errors {total_errors}"
     )
-    print(json.dumps(figures))
+    for name, run in saturated.items():
+        out |= {
+            f"saturation_{name}_rps": round(run.rps, 1),
+            f"saturation_{name}_p50_ms": round(run.p50_ms, 2),
+            f"saturation_{name}_p99_ms": round(run.p99_ms, 2),
+        }
+    out |= {"saturation_client": router.client, "errors": total_errors}
+    return out
 
 
 if __name__ == "__main__":
