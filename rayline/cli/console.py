@@ -4,8 +4,10 @@ Quiet (the default): Ray worker output, the messages the raylet pushes to
 the driver ("N PYTHON worker processes have been started…"), Ray's and Ray
 Data's log lines, Ray Data stats and Prefect's per-task INFO lines go to
 ``<state>/logs/<command>-<time>.log``; the terminal keeps ERROR records, which
-print in full (the driver's Ray core worker writes its own ERROR lines to the
-process's stderr itself), and the Prefect API still gets every task log. ``--verbose``
+print in full, and the Prefect API still gets every task log. What native code
+writes to the process's stderr goes to the log file too: the driver's Ray core
+worker prints its warnings and errors there from C++ ("Actor … has constructor
+arguments in the object store…"), past every Python handler. ``--verbose``
 leaves all of it on the terminal as before.
 
 Progress of each long stage (``rayline.progress``): live bars on a terminal;
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TextIO
 
 import typer
 
@@ -205,6 +207,53 @@ def _quiet_logging(terminal: Terminal, handler: logging.Handler) -> None:
     _set_env_default(terminal, "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
+def _native_stderr_to(terminal: Terminal, log: IO[str]) -> None:
+    """Point file descriptor 2 at the log file; Python's ``sys.stderr`` moves to a copy of the terminal's.
+
+    Ray's core worker in this process writes its warnings and errors to descriptor 2 from C++ (its file
+    sink for them is set up for workers, not drivers, and no option changes that), e.g. core_worker.cc's
+    line for every Ray Data actor pool, whose map function Ray Data passes through the object store.
+    Only a stderr that is the process's own descriptor 2 moves: a captured one (tests, wrappers) stays.
+    """
+    native: TextIO = sys.stderr
+    try:
+        if sys.stderr is not sys.__stderr__ or native.fileno() != 2:
+            return
+    except (AttributeError, OSError, ValueError):  # no real file behind it
+        return
+    native.flush()
+    to_terminal = os.fdopen(os.dup(2), "w", buffering=1, encoding=native.encoding, errors=native.errors)
+    os.dup2(log.fileno(), 2)
+    sys.stderr = to_terminal
+    moved = _move_handler_streams(native, to_terminal)
+
+    def undo() -> None:
+        to_terminal.flush()
+        os.dup2(to_terminal.fileno(), 2)
+        sys.stderr = native
+        _move_handler_streams(to_terminal, native, moved)
+        to_terminal.close()
+
+    terminal._undo.append(undo)
+
+
+def _move_handler_streams(
+    old: IO[str], new: IO[str], handlers: list[logging.StreamHandler[Any]] | None = None
+) -> list[logging.StreamHandler[Any]]:
+    """Terminal handlers that wrote to ``old`` (Prefect's through its rich console too) write to ``new``."""
+    if handlers is None:
+        loggers = [logging.getLogger(), *(logging.getLogger(name) for name in logging.Logger.manager.loggerDict)]
+        handlers = [
+            h for logger in loggers for h in logger.handlers if isinstance(h, logging.StreamHandler) and h.stream is old
+        ]
+    for handler in handlers:
+        handler.setStream(new)
+        console = getattr(handler, "console", None)
+        if console is not None and getattr(console, "file", None) is old:
+            console.file = new
+    return handlers
+
+
 def _set_env_default(terminal: Terminal, key: str, value: str) -> None:
     if key not in os.environ:
         os.environ[key] = value
@@ -231,4 +280,6 @@ def open_terminal(command: str, state_dir: Path | None, verbose: bool, tty: bool
         handler.setFormatter(logging.Formatter(LOG_FORMAT))
         _quiet_logging(terminal, handler)
         ray_cluster.send_worker_logs_to(_LockedWriter(handler))
+        if handler.stream is not None:
+            _native_stderr_to(terminal, handler.stream)
     return terminal
