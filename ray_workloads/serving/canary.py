@@ -9,7 +9,8 @@ version is retired, and each ending is an outcome that declares its lineage
 A rollout starts by reconciling serving with the registry (:func:`reconcile`):
 it runs holding the model's rollout lease, so weight on any version but the
 champion was left by a rollout that did not finish (its process killed, its
-lease expired). The registry is the source of truth: that weight goes back to
+lease expired), or was served by hand (``rayline serve start``) before the
+champion alias moved to another version. The registry is the source of truth: that weight goes back to
 the champion, which is then the incumbent, and the rollout says so.
 """
 
@@ -40,8 +41,9 @@ class Reconciliation(BaseModel):
         found = ", ".join(f"v{v} at {share:g}%" for v, share in sorted(self.left.items()))
         removed = f"; removed {', '.join(f'v{v}' for v in self.removed)} from serving" if self.removed else ""
         return (
-            f"serving disagreed with the registry at the start ({found}, left by a rollout that did not "
-            f"finish, killed or failed mid-way): rolled all traffic back to the champion v{self.champion}{removed}"
+            f"serving disagreed with the registry at the start ({found}: left by a rollout that did not "
+            f"finish, or served while the champion alias moved): rolled all traffic back to the champion "
+            f"v{self.champion}{removed}"
         )
 
 
