@@ -73,6 +73,7 @@ from ray_workloads.serving.model_server import ModelServer  # noqa: E402
 
 ROUTER_PATH = "/predict"
 DIRECT_PREFIX = "/direct"
+PATHS = {"router": ROUTER_PATH, "direct": DIRECT_PREFIX}
 ROUNDS = 3
 WARMUP_REQUESTS = 100
 PACED_RATE = 20.0
@@ -99,12 +100,11 @@ class DirectModelServer(ModelServer):
 def compare(port: int, bodies: Sequence[bytes], concurrency: int, requests: int) -> dict[str, Run]:
     """Both paths at one concurrency level, in rounds of alternating order."""
     runs = {"router": Run(), "direct": Run()}
-    paths = {"router": ROUTER_PATH, "direct": DIRECT_PREFIX}
     per_round = max(concurrency, requests // ROUNDS)
     for round_ in range(ROUNDS):
         order = ("router", "direct") if round_ % 2 == 0 else ("direct", "router")
         for name in order:
-            runs[name].extend(closed_loop(port, paths[name], bodies, concurrency, per_round))
+            runs[name].extend(closed_loop(port, PATHS[name], bodies, concurrency, per_round))
     return runs
 
 
@@ -115,11 +115,10 @@ def load_average() -> str:
 
 def saturation(port: int, body: bytes, connections: int, seconds: float, rounds: int) -> dict[str, Saturation]:
     """Both paths saturated, in rounds of alternating order; each path's figures are its rounds' means."""
-    paths = {"router": ROUTER_PATH, "direct": DIRECT_PREFIX}
     runs: dict[str, list[Saturation]] = {"router": [], "direct": []}
     for round_ in range(rounds):
         for name in ("router", "direct") if round_ % 2 == 0 else ("direct", "router"):
-            runs[name].append(saturate(port, paths[name], body, connections, seconds))
+            runs[name].append(saturate(port, PATHS[name], body, connections, seconds))
             print(runs[name][-1].line(name))
     return {
         name: Saturation(

@@ -116,11 +116,11 @@ def closed_loop(
     run = Run()
     lock = threading.Lock()
     counter = itertools.count()
-    start = threading.Barrier(concurrency + 1)
-    stop_at: list[float] = []
+    began: list[float] = []  # the clock starts once every client is connected (the barrier's action)
+    start = threading.Barrier(concurrency + 1, action=lambda: began.append(time.perf_counter()))
 
     def more(i: int) -> bool:
-        return time.perf_counter() < stop_at[0] if duration_s is not None else i < requests
+        return time.perf_counter() < began[0] + duration_s if duration_s is not None else i < requests
 
     def client_loop() -> None:
         client = Client(port)
@@ -143,12 +143,10 @@ def closed_loop(
     threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
     for thread in threads:
         thread.start()
-    began = time.perf_counter()
-    stop_at.append(began + (duration_s or 0.0))
     start.wait()
     for thread in threads:
         thread.join()
-    run.wall_s = time.perf_counter() - began
+    run.wall_s = time.perf_counter() - began[0]
     return run
 
 

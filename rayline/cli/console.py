@@ -225,33 +225,37 @@ def _native_stderr_to(terminal: Terminal, log: IO[str]) -> None:
     to_terminal = os.fdopen(os.dup(2), "w", buffering=1, encoding=native.encoding, errors=native.errors)
     os.dup2(log.fileno(), 2)
     sys.stderr = to_terminal
-    moved = _move_handler_streams(native, to_terminal)
+    moved = _stream_handlers_writing_to(native)
+    _set_streams(moved, to_terminal)
 
     def undo() -> None:
         to_terminal.flush()
         os.dup2(to_terminal.fileno(), 2)
         sys.stderr = native
-        _move_handler_streams(to_terminal, native, moved)
+        _set_streams(moved, native)
         to_terminal.close()
 
     terminal._undo.append(undo)
 
 
-def _move_handler_streams(
-    old: IO[str], new: IO[str], handlers: list[logging.StreamHandler[Any]] | None = None
-) -> list[logging.StreamHandler[Any]]:
-    """Terminal handlers that wrote to ``old`` (Prefect's through its rich console too) write to ``new``."""
-    if handlers is None:
-        loggers = [logging.getLogger(), *(logging.getLogger(name) for name in logging.Logger.manager.loggerDict)]
-        handlers = [
-            h for logger in loggers for h in logger.handlers if isinstance(h, logging.StreamHandler) and h.stream is old
-        ]
+def _stream_handlers_writing_to(stream: IO[str]) -> list[logging.StreamHandler[Any]]:
+    """Every logging handler, on any logger, that writes to ``stream``."""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]  # placeholders have no handlers
+    return [
+        h
+        for logger in loggers
+        for h in getattr(logger, "handlers", [])
+        if isinstance(h, logging.StreamHandler) and h.stream is stream
+    ]
+
+
+def _set_streams(handlers: list[logging.StreamHandler[Any]], stream: IO[str]) -> None:
+    """The handlers write to ``stream``; Prefect's, which print through a rich console of their own, too."""
     for handler in handlers:
-        handler.setStream(new)
+        previous = handler.setStream(stream)
         console = getattr(handler, "console", None)
-        if console is not None and getattr(console, "file", None) is old:
-            console.file = new
-    return handlers
+        if console is not None and previous is not None and console.file is previous:
+            console.file = stream
 
 
 def _set_env_default(terminal: Terminal, key: str, value: str) -> None:

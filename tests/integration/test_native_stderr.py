@@ -22,6 +22,7 @@ NATIVE_WARNING = "has constructor arguments in the object store"
 
 PROBE = textwrap.dedent(
     """
+    import logging
     import sys
     from pathlib import Path
 
@@ -47,6 +48,7 @@ PROBE = textwrap.dedent(
     held = ray.put(b"x" * 500_000)  # in the object store, passed by reference
     assert ray.get(Holder.remote(held).size_of.remote()) == 500_000
     typer.echo("an error message of rayline's", err=True)
+    logging.getLogger("ray").error("an error record of ray's")  # by Ray's own terminal handler, which moved
     terminal.close()
     ray.shutdown()
     """
@@ -67,4 +69,5 @@ def test_the_core_workers_own_warnings_go_to_the_log_file_and_rayline_keeps_the_
     assert NATIVE_WARNING not in done.stderr + done.stdout, done.stderr[-3000:]
     assert "a line of python's own" in done.stderr
     assert "an error message of rayline's" in done.stderr
+    assert "an error record of ray's" in done.stderr
     assert "(--verbose prints them)" in done.stdout  # where to look, said on the terminal
