@@ -13,13 +13,21 @@ are rewritten by Ray tasks into files sized for readers
 (:func:`plan_groups`): consecutive parts are grouped until a group holds
 ``min_rows`` rows or ``min_bytes`` bytes, and a last, smaller group joins the
 one before it, so every file of a night reaches the size except one per
-table when the whole night is smaller. Each task streams its parts' block
-files into one Parquet file under the night's partition folder
+table when the whole night is smaller. Each task streams the block files of
+its parts into one Parquet file under the night's partition folder
 (``part-<run id>-c<group>.parquet``), in row groups of at most
 :data:`ROW_GROUP_ROWS`, and reports that file's rows and URI digest, read from
 what it wrote: the driver checks those against the listing again, so what is
 committed is what was checked. The compacted files stay invisible until the
 one commit per table; a killed run's are orphans that vacuum deletes.
+
+Which block files: exactly the blocks this run cut from each part
+(:class:`PartBlocks`: their names follow from the part's rows and the block
+size), never whatever else the part's folder holds. A killed attempt over a
+longer listing (inputs deleted since, or a part cut elsewhere) leaves tail
+blocks under the same night key that no block of this listing overwrites;
+read, they would refuse every rerun until vacuum's retention. They are left
+unread, and removed with the night's other block files after its commit.
 """
 
 from __future__ import annotations
@@ -32,17 +40,32 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ray_workloads.night_blocks import BlockReport, NightOutput, block_folder, blocks_root
+from ray_workloads.night_blocks import BlockReport, NightOutput, block_file_uri, block_folder, block_name, blocks_root
 from rayline import ray_work, storage
 from rayline.errors import StorageError
 from rayline.storage.digests import SetDigest, combine
-from rayline.tables.delta_tables import Night
 from rayline.tables.predictions_table import check_night_unchanged, data_file_uri
 
 KINDS = ("predictions", "errors")
 MIN_FILE_ROWS = 100_000
 MIN_FILE_BYTES = 64 * 2**20
 ROW_GROUP_ROWS = 131_072
+
+
+@dataclass(frozen=True)
+class PartBlocks:
+    """The blocks this run cut from one listing part: ``rows`` inputs in blocks of ``size``."""
+
+    part: str
+    rows: int  # of both kinds: the part's inputs
+    size: int  # the largest block's rows: every block of a part but its last is full
+
+    def names(self) -> list[str]:
+        """The blocks' names (:func:`~ray_workloads.night_blocks.block_name`), in the part's order."""
+        return [block_name(self.part, start) for start in range(0, self.rows, self.size)]
+
+    def add(self, rows: int) -> PartBlocks:
+        return PartBlocks(self.part, self.rows + rows, max(self.size, rows))
 
 
 @dataclass
@@ -56,6 +79,7 @@ class NightTotals:
     reused_blocks: int = 0
     # part name -> kind -> [rows, bytes]
     per_part: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    cut: dict[str, PartBlocks] = field(default_factory=dict)
 
     def add(self, report: BlockReport) -> None:
         self.uris = self.uris + report.uris
@@ -70,6 +94,8 @@ class NightTotals:
         ):
             sizes[kind][0] += rows
             sizes[kind][1] += size
+        cut = self.cut.get(report.part, PartBlocks(report.part, 0, 0))
+        self.cut[report.part] = cut.add(report.predictions + report.errors)
 
     def sizes(self, kind: str) -> list[tuple[str, int, int]]:
         """(part, rows, bytes) of one kind, in part order."""
@@ -119,14 +145,17 @@ class CompactedFile:
     uris: SetDigest
 
 
-def _block_files(table: str, night: Night, key: str, part: str) -> list[str]:
-    folder = block_folder(table, night, key, part)
-    fs, path = storage.arrow_filesystem(folder)
+def _read_block(uri: str) -> pa.Table:
+    """One block file of this run's listing; a missing one refuses the commit (the night would lack its rows)."""
+    fs, path = storage.arrow_filesystem(uri)
     try:
-        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        return pq.read_table(path, filesystem=fs)
     except OSError as exc:
-        raise storage.storage_error(exc, "listing", folder) from exc
-    return sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
+        if fs.get_file_info(path).type != pafs.FileType.NotFound:
+            raise
+        raise StorageError(
+            f"refusing to commit: the block file {uri} of this night's listing is missing; nothing was committed"
+        ) from exc
 
 
 def _with_constants(data: pa.Table, constants: dict[str, Any]) -> pa.Table:
@@ -138,9 +167,9 @@ def _with_constants(data: pa.Table, constants: dict[str, Any]) -> pa.Table:
 
 
 def compact_group(
-    output: NightOutput, kind: str, parts: list[str], index: int, schema: pa.Schema, constants: dict[str, Any]
+    output: NightOutput, kind: str, parts: list[PartBlocks], index: int, schema: pa.Schema, constants: dict[str, Any]
 ) -> CompactedFile:
-    """Stream the block files of ``parts`` into one file of the night (a Ray task); what it wrote.
+    """Stream the block files of ``parts``' blocks into one file of the night (a Ray task); what it wrote.
 
     ``constants`` (columns with one value per run) are set to the committing
     run's: a block reused from an earlier attempt carries that attempt's
@@ -154,8 +183,9 @@ def compact_group(
         fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
         with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
             for part in parts:
-                for block_path in _block_files(table, output.night, output.key, part):
-                    data = pq.read_table(block_path, filesystem=fs).select(schema.names).cast(schema)
+                for block in part.names():
+                    data = _read_block(block_file_uri(table, output.night, output.key, block))
+                    data = data.select(schema.names).cast(schema)
                     data = _with_constants(data, constants)
                     digest = digest + SetDigest.of(data.column("uri").to_pylist())
                     rows += data.num_rows
@@ -192,7 +222,8 @@ def compact_night(
             # so listings (monitor, rollouts) see the night, and the rerun replaces it like any other
             groups = [[]]
         values = constants if kind == "predictions" else {}
-        work.extend((output, kind, parts, i, schemas[kind], values) for i, parts in enumerate(groups))
+        for i, parts in enumerate(groups):
+            work.append((output, kind, [totals.cut[part] for part in parts], i, schemas[kind], values))
     if len(work) <= len(KINDS):
         # a night of at most one file per table (under min_rows): compacted here, without a task's worker
         return [compact_group(*args) for args in work]
