@@ -93,9 +93,10 @@ def child_costs(spec: dict[str, Any]) -> dict[str, Any]:
     for start in range(0, len(uris), BLOCK):
         block = uris[start : start + BLOCK]
         t0 = time.perf_counter()
-        rows = fetch_and_decode(block, udf.spec, udf.io_concurrency)
+        etags = ["-"] * len(block)  # local files: a read has no ETag to compare
+        rows = fetch_and_decode(block, etags, udf.spec, udf.io_concurrency)
         rows["uri"] = np.array(block, dtype=object)
-        rows["etag"] = np.array(["-"] * len(block), dtype=object)
+        rows["etag"] = np.array(etags, dtype=object)
         t1 = time.perf_counter()
         udf.predict(rows)
         del rows["image"]

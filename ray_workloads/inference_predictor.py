@@ -43,8 +43,13 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-def fetch_and_decode(uris: list[str], spec: ImageSpec, concurrency: int) -> dict[str, np.ndarray]:
+def fetch_and_decode(uris: list[str], etags: list[str], spec: ImageSpec, concurrency: int) -> dict[str, np.ndarray]:
     """Fetch the objects and decode each image; a bad object becomes error fields, not an exception.
+
+    An object whose read returned another ETag than the listing's (``etags``)
+    was replaced since the night was listed: its row would name a version it
+    was not predicted from, so it is a ``fetch`` error (``ObjectChangedError``,
+    both ETags), as in ingest; the night's next run lists the new version.
 
     Reads that keep failing transiently (throttling, 5xx, resets, bodies cut
     short) are no bad object: ``fetching.fetch_many`` retries them and then
@@ -58,7 +63,8 @@ def fetch_and_decode(uris: list[str], spec: ImageSpec, concurrency: int) -> dict
     stage: list[str | None] = [None] * n
     error_type: list[str | None] = [None] * n
     message: list[str | None] = [None] * n
-    for i, item in enumerate(fetching.fetch_many(uris, concurrency)):
+    fetched = fetching.fetch_many(uris, concurrency)
+    for i, item in enumerate(fetching.as_listed(f, etag) for f, etag in zip(fetched, etags, strict=True)):
         if item.error is not None:
             stage[i], error_type[i], message[i] = "fetch", type(item.error).__name__, str(item.error)[:500]
             continue
@@ -156,7 +162,7 @@ class PredictorUDF:
         step = chunk_size(self.spec.size, self.batch_size)
         for start in range(0, len(uris), step):
             stop = start + step
-            rows = fetch_and_decode(uris[start:stop], self.spec, self.io_concurrency)
+            rows = fetch_and_decode(uris[start:stop], etags[start:stop], self.spec, self.io_concurrency)
             rows["uri"] = np.array(uris[start:stop], dtype=object)
             rows["etag"] = np.array(etags[start:stop], dtype=object)
             self.predict(rows)

@@ -191,15 +191,10 @@ def _cut(objects: Iterable[ObjectInfo], per_shard: int, max_bytes: int) -> Itera
         yield current
 
 
-class ObjectChangedError(Exception):
-    """The object was replaced between listing and reading; the next run picks it up."""
-
-
 def _as_payload(obj: ObjectInfo, fetched: fetching.Fetched) -> bytes | BaseException:
+    fetched = fetching.as_listed(fetched, obj.etag)  # a replaced object: ObjectChangedError, an error row
     if fetched.error is not None:
         return fetched.error
-    if fetched.etag is not None and fetched.etag != obj.etag:
-        return ObjectChangedError(f"etag changed from {obj.etag} to {fetched.etag} while ingesting")
     return fetched.data or b""
 
 

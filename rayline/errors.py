@@ -78,6 +78,15 @@ class StorageError(RaylineError):
     """A storage read or write failed and retrying will not help."""
 
 
+class ObjectChangedError(RaylineError):
+    """An object was replaced between its listing and its read: the read's ETag is not the listed one.
+
+    Never raised: an error row of the ingest or the night that listed the old
+    version (which no longer exists to read), named with both ETags. The next
+    run lists the new version and reads it.
+    """
+
+
 class RolloutRolledBack(RaylineError):
     """A rollout gate refused the candidate; it was taken out of serving."""
 

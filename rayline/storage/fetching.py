@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayline.config import get_settings
-from rayline.errors import StorageAccessDenied, TransientStorageError, is_access_denied, is_transient
+from rayline.errors import (
+    ObjectChangedError,
+    StorageAccessDenied,
+    TransientStorageError,
+    is_access_denied,
+    is_transient,
+)
 from rayline.storage import is_s3, normalize, s3_client, split_s3
 
 
@@ -28,6 +34,17 @@ class Fetched:
     data: bytes | None
     etag: str | None = None
     error: BaseException | None = None
+
+
+def as_listed(fetched: Fetched, listed_etag: str) -> Fetched:
+    """``fetched``, or an :class:`ObjectChangedError` when it read another version than the listing's.
+
+    A read without an ETag (local files) is taken as the listed version.
+    """
+    if fetched.error is not None or fetched.etag is None or fetched.etag == listed_etag:
+        return fetched
+    changed = ObjectChangedError(f"etag changed from {listed_etag} (listed) to {fetched.etag} (read)")
+    return Fetched(data=None, etag=fetched.etag, error=changed)
 
 
 def _fetch_s3(uri: str, client: Any) -> Fetched:

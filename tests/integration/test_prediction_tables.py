@@ -31,6 +31,7 @@ from ray_workloads.batch_inference import InferenceConfig, InferenceResult, new_
 from rayline import storage
 from rayline.errors import NightCommittedElsewhere
 from rayline.storage.layout import PREDICTIONS_TABLE
+from rayline.storage.listing import ListingStart
 from rayline.tables.delta_tables import PARTITION_COLUMNS, Night, night_commit, table_version
 from rayline.tables.prediction_reads import read_night, read_night_pair, vacuum
 from rayline.tables.predictions_table import PREDICTIONS_SCHEMA, commit_night, write_data_file
@@ -175,6 +176,42 @@ def test_a_night_and_its_rerun_on_s3_read_back_through_deltalake(inputs: Inputs,
     # deltalake with rayline's storage options (endpoint, plain http, region) in an outside process, Ray, rayline
     assert_readers_see(s3_storage, "digits", D1, on_s3.expected, "second")
     assert_readers_see(s3_storage, "digits", D1, on_s3.expected, "first", at=first)
+
+
+def test_an_object_overwritten_between_the_listing_and_its_read_is_an_error_row_and_the_rerun_predicts_it(
+    inputs: Inputs, s3_storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row names the version it was predicted from: a GET that returns another ETag than the listing's is
+    the ``fetch`` error ``ObjectChangedError`` (as in ingest), and the night's next run predicts the new one."""
+    incoming = storage.join(s3_storage, "incoming")
+    uris = sorted(seed_inputs(incoming, digits=6, corrupt=0))
+    changed = uris[0]
+    listed = {o.uri: o.etag for o in storage.list_objects(incoming)}
+    begin = batch_inference._begin_night
+
+    def overwritten_once_listed(source: str, staging: str, part_objects: int) -> ListingStart:
+        listing = begin(source, staging, part_objects)
+        storage.write_bytes_atomic(changed, storage.read_bytes(uris[-1]))  # a PUT to the S3-protocol server
+        return listing
+
+    config = night_config(Inputs(inputs.digits, inputs.other, incoming, frozenset(uris)), s3_storage, D1, "first")
+    with monkeypatch.context() as patch:
+        patch.setattr(batch_inference, "_begin_night", overwritten_once_listed)
+        first = batch_inference.run(config)
+    now = {o.uri: o.etag for o in storage.list_objects(incoming)}
+    assert now[changed] != listed[changed]
+    pair = read_night_pair(s3_storage, "digits", D1)
+    assert (first.predictions, first.errors, first.error_types) == (5, 1, {"ObjectChangedError": 1})
+    error = pair.errors.to_pylist()[0]
+    assert (error["uri"], error["stage"], error["error_type"]) == (changed, "fetch", "ObjectChangedError")
+    assert listed[changed] in error["error_message"] and now[changed] in error["error_message"]
+    predicted = dict(zip(*(pair.predictions.column(c).to_pylist() for c in ("uri", "etag")), strict=True))
+    assert predicted == {uri: listed[uri] for uri in uris[1:]}  # each row at the version its GET read
+
+    rerun = batch_inference.run(config.model_copy(update={"flow_run_id": "rerun"}))
+    assert (rerun.predictions, rerun.errors) == (6, 0)
+    pair = read_night_pair(s3_storage, "digits", D1)
+    assert dict(zip(*(pair.predictions.column(c).to_pylist() for c in ("uri", "etag")), strict=True)) == now
 
 
 EXTRA = "calibrated_confidence"  # what a future prediction column looks like
