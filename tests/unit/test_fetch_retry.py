@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from rayline.errors import StorageAccessDenied, TransientStorageError, is_transient
+from rayline.errors import ObjectChangedError, StorageAccessDenied, TransientStorageError, is_transient
 from rayline.storage import fetching
 from rayline.storage.fetching import Fetched
 
@@ -92,3 +92,15 @@ def test_a_read_refused_for_permission_fails_the_call_not_the_object(error: Call
 def test_a_missing_object_stays_its_own_error_row_beside_the_permission_check() -> None:
     fetched = fetching.fetch_checked(["a", "c"], Flaky({}, missing=frozenset({"c"})), [], sleep=lambda _: None)
     assert fetched[0].data == b"a" and isinstance(fetched[1].error, FileNotFoundError)
+
+
+def test_a_read_of_another_version_than_the_listed_one_is_an_object_changed_error() -> None:
+    read = Fetched(data=b"new", etag="e2")
+    changed = fetching.as_listed(read, "e1")
+    assert isinstance(changed.error, ObjectChangedError) and changed.data is None
+    assert "e1" in str(changed.error) and "e2" in str(changed.error)  # both versions named in the error row
+    assert fetching.as_listed(read, "e2") is read
+    local = Fetched(data=b"bytes")  # a local file's read has no ETag: taken as the listed version
+    assert fetching.as_listed(local, "size-mtime") is local
+    failed = Fetched(data=None, error=FileNotFoundError("gone"))
+    assert fetching.as_listed(failed, "e1") is failed  # its own error stays
