@@ -8,7 +8,8 @@ rayline's own readers; after a rerun, at an older version (time travel); after
 a driver killed between its actors' writes and its commit (``night_driver``),
 and after the vacuum of that driver's orphans. Then writers at once (other
 nights and models; three runs of one night), a night and its rerun on the
-S3-protocol server, and a column that a later night's files add. Each checks
+S3-protocol server, an object overwritten there between the listing and its read,
+and a column that a later night's files add. Each checks
 rows and outcomes, never timing: exactly one row per input across
 ``predictions`` and ``prediction_errors``, from the run that committed the
 night.
