@@ -65,7 +65,7 @@ from rayline.storage import leases
 from rayline.storage.digests import SetDigest
 from rayline.storage.folders import LeasedOutput
 from rayline.storage.layout import staging_uri
-from rayline.storage.listing import ListingStart, list_group_parts
+from rayline.storage.listing import ListingStart, decode_prefixes, list_group_parts
 from rayline.tables.delta_tables import Night
 
 # Columns of the rows the predictor actors take (one row per span of blocks) and of the reports they return.
@@ -283,7 +283,7 @@ def cut_part(row: dict[str, Any], *, cutting: Cutting) -> Iterator[dict[str, Any
     prefix is still listed (:func:`rayline.storage.listing.list_group_parts`).
     """
     if row["prefixes"]:
-        prefixes = list(json.loads(str(row["prefixes"])))
+        prefixes = decode_prefixes(str(row["prefixes"]))
         parts = list_group_parts(cutting.root, prefixes, cutting.staging, str(row["name"]), cutting.rows_per_part)
         for part in parts:
             yield from _spans(part.uri, part.name, part.rows, cutting)
