@@ -28,8 +28,9 @@ bench/README.md); a span is one row of five numbers for up to
 actor of the pool takes blocks as it is free (:func:`blocks_per_span`).
 
 The listing's parts come from the driver, which lists the first
-``INLINE_OBJECTS`` objects or so itself, and from the cutters, which list the
-groups of sub-prefixes the driver left (:func:`cut_part`): a night of ten
+``INLINE_OBJECTS`` objects itself, and from the cutters, which list the
+groups of sub-prefixes the driver left, the rest of the one it stopped in
+among them (:func:`cut_part`): a night of ten
 million photos has its first blocks predicted while the rest of its prefix is
 still listed.
 
