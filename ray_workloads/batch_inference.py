@@ -6,8 +6,8 @@ them per reason (``skipped``).
 
 The listing is streamed into Parquet parts of keys and ETags
 (:mod:`rayline.storage.listing`): the driver lists the prefix's levels and its
-first ``INLINE_OBJECTS`` objects or so itself (all of a small night), and
-leaves the other groups of sub-prefixes to the night's block cutters, which
+first ``INLINE_OBJECTS`` objects itself (all of a small night), and leaves
+the rest, in groups of sub-prefixes, to the night's block cutters, which
 list them part by part as the night goes, so the first blocks are predicted
 while the rest is still listed; the driver keeps per part only counts and
 digests. A Ray Data ``flat_map`` cuts the parts into spans of blocks of

@@ -28,8 +28,9 @@ bench/README.md); a span is one row of five numbers for up to
 actor of the pool takes blocks as it is free (:func:`blocks_per_span`).
 
 The listing's parts come from the driver, which lists the first
-``INLINE_OBJECTS`` objects or so itself, and from the cutters, which list the
-groups of sub-prefixes the driver left (:func:`cut_part`): a night of ten
+``INLINE_OBJECTS`` objects itself, and from the cutters, which list the
+groups of sub-prefixes the driver left, the rest of the one it stopped in
+among them (:func:`cut_part`): a night of ten
 million photos has its first blocks predicted while the rest of its prefix is
 still listed.
 
@@ -65,7 +66,7 @@ from rayline.storage import leases
 from rayline.storage.digests import SetDigest
 from rayline.storage.folders import LeasedOutput
 from rayline.storage.layout import staging_uri
-from rayline.storage.listing import ListingStart, list_group_parts
+from rayline.storage.listing import ListingStart, decode_prefixes, list_group_parts
 from rayline.tables.delta_tables import Night
 
 # Columns of the rows the predictor actors take (one row per span of blocks) and of the reports they return.
@@ -283,7 +284,7 @@ def cut_part(row: dict[str, Any], *, cutting: Cutting) -> Iterator[dict[str, Any
     prefix is still listed (:func:`rayline.storage.listing.list_group_parts`).
     """
     if row["prefixes"]:
-        prefixes = list(json.loads(str(row["prefixes"])))
+        prefixes = decode_prefixes(str(row["prefixes"]))
         parts = list_group_parts(cutting.root, prefixes, cutting.staging, str(row["name"]), cutting.rows_per_part)
         for part in parts:
             yield from _spans(part.uri, part.name, part.rows, cutting)

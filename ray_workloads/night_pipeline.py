@@ -112,12 +112,12 @@ def predict_and_write(
     # On the driver's node, as from_items puts them: the blocks' rows then outlive a lost worker node (a row
     # on a lost node needs its part's task run again, which Ray Data waited for in vain). Hard affinity, and
     # no CPU asked: a soft one fell back to the worker node whenever the actors held the head's CPUs, and any
-    # CPU asked could wait behind them. The node lives as long as the driver; at most two tasks at a time
-    # (no more than there are rows: Ray Data warns of a cap it cannot reach), as they only name the spans
-    # of a listing part, or list a group of sub-prefixes (I/O, streamed: no further ahead of the actors
-    # than Ray Data's buffer of a task's output lets them).
+    # CPU asked could wait behind them. The node lives as long as the driver; as many tasks at a time as the
+    # listing cut its groups for (no more than there are rows: Ray Data warns of a cap it cannot reach), as
+    # they only name the spans of a listing part, or list a group of sub-prefixes (I/O, streamed: no
+    # further ahead of the actors than Ray Data's buffer of a task's output lets them).
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    cutters = ray.data.TaskPoolStrategy(size=min(2, len(rows)))
+    cutters = ray.data.TaskPoolStrategy(size=min(listing.listers, len(rows)))
     cut = dataset.flat_map(cut_spans, compute=cutters, num_cpus=0, scheduling_strategy=here)
     return cut.map_batches(
         _counting(predictor),

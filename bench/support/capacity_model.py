@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from ray_workloads.inference_contract import block_size
-from rayline.storage.listing import INLINE_OBJECTS
+from rayline.storage.listing import INLINE_OBJECTS, LISTERS
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class Limits:
     image_side: int = 224  # the model's input: a compute-bound night's blocks (inference_contract.block_size)
     prefixes: int = 256  # hashed key prefixes of the bucket (1: a flat prefix)
     prefixes_per_group: int = 8  # rayline.storage.listing.PREFIXES_PER_GROUP: one listing stream per group
+    listers: int = LISTERS  # groups a night's cutters list at once
     rows_per_file: int = 100_000  # ray_workloads.night_compaction.MIN_FILE_ROWS
 
 
@@ -67,8 +68,9 @@ def gpu_node(costs: Costs, limits: Limits) -> NodeKind:
 
 
 def listing_s(n: int, costs: Costs, limits: Limits) -> float:
-    """The listing's seconds: one stream per group of sub-prefixes, in parallel (a flat prefix: one stream)."""
-    streams = max(1, math.ceil(limits.prefixes / limits.prefixes_per_group)) if limits.prefixes > 1 else 1
+    """The listing's seconds: one stream per group of sub-prefixes, ``listers`` at a time (a flat prefix: one)."""
+    groups = math.ceil(limits.prefixes / limits.prefixes_per_group)
+    streams = max(1, min(limits.listers, groups)) if limits.prefixes > 1 else 1
     return n / (streams * costs.list_keys_per_s)
 
 

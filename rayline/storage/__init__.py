@@ -4,8 +4,9 @@
   ``from rayline import storage``; ``storage.join(...)``, ``storage.read_json(...)``);
 - ``conditional``, ``fencing``, ``leases``: create-if-absent and compare-and-swap, fencing tokens, leases;
 - ``folders``, ``manifests``: content-addressed output folders committed by typed manifests;
-- ``listing``, ``walking``, ``digests``, ``fetching``: a prefix's listing streamed into parts (``walking``: a
-  prefix's levels and objects, page by page), set digests, many small reads;
+- ``listing``, ``listing_parts``, ``walking``, ``digests``, ``fetching``: a prefix's listing streamed into parts
+  (``listing_parts``: the parts and their summaries; ``walking``: a prefix's levels and objects, page by page),
+  set digests, many small reads;
 - ``layout``: the names of the layout (``raw``, ``incoming/dt=…``, the tables, ``_staging``).
 
 It imports only the cross-cutting modules at the top of ``rayline`` (errors, config, specs, ray_work):
@@ -28,6 +29,7 @@ from rayline.storage.uris import (
     list_names,
     list_objects,
     normalize,
+    object_uri,
     read_bytes,
     read_json,
     read_parquet,
@@ -58,6 +60,7 @@ __all__ = [
     "list_names",
     "list_objects",
     "normalize",
+    "object_uri",
     "read_bytes",
     "read_json",
     "read_parquet",

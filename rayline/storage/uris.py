@@ -76,6 +76,16 @@ def join(base: str, *parts: str) -> str:
     return posixpath.join(base.rstrip("/"), *clean) if clean else base.rstrip("/")
 
 
+def object_uri(prefix_uri: str, key: str) -> str:
+    """The URI of the object at ``key`` (relative to ``prefix_uri``): the key as it is, every slash kept.
+
+    Not :func:`join`, which strips the slashes around each part: S3 keys are
+    opaque, and ``//x.png`` (a careless join of a prefix and a name),
+    ``a//b.png`` or ``a/b//`` are objects of their own, each read by its URI.
+    """
+    return f"{prefix_uri.rstrip('/')}/{key}"
+
+
 def storage_root() -> str:
     """The configured storage root in normalized form."""
     return normalize(get_settings().storage)
@@ -322,9 +332,7 @@ def list_inputs(prefix_uri: str) -> Listing:
         if reason is not None:
             skipped.setdefault(reason, []).append(key or "./")  # "./": the listed prefix's own marker
             continue
-        # not join(): a key ending in "/" keeps its slash, so the read is of that object
-        uri = f"{prefix_uri.rstrip('/')}/{key}"
-        objects.append(ObjectInfo(uri, key, size, _etag(info), _last_modified(info)))
+        objects.append(ObjectInfo(object_uri(prefix_uri, key), key, size, _etag(info), _last_modified(info)))
     return Listing(
         objects=objects,  # sorted by key: the paths share the prefix
         skipped={reason: len(keys) for reason, keys in sorted(skipped.items())},

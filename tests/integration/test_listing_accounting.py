@@ -1,7 +1,8 @@
 """Every listed object is an input (one row) or skipped with a reason that ingest and a night report.
 
 Next to good images: a hidden key, two underscore keys and, on S3, a
-zero-byte folder marker (local disk has none: an empty folder is no object).
+zero-byte folder marker (local disk has none: an empty folder is no object)
+and good images at keys with doubled slashes (each an object of its own).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
 DAY = "2026-11-28"
 GOOD = 6
 HIDDEN = [".x/a.png", "_tmp/b.png", "c/_d.png"]
+# On S3, relative to the night's prefix: at its start (a careless join), in the middle, at the end of a folder
+SLASHED = ["//lead.png", "7//mid/a.png", "7//b.png"]
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -47,6 +50,9 @@ def _seed(source: str) -> tuple[set[str], dict[str, int]]:
         for marker in (f"{prefix}/", f"{prefix}/photos/"):
             storage.s3_client().put_object(Bucket=bucket, Key=marker, Body=b"")
         expected[storage.SKIP_FOLDER_MARKER] = 2
+        for key in SLASHED:  # at exactly these keys: storage.join would strip the leading slash
+            storage.s3_client().put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=some_image)
+            images[key] = some_image
     else:
         os.makedirs(storage.join(source, "photos"))  # an empty folder: not listed, so nothing to skip
     return set(images), expected
@@ -58,12 +64,12 @@ def test_ingest_and_a_night_account_for_every_listed_object(root: str, capsys: p
 
     config = ingest.IngestConfig(source_uri=source, output_root=storage.join(root, "ingested"))
     ingested = ingest.run(config)
-    assert (ingested.object_count, ingested.fetch_errors, ingested.skipped) == (GOOD, 0, skipped)
+    assert (ingested.object_count, ingested.fetch_errors, ingested.skipped) == (len(good), 0, skipped)
     manifest = storage.read_json(ingested.manifest_uri)
     assert manifest["skipped"] == skipped
     assert manifest["skipped_examples"][storage.SKIP_HIDDEN] == sorted(HIDDEN)
     rows = storage.read_parquet(ingested.read_shard_uris(), columns=["key", "error_type"]).to_pylist()
-    assert sorted(r["key"] for r in rows) == sorted(good) and not any(r["error_type"] for r in rows)
+    assert sorted(r["key"] for r in rows) == sorted(good) and not any(r["error_type"] for r in rows)  # one row each
     reused = ingest.run(config)
     assert reused.cached and reused.skipped == skipped
 
@@ -72,10 +78,11 @@ def test_ingest_and_a_night_account_for_every_listed_object(root: str, capsys: p
             input_uri=source, tables_root=root, dt=DAY, model=register_untrained(), actors=1
         )
     )
-    assert (night.inputs, night.predictions, night.errors, night.skipped) == (GOOD, GOOD, 0, skipped)
+    assert (night.inputs, night.predictions, night.errors, night.skipped) == (len(good), len(good), 0, skipped)
     pair = read_night_pair(root, "digits", DAY)
     assert pair.errors.num_rows == 0, pair.errors.to_pylist()  # no NoSuchKey row for the folder marker
-    assert sorted(pair.predictions.column("uri").to_pylist()) == sorted(storage.join(source, k) for k in good)
+    # one row per object, under its own key: not join(), which would strip the leading slash of "//lead.png"
+    assert sorted(pair.predictions.column("uri").to_pylist()) == sorted(f"{source}/{k}" for k in good)
 
     print_inference_summary(night)
     lines = [line.strip() for line in capsys.readouterr().out.splitlines()]

@@ -113,13 +113,19 @@ def test_a_block_an_earlier_attempt_left_past_a_shorter_listing_is_not_read_and_
 def test_a_night_predicts_while_its_cutters_list_the_sub_prefixes_the_driver_left(
     inputs: Inputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past INLINE_OBJECTS the driver lists no further: the other label folders are listed by the night's
-    cutters, part by part, while the first blocks are predicted; the committed night is the same."""
-    monkeypatch.setattr(listing, "INLINE_OBJECTS", 5)  # the driver lists one group of 8 label folders of 10
+    """Past INLINE_OBJECTS the driver lists no further, inside a label folder: the rest of it and the other
+    folders are listed by the night's cutters, part by part, while the first blocks are predicted; the
+    committed night is the same."""
+    monkeypatch.setattr(listing, "INLINE_OBJECTS", 5)  # the driver lists 5 objects, of 40 in 10 folders
+    monkeypatch.setattr(listing, "LISTERS", 2)  # two cutters, as a small machine's night would have
+    begun = listing.begin_listing(inputs.uri, str(tmp_path / "begun"))
+    assert begun.own.count <= 5 and len(begun.groups) > 1
     root = str(tmp_path / "tables")
     result = batch_inference.run(night_config(inputs, root, D1, "streamed", per_task=4))
     assert result.inputs == len(inputs.expected) and result.predictions + result.errors == result.inputs
-    assert result.listing_parts == 2 and result.data_files == {"predictions": 1, "errors": 1}  # g00000, g00001
+    # g00000, then a part a group (none for a group whose sub-prefixes hold no more objects)
+    assert 1 < result.listing_parts <= 1 + len(begun.groups)
+    assert result.data_files == {"predictions": 1, "errors": 1}
     whole = listing.list_to_parts(inputs.uri, str(tmp_path / "whole"))
     assert result.input_content_hash == whole.content_hash and result.input_digest == whole.uris.encode()
     assert_readers_see(root, "digits", D1, inputs.expected, "streamed")

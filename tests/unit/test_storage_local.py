@@ -125,6 +125,15 @@ def test_well_formed_s3_uris_pass_unchanged_but_for_a_trailing_slash() -> None:
     assert storage.normalize("s3://my.bucket-1/raw/dt=2026-11-28/") == "s3://my.bucket-1/raw/dt=2026-11-28"
 
 
+@pytest.mark.parametrize("key", ["a/x.png", "a//y.png", "//z.png", "/z.png", "b///c.png", "j/k//"])
+def test_an_object_uri_keeps_every_slash_of_its_key_and_splits_back_into_it(key: str) -> None:
+    """S3 keys are opaque: a URI made of a key with doubled slashes names that object, not its folded form."""
+    uri = storage.object_uri("s3://bucket/in/dt=2026-11-28/", key)
+    assert uri == f"s3://bucket/in/dt=2026-11-28/{key}"
+    assert storage.split_s3(uri) == ("bucket", f"in/dt=2026-11-28/{key}")
+    assert storage.split_s3(storage.object_uri("s3://bucket", key)) == ("bucket", key)
+
+
 def test_joining_onto_a_mistyped_s3_uri_is_refused() -> None:
     with pytest.raises(InputDataError, match=r"expected s3://bucket\[/prefix\]"):
         storage.join("s3:", "raw")

@@ -69,17 +69,23 @@ def test_a_begun_listing_leaves_groups_whose_parts_finish_it_as_the_whole_listin
     cutters (list_group_parts, streamed part by part); the finished listing is the one list_to_parts makes."""
     keys = _tree(tmp_path / "in")
     whole = listing.list_to_parts(str(tmp_path / "in"), str(tmp_path / "whole"), rows_per_part=10)
-    monkeypatch.setattr(listing, "INLINE_OBJECTS", 20)  # the first group of 8 sub-prefixes, of 13
+    monkeypatch.setattr(listing, "INLINE_OBJECTS", 20)  # ".hidden.png", 00/ and 01/ whole, 02/ up to its 5th
     begun = listing.begin_listing(str(tmp_path / "in"), str(tmp_path / "staging"), rows_per_part=10)
-    assert not begun.complete and begun.own.count < len(keys) and begun.own_prefixes == 8
-    assert [(name, len(prefixes)) for name, prefixes in begun.groups] == [("g00001", 5)]
-    assert begun.estimated_count == begun.own.count * 13 // 8  # as many objects in each sub-prefix
+    assert not begun.complete and begun.own.count < len(keys) and begun.own_prefixes == 3
+    # the rest of 02/, then 03/ to 0b/ and dt=…/, a group each: fewer sub-prefixes than LISTERS
+    assert [prefixes for _, prefixes in begun.groups][:2] == [[("02", "02/img-4.png")], [("03", "")]]
+    assert [name for name, _ in begun.groups] == [f"g{n:05d}" for n in range(1, 12)]
+    # the 10 sub-prefixes not begun as many objects each as the 3 begun, on average
+    assert begun.estimated_count == begun.own.count + begun.own.count * 10 // 3
     with pytest.raises(StorageError, match="no summary of its group g00001"):
         listing.finish_listing(begun)  # a group never listed to its end
-    for name, prefixes in begun.groups:
-        streamed = list(listing.list_group_parts(begun.prefix, prefixes, begun.staging, name, begun.rows_per_part))
-        assert all(0 < p.rows <= 10 and os.path.exists(p.uri) for p in streamed)
-        assert sum(p.rows for p in streamed) == len(keys) - begun.own.count
+    streamed = [
+        part
+        for name, prefixes in begun.groups
+        for part in listing.list_group_parts(begun.prefix, prefixes, begun.staging, name, begun.rows_per_part)
+    ]
+    assert all(0 < p.rows <= 10 and os.path.exists(p.uri) for p in streamed)
+    assert sum(p.rows for p in streamed) == len(keys) - begun.own.count
     finished = listing.finish_listing(begun)
     assert (finished.count, finished.uris, finished.content_hash) == (whole.count, whole.uris, whole.content_hash)
     assert finished.skipped == whole.skipped == {storage.SKIP_HIDDEN: 3}
@@ -120,3 +126,29 @@ def test_compaction_groups_reach_the_file_size_except_one_per_table() -> None:
     assert plan_groups([("p0", 3, 10)], 100, 10**9) == [["p0"]]  # a small night: one small file
     assert plan_groups([("p0", 3, 500)], 100, 400) == [["p0"]]  # bytes reach the size first
     assert plan_groups([], 100, 100) == []
+
+
+def test_the_caller_lists_about_its_bound_of_objects_and_spreads_the_rest_over_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """24 folders of 10 objects, a bound of 5: the caller stops inside the first folder and hands its rest and
+    the other 23 folders, in groups for several listers, to the night's cutters; the finished listing is the
+    whole one, and a second listing of the same objects begins the same (the night's blocks are found by it)."""
+    keys = {f"f{f:02d}/o{i}.png" for f in range(24) for i in range(10)}
+    for key in keys:
+        (tmp_path / "in" / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / key).write_bytes(key.encode())
+    whole = listing.list_to_parts(str(tmp_path / "in"), str(tmp_path / "whole"), rows_per_part=4)
+    monkeypatch.setattr(listing, "INLINE_OBJECTS", 5)
+    begun = listing.begin_listing(str(tmp_path / "in"), str(tmp_path / "staging"), rows_per_part=4)
+    assert begun.own.count <= 5, f"the caller listed {begun.own.count} objects, over its bound of 5"
+    assert len(begun.groups) >= listing.LISTERS, "the rest is spread over groups for several listers"
+    assert begun.estimated_count >= begun.own.count
+    again = listing.begin_listing(str(tmp_path / "in"), str(tmp_path / "again"), rows_per_part=4)
+    facts = [(b.groups, b.estimated_count, b.own.uris) for b in (begun, again)]
+    assert facts[0] == facts[1]
+    for name, prefixes in begun.groups:
+        for _ in listing.list_group_parts(begun.prefix, prefixes, begun.staging, name, begun.rows_per_part):
+            pass
+    finished = listing.finish_listing(begun)
+    assert (finished.count, finished.uris, finished.content_hash) == (whole.count, whole.uris, whole.content_hash)
