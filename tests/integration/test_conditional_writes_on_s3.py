@@ -128,4 +128,7 @@ def test_a_command_on_an_endpoint_that_ignores_conditional_writes_fails_at_once_
     assert all(any(f"-{event}-" in k for k in records) for event in ("START", "FAIL")), records
     with pytest.raises(ConditionalWritesUnsupported, match="ignores If-None-Match"):  # answered from memory
         leases.try_acquire(storage.join(s3_storage, "x.lease"), "run-a", ttl_s=60)
+    table = layout.table_uri(s3_storage, layout.PREDICTIONS_TABLE)
+    with pytest.raises(ConditionalWritesUnsupported):  # delta-rs commits by put-if-absent too
+        predictions_table.commit_night(table, [], delta_tables.Night("resnet", DT), "run-a", SCHEMA)
     assert _keys(bucket) == records
