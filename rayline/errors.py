@@ -5,6 +5,8 @@ to the library error that caused it::
 
     RaylineError
     ├── ConfigError            bad settings or stage parameters (not retried)
+    │   └── ConditionalWritesUnsupported  the S3 endpoint ignores If-None-Match /
+    │                          If-Match (``rayline.storage.conditional_probe``)
     ├── InputDataError         the input itself is wrong: empty prefix, bad URI,
     │   │                      unreadable manifest (not retried)
     │   └── ErrorBudgetExceeded  more of a night's inputs failed than allowed
@@ -64,6 +66,11 @@ class RaylineError(Exception):
 
 class ConfigError(RaylineError):
     """Settings or stage parameters are invalid."""
+
+
+class ConditionalWritesUnsupported(ConfigError):
+    """The S3 endpoint answered a conditional write that should have been refused: it ignores
+    ``If-None-Match`` or ``If-Match``, on which every lease, claim and commit relies. Not retried."""
 
 
 class InputDataError(RaylineError):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from ray_workloads.serving import rollout
 from ray_workloads.serving.config import ServeConfig
@@ -55,11 +55,14 @@ def leftover_shares(weights: dict[int, float], champion: int) -> dict[int, float
 
 class PreparedRollout(BaseModel):
     """What a rollout serves, and the fencing token of its lease that each of its traffic moves carries
-    (None outside a rollout flow): a rollout paused past its lease's ttl is refused by the control actor."""
+    (None outside a rollout flow): a rollout paused past its lease's ttl is refused by the control actor.
+    Its champion move is fenced the same way, by the champion it read (``champion``): the alias moves
+    only from that version."""
 
     base_url: str
     incumbent: registry.ModelVersion
     candidate: registry.ModelVersion
+    champion: int | None = Field(None, description="The champion when the rollout was prepared (None: none).")
     fence: Fence | None = None
     reconciled: Reconciliation | None = None  # what a rollout that did not finish left, rolled back at the start
 
@@ -127,13 +130,19 @@ def prepare(candidate: registry.ModelVersion, serve: ServeConfig, fence: Fence |
     trigger) is left as it serves: nothing to roll out.
     """
     base_url = rollout.start(serve)
+    champion = registry.alias_version(candidate.name, registry.CHAMPION)  # what the promotion may move from
     reconciled = reconcile(candidate, serve, fence)
     live = rollout.incumbent_version(serve, candidate.name)
     incumbent = (
         registry.get_version(candidate.name, live) if live else registry.resolve(candidate.name, registry.CHAMPION)
     )
     prepared = PreparedRollout(
-        base_url=base_url, incumbent=incumbent, candidate=candidate, fence=fence, reconciled=reconciled
+        base_url=base_url,
+        incumbent=incumbent,
+        candidate=candidate,
+        champion=champion,
+        fence=fence,
+        reconciled=reconciled,
     )
     if not prepared.needed:
         return prepared
@@ -145,11 +154,16 @@ def promote(
 ) -> Promotion:
     """The candidate becomes champion, then takes all of its model's traffic and the old version goes.
 
-    ``rollout_holder``: the holder of the model's rollout lease, which this rollout must still hold.
+    ``rollout_holder``: the holder of the model's rollout lease, which this rollout must still hold. The
+    champion moves only from the version this rollout prepared against (``AliasConflict`` otherwise,
+    serving untouched): a rollout paused past its lease's ttl after that check must not overwrite the
+    champion a rollout that took over has promoted since.
     """
     cand = prepared.candidate
     reason = f"canary rollout passed every step ({', '.join(f'{s.weight:g}%' for s in steps)})"
-    move = registry.set_alias(cand.name, registry.CHAMPION, cand.version, reason, rollout_holder=rollout_holder)
+    move = registry.set_alias(
+        cand.name, registry.CHAMPION, cand.version, reason, expected=prepared.champion, rollout_holder=rollout_holder
+    )
     rollout.retire(prepared.incumbent.version, cand.version, serve, model=cand.name, fence=prepared.fence)
     return Promotion(prepared=prepared, steps=steps, reason=reason, alias_move=move)
 

@@ -6,7 +6,9 @@ with its content: on S3 its ETag, on local disk the SHA-256 of its bytes.
 
 S3: ``PutObject`` with ``If-None-Match: *`` (create) or ``If-Match: <etag>``
 (swap); S3 answers 412 PreconditionFailed or 409 ConditionalRequestConflict
-to the loser. Local disk:
+to the loser. An endpoint that ignores those headers would answer 200 to
+every writer: the first conditional write to a bucket probes it
+(``rayline.storage.conditional_probe``) and refuses to go on if it does. Local disk:
 
 * create: the bytes go to a temp file first, then ``os.link`` publishes it
   under the final name, failing if the name exists (like ``O_EXCL``, but a
@@ -33,9 +35,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from rayline import storage
+from rayline.storage.conditional_probe import error_code, require_conditional_writes
 
 # S3's answers to a conditional write that lost, and to one on a missing key
 _NOT_APPLIED = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409", "NoSuchKey", "404"})
@@ -130,31 +132,27 @@ def _locked(path: str) -> Iterator[None]:
         os.close(fd)  # closing the last descriptor releases the lock
 
 
-def _error_code(exc: Exception) -> str:
-    response: Any = getattr(exc, "response", None)
-    return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
-
-
 def _read_s3(uri: str) -> Versioned | None:
     bucket, _, key = uri[len(storage.S3) :].partition("/")
     try:
         response = storage.s3_client().get_object(Bucket=bucket, Key=key)
         data = response["Body"].read()
     except Exception as exc:
-        if _error_code(exc) in ("NoSuchKey", "404"):
+        if error_code(exc) in ("NoSuchKey", "404"):
             return None
         raise storage.storage_error(exc, "reading", uri) from exc
     return Versioned(data=data, token=str(response["ETag"]).strip('"'))
 
 
 def _put_s3(uri: str, data: bytes, **condition: str) -> str | None:
+    require_conditional_writes(uri)  # a server that ignores the condition would let every writer win
     bucket, _, key = uri[len(storage.S3) :].partition("/")
     for attempt in range(_CONFLICT_ATTEMPTS):
         try:
             response = storage.s3_client().put_object(Bucket=bucket, Key=key, Body=data, **condition)
             return str(response["ETag"]).strip('"')
         except Exception as exc:
-            code = _error_code(exc)
+            code = error_code(exc)
             if code not in _NOT_APPLIED:
                 raise storage.storage_error(exc, "writing", uri) from exc
         # botocore retries a PUT whose answer was lost; the retry then fails its own

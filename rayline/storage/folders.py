@@ -1,25 +1,27 @@
 """Content-addressed output folders that one run at a time fills, then commits with a manifest.
 
-Two runs on one input map to one folder. Without a lease, the second would
-remove the folder the first is filling, and the first's manifest (the commit)
-could then name files that are gone — a folder reused forever after. So a run
-takes a lease on the folder before it removes leftovers or writes, and proves
-it still holds it (``ensure_held``) right before each of those.
-
-The lease object sits beside the folder (``<folder>.lease``), never inside
-it: removing a folder's leftovers must not remove the lease that guards them.
+Two runs on one input map to one folder, so a run takes a lease on the
+folder (``<folder>.lease``, beside it: removing what is in the folder must
+never remove the lease that guards it) before it writes there.
 
 :func:`fill_once` is the whole sequence, shared by every stage that commits a
 folder (ingest, preprocess): reuse what is committed, else take the lease,
-clear, fill, and write the manifest last (:func:`rayline.storage.manifests.commit`).
-A run over a committed folder writes a new generation and switches to it at
-the commit (:mod:`rayline.storage.manifests`): readers never see a folder emptied.
+read the manifest with its token, fill a generation of its own, and switch the
+manifest to it by a compare-and-swap on that token
+(:func:`rayline.storage.manifests.commit`). A run paused past its lease's ttl
+therefore never commits over the run that took over.
+
+What a commit removes (:func:`remove_superseded`), only after its switch:
+generations of earlier lease holders (their fence is lower: they lost the
+lease, so their commit can no longer land), except the generation the switch
+replaced, which its readers may still be inside; the next commit removes it.
+A generation of a later holder (a higher fence) is never removed: a run paused
+in its clean-up must not remove the files of the run that took over.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +31,6 @@ from pydantic import BaseModel, Field
 
 from rayline import storage
 from rayline.config import lease_ttl
-from rayline.errors import InputDataError
 from rayline.storage import leases, manifests
 from rayline.storage.manifests import Kind
 
@@ -76,27 +77,25 @@ def leased(folder: str, cfg: LeasedOutput, what: str) -> Iterator[leases.HeldLea
         yield lease
 
 
-def clear(folder: str, lease: leases.HeldLease) -> None:
-    """Remove the leftovers of an uncommitted run, only while the lease is still this run's."""
-    lease.ensure_held()
-    storage.remove_tree(folder)
+def remove_superseded(folder: str, keep: set[str | None], lease: leases.HeldLease) -> list[str]:
+    """Remove what earlier lease holders left in ``folder``, but its manifest and the generations ``keep``.
 
-
-def clear_except(folder: str, generation: str | None, lease: leases.HeldLease) -> None:
-    """Remove everything in ``folder`` but its manifest and its generation ``generation``'s files.
-
-    Before a new generation is written: the leftovers of runs that never
-    committed (the committed generation stays whole for its readers). After
-    the switch: the superseded generation too.
+    ``keep``: the committed generation and the one it replaced (None: files in the folder itself, as
+    folders committed before generations have them). Leftovers of a later holder (a fence above this
+    holding's) and hidden names (the manifest's lock file on local disk) stay. Returns what it removed.
     """
+    fence = lease.fencing_token().generation
+    removed = []
     for name in storage.list_names(folder):
-        if not manifests.belongs_to(name, generation):
-            lease.ensure_held()
-            storage.remove_tree(storage.join(folder, name))
-
-
-def new_generation() -> str:
-    return uuid.uuid4().hex[:12]
+        generation = manifests.generation_of(name)
+        if name.startswith(".") or any(manifests.belongs_to(name, kept) for kept in keep):
+            continue
+        if generation is not None and manifests.generation_fence(generation) > fence:
+            continue  # a later holder's, being filled now
+        lease.ensure_held()
+        storage.remove_tree(storage.join(folder, name))
+        removed.append(name)
+    return removed
 
 
 def note_reuse(what: str, lease: leases.HeldLease) -> None:
@@ -118,14 +117,15 @@ def fill_once(
 
     A committed folder is reused without the lease when ``reusable`` accepts
     its manifest. Otherwise the run takes the lease, looks again (the run it
-    waited for may have committed meanwhile), clears what no committed
-    manifest names, and lets ``fill`` write the files into the folder it is
-    given (it returns their manifest); the manifest is committed last.
+    waited for may have committed meanwhile), reads the manifest with its
+    token, and lets ``fill`` write the files into a new generation of the
+    folder (it returns their manifest). The manifest is committed last, by a
+    compare-and-swap on the token read (``LeaseLost`` when another run
+    committed since), and only then are earlier holders' generations removed
+    (:func:`remove_superseded`), but the one just replaced.
 
-    Over a committed folder (a forced run, or a manifest no longer reusable)
-    ``fill`` writes a new generation beside the committed one, which stays
-    whole for its readers; the new manifest replaces the old in one atomic
-    write, and only then is the old generation removed. A forced run that
+    The committed generation stays whole for its readers while the run
+    writes, and after the switch until the next commit; a forced run that
     fails leaves the old output committed as it was.
     """
     uri = manifests.manifest_uri(folder)
@@ -142,27 +142,19 @@ def fill_once(
         if (reused := committed()) is not None:
             note_reuse(what, lease)
             return Committed(reused, uri, cached=True, waited_s=lease.waited_s)
-        current = _committed_or_none(folder, kind, force)
-        if current is None:
-            clear(folder, lease)
-            generation = None  # nothing committed: the files go in the folder itself
-        else:
-            clear_except(folder, current.generation, lease)
-            generation = new_generation()
+        current, token = _read_for_switch(folder, kind, force)
+        generation = manifests.new_generation(lease.fencing_token().generation)
         manifest = fill(lease, manifests.generation_folder(folder, generation))
         manifest = manifest.model_copy(update={"generation": generation})
-        manifests.commit(folder, manifest, lease)  # the switch: readers now find the new generation
-        if current is not None:
-            clear_except(folder, generation, lease)
+        manifests.commit(folder, manifest, lease, replaces=token)  # the switch: readers now find the new generation
+        replaced = {current.generation} if current is not None else set()
+        remove_superseded(folder, {generation, *replaced}, lease)
         return Committed(manifest, uri, cached=False, waited_s=lease.waited_s)
 
 
-def _committed_or_none(folder: str, kind: type[Kind], force: bool) -> Kind | None:
-    """The folder's committed manifest; for a forced run, a malformed one counts as none (it is rewritten)."""
-    try:
-        return manifests.read_committed(folder, kind)
-    except InputDataError:
-        if not force:
-            raise
-        log.warning("%s has a malformed manifest: the forced run rewrites the folder", folder)
-        return None
+def _read_for_switch(folder: str, kind: type[Kind], force: bool) -> tuple[Kind | None, str | None]:
+    """The folder's manifest and its token; for a forced run, a malformed one reads as none (it is replaced)."""
+    current, token = manifests.read_for_switch(folder, kind, malformed_ok=force)
+    if current is None and token is not None:
+        log.warning("%s has a malformed manifest: the forced run replaces it", folder)
+    return current, token

@@ -16,29 +16,39 @@ folder's lease (:func:`rayline.storage.folders.fill_once` takes it and calls
 :func:`commit`); :func:`read` is the one reader, and a manifest that does not
 validate is an :class:`InputDataError` naming the file and the fields.
 
-Generations: a folder's first run writes its files in the folder itself; a
-run over a committed folder (forced, or its manifest no longer reusable)
-writes a new generation, ``<folder>/gen-<id>/``, and its manifest (naming
-the generation) replaces the old one in one atomic write: the switch. Until
-then readers of the old manifest read the old generation whole.
+Generations: every run writes its files in a generation of its own,
+``<folder>/gen-<fence>-<id>/`` (``fence``: the fencing token of the run's
+lease, higher for every later holder), and its manifest (naming the
+generation) replaces the one the run read in one compare-and-swap: the
+switch. A run paused past its lease's ttl after its last lease check finds
+the manifest changed by the run that took over, and commits nothing. Until
+the switch readers of the old manifest read the old generation whole, and
+the switch keeps it (:mod:`rayline.storage.folders` removes it at the next
+commit), so a reader already inside it finishes it. Folders committed before
+generations have ``generation`` None: their files are in the folder itself.
 :func:`generation_folder` is where a manifest's files are, for every reader.
 """
 
 from __future__ import annotations
 
+import json
 import posixpath
+import re
+import uuid
 from typing import ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
 from rayline import storage
-from rayline.errors import InputDataError
+from rayline.errors import InputDataError, LeaseLost
 from rayline.specs import ImageSpec, SplitFractions
-from rayline.storage import leases
+from rayline.storage import conditional, leases
 
 MANIFEST = "manifest.json"
 # ``gen-<id>``: no ``key=value`` (Ray Data would read it back as a partition) and no leading ``_`` (hidden)
 GENERATION_PREFIX = "gen-"
+# ``<fence>-<id>``; generations written before fences have only ``<id>`` (fence 0)
+_FENCED = re.compile(r"^(\d+)-[0-9a-f]+$")
 
 
 class Manifest(BaseModel):
@@ -137,6 +147,22 @@ def files_folder(manifest_uri: str, manifest: Manifest) -> str:
     return generation_folder(posixpath.dirname(manifest_uri), manifest.generation)
 
 
+def new_generation(fence: int) -> str:
+    """A fresh generation for a run holding its folder's lease with fencing token ``fence``."""
+    return f"{fence}-{uuid.uuid4().hex[:12]}"
+
+
+def generation_of(name: str) -> str | None:
+    """The generation whose folder is ``name`` (directly under a folder), or None when it is none's."""
+    return name[len(GENERATION_PREFIX) :] if name.startswith(GENERATION_PREFIX) else None
+
+
+def generation_fence(generation: str) -> int:
+    """The fencing token of the lease holding that wrote ``generation`` (0: written before fences)."""
+    fenced = _FENCED.match(generation)
+    return int(fenced.group(1)) if fenced else 0
+
+
 def belongs_to(name: str, generation: str | None) -> bool:
     """Whether ``name``, directly under a folder, is its manifest or a file of its generation ``generation``."""
     if name == MANIFEST:
@@ -148,7 +174,10 @@ def belongs_to(name: str, generation: str | None) -> bool:
 
 def read(uri: str, kind: type[Kind]) -> Kind:
     """The manifest at ``uri`` as ``kind``; :class:`InputDataError` if it is another kind or malformed."""
-    raw = storage.read_json(uri)
+    return _parsed(uri, storage.read_json(uri), kind)
+
+
+def _parsed(uri: str, raw: object, kind: type[Kind]) -> Kind:
     # the kind first: a manifest of another stage would otherwise fail on a list of its missing fields
     if not isinstance(raw, dict) or raw.get("kind") != kind.model_fields["kind"].default:
         raise InputDataError(f"{uri} is not {kind.WHAT}")
@@ -164,16 +193,50 @@ def read_committed(folder: str, kind: type[Kind]) -> Kind | None:
     return read(uri, kind) if storage.exists(uri) else None
 
 
-def commit(folder: str, manifest: Manifest, lease: leases.HeldLease) -> str:
+def read_for_switch(folder: str, kind: type[Kind], *, malformed_ok: bool) -> tuple[Kind | None, str | None]:
+    """``folder``'s manifest and its token, read by a run holding the lease: its commit replaces exactly this.
+
+    ``malformed_ok``: a manifest that does not validate reads as None (a forced run rewrites it); else
+    :class:`InputDataError`. The token is returned either way: the commit must still replace that object.
+    """
+    uri = manifest_uri(folder)
+    found = conditional.read_versioned(uri)
+    if found is None:
+        return None, None
+    try:
+        raw = json.loads(found.data)
+    except ValueError as exc:
+        if not malformed_ok:
+            raise InputDataError(f"{uri} is not valid JSON: {exc}") from exc
+        return None, found.token
+    try:
+        return _parsed(uri, raw, kind), found.token
+    except InputDataError:
+        if not malformed_ok:
+            raise
+        return None, found.token
+
+
+def commit(folder: str, manifest: Manifest, lease: leases.HeldLease, replaces: str | None) -> str:
     """Write ``folder``'s manifest after its files: the commit point. Returns the manifest's URI.
 
-    Atomic (a reader sees no manifest or all of it), and only while this run
-    still holds the folder's lease: a run paused past its lease's expiry may
-    have had its files cleared by the run that took the folder over.
+    A compare-and-swap on the manifest this run read (``replaces``, its token; None: there was none), made
+    only while this run still holds the folder's lease. A run paused past its lease's expiry between that
+    check and this write finds the manifest the run that took over committed, and raises ``LeaseLost``:
+    its files may have been cleared meanwhile, and a manifest naming them would be reused forever after.
     """
     lease.ensure_held()
     uri = manifest_uri(folder)
-    storage.write_json_atomic(uri, manifest.model_dump(mode="json"))
+    data = json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True).encode() + b"\n"
+    if replaces is None:
+        written = conditional.create_exclusive(uri, data)
+    else:
+        written = conditional.replace_if_match(uri, data, replaces)
+    if written is None:
+        raise LeaseLost(
+            f"{lease.lease.holder} did not commit {folder}: another run committed it after this run read it "
+            "(this run was paused past its lease's ttl, and the lease was taken over); nothing committed"
+        )
     return uri
 
 

@@ -69,6 +69,7 @@ Files and vacuum
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -85,6 +86,7 @@ from deltalake.transaction import AddAction
 
 from rayline import storage
 from rayline.errors import ConfigError, InputDataError, NightCommittedElsewhere, StorageError, TransientStorageError
+from rayline.storage import conditional_probe
 from rayline.tables.delta_tables import (
     PARTITION_COLUMNS,
     SAFE_NAME,
@@ -170,6 +172,8 @@ TABLE_CONFIGURATION: dict[str, str | None] = {"delta.enableExpiredLogCleanup": "
 
 
 def _open_or_create(uri: str, schema: pa.Schema) -> DeltaTable:
+    if "AWS_S3_LOCKING_PROVIDER" not in os.environ:  # without a lock, delta-rs commits by put-if-absent
+        conditional_probe.require_conditional_writes(uri)
     options = storage_options(uri)
     if not DeltaTable.is_deltatable(uri, options):
         try:

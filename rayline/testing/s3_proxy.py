@@ -16,9 +16,17 @@ short). Which ones: those matching ``always_fail`` (a path
 regex), the first ``fail_first_n`` requests of each matching path, and a
 ``fault_rate`` fraction of the others (drawn with ``seed``).
 
+Two settings play a server or a network that misbehaves without failing:
+``strip_conditional`` forwards every request without its ``If-None-Match``
+and ``If-Match`` headers (an S3-compatible gateway that ignores conditional
+writes answers 200 to all of them), and ``hold_regex`` keeps each request
+whose method is in ``hold_methods`` and whose path matches until
+``POST /__proxy__/release`` (a write that lands long after its writer sent it).
+
 Control, on the proxy's own port: ``POST /__proxy__/config`` (JSON: the
 fields to change), ``POST /__proxy__/reset`` (no faults, no latency, counters
-zeroed), ``GET /__proxy__/stats``.
+zeroed, held requests let go), ``POST /__proxy__/release`` (held requests let go),
+``GET /__proxy__/stats`` (``delayed`` and ``held`` count the requests delayed and held so far).
 
 Only the standard library (and uvloop when installed): tests and benches
 start it by path, in its own session, and stop it by PID.
@@ -54,6 +62,7 @@ _ERRORS = {
     "403": (b"403 Forbidden", "AccessDenied", "Access Denied"),
 }
 _NO_BODY_STATUS = {204, 304}
+_CONDITIONAL_HEADERS = (b"if-none-match", b"if-match")
 
 
 @dataclass
@@ -69,6 +78,9 @@ class ProxyConfig:
     fail_first_n: int = 0
     always_fail: str | None = None
     seed: int | None = None
+    strip_conditional: bool = False  # forward writes without If-None-Match / If-Match
+    hold_regex: str | None = None  # on the request's path: held until released
+    hold_methods: list[str] = field(default_factory=lambda: ["PUT"])
 
     def updated(self, changes: dict[str, Any]) -> ProxyConfig:
         known = {f.name for f in dataclasses.fields(self)}
@@ -81,6 +93,7 @@ class ProxyConfig:
         re.compile(new.key_regex)
         re.compile(new.latency_regex)
         re.compile(new.always_fail or "")
+        re.compile(new.hold_regex or "")
         return new
 
 
@@ -102,6 +115,7 @@ class _State:
         self.key = re.compile(config.key_regex)
         self.delayed = re.compile(config.latency_regex)
         self.always = re.compile(config.always_fail) if config.always_fail else None
+        self.hold = re.compile(config.hold_regex) if config.hold_regex else None
         self.rng = random.Random(config.seed)
         self.seen: Counter[str] = Counter()  # matching requests per path, for fail_first_n
         self.stats: Counter[str] = Counter()
@@ -121,6 +135,16 @@ class _State:
         if cfg.fault_rate > 0 and self.rng.random() < cfg.fault_rate:
             return self.rng.choice(kinds)
         return None
+
+    def holds(self, method: str, path: str) -> bool:
+        return self.hold is not None and method in self.config.hold_methods and bool(self.hold.search(path))
+
+
+def _without_conditions(head: bytes) -> bytes:
+    """The request's head without its conditional headers (the signature still names them: moto ignores it)."""
+    lines = head.split(b"\r\n")
+    kept = [line for line in lines if line.partition(b":")[0].strip().lower() not in _CONDITIONAL_HEADERS]
+    return b"\r\n".join(kept)
 
 
 def _header(head: bytes, name: bytes) -> bytes | None:
@@ -255,6 +279,12 @@ class Proxy:
         parsed = urlparse(upstream)
         self.upstream = _Upstream(parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.state = _State(config)
+        self.released = asyncio.Event()
+
+    def release(self) -> None:
+        """Let every held request go on, and hold the next ones afresh."""
+        self.released.set()
+        self.released = asyncio.Event()
 
     def control(self, request: _Request) -> bytes:
         action = request.path[len(CONTROL) :]
@@ -269,6 +299,10 @@ class Proxy:
                 return _json_answer(b"200 OK", dataclasses.asdict(self.state.config))
             if action == "reset" and request.method == "POST":
                 self.state.set(ProxyConfig())
+                self.release()
+                return _json_answer(b"200 OK", dataclasses.asdict(self.state.config))
+            if action == "release" and request.method == "POST":
+                self.release()
                 return _json_answer(b"200 OK", dataclasses.asdict(self.state.config))
         except (ValueError, TypeError) as exc:
             return _json_answer(b"400 Bad Request", {"error": str(exc)})
@@ -294,7 +328,13 @@ class Proxy:
         stats["requests"] += 1
         stats[f"method_{request.method}"] += 1
         if self.state.config.latency_ms > 0 and self.state.delayed.search(request.path):
+            stats["delayed"] += 1
             await asyncio.sleep(self.state.config.latency_ms / 1000)
+        if self.state.holds(request.method, request.path):
+            stats["held"] += 1
+            await self.released.wait()
+        if self.state.config.strip_conditional:
+            request = dataclasses.replace(request, head=_without_conditions(request.head))
         fault = self.state.fault_for(request.method, request.path)
         if fault is not None:
             stats["faults"] += 1
@@ -368,6 +408,10 @@ class S3Proxy:
     def reset(self) -> None:
         """No latency, no faults, counters at zero."""
         self._call("POST", "reset", {})
+
+    def release(self) -> None:
+        """Let the held requests go on to the server."""
+        self._call("POST", "release", {})
 
     def stats(self) -> dict[str, Any]:
         return self._call("GET", "stats")

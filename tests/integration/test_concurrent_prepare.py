@@ -13,7 +13,8 @@ from ray_workloads import ingest, preprocess
 from rayline import storage
 from rayline.errors import LeaseBusy, LeaseLost
 from rayline.seed import seed
-from rayline.storage import folders, leases
+from rayline.storage import folders, leases, manifests
+from rayline.storage.manifests import IngestManifest
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
 
@@ -37,6 +38,12 @@ def _files(folder: str) -> set[str]:
     return {storage.join(folder, o.key) for o in storage.list_objects(folder)}
 
 
+def _shards(ingested: ingest.IngestResult) -> str:
+    """Where the committed generation's shards are."""
+    manifest = manifests.read(ingested.manifest_uri, IngestManifest)
+    return storage.join(manifests.files_folder(ingested.manifest_uri, manifest), "shards")
+
+
 def _ingest_config(root: str, **extra: float) -> ingest.IngestConfig:
     return ingest.IngestConfig(
         source_uri=storage.join(root, "raw"), output_root=storage.join(root, "ingested"), **extra
@@ -56,7 +63,7 @@ def test_two_concurrent_runs_commit_once_and_the_second_reuses_it(s3_storage: st
     assert (reused.shard_count, reused.committed_by) == (written.shard_count, written.committed_by), "one commit"
     # exactly one set of shards, every one the manifest names
     manifest = storage.read_json(written.manifest_uri)
-    assert _files(storage.join(written.output_uri, "shards")) == {s["uri"] for s in manifest["shards"]}
+    assert _files(_shards(written)) == {s["uri"] for s in manifest["shards"]}
     assert leases.read(folders.lease_uri(written.output_uri)).released  # type: ignore[union-attr]
 
     config = preprocess.PreprocessConfig(
@@ -81,11 +88,12 @@ def test_a_run_never_clears_a_folder_that_a_live_run_holds(local_storage: str) -
     output = storage.join(
         local_storage, "ingested", ingest.dataset_id(raw, ingest.content_hash(storage.list_objects(raw)))
     )
-    in_progress = storage.join(output, "shards", "part-00000.parquet")
-    storage.write_bytes_atomic(in_progress, b"being written by the other run")
     other = "flow run other-run (1234) on elsewhere pid 7"
     held = leases.try_acquire(folders.lease_uri(output), other, ttl_s=60, describe="the other run's folder")
     assert held is not None
+    generation = manifests.new_generation(held.fencing_token().generation)
+    in_progress = storage.join(manifests.generation_folder(output, generation), "shards", "part-00000.parquet")
+    storage.write_bytes_atomic(in_progress, b"being written by the other run")
 
     with pytest.raises(LeaseBusy, match="other-run") as busy:
         ingest.run(_ingest_config(local_storage, lease_wait_s=0.3))
@@ -97,8 +105,8 @@ def test_a_run_never_clears_a_folder_that_a_live_run_holds(local_storage: str) -
     assert leases.release(held)
     result = ingest.run(_ingest_config(local_storage, lease_wait_s=0.3))
     assert not result.cached and result.object_count == 20
-    assert _files(storage.join(output, "shards")) == set(result.read_shard_uris())
-    assert storage.read_bytes(in_progress) != b"being written by the other run"
+    assert _files(_shards(result)) == set(result.read_shard_uris())
+    assert not storage.exists(in_progress)
 
 
 @pytest.mark.usefixtures("prefect_api")
@@ -134,7 +142,7 @@ def test_two_concurrent_prepare_data_runs_both_complete(local_storage: str) -> N
     assert sorted(r.ingest.cached for r in results) == [False, True]
     assert sorted(r.preprocess.cached for r in results) == [False, True]
     ingested = results[0].ingest
-    assert _files(storage.join(ingested.output_uri, "shards")) == set(ingested.read_shard_uris())
+    assert _files(_shards(ingested)) == set(ingested.read_shard_uris())
     prepared = results[0].preprocess
     named = {uri for uris in prepared.read_files().values() for uri in uris}
     assert {f for f in _files(prepared.output_uri) if f.endswith(".parquet")} == named
@@ -145,15 +153,13 @@ def test_a_run_that_lost_its_lease_commits_nothing(local_storage: str, monkeypat
     proofs: list[str] = []
 
     def lost_at_the_commit(self: leases.HeldLease) -> leases.Lease:
-        proofs.append(self.lease.uri)
-        if len(proofs) > 1:  # the first proof clears leftovers; the second is the commit's
-            raise LeaseLost("another run took the lease over while this one was paused")
-        return self.lease
+        proofs.append(self.lease.uri)  # the first proof is the commit's
+        raise LeaseLost("another run took the lease over while this one was paused")
 
     monkeypatch.setattr(leases.HeldLease, "ensure_held", lost_at_the_commit)
     with pytest.raises(LeaseLost):
         ingest.run(_ingest_config(local_storage))
-    assert len(proofs) == 2
+    assert len(proofs) == 1
     output = proofs[0].removesuffix(folders.LEASE_SUFFIX)
-    assert storage.list_objects(storage.join(output, "shards")), "the shards were written"
+    assert storage.list_objects(output), "the shards were written"
     assert not storage.exists(storage.join(output, ingest.MANIFEST))

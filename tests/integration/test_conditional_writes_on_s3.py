@@ -1,4 +1,5 @@
-"""Leases, conditional writes and Delta commits on the S3-protocol server (moto): smoke tests.
+"""Leases, conditional writes and Delta commits on the S3-protocol server (moto): smoke tests, and an
+endpoint that ignores conditional writes (the fault proxy strips their headers), refused before any write.
 
 Atomicity is proved on local disk by the unit tests (tests/unit/test_leases.py,
 tests/unit/test_predictions_table.py: real processes and threads racing). moto
@@ -10,13 +11,19 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
+import torch
+import torchvision
+from typer.testing import CliRunner
 
 from rayline import storage
-from rayline.errors import LeaseLost, NightCommittedElsewhere
+from rayline.cli import app
+from rayline.errors import ConditionalWritesUnsupported, LeaseLost, NightCommittedElsewhere
 from rayline.storage import conditional, layout, leases
 from rayline.tables import delta_tables, prediction_reads, predictions_table
+from rayline.testing.s3_proxy import S3Proxy
 from tests.unit.test_predictions_table import DT, SCHEMA, _labels, _write, errors_landed_predictions_raised
 
 pytestmark = pytest.mark.integration
@@ -87,3 +94,41 @@ def test_vacuum_keeps_the_paired_errors_on_the_s3_protocol_server(s3_storage: st
     assert not any(f"part-{paired}-" in path for path in removed)
     pair = prediction_reads.read_night_pair(s3_storage, "resnet", DT)
     assert _labels(pair.predictions) == _labels(pair.errors) == {paired} and pair.errors.num_rows == 4
+
+
+def _keys(bucket: str) -> list[str]:
+    listed = storage.s3_client().list_objects_v2(Bucket=bucket).get("Contents", [])
+    return sorted(str(o["Key"]) for o in listed)
+
+
+def test_a_command_on_an_endpoint_that_ignores_conditional_writes_fails_at_once_and_writes_nothing(
+    s3_faults: S3Proxy, s3_storage: str, prefect_api: str, tmp_path: Path
+) -> None:
+    """The proxy forwards every write without If-None-Match / If-Match, as a gateway that ignores them would
+    answer: register-model's first conditional write (its version claim) probes the endpoint and refuses."""
+    weights = tmp_path / "tiny.pt"
+    torch.save(torchvision.models.get_model("mobilenet_v3_small", weights=None, num_classes=2).state_dict(), weights)
+    classes = tmp_path / "classes.txt"
+    classes.write_text("cat\ndog\n")
+    bucket, _ = storage.split_s3(s3_storage)
+    s3_faults.configure(strip_conditional=True)
+    result = CliRunner().invoke(
+        app,
+        ["register-model", "--name", "photos", "--arch", "mobilenet_v3_small", "--weights", str(weights),
+         "--classes", str(classes)],
+    )  # fmt: skip
+    out = result.output + (str(result.exception) if result.exception else "")
+    assert result.exit_code != 0, out
+    said = " ".join(out.split())  # the terminal wraps the message
+    assert f"the S3 endpoint {s3_faults.endpoint} (bucket {bucket}) ignores If-None-Match" in said, out
+    assert "and If-Match" in said and "Upgrade the server" in said and "locking provider" in said, out
+    # nothing but the failed run's own lineage records (START, FAIL): no claim, no weights, no probe left behind
+    records = [k for k in _keys(bucket) if k.startswith("root/lineage/")]
+    assert _keys(bucket) == records, _keys(bucket)
+    assert all(any(f"-{event}-" in k for k in records) for event in ("START", "FAIL")), records
+    with pytest.raises(ConditionalWritesUnsupported, match="ignores If-None-Match"):  # answered from memory
+        leases.try_acquire(storage.join(s3_storage, "x.lease"), "run-a", ttl_s=60)
+    table = layout.table_uri(s3_storage, layout.PREDICTIONS_TABLE)
+    with pytest.raises(ConditionalWritesUnsupported):  # delta-rs commits by put-if-absent too
+        predictions_table.commit_night(table, [], delta_tables.Night("resnet", DT), "run-a", SCHEMA)
+    assert _keys(bucket) == records

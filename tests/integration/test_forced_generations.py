@@ -1,14 +1,23 @@
 """A forced run over a committed folder writes a new generation and switches to it at the commit.
 
 Readers that opened the committed manifest read its files whole while the
-forced run writes; a forced run that fails leaves the old output committed.
-On the session's S3 server (``fill_once`` alone, no Ray) and through ingest
-and preprocess on Ray (a forced ingest refused mid-run by the fault proxy).
+forced run writes and after its switch; a forced run that fails leaves the old
+output committed, and one stalled past its lease's ttl before its manifest
+lands commits nothing over the run that took over. On the session's S3 server
+(``fill_once`` alone, no Ray) and through ingest and preprocess on Ray (a
+forced ingest refused mid-run by the fault proxy).
 """
 
 from __future__ import annotations
 
-import pyarrow as pa
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
 import pytest
 
 from ray_workloads import ingest, preprocess
@@ -16,51 +25,29 @@ from rayline import storage
 from rayline.errors import StorageAccessDenied
 from rayline.seed import digit_objects
 from rayline.storage import folders, manifests
-from rayline.storage.manifests import IngestManifest, ShardInfo
+from rayline.storage.manifests import IngestManifest
 from rayline.testing.s3_proxy import S3Proxy
+from tests.integration.stalled_commit import fill_with
+from tests.support import REPO_ROOT, proxy_in_front
 
 pytestmark = pytest.mark.integration
 
 FAST_LEASE = folders.LeasedOutput(lease_wait_s=5, lease_ttl_s=10)
+STALLED_TTL_S = 1.0
 
 
 class FillFailed(Exception):
     """The forced run's own failure, half way through its files."""
 
 
-def _write_shards(files: str, tag: str, count: int = 2) -> list[ShardInfo]:
-    shards = []
-    for i in range(count):
-        uri = storage.join(files, "shards", f"part-{i:05d}.parquet")
-        size = storage.write_parquet_atomic(uri, pa.table({"tag": [tag] * 3}))
-        shards.append(ShardInfo(uri=uri, rows=3, bytes=size, fetch_errors=0))
-    return shards
-
-
-def _manifest(shards: list[ShardInfo], tag: str) -> IngestManifest:
-    return IngestManifest(
-        source_uri=f"s3://nowhere/{tag}",
-        content_hash=tag,
-        object_count=3 * len(shards),
-        total_bytes=sum(s.bytes for s in shards),
-        fetch_errors=0,
-        labels={},
-        shards=shards,
-    )
-
-
-def _commit(folder: str, tag: str, *, force: bool, midway: object = None) -> folders.Committed[IngestManifest]:
+def _commit(
+    folder: str, tag: str, *, force: bool, midway: Callable[[], None] | None = None
+) -> folders.Committed[IngestManifest]:
     """``fill_once`` whose fill writes two shards tagged ``tag``, calling ``midway()`` between them."""
-
-    def fill(lease: object, files: str) -> IngestManifest:
-        first = _write_shards(files, tag, count=1)
-        if callable(midway):
-            midway()
-        return _manifest(first + _write_shards(files, tag)[1:], tag)
-
     return folders.fill_once(
-        folder, FAST_LEASE, "a test folder", IngestManifest, reusable=lambda m: True, force=force, fill=fill
-    )
+        folder, FAST_LEASE, "a test folder", IngestManifest, reusable=lambda m: True, force=force,
+        fill=fill_with(tag, midway),
+    )  # fmt: skip
 
 
 def _tags(shards: list[str]) -> set[str]:
@@ -92,9 +79,10 @@ def test_readers_of_the_committed_output_read_it_whole_while_a_forced_run_writes
     assert now.generation == second.manifest.generation and now.content_hash == "new"
     assert all(s.uri.startswith(manifests.files_folder(second.uri, now) + "/") for s in now.shards)
     assert _tags([s.uri for s in now.shards]) == {"new"}
-    # after the switch: the old generation and the failed run's leftovers are gone, only the new one is left
-    assert storage.list_names(folder) == sorted([manifests.MANIFEST, f"gen-{now.generation}"])
-    assert not any(storage.exists(uri) for uri in held)
+    # after the switch the failed run's leftovers are gone; the replaced generation stays for readers inside it
+    kept = [f"gen-{first.manifest.generation}", f"gen-{now.generation}"]
+    assert storage.list_names(folder) == sorted([manifests.MANIFEST, *kept])
+    assert _tags(held) == {"old"}
 
 
 def test_a_forced_ingest_refused_mid_run_leaves_the_committed_ingest_for_preprocess(
@@ -120,10 +108,59 @@ def test_a_forced_ingest_refused_mid_run_leaves_the_committed_ingest_for_preproc
 
     again = ingest.run(forced)
     assert again.manifest_uri == before.manifest_uri and not set(again.read_shard_uris()) & set(before_shards)
-    assert not any(storage.exists(uri) for uri in before_shards), "the superseded generation is left"
-    # preprocess finds the ingest's current generation through its manifest (the old shards are gone)
+    assert all(storage.exists(uri) for uri in before_shards), "the replaced generation stays until the next commit"
+    # preprocess finds the ingest's current generation through its manifest
     pre_config = preprocess.PreprocessConfig(
         ingest_manifest_uri=before.manifest_uri, output_root=storage.join(s3_storage, "pre")
     )
     done = preprocess.run(pre_config)
     assert done.total_rows == 12 and storage.exists(done.summary_uri)
+
+
+def test_a_reader_inside_the_replaced_generation_finishes_it_and_the_next_commit_removes_it(s3_storage: str) -> None:
+    """A train-model streaming the old shards while a forced run commits reads them all, not a missing one."""
+    folder = storage.join(s3_storage, "folder")
+    first = _commit(folder, "old", force=False)
+    shards = [s.uri for s in manifests.read(first.uri, IngestManifest).shards]
+    assert _tags(shards[:1]) == {"old"}  # the reader is half way
+    _commit(folder, "new", force=True)
+    assert _tags(shards[1:]) == {"old"}, "the replaced generation went under its reader"
+    third = _commit(folder, "newer", force=True)
+    assert not any(storage.exists(uri) for uri in shards), "two commits later the generation is left"
+    assert _tags([s.uri for s in third.manifest.shards]) == {"newer"}
+
+
+def _wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_forced_run_stalled_before_its_manifest_lands_commits_nothing_over_the_run_that_took_over(
+    s3_faults: S3Proxy, s3_storage: str
+) -> None:
+    """Run A (its own process, behind a second proxy that holds its manifest PUT) passes its last lease check,
+    then stalls (SIGSTOP) past its ttl; run B takes the lease and commits; then A's PUT reaches the server."""
+    folder = storage.join(s3_storage, "folder")
+    _commit(folder, "old", force=False)
+    with proxy_in_front(s3_faults.endpoint, hold_regex=r"/manifest\.json$", hold_methods=["PUT"]) as hold:
+        env = {**os.environ, "AWS_ENDPOINT_URL": hold.endpoint}
+        args = [sys.executable, "-m", "tests.integration.stalled_commit", folder, "a", str(STALLED_TTL_S)]
+        run_a = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            _wait_for(lambda: hold.stats().get("held", 0) >= 1, "run A's manifest PUT")
+            os.kill(run_a.pid, signal.SIGSTOP)  # after its lease check: its renewer stops with it
+            run_b = _commit(folder, "b", force=True)  # waits out A's ttl, then takes the lease
+            hold.release()  # A's PUT lands after B's commit, as a stalled writer's does
+            _wait_for(lambda: hold.stats().get("forwarded", 0) >= hold.stats()["requests"], "A's PUT forwarded")
+        finally:
+            os.kill(run_a.pid, signal.SIGCONT)
+            out, _ = run_a.communicate(timeout=30)
+    now = manifests.read(manifests.manifest_uri(folder), IngestManifest)
+    assert now.content_hash == "b" and now.generation == run_b.manifest.generation, "A's manifest landed over B's"
+    said = json.loads(out.strip().splitlines()[-1])
+    assert "refused" in said and "another run committed it after this run read it" in said["refused"], said
+    assert _tags([s.uri for s in now.shards]) == {"b"}
+    again = _commit(folder, "c", force=False)  # a later run reuses B's commit, and can read it
+    assert again.cached and _tags([s.uri for s in again.manifest.shards]) == {"b"}

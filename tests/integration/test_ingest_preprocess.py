@@ -10,6 +10,8 @@ from ray_workloads import ingest, preprocess
 from rayline import storage
 from rayline.errors import InputDataError
 from rayline.seed import CORRUPT_KINDS, seed
+from rayline.storage import manifests
+from rayline.storage.manifests import IngestManifest
 from tests.integration.helpers import assert_exactly_one_row_per_object
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
@@ -70,14 +72,21 @@ def test_rerun_on_unchanged_input_reuses_output_and_force_rewrites_same_files(lo
     # the same files again, in a new generation of each folder that replaced the old one at the commit
     # (the manifest read before the forced run: the same URI now names its commit)
     manifest = storage.read_json(forced_ingest.manifest_uri)
-    assert manifest["generation"] and manifest_before["generation"] is None
+    assert manifest["generation"] and manifest["generation"] != manifest_before["generation"]
     differing = ("generation", "shards", "committed_by")  # the forced run is another holder
     assert {k: v for k, v in manifest.items() if k not in differing} == {
         k: v for k, v in manifest_before.items() if k not in differing
     }
+    # the replaced generations stay for their readers until the next commit, beside the new ones
+    current = (manifest["generation"], storage.read_json(forced.manifest_uri)["generation"])
     files_after = {o.key for o in storage.list_objects(local_storage)}
-    assert len(files_after) == len(files_before)
-    assert {re.sub(r"/gen-[0-9a-f]+/", "/", key) for key in files_after} == files_before
+    of_current = {k for k in files_after if "/gen-" not in k or any(f"/gen-{g}/" in k for g in current)}
+    assert len(of_current) == len(files_before) and files_before < files_after
+    assert {_without_generation(key) for key in of_current} == {_without_generation(key) for key in files_before}
+
+
+def _without_generation(key: str) -> str:
+    return re.sub(r"/gen-[0-9]+-[0-9a-f]+/", "/", key)
 
 
 def test_new_objects_change_the_hash_but_keep_existing_splits(local_storage: str) -> None:
@@ -99,9 +108,9 @@ def test_uncommitted_leftovers_are_replaced(local_storage: str) -> None:
     output = storage.join(local_storage, "ingested", ingest.dataset_id(raw, ingest.content_hash(objects)))
     storage.write_bytes_atomic(storage.join(output, "shards", "part-99999.parquet"), b"half-written junk")
     ingested, _ = _run(local_storage)
-    shard_keys = {o.key for o in storage.list_objects(storage.join(output, "shards"))}
-    assert "part-99999.parquet" not in shard_keys
-    assert len(shard_keys) == ingested.shard_count
+    assert not storage.exists(storage.join(output, "shards", "part-99999.parquet"))
+    files = manifests.files_folder(ingested.manifest_uri, manifests.read(ingested.manifest_uri, IngestManifest))
+    assert len(storage.list_objects(storage.join(files, "shards"))) == ingested.shard_count
 
 
 def test_empty_prefix_is_a_clear_error(local_storage: str) -> None:

@@ -27,6 +27,8 @@ from ray_workloads.batch_inference import InferenceConfig
 from rayline import ray_work, storage
 from rayline.errors import WorkTimedOut
 from rayline.seed import digit_objects
+from rayline.storage import manifests
+from rayline.storage.manifests import IngestManifest
 from rayline.tables.nights import NightsFailed
 from rayline.testing.s3_proxy import S3Proxy
 from tasks.batch_inference import batch_inference_task
@@ -84,7 +86,8 @@ def test_a_timed_out_ingest_cancels_its_fetch_tasks_before_the_retry_clears_the_
     assert not retried.cached and retried.object_count == count
     shard_uris = retried.read_shard_uris()
     assert storage.read_parquet(shard_uris).num_rows == count
-    shards = storage.join(retried.output_uri, "shards")
+    committed = manifests.read(retried.manifest_uri, IngestManifest)
+    shards = storage.join(manifests.files_folder(retried.manifest_uri, committed), "shards")
     assert [storage.join(shards, name) for name in storage.list_names(shards)] == shard_uris, "a stray shard"
 
 

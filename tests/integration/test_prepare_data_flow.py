@@ -68,9 +68,11 @@ def test_flow_on_s3_writes_everything_to_the_bucket(s3_storage: str, s3_bucket: 
         for obj in page.get("Contents", [])
     }
     prefix = result.preprocess.output_uri.removeprefix(f"s3://{s3_bucket}/")
-    assert f"{prefix}/manifest.json" in keys and f"{prefix}/summary.json" in keys
-    assert any(k.startswith(f"{prefix}/errors/") for k in keys)
-    assert any(k.startswith(f"{prefix}/train/") for k in keys)
+    files = result.preprocess.summary_uri.removeprefix(f"s3://{s3_bucket}/").rsplit("/", 1)[0]  # its generation
+    assert files.startswith(f"{prefix}/gen-")
+    assert f"{prefix}/manifest.json" in keys and f"{files}/summary.json" in keys
+    assert any(k.startswith(f"{files}/errors/") for k in keys)
+    assert any(k.startswith(f"{files}/train/") for k in keys)
     assert sum(k.startswith("root/ingested/") and k.endswith(".parquet") for k in keys) == result.ingest.shard_count
     assert any(k.startswith("root/lineage/ingest/") for k in keys)
 

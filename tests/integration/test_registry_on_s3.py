@@ -8,8 +8,13 @@ this mover's read and its swap); racing threads prove atomicity on local disk
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
+from ray_workloads.serving import canary
+from ray_workloads.serving.config import ServeConfig
 from rayline.errors import AliasConflict, TransientStorageError, is_transient
 from rayline.models import registry
 from rayline.storage import leases
@@ -67,3 +72,44 @@ def test_a_throttled_read_of_the_first_attempts_claim_fails_the_retry_instead_of
     s3_faults.reset()  # the throttling is over: Prefect's retry gets the first attempt's version
     assert _register_keyed("run-1").version == first.version
     assert [v.version for v in registry.list_versions("digits")] == [first.version]
+
+
+def test_a_rollout_paused_past_its_ttl_before_its_champion_move_leaves_the_champion_that_took_over(
+    s3_faults: S3Proxy, s3_storage: str
+) -> None:
+    """Rollout A prepared against champion v1 and holds the rollout lease (not renewed: it is paused); its
+    read of the alias is delayed at the proxy past the lease's ttl while rollout B takes the lease over and
+    promotes v3. A's move must not land: the registry keeps B's v3 (and A retires nothing from serving)."""
+    one, two, three = _versions(3)
+    registry.set_alias("digits", registry.CHAMPION, one, "first")
+    versions = {v: registry.get_version("digits", v) for v in (one, two)}
+    prepared_a = canary.PreparedRollout(
+        base_url="http://127.0.0.1:9", incumbent=versions[one], candidate=versions[two], champion=one
+    )
+    lease_uri = registry.rollout_lease_uri("digits")
+    assert leases.try_acquire(lease_uri, "rollout A", ttl_s=1.0) is not None
+    s3_faults.configure(latency_ms=2500, latency_regex=r"/aliases/champion\.json$")
+    outcome: list[object] = []
+
+    def promote_a() -> None:
+        try:
+            outcome.append(canary.promote(prepared_a, [], ServeConfig(), "rollout A"))
+        except AliasConflict as exc:
+            outcome.append(exc)
+
+    a = threading.Thread(target=promote_a)
+    a.start()
+    deadline = time.monotonic() + 10
+    while not s3_faults.stats().get("delayed"):  # A has checked its lease and is reading the alias
+        assert time.monotonic() < deadline, "rollout A never read the alias"
+        time.sleep(0.02)
+    s3_faults.reset()  # B's reads are not delayed; A's read, under way, still is
+    with leases.held(lease_uri, "rollout B", ttl_s=30, wait_s=5):  # once A's ttl has passed
+        moved = registry.set_alias(
+            "digits", registry.CHAMPION, three, "rollout B promoted", expected=one, rollout_holder="rollout B"
+        )
+    a.join(timeout=20)
+    assert isinstance(outcome[0], AliasConflict) and f"not v{one} as when its move to v{two}" in str(outcome[0]), (
+        outcome
+    )
+    assert registry.alias_move("digits", registry.CHAMPION) == moved

@@ -295,6 +295,7 @@ FLOW_SAFE_NAMES_OF_IO_MODULES: dict[str, frozenset[str]] = {
     "rayline.tables.prediction_reads": frozenset({"DEFAULT_RETENTION_HOURS", "check_retention"}),
     "rayline.tables.delta_tables": frozenset(),
     "rayline.storage.conditional": frozenset(),
+    "rayline.storage.conditional_probe": frozenset(),
     "rayline.tables.predictions_table": frozenset(),
     "rayline.tables.prediction_migration": frozenset(),
     "rayline.storage.manifests": frozenset(),
