@@ -160,8 +160,8 @@ def find_commit(uri: str, tbl: DeltaTable, night: Night, run_id: str | None = No
 
     Bounded by the night's app transactions, not by the table's history: a night (or run) that
     ``tbl`` has no transaction for has no commit, with nothing read; otherwise the newest
-    :data:`RECENT_COMMITS` commit infos, else a binary search over versions for the one that
-    set the night's (or run's) transaction, and that one commit file.
+    :data:`RECENT_COMMITS` commit infos, else the version that set the night's (or run's)
+    transaction (:func:`rayline.tables.delta_log.version_setting`) and that one commit file.
 
     ``DeltaTable.history`` numbers commits by position from the snapshot's version, but its
     listing can already hold newer commits, so under concurrent writers its numbers are off;
@@ -175,17 +175,26 @@ def find_commit(uri: str, tbl: DeltaTable, night: Night, run_id: str | None = No
             _is_commit_of(entry, night, run_id)
             and tbl.transaction_version(night.run_app_id(_run_of(entry))) is not None
         ):
-            found = _run_of(entry)
-            version = commit_version(uri, night.run_app_id(found), int(entry["version"]), tbl.version())
-            return NightCommit(run_id=found, version=version, night_seq=int(entry["rayline.night_seq"]), info=entry)
-    if run_id is None:
-        version = commit_version(uri, night.app_id, -1, tbl.version(), at_least=seq)
-    else:
-        version = commit_version(uri, night.run_app_id(run_id), -1, tbl.version())
+            version = _version_of_commit(uri, entry, night, tbl.version())
+            return NightCommit(_run_of(entry), version, night_seq=int(entry["rayline.night_seq"]), info=entry)
+    app_id, at_least = (night.app_id, seq) if run_id is None else (night.run_app_id(run_id), 1)
+    setting = delta_log.version_setting(uri, app_id, at_least, tbl.version())
+    # None: a log laid out otherwise; then the table is loaded at each version of a binary search
+    version = commit_version(uri, app_id, -1, tbl.version(), at_least=at_least) if setting is None else setting
     info = delta_log.commit_info(uri, version)
     if info is None or not _is_commit_of(info, night, run_id):
         raise StorageError(f"the commit info of version {version} of {uri} is gone or is not {night.relative_dir}'s")
     return NightCommit(run_id=_run_of(info), version=version, night_seq=int(info["rayline.night_seq"]), info=info)
+
+
+def _version_of_commit(uri: str, entry: Mapping[str, Any], night: Night, latest: int) -> int:
+    """The version of a history entry: its positional number when that commit file is the run's (a run
+    commits a night once), else found by the run's app transaction."""
+    hint = int(entry["version"])
+    at_hint = delta_log.commit_info(uri, hint) if 0 <= hint <= latest else None
+    if at_hint is not None and _is_commit_of(at_hint, night, _run_of(entry)):
+        return hint
+    return commit_version(uri, night.run_app_id(_run_of(entry)), hint, latest)
 
 
 def _is_commit_of(entry: Mapping[str, Any], night: Night, run_id: str | None) -> bool:
