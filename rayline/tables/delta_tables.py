@@ -223,21 +223,21 @@ def current_runs(uri: str, tbl: DeltaTable) -> dict[Night, str]:
     transactions = delta_log.app_transactions(uri, tbl.version())
     if transactions is None:
         return _runs_from_history(tbl, None)
-    seqs: dict[Night, int] = {}
-    runs_at: dict[tuple[Night, int], list[str]] = {}
+    seqs: dict[tuple[str, str], int] = {}
+    runs_at: dict[tuple[str, str, int], list[str]] = {}  # by model, day and transaction version
     for app_id, version in transactions.items():
         if night_app := _NIGHT_APP.match(app_id):
-            seqs[Night(night_app["model"], night_app["dt"])] = version
+            seqs[night_app["model"], night_app["dt"]] = version
         elif run_app := _RUN_APP.match(app_id):
-            runs_at.setdefault((Night(run_app["model"], run_app["dt"]), version), []).append(run_app["run"])
+            runs_at.setdefault((run_app["model"], run_app["dt"], version), []).append(run_app["run"])
     runs: dict[Night, str] = {}
     unknown: set[Night] = set()
-    for night, seq in seqs.items():
-        candidates = runs_at.get((night, seq), [])
+    for (model_name, dt), seq in seqs.items():
+        candidates = runs_at.get((model_name, dt, seq), [])
         if len(candidates) == 1:
-            runs[night] = candidates[0]
+            runs[Night(model_name, dt)] = candidates[0]
         else:
-            unknown.add(night)
+            unknown.add(Night(model_name, dt))
     if len(unknown) > MAX_NIGHTS_LOOKED_UP_ONE_BY_ONE:
         return {**runs, **_runs_from_history(tbl, unknown)}
     for night in unknown:
