@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from deltalake import DeltaTable
+from deltalake import DeltaTable, Transaction
 
 from rayline.storage import layout
 from rayline.tables import delta_tables, prediction_reads, predictions_table
@@ -67,3 +67,26 @@ def test_an_old_night_is_found_by_its_transaction_past_the_recent_commits(
     assert delta_tables.find_commit(table, tbl, old, "other-0") is None, "that run never committed this night"
     as_of_first = delta_tables.open_table(table, first.version)
     assert delta_tables.find_commit(table, as_of_first, old) == delta_tables.NightCommit("first", first.version, 1)
+
+
+def test_nights_an_earlier_release_committed_twice_are_found_in_the_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = layout.table_uri(str(tmp_path), layout.PREDICTIONS_TABLE)
+    nights = [Night("digits", f"2026-11-0{day}") for day in range(1, 7)]
+    real = predictions_table.Transaction
+
+    def earlier_release(app_id: str, version: int, last_updated: int | None = None) -> Transaction:
+        return real(app_id, 1 if app_id.startswith("rayline-run/") else version, last_updated)
+
+    monkeypatch.setattr(predictions_table, "Transaction", earlier_release)  # every run's transaction at 1
+    for i, night in enumerate(nights):
+        _commit(table, night, f"first-{i}")
+        _commit(table, night, f"second-{i}")
+    monkeypatch.undo()
+    _commit(table, nights[0], "third-0")
+    expected = {night: f"second-{i}" for i, night in enumerate(nights)} | {nights[0]: "third-0"}
+    tbl = delta_tables.open_table(table)
+    assert delta_tables.current_runs(table, tbl) == expected, "more nights than looked up one by one"
+    monkeypatch.setattr(delta_tables, "MAX_NIGHTS_LOOKED_UP_ONE_BY_ONE", 10)
+    assert delta_tables.current_runs(table, tbl) == expected, "each night looked up by its transaction"
