@@ -147,10 +147,12 @@ def _checkpoints(uri: str, latest: int) -> list[tuple[int, list[str]]] | None:
     expected: dict[int, int] = {}
     for info in infos:
         name = info.base_name
-        if ".checkpoint." in name and not _CHECKPOINT.match(name):
-            return None  # a v2 (uuid-named) checkpoint: its actions are in sidecars
+        if ".checkpoint." not in name:
+            continue  # a commit file: most of the log
         found = _CHECKPOINT.match(name)
-        if found is None or int(found["version"]) > latest:
+        if found is None:
+            return None  # a v2 (uuid-named) checkpoint: its actions are in sidecars
+        if int(found["version"]) > latest:
             continue
         version = int(found["version"])
         parts.setdefault(version, []).append(storage.join(log, name))
