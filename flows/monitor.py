@@ -49,6 +49,8 @@ def _markdown(result: MonitorResult, vacuum_error: Exception | None = None) -> s
     if result.serving is not None:
         s = result.serving
         lines += [f"**Serving** {s.url}: {'healthy' if s.healthy else 'UNHEALTHY — ' + str(s.problem)}", ""]
+        if s.stats_problem is not None:
+            lines += [f"Per-version figures: none ({s.stats_problem})", ""]
         if s.versions:
             lines += ["| version | weight | requests | errors | p95 ms |", "|---|---|---|---|---|"]
             lines += [

@@ -16,15 +16,19 @@ from ray_workloads.models import ModelSpec
 from ray_workloads.train import TrainConfig, TrainResult
 from ray_workloads.training_loop import TrainLoopConfig
 from ray_workloads.tune import TuneJobConfig, TuneResult
-from rayline.storage.layout import under_root
+from rayline.storage.layout import (
+    RAW_DIR,
+    TRAINING_DIR,
+    TUNING_DIR,
+    check_input_apart_from_checkpoints,
+    checkpoints_uri,
+    under_root,
+)
 from tasks.models import reconcile_mirror_task
 from tasks.register import RegistrationResult, register_and_gate
 from tasks.train import evaluate_task, train_model_task
 from tasks.training_plan import plan_training_task
 from tasks.tune import tune_task
-
-TRAINING_DIR = "training"
-TUNING_DIR = "tuning"
 
 
 class TrainModelResult(BaseModel):
@@ -94,6 +98,8 @@ def train_model(
         tune_samples = 0
     if source_uri is None and plan is not None and plan.data_source is not None:
         source_uri = plan.data_source  # retraining a fine-tune: the prefix it was fine-tuned on, not the digits
+    # before any work: checkpoints apart from every input (Tune unpickles what it finds there)
+    check_input_apart_from_checkpoints(source_uri or under_root(RAW_DIR), "source_uri")
     data = prepare_data(  # training on it now: no retraining announced
         source_uri=source_uri, announce_retrain=False, image=plan.parent.image_spec if plan else None
     )
@@ -113,7 +119,7 @@ def train_model(
         searched = tune_task(
             TuneJobConfig(
                 data_manifest_uri=manifest,
-                output_root=under_root(TUNING_DIR),
+                output_root=checkpoints_uri(TUNING_DIR),
                 experiment_name=run_name(f"{name}-tune{tune_samples}", data.ingest.content_hash, loop),
                 num_samples=tune_samples,
                 max_epochs=tune_max_epochs,
@@ -133,7 +139,7 @@ def train_model(
     trained = train_model_task(
         TrainConfig(
             data_manifest_uri=manifest,
-            output_root=under_root(TRAINING_DIR),
+            output_root=checkpoints_uri(TRAINING_DIR),
             run_name=run_name(name, data.ingest.content_hash, loop),
             loop=loop,
             num_workers=num_workers,

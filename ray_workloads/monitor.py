@@ -21,7 +21,7 @@ import math
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, date, datetime, time
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 import numpy as np
@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pydantic import BaseModel, Field
 
 from ray_workloads import preprocess
+from ray_workloads.monitor_charts import distribution_png as distribution_png  # the monitor's chart
 from rayline.errors import InputDataError
 from rayline.models.registry import ModelVersion
 from rayline.storage.layout import PREDICTIONS_TABLE, parse_day, table_uri
@@ -60,6 +61,9 @@ class ServingHealth(BaseModel):
     served: bool = True
     versions: list[VersionHealth] = Field(default_factory=list)
     problem: str | None = None
+    stats_problem: str | None = Field(
+        None, description="Why the per-version figures are missing (a rate-limited /stats): no data, not a fault."
+    )
     champion: int | None = Field(None, description="The registry's champion, when checked against it.")
     champion_mismatch: bool = Field(False, description="Most traffic on another version, with no rollout under way.")
 
@@ -154,19 +158,41 @@ def shares(counts: Mapping[str, int]) -> dict[str, float]:
 def serving_health(url: str, thresholds: DriftThresholds, model: str | None = None) -> ServingHealth:
     """The router's view of ``model`` (None: the default model): is a version taking traffic, how each answers.
 
-    A model the router doesn't serve is reported as such, not as unhealthy.
+    A model the router doesn't serve is reported as such, not as unhealthy. A ``/stats`` answered 429
+    is no data, not a fault: its budget is per client address, shared with any dashboard on the
+    monitor's host. Health is then judged by ``/healthz`` alone, without per-version figures.
     """
     base = f"{url}/models/{model}" if model else url
     try:
         stats_response = httpx.get(f"{base}/stats", timeout=10)
         if stats_response.status_code == 404 and model:
             return ServingHealth(url=base, reachable=True, healthy=True, served=False, problem=f"{model} not served")
-        stats = stats_response.raise_for_status().json()
+        limited = stats_response.status_code == 429
+        stats = {} if limited else stats_response.raise_for_status().json()
         health = httpx.get(f"{base}/healthz", timeout=10)
     except httpx.HTTPError as exc:
         return ServingHealth(url=url, reachable=False, healthy=False, problem=f"{type(exc).__name__}: {exc}")
+    versions = _version_health(stats)
+    bad = [v for v in versions if v.weight > 0 and v.error_rate > thresholds.max_serving_error_rate]
+    problem = None
+    if health.status_code != 200:
+        problem = f"/healthz answered {health.status_code}"
+    elif bad:
+        problem = ", ".join(f"v{v.version} error rate {v.error_rate:.1%}" for v in bad)
+    stats_problem = _rate_limited(stats_response) if limited else None
+    return ServingHealth(
+        url=url,
+        reachable=True,
+        healthy=problem is None,
+        versions=versions,
+        problem=problem,
+        stats_problem=stats_problem,
+    )
+
+
+def _version_health(stats: Mapping[str, Any]) -> list[VersionHealth]:
     weights = {int(v): float(w) for v, w in stats.get("weights", {}).items()}
-    versions = [
+    return [
         VersionHealth(
             version=int(v),
             weight=weights.get(int(v), 0.0),
@@ -177,13 +203,14 @@ def serving_health(url: str, thresholds: DriftThresholds, model: str | None = No
         )
         for v, s in sorted(stats.get("versions", {}).items(), key=lambda kv: int(kv[0]))
     ]
-    bad = [v for v in versions if v.weight > 0 and v.error_rate > thresholds.max_serving_error_rate]
-    problem = None
-    if health.status_code != 200:
-        problem = f"/healthz answered {health.status_code}"
-    elif bad:
-        problem = ", ".join(f"v{v.version} error rate {v.error_rate:.1%}" for v in bad)
-    return ServingHealth(url=url, reachable=True, healthy=problem is None, versions=versions, problem=problem)
+
+
+def _rate_limited(response: httpx.Response) -> str:
+    wait = response.headers.get("Retry-After", "?")
+    return (
+        f"/stats answered 429 (retry after {wait} s): another client at this address spent the per-address "
+        "budget; no per-version figures this time"
+    )
 
 
 def reference_for(champion: ModelVersion, root: str, reference_date: str | None, low_confidence: float) -> Reference:
@@ -362,39 +389,3 @@ def prometheus_text(health: ServingHealth | None, drifts: list[PartitionDrift], 
 
 def _night_timestamp(dt: str) -> float:
     return datetime.combine(date.fromisoformat(dt), time.min, tzinfo=UTC).timestamp()
-
-
-def _partition(drift: PartitionDrift) -> str:
-    return drift.partition
-
-
-# Bars in the distribution chart: 1,000 ImageNet classes would be unreadable.
-_CHART_CLASSES = 20
-
-
-def distribution_png(drift: PartitionDrift) -> bytes:
-    """Predicted-class shares of a partition next to the reference shares (the most common classes)."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = sorted(set(drift.reference_share) | set(drift.class_share))
-    if len(keys) > _CHART_CLASSES:
-        top = sorted(keys, key=lambda k: -max(drift.reference_share.get(k, 0), drift.class_share.get(k, 0)))
-        keys = sorted(top[:_CHART_CLASSES])
-    x = np.arange(len(keys))
-    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(keys)), 3.5), dpi=100)
-    ax.bar(x - 0.2, [drift.reference_share.get(k, 0) for k in keys], 0.4, label=drift.reference)
-    ax.bar(x + 0.2, [drift.class_share.get(k, 0) for k in keys], 0.4, label="predicted")
-    ax.set_xticks(x, keys, rotation=45 if len(keys) > 10 else 0, ha="right" if len(keys) > 10 else "center")
-    ax.set_ylabel("share")
-    ax.set_title(f"{_partition(drift)}: PSI {drift.psi:.3f}")
-    ax.legend()
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    return buffer.getvalue()

@@ -44,6 +44,12 @@ class Settings(BaseSettings):
         DEFAULT_STORAGE,
         description="Storage root URI: a local folder or s3://bucket/prefix.",
     )
+    checkpoints: str | None = Field(
+        None,
+        description="Where the state rayline reads back lives: Ray Train checkpoints and Tune experiments (whose "
+        "state Tune unpickles on resume). A prefix only rayline may write, apart from the input prefixes "
+        "(<storage>/raw, <storage>/incoming): an overlap is refused. Unset: <storage>/checkpoints.",
+    )
     aws_endpoint_url: str | None = Field(
         None,
         validation_alias=AliasChoices("RAYLINE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL"),
@@ -129,6 +135,11 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("PREFECT_API_URL"),
         description="Prefect API; unset uses Prefect's ephemeral API.",
     )
+
+    @field_validator("checkpoints")
+    @classmethod
+    def _checkpoints_scheme_is_supported(cls, value: str | None) -> str | None:
+        return None if value is None else cls._storage_scheme_is_supported(value)
 
     @field_validator("storage")
     @classmethod

@@ -58,23 +58,49 @@ class RateLimit:
     """A token bucket per client: ``burst`` requests at once, then ``per_s`` a second.
 
     :meth:`retry_after` admits a request (None) or says how long the client must wait. At most
-    ``max_clients`` are tracked: past that the least recently seen go (a client forgotten starts
-    with a full bucket again; memory stays bounded whatever the addresses a flood comes from).
+    ``max_clients`` buckets are kept, and only buckets that are not full: a full bucket is what
+    an unknown client starts with, so forgetting it changes nothing. When every kept bucket is
+    still refilling, clients without one share a single overflow bucket (the limit fails closed:
+    a flood from more addresses than that gets one client's rate between them, and never resets
+    the bucket of an address it pushed out).
     """
 
     def __init__(self, per_s: float, burst: int, max_clients: int = 10_000) -> None:
         self.per_s, self.burst, self.max_clients = per_s, float(burst), max_clients
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client: (tokens, at)
+        # client: (tokens, at), least recently seen first: those refilled first
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._overflow = (self.burst, 0.0)
 
     def retry_after(self, client: str, now: float) -> float | None:
         """None: admitted (one token taken); else the seconds until ``client`` has a token again."""
-        tokens, at = self._buckets.pop(client, (self.burst, now))
-        tokens = min(self.burst, tokens + max(0.0, now - at) * self.per_s)
-        admitted = tokens >= 1.0
-        self._buckets[client] = (tokens - 1.0 if admitted else tokens, now)
-        while len(self._buckets) > self.max_clients:
+        self._forget_full(now)
+        if client in self._buckets or len(self._buckets) < self.max_clients:
+            state = self._buckets.pop(client, (self.burst, now))
+            tokens, wait = self._take(state, now)
+            self._buckets[client] = (tokens, now)
+        else:
+            tokens, wait = self._take(self._overflow, now)
+            self._overflow = (tokens, now)
+        return wait
+
+    def _take(self, state: tuple[float, float], now: float) -> tuple[float, float | None]:
+        """The bucket's tokens after this request, and None (admitted) or the seconds to wait."""
+        tokens = self._refilled(state, now)
+        if tokens >= 1.0:
+            return tokens - 1.0, None
+        return tokens, (1.0 - tokens) / self.per_s
+
+    def _refilled(self, state: tuple[float, float], now: float) -> float:
+        tokens, at = state
+        return min(self.burst, tokens + max(0.0, now - at) * self.per_s)
+
+    def _forget_full(self, now: float) -> None:
+        """Drop the least recently seen buckets that are full again (amortised: each goes once)."""
+        while self._buckets:
+            oldest = next(iter(self._buckets.values()))
+            if self._refilled(oldest, now) < self.burst:
+                return
             self._buckets.popitem(last=False)
-        return None if admitted else (1.0 - tokens) / self.per_s
 
     def clients(self) -> int:
         return len(self._buckets)

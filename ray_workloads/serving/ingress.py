@@ -39,7 +39,8 @@ HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
   ``stats``), from the control actor's per-second windows (``since`` counts from the start of
   its second). 400 for a ``since`` that is not a finite number. Rate-limited per client address
   (rayline's router authenticates no one), per router replica: ``stats_burst`` at once, then
-  ``stats_per_s`` a second; past that 429 ``TooManyRequests`` with ``Retry-After`` (seconds).
+  ``stats_per_s`` a second; past that 429 ``TooManyRequests`` with ``Retry-After`` (seconds);
+  addresses past the buckets kept share one (``http_api.RateLimit``).
   The answer comes from the control actor every router syncs with: a client looping on it
   must not delay their syncs.
 * ``GET /models``: every served model with its live versions and weights, and the default.

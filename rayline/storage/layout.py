@@ -1,7 +1,11 @@
 """Names of the storage layout, in one place: every stage and reader agrees on where things live.
 
 ``<storage>/raw`` (labelled training images), ``incoming/dt=<day>`` (a day
-of arrivals), the Delta tables ``predictions`` and ``prediction_errors``
+of arrivals): the input prefixes, which producers write. Everything else only
+rayline writes; the state it reads back, Train checkpoints and Tune experiments
+(Tune unpickles their state on resume), lives under ``RAYLINE_CHECKPOINTS``
+(default ``<storage>/checkpoints``), which may not overlap an input prefix. The
+Delta tables ``predictions`` and ``prediction_errors``
 (partitioned by ``model_name`` and ``dt``: two models' nights of one day
 never collide), ``monitoring/<model>.prom``.
 """
@@ -11,11 +15,17 @@ from __future__ import annotations
 from datetime import UTC, date, datetime, timedelta
 
 from rayline import storage
-from rayline.errors import InputDataError
+from rayline.config import get_settings
+from rayline.errors import ConfigError, InputDataError
 from rayline.specs import check_model_name
 
 RAW_DIR = "raw"
 INCOMING_DIR = "incoming"
+# what producers write into (the IAM split in the README): no state rayline reads back may live under them
+INPUT_DIRS = (RAW_DIR, INCOMING_DIR)
+CHECKPOINTS_DIR = "checkpoints"  # under the storage root, unless RAYLINE_CHECKPOINTS names a prefix
+TRAINING_DIR = "training"
+TUNING_DIR = "tuning"
 PREDICTIONS_TABLE = "predictions"
 ERRORS_TABLE = "prediction_errors"
 MONITORING_DIR = "monitoring"
@@ -31,6 +41,45 @@ def root_uri() -> str:
 def under_root(*parts: str) -> str:
     """``<storage root>/<parts>``: e.g. ``under_root(RAW_DIR)``, the labelled training images."""
     return storage.join(storage.storage_root(), *parts)
+
+
+def checkpoints_root() -> str:
+    """Where Train checkpoints and Tune experiments live: ``RAYLINE_CHECKPOINTS``, else ``<storage>/checkpoints``.
+
+    Refused (:class:`ConfigError`) when it overlaps an input prefix: Tune unpickles what it finds
+    there, so whoever may write an input must not be able to write it.
+    """
+    configured = get_settings().checkpoints
+    root = storage.normalize(configured) if configured else under_root(CHECKPOINTS_DIR)
+    for name in INPUT_DIRS:
+        if _overlap(root, under_root(name)):
+            raise ConfigError(
+                f"RAYLINE_CHECKPOINTS {root!r} overlaps the input prefix {under_root(name)!r}, which producers "
+                "write: Tune would unpickle what they put there. Name a prefix apart from <storage>/raw and "
+                "<storage>/incoming (default <storage>/checkpoints)"
+            )
+    return root
+
+
+def checkpoints_uri(*parts: str) -> str:
+    """``<checkpoints root>/<parts>``: e.g. ``checkpoints_uri(TUNING_DIR)``, the Tune experiments."""
+    return storage.join(checkpoints_root(), *parts)
+
+
+def check_input_apart_from_checkpoints(uri: str, what: str) -> None:
+    """Refuse an input prefix (a training source, say) that overlaps the checkpoints: its producers could
+    write the state rayline reads back."""
+    root = checkpoints_root()
+    if _overlap(storage.normalize(uri), root):
+        raise ConfigError(
+            f"{what} {uri!r} overlaps the checkpoints prefix {root!r} (RAYLINE_CHECKPOINTS): whoever writes "
+            "an input must not be able to write the state rayline reads back; read inputs from elsewhere"
+        )
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether one prefix holds the other (by whole path segments: ``raw`` does not hold ``raw-2``)."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
 def metrics_uri(root: str, model: str) -> str:

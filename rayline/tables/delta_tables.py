@@ -24,6 +24,7 @@ from deltalake.exceptions import DeltaError, TableNotFoundError
 from rayline import storage
 from rayline.config import get_settings
 from rayline.errors import InputDataError, StorageError, TransientStorageError, is_transient
+from rayline.tables import delta_log
 
 PARTITION_COLUMNS = ("model_name", "dt")
 
@@ -146,58 +147,140 @@ def arrow_schema(tbl: DeltaTable) -> pa.Schema:
     return pa.schema(tbl.schema().to_arrow())
 
 
+# A night's newest commits are usually among the table's newest (the run that just committed, the monitor's
+# latest nights): looked for there first, in one read of this many commit infos.
+RECENT_COMMITS = 32
+# Nights whose current run the app transactions do not tell (commits by releases that gave every run
+# transaction version 1): past this many, one pass over the history finds them all.
+MAX_NIGHTS_LOOKED_UP_ONE_BY_ONE = 4
+
+
 def find_commit(uri: str, tbl: DeltaTable, night: Night, run_id: str | None = None) -> NightCommit | None:
-    """The newest commit of ``night`` (by ``run_id`` if given) from the commit infos, newest first.
+    """The newest commit of ``night`` (by ``run_id`` if given) as of ``tbl``'s version.
 
-    ``DeltaTable.history`` numbers commits by position from the snapshot's
-    version, but its listing can already hold newer commits, so under
-    concurrent writers its numbers are off; the version is checked against the
-    run's app transaction instead.
+    Bounded by the night's app transactions, not by the table's history: a night (or run) that
+    ``tbl`` has no transaction for has no commit, with nothing read; otherwise the newest
+    :data:`RECENT_COMMITS` commit infos, else the version that set the night's (or run's)
+    transaction (:func:`rayline.tables.delta_log.version_setting`) and that one commit file.
+
+    ``DeltaTable.history`` numbers commits by position from the snapshot's version, but its
+    listing can already hold newer commits, so under concurrent writers its numbers are off;
+    the version is checked against the run's app transaction instead.
     """
-    for entry in tbl.history():
-        if entry.get("rayline.model_name") != night.model_name or entry.get("rayline.dt") != night.dt:
-            continue
-        if run_id is not None and entry.get("rayline.run_id") != run_id:
-            continue
-        found = str(entry["rayline.run_id"])
-        # the listing of a table loaded at an older version also holds the commits after it: a run whose
-        # app transaction that snapshot lacks committed later, so it is not the night as of that version
-        if tbl.transaction_version(night.run_app_id(found)) is None:
-            continue
-        version = commit_version(uri, night.run_app_id(found), int(entry["version"]), tbl.version())
-        return NightCommit(run_id=found, version=version, night_seq=int(entry["rayline.night_seq"]), info=entry)
-    return None
+    seq = tbl.transaction_version(night.app_id)
+    if seq is None or (run_id is not None and tbl.transaction_version(night.run_app_id(run_id)) is None):
+        return None
+    for entry in tbl.history(RECENT_COMMITS):
+        if (
+            _is_commit_of(entry, night, run_id)
+            and tbl.transaction_version(night.run_app_id(_run_of(entry))) is not None
+        ):
+            version = _version_of_commit(uri, entry, night, tbl.version())
+            return NightCommit(_run_of(entry), version, night_seq=int(entry["rayline.night_seq"]), info=entry)
+    app_id, at_least = (night.app_id, seq) if run_id is None else (night.run_app_id(run_id), 1)
+    setting = delta_log.version_setting(uri, app_id, at_least, tbl.version())
+    # None: a log laid out otherwise; then the table is loaded at each version of a binary search
+    version = commit_version(uri, app_id, -1, tbl.version(), at_least=at_least) if setting is None else setting
+    info = delta_log.commit_info(uri, version)
+    if info is None or not _is_commit_of(info, night, run_id):
+        raise StorageError(f"the commit info of version {version} of {uri} is gone or is not {night.relative_dir}'s")
+    return NightCommit(run_id=_run_of(info), version=version, night_seq=int(info["rayline.night_seq"]), info=info)
 
 
-def current_runs(tbl: DeltaTable) -> dict[Night, str]:
-    """Which run last committed each night as of ``tbl``'s version: :func:`find_commit`'s rule, in one history pass.
+def _version_of_commit(uri: str, entry: Mapping[str, Any], night: Night, latest: int) -> int:
+    """The version of a history entry: its positional number when that commit file is the run's (a run
+    commits a night once), else found by the run's app transaction."""
+    hint = int(entry["version"])
+    at_hint = delta_log.commit_info(uri, hint) if 0 <= hint <= latest else None
+    if at_hint is not None and _is_commit_of(at_hint, night, _run_of(entry)):
+        return hint
+    return commit_version(uri, night.run_app_id(_run_of(entry)), hint, latest)
 
-    For a question about every night at once (vacuum's keep-set), where
-    :func:`find_commit` per night would read the whole history once a night.
+
+def _is_commit_of(entry: Mapping[str, Any], night: Night, run_id: str | None) -> bool:
+    if entry.get("rayline.model_name") != night.model_name or entry.get("rayline.dt") != night.dt:
+        return False
+    return run_id is None or entry.get("rayline.run_id") == run_id
+
+
+def _run_of(entry: Mapping[str, Any]) -> str:
+    return str(entry["rayline.run_id"])
+
+
+_NIGHT_APP = re.compile(r"^rayline-night/(?P<model>[^/]+)/(?P<dt>[^/]+)$")
+_RUN_APP = re.compile(r"^rayline-run/(?P<run>[^/]+)/(?P<model>[^/]+)/(?P<dt>[^/]+)$")
+
+
+def current_runs(uri: str, tbl: DeltaTable) -> dict[Night, str]:
+    """Which run last committed each night as of ``tbl``'s version: :func:`find_commit`'s rule for every night.
+
+    For a question about every night at once (vacuum's keep-set). From the app transactions, read
+    from the newest checkpoint on (:func:`rayline.tables.delta_log.app_transactions`): each commit
+    sets its run's transaction to the night's commit count, so the night's current run is the one
+    whose transaction equals the night's. Nights committed by releases that gave every run version 1
+    (a night committed more than once then) are found in the history.
     """
+    transactions = delta_log.app_transactions(uri, tbl.version())
+    if transactions is None:
+        return _runs_from_history(tbl, None)
+    seqs: dict[tuple[str, str], int] = {}
+    runs_at: dict[tuple[str, str, int], list[str]] = {}  # by model, day and transaction version
+    for app_id, version in transactions.items():
+        if night_app := _NIGHT_APP.match(app_id):
+            seqs[night_app["model"], night_app["dt"]] = version
+        elif run_app := _RUN_APP.match(app_id):
+            runs_at.setdefault((run_app["model"], run_app["dt"], version), []).append(run_app["run"])
+    runs: dict[Night, str] = {}
+    unknown: set[Night] = set()
+    for (model_name, dt), seq in seqs.items():
+        candidates = runs_at.get((model_name, dt, seq), [])
+        if len(candidates) == 1:
+            runs[Night(model_name, dt)] = candidates[0]
+        else:
+            unknown.add(Night(model_name, dt))
+    if len(unknown) > MAX_NIGHTS_LOOKED_UP_ONE_BY_ONE:
+        return {**runs, **_runs_from_history(tbl, unknown)}
+    for night in unknown:
+        commit = find_commit(uri, tbl, night)
+        if commit is not None:
+            runs[night] = commit.run_id
+    return runs
+
+
+def _runs_from_history(tbl: DeltaTable, nights: set[Night] | None) -> dict[Night, str]:
+    """The current run of ``nights`` (None: every night) from the commit infos, newest first, until all are found."""
     runs: dict[Night, str] = {}
     for entry in tbl.history():
         model_name, dt, run_id = (entry.get(f"rayline.{key}") for key in ("model_name", "dt", "run_id"))
         if model_name is None or dt is None or run_id is None:
             continue  # not a night's commit (the table's creation, a schema change)
         night = Night(str(model_name), str(dt))
+        if nights is not None and night not in nights:
+            continue
         if night not in runs and tbl.transaction_version(night.run_app_id(str(run_id))) is not None:
             runs[night] = str(run_id)
+            if nights is not None and len(runs) == len(nights):
+                break
     return runs
 
 
-def has_txn(uri: str, version: int, app_id: str) -> bool:
-    return version >= 0 and open_table(uri, version).transaction_version(app_id) is not None
+def has_txn(uri: str, version: int, app_id: str, at_least: int = 1) -> bool:
+    """Whether ``app_id``'s transaction is at ``at_least`` or above as of ``version``."""
+    if version < 0:
+        return False
+    found = open_table(uri, version).transaction_version(app_id)
+    return found is not None and found >= at_least
 
 
-def commit_version(uri: str, app_id: str, hint: int, latest: int, low: int = 0) -> int:
-    """The version whose commit first carried ``app_id``: ``hint`` when right, else a binary search."""
-    if low <= hint <= latest and has_txn(uri, hint, app_id) and not has_txn(uri, hint - 1, app_id):
+def commit_version(uri: str, app_id: str, hint: int, latest: int, low: int = 0, at_least: int = 1) -> int:
+    """The version whose commit first set ``app_id``'s transaction to ``at_least`` or above: ``hint`` when
+    right, else a binary search (a transaction's version only grows)."""
+    if low <= hint <= latest and has_txn(uri, hint, app_id, at_least) and not has_txn(uri, hint - 1, app_id, at_least):
         return hint
     latest = max(latest, open_table(uri).version())
     while low < latest:
         middle = (low + latest) // 2
-        if has_txn(uri, middle, app_id):
+        if has_txn(uri, middle, app_id, at_least):
             latest = middle
         else:
             low = middle + 1

@@ -177,7 +177,7 @@ def current_predictions_runs(uri: str) -> dict[Night, str]:
     if name != ERRORS_TABLE or not DeltaTable.is_deltatable(predictions_uri, storage_options(predictions_uri)):
         return {}
     try:
-        return current_runs(open_table(predictions_uri))
+        return current_runs(predictions_uri, open_table(predictions_uri))
     except (DeltaError, OSError) as exc:
         raise storage_error(exc, "read the history of", predictions_uri) from exc
 
@@ -194,7 +194,7 @@ def paired_errors_versions(uri: str, tbl: DeltaTable, predictions_runs: dict[Nig
     """
     versions: list[int] = []
     try:
-        errors_runs = current_runs(tbl)
+        errors_runs = current_runs(uri, tbl)
         for night, run_id in predictions_runs.items():
             if errors_runs.get(night) == run_id:
                 continue

@@ -18,9 +18,12 @@ Who writes what
 
 Idempotency and concurrency
     Each commit carries two app transactions (``txn`` actions):
-    ``rayline-run/<run id>/<model>/<dt>`` (version 1) makes a retried commit of
-    the same run a no-op, and ``rayline-night/<model>/<dt>`` (version = how many
-    times the night was committed) serialises commits of one night. The second
+    ``rayline-run/<run id>/<model>/<dt>`` makes a retried commit of the same run
+    a no-op, and ``rayline-night/<model>/<dt>`` (version = how many times the
+    night was committed) serialises commits of one night. Both carry that count,
+    so the night's current run is the one whose transaction equals the night's
+    (``delta_tables.current_runs``: no history read; releases before gave every
+    run version 1, and such nights are found in the history). The second
     one is needed: on a partition that is *empty* in the writer's snapshot,
     deltalake 1.6.6 rebases concurrent ``overwrite`` commits onto each other
     without conflict (observed: three runs, three commits, every row three
@@ -349,7 +352,8 @@ def commit_night(
                 "rayline.files": len(actions),
                 "rayline.rows": rows,
             },
-            app_transactions=[Transaction(night.app_id, seq + 1), Transaction(night.run_app_id(run_id), 1)],
+            # the run's transaction carries the night's count too: its current run, without the history
+            app_transactions=[Transaction(night.app_id, seq + 1), Transaction(night.run_app_id(run_id), seq + 1)],
         )
         try:
             tbl.create_write_transaction(

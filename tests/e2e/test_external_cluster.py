@@ -144,8 +144,8 @@ def test_train_and_tune_run_on_an_external_cluster(
     (trained,) = lineage.read_records("train")
     (tuned,) = lineage.read_records("tune")
     assert trained.run.ray_address == tuned.run.ray_address == external_cluster
-    assert trained.outputs[0].uri.startswith(f"{root}/training/")  # checkpoints live in the bucket
-    assert tuned.outputs[0].uri.startswith(f"{root}/tuning/")
+    assert trained.outputs[0].uri.startswith(f"{root}/checkpoints/training/")  # checkpoints live in the bucket
+    assert tuned.outputs[0].uri.startswith(f"{root}/checkpoints/tuning/")
     assert storage.list_objects(storage.join(root, "models", "digits", "v1"))
 
 

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import threading
+from collections.abc import Iterator
 from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from ray_workloads.monitor import PartitionDrift, ServingHealth, prometheus_text, psi, shares
+from ray_workloads.monitor import (
+    DriftThresholds,
+    PartitionDrift,
+    ServingHealth,
+    prometheus_text,
+    psi,
+    serving_health,
+    shares,
+)
 from ray_workloads.serving.control import VersionStats
 from ray_workloads.serving.rollout import GateConfig, RolloutConfig, judge
 
@@ -177,3 +189,46 @@ def test_most_traffic_off_the_champion_is_unhealthy_unless_a_rollout_runs() -> N
     ok = prometheus_text(check_champion(_health({1: 100.0}), 1, None), [], model="digits")
     (gauge,) = {f.name: f for f in text_string_to_metric_families(ok)}["rayline_serve_champion_mismatch"].samples
     assert gauge.value == 0.0
+
+
+class _RateLimitedRouter(BaseHTTPRequestHandler):
+    """A router whose ``/stats`` budget another client at the monitor's address has spent."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path.endswith("/stats"):
+            status, body, headers = 429, {"error": "TooManyRequests", "detail": "slow down"}, {"Retry-After": "1"}
+        else:
+            status, headers = 200, {}
+            body = {"status": "ok", "model": "digits", "live_versions": [1], "weights": {"1": 100.0}}
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        for name, value in {**headers, "Content-Type": "application/json", "Content-Length": str(len(data))}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (http.server's name)
+        pass
+
+
+@pytest.fixture
+def rate_limited_router() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RateLimitedRouter)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_a_rate_limited_stats_read_is_no_data_not_an_unhealthy_router(rate_limited_router: str) -> None:
+    health = serving_health(rate_limited_router, DriftThresholds(), "digits")
+    assert health.reachable and health.healthy, health
+    assert health.versions == [] and "429" in str(health.stats_problem), health
+    families = {f.name: f for f in text_string_to_metric_families(prometheus_text(health, [], model="digits"))}
+    (up,) = families["rayline_serve_up"].samples
+    assert up.value == 1.0, "judged by /healthz: a version takes traffic"
+    assert families["rayline_serve_requests"].samples == [], "no per-version figures rather than made-up ones"

@@ -243,3 +243,20 @@ def test_stats_rate_limit_tracks_a_bounded_number_of_clients() -> None:
         limit.retry_after(f"10.0.{i // 256}.{i % 256}", now=0.0)
     assert limit.clients() <= 100
     assert limit.retry_after("10.0.3.231", now=0.0) is not None, "the newest client is still limited"
+
+
+def test_stats_rate_limit_still_holds_for_a_client_past_a_flood_of_addresses() -> None:
+    limit = RateLimit(per_s=1.0, burst=1, max_clients=100)
+    assert limit.retry_after("10.9.9.9", now=0.0) is None
+    for i in range(1_000):  # more addresses than tracked, within one second
+        limit.retry_after(f"10.0.{i // 256}.{i % 256}", now=0.5)
+    assert limit.retry_after("10.9.9.9", now=0.5) is not None, "an address the flood pushed out starts full again"
+    assert limit.clients() <= 100
+
+
+def test_stats_rate_limit_lets_untracked_addresses_share_one_bucket_when_full() -> None:
+    limit = RateLimit(per_s=1.0, burst=2, max_clients=10)
+    admitted = [limit.retry_after(f"10.0.0.{i}", now=0.0) is None for i in range(200)]
+    assert sum(admitted) == 10 + 2, "ten tracked addresses, then one shared burst of 2 for the other 190"
+    # buckets that refilled are forgotten (a full bucket is what a new address starts with): room again
+    assert limit.retry_after("10.0.1.1", now=10.0) is None and limit.clients() <= 10

@@ -294,6 +294,7 @@ FLOW_SAFE_NAMES_OF_IO_MODULES: dict[str, frozenset[str]] = {
     "rayline.lineage": frozenset({"code_version"}),
     "rayline.tables.prediction_reads": frozenset({"DEFAULT_RETENTION_HOURS", "check_retention"}),
     "rayline.tables.delta_tables": frozenset(),
+    "rayline.tables.delta_log": frozenset(),
     "rayline.storage.conditional": frozenset(),
     "rayline.storage.conditional_probe": frozenset(),
     "rayline.tables.predictions_table": frozenset(),
