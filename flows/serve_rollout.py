@@ -7,7 +7,7 @@ from pydantic import BaseModel
 
 from ray_workloads.serving.config import ServeConfig, config_from_settings
 from ray_workloads.serving.rollout import GateConfig, RolloutConfig, StepReport
-from rayline.errors import LeaseLost, RolloutRolledBack
+from rayline.errors import AliasConflict, LeaseLost, RolloutRolledBack
 from rayline.models.registry import CHAMPION, ModelVersion
 from rayline.storage.leases import HeldLease
 from tasks.models import alias_version_task, resolve_version_task
@@ -117,6 +117,17 @@ def _roll_out_prepared(
         promote_task(prepared, reports, serve, lease.lease.holder)
     except RolloutRolledBack:
         raise  # rolled back already
+    except AliasConflict as exc:
+        if promoting:
+            # The champion moved from the version this rollout prepared against: its lease lapsed and
+            # another writer took over. Serving is that writer's now; a roll back under this rollout's
+            # stale fence would be refused, or undo the other's move.
+            raise LeaseLost(
+                f"the rollout of v{version.version} lost the champion to another writer before its move: {exc}; "
+                "serving and the champion are left as that writer set them"
+            ) from exc
+        _roll_back_after_error(prepared, reports, f"raised AliasConflict: {exc}", serve, promoting)
+        raise
     except LeaseLost:
         if another_rollout_holds_task(version.name, lease.lease.holder):
             raise  # that rollout owns serving now: nothing here to take back
