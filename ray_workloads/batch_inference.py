@@ -41,8 +41,11 @@ between the two commits the errors table already holds the new run's errors.
 Overlapping runs of one night: each run reads the night's commit count when
 it starts, and its commit is refused with
 :class:`~rayline.errors.NightCommittedElsewhere` when another run committed the
-night since; no run deletes files (replaced and never-committed files go only
-through ``vacuum``, after a retention that outlasts any run).
+night since (in ``predictions``, the done marker: a holder that died between
+its two commits left a night that the run taking its lease over completes,
+reading the errors table's count once it holds the lease); no run deletes
+files (replaced and never-committed files go only through ``vacuum``, after a
+retention that outlasts any run).
 
 Why Ray Data, and why one stage of whole blocks: Ray Data gives the actor
 pool, its scheduling, and the restart of a lost actor with the retry of its
@@ -68,9 +71,16 @@ Layout (``<root>`` is the storage root)::
     <root>/predictions/model_name=<m>/dt=<d>/part-<run>-c<n>.parquet      compacted, committed
     <root>/predictions/model_name=<m>/dt=<d>/blocks-<key>/<part>/b<n>.parquet   a block, never committed
     <root>/prediction_errors/…                                       the same
-    <root>/_staging/nights/<m>/dt=<d>/listing/g<group>-<n>.parquet   the listing, removed at the run's end
-    <root>/_staging/nights/<m>/dt=<d>/listing/g<group>.json          a group's parts and skips, once listed
     <root>/_staging/nights/<m>/dt=<d>.lease                          one live run predicts a night
+    <root>/_staging/nights/<m>/dt=<d>.listing-<g>-<h>/g<group>-<n>.parquet   the listing of the lease's holder
+    <root>/_staging/nights/<m>/dt=<d>.listing-<g>-<h>/g<group>.json          a group's parts and skips, once listed
+
+A holder lists into a folder of its own (``<g>``: its lease generation,
+``<h>``: random), removed at its end, or by a later holder when it died: a
+holder that lost the lease (paused past its ttl) and still runs never
+touches the listing of the run that took the night over. The lease's loss
+also stops that holder's Ray Data run (``ray_work.stoppable``), and it fails
+with ``LeaseLost``.
 """
 
 from __future__ import annotations
@@ -91,11 +101,12 @@ from ray_workloads.night_blocks import (
     held_night,
     listing_staging_uri,
     night_key,
+    remove_earlier_listings,
 )
 from ray_workloads.night_compaction import check_rows, compact_checked, remove_blocks
 from ray_workloads.night_pipeline import predict_and_write, run_constants, sum_reports
-from rayline import progress, storage
-from rayline.errors import InputDataError, StorageError
+from rayline import progress, ray_work, storage
+from rayline.errors import InputDataError, LeaseLost, NightCommittedElsewhere, StorageError
 from rayline.skipped import skipped_text
 from rayline.storage import leases
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
@@ -242,19 +253,44 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
     attempt_id, landed = attempt_run_id(*tables, night, run_id or new_run_id())
     if landed is not None:  # a retry of a run whose commit landed: that commit is the result
         return _committed_result(cfg, tables, night, landed, time.perf_counter() - started)
-    # what the night looked like when this run started: a commit of it after this is another run's
-    seen = {table: night_seq(table, night) for table in tables}
-    with held_night(cfg.tables_root, night, cfg) as lease:
-        # the run this one waited for may have committed the night: then there is nothing to predict
-        check_night_unchanged(tables[0], night, seen[tables[0]], attempt_id)
-        # the listing's parts, the night's own: only the lease's holder writes there, so a run that died
-        # left its parts for the next holder to clear
-        staging = listing_staging_uri(cfg.tables_root, night)
-        storage.remove_tree(staging)
+    # what the night looked like when this run started: a predictions commit after this is another run's
+    seen = night_seq(tables[0], night)
+    with (
+        held_night(cfg.tables_root, night, cfg) as lease,
+        ray_work.stoppable(f"the night {night.model_name} {night.dt}") as stopper,
+    ):
+        lease.on_lost(stopper.stop)  # a run whose lease was taken over stops predicting: its actors are killed
+        expected = _night_as_held(tables, night, seen, attempt_id)
+        fence = lease.fencing_token().generation
+        staging = listing_staging_uri(cfg.tables_root, night, fence, uuid.uuid4().hex[:8])
+        # the listings of earlier holders: those that died left theirs for the next holder to clear
+        remove_earlier_listings(cfg.tables_root, night, fence, staging)
         try:
-            return _predict_night(cfg, night, tables, attempt_id, staging, started, seen, lease)
+            return _predict_night(cfg, night, tables, attempt_id, staging, started, expected, lease)
+        except NightCommittedElsewhere:
+            raise
+        except Exception as exc:
+            # whatever failed first (the stopped Ray Data run, a listing part the next holder removed), a run
+            # that lost the lease says so
+            lost = exc if isinstance(exc, LeaseLost) else lease.lost()
+            if lost is None or lost is exc:
+                raise
+            raise lost from exc
         finally:
             storage.remove_tree(staging)
+
+
+def _night_as_held(tables: tuple[str, str], night: Night, seen: int, run_id: str) -> dict[str, int]:
+    """The night's commit count per table that this run's commits expect, read once it holds the lease.
+
+    The run it waited for may have committed the night: then there is nothing to predict
+    (``NightCommittedElsewhere``). A holder that died between its errors commit and its predictions commit
+    left the errors table a commit ahead: that night is not committed (the predictions commit is its done
+    marker), so this run completes it, its own errors commit replacing that one.
+    """
+    predictions, errors = tables
+    check_night_unchanged(predictions, night, seen, run_id)
+    return {predictions: seen, errors: night_seq(errors, night)}
 
 
 def _predict_night(

@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -349,9 +350,32 @@ def any_block_written(output: NightOutput) -> bool:
     return bool(storage.list_folders(blocks_root(output.predictions_table, output.night, output.key)))
 
 
-def listing_staging_uri(root: str, night: Night) -> str:
-    """``<root>/_staging/nights/<model>/dt=<day>/listing``: the night's listing parts, written by the lease's holder."""
-    return staging_uri(root, "nights", night.model_name, f"dt={night.dt}", "listing")
+def listing_staging_uri(root: str, night: Night, fence: int, holding: str) -> str:
+    """``<root>/_staging/nights/<model>/dt=<day>.listing-<fence>-<holding>``: the night's listing parts, as
+    listed by the holder of the night's lease of generation ``fence`` (``holding`` tells apart two holders
+    of one generation, a lease removed by hand restarting its generations).
+
+    Each holder lists into a folder of its own: a holder that lost the lease (paused past its ttl) and still
+    runs neither removes nor writes into the listing of the run that took the night over.
+    """
+    return staging_uri(root, "nights", night.model_name, f"dt={night.dt}.listing-{fence}-{holding}")
+
+
+def night_listings(root: str, night: Night) -> dict[str, int]:
+    """The listing folders of the night's holders, each with its lease generation (leftovers of holders that
+    died, and the live holder's)."""
+    folder = staging_uri(root, "nights", night.model_name)
+    pattern = re.compile(rf"^dt={re.escape(night.dt)}\.listing-(\d+)-[0-9a-z]+$")
+    found = ((name, pattern.match(name)) for name in storage.list_folders(folder))
+    return {storage.join(folder, name): int(match.group(1)) for name, match in found if match}
+
+
+def remove_earlier_listings(root: str, night: Night, fence: int, own: str) -> None:
+    """Remove the listings of the night's earlier holders (generation up to ``fence``, ``own`` excepted):
+    they died, or lost the lease while paused, and their work is void."""
+    for uri, generation in night_listings(root, night).items():
+        if generation <= fence and uri != own:
+            storage.remove_tree(uri)
 
 
 def night_lease_uri(root: str, night: Night) -> str:

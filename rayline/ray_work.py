@@ -22,6 +22,12 @@ execution its consumer abandoned only drops the pool's handles, which leaves
 an actor busy in a task running: a failed execution's shutdown is forced, and
 the actors of one shut down without force are remembered and killed when the
 scope stops. A sibling's work goes on.
+
+Work can also have to end for a reason of its own while its attempt goes on:
+a night whose lease another run took over must stop predicting. The marked
+executions started under a :func:`stoppable` block register with its
+:class:`Stopper` too, which shuts them down the same way, from any thread,
+with the error it is given.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class _Scope:
 
 
 _current: ContextVar[_Scope | None] = ContextVar("rayline_ray_work_scope", default=None)
+_stoppers: ContextVar[tuple[Stopper, ...]] = ContextVar("rayline_ray_work_stoppers", default=())
 _active = 0
 _lock = threading.Lock()
 
@@ -98,7 +105,8 @@ def raise_if_stopped() -> None:
 
 
 def stop_with_scope(context: Any) -> None:
-    """Make the Ray Data executions of datasets with this ``DataContext`` stop with the scope they run in.
+    """Make the Ray Data executions of datasets with this ``DataContext`` stop with the scope they run in
+    (and with the :func:`stoppable` blocks they start in).
 
     A dataset's context is its own copy (``dataset.context``), so only this
     dataset and those derived from it after the call are marked. Each
@@ -110,14 +118,68 @@ def stop_with_scope(context: Any) -> None:
         context.custom_execution_callback_classes.append(_StopsWithScope)
 
 
+class Stopper:
+    """Stops the Ray Data executions of marked datasets (:func:`stop_with_scope`) started under it
+    (:func:`stoppable`), from any thread and with the caller's error: for work that must end on an event of
+    its own, such as the loss of the lease it works under, and not only when its attempt is interrupted.
+
+    Each execution is shut down with force (its actor pools killed, its tasks cancelled), and its consumer
+    raises ``error``. One started after the stop is refused with it.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._error: RaylineError | None = None
+        self._executors: list[Any] = []
+        self._lock = threading.Lock()
+
+    def stop(self, error: RaylineError) -> None:
+        """Stop the executions running under this stopper, and refuse new ones; once (later calls do nothing)."""
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = error
+            executors = list(self._executors)
+        for executor in executors:
+            _stop_execution(executor, error)
+        log.warning("%s stopped %d Ray Data run(s): %s", self.what, len(executors), error)
+
+    def register(self, executor: Any) -> None:
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            self._executors.append(executor)
+
+    def forget(self, executor: Any) -> None:
+        with self._lock:
+            if executor in self._executors:
+                self._executors.remove(executor)
+
+
+@contextmanager
+def stoppable(what: str) -> Iterator[Stopper]:
+    """A :class:`Stopper` for the Ray Data executions that the body starts (in this thread or context)."""
+    stopper = Stopper(what)
+    token = _stoppers.set((*_stoppers.get(), stopper))
+    try:
+        yield stopper
+    finally:
+        _stoppers.reset(token)
+
+
 class _StopsWithScope:
     """A Ray Data execution callback (duck-typed: Ray Data makes one per execution, with no arguments)."""
 
     def __init__(self) -> None:
         self.scope: _Scope | None = None
+        self.stoppers: tuple[Stopper, ...] = ()
 
     def before_execution_starts(self, executor: Any) -> None:
-        scope = _current.get()  # this runs in the consumer's thread, in the scope that started the execution
+        # this runs in the consumer's thread, in the scope (and under the stoppers) that started the execution
+        self.stoppers = _stoppers.get()
+        for stopper in self.stoppers:
+            stopper.register(executor)
+        scope = _current.get()
         if scope is None:
             return
         self.scope = scope
@@ -150,6 +212,8 @@ class _StopsWithScope:
         self._forget(executor)
 
     def _forget(self, executor: Any) -> None:
+        for stopper in self.stoppers:
+            stopper.forget(executor)
         if self.scope is not None:
             with self.scope.lock:
                 if executor in self.scope.executors:
@@ -310,7 +374,7 @@ def _cancel(refs: list[Any]) -> None:
             log.debug("cancelling %s: %s", ref, err)
 
 
-def _stop_execution(executor: Any, error: WorkTimedOut) -> None:
+def _stop_execution(executor: Any, error: RaylineError) -> None:
     """Shut one Ray Data execution down with force: its actor pools killed, its tasks cancelled.
 
     Under the executor's own shutdown lock, so that its consumer, woken by the

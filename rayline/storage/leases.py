@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -146,6 +146,8 @@ class HeldLease:
         self.waited_s = waited_s
         self._lease = lease
         self._lost: LeaseLost | None = None
+        self._on_lost: list[Callable[[LeaseLost], None]] = []
+        self._told = False  # whether the callbacks were called: once, by whichever thread found the loss
         # the renewer and ensure_held() swap from the same token: one at a time, or one would lose to the other
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -175,9 +177,33 @@ class HeldLease:
                     self._lease = renew(self._lease)
                 except LeaseLost as exc:
                     self._lost = exc
-            if self._lost is not None:
-                raise LeaseLost(str(self._lost)) from self._lost
-            return self._lease
+            lost = self._lost
+        if lost is not None:
+            self._tell_lost(lost)
+            raise LeaseLost(str(lost)) from lost
+        return self._lease
+
+    def on_lost(self, callback: Callable[[LeaseLost], None]) -> None:
+        """Call ``callback`` once the lease is found lost (by the renewer, or by ``ensure_held``): a holder
+        stops the work the lease guards then, rather than finding out at its commit. At once if it was."""
+        with self._lock:
+            self._on_lost.append(callback)
+            told = self._told
+        if told and self._lost is not None:
+            callback(self._lost)
+
+    def lost(self) -> LeaseLost | None:
+        """Why this run no longer holds the lease, or None while it does (``ensure_held``, without raising).
+
+        A storage error on the way says nothing either way: None, and the caller's own error stands.
+        """
+        try:
+            self.ensure_held()
+        except LeaseLost as exc:
+            return exc
+        except Exception as exc:
+            log.warning("checking the lease on %s failed (%s)", self._lease.guards, exc)
+        return None
 
     def _renew_loop(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
@@ -186,12 +212,24 @@ class HeldLease:
                     return
                 try:
                     self._lease = renew(self._lease)
+                    continue
                 except LeaseLost as exc:
-                    self._lost = exc
-                    log.warning("%s", exc)
-                    return
+                    self._lost = lost = exc
                 except Exception as exc:  # a storage hiccup: the lease stays ours until it expires, so try again
                     log.warning("renewing the lease on %s failed (%s); trying again", self._lease.guards, exc)
+                    continue
+            log.warning("%s", lost)
+            self._tell_lost(lost)
+            return
+
+    def _tell_lost(self, lost: LeaseLost) -> None:
+        with self._lock:
+            callbacks, self._told = ([] if self._told else list(self._on_lost)), True
+        for callback in callbacks:
+            try:
+                callback(lost)
+            except Exception as exc:  # one callback failing must not keep the others from stopping their work
+                log.warning("stopping what the lease on %s guards failed: %s", self._lease.guards, exc)
 
     def close(self) -> None:
         """Stop renewing and release the lease (unless it was lost: then it is someone else's)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 import time
@@ -245,6 +246,59 @@ def running_pids(pids: list[int]) -> list[int]:
             continue
         alive.append(pid)
     return alive
+
+
+class LeaseWaiters(logging.Handler):
+    """Counts the distinct holders that logged waiting for a lease (``rayline.storage.leases`` says so once a wait)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self._holders: set[str] = set()
+        self._changed = threading.Condition()
+        self._logger = logging.getLogger("rayline.storage.leases")
+        self._level = self._logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if " waits up to " in record.getMessage():
+            with self._changed:
+                self._holders.add(record.getMessage().split(" waits up to ")[0])
+                self._changed.notify_all()
+
+    def wait_for(self, count: int, timeout_s: float) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: len(self._holders) >= count, timeout=timeout_s):
+                raise AssertionError(f"only {sorted(self._holders)} waited for the night's lease in {timeout_s} s")
+
+    def __enter__(self) -> LeaseWaiters:
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
+
+
+GATE_OPEN = "gate-open"  # beside the tables: GatedPredictor's actors take their spans once it exists
+AT_GATE = "at-gate-"  # + the pid of a GatedPredictor actor waiting at the gate
+
+
+class GatedPredictor(PredictorUDF):
+    """The batch-inference UDF, except that each actor waits before its first span (before it reads the
+    span's listing part) until the file ``GATE_OPEN`` exists beside the tables (local storage), having
+    marked its pid there (``AT_GATE``)."""
+
+    def __call__(self, batch: pa.Table) -> dict[str, Any]:
+        root = Path(self.output.predictions_table).parent
+        if not (root / GATE_OPEN).exists():
+            (root / f"{AT_GATE}{os.getpid()}").touch()
+            deadline = time.monotonic() + 120
+            while not (root / GATE_OPEN).exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the gate {root / GATE_OPEN} was not opened within 120 s")
+                time.sleep(0.1)
+        result: dict[str, Any] = super().__call__(batch)
+        return result
 
 
 class ClientThreads:

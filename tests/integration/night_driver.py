@@ -21,7 +21,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from ray_workloads import batch_inference
@@ -74,6 +76,58 @@ def _stop_cluster_of(driver: subprocess.Popen[bytes], temp_dir: str) -> None:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class Driver:
+    """A night's driver process (:func:`driver_process`) and the file its output goes to."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+@contextmanager
+def driver_process(config: batch_inference.InferenceConfig, run_id: str, stall_after: int = 1) -> Iterator[Driver]:
+    """Run a night in a driver process (this module) on an embedded Ray cluster of its own; end it all at exit.
+
+    Its predictor stalls after ``stall_after`` blocks per actor; killing or pausing the driver touches
+    nothing of the session's cluster.
+    """
+    temp_dir = tempfile.mkdtemp(prefix="rl-kill-", dir="/tmp")  # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    log = Path(temp_dir, "driver.log")
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.night_driver", config.model_dump_json(), run_id],
+            cwd=REPO_ROOT,
+            env={**env, "RAY_TMPDIR": temp_dir, "RAYLINE_TEST_STALL_AFTER": str(stall_after)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield Driver(process, log)
+    finally:
+        _stop_cluster_of(process, temp_dir)
+
+
+def wait_for_blocks(
+    driver: Driver,
+    config: batch_inference.InferenceConfig,
+    run_id: str,
+    written: Callable[[str, Night, str], dict[str, list[str]]],
+    blocks: int,
+) -> None:
+    """Wait until the driver's actors wrote ``blocks`` block files (``written``: the files a run left)."""
+    night = Night(config.model.name, config.dt)
+    deadline = time.monotonic() + 300
+    while len(_block_files(written(config.tables_root, night, run_id)["predictions"])) < blocks:
+        assert driver.process.poll() is None, f"the driver exited ({driver.process.returncode}): {driver.output()}"
+        assert time.monotonic() < deadline, f"fewer block files than asked after 300 s: {driver.output()}"
+        time.sleep(0.1)
+
+
 def kill_once_written(
     config: batch_inference.InferenceConfig,
     run_id: str,
@@ -82,35 +136,15 @@ def kill_once_written(
 ) -> dict[str, list[str]]:
     """Run a night in a driver process (this module), SIGKILL it once its actors wrote ``blocks`` blocks.
 
-    The driver starts an embedded Ray cluster of its own, so killing it touches nothing of the session's;
-    its predictor stalls after ``blocks`` blocks, so the kill lands after writing and before the commit.
+    Its predictor stalls after ``blocks`` blocks, so the kill lands after writing and before the commit.
     ``written(root, night, run_id)`` lists the files the run left per table; what it lists after the kill
     is returned.
     """
-    night = Night(config.model.name, config.dt)
-    temp_dir = tempfile.mkdtemp(prefix="rl-kill-", dir="/tmp")  # short: Ray's socket paths live under it
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    log = Path(temp_dir, "driver.log")
-    with log.open("wb") as out:
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.night_driver", config.model_dump_json(), run_id],
-            cwd=REPO_ROOT,
-            env={**env, "RAY_TMPDIR": temp_dir, "RAYLINE_TEST_STALL_AFTER": str(blocks)},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + 300
-        while len(_block_files(written(config.tables_root, night, run_id)["predictions"])) < blocks:
-            assert driver.poll() is None, f"the driver exited ({driver.returncode}): {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"fewer block files than asked after 300 s: {log.read_text()[-3000:]}"
-            time.sleep(0.1)
-        os.kill(driver.pid, signal.SIGKILL)
-        driver.wait(timeout=30)
-    finally:
-        _stop_cluster_of(driver, temp_dir)
-    return written(config.tables_root, night, run_id)
+    with driver_process(config, run_id, stall_after=blocks) as driver:
+        wait_for_blocks(driver, config, run_id, written, blocks)
+        os.kill(driver.process.pid, signal.SIGKILL)
+        driver.process.wait(timeout=30)
+    return written(config.tables_root, Night(config.model.name, config.dt), run_id)
 
 
 def _block_files(paths: list[str]) -> list[str]:

@@ -18,7 +18,7 @@ import pytest
 
 from ray_workloads import batch_inference
 from ray_workloads.batch_inference import new_run_id
-from ray_workloads.night_blocks import listing_staging_uri
+from ray_workloads.night_blocks import night_listings
 from rayline.errors import StorageError
 from rayline.storage import listing
 from rayline.tables.delta_tables import Night, table_version
@@ -69,7 +69,7 @@ def test_a_night_killed_at_60_percent_resumes_predicting_only_the_blocks_it_had_
     for kind, uri in tables_of(root).items():
         removed = vacuum(uri, retention_hours=0, allow_short_retention=True, dry_run=True)
         assert sorted(os.path.join(uri, path) for path in removed) == leftover[kind] == []
-    assert not os.path.exists(listing_staging_uri(root, Night("digits", D1)))
+    assert night_listings(root, Night("digits", D1)) == {}
 
 
 class _DiedBeforeCompaction(Exception):
@@ -129,7 +129,7 @@ def test_a_night_predicts_while_its_cutters_list_the_sub_prefixes_the_driver_lef
     whole = listing.list_to_parts(inputs.uri, str(tmp_path / "whole"))
     assert result.input_content_hash == whole.content_hash and result.input_digest == whole.uris.encode()
     assert_readers_see(root, "digits", D1, inputs.expected, "streamed")
-    assert not os.path.exists(listing_staging_uri(root, Night("digits", D1))), "the listing's parts were left"
+    assert night_listings(root, Night("digits", D1)) == {}, "the listing's parts were left"
 
 
 def test_the_result_of_a_night_stays_small_however_many_parts_and_blocks_it_has(inputs: Inputs, tmp_path: Path) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections import Counter
 
 import numpy as np
@@ -23,6 +21,7 @@ from rayline.tables.prediction_reads import committed_nights, read_night_pair
 from tests.integration.helpers import (
     POISON,
     CrashingPredictor,
+    LeaseWaiters,
     OutOfMemoryPredictor,
     register_untrained_champion,
     run_task_once,
@@ -98,7 +97,7 @@ def test_three_runs_of_one_night_started_together_all_end_completed(local_storag
     # "together" made sure of: the test holds the night's lease until all three runs wait on it. Left to the
     # scheduler, a run that starts after the first one committed is a rerun, which rightly replaces the night.
     lease_uri = night_lease_uri(local_storage, Night("digits", DAY))
-    with _LeaseWaiters() as waiters, ThreadPoolExecutor(3) as pool:
+    with LeaseWaiters() as waiters, ThreadPoolExecutor(3) as pool:
         with leases.held(lease_uri, "the-test", ttl_s=300, wait_s=0):
             runs = [pool.submit(nightly_inference, date=DAY, actors=1, return_state=True) for _ in range(3)]
             waiters.wait_for(3, timeout_s=240)
@@ -114,37 +113,6 @@ def test_three_runs_of_one_night_started_together_all_end_completed(local_storag
     predicted, errored, _ = _rows(local_storage)
     assert sorted(predicted + errored) == sorted(inputs), "exactly one row per input"
     assert read_night_pair(local_storage, "digits", DAY).commit.run_id in committed
-
-
-class _LeaseWaiters(logging.Handler):
-    """Counts the distinct holders that logged waiting for a lease (``rayline.storage.leases`` says so once a wait)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self._holders: set[str] = set()
-        self._changed = threading.Condition()
-        self._logger = logging.getLogger("rayline.storage.leases")
-        self._level = self._logger.level
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if " waits up to " in record.getMessage():
-            with self._changed:
-                self._holders.add(record.getMessage().split(" waits up to ")[0])
-                self._changed.notify_all()
-
-    def wait_for(self, count: int, timeout_s: float) -> None:
-        with self._changed:
-            if not self._changed.wait_for(lambda: len(self._holders) >= count, timeout=timeout_s):
-                raise AssertionError(f"only {sorted(self._holders)} waited for the night's lease in {timeout_s} s")
-
-    def __enter__(self) -> _LeaseWaiters:
-        self._logger.addHandler(self)
-        self._logger.setLevel(logging.INFO)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._logger.removeHandler(self)
-        self._logger.setLevel(self._level)
 
 
 def test_error_budget_fails_the_flow_after_writing_errors(local_storage: str) -> None:
