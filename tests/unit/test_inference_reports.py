@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 import pytest
 
 from ray_workloads.inference_contract import block_size
 from ray_workloads.inference_predictor import torch_threads
-from ray_workloads.night_blocks import BlockReport, reports_batch, reports_of
+from ray_workloads.night_blocks import (
+    BlockReport,
+    listing_staging_uri,
+    night_listings,
+    remove_earlier_listings,
+    reports_batch,
+    reports_of,
+)
+from rayline import storage
 from rayline.storage.digests import SetDigest
+from rayline.tables.delta_tables import Night
 
 pytestmark = pytest.mark.unit
 
@@ -66,3 +77,18 @@ def test_model_calls_are_bounded_by_pixels() -> None:
     assert model_batch_size(32, 64) == 64  # the digits: as asked
     assert model_batch_size(224, 64) == 32 and model_batch_size(224, 8) == 8
     assert model_batch_size(1024, 64) == 1
+
+
+def test_each_holder_of_a_night_lists_apart_and_clears_only_earlier_holders_listings(tmp_path: Path) -> None:
+    root, night = str(tmp_path), Night("digits", "2026-11-27")
+    other_night = listing_staging_uri(root, Night("digits", "2026-11-28"), 1, "aaaa")
+    dead, paused, own, later = (
+        listing_staging_uri(root, night, f, h) for f, h in [(1, "a1"), (2, "b2"), (3, "c3"), (4, "d4")]
+    )
+    for uri in (other_night, dead, paused, own, later):
+        storage.write_bytes_atomic(storage.join(uri, "g00000-00000.parquet"), b"part")
+    assert night_listings(root, night) == {dead: 1, paused: 2, own: 3, later: 4}
+    remove_earlier_listings(root, night, 3, own)
+    # a later holder's listing is not this holder's to remove: the lease it holds was taken over
+    assert night_listings(root, night) == {own: 3, later: 4}
+    assert storage.exists(storage.join(other_night, "g00000-00000.parquet")), "another night's listing"

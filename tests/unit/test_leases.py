@@ -232,6 +232,24 @@ def test_a_holder_that_lost_its_lease_cannot_commit_and_leaves_the_new_one(tmp_p
     assert leases.read(uri) == taker, "leaving the block released nothing of run-b's"
 
 
+def test_the_renewer_that_finds_the_lease_taken_over_tells_the_holder_once(tmp_path: Path) -> None:
+    uri = str(tmp_path / "x.lease")
+    told: list[LeaseLost] = []
+    # the renewer first runs after the ttl (as after a pause), once run-b has taken the lease over
+    with leases.held(uri, "run-a", ttl_s=0.2, wait_s=0, renew_every_s=0.6) as held:
+        held.on_lost(told.append)
+        time.sleep(0.3)
+        assert not told and leases.try_acquire(uri, "run-b", ttl_s=60) is not None
+        deadline = time.monotonic() + 5
+        while not told and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(told) == 1 and "now held by run-b" in str(told[0])
+        assert held.lost() is not None and len(told) == 1, "told once"
+        late: list[LeaseLost] = []
+        held.on_lost(late.append)
+        assert len(late) == 1, "a callback added after the loss is called at once"
+
+
 def test_a_paused_holder_nobody_took_over_holds_again(tmp_path: Path) -> None:
     with leases.held(str(tmp_path / "x.lease"), "run-a", ttl_s=0.2, wait_s=0, renew_every_s=60) as held:
         time.sleep(0.3)
