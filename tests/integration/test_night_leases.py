@@ -116,10 +116,10 @@ def test_a_driver_paused_past_its_lease_stops_saying_so_and_the_run_that_took_ov
     root = str(tmp_path / "tables")
     a_run = new_run_id()
     monkeypatch.setattr(batch_inference, "PredictorUDF", GatedPredictor)  # B's actors, not A's (another process)
-    with driver_process(_short_leased(inputs, root, "a", 4), a_run, stall_after=1) as a, ThreadPoolExecutor(1) as pool:
-        wait_for_blocks(a, _short_leased(inputs, root, "a", 4), a_run, written_files, blocks=1)
+    with driver_process(_short_leased(inputs, root, "a", 8), a_run, stall_after=1) as a, ThreadPoolExecutor(1) as pool:
+        wait_for_blocks(a, _short_leased(inputs, root, "a", 8), a_run, written_files, blocks=1)
         os.kill(a.process.pid, signal.SIGSTOP)
-        b = pool.submit(batch_inference.run, _short_leased(inputs, root, "b", 4))
+        b = pool.submit(batch_inference.run, _short_leased(inputs, root, "b", 8))
         _wait_until(lambda: any(Path(root).glob(f"{AT_GATE}*")), "B's actors at their gate", b)
         os.kill(a.process.pid, signal.SIGCONT)
         try:
