@@ -76,9 +76,10 @@ Layout (``<root>`` is the storage root)::
     <root>/_staging/nights/<m>/dt=<d>.listing-<g>-<h>/g<group>.json          a group's parts and skips, once listed
 
 A holder lists into a folder of its own (``<g>``: its lease generation,
-``<h>``: random), removed at its end, or by a later holder when it died: a
-holder that lost the lease (paused past its ttl) and still runs never
-touches the listing of the run that took the night over. The lease's loss
+``<h>``: random), removed at its end; those of earlier holders that died are
+removed by the next holder that commits the night. A holder that lost the
+lease (paused past its ttl) and still runs never touches the listing of the
+run that took the night over, nor that run its listing while it might read it. The lease's loss
 also stops that holder's Ray Data run (``ray_work.stoppable``), and it fails
 with ``LeaseLost``.
 """
@@ -263,21 +264,26 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
         expected = _night_as_held(tables, night, seen, attempt_id)
         fence = lease.fencing_token().generation
         staging = listing_staging_uri(cfg.tables_root, night, fence, uuid.uuid4().hex[:8])
-        # the listings of earlier holders: those that died left theirs for the next holder to clear
-        remove_earlier_listings(cfg.tables_root, night, fence, staging)
         try:
-            return _predict_night(cfg, night, tables, attempt_id, staging, started, expected, lease)
+            result = _predict_night(cfg, night, tables, attempt_id, staging, started, expected, lease)
         except NightCommittedElsewhere:
             raise
         except Exception as exc:
-            # whatever failed first (the stopped Ray Data run, a listing part the next holder removed), a run
-            # that lost the lease says so
-            lost = exc if isinstance(exc, LeaseLost) else lease.lost()
-            if lost is None or lost is exc:
+            lost = _lost_lease(exc, lease)
+            if lost is None:
                 raise
             raise lost from exc
         finally:
             storage.remove_tree(staging)
+        # once this run committed the night: never while an earlier holder that lost the lease might read its own
+        remove_earlier_listings(cfg.tables_root, night, fence, staging)
+        return result
+
+
+def _lost_lease(exc: Exception, lease: leases.HeldLease) -> LeaseLost | None:
+    """Why a failed run lost the night's lease, if it did and ``exc`` does not say so already: whatever failed
+    first (its stopped Ray Data run, a storage read), the run then fails saying that it lost the lease."""
+    return None if isinstance(exc, LeaseLost) else lease.lost()
 
 
 def _night_as_held(tables: tuple[str, str], night: Night, seen: int, run_id: str) -> dict[str, int]:

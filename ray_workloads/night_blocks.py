@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import re
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -63,6 +64,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rayline import storage
+from rayline.errors import StorageError
 from rayline.storage import leases
 from rayline.storage.digests import SetDigest
 from rayline.storage.folders import LeasedOutput
@@ -81,6 +83,7 @@ SPANS_PER_ACTOR = 16
 # and a call whose rows were each a block waited on the executor's loop once per block (~0.5 s a span).
 REPORT_COLUMN = "reports"
 _REPORT_KEY = b"rayline.block"
+log = logging.getLogger(__name__)
 
 
 def night_key(parts: dict[str, Any]) -> str:
@@ -372,10 +375,17 @@ def night_listings(root: str, night: Night) -> dict[str, int]:
 
 def remove_earlier_listings(root: str, night: Night, fence: int, own: str) -> None:
     """Remove the listings of the night's earlier holders (generation up to ``fence``, ``own`` excepted):
-    they died, or lost the lease while paused, and their work is void."""
-    for uri, generation in night_listings(root, night).items():
-        if generation <= fence and uri != own:
-            storage.remove_tree(uri)
+    they died, or lost the lease while paused, and their work is void.
+
+    Called once the night is committed, so a storage error fails nothing: it is logged, and the next
+    holder removes what is left.
+    """
+    try:
+        for uri, generation in night_listings(root, night).items():
+            if generation <= fence and uri != own:
+                storage.remove_tree(uri)
+    except StorageError as exc:
+        log.warning("listings of earlier runs of %s %s stay for the next run: %s", night.model_name, night.dt, exc)
 
 
 def night_lease_uri(root: str, night: Night) -> str:
