@@ -21,7 +21,7 @@ import pytest
 
 from ray_workloads import batch_inference
 from ray_workloads.batch_inference import InferenceConfig, InferenceResult, new_run_id
-from ray_workloads.night_blocks import night_lease_uri
+from ray_workloads.night_blocks import night_lease_uri, night_listings
 from rayline.storage import leases
 from rayline.tables.delta_tables import Night
 from rayline.tables.prediction_reads import read_night_pair
@@ -104,6 +104,7 @@ def test_a_run_that_takes_over_from_a_holder_dead_between_its_two_commits_comple
     _assert_one_complete_pair(root, inputs, result.run_id, "b")
     # B's errors commit replaced A's, which no reader pairs with any predictions
     assert (night_seq(tables["errors"], NIGHT), night_seq(tables["predictions"], NIGHT)) == (2, 1)
+    assert night_listings(root, NIGHT) == {}
 
 
 def test_a_driver_paused_past_its_lease_stops_saying_so_and_the_run_that_took_over_commits_the_night(
@@ -133,3 +134,4 @@ def test_a_driver_paused_past_its_lease_stops_saying_so_and_the_run_that_took_ov
     _assert_one_complete_pair(root, inputs, result.run_id, "b")
     tables = tables_of(root)
     assert (night_seq(tables["errors"], NIGHT), night_seq(tables["predictions"], NIGHT)) == (1, 1)
+    assert night_listings(root, NIGHT) == {}, "A's listing, left by its lost run, is cleared once B committed"
