@@ -50,10 +50,10 @@ retention that outlasts any run).
 Why Ray Data, and why one stage of whole blocks: Ray Data gives the actor
 pool, its scheduling, and the restart of a lost actor with the retry of its
 block (bounded: ``night_pipeline.ACTOR_RESTARTS``). The inputs are URIs and the outputs
-a few file names, so only those cross the object store, never images. An
-earlier version with separate fetch, predict and write stages streamed the
-images through the object store and started processes per stage, so it was
-slow to its first row and its memory grew with the night (bench/README.md).
+a few file names, so only those cross the object store, never images.
+Separate fetch, predict and write stages would stream the images through
+the object store and start processes per stage: slow to the first row, and
+memory growing with the night (bench/README.md).
 Here a small input gets no more actors than it has blocks, and a process that
 asks for ``WORKER_PRELOAD`` gets actors that already have what they import.
 
@@ -92,7 +92,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from ray_workloads.inference_contract import InferenceConfig as InferenceConfig  # where callers have always found it
+from ray_workloads.inference_contract import InferenceConfig as InferenceConfig  # callers import it from here
 from ray_workloads.inference_contract import InferenceResult as InferenceResult
 from ray_workloads.inference_contract import NightSkipped as NightSkipped
 from ray_workloads.inference_contract import block_size
