@@ -1,7 +1,7 @@
 """Model architectures and safe weight loading.
 
-A small CNN suited to the digits (the demo default) and real torchvision
-classifiers by name, always built with ``weights=None`` (nothing is
+A small CNN suited to the digits (the demo default) and every torchvision
+classifier by name (:mod:`ray_workloads.architectures`), always built with ``weights=None`` (nothing is
 downloaded at run time) and the class count from the data. Weights come from
 a file or S3 URI and are loaded with ``torch.load(weights_only=True)``: a
 checkpoint that needs arbitrary unpickling is refused.
@@ -16,18 +16,33 @@ from typing import Any
 import torch
 from torch import nn
 
+from ray_workloads.architectures import (
+    build_torchvision,
+    check_input_size,
+    classifier_head,
+    family_of,
+    head_classes,
+    imagenet_classes,
+    imagenet_image_spec,
+    replace_head,
+    without_auxiliary_heads,
+)
 from rayline import storage
-from rayline.errors import ConfigError, InputDataError
-from rayline.specs import RESIZE_CROP, SMALL_CNN, ImageSpec, ModelSpec
+from rayline.errors import InputDataError
+from rayline.specs import SMALL_CNN, ModelSpec
 
-TORCHVISION_ARCHS = ("resnet18", "resnet34", "resnet50", "resnet152", "mobilenet_v3_small", "mobilenet_v3_large")
 __all__ = [
     "SMALL_CNN",
-    "TORCHVISION_ARCHS",
     "ModelSpec",
     "UnsafeCheckpointError",
     "build_model",
+    "check_input_size",
+    "classifier_head",
+    "family_of",
     "fine_tune_model",
+    "head_classes",
+    "imagenet_classes",
+    "imagenet_image_spec",
     "load_model",
 ]
 _EXPORT_HINT = "Export the weights alone and register that file: torch.save(model.state_dict(), 'weights.pt')"
@@ -68,41 +83,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
     """Construct an untrained model (no download, ever)."""
     if spec.arch == SMALL_CNN:
         return SmallCNN(spec.num_classes, spec.width, spec.dropout)
-    if spec.arch in TORCHVISION_ARCHS:
-        import torchvision
-
-        return torchvision.models.get_model(spec.arch, weights=None, num_classes=spec.num_classes)  # type: ignore[no-any-return]
-    known = ", ".join((SMALL_CNN, *TORCHVISION_ARCHS))
-    raise ConfigError(f"unknown model architecture {spec.arch!r}; known: {known}")
-
-
-def classifier_head(model: nn.Module, arch: str) -> tuple[nn.Module, str, nn.Linear]:
-    """(the module holding the classifier's last Linear, its attribute name there, that Linear).
-
-    ResNets: ``fc``; MobileNet V3: the last Linear of ``classifier``; the small CNN: the last of ``head``.
-    """
-    if arch.startswith("resnet"):
-        holder: nn.Module = model
-        name = "fc"
-    elif arch.startswith("mobilenet"):
-        holder = model.get_submodule("classifier")
-        name = _last_linear_name(holder, arch)
-    elif arch == SMALL_CNN:
-        holder = model.get_submodule("head")
-        name = _last_linear_name(holder, arch)
-    else:
-        raise ConfigError(f"no known classifier head for architecture {arch!r}")
-    layer = getattr(holder, name)
-    if not isinstance(layer, nn.Linear):
-        raise ConfigError(f"{arch}'s classifier head {name!r} is a {type(layer).__name__}, not a Linear layer")
-    return holder, name, layer
-
-
-def _last_linear_name(holder: nn.Module, arch: str) -> str:
-    names = [name for name, child in holder.named_children() if isinstance(child, nn.Linear)]
-    if not names:
-        raise ConfigError(f"{arch}'s classifier has no Linear layer to replace")
-    return names[-1]
+    return build_torchvision(spec.arch, spec.num_classes)
 
 
 def fine_tune_model(
@@ -116,11 +97,10 @@ def fine_tune_model(
     training (:func:`freeze_batchnorm_statistics`).
     """
     model = build_model(parent)
+    state = without_auxiliary_heads(parent.arch, state)
     check_state_dict(parent, state, uri, model)
     model.load_state_dict(state)
-    holder, name, old = classifier_head(model, parent.arch)
-    new = nn.Linear(old.in_features, num_classes, bias=old.bias is not None)
-    setattr(holder, name, new)
+    new = replace_head(model, parent.arch, num_classes)
     if freeze_backbone:
         for parameter in model.parameters():
             parameter.requires_grad = False
@@ -187,12 +167,6 @@ def state_dict_from_bytes(data: bytes, uri: str) -> dict[str, Any]:
     return state
 
 
-def head_classes(state: dict[str, Any]) -> int | None:
-    """The class count a state dict's classifier head was trained for (its last 2-D weight's rows)."""
-    heads = [value for key, value in state.items() if key.endswith(".weight") and value.ndim == 2]
-    return int(heads[-1].shape[0]) if heads else None
-
-
 def check_state_dict(spec: ModelSpec, state: dict[str, Any], uri: str, model: nn.Module | None = None) -> None:
     """Raise :class:`WeightsMismatchError` naming what doesn't fit, unless ``state`` loads into ``spec``.
 
@@ -209,7 +183,7 @@ def check_state_dict(spec: ModelSpec, state: dict[str, Any], uri: str, model: nn
     if not (missing or unexpected or wrong_shape):
         return
     parts = [f"weights at {uri} do not fit {spec.arch} with {spec.num_classes} classes"]
-    found = head_classes(state)
+    found = head_classes(state, spec.arch)
     if found is not None and found != spec.num_classes:
         parts.append(f"the file's classifier head has {found} classes")
     for label, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", wrong_shape)):
@@ -219,37 +193,10 @@ def check_state_dict(spec: ModelSpec, state: dict[str, Any], uri: str, model: nn
     raise WeightsMismatchError("; ".join(parts))
 
 
-def _default_weights(arch: str) -> Any:
-    if arch not in TORCHVISION_ARCHS:
-        raise ConfigError(f"{arch!r} has no torchvision ImageNet weights entry; known: {', '.join(TORCHVISION_ARCHS)}")
-    import torchvision
-
-    return torchvision.models.get_model_weights(arch).DEFAULT
-
-
-def imagenet_image_spec(arch: str) -> ImageSpec:
-    """The evaluation transform of ``arch``'s own torchvision weights entry (no download)."""
-    transforms = _default_weights(arch).transforms()
-    interpolation = str(transforms.interpolation.value)
-    return ImageSpec(
-        mode=RESIZE_CROP,
-        resize=int(transforms.resize_size[0]),
-        crop=int(transforms.crop_size[0]),
-        interpolation=interpolation,
-        mean=tuple(transforms.mean),
-        std=tuple(transforms.std),
-    )
-
-
-def imagenet_classes(arch: str = "resnet50") -> list[str]:
-    """torchvision's 1,000 ImageNet class names (shipped with the package)."""
-    return list(_default_weights(arch).meta["categories"])
-
-
 def load_model(spec: ModelSpec, weights_uri: str) -> nn.Module:
     """Build ``spec`` and load weights from ``weights_uri``; shape mismatches are named."""
     model = build_model(spec)
-    state = load_state_dict(weights_uri)
+    state = without_auxiliary_heads(spec.arch, load_state_dict(weights_uri))
     check_state_dict(spec, state, weights_uri, model)
     model.load_state_dict(state)
     return model.eval()

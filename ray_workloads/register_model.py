@@ -1,4 +1,4 @@
-"""Register an outside model: a user's state dict for a torchvision architecture, as a new version.
+"""Register an outside model: a user's state dict for any torchvision classifier, as a new version.
 
 The weights are read from a file or S3 URI with ``torch.load(weights_only=True)``
 (a pickled whole model is refused with how to export a state dict), checked
@@ -7,7 +7,9 @@ mis-shaped keys are named), and stored tensors-only in the registry. The
 version records where the weights came from (URI, SHA-256, size) instead of
 a training data set, the class names (a file of one name a line, or
 torchvision's ImageNet categories) and the image spec the model expects
-(``imagenet``: its own torchvision weights entry's evaluation transform).
+(``imagenet``: its own torchvision weights entry's evaluation transform). An
+input size the architecture cannot take (a ViT's crop other than 224) is
+refused here, before any cluster time.
 
 Registering the same bytes for the same name, architecture, classes and
 image spec again returns the version already registered instead of a new
@@ -21,19 +23,19 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from ray_workloads.models import (
-    TORCHVISION_ARCHS,
-    check_state_dict,
+from ray_workloads.architectures import (
+    check_input_size,
+    family_of,
     imagenet_classes,
     imagenet_image_spec,
-    state_dict_bytes,
-    state_dict_from_bytes,
+    without_auxiliary_heads,
 )
+from ray_workloads.models import check_state_dict, state_dict_bytes, state_dict_from_bytes
 from rayline import storage
 from rayline.errors import ConfigError, InputDataError, StorageError
 from rayline.lineage import DatasetRef
 from rayline.models import registry
-from rayline.specs import SQUASH, ImageSpec, ModelSpec, WeightsSource
+from rayline.specs import SMALL_CNN, SQUASH, ImageSpec, ModelSpec, WeightsSource
 
 IMAGENET = "imagenet"
 
@@ -113,6 +115,7 @@ def image_spec_for(cfg: RegisterModelConfig) -> ImageSpec:
         if cfg.resize is not None:
             raise ConfigError("--resize goes with --preprocess imagenet; squash resizes to --crop × --crop")
         update.update(mode=SQUASH, resize=None)
+    check_input_size(cfg.arch, crop, cfg.resize)
     try:
         return ImageSpec.model_validate({**base.model_dump(), **update})
     except ValueError as exc:
@@ -120,16 +123,14 @@ def image_spec_for(cfg: RegisterModelConfig) -> ImageSpec:
 
 
 def run(cfg: RegisterModelConfig) -> RegisterModelResult:
-    if cfg.arch not in TORCHVISION_ARCHS:
-        raise ConfigError(
-            f"--arch {cfg.arch!r} is not a torchvision architecture rayline builds; known: "
-            f"{', '.join(TORCHVISION_ARCHS)}"
-        )
+    if cfg.arch == SMALL_CNN:
+        raise ConfigError(f"--arch {SMALL_CNN} is rayline's own digits model: train it with train-model")
+    family_of(cfg.arch)  # an unknown name is refused before anything is read
     classes = read_classes(cfg.classes, cfg.arch)
     image = image_spec_for(cfg)
     spec = ModelSpec(arch=cfg.arch, num_classes=len(classes))
     data = storage.read_bytes(cfg.weights_uri)
-    state = state_dict_from_bytes(data, cfg.weights_uri)
+    state = without_auxiliary_heads(cfg.arch, state_dict_from_bytes(data, cfg.weights_uri))
     check_state_dict(spec, state, cfg.weights_uri)
     # absolute, so lineage finds the file whatever folder it is read from
     source = WeightsSource(
