@@ -17,6 +17,7 @@ from tasks.preprocess import preprocess_images
 
 INGESTED_DIR = "ingested"
 PREPROCESSED_DIR = "preprocessed"
+DIGITS_IMAGE_SIZE = 32  # the side images are squashed to when no image spec is given
 
 
 class PrepareDataResult(BaseModel):
@@ -50,7 +51,7 @@ def _publish_summary(ingested: IngestResult, prepared: PreprocessResult) -> None
 @flow(name="prepare-data")
 def prepare_data(
     source_uri: str | None = None,
-    image_size: int = 32,
+    image_size: int = DIGITS_IMAGE_SIZE,
     force: bool = False,
     announce_retrain: bool = True,
     image: ImageSpec | None = None,

@@ -1,4 +1,4 @@
-"""Flow ``register-model``: register a model the user already has (a torchvision state dict)."""
+"""Flow ``register-model``: register a model the user already has (a state dict of any torchvision classifier)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ def register_model(
     """Check ``weights_uri`` against ``arch`` and register it as a new version of ``name``.
 
     ``classes``: ``imagenet`` or a file/S3 URI with one class name a line.
-    ``preprocess``: ``imagenet`` (the architecture's own torchvision transform)
-    or ``squash``; ``resize``/``crop`` override its sizes; ``draft`` decodes
+    ``preprocess``: ``imagenet`` (the architecture's own torchvision weights
+    entry's transform) or ``squash``; ``resize``/``crop`` override its sizes
+    (a size the architecture cannot take, such as a ViT's crop other than 224, is refused); ``draft`` decodes
     large JPEGs at a reduced scale (faster, not equal to full decoding). ``alias``: e.g.
     ``champion`` (nightly inference uses it), or ``challenger`` to canary it.
     """

@@ -10,9 +10,9 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
-from flows.prepare_data import PrepareDataResult, prepare_data
+from flows.prepare_data import DIGITS_IMAGE_SIZE, PrepareDataResult, prepare_data
 from ray_workloads.evaluate import EvaluationResult
-from ray_workloads.models import ModelSpec
+from ray_workloads.models import ModelSpec, check_input_size
 from ray_workloads.train import TrainConfig, TrainResult
 from ray_workloads.training_loop import TrainLoopConfig
 from ray_workloads.tune import TuneJobConfig, TuneResult
@@ -82,6 +82,9 @@ def train_model(
     ``model_name`` (default ``<parent>-ft``) with a ``parent`` link. ``arch``
     and ``width`` are then the parent's. ``freeze_backbone`` trains the head only.
     """
+    if init_from is None:
+        # an unknown name, or one that cannot take the squares prepare_data makes, fails before any cluster time
+        check_input_size(arch, DIGITS_IMAGE_SIZE)
     name, plan = plan_training_task(model_name, init_from, freeze_backbone)
     reconcile_mirror_task(name)  # before anything can fail: completes a mirror an earlier run left unfinished
     if plan is not None and tune_samples > 0:

@@ -239,7 +239,7 @@ def check_input_size(arch: str, crop: int, resize: int | None = None) -> None:
         if crop != fixed:
             raise ConfigError(
                 f"{arch} takes only {fixed}×{fixed} input (its size is fixed when built), but the image spec "
-                f"gives {crop}×{crop}: use --crop {fixed}, or leave --crop out"
+                f"gives {crop}×{crop}: it needs crop {fixed} (register-model: --crop {fixed}, or no --crop)"
             )
         if resize is not None and resize < fixed:
             raise ConfigError(

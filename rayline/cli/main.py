@@ -135,7 +135,8 @@ def train_model_command(
         str | None, typer.Option(help="Registry name; default digits, or <parent>-ft with --init-from.")
     ] = None,
     arch: Annotated[
-        str | None, typer.Option(help="small_cnn (default), resnet18, mobilenet_v3_small, …; not with --init-from.")
+        str | None,
+        typer.Option(help="small_cnn (default) or any torchvision classifier (resnet18, …); not with --init-from."),
     ] = None,
     init_from: Annotated[
         str | None,
@@ -214,7 +215,13 @@ def _check_fine_tune_options(init_from: str | None, arch: str | None, tune: int)
 def register_model_command(
     ctx: typer.Context,
     name: Annotated[str, typer.Option(help="Registry name, e.g. photos (lowercase letters, digits, '-').")],
-    arch: Annotated[str, typer.Option(help="torchvision architecture: resnet18, resnet50, mobilenet_v3_large, …")],
+    arch: Annotated[
+        str,
+        typer.Option(
+            help="Any torchvision classifier: resnet50, efficientnet_b0, convnext_tiny, vit_b_16, … "
+            "(torchvision.models.list_models(module=torchvision.models))."
+        ),
+    ],
     weights_uri: Annotated[
         str, typer.Option("--weights", help="State dict file or s3:// URI (torch.save(model.state_dict(), …)).")
     ],
@@ -222,7 +229,10 @@ def register_model_command(
         str, typer.Option(help="'imagenet' (torchvision's 1,000 names) or a file/S3 URI with one name a line.")
     ] = "imagenet",
     preprocess: Annotated[
-        str, typer.Option(help="imagenet: the architecture's own torchvision transform; squash: resize to a square.")
+        str,
+        typer.Option(
+            help="imagenet: the architecture's own torchvision weights entry's transform; squash: resize to a square."
+        ),
     ] = "imagenet",
     resize: Annotated[int | None, typer.Option(help="Shorter side before the centre crop (imagenet).")] = None,
     crop: Annotated[int | None, typer.Option(help="Side of the square the model sees.")] = None,

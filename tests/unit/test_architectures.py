@@ -140,13 +140,20 @@ def test_a_size_that_does_not_fit_is_refused_before_the_weights_are_read() -> No
     def cfg(**sizes: int) -> RegisterModelConfig:
         return RegisterModelConfig(name="m", arch="vit_b_16", weights_uri="/nowhere/vit.pt", **sizes)
 
-    with pytest.raises(ConfigError, match=r"vit_b_16 takes only 224×224 input.* gives 256×256: use --crop 224"):
+    with pytest.raises(ConfigError, match=r"vit_b_16 takes only 224×224 input.* gives 256×256: it needs crop 224"):
         register(cfg(crop=256))
     with pytest.raises(ConfigError, match=r"--resize 200 .* at least 224"):
         image_spec_for(cfg(resize=200))
     with pytest.raises(ConfigError, match=r"inception_v3 needs input of at least 75×75, .* gives 64×64"):
         check_input_size("inception_v3", 64)
     assert image_spec_for(cfg(resize=300)).crop == 224
+
+
+def test_training_from_scratch_refuses_what_the_digits_squares_do_not_fit() -> None:
+    from flows.train_model import train_model
+
+    with pytest.raises(ConfigError, match=r"maxvit_t takes only 224×224 input.* gives 32×32"):
+        train_model.fn(arch="maxvit_t")
 
 
 def test_an_unknown_name_says_how_to_list_the_known_ones() -> None:
