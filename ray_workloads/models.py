@@ -35,6 +35,7 @@ __all__ = [
     "SMALL_CNN",
     "ModelSpec",
     "UnsafeCheckpointError",
+    "WeightsMismatchError",
     "build_model",
     "check_input_size",
     "classifier_head",

@@ -23,6 +23,7 @@ from ray_workloads.architectures import (
 )
 from ray_workloads.models import (
     ModelSpec,
+    WeightsMismatchError,
     build_model,
     check_input_size,
     fine_tune_model,
@@ -105,6 +106,21 @@ def test_auxiliary_heads_of_a_torchvision_state_dict_are_left_out(tmp_path: Path
     storage.write_bytes_atomic(uri, state_dict_bytes(theirs))
     model = load_model(ModelSpec(arch="googlenet", num_classes=4), uri)
     assert isinstance(model.train()(torch.zeros(2, 3, 32, 32)), torch.Tensor)
+
+
+def test_a_conv_headed_model_registers_and_a_wrong_class_count_is_named(local_storage: str, tmp_path: Path) -> None:
+    """SqueezeNet's head is a 1×1 convolution: its class count is still read from the file and checked."""
+    uri, classes = str(tmp_path / "squeezenet.pt"), tmp_path / "classes.txt"
+    storage.write_bytes_atomic(uri, state_dict_bytes(build_model(ModelSpec(arch="squeezenet1_1", num_classes=4))))
+    classes.write_text("a\nb\nc\n")
+    cfg = RegisterModelConfig(name="squeeze", arch="squeezenet1_1", weights_uri=uri, classes=str(classes))
+    with pytest.raises(
+        WeightsMismatchError, match="do not fit squeezenet1_1 with 3 classes; the file's classifier head has 4"
+    ):
+        register(cfg)
+    classes.write_text("a\nb\nc\nd\n")
+    version = register(cfg).version
+    assert (version.model_spec.arch, version.image_spec.crop, version.image_spec.resize) == ("squeezenet1_1", 224, 256)
 
 
 def test_imagenet_preprocessing_comes_from_each_weights_entry() -> None:
