@@ -1,10 +1,15 @@
 """Model architectures and safe weight loading.
 
-A small CNN suited to the digits (the demo default) and every torchvision
-classifier by name (:mod:`ray_workloads.architectures`), always built with ``weights=None`` (nothing is
-downloaded at run time) and the class count from the data. Weights come from
-a file or S3 URI and are loaded with ``torch.load(weights_only=True)``: a
-checkpoint that needs arbitrary unpickling is refused.
+The modules rayline builds and loads a state dict into: a small CNN suited to
+the digits (the demo default), every torchvision classifier by name
+(:mod:`ray_workloads.architectures`), timm models (``timm:<name>``,
+:mod:`ray_workloads.timm_models`) and the user's own class
+(:mod:`ray_workloads.factory_models`), always built without pretrained
+weights (nothing is downloaded at run time) and the class count from the
+data. Weights come from a file or object-store URI and are loaded with
+``torch.load(weights_only=True)``: a checkpoint that needs arbitrary
+unpickling is refused. Code-free files (TorchScript, ``.pt2``, ONNX) have no
+module to build: :mod:`ray_workloads.model_files` runs them.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ray_workloads import factory_models, timm_models
 from ray_workloads.architectures import (
     build_torchvision,
     check_input_size,
@@ -27,12 +33,14 @@ from ray_workloads.architectures import (
     replace_head,
     without_auxiliary_heads,
 )
+from ray_workloads.model_files import FORMAT_NAMES
 from rayline import storage
-from rayline.errors import InputDataError
+from rayline.errors import ConfigError, InputDataError
 from rayline.specs import SMALL_CNN, ModelSpec
 
 __all__ = [
     "SMALL_CNN",
+    "InferenceOnlyFormat",
     "ModelSpec",
     "UnsafeCheckpointError",
     "WeightsMismatchError",
@@ -55,6 +63,10 @@ class UnsafeCheckpointError(InputDataError):
 
 class WeightsMismatchError(InputDataError):
     """A state dict whose keys or shapes don't fit the architecture it is registered as."""
+
+
+class InferenceOnlyFormat(ConfigError):
+    """A code-free model file (TorchScript, .pt2, ONNX) asked to be trained: rayline cannot rebuild its module."""
 
 
 class SmallCNN(nn.Module):
@@ -82,9 +94,49 @@ class SmallCNN(nn.Module):
 
 def build_model(spec: ModelSpec) -> nn.Module:
     """Construct an untrained model (no download, ever)."""
+    if spec.inference_only:
+        raise InferenceOnlyFormat(
+            f"a {FORMAT_NAMES[spec.format]} file is an inference-only format: rayline runs it in nights and "
+            "behind /predict but cannot rebuild its module to fine-tune it; register the model as a state dict "
+            "with --arch (torchvision or timm:<name>) or --factory"
+        )
     if spec.arch == SMALL_CNN:
         return SmallCNN(spec.num_classes, spec.width, spec.dropout)
+    if spec.timm_name is not None:
+        return timm_models.build(spec.timm_name, spec.num_classes)
+    if spec.factory is not None:
+        return factory_models.build(spec.factory, spec.num_classes)
     return build_torchvision(spec.arch, spec.num_classes)
+
+
+def strip_auxiliary_heads(spec: ModelSpec, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` less the training-only heads (Inception's AuxLogits…) rayline's build of ``spec`` lacks."""
+    if spec.timm_name is not None or spec.factory is not None:
+        return state
+    return without_auxiliary_heads(spec.arch, state)
+
+
+def state_head_classes(spec: ModelSpec, state: dict[str, Any], model: nn.Module | None = None) -> int | None:
+    """The class count of ``state``'s classifier, read where ``spec``'s family keeps it."""
+    if spec.timm_name is not None:
+        return timm_models.head_classes(state, spec.timm_name)
+    if spec.factory is not None:
+        if model is None:
+            return head_classes(state)
+        found = factory_models._last_classifier(model)
+        key = f"{next(p for p, m in model.named_modules() if m is found[2])}.weight" if found else None
+        weight = state.get(key) if key else None
+        return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else head_classes(state)
+    return head_classes(state, spec.arch)
+
+
+def new_head(model: nn.Module, spec: ModelSpec, num_classes: int) -> nn.Module:
+    """A freshly initialised classifier for ``num_classes`` in place of ``spec``'s; returns it."""
+    if spec.timm_name is not None:
+        return timm_models.replace_head(model, num_classes)
+    if spec.factory is not None:
+        return factory_models.replace_head(model, num_classes)
+    return replace_head(model, spec.arch, num_classes)
 
 
 def fine_tune_model(
@@ -98,10 +150,10 @@ def fine_tune_model(
     training (:func:`freeze_batchnorm_statistics`).
     """
     model = build_model(parent)
-    state = without_auxiliary_heads(parent.arch, state)
+    state = strip_auxiliary_heads(parent, state)
     check_state_dict(parent, state, uri, model)
     model.load_state_dict(state)
-    new = replace_head(model, parent.arch, num_classes)
+    new = new_head(model, parent, num_classes)
     if freeze_backbone:
         for parameter in model.parameters():
             parameter.requires_grad = False
@@ -183,8 +235,8 @@ def check_state_dict(spec: ModelSpec, state: dict[str, Any], uri: str, model: nn
     )
     if not (missing or unexpected or wrong_shape):
         return
-    parts = [f"weights at {uri} do not fit {spec.arch} with {spec.num_classes} classes"]
-    found = head_classes(state, spec.arch)
+    parts = [f"weights at {uri} do not fit {spec.describe()} with {spec.num_classes} classes"]
+    found = state_head_classes(spec, state, model)
     if found is not None and found != spec.num_classes:
         parts.append(f"the file's classifier head has {found} classes")
     for label, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", wrong_shape)):
@@ -197,7 +249,7 @@ def check_state_dict(spec: ModelSpec, state: dict[str, Any], uri: str, model: nn
 def load_model(spec: ModelSpec, weights_uri: str) -> nn.Module:
     """Build ``spec`` and load weights from ``weights_uri``; shape mismatches are named."""
     model = build_model(spec)
-    state = without_auxiliary_heads(spec.arch, load_state_dict(weights_uri))
+    state = strip_auxiliary_heads(spec, load_state_dict(weights_uri))
     check_state_dict(spec, state, weights_uri, model)
     model.load_state_dict(state)
     return model.eval()

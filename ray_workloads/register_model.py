@@ -1,49 +1,97 @@
-"""Register an outside model: a user's state dict for any torchvision classifier, as a new version.
+"""Register an outside model: whatever the user saved from their notebook, as a new version.
 
-The weights are read from a file or S3 URI with ``torch.load(weights_only=True)``
-(a pickled whole model is refused with how to export a state dict), checked
-against the architecture built for the class count (missing, unexpected and
-mis-shaped keys are named), and stored tensors-only in the registry. The
-version records where the weights came from (URI, SHA-256, size) instead of
-a training data set, the class names (a file of one name a line, or
-torchvision's ImageNet categories) and the image spec the model expects
-(``imagenet``: its own torchvision weights entry's evaluation transform). An
-input size the architecture cannot take (a ViT's crop other than 224) is
-refused here, before any cluster time.
+What is accepted (``ModelSpec.arch`` records which):
 
-Registering the same bytes for the same name, architecture, classes and
-image spec again returns the version already registered instead of a new
-one, so a retried or repeated command is harmless.
+* a state dict (``torch.save(model.state_dict(), …)``) of any torchvision
+  classifier (``--arch resnet50``), of a timm model (``--arch timm:<name>``)
+  or of the user's own class (``--factory package.module:build``), read with
+  ``torch.load(weights_only=True)`` (a pickled whole model is refused with how
+  to export a state dict) and checked against the module built for the class
+  count (missing, unexpected and mis-shaped keys are named);
+* a code-free file: TorchScript, a ``torch.export`` program (``.pt2``) or
+  ONNX, detected from its content, loaded without unpickling arbitrary
+  objects (:mod:`ray_workloads.model_files`) and probed with a forward pass at
+  the declared input size: one finite score per class, or refused with the
+  shapes seen.
+
+A factory's code must import on the cluster: from a package installed
+there, or from the folder ``--code`` names, stored with the model and shipped
+with Ray's ``runtime_env``. Registration imports it on every node, then
+builds, loads and probes the model in a Ray task, so a factory the cluster
+cannot import is refused here, naming the node and the error.
+
+The version records where the file came from (URI, SHA-256, size), the
+class names (a file of one name a line, a JSON sidecar, or torchvision's
+ImageNet categories) and the image spec the model expects (``imagenet``: the
+architecture's own evaluation transform, from torchvision's weights entry or
+timm's pretrained config; a sidecar's ``image``). An input size the
+architecture cannot take is refused here, before any cluster time.
+
+Registering the same bytes for the same name, model, classes and image spec
+again returns the version already registered, so a retried command is
+harmless.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+import json
+from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, Field
 
+from ray_workloads import factory_models, timm_models
 from ray_workloads.architectures import (
     check_input_size,
     family_of,
     imagenet_classes,
     imagenet_image_spec,
-    without_auxiliary_heads,
 )
-from ray_workloads.models import check_state_dict, state_dict_bytes, state_dict_from_bytes
+from ray_workloads.model_files import FORMAT_NAMES, detect_format, load_file_model, onnx_input_shape
+from ray_workloads.models import (
+    check_state_dict,
+    state_dict_bytes,
+    state_dict_from_bytes,
+    strip_auxiliary_heads,
+)
 from rayline import storage
 from rayline.errors import ConfigError, InputDataError, StorageError
 from rayline.lineage import DatasetRef
 from rayline.models import registry
-from rayline.specs import SMALL_CNN, SQUASH, ImageSpec, ModelSpec, WeightsSource
+from rayline.specs import (
+    FACTORY,
+    FILE_FORMATS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    RESIZE_CROP,
+    SMALL_CNN,
+    SQUASH,
+    FactoryRef,
+    ImageSpec,
+    ModelSpec,
+    WeightsSource,
+    check_model_name,
+)
 
 IMAGENET = "imagenet"
+# the usual ImageNet evaluation transform, for a model rayline has no weights entry or config for
+GENERIC_IMAGENET = ImageSpec(
+    mode=RESIZE_CROP, resize=256, crop=224, interpolation="bilinear", mean=IMAGENET_MEAN, std=IMAGENET_STD
+)
 
 
 class RegisterModelConfig(BaseModel):
     name: str
-    arch: str
-    weights_uri: str = Field(description="A state dict file or S3 URI.")
+    arch: str | None = Field(None, description="torchvision name or timm:<name>, for a state dict.")
+    weights_uri: str = Field(description="The model file: a state dict, TorchScript, .pt2 or ONNX; a path or URI.")
+    format: Literal["state_dict", "torchscript", "torch_export", "onnx"] | None = Field(
+        None, description="The file's format; detected from its content when not given."
+    )
+    factory: str | None = Field(None, description="'package.module:callable' building the user's nn.Module.")
+    factory_kwargs: dict[str, Any] = Field(default_factory=dict)
+    code: str | None = Field(None, description="A local package folder holding the factory, shipped to Ray.")
+    sidecar: str | None = Field(None, description="JSON file/URI with 'classes' and/or 'image' (an image spec).")
     classes: str = Field(IMAGENET, description="'imagenet', or a file/S3 URI with one class name a line.")
     preprocess: Literal["imagenet", "squash"] = "imagenet"
     resize: int | None = Field(None, ge=4, le=4096, description="Override the shorter side before cropping.")
@@ -85,53 +133,198 @@ class RegisterModelResult(BaseModel):
         ]
 
 
+def _names_from(lines: list[str], source: str) -> list[str]:
+    names = [line.strip() for line in lines if line.strip()]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise InputDataError(f"classes in {source} name {', '.join(duplicates[:5])} more than once")
+    if len(names) < 2:
+        raise InputDataError(f"classes in {source}: {len(names)} class names; a classifier needs at least 2")
+    return names
+
+
 def read_classes(source: str, arch: str) -> list[str]:
     """Class names: torchvision's ImageNet categories, or one name a line from a file or S3 object."""
     if source == IMAGENET:
-        return imagenet_classes(arch)
+        return imagenet_classes(arch if arch in _torchvision_archs() else "resnet50")
     try:
         text = storage.read_bytes(source).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputDataError(f"classes file {source} is not UTF-8 text (one class name a line)") from exc
-    names = [line.strip() for line in text.splitlines() if line.strip()]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise InputDataError(f"classes file {source} names {', '.join(duplicates[:5])} more than once")
-    if len(names) < 2:
-        raise InputDataError(f"classes file {source} has {len(names)} class names; a classifier needs at least 2")
-    return names
+    return _names_from(text.splitlines(), f"classes file {source}")
 
 
-def image_spec_for(cfg: RegisterModelConfig) -> ImageSpec:
-    """The spec ``--preprocess`` names, with ``--resize``/``--crop`` applied over it."""
+def _torchvision_archs() -> tuple[str, ...]:
+    from ray_workloads.architectures import torchvision_names
+
+    return torchvision_names()
+
+
+class Sidecar(BaseModel):
+    """The small JSON file that travels with a code-free model: its classes and its preprocessing."""
+
+    classes: list[str] | str | None = None
+    image: ImageSpec | None = None
+
+
+def read_sidecar(uri: str) -> Sidecar:
+    try:
+        return Sidecar.model_validate(json.loads(storage.read_bytes(uri)))
+    except ValueError as exc:
+        raise InputDataError(
+            f"sidecar {uri}: {exc}; expected JSON like "
+            '{"classes": ["cat", "dog"], "image": {"mode": "resize_crop", "resize": 256, "crop": 224, '
+            '"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}}'
+        ) from exc
+
+
+def base_image_spec(spec: ModelSpec) -> ImageSpec:
+    """The architecture's own evaluation transform: torchvision's weights entry, timm's config, else ImageNet's."""
+    if spec.timm_name is not None:
+        return timm_models.image_spec(spec.timm_name)
+    if spec.arch in _torchvision_archs():
+        return imagenet_image_spec(spec.arch)
+    return GENERIC_IMAGENET
+
+
+def image_spec_for(
+    cfg: RegisterModelConfig, spec: ModelSpec | None = None, sidecar: Sidecar | None = None
+) -> ImageSpec:
+    """The spec ``--preprocess`` (or the sidecar) names, with ``--resize``/``--crop`` applied over it."""
+    spec = spec or ModelSpec(arch=cfg.arch or "", num_classes=2)
     # squash too keeps the mean/std and interpolation the architecture's weights were trained with
-    base = imagenet_image_spec(cfg.arch)
+    base = sidecar.image if sidecar and sidecar.image else base_image_spec(spec)
     crop = cfg.crop or base.crop
     update: dict[str, object] = {"crop": crop, "draft": cfg.draft}
     if cfg.preprocess == IMAGENET:
-        # an explicit crop alone keeps the entry's resize/crop proportion (232/224 → 0.0357 margin)
-        update["resize"] = cfg.resize or (base.resize * crop // base.crop if base.resize else crop)
+        if base.mode == RESIZE_CROP:
+            # an explicit crop alone keeps the base's resize/crop proportion (232/224 → 0.0357 margin)
+            update["resize"] = cfg.resize or (base.resize * crop // base.crop if base.resize else crop)
+        elif cfg.resize is not None:
+            update.update(mode=RESIZE_CROP, resize=cfg.resize)
     else:
         if cfg.resize is not None:
             raise ConfigError("--resize goes with --preprocess imagenet; squash resizes to --crop × --crop")
         update.update(mode=SQUASH, resize=None)
-    check_input_size(cfg.arch, crop, cfg.resize)
+    check_size(spec, crop, cfg.resize)
     try:
         return ImageSpec.model_validate({**base.model_dump(), **update})
     except ValueError as exc:
         raise ConfigError(f"image spec for {cfg.name}: {exc}") from exc
 
 
-def run(cfg: RegisterModelConfig) -> RegisterModelResult:
+def check_size(spec: ModelSpec, crop: int, resize: int | None) -> None:
+    """Refuse, before any cluster time, a size the architecture cannot take (fixed-size ViTs and the like)."""
+    if spec.timm_name is not None:
+        fixed = timm_models.fixed_input_size(spec.timm_name)
+        if fixed is not None and crop != fixed:
+            raise ConfigError(
+                f"{spec.arch} takes only {fixed}×{fixed} input (its position embeddings are fixed), but the image "
+                f"spec gives {crop}×{crop}: it needs crop {fixed} (register-model: --crop {fixed}, or no --crop)"
+            )
+    elif spec.arch in _torchvision_archs():
+        check_input_size(spec.arch, crop, resize)
+
+
+def model_spec_for(cfg: RegisterModelConfig, fmt: str, num_classes: int) -> ModelSpec:
+    """What the file is, from the format and ``--arch``/``--factory``; contradictions are refused."""
+    if fmt in FILE_FORMATS:
+        if cfg.arch or cfg.factory:
+            given = f"--arch {cfg.arch}" if cfg.arch else f"--factory {cfg.factory}"
+            raise ConfigError(
+                f"{cfg.weights_uri} is a {FORMAT_NAMES[fmt]} file, the whole model: {given} names a module to "
+                "build for a state dict; drop it"
+            )
+        return ModelSpec(arch=fmt, num_classes=num_classes)
+    if cfg.arch and cfg.factory:
+        raise ConfigError(f"give --arch {cfg.arch} or --factory {cfg.factory}, not both")
+    if cfg.factory:
+        module, _ = factory_models.parse_target(cfg.factory)
+        ref = FactoryRef(target=cfg.factory, build_kwargs=cfg.factory_kwargs)
+        package, version = (None, None) if cfg.code else factory_models.installed_package(module)
+        return ModelSpec(
+            arch=FACTORY,
+            num_classes=num_classes,
+            factory=ref.model_copy(update={"package": package, "package_version": version}),
+        )
+    if cfg.code or cfg.factory_kwargs:
+        raise ConfigError("--code and --factory-kwargs go with --factory package.module:callable")
+    if not cfg.arch:
+        raise ConfigError(
+            f"{cfg.weights_uri} is a state dict: say what it is the weights of with --arch (a torchvision name, "
+            "or timm:<name>) or --factory package.module:callable"
+        )
     if cfg.arch == SMALL_CNN:
         raise ConfigError(f"--arch {SMALL_CNN} is rayline's own digits model: train it with train-model")
-    family_of(cfg.arch)  # an unknown name is refused before anything is read
-    classes = read_classes(cfg.classes, cfg.arch)
-    image = image_spec_for(cfg)
-    spec = ModelSpec(arch=cfg.arch, num_classes=len(classes))
+    if cfg.arch.startswith("timm:"):
+        timm_models.check_name(cfg.arch.removeprefix("timm:"))
+    else:
+        family_of(cfg.arch)  # an unknown name is refused before anything is read
+    return ModelSpec(arch=cfg.arch, num_classes=num_classes)
+
+
+def probe(loaded: Any, spec: ModelSpec, side: int, uri: str, declared: list[Any] | None = None) -> None:
+    """A forward pass on two random images at the declared size: one finite score per class, or refused."""
+    batch = np.random.default_rng(0).standard_normal((2, 3, side, side)).astype(np.float32)
+    what = f"{uri} ({FORMAT_NAMES.get(spec.format, spec.describe())})"
+    expects = f" (the file declares input {declared})" if declared else ""
+    try:
+        out = np.asarray(loaded(batch))
+    except Exception as exc:
+        raise InputDataError(
+            f"{what}: a probe forward pass on input (2, 3, {side}, {side}) failed{expects}: "
+            f"{type(exc).__name__}: {str(exc)[:300]}; the image spec's crop (--crop, or the sidecar's image) "
+            "must be the input size the model takes"
+        ) from exc
+    if out.shape != (2, spec.num_classes):
+        raise InputDataError(
+            f"{what}: a probe forward pass on input (2, 3, {side}, {side}) returned scores of shape "
+            f"{tuple(out.shape)}; expected (2, {spec.num_classes}): one score per class ({spec.num_classes} classes)"
+        )
+    if not np.isfinite(out).all():
+        raise InputDataError(f"{what}: a probe forward pass on input (2, 3, {side}, {side}) gave non-finite scores")
+
+
+def _stored_bytes(cfg: RegisterModelConfig, spec: ModelSpec, data: bytes, image: ImageSpec) -> bytes:
+    """What the registry keeps: the checked tensors-only state dict, or the checked code-free file as given."""
+    if spec.inference_only:
+        loaded = load_file_model(spec.format, data, cfg.weights_uri)
+        probe(loaded.logits, spec, image.crop, cfg.weights_uri, onnx_input_shape(loaded))
+        return data
+    state = strip_auxiliary_heads(spec, state_dict_from_bytes(data, cfg.weights_uri))
+    if spec.factory is None:
+        check_state_dict(spec, state, cfg.weights_uri)
+    else:
+        factory_models.check_on_cluster(spec, state_dict_bytes(state), image.crop, cfg.weights_uri)
+    return state_dict_bytes(state)
+
+
+def _with_code(cfg: RegisterModelConfig, spec: ModelSpec) -> ModelSpec:
+    """The factory's ``--code`` zipped into the registry, its URI and hash on the spec."""
+    if spec.factory is None or cfg.code is None:
+        return spec
+    code = factory_models.zip_code(cfg.code, spec.factory.top_level)
+    uri, digest = factory_models.store_code(registry.model_root(cfg.name), code)
+    version = factory_models.declared_version(cfg.code)
+    factory = spec.factory.model_copy(update={"code_uri": uri, "code_sha256": digest, "package_version": version})
+    return spec.model_copy(update={"factory": factory})
+
+
+def run(cfg: RegisterModelConfig) -> RegisterModelResult:
+    check_model_name(cfg.name)
     data = storage.read_bytes(cfg.weights_uri)
-    state = without_auxiliary_heads(cfg.arch, state_dict_from_bytes(data, cfg.weights_uri))
-    check_state_dict(spec, state, cfg.weights_uri)
+    fmt = cfg.format or detect_format(data, cfg.weights_uri)
+    sidecar = read_sidecar(cfg.sidecar) if cfg.sidecar else None
+    source_classes = sidecar.classes if sidecar and sidecar.classes is not None else cfg.classes
+    provisional = model_spec_for(cfg, fmt, 2)  # refuses contradictions before the classes are read
+    if isinstance(source_classes, list):
+        classes = _names_from(source_classes, f"sidecar {cfg.sidecar}")
+    else:
+        classes = read_classes(source_classes, provisional.arch)
+    spec = provisional.model_copy(update={"num_classes": len(classes)})
+    image = image_spec_for(cfg, spec, sidecar)
+    spec = _with_code(cfg, spec)
+    stored = _stored_bytes(cfg, spec, data, image)
     # absolute, so lineage finds the file whatever folder it is read from
     source = WeightsSource(
         uri=storage.normalize(cfg.weights_uri), sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data)
@@ -142,7 +335,7 @@ def run(cfg: RegisterModelConfig) -> RegisterModelResult:
     else:
         version = registry.register(
             cfg.name,
-            state_dict_bytes(state),
+            stored,
             model_spec=spec,
             image_spec=image,
             classes=classes,

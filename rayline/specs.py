@@ -47,13 +47,89 @@ def check_model_name(name: str) -> str:
     return name
 
 
+# Code-free model files: the file is the whole model (graph and weights); its ``arch`` is its format.
+TORCHSCRIPT = "torchscript"
+TORCH_EXPORT = "torch_export"
+ONNX = "onnx"
+FILE_FORMATS = (TORCHSCRIPT, TORCH_EXPORT, ONNX)
+STATE_DICT = "state_dict"
+TIMM_PREFIX = "timm:"
+FACTORY = "factory"
+ModelFormat = Literal["state_dict", "torchscript", "torch_export", "onnx"]
+
+
+class FactoryRef(BaseModel):
+    """A user's own ``nn.Module`` class: the callable that builds it, and where its code comes from."""
+
+    target: str = Field(description="'package.module:callable', returning an nn.Module.")
+    build_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the callable (--factory-kwargs, JSON)."
+    )
+    package: str | None = Field(None, description="The distribution that provides the module, when installed.")
+    package_version: str | None = None
+    code_uri: str | None = Field(
+        None, description="The module's folder, zipped into the version: shipped to Ray with runtime_env py_modules."
+    )
+    code_sha256: str | None = None
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def top_level(self) -> str:
+        """The top-level package the code defines (what ``py_modules`` ships)."""
+        return self.module.partition(".")[0]
+
+    def describe(self) -> str:
+        version = f" ({self.package} {self.package_version})" if self.package else ""
+        return f"{self.target}{version}"
+
+
 class ModelSpec(BaseModel):
-    """What to build: the architecture, its width and the number of classes."""
+    """What to build: the architecture, its width and the number of classes.
+
+    ``arch`` names where the model comes from: ``small_cnn``, a torchvision
+    name, ``timm:<name>``, ``factory`` (with :attr:`factory`), or, for a
+    code-free file, its format (``torchscript``, ``torch_export``, ``onnx``).
+    """
 
     arch: str = SMALL_CNN
     num_classes: int = Field(10, ge=2)
     width: int = Field(32, ge=4, le=512, description="Base channel count (small_cnn only).")
     dropout: float = Field(0.1, ge=0, lt=1)
+    factory: FactoryRef | None = None
+
+    @model_validator(mode="after")
+    def _factory_with_its_arch(self) -> ModelSpec:
+        if (self.arch == FACTORY) != (self.factory is not None):
+            raise ValueError("arch 'factory' goes with a factory reference, and only it")
+        return self
+
+    @property
+    def format(self) -> ModelFormat:
+        """How the stored file is read: a state dict for a module rayline builds, else the file's format."""
+        if self.arch == TORCHSCRIPT:
+            return "torchscript"
+        if self.arch == TORCH_EXPORT:
+            return "torch_export"
+        if self.arch == ONNX:
+            return "onnx"
+        return "state_dict"
+
+    @property
+    def inference_only(self) -> bool:
+        """A code-free file: rayline runs it but cannot rebuild its module to train it."""
+        return self.format != STATE_DICT
+
+    @property
+    def timm_name(self) -> str | None:
+        return self.arch[len(TIMM_PREFIX) :] if self.arch.startswith(TIMM_PREFIX) else None
+
+    def describe(self) -> str:
+        if self.factory is not None:
+            return f"factory {self.factory.describe()}"
+        return self.arch
 
 
 class ImageSpec(BaseModel):

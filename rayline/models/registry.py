@@ -39,6 +39,13 @@ from rayline.storage import conditional, leases
 MODELS_DIR = "models"
 VERSION_FILE = "version.json"
 WEIGHTS_FILE = "weights.pt"
+# what a version stores, by the spec's format: a tensors-only state dict, or the user's code-free file as given
+MODEL_FILES = {
+    "state_dict": WEIGHTS_FILE,
+    "torchscript": "model.torchscript.pt",
+    "torch_export": "model.pt2",
+    "onnx": "model.onnx",
+}
 CLAIM_FILE = "_claim"
 ROLLOUT_LEASE = "rollout.lease"
 CHAMPION = "champion"
@@ -192,7 +199,7 @@ def register(
     else:
         number = _claim_next_version(name, idempotency_key)
     uri = storage.join(model_root(name), f"v{number}")
-    weights_uri = storage.join(uri, WEIGHTS_FILE)
+    weights_uri = storage.join(uri, MODEL_FILES[model_spec.format])
     storage.write_bytes_atomic(weights_uri, weights)
     version = ModelVersion(
         name=name,

@@ -1,0 +1,125 @@
+"""One interface to a registered model, whatever it was saved as: load, input spec, predict probabilities.
+
+Batch inference, serving, evaluation and MLflow's pyfunc all hold a
+:class:`LoadedModel`: a float32 batch (N, 3, S, S), decoded by the version's
+:class:`~rayline.specs.ImageSpec`, in; class probabilities (N, classes) out.
+Behind it is either a module rayline built and loaded a state dict into
+(small CNN, torchvision, timm, the user's factory), prepared for inference,
+or a code-free file run as it is (:mod:`ray_workloads.model_files`).
+Fine-tuning needs the module itself: :attr:`LoadedModel.module`, which a
+code-free file does not have.
+
+torch is imported when a model is loaded, never at import: the night's
+driver and Serve's router import this module without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ray_workloads import factory_models
+from rayline import storage
+from rayline.errors import InputDataError
+from rayline.models.registry import ModelVersion
+from rayline.specs import ImageSpec, ModelSpec
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted.astype(np.float64))
+    probabilities: np.ndarray = (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
+    return probabilities
+
+
+class LoadedModel:
+    """A model ready to predict: ``probabilities(batch)`` for a batch decoded with :attr:`image_spec`."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        image_spec: ImageSpec | None,
+        logits: Callable[[np.ndarray], np.ndarray],
+        module: nn.Module | None = None,
+    ) -> None:
+        self.spec = spec
+        self.image_spec = image_spec
+        self._logits = logits
+        self.module = module  # the torch module, for formats rayline builds (None for a code-free file)
+
+    def logits(self, batch: np.ndarray) -> np.ndarray:
+        """Raw scores (N, classes) for a float32 batch (N, 3, S, S)."""
+        out = self._logits(np.asarray(batch, dtype=np.float32))
+        if out.ndim != 2 or out.shape[0] != len(batch):
+            raise InputDataError(
+                f"{self.spec.describe()} returned scores of shape {tuple(out.shape)} for a batch of shape "
+                f"{tuple(batch.shape)}; expected ({len(batch)}, {self.spec.num_classes})"
+            )
+        return out
+
+    def probabilities(self, batch: np.ndarray) -> np.ndarray:
+        """Class probabilities (N, classes), each row summing to 1."""
+        return softmax(self.logits(batch))
+
+
+def _torch_logits(module: nn.Module, channels_last: bool) -> Callable[[np.ndarray], np.ndarray]:
+    import torch
+
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            images = torch.from_numpy(batch).to(device)
+            if channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            return module(images).float().cpu().numpy()  # type: ignore[no-any-return]
+
+    return run
+
+
+def load(
+    spec: ModelSpec,
+    model_uri: str,
+    image_spec: ImageSpec | None = None,
+    *,
+    device: Any = None,
+    optimize: bool = True,
+    threads: int | None = None,
+) -> LoadedModel:
+    """Load what ``model_uri`` holds as ``spec`` says; ``optimize`` prepares a module for inference.
+
+    ``device``: a torch device for the formats torch runs (default: CUDA when
+    present, else CPU). ``threads``: ONNX Runtime's intra-op threads (torch's
+    are the process's, set by the caller).
+    """
+    if spec.inference_only:
+        from ray_workloads.model_files import load_file_model
+
+        loaded = load_file_model(spec.format, storage.read_bytes(model_uri), model_uri, threads)
+        return LoadedModel(spec, image_spec, loaded.logits)
+    import torch
+
+    from ray_workloads.models import load_model, prepare_for_inference
+
+    if spec.factory is not None:
+        factory_models.ensure_importable(spec.factory)
+    target = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    module = load_model(spec, model_uri).to(target)
+    if optimize:
+        module = prepare_for_inference(module)
+    return LoadedModel(spec, image_spec, _torch_logits(module, channels_last=optimize), module)
+
+
+def load_version(version: ModelVersion, **options: Any) -> LoadedModel:
+    """A registered version, loaded with its own image spec (see :func:`load` for ``options``)."""
+    return load(version.model_spec, version.weights_uri, version.image_spec, **options)
+
+
+def runtime_env(spec: ModelSpec) -> dict[str, Any] | None:
+    """What a Ray worker loading ``spec`` needs shipped (a factory's code), or None."""
+    return factory_models.runtime_env(spec.factory)
