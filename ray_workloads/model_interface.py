@@ -5,7 +5,7 @@ Batch inference, serving, evaluation and MLflow's pyfunc all hold a
 :class:`~rayline.specs.ImageSpec`, in; class probabilities (N, classes) out.
 Behind it is either a module rayline built and loaded a state dict into
 (small CNN, torchvision, timm, the user's factory), prepared for inference,
-or a code-free file run as it is (:mod:`ray_workloads.model_files`).
+or a code-free file run as it is (:mod:`ray_workloads.model_sources.model_files`).
 Fine-tuning needs the module itself: :attr:`LoadedModel.module`, which a
 code-free file does not have.
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ray_workloads import factory_models
+from ray_workloads.model_sources import factory_models
 from rayline import storage
 from rayline.errors import InputDataError
 from rayline.models.registry import ModelVersion
@@ -98,7 +98,7 @@ def load(
     are the process's, set by the caller).
     """
     if spec.inference_only:
-        from ray_workloads.model_files import load_file_model
+        from ray_workloads.model_sources.model_files import load_file_model
 
         loaded = load_file_model(spec.format, storage.read_bytes(model_uri), model_uri, threads)
         return LoadedModel(spec, image_spec, loaded.logits)

@@ -10,7 +10,7 @@ What is accepted (``ModelSpec.arch`` records which):
   count (missing, unexpected and mis-shaped keys are named);
 * a code-free file: TorchScript, a ``torch.export`` program (``.pt2``) or
   ONNX, detected from its content, loaded without unpickling arbitrary
-  objects (:mod:`ray_workloads.model_files`) and probed with a forward pass at
+  objects (:mod:`ray_workloads.model_sources.model_files`) and probed with a forward pass at
   the declared input size: one finite score per class, or refused with the
   shapes seen.
 
@@ -41,14 +41,14 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, Field
 
-from ray_workloads import factory_models, timm_models
-from ray_workloads.architectures import (
+from ray_workloads.model_sources import factory_models, timm_models
+from ray_workloads.model_sources.architectures import (
     check_input_size,
     family_of,
     imagenet_classes,
     imagenet_image_spec,
 )
-from ray_workloads.model_files import FORMAT_NAMES, detect_format, load_file_model, onnx_input_shape
+from ray_workloads.model_sources.model_files import FORMAT_NAMES, detect_format, load_file_model, onnx_input_shape
 from ray_workloads.models import (
     check_state_dict,
     state_dict_bytes,
@@ -155,7 +155,7 @@ def read_classes(source: str, arch: str) -> list[str]:
 
 
 def _torchvision_archs() -> tuple[str, ...]:
-    from ray_workloads.architectures import torchvision_names
+    from ray_workloads.model_sources.architectures import torchvision_names
 
     return torchvision_names()
 
@@ -312,8 +312,19 @@ def _with_code(cfg: RegisterModelConfig, spec: ModelSpec) -> ModelSpec:
 
 def run(cfg: RegisterModelConfig) -> RegisterModelResult:
     check_model_name(cfg.name)
+    # --arch/--factory say "a state dict": what they and the sizes imply is checked before anything is read
+    implied = cfg.format or ("state_dict" if cfg.arch or cfg.factory else None)
+    if implied is not None:
+        image_spec_for(cfg, model_spec_for(cfg, implied, 2))
     data = storage.read_bytes(cfg.weights_uri)
-    fmt = cfg.format or detect_format(data, cfg.weights_uri)
+    fmt = detect_format(data, cfg.weights_uri)
+    if implied is not None and fmt != implied and (fmt in FILE_FORMATS or implied in FILE_FORMATS):
+        raise ConfigError(
+            f"{cfg.weights_uri} is {FORMAT_NAMES.get(fmt, 'a state dict')}, but "
+            f"{'--format ' + cfg.format if cfg.format else '--arch/--factory'} says "
+            f"{FORMAT_NAMES.get(implied, 'a state dict')}: "
+            + ("drop --arch/--factory, the file is the whole model" if fmt in FILE_FORMATS else "give --arch")
+        )
     sidecar = read_sidecar(cfg.sidecar) if cfg.sidecar else None
     source_classes = sidecar.classes if sidecar and sidecar.classes is not None else cfg.classes
     provisional = model_spec_for(cfg, fmt, 2)  # refuses contradictions before the classes are read

@@ -199,7 +199,7 @@ def register(
     else:
         number = _claim_next_version(name, idempotency_key)
     uri = storage.join(model_root(name), f"v{number}")
-    weights_uri = storage.join(uri, MODEL_FILES[model_spec.format])
+    weights_uri = storage.join(uri, MODEL_FILES[ModelSpec.model_validate(model_spec).format])
     storage.write_bytes_atomic(weights_uri, weights)
     version = ModelVersion(
         name=name,

@@ -14,7 +14,7 @@ import torch
 import torchvision
 from torch import nn
 
-from ray_workloads.architectures import (
+from ray_workloads.model_sources.architectures import (
     FAMILIES,
     LIST_HINT,
     classifier_head,
