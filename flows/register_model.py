@@ -1,8 +1,8 @@
-"""Flow ``register-model``: register a model the user already has (a state dict of any torchvision classifier)."""
+"""Flow ``register-model``: register a model the user already has, whatever they saved it as."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from prefect import flow
 
@@ -13,8 +13,13 @@ from tasks.register_model import register_outside_model
 @flow(name="register-model")
 def register_model(
     name: str,
-    arch: str,
     weights_uri: str,
+    arch: str | None = None,
+    format: Literal["state_dict", "torchscript", "torch_export", "onnx"] | None = None,
+    factory: str | None = None,
+    factory_kwargs: dict[str, Any] | None = None,
+    code: str | None = None,
+    sidecar: str | None = None,
     classes: str = IMAGENET,
     preprocess: Literal["imagenet", "squash"] = "imagenet",
     resize: int | None = None,
@@ -22,7 +27,13 @@ def register_model(
     draft: bool = False,
     alias: str | None = None,
 ) -> RegisterModelResult:
-    """Check ``weights_uri`` against ``arch`` and register it as a new version of ``name``.
+    """Check the model file ``weights_uri`` and register it as a new version of ``name``.
+
+    A state dict names its module: ``arch`` (a torchvision name or
+    ``timm:<name>``) or ``factory`` (``package.module:callable`` called with
+    ``factory_kwargs``; ``code``: its local package folder, shipped to Ray). A
+    TorchScript, ``.pt2`` or ONNX file is the whole model (``format`` is
+    detected); ``sidecar``: a JSON file with its ``classes`` and ``image`` spec.
 
     ``classes``: ``imagenet`` or a file/S3 URI with one class name a line.
     ``preprocess``: ``imagenet`` (the architecture's own torchvision weights
@@ -36,6 +47,11 @@ def register_model(
             name=name,
             arch=arch,
             weights_uri=weights_uri,
+            format=format,
+            factory=factory,
+            factory_kwargs=factory_kwargs or {},
+            code=code,
+            sidecar=sidecar,
             classes=classes,
             preprocess=preprocess,
             resize=resize,

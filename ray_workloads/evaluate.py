@@ -15,7 +15,8 @@ import torch
 from pydantic import BaseModel
 
 from ray_workloads import preprocess
-from ray_workloads.models import ModelSpec, load_model
+from ray_workloads.model_interface import LoadedModel, load
+from ray_workloads.models import ModelSpec
 from ray_workloads.train import dataset_for_split
 from rayline import storage
 from rayline.lineage import DatasetRef
@@ -72,16 +73,13 @@ def classification_metrics(
 
 
 def predict_split(
-    model: torch.nn.Module, prepared: preprocess.PreprocessResult, split: str
+    model: LoadedModel, prepared: preprocess.PreprocessResult, split: str
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(truth, prediction) arrays for every row of ``split``."""
+    """(truth, prediction) arrays for every row of ``split``, through the one model interface."""
     truths, preds = [], []
-    model.eval()
-    with torch.no_grad():
-        for batch in dataset_for_split(prepared, split).iter_torch_batches(batch_size=512):
-            logits = model(batch["image"].to(torch.float32))
-            preds.append(logits.argmax(dim=1).numpy())
-            truths.append(batch["label_index"].numpy())
+    for batch in dataset_for_split(prepared, split).iter_batches(batch_size=512, batch_format="numpy"):
+        preds.append(model.logits(np.asarray(batch["image"], dtype=np.float32)).argmax(axis=1))
+        truths.append(np.asarray(batch["label_index"]))
     return np.concatenate(truths), np.concatenate(preds)
 
 
@@ -142,7 +140,9 @@ def run(
 ) -> EvaluationResult:
     """Evaluate saved weights on ``split``; with ``output_uri``, also write JSON and a PNG there."""
     prepared = preprocess.read_manifest(data_manifest_uri)
-    model = load_model(spec.model_copy(update={"num_classes": len(prepared.classes)}), weights_uri)
+    model = load(
+        spec.model_copy(update={"num_classes": len(prepared.classes)}), weights_uri, device=torch.device("cpu")
+    )
     y_true, y_pred = predict_split(model, prepared, split)
     accuracy, per_class, confusion = classification_metrics(y_true, y_pred, prepared.classes)
     result = EvaluationResult(

@@ -40,7 +40,7 @@ from rayline.storage import fetching
 from rayline.tables.predictions_table import ERRORS_SCHEMA, PREDICTIONS_SCHEMA
 
 if TYPE_CHECKING:
-    from torch import nn
+    from ray_workloads.model_interface import LoadedModel
 
 
 def fetch_and_decode(uris: list[str], etags: list[str], spec: ImageSpec, concurrency: int) -> dict[str, np.ndarray]:
@@ -206,17 +206,25 @@ class PredictorUDF:
             rows["top_k_class"][i] = [str(self.names[j]) for j in row] if row[0] >= 0 else []
 
     def _predict_batch(self, rows: dict[str, np.ndarray], batch: np.ndarray) -> None:
-        import torch
-
         started = time.perf_counter()
-        with torch.no_grad():
-            images = torch.from_numpy(rows["image"][batch]).to(self.device)
-            logits = self.model(images.contiguous(memory_format=torch.channels_last))
-            values, indices = torch.softmax(logits, dim=1).topk(self.top_k, dim=1)
-        rows["top_k_index"][batch], rows["top_k_prob"][batch] = indices.cpu().numpy(), values.cpu().numpy()
+        probabilities = self.model.probabilities(rows["image"][batch])
+        indices = top_k_indices(probabilities, self.top_k)
+        rows["top_k_index"][batch] = indices
+        rows["top_k_prob"][batch] = np.take_along_axis(probabilities, indices, axis=1)
         rows["predicted_index"][batch] = rows["top_k_index"][batch, 0]
         rows["confidence"][batch] = rows["top_k_prob"][batch, 0]
         rows["inference_ms"][batch] = (time.perf_counter() - started) * 1000 / len(batch)
+
+
+def top_k_indices(probabilities: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` most probable classes of each row, most probable first (ties: the lower index)."""
+    if k < probabilities.shape[1]:
+        candidates = np.argpartition(-probabilities, k - 1, axis=1)[:, :k]
+    else:
+        candidates = np.broadcast_to(np.arange(probabilities.shape[1]), probabilities.shape)
+    scores = np.take_along_axis(probabilities, candidates, axis=1)
+    order = np.lexsort((candidates, -scores), axis=1)
+    return np.take_along_axis(candidates, order, axis=1).astype(np.int64)
 
 
 # Decoded float32 pixels an actor holds at once (one chunk of a block).
@@ -246,11 +254,10 @@ def concat_rows(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
 
 
-def _load_for_inference(model: ModelVersion, device: Any) -> nn.Module:
-    from ray_workloads.models import load_model, prepare_for_inference
+def _load_for_inference(model: ModelVersion, device: Any) -> LoadedModel:
+    from ray_workloads.model_interface import load_version
 
-    loaded = load_model(model.model_spec, model.weights_uri)
-    return prepare_for_inference(loaded.to(device))
+    return load_version(model, device=device, threads=torch_threads(_assigned_cpus()))
 
 
 def _prediction_table(rows: dict[str, np.ndarray], selected: np.ndarray, constants: dict[str, Any]) -> pa.Table:

@@ -123,3 +123,9 @@ def load_version(version: ModelVersion, **options: Any) -> LoadedModel:
 def runtime_env(spec: ModelSpec) -> dict[str, Any] | None:
     """What a Ray worker loading ``spec`` needs shipped (a factory's code), or None."""
     return factory_models.runtime_env(spec.factory)
+
+
+def remote_options(spec: ModelSpec) -> dict[str, Any]:
+    """Ray options for an actor that loads ``spec``: its ``runtime_env`` when a factory's code ships with it."""
+    env = runtime_env(spec)
+    return {"runtime_env": env} if env else {}

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_workloads.inference_contract import InferenceConfig
 from ray_workloads.inference_predictor import PredictorUDF
+from ray_workloads.model_interface import remote_options
 from ray_workloads.night_blocks import (
     BlockReport,
     Cutting,
@@ -137,6 +138,7 @@ def predict_and_write(
         num_gpus=cfg.gpus_per_actor,
         max_restarts=ACTOR_RESTARTS,
         max_task_retries=ACTOR_RESTARTS,
+        **remote_options(cfg.model.model_spec),  # a factory's code, shipped to the actors
     )
 
 

@@ -30,6 +30,7 @@ from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchTrainer
 
 from ray_workloads import preprocess
+from ray_workloads.model_interface import runtime_env
 from ray_workloads.training_loop import (
     TrainLoopConfig,
     epoch_batches,
@@ -304,6 +305,7 @@ def _fit(cfg: TrainConfig) -> TrainResult:
                 storage_path=storage_path,
                 storage_filesystem=fs,
                 failure_config=FailureConfig(max_failures=cfg.max_failures),
+                worker_runtime_env=runtime_env(loop.model) or {},  # type: ignore[call-arg]  # Train v2 has it; the stub is v1
                 callbacks=[_EpochProgress(shown)],  # type: ignore[list-item]  # a UserCallback; the stub says Callback
                 checkpoint_config=CheckpointConfig(
                     num_to_keep=cfg.keep_checkpoints,

@@ -7,14 +7,20 @@ from prefect.artifacts import create_markdown_artifact
 
 from ray_workloads import register_model
 from ray_workloads.register_model import RegisterModelConfig, RegisterModelResult
-from rayline import events, lineage
+from rayline import events, lineage, ray_cluster
 from rayline.models import mlflow_mirror, registry
 from tasks.common import emit, idempotency_key, ray_task, record_lineage, run_context
 
 
 @ray_task("register-model", timeout_s=900, connects=False)
 def register_outside_model(cfg: RegisterModelConfig) -> RegisterModelResult:
-    """Check and store the weights; the version's lineage input is the weights file and its hash."""
+    """Check and store the model; the version's lineage input is the file and its hash.
+
+    Only a factory needs the cluster (its import is checked on every node), so
+    only then does the task connect to Ray.
+    """
+    if cfg.factory is not None:
+        ray_cluster.connect()
     result = register_model.run(
         cfg.model_copy(update={"code_version": lineage.code_version(), "flow_run_id": run_context().flow_run_id})
     )
@@ -36,7 +42,7 @@ def register_outside_model(cfg: RegisterModelConfig) -> RegisterModelResult:
         key="model-registration",
         markdown=(
             f"### {version.name} v{version.version}{f', now {move.alias}' if move else ''}\n\n"
-            f"`{cfg.arch}`, {len(version.classes)} classes, {version.image_spec.describe()}\n\n"
+            f"`{version.model_spec.describe()}`, {len(version.classes)} classes, {version.image_spec.describe()}\n\n"
             f"weights from `{source.uri}` (sha256 `{source.sha256[:16]}…`), stored at `{version.weights_uri}`"
         ),
     )

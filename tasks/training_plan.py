@@ -11,6 +11,8 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from ray_workloads import preprocess
+from ray_workloads.model_sources.model_files import FORMAT_NAMES
+from ray_workloads.models import InferenceOnlyFormat
 from ray_workloads.training_loop import InitFrom
 from rayline.errors import ConfigError
 from rayline.models import registry
@@ -46,6 +48,17 @@ class FineTunePlan(BaseModel):
         )
 
 
+def refuse_inference_only(parent: ModelVersion) -> None:
+    """A code-free file cannot be fine-tuned: said before any cluster time, naming the format."""
+    if parent.model_spec.inference_only:
+        raise InferenceOnlyFormat(
+            f"{parent.name} v{parent.version} is a {FORMAT_NAMES[parent.model_spec.format]} file, an inference-only "
+            "format: rayline runs it in nights and behind /predict, but cannot rebuild its module to fine-tune it. "
+            "Register its weights as a state dict (--arch <torchvision name or timm:<name>>, or --factory) to "
+            "fine-tune it"
+        )
+
+
 def plan_training(
     model_name: str | None, init_from: str | None, freeze_backbone: bool | None
 ) -> tuple[str, FineTunePlan | None]:
@@ -63,6 +76,7 @@ def plan_training(
     if init_from is not None:
         parent_name, ref = registry.parse_named_ref(init_from)
         parent = registry.resolve(parent_name, ref)
+        refuse_inference_only(parent)
         return model_name or f"{parent.name}{FINE_TUNE_SUFFIX}", FineTunePlan(
             parent=parent, freeze_backbone=bool(freeze_backbone), why=f"init_from={init_from}"
         )
@@ -82,6 +96,7 @@ def plan_training(
                 f"{name} has no fine-tuned champion to retrain from its parent"
             )
         return name, None
+    refuse_inference_only(registry.get_version(link.name, link.version))
     frozen = link.freeze_backbone if freeze_backbone is None else freeze_backbone
     assert champion is not None  # a parent link comes from a champion
     return name, FineTunePlan(

@@ -27,13 +27,14 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from rayline import storage
 from rayline.errors import ConfigError, InputDataError
 from rayline.specs import FactoryRef
+
+if TYPE_CHECKING:
+    from torch import nn
 
 CODE_DIR = "code"
 
@@ -67,6 +68,8 @@ def import_factory(ref: FactoryRef) -> Any:
 
 def build(ref: FactoryRef, num_classes: int) -> nn.Module:
     """Call the factory; a module whose classifier has another class count gets a new head."""
+    from torch import nn
+
     factory = import_factory(ref)
     kwargs = dict(ref.build_kwargs)
     if "num_classes" not in kwargs and _accepts(factory, "num_classes"):
@@ -91,6 +94,8 @@ def _accepts(factory: Any, name: str) -> bool:
 
 
 def _last_classifier(model: nn.Module) -> tuple[nn.Module, str, nn.Linear | nn.Conv2d] | None:
+    from torch import nn
+
     found = None
     for path, module in model.named_modules():
         if isinstance(module, nn.Linear) or (isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1)):
@@ -105,6 +110,8 @@ def _last_classifier(model: nn.Module) -> tuple[nn.Module, str, nn.Linear | nn.C
 
 def head_classes(model: nn.Module) -> int | None:
     """The class count of the module's classifier, when one is found."""
+    from torch import nn
+
     if hasattr(model, "get_classifier"):
         head = getattr(model, "get_classifier")()  # noqa: B009  # a timm-style module's own head
         return int(head.out_features) if isinstance(head, nn.Linear) else None
@@ -117,6 +124,8 @@ def head_classes(model: nn.Module) -> int | None:
 
 def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
     """A fresh classifier for ``num_classes``; returns it."""
+    from torch import nn
+
     if hasattr(model, "reset_classifier") and hasattr(model, "get_classifier"):
         getattr(model, "reset_classifier")(num_classes)  # noqa: B009  # timm's convention, on any class
         head: nn.Module = getattr(model, "get_classifier")()  # noqa: B009

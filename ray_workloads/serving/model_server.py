@@ -16,6 +16,7 @@ import numpy as np
 from ray import serve
 
 from ray_workloads.images import ImageDecodeError, decode_image
+from ray_workloads.model_interface import remote_options
 from ray_workloads.serving.config import ServeConfig
 from ray_workloads.serving.http_api import DECODE_STATUS
 from rayline.models.registry import ModelVersion
@@ -35,15 +36,14 @@ class ModelServer:
         # torch only here: router replicas and the control actor never pay for importing it
         import torch
 
-        from ray_workloads.models import load_model
+        from ray_workloads.model_interface import load_version
 
         torch.set_num_threads(1)
-        self._torch = torch
         self.model = model
         spec = model.image_spec
         self.image_spec = spec.model_copy(update={"max_pixels": max_pixels})
-        # weights_only loading; a checkpoint with pickled objects is refused
-        self.net = load_model(self.model.model_spec, self.model.weights_uri)
+        # any registered format, through the one model interface; nothing is unpickled beyond tensors
+        self.net = load_version(model, device=torch.device("cpu"), optimize=False, threads=1)
         self.top_k = min(top_k, len(self.model.classes))
         self._probe = np.zeros((1, 3, spec.size, spec.size), dtype=np.float32)
         self._last_forward = 0.0
@@ -93,9 +93,7 @@ class ModelServer:
         return list(await asyncio.to_thread(self._run, np.stack(images)))
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
-        torch = self._torch
-        with torch.no_grad():
-            probs: np.ndarray = torch.softmax(self.net(torch.from_numpy(batch)), dim=1).numpy()
+        probs = self.net.probabilities(batch)
         self._last_forward = time.monotonic()
         return probs
 
@@ -106,7 +104,7 @@ def model_app(model: ModelVersion, cfg: ServeConfig) -> Any:
         name=MODEL_DEPLOYMENT,
         num_replicas=cfg.replicas,
         **cfg.placement(),
-        ray_actor_options={"num_cpus": cfg.cpus_per_replica},
+        ray_actor_options={"num_cpus": cfg.cpus_per_replica, **remote_options(model.model_spec)},
         max_ongoing_requests=max(cfg.max_ongoing_requests, cfg.max_batch_size),
         user_config={"max_batch_size": cfg.max_batch_size, "batch_wait_timeout_s": cfg.batch_wait_timeout_s},
         health_check_period_s=cfg.model_health_check_period_s,

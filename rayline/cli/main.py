@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from rayline.cli import console, demo, ops, platform, summaries, tables
+from rayline.cli import console, demo, ops, platform, register, summaries, tables
 from rayline.cli.common import DEFAULT_MODEL_NAME, model_ref
 from rayline.cli.common import fail as _fail
 from rayline.cli.common import quiet_ray as _quiet_ray
@@ -211,53 +211,6 @@ def _check_fine_tune_options(init_from: str | None, arch: str | None, tune: int)
         )
 
 
-@app.command("register-model")
-def register_model_command(
-    ctx: typer.Context,
-    name: Annotated[str, typer.Option(help="Registry name, e.g. photos (lowercase letters, digits, '-').")],
-    arch: Annotated[
-        str,
-        typer.Option(
-            help="Any torchvision classifier: resnet50, efficientnet_b0, convnext_tiny, vit_b_16, … "
-            "(torchvision.models.list_models(module=torchvision.models))."
-        ),
-    ],
-    weights_uri: Annotated[
-        str, typer.Option("--weights", help="State dict file or s3:// URI (torch.save(model.state_dict(), …)).")
-    ],
-    classes: Annotated[
-        str, typer.Option(help="'imagenet' (torchvision's 1,000 names) or a file/S3 URI with one name a line.")
-    ] = "imagenet",
-    preprocess: Annotated[
-        str,
-        typer.Option(
-            help="imagenet: the architecture's own torchvision weights entry's transform; squash: resize to a square."
-        ),
-    ] = "imagenet",
-    resize: Annotated[int | None, typer.Option(help="Shorter side before the centre crop (imagenet).")] = None,
-    crop: Annotated[int | None, typer.Option(help="Side of the square the model sees.")] = None,
-    draft: Annotated[
-        bool,
-        typer.Option(help="Decode JPEGs over twice the needed size at a reduced scale: ~2x faster, not bit-equal."),
-    ] = False,
-    alias: Annotated[
-        str | None, typer.Option(help="Alias to point at it: champion, or challenger to canary it.")
-    ] = None,
-) -> None:
-    """Register a model you already have: its weights file checked against the architecture, as a new version."""
-    apply_process_defaults()
-    from flows.register_model import register_model
-
-    try:
-        get_settings()
-        if preprocess not in ("imagenet", "squash"):
-            raise ConfigError(f"--preprocess must be imagenet or squash, got {preprocess!r}")
-        result = register_model(**ctx.params)  # the options are the flow's parameters, named alike
-    except RaylineError as exc:
-        _fail(exc)
-    summaries.print_registration(result)
-
-
 @app.command("nightly-inference")
 def nightly_inference_command(
     date: Annotated[str | None, typer.Option(help="Day to predict, YYYY-MM-DD; default yesterday (UTC).")] = None,
@@ -355,6 +308,7 @@ app.command()(demo.demo)
 app.command()(ops.up)
 app.command()(ops.down)
 app.command("lineage")(ops.lineage_command)
+app.command("register-model")(register.register_model_command)
 app.command("migrate-predictions")(tables.migrate_predictions_command)
 app.command("vacuum")(tables.vacuum_command)
 app.add_typer(ops.serve_app, name="serve")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from ray_workloads.inference_predictor import PredictorUDF
+from ray_workloads.model_interface import LoadedModel
 from rayline.errors import DeviceError, OutOfMemory, is_transient, model_call_fault
+from rayline.specs import ModelSpec
 
 pytestmark = pytest.mark.unit
 
@@ -48,20 +51,18 @@ def test_an_input_shaped_failure_is_no_machine_fault(exc: BaseException) -> None
     assert model_call_fault(exc, "a model call") is None
 
 
-class _Raising(torch.nn.Module):
-    def __init__(self, exc: BaseException) -> None:
-        super().__init__()
-        self.exc = exc
+def _raising(exc: BaseException) -> Callable[[np.ndarray], np.ndarray]:
+    def forward(images: np.ndarray) -> np.ndarray:
+        raise exc
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        raise self.exc
+    return forward
 
 
 def _udf(exc: BaseException) -> PredictorUDF:
     """The UDF's predict step over a model whose forward raises ``exc`` (no registry, no actor)."""
     udf = PredictorUDF.__new__(PredictorUDF)
     udf.top_k, udf.batch_size, udf.names = 2, 4, np.array([str(i) for i in range(10)], dtype=object)
-    udf.device, udf.model = torch.device("cpu"), _Raising(exc)
+    udf.device, udf.model = torch.device("cpu"), LoadedModel(ModelSpec(), None, _raising(exc))
     return udf
 
 
