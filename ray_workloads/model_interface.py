@@ -54,7 +54,10 @@ class LoadedModel:
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
         """Raw scores (N, classes) for a float32 batch (N, 3, S, S)."""
-        out = self._logits(np.asarray(batch, dtype=np.float32))
+        batch = np.asarray(batch, dtype=np.float32)
+        if not batch.flags.writeable:  # Ray Data's read-only views: torch.from_numpy warns on them
+            batch = batch.copy()
+        out = self._logits(batch)
         if out.ndim != 2 or out.shape[0] != len(batch):
             raise InputDataError(
                 f"{self.spec.describe()} returned scores of shape {tuple(out.shape)} for a batch of shape "
