@@ -1,6 +1,6 @@
 """The demo's outside-model walk: the user's ResNet registered, a night of photos, one served photo.
 
-What a user who brings their own model does (README "Bring your own model"),
+What a user who brings their own model does (README "Bring your model"),
 on the demo's embedded defaults: save a torchvision ResNet-18 built with
 ``weights=None`` as "the user's weights" (nothing can be downloaded here),
 register it with its ImageNet preprocessing as ``photos`` champion, predict

@@ -48,7 +48,10 @@ def register_model_command(
     ] = None,
     sidecar: Annotated[
         str | None,
-        typer.Option(help='JSON file/URI: {"classes": [...], "image": {"resize": 256, "crop": 224, "mean": …}}.'),
+        typer.Option(
+            help='JSON file/URI: {"classes": [...], "image": {"mode": "resize_crop", "resize": 256, "crop": 224, '
+            '"mean": […], "std": […]}} (docs/models.md).'
+        ),
     ] = None,
     classes: Annotated[
         str, typer.Option(help="'imagenet' (torchvision's 1,000 names) or a file/S3 URI with one name a line.")
