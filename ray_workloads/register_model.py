@@ -39,7 +39,7 @@ import json
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from ray_workloads.model_sources import factory_models, timm_models
 from ray_workloads.model_sources.architectures import (
@@ -165,6 +165,15 @@ class Sidecar(BaseModel):
 
     classes: list[str] | str | None = None
     image: ImageSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resize_means_resize_crop(cls, data: Any) -> Any:
+        # {"resize": 256, "crop": 224} is the usual evaluation transform: no one should have to name its mode
+        image = data.get("image") if isinstance(data, dict) else None
+        if isinstance(image, dict) and image.get("resize") is not None and "mode" not in image:
+            data = {**data, "image": {**image, "mode": RESIZE_CROP}}
+        return data
 
 
 def read_sidecar(uri: str) -> Sidecar:
