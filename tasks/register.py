@@ -6,11 +6,11 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
-from ray_workloads import evaluate, promotion
+from ray_workloads import evaluate, mlflow_models, promotion
 from ray_workloads.models import ModelSpec
 from ray_workloads.train import TrainResult
 from rayline import events, lineage
-from rayline.models import mlflow_mirror, registry
+from rayline.models import registry
 from rayline.specs import ParentModel
 from tasks.common import emit, idempotency_key, ray_task, record_lineage, run_context
 
@@ -67,7 +67,7 @@ def register_and_gate(
             idempotency_key=key,
         )
     get_run_logger().info("registered %s v%d; gate: %s", name, version.version, decision.reason)
-    mlflow_mirror.reconcile(name)  # best effort: a failure is logged, and the next registration catches up
+    mlflow_models.reconcile(name)  # best effort: a failure is logged, and the next registration catches up
     create_markdown_artifact(
         key="model-gate",
         markdown=(

@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from ray_workloads import register_model
+from ray_workloads import mlflow_models, register_model
 from ray_workloads.register_model import RegisterModelConfig, RegisterModelResult
 from rayline import events, lineage, ray_cluster
-from rayline.models import mlflow_mirror, registry
+from rayline.models import registry
 from tasks.common import emit, idempotency_key, ray_task, record_lineage, run_context
 
 
@@ -33,7 +33,7 @@ def register_outside_model(cfg: RegisterModelConfig) -> RegisterModelResult:
             labels={"rayline.model": version.name},
             idempotency_key=idempotency_key(version.uri),  # a retried task: the same event, kept once
         )
-    mlflow_mirror.reconcile(version.name)  # best effort: logged on failure, completed by the next call
+    mlflow_models.reconcile(version.name)  # best effort: logged on failure, completed by the next call
     what = "already registered as" if result.reused else "registered as"
     get_run_logger().info("%s %s %s v%d", source.uri, what, version.name, version.version)
     if result.note:

@@ -7,11 +7,12 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 
+from ray_workloads import mlflow_models
 from ray_workloads.serving import canary, rollout
 from ray_workloads.serving.canary import PreparedRollout as PreparedRollout  # where flows have always found it
 from ray_workloads.serving.config import ServeConfig
 from rayline import events
-from rayline.models import mlflow_mirror, registry
+from rayline.models import registry
 from rayline.storage.fencing import Fence
 from tasks.common import emit, idempotency_key, ray_task, record_lineage
 
@@ -124,7 +125,7 @@ def promote_task(
     """Make the candidate champion (as the holder of the model's rollout lease) and retire the incumbent."""
     promotion = canary.promote(prepared, steps, serve, rollout_holder)
     cand = prepared.candidate
-    mlflow_mirror.reconcile(cand.name)  # best effort: logged on failure, completed by the next call
+    mlflow_models.reconcile(cand.name)  # best effort: logged on failure, completed by the next call
     get_run_logger().info("v%d is champion; v%d retired from serving", cand.version, prepared.incumbent.version)
     _finish(promotion, events.PROMOTED)
     return promotion.alias_move

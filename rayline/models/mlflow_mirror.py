@@ -6,9 +6,16 @@ module makes MLflow show the same thing:
 * one registered model per rayline model name;
 * one MLflow model version per rayline version. MLflow numbers its versions
   itself, so they are matched by the ``rayline.version`` tag, never by number.
-  The artifact is the version's tensors-only ``weights.pt``, logged to a run
-  of its own (experiment = model name) — no pickled model, no MLmodel flavour;
-  the version's metrics are that run's metrics and tags of the version;
+  Each is a real MLflow model, written by the caller's ``save_model`` and
+  logged under ``model/`` in a run of its own (experiment = model name); the
+  MLflow version's source is that folder, and the version's metrics are the
+  run's metrics and tags of the version. The tasks pass
+  ``ray_workloads.mlflow_models.save_version``: a pyfunc logged from code,
+  the version's own files as its artifacts and no pickle, that
+  ``mlflow.pyfunc.load_model("models:/<name>@champion")`` loads. It runs
+  rayline's model interface, which the core may not import: hence the
+  callback. A version an older mirror logged as a bare weights file (no
+  ``rayline.model_path`` tag) is replaced, then deleted;
 * the ``champion`` and ``challenger`` aliases on the same versions.
 
 :func:`reconcile` compares and fixes, so it is idempotent: called after every
@@ -20,6 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
@@ -35,6 +45,11 @@ log = logging.getLogger(__name__)
 
 VERSION_TAG = "rayline.version"
 ALIASES = (registry.CHAMPION, registry.CHALLENGER)
+MODEL_PATH = "model"  # the MLflow model's folder among its run's artifacts
+# on a version whose source is an MLflow model; one without it mirrored a bare weights file (before MLmodels)
+MODEL_TAG = "rayline.model_path"
+# writes a version, given its model file's bytes, as an MLflow model in a new folder
+SaveModel = Callable[[registry.ModelVersion, bytes, Path], None]
 
 
 class MirrorReport(BaseModel):
@@ -46,26 +61,29 @@ class MirrorReport(BaseModel):
     aliases: dict[str, int | None]  # alias → rayline version, as mirrored
 
 
-def reconcile(name: str) -> MirrorReport | None:
-    """Bring MLflow's registered model ``name`` in line with rayline's registry; None when tracking
-    is off or the mirror failed (logged; the next call retries)."""
+def reconcile(name: str, save_model: SaveModel) -> MirrorReport | None:
+    """Bring MLflow's registered model ``name`` in line with rayline's registry, each new version
+    written by ``save_model``; None when tracking is off or the mirror failed (logged; the next
+    call retries)."""
     mlflow = tracking.client()
     if mlflow is None:
         return None
     with tracking.best_effort(f"mirroring model {name} into the MLflow registry"):
-        return _reconcile(mlflow, name)
+        return _reconcile(mlflow, name, save_model)
     return None
 
 
-def _reconcile(mlflow: MlflowClient, name: str) -> MirrorReport:
+def _reconcile(mlflow: MlflowClient, name: str, save_model: SaveModel) -> MirrorReport:
     _ensure_registered_model(mlflow, name)
     mirrored = mirrored_versions(mlflow, name)
     created = []
     for version in registry.list_versions(name):
         if version.version not in mirrored:
-            mirrored[version.version] = _mirror_version(mlflow, version)
+            mirrored[version.version] = _mirror_version(mlflow, version, save_model)
             created.append(version.version)
     aliases = {alias: _mirror_alias(mlflow, name, alias, mirrored) for alias in ALIASES}
+    for bare in bare_versions(mlflow, name):  # replaced above by a loadable model, aliases moved already
+        mlflow.delete_model_version(name, bare.version)
     return MirrorReport(
         name=name, created=created, versions={k: v.version for k, v in mirrored.items()}, aliases=aliases
     )
@@ -84,20 +102,34 @@ def _ensure_registered_model(mlflow: MlflowClient, name: str) -> None:
         )
 
 
-def mirrored_versions(mlflow: MlflowClient, name: str) -> dict[int, MlflowVersion]:
-    """rayline version number → its MLflow model version (the oldest, should two calls have raced)."""
-    found: dict[int, MlflowVersion] = {}
+def _tagged(mlflow: MlflowClient, name: str) -> list[tuple[int, MlflowVersion]]:
+    """(rayline version, MLflow version) for every MLflow version of ``name`` tagged by the mirror, oldest first."""
+    found = []
     for mv in sorted(mlflow.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)):
         tag = (mv.tags or {}).get(VERSION_TAG)
         if tag is not None and tag.isdigit():
-            found.setdefault(int(tag), mv)
+            found.append((int(tag), mv))
     return found
 
 
-def _mirror_version(mlflow: MlflowClient, version: registry.ModelVersion) -> MlflowVersion:
-    """A run holding the weights file and the metrics, and a model version whose source is that file."""
-    weights = storage.read_bytes(version.weights_uri)
-    sha256 = hashlib.sha256(weights).hexdigest()
+def mirrored_versions(mlflow: MlflowClient, name: str) -> dict[int, MlflowVersion]:
+    """rayline version number → its MLflow model version (the oldest, should two calls have raced)."""
+    found: dict[int, MlflowVersion] = {}
+    for number, mv in _tagged(mlflow, name):
+        if MODEL_TAG in (mv.tags or {}):
+            found.setdefault(number, mv)
+    return found
+
+
+def bare_versions(mlflow: MlflowClient, name: str) -> list[MlflowVersion]:
+    """Versions an older mirror made of the weights file alone: nothing can load them, a reconcile replaces them."""
+    return [mv for _, mv in _tagged(mlflow, name) if MODEL_TAG not in (mv.tags or {})]
+
+
+def _mirror_version(mlflow: MlflowClient, version: registry.ModelVersion, save_model: SaveModel) -> MlflowVersion:
+    """A run holding the MLflow model and the metrics, and a model version whose source is that model."""
+    model_file = storage.read_bytes(version.weights_uri)
+    sha256 = hashlib.sha256(model_file).hexdigest()
     run_id = tracking.keyed_run(
         mlflow,
         version.name,
@@ -120,21 +152,28 @@ def _mirror_version(mlflow: MlflowClient, version: registry.ModelVersion) -> Mlf
     )
     if version.metrics:
         tracking.log_metrics(mlflow, run_id, version.metrics)
-    tracking.log_files(mlflow, run_id, {registry.WEIGHTS_FILE: weights}, "weights")
+    with tempfile.TemporaryDirectory(prefix="rayline-mlflow-") as tmp:
+        folder = Path(tmp) / MODEL_PATH
+        save_model(version, model_file, folder)
+        mlflow.log_artifacts(run_id, str(folder), MODEL_PATH)  # a retry overwrites the same files
     mlflow.set_terminated(run_id, "FINISHED")
-    source = f"{mlflow.get_run(run_id).info.artifact_uri}/weights"
+    source = f"{mlflow.get_run(run_id).info.artifact_uri}/{MODEL_PATH}"
     tags = {
         VERSION_TAG: str(version.version),
+        MODEL_TAG: MODEL_PATH,
         "rayline.uri": version.uri,
+        "rayline.format": version.model_spec.format,
         "rayline.weights_sha256": sha256,
         **{f"rayline.metric.{k}": f"{v:.6g}" for k, v in version.metrics.items()},
     }
     description = (
-        f"rayline {version.name} v{version.version}: {registry.WEIGHTS_FILE} is a tensors-only state dict "
-        f"(torch.load(weights_only=True)) of {version.model_spec.arch}, sha256 {sha256}. "
+        f"rayline {version.name} v{version.version} ({version.model_spec.describe()}, {version.model_spec.format} "
+        f"file sha256 {sha256}): load it with mlflow.pyfunc.load_model('models:/{version.name}/<version>') and "
+        "predict on a DataFrame with a binary column 'image' (encoded image files); it answers class_index, "
+        "class_name, confidence and the top classes. "
         f"Metrics: {', '.join(f'{k} {v:.4f}' for k, v in version.metrics.items()) or 'none'}."
     )
-    # await_creation_for=0: the artifact is logged already; waiting would only print "Waiting up to 300 seconds"
+    # await_creation_for=0: the artifacts are logged already; waiting would only print "Waiting up to 300 seconds"
     return mlflow.create_model_version(
         version.name, source, run_id=run_id, tags=tags, description=description, await_creation_for=0
     )

@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+import io
 import time
+import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
 import pytest
 import torch
+import torchvision
 from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
+from mlflow.models import Model
+from PIL import Image
 
 from flows.train_model import train_model
+from ray_workloads import mlflow_models, model_interface
+from ray_workloads.images import decode_image
+from ray_workloads.model_sources import factory_models
+from ray_workloads.models import state_dict_bytes
+from ray_workloads.register_model import RegisterModelConfig
+from ray_workloads.register_model import run as register_model
 from rayline import storage
 from rayline.models import mlflow_mirror, registry
 from rayline.seed import seed
+from rayline.specs import FACTORY, FactoryRef, ImageSpec, ModelSpec
 from tests.integration.helpers import register_untrained
 from tests.mlflow_support import mlflow_server
 from tests.support import free_port
@@ -49,17 +65,28 @@ def _steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
 
 
 def _assert_mirror_equals_registry(client: MlflowClient, name: str) -> None:
-    """One MLflow version per rayline version (its weights file, tensors only) and the same aliases."""
+    """One MLflow version per rayline version, each an MLflow pyfunc logged from code (no pickle) whose
+    artifacts are the version's own files, and the same aliases."""
     mirrored = mlflow_mirror.mirrored_versions(client, name)
     assert sorted(mirrored) == [v.version for v in registry.list_versions(name)]
+    assert not mlflow_mirror.bare_versions(client, name)
     for number, mv in mirrored.items():
         version = registry.get_version(name, number)
-        files = [f.path for f in client.list_artifacts(mv.run_id, "weights")]
-        assert files == ["weights/weights.pt"], "the tensors-only state dict, no pickled model"
-        local = download_artifacts(artifact_uri=f"{mv.source}/weights.pt")
-        state = torch.load(local, weights_only=True)  # refuses anything but tensors
+        model_file = version.weights_uri.rpartition("/")[2]
+        files = {f.path for f in client.list_artifacts(mv.run_id, "model")}
+        files |= {f.path for f in client.list_artifacts(mv.run_id, "model/artifacts")}
+        assert {"model/MLmodel", "model/mlflow_pyfunc.py", f"model/artifacts/{model_file}"} <= files, files
+        assert not [f for f in files if f.endswith((".pkl", ".pickle", ".cloudpickle"))], "no pickled model"
+        assert mv.source == f"{client.get_run(mv.run_id).info.artifact_uri}/model"
+        flavor = Model.load(download_artifacts(artifact_uri=f"{mv.source}/MLmodel")).flavors["python_function"]
+        assert flavor["loader_module"] == "mlflow.pyfunc.loaders.code_model", "models-from-code"
+        local = download_artifacts(artifact_uri=f"{mv.source}/artifacts/{model_file}")
         assert Path(local).read_bytes() == storage.read_bytes(version.weights_uri)
-        assert set(state) and all(isinstance(t, torch.Tensor) for t in state.values())
+        if version.model_spec.format == "state_dict":
+            state = torch.load(local, weights_only=True)  # refuses anything but tensors
+            assert set(state) and all(isinstance(t, torch.Tensor) for t in state.values())
+        logged = download_artifacts(artifact_uri=f"{mv.source}/artifacts/{registry.VERSION_FILE}")
+        assert registry.ModelVersion.model_validate_json(Path(logged).read_text()) == version
         assert client.get_run(mv.run_id).data.metrics == pytest.approx(version.metrics)
     aliases = client.get_registered_model(name).aliases
     for alias in mlflow_mirror.ALIASES:
@@ -116,7 +143,7 @@ def test_train_model_logs_trials_run_and_version_and_a_dead_server_fails_nothing
     assert sorted(mlflow_mirror.mirrored_versions(tracking, name)) == [1]
     # … and the next reconcile (any registration, alias move, train or monitor run) catches up
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
-    report = mlflow_mirror.reconcile(name)
+    report = mlflow_models.reconcile(name)
     assert report is not None and report.created == [2]
     _assert_mirror_equals_registry(tracking, name)
 
@@ -127,23 +154,148 @@ def test_alias_moves_are_mirrored_and_a_failed_mirror_is_completed_later(
     name = "mlf-mirror"
     first = register_untrained(name, seed=1)
     registry.set_alias(name, registry.CHAMPION, first.version, "test")
-    report = mlflow_mirror.reconcile(name)
+    # what an older mirror left: the bare weights file as champion, which nothing can load …
+    tracking.create_registered_model(name)
+    run = tracking.create_run(tracking.create_experiment("mlf-mirror-old"))
+    tracking.log_artifact(run.info.run_id, storage.normalize(first.weights_uri), "weights")
+    bare = tracking.create_model_version(
+        name, f"{run.info.artifact_uri}/weights", run_id=run.info.run_id, tags={mlflow_mirror.VERSION_TAG: "1"}
+    )
+    tracking.set_registered_model_alias(name, registry.CHAMPION, bare.version)
+    report = mlflow_models.reconcile(name)  # … is replaced by a model, the alias moved, the bare version deleted
     assert report is not None and report.created == [1] and report.aliases == {"champion": 1, "challenger": None}
+    remaining = [mv.version for mv in tracking.search_model_versions(f"name = '{name}'")]
+    assert remaining == [report.versions[1]] and report.versions[1] != bare.version
     _assert_mirror_equals_registry(tracking, name)
-    assert mlflow_mirror.reconcile(name) == report.model_copy(update={"created": []}), "idempotent"
+    assert mlflow_models.reconcile(name) == report.model_copy(update={"created": []}), "idempotent"
 
     second = register_untrained(name, seed=2)
     registry.set_alias(name, registry.CHALLENGER, second.version, "test")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", _dead_uri())
-    assert mlflow_mirror.reconcile(name) is None, "a failed mirror is logged, never raised"
+    assert mlflow_models.reconcile(name) is None, "a failed mirror is logged, never raised"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
-    assert mlflow_mirror.reconcile(name) is not None
+    assert mlflow_models.reconcile(name) is not None
     _assert_mirror_equals_registry(tracking, name)
 
     registry.set_alias(name, registry.CHAMPION, second.version, "canary passed")  # challenger promoted
-    mlflow_mirror.reconcile(name)
+    mlflow_models.reconcile(name)
     _assert_mirror_equals_registry(tracking, name)
     assert (
         tracking.get_registered_model(name).aliases["champion"]
         == tracking.get_registered_model(name).aliases["challenger"]
     )
+
+
+def _photos() -> list[bytes]:
+    """Two real photos (scikit-learn's JPEGs), a transparent PNG and a grayscale PNG: what rayline decodes."""
+    from sklearn.datasets import load_sample_images
+
+    images = [Image.fromarray(a) for a in load_sample_images().images]
+    rng = np.random.default_rng(0)
+    images.append(Image.fromarray(rng.integers(0, 255, (50, 70, 4), dtype=np.uint8), "RGBA"))
+    images.append(Image.fromarray(rng.integers(0, 255, (90, 60), dtype=np.uint8), "L"))
+    encoded = []
+    for image in images:
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG" if image.mode == "RGB" else "PNG")
+        encoded.append(buffer.getvalue())
+    return encoded
+
+
+def _onnx_file(path: Path, num_classes: int) -> Path:
+    model = torchvision.models.get_model("squeezenet1_1", weights=None, num_classes=num_classes).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript-based exporter's deprecation notices
+        torch.onnx.export(
+            model, (torch.randn(2, 3, 64, 64),), str(path), dynamo=False, input_names=["images"],
+            dynamic_axes={"images": {0: "batch"}},
+        )  # fmt: skip
+    return path
+
+
+def _factory_version(name: str, tmp_path: Path, classes: list[str]) -> registry.ModelVersion:
+    """The user's own class, its package shipped with the version (``--code``), registered without Ray."""
+    package = f"mlfnet_{uuid.uuid4().hex[:8]}"  # a fresh name: the code must come from the logged zip
+    folder = tmp_path / package
+    folder.mkdir()
+    (folder / "__init__.py").write_text(
+        "from torch import nn\n\n"
+        "def build(num_classes):\n"
+        "    return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),"
+        " nn.Linear(8, num_classes))\n"
+    )
+    code_uri, sha256 = factory_models.store_code(
+        registry.model_root(name), factory_models.zip_code(str(folder), package)
+    )
+    ref = FactoryRef(target=f"{package}:build", code_uri=code_uri, code_sha256=sha256)
+    torch.manual_seed(3)
+    module = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, stride=2), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(8, len(classes)),
+    )  # fmt: skip
+    return registry.register(
+        name,
+        state_dict_bytes(module),
+        model_spec=ModelSpec(arch=FACTORY, num_classes=len(classes), factory=ref),
+        image_spec=ImageSpec(size=32),
+        classes=classes,
+        metrics={},
+        code_version="test",
+    )
+
+
+def test_mlflow_loads_every_mirrored_version_and_predicts_what_rayline_predicts(
+    local_storage: str, tracking: MlflowClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name, classes = "mlf-pets", ["cat", "dog", "bird"]
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # the factory's code is put on it
+    (tmp_path / "classes.txt").write_text("\n".join(classes) + "\n")
+    torch.manual_seed(0)  # random weights whose scores still depend on the image (MobileNet's are near-uniform)
+    weights = tmp_path / "resnet18.pt"
+    weights.write_bytes(state_dict_bytes(torchvision.models.get_model("resnet18", weights=None, num_classes=3)))
+    common = {"name": name, "classes": str(tmp_path / "classes.txt"), "crop": 64}
+    state_dict = register_model(
+        RegisterModelConfig(**common, arch="resnet18", weights_uri=str(weights), alias="champion")
+    ).version
+    onnx = register_model(  # the format read from the file: a code-free model, run by ONNX Runtime
+        RegisterModelConfig(**common, weights_uri=str(_onnx_file(tmp_path / "m.onnx", 3)), alias="challenger")
+    ).version
+    factory = _factory_version(name, tmp_path, classes)
+    assert (state_dict.model_spec.format, onnx.model_spec.format) == ("state_dict", "onnx")
+    assert registry.alias_version(name, registry.CHALLENGER) == onnx.version
+
+    report = mlflow_models.reconcile(name)
+    assert report is not None and report.created == [1, 2, 3]
+    _assert_mirror_equals_registry(tracking, name)
+    mirrored = mlflow_mirror.mirrored_versions(tracking, name)
+    factory_files = {f.path for f in tracking.list_artifacts(mirrored[3].run_id, "model/artifacts")}
+    assert factory.model_spec.factory is not None and factory.model_spec.factory.code_uri is not None
+    assert f"model/artifacts/{factory.model_spec.factory.code_uri.rpartition('/')[2]}" in factory_files, "its code"
+    requirements = Path(download_artifacts(artifact_uri=f"{mirrored[2].source}/requirements.txt")).read_text()
+    assert "onnxruntime==" in requirements and "rayline==" in requirements, requirements
+
+    photos = _photos()
+    frame = pd.DataFrame({"image": [*photos, b"not an image"]})
+    uris = {
+        f"models:/{name}@champion": state_dict,
+        f"models:/{name}@challenger": onnx,
+        f"models:/{name}/{mirrored[3].version}": factory,
+    }
+    stored = Path(local_storage).rename(tmp_path / "moved")  # MLflow's models need nothing of rayline's storage
+    predicted = {uri: mlflow.pyfunc.load_model(uri).predict(frame, params={"top_k": 3}) for uri in uris}
+    stored.rename(local_storage)
+    for uri, version in uris.items():
+        batch = np.stack([decode_image(photo, version.image_spec) for photo in photos])
+        expected = model_interface.load_version(version).probabilities(batch)
+        good, bad = predicted[uri].iloc[: len(photos)], predicted[uri].iloc[-1]
+        assert list(good["class_index"]) == [int(i) for i in expected.argmax(axis=1)], uri
+        assert list(good["class_name"]) == [classes[int(i)] for i in expected.argmax(axis=1)], uri
+        assert list(good["confidence"]) == pytest.approx(list(expected.max(axis=1)), rel=1e-4), uri
+        # every class's probability, as rayline's preprocessing and model give it (a resize or a mean off shows)
+        ranked = [np.argsort(-row, kind="stable") for row in expected]
+        assert [list(top) for top in good["top_classes"]] == [[classes[i] for i in order] for order in ranked], uri
+        for got, want, order in zip(good["top_confidences"], expected, ranked, strict=True):
+            assert list(got) == pytest.approx(list(want[order]), abs=1e-5), uri
+        assert len({tuple(np.round(row, 4)) for row in expected}) == len(photos), "the scores depend on the image"
+        assert good["error"].isna().all()
+        assert bad["class_index"] == -1 and "UnsupportedFormatError" in bad["error"], bad.to_dict()

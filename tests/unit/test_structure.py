@@ -290,6 +290,7 @@ FLOW_SAFE_NAMES_OF_IO_MODULES: dict[str, frozenset[str]] = {
     "rayline.models.registry": frozenset({"ModelVersion", "CHAMPION"}),
     "rayline.storage": frozenset(),
     "rayline.models.mlflow_mirror": frozenset(),
+    "ray_workloads.mlflow_models": frozenset(),
     "rayline.storage.leases": frozenset({"HeldLease"}),
     "rayline.lineage": frozenset({"code_version"}),
     "rayline.tables.prediction_reads": frozenset({"DEFAULT_RETENTION_HOURS", "check_retention"}),
