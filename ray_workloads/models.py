@@ -33,7 +33,7 @@ from ray_workloads.model_sources.architectures import (
     replace_head,
     without_auxiliary_heads,
 )
-from ray_workloads.model_sources.model_files import FORMAT_NAMES
+from ray_workloads.model_sources.model_files import described
 from rayline import storage
 from rayline.errors import ConfigError, InputDataError
 from rayline.specs import SMALL_CNN, ModelSpec
@@ -96,7 +96,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
     """Construct an untrained model (no download, ever)."""
     if spec.inference_only:
         raise InferenceOnlyFormat(
-            f"a {FORMAT_NAMES[spec.format]} file is an inference-only format: rayline runs it in nights and "
+            f"{described(spec.format)} is an inference-only format: rayline runs it in nights and "
             "behind /predict but cannot rebuild its module to fine-tune it; register the model as a state dict "
             "with --arch (torchvision or timm:<name>) or --factory"
         )

@@ -48,7 +48,13 @@ from ray_workloads.model_sources.architectures import (
     imagenet_classes,
     imagenet_image_spec,
 )
-from ray_workloads.model_sources.model_files import FORMAT_NAMES, detect_format, load_file_model, onnx_input_shape
+from ray_workloads.model_sources.model_files import (
+    FORMAT_NAMES,
+    described,
+    detect_format,
+    load_file_model,
+    onnx_input_shape,
+)
 from ray_workloads.models import (
     check_state_dict,
     state_dict_bytes,
@@ -241,7 +247,7 @@ def model_spec_for(cfg: RegisterModelConfig, fmt: str, num_classes: int) -> Mode
         if cfg.arch or cfg.factory:
             given = f"--arch {cfg.arch}" if cfg.arch else f"--factory {cfg.factory}"
             raise ConfigError(
-                f"{cfg.weights_uri} is a {FORMAT_NAMES[fmt]} file, the whole model: {given} names a module to "
+                f"{cfg.weights_uri} is {described(fmt)}, the whole model: {given} names a module to "
                 "build for a state dict; drop it"
             )
         return ModelSpec(arch=fmt, num_classes=num_classes)
@@ -329,10 +335,14 @@ def run(cfg: RegisterModelConfig) -> RegisterModelResult:
     fmt = detect_format(data, cfg.weights_uri)
     if implied is not None and fmt != implied and (fmt in FILE_FORMATS or implied in FILE_FORMATS):
         raise ConfigError(
-            f"{cfg.weights_uri} is {FORMAT_NAMES.get(fmt, 'a state dict')}, but "
+            f"{cfg.weights_uri} is {described(fmt)}, but "
             f"{'--format ' + cfg.format if cfg.format else '--arch/--factory'} says "
-            f"{FORMAT_NAMES.get(implied, 'a state dict')}: "
-            + ("drop --arch/--factory, the file is the whole model" if fmt in FILE_FORMATS else "give --arch")
+            f"{described(implied)}: "
+            + (
+                f"give --format {fmt} or none (it is read from the content)"
+                if cfg.format
+                else "drop --arch/--factory, the file is the whole model"
+            )
         )
     sidecar = read_sidecar(cfg.sidecar) if cfg.sidecar else None
     source_classes = sidecar.classes if sidecar and sidecar.classes is not None else cfg.classes

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from ray_workloads import preprocess
-from ray_workloads.model_sources.model_files import FORMAT_NAMES
+from ray_workloads.model_sources.model_files import described
 from ray_workloads.models import InferenceOnlyFormat
 from ray_workloads.training_loop import InitFrom
 from rayline.errors import ConfigError
@@ -52,7 +52,7 @@ def refuse_inference_only(parent: ModelVersion) -> None:
     """A code-free file cannot be fine-tuned: said before any cluster time, naming the format."""
     if parent.model_spec.inference_only:
         raise InferenceOnlyFormat(
-            f"{parent.name} v{parent.version} is a {FORMAT_NAMES[parent.model_spec.format]} file, an inference-only "
+            f"{parent.name} v{parent.version} is {described(parent.model_spec.format)}, an inference-only "
             "format: rayline runs it in nights and behind /predict, but cannot rebuild its module to fine-tune it. "
             "Register its weights as a state dict (--arch <torchvision name or timm:<name>>, or --factory) to "
             "fine-tune it"

@@ -204,13 +204,42 @@ def local_code_folder(ref: FactoryRef) -> str | None:
 
 
 def runtime_env(ref: FactoryRef | None) -> dict[str, Any] | None:
-    """``runtime_env`` shipping a version's factory code to Ray workers (None: nothing to ship)."""
-    if ref is None:
+    """``runtime_env`` shipping a version's factory code to Ray workers (None: nothing to ship).
+
+    Call it on a driver connected to Ray. A task's or actor's ``py_modules``
+    must be URIs (a local folder is taken at ``ray.init`` only), and they
+    replace the job's own rather than add to them: the job's (rayline's
+    packages, on a remote cluster) are kept beside the factory's.
+    """
+    if ref is None or ref.code_uri is None:
         return None
-    folder = local_code_folder(ref)
-    if folder is None:
-        return None
-    return {"py_modules": [os.path.join(folder, ref.top_level)]}
+    return {"py_modules": [*_job_py_modules(), _code_package(ref)]}
+
+
+def _job_py_modules() -> list[str]:
+    import ray
+
+    return list(ray.get_runtime_context().runtime_env.get("py_modules") or [])
+
+
+def _code_package(ref: FactoryRef) -> str:
+    """The stored zip, pushed to the cluster's GCS as a Ray package (its layout: the package at the root).
+
+    Named by the code's hash, pushed once while the cluster keeps it, and
+    pinned so that it outlives the gap until the task or actor using it
+    starts; every node unpacks it from there, whatever storage the registry is on.
+    """
+    from ray._private.runtime_env.packaging import package_exists, pin_runtime_env_uri, upload_package_to_gcs
+
+    assert ref.code_sha256 is not None  # recorded with code_uri
+    uri = f"gcs://_ray_pkg_{ref.code_sha256[:32]}.zip"
+    if not package_exists(uri):
+        data = storage.read_bytes(str(ref.code_uri))
+        if hashlib.sha256(data).hexdigest() != ref.code_sha256:
+            raise InputDataError(f"factory code {ref.code_uri} changed since registration (SHA-256 differs)")
+        upload_package_to_gcs(uri, data)
+    pin_runtime_env_uri(uri)
+    return uri
 
 
 def ensure_importable(ref: FactoryRef) -> None:
@@ -228,7 +257,7 @@ def declared_version(folder: str) -> str | None:
     import re
 
     text = (Path(folder) / "__init__.py").read_text(encoding="utf-8", errors="replace")
-    found = re.search(r"^__version__\s*[:=][^=]*?[\"']([^\"']+)[\"']", text, re.MULTILINE)
+    found = re.search(r"^__version__\s*(?::[^=\n]*)?=\s*[\"']([^\"']+)[\"']", text, re.MULTILINE)
     return found.group(1) if found else None
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import io
 import json
 import posixpath
+import re
+import warnings
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -33,11 +35,24 @@ from rayline.errors import ConfigError, InputDataError
 from rayline.specs import ONNX, TORCH_EXPORT, TORCHSCRIPT
 
 FORMAT_NAMES = {TORCHSCRIPT: "TorchScript", TORCH_EXPORT: "torch.export program (.pt2)", ONNX: "ONNX"}
+_A_FILE = {TORCHSCRIPT: "a TorchScript file", TORCH_EXPORT: "a torch.export program (.pt2)", ONNX: "an ONNX file"}
 SAVE_HINTS = {
     TORCHSCRIPT: "torch.jit.save(torch.jit.script(model), 'model.pt')",
     TORCH_EXPORT: "torch.export.save(torch.export.export(model, (torch.randn(2, 3, 224, 224),)), 'model.pt2')",
     ONNX: "torch.onnx.export(model, (torch.randn(2, 3, 224, 224),), 'model.onnx', dynamic_shapes=...)",
 }
+
+
+def described(fmt: str) -> str:
+    """The format with its article, for messages: "an ONNX file", "a state dict"…"""
+    return _A_FILE.get(fmt, "a state dict")
+
+
+def _unpickling_refused(exc: Exception) -> str:
+    """The part of torch's weights-only refusal naming what it would have called, without its advice to bypass."""
+    text = str(exc)
+    found = re.search(r"(Unsupported global: GLOBAL \S+|Unsupported operand \d+)", text)
+    return found.group(1) if found else f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 class UnsafeModelFileError(InputDataError):
@@ -108,7 +123,7 @@ def check_export_archive(data: bytes, uri: str) -> None:
             except Exception as exc:
                 raise UnsafeModelFileError(
                     f"refusing {uri}: its payload {name} holds pickled objects, not just tensors "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                    f"({_unpickling_refused(exc)}); save the program with {SAVE_HINTS[TORCH_EXPORT]}"
                 ) from exc
 
 
@@ -166,7 +181,10 @@ def _torch_runner(module: Any) -> Callable[[np.ndarray], np.ndarray]:
 def _torchscript(data: bytes) -> FileModel:
     import torch
 
-    module = torch.jit.load(io.BytesIO(data), map_location="cpu").eval()  # type: ignore[no-untyped-call]
+    with warnings.catch_warnings():
+        # torch deprecates TorchScript; a user's existing file is still one rayline runs, at every load
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.load.* is deprecated", category=FutureWarning)
+        module = torch.jit.load(io.BytesIO(data), map_location="cpu").eval()  # type: ignore[no-untyped-call]
     return FileModel(TORCHSCRIPT, _torch_runner(module), None, module)
 
 

@@ -1,13 +1,21 @@
-"""Fine-tuning without Ray: the new head, a frozen backbone, and how the flow plans a fine-tune."""
+"""Fine-tuning without Ray: the new head (torchvision, timm, the user's factory), a frozen backbone, and the plan."""
 
 from __future__ import annotations
 
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from ray_workloads import preprocess
+from ray_workloads.model_interface import load
 from ray_workloads.models import (
+    InferenceOnlyFormat,
     ModelSpec,
     build_model,
     fine_tune_model,
@@ -18,7 +26,7 @@ from ray_workloads.training_loop import TrainLoopConfig, make_optimizer, run_epo
 from rayline.cli import app
 from rayline.errors import ConfigError, InputDataError
 from rayline.models import registry
-from rayline.specs import ImageSpec, ParentModel, squash
+from rayline.specs import FACTORY, FactoryRef, ImageSpec, ParentModel, squash
 from tasks.training_plan import plan_training
 
 pytestmark = pytest.mark.unit
@@ -155,3 +163,164 @@ def test_the_command_line_refuses_what_a_fine_tune_cannot_honour(
 def test_prepare_data_like_an_unknown_model_is_named(local_storage: str) -> None:
     result = CliRunner().invoke(app, ["prepare-data", "--like", "nothing@champion"])
     assert result.exit_code == 2 and "model nothing has no 'champion' alias" in result.output, result.output
+
+
+TIMM_HEADS = {"test_efficientnet": "classifier", "test_resnet": "fc", "test_convnext": "head.fc"}
+
+
+@pytest.mark.parametrize("name", sorted(TIMM_HEADS))
+def test_a_timm_model_gets_a_new_head_through_its_own_reset_classifier(name: str) -> None:
+    pytest.importorskip("timm")
+    spec, state = _parent(f"timm:{name}", classes=7)
+    model = fine_tune_model(spec, state, "parent.pt", num_classes=2, freeze_backbone=True)
+    head = TIMM_HEADS[name]
+    tuned = model.state_dict()
+    assert tuple(tuned[f"{head}.weight"].shape)[0] == 2 and tuple(state[f"{head}.weight"].shape)[0] == 7
+    assert all(torch.equal(tuned[k], state[k]) for k in state if not k.startswith(f"{head}."))
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {f"{head}.weight", f"{head}.bias"}
+    with torch.no_grad():
+        assert model.eval()(torch.zeros(1, 3, 64, 64)).shape == (1, 2)
+
+
+FACTORIES = '''
+from torch import nn
+
+
+def mlp_head(width: int = 6, classes: int = 1000) -> nn.Module:
+    """Takes no num_classes; its classifier is the last of two Linear layers."""
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(width, width), nn.ReLU(), nn.Linear(width, classes),
+    )
+
+
+def conv_head(num_classes: int, width: int = 6) -> nn.Module:
+    """Takes num_classes; its classifier is a 1x1 convolution (SqueezeNet-style)."""
+    layers = [nn.Conv2d(3, width, 3), nn.Conv2d(width, num_classes, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+    return nn.Sequential(*layers)
+
+
+def any_kwargs(**kwargs: int) -> nn.Module:
+    """Takes num_classes among **kwargs."""
+    return nn.Sequential(nn.Flatten(), nn.LazyLinear(kwargs["num_classes"]))
+
+
+class WithReset(nn.Module):
+    """timm's convention on the user's own class: reset_classifier/get_classifier, used over the last Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(4, 5)
+        self.aux = nn.Linear(4, 9)  # last in module order, not the classifier
+        self.resets = 0
+
+    def forward(self, x):
+        return self.fc(self.body(x))
+
+    def get_classifier(self) -> nn.Module:
+        return self.fc
+
+    def reset_classifier(self, num_classes: int) -> None:
+        self.resets += 1
+        self.fc = nn.Linear(4, num_classes)
+
+
+def with_reset() -> nn.Module:
+    return WithReset()
+'''
+
+
+@pytest.fixture
+def factories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A module of factories, importable for this test only; its name."""
+    package = tmp_path / "ftfactories"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "nets.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "ftfactories.nets"
+    for name in [m for m in sys.modules if m.startswith("ftfactories")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def _factory(target: str, classes: int, **kwargs: object) -> ModelSpec:
+    return ModelSpec(arch=FACTORY, num_classes=classes, factory=FactoryRef(target=target, build_kwargs=kwargs))
+
+
+def test_a_factory_without_num_classes_gets_its_last_linear_replaced(factories: str) -> None:
+    spec = _factory(f"{factories}:mlp_head", 3, width=6)
+    built = build_model(spec)  # the factory's 1,000 outputs, cut to the registered 3
+    assert tuple(built.state_dict()["5.weight"].shape) == (3, 6) and tuple(built.state_dict()["3.weight"].shape) == (
+        6,
+        6,
+    )
+    state = built.state_dict()
+    model = fine_tune_model(spec, state, "parent.pt", num_classes=2)
+    tuned = model.state_dict()
+    assert tuple(tuned["5.weight"].shape) == (2, 6), "the last Linear is the head"
+    assert all(torch.equal(tuned[k], state[k]) for k in ("0.weight", "3.weight", "3.bias")), "the first Linear stays"
+    assert model(torch.zeros(2, 3, 16, 16)).shape == (2, 2)
+
+
+def test_a_factory_taking_num_classes_is_built_with_it(factories: str) -> None:
+    conv = build_model(_factory(f"{factories}:conv_head", 4))
+    assert tuple(conv.state_dict()["1.weight"].shape) == (4, 6, 1, 1), "built for 4 classes, not re-headed"
+    model = fine_tune_model(_factory(f"{factories}:conv_head", 4), conv.state_dict(), "parent.pt", num_classes=2)
+    assert tuple(model.state_dict()["1.weight"].shape) == (2, 6, 1, 1), "a 1x1 convolution head is replaced"
+    with torch.no_grad():
+        assert model(torch.zeros(1, 3, 16, 16)).shape == (1, 2)
+        assert build_model(_factory(f"{factories}:any_kwargs", 3))(torch.zeros(1, 3, 4, 4)).shape == (1, 3)
+
+
+def test_a_factory_with_reset_classifier_is_re_headed_by_it(factories: str) -> None:
+    spec = _factory(f"{factories}:with_reset", 5)
+    parent = build_model(spec)
+    model = fine_tune_model(spec, parent.state_dict(), "parent.pt", num_classes=2)
+    assert model.resets == 1 and tuple(model.fc.weight.shape) == (2, 4)  # type: ignore[union-attr]
+    assert tuple(model.aux.weight.shape) == (9, 4), "the last Linear in module order is left alone"  # type: ignore[union-attr]
+
+
+def test_a_factory_that_cannot_be_imported_or_built_is_named(factories: str) -> None:
+    with pytest.raises(InputDataError, match="module ftfactories.missing cannot be imported .*ship its folder"):
+        build_model(_factory("ftfactories.missing:build", 2))
+    with pytest.raises(InputDataError, match=f"module {factories} has no nothing"):
+        build_model(_factory(f"{factories}:nothing", 2))
+    with pytest.raises(InputDataError, match=re.escape("mlp_head(**{'depth': 3}) failed: TypeError")):
+        build_model(_factory(f"{factories}:mlp_head", 2, depth=3))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "named"),
+    [
+        ("torchscript", "a TorchScript file"),
+        ("torch_export", "a torch.export program (.pt2)"),
+        ("onnx", "an ONNX file"),
+    ],
+)
+def test_a_code_free_parent_is_refused_before_any_cluster_time(local_storage: str, fmt: str, named: str) -> None:
+    version = registry.register(
+        "exported",
+        b"not read: the plan refuses from the spec alone",
+        model_spec=ModelSpec(arch=fmt, num_classes=3),
+        image_spec=squash(32),
+        classes=["a", "b", "c"],
+        metrics={},
+        code_version="test",
+    )
+    registry.set_alias("exported", registry.CHAMPION, version.version, "test")
+    with pytest.raises(InferenceOnlyFormat, match=f"exported v1 is {re.escape(named)}, an inference-only format"):
+        plan_training(None, "exported@champion", None)
+    with pytest.raises(InferenceOnlyFormat, match=f"{re.escape(named)} is an inference-only format"):
+        fine_tune_model(version.model_spec, {}, "parent", num_classes=2)
+
+
+def test_a_read_only_batch_is_predicted_without_a_warning(local_storage: str, tmp_path: Path) -> None:
+    """Ray Data hands zero-copy (read-only) arrays; torch warns on them, and the test run makes warnings errors."""
+    spec = ModelSpec(num_classes=3, width=4)
+    weights = tmp_path / "w.pt"
+    weights.write_bytes(state_dict_bytes(build_model(spec)))
+    batch = np.zeros((2, 3, 32, 32), dtype=np.float32)
+    batch.flags.writeable = False
+    for optimize in (True, False):
+        assert load(spec, str(weights), optimize=optimize).probabilities(batch).shape == (2, 3)
