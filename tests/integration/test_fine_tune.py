@@ -1,21 +1,29 @@
-"""Fine-tuning a registered outside model on labelled photo crops, and retraining it as the retrain deployment would.
+"""Fine-tuning registered outside models on labelled photo crops, and retraining one as the retrain deployment would.
 
-Small on purpose (a random-weights ResNet-18 at a 64 px crop, a few dozen
-photos, one one-epoch Ray Train fit per test): these check the wiring —
-weights, head, image spec, lineage, gate — not accuracy. The fine-tune made
+Small on purpose (random weights at a 64 px crop, a few dozen photos, one
+one-epoch Ray Train fit per test): these check the wiring — weights, head,
+image spec, lineage, gate — not accuracy. The fine-tune of a ResNet-18 made
 from the command line is the champion that the retraining test retrains: the
-module prepares the photos and fine-tunes once.
+module prepares the photos and fine-tunes it once. A timm model and the
+user's own class (its package shipped by ``--code``, so Train's workers get it
+through ``runtime_env``) are fine-tuned on the same photos with the same
+image spec, so they reuse the prepared data; an ONNX parent is refused
+before any cluster time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+import numpy as np
 import pytest
 import torch
 from prefect.client.orchestration import get_client
@@ -25,13 +33,14 @@ from typer.testing import CliRunner
 
 from deployments.catalog import deployment_table
 from flows.train_model import train_model
+from ray_workloads.model_interface import load_version
 from ray_workloads.models import load_state_dict
 from rayline import lineage, storage
 from rayline.cli import app
 from rayline.errors import ConfigError
 from rayline.models import registry
 from rayline.seed import seed
-from rayline.specs import ParentModel
+from rayline.specs import FACTORY, ParentModel
 from rayline.storage.layout import RAW_DIR
 from tests.integration.helpers import register_outside
 
@@ -154,3 +163,142 @@ def test_an_outside_champion_is_not_retrained_from_scratch(local_storage: str) -
     with pytest.raises(ConfigError, match="outside model .* init_from=photos@champion"):
         train_model(model_name="photos", tune_samples=4, promote_to="challenger")
     assert [v.version for v in registry.list_versions("photos")] == [1]
+
+
+PARENT_CLASSES = ["cat", "dog", "bird"]  # the photos have two: china, flower
+PACKAGE = "ftnet_shipped"  # written to a temporary folder by the test: importable nowhere else
+NET = '''
+from torch import nn
+
+
+class Net(nn.Module):
+    """A small CNN whose classifier is the last of two Linear layers; it takes no num_classes."""
+
+    def __init__(self, width: int, classes: int) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, stride=2, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        )
+        self.classifier = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, classes))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def build(width: int = 4, classes: int = 1000) -> Net:
+    return Net(width, classes)
+'''
+
+
+def _sidecar(fine_tuned: FineTuned, folder: Path) -> str:
+    """Three classes, and the image spec of the module's first parent: the photos prepared for it are reused."""
+    path = folder / "model.json"
+    image = fine_tuned.parent.image_spec.model_dump(mode="json")
+    path.write_text(json.dumps({"classes": PARENT_CLASSES, "image": image}))
+    return str(path)
+
+
+def _cli(*args: str) -> str:
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _fine_tune(fine_tuned: FineTuned, parent: str, *options: str) -> registry.ModelVersion:
+    """``train-model --init-from PARENT@champion`` on the photos, one epoch, one worker; the child's champion."""
+    args = ["--source", fine_tuned.labelled, "--epochs", "1", "--num-workers", "1", "--floor", "0", *options]
+    output = _cli("train-model", "--init-from", f"{parent}@champion", *args)
+    assert f"fine-tuned from    {parent} v1" in output
+    return registry.resolve(f"{parent}-ft", registry.CHAMPION)
+
+
+def _predicts(version: registry.ModelVersion) -> None:
+    """The child loads through the one model interface and gives a probability per class."""
+    model = load_version(version, optimize=False)
+    batch = np.random.default_rng(0).standard_normal((3, 3, 64, 64)).astype(np.float32)
+    probabilities = model.probabilities(batch)
+    assert probabilities.shape == (3, 2) and np.allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+
+
+def test_a_timm_model_fine_tunes_from_the_command_line(fine_tuned: FineTuned, tmp_path: Path) -> None:
+    import timm
+
+    weights = tmp_path / "timm.pt"
+    torch.manual_seed(0)
+    # a timm test model (~100k parameters); its classifier is "classifier", reset by timm's own reset_classifier
+    torch.save(timm.create_model("test_efficientnet", pretrained=False, num_classes=3).state_dict(), weights)
+    sidecar = _sidecar(fine_tuned, tmp_path)
+    _cli("register-model", "--name", "tiny-timm", "--weights", str(weights), "--arch", "timm:test_efficientnet",
+         "--sidecar", sidecar, "--alias", "champion")  # fmt: skip
+    parent = registry.resolve("tiny-timm", registry.CHAMPION)
+
+    child = _fine_tune(fine_tuned, "tiny-timm")  # the whole net trains (no --freeze-backbone)
+    assert child.model_spec.arch == "timm:test_efficientnet" and child.model_spec.num_classes == 2
+    assert child.classes == ["china", "flower"] and child.image_spec == parent.image_spec
+    assert child.parent == ParentModel(name="tiny-timm", version=1, uri=parent.uri, freeze_backbone=False)
+    tuned, start = load_state_dict(child.weights_uri), load_state_dict(parent.weights_uri)
+    assert tuple(start["classifier.weight"].shape)[0] == 3
+    assert tuple(tuned["classifier.weight"].shape) == (2, start["classifier.weight"].shape[1]), "a new 2-class head"
+    assert set(tuned) == set(start)
+    _predicts(child)
+
+
+def test_a_factory_shipped_with_code_fine_tunes_from_the_command_line(fine_tuned: FineTuned, tmp_path: Path) -> None:
+    code = tmp_path / "code" / PACKAGE
+    code.mkdir(parents=True)
+    (code / "__init__.py").write_text('__version__ = "0.3.1"\n')
+    (code / "models.py").write_text(NET)
+    assert importlib.util.find_spec(PACKAGE) is None, "the package must reach Ray only through --code"
+    namespace: dict[str, object] = {}
+    exec(compile(NET, "net", "exec"), namespace)  # the user's notebook: build it, save its weights
+    torch.manual_seed(0)
+    weights = tmp_path / "factory.pt"
+    torch.save(namespace["build"](width=8, classes=3).state_dict(), weights)  # type: ignore[operator]
+
+    _cli("register-model", "--name", "own-net", "--weights", str(weights), "--factory",
+         f"{PACKAGE}.models:build", "--factory-kwargs", '{"width": 8}', "--code", str(code),
+         "--sidecar", _sidecar(fine_tuned, tmp_path), "--alias", "champion")  # fmt: skip
+    parent = registry.resolve("own-net", registry.CHAMPION)
+    factory = parent.model_spec.factory
+    assert parent.model_spec.arch == FACTORY and factory is not None
+    assert (factory.target, factory.build_kwargs) == (f"{PACKAGE}.models:build", {"width": 8})
+    assert factory.package_version == "0.3.1", "the version --code's __init__ declares"
+    assert factory.code_uri is not None and storage.exists(factory.code_uri)
+
+    # Train's worker imports the package only from the stored zip, through runtime_env
+    child = _fine_tune(fine_tuned, "own-net", "--freeze-backbone")
+    assert child.model_spec.factory == factory and child.model_spec.num_classes == 2
+    assert child.parent == ParentModel(name="own-net", version=1, uri=parent.uri, freeze_backbone=True)
+    tuned, start = load_state_dict(child.weights_uri), load_state_dict(parent.weights_uri)
+    assert tuple(start["classifier.2.weight"].shape) == (3, 8)
+    assert tuple(tuned["classifier.2.weight"].shape) == (2, 8), "the last Linear is the new head"
+    for key in ("features.0.weight", "features.1.running_mean", "classifier.0.weight"):
+        assert torch.equal(tuned[key], start[key]), f"{key} moved although the backbone was frozen"
+    _predicts(child)
+
+
+def test_fine_tuning_an_onnx_parent_is_refused_before_any_cluster_time(fine_tuned: FineTuned, tmp_path: Path) -> None:
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3)
+    ).eval()
+    onnx = tmp_path / "model.onnx"
+    torch.onnx.export(model, (torch.randn(2, 3, 64, 64),), str(onnx), input_names=["input"], dynamo=False,
+                      dynamic_axes={"input": {0: "batch"}})  # fmt: skip
+    _cli("register-model", "--name", "from-onnx", "--weights", str(onnx), "--sidecar",
+         _sidecar(fine_tuned, tmp_path), "--alias", "champion")  # fmt: skip
+
+    def written() -> set[str]:  # but the command's own log file
+        return {o.key for o in storage.list_objects(fine_tuned.root) if "/logs/" not in f"/{o.key}"}
+
+    before = written()
+
+    result = CliRunner().invoke(
+        app, ["train-model", "--init-from", "from-onnx@champion", "--source", fine_tuned.labelled]
+    )
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert "from-onnx v1 is an ONNX file, an inference-only format" in message, message
+    assert "--arch" in message and "--factory" in message, "it says what to register instead"
+    assert written() == before, "nothing prepared, trained or registered"
+    assert registry.alias_version("from-onnx-ft", registry.CHAMPION) is None
