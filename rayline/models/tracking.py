@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+PROGRESS_BAR_ENV = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 RUN_KEY_TAG = "rayline.run_uri"  # the storage folder a run is about: its identity across retries
 STAGE_TAG = "rayline.stage"
 _HEALTH_TIMEOUT_S = 3.0
@@ -59,6 +60,9 @@ def client() -> MlflowClient | None:
     if not reachable(uri):
         log.warning("MLflow at %s does not answer; tracking skipped this time", uri)
         return None
+    # MLflow draws a tqdm bar on stderr for every artifact it moves, even a one-file registration;
+    # rayline's terminal stays its own progress lines (an explicit setting wins)
+    os.environ.setdefault(PROGRESS_BAR_ENV, "false")
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri, registry_uri=uri)

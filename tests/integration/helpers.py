@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
+import numpy as np
 import pyarrow as pa
 from prefect import Task, flow
 from prefect.client.orchestration import get_client
@@ -160,13 +161,14 @@ class OutOfMemoryPredictor(PredictorUDF):
 
         super().__init__(*args, **kwargs)
 
-        class OutOfMemoryModel(torch.nn.Module):
-            def forward(self, images: torch.Tensor) -> torch.Tensor:
-                raise torch.OutOfMemoryError(
-                    f"CUDA out of memory. Tried to allocate {images.numel() * 64 // 2**20} MiB (GPU 0; 0 B free)"
-                )
+        from ray_workloads.model_interface import LoadedModel
 
-        self.model = OutOfMemoryModel()
+        def out_of_memory(images: np.ndarray) -> np.ndarray:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {images.size * 64 // 2**20} MiB (GPU 0; 0 B free)"
+            )
+
+        self.model = LoadedModel(self.model.spec, self.model.image_spec, out_of_memory)
 
 
 HUNG_MARK = "hung-"  # + the pid of an actor of the night that hangs

@@ -4,7 +4,7 @@ Each refusal names the format, what was expected and what was found. One
 tiny classifier (3 classes, 32 px) is saved once in every format; a ``.pt2``
 carrying a pickled object is crafted from a real one. A factory's build and
 probe run in a Ray task, so what needs the cluster is tested in
-tests/integration/test_fine_tune_formats.py; here only what is refused before it.
+tests/integration/test_fine_tune.py and test_any_model.py; here only what is refused before it.
 """
 
 from __future__ import annotations
