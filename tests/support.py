@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rayline.testing.s3_proxy import S3Proxy
@@ -19,6 +20,7 @@ from rayline.testing.s3_server import S3_ENV as S3_TEST_ENV
 from rayline.testing.s3_server import (
     create_bucket,
     free_port,
+    free_ports,
     process_cpu_seconds,
     s3_server,
     stop_process,
@@ -34,6 +36,7 @@ __all__ = [
     "create_bucket",
     "delete_bucket",
     "free_port",
+    "node_port_flags",
     "pids_mentioning",
     "process_cpu_seconds",
     "proxy_in_front",
@@ -75,15 +78,27 @@ def pids_mentioning(text: str) -> list[int]:
     return found
 
 
-def start_ray_head(args: list[str], env: dict[str, str], temp_dir: Path) -> subprocess.Popen[bytes]:
+def node_port_flags() -> list[str]:
+    """``ray start`` flags giving each of a node's own servers a distinct free loopback port."""
+    names = (
+        "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
+        "ray-client-server-port",
+    )  # fmt: skip
+    return [f"--{name}={port}" for name, port in zip(names, free_ports(len(names)), strict=True)]
+
+
+def start_ray_head(make_args: Callable[[], list[str]], env: dict[str, str], temp_dir: Path) -> subprocess.Popen[bytes]:
     """``ray start --head --block`` once it says the runtime started; started again (twice at most) if it exits.
 
     Its GCS port opens before the rest of the node is up, and on a loaded machine the start can fail by
     itself after that ("The current node timed out during startup": the raylet gave up waiting for its
     agent), which left a dead head behind an open-looking port and every test waiting for its timeout.
-    That is the test's machinery failing, not what is under test, so it is retried here.
+    That is the test's machinery failing, not what is under test, so it is retried here, with the
+    arguments ``make_args`` gives afresh: a port another process took meanwhile is not asked for again.
     """
     for attempt in range(3):
+        args = make_args()
         out = temp_dir / f"head-start-{attempt}.log"
         with out.open("wb") as log:
             head = subprocess.Popen(

@@ -29,9 +29,24 @@ S3_ENV = {
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    (port,) = free_ports(1)
+    return port
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports.
+
+    Every socket stays bound until all are chosen: ports asked for one at a time can repeat, since
+    the kernel may hand a just-closed port out again (seen: Ray refused a node whose two agents got one).
+    """
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def wait_for_http(url: str, timeout_s: float = 30.0) -> None:

@@ -27,6 +27,7 @@ from tests.support import (
     create_bucket,
     delete_bucket,
     free_port,
+    node_port_flags,
     pids_mentioning,
     start_ray_head,
     stop_process,
@@ -63,13 +64,9 @@ def external_cluster(s3_endpoint: str) -> Iterator[str]:
     args = [
         str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
         "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
-        f"--temp-dir={temp_dir}", f"--ray-client-server-port={free_port()}",
-        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-        "--min-worker-port=20000", "--max-worker-port=20999",
+        f"--temp-dir={temp_dir}", "--min-worker-port=20000", "--max-worker-port=20999",
     ]  # fmt: skip
-    head = start_ray_head(args, env, Path(temp_dir))
+    head = start_ray_head(lambda: [*args, *node_port_flags()], env, Path(temp_dir))
     try:
         wait_for_port(port)
         yield f"127.0.0.1:{port}"

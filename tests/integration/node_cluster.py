@@ -26,19 +26,11 @@ import ray
 from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 
 from rayline import ray_cluster
-from tests.support import free_port, pids_mentioning, start_ray_head, stop_process, wait_for_port
+from tests.support import free_port, node_port_flags, pids_mentioning, start_ray_head, stop_process, wait_for_port
 
 BIN = Path(sys.executable).parent
 # The GCS declares a silent node dead after period × threshold (default 3 s × 5): shorter here.
 _SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
-
-
-def _ports() -> list[str]:
-    return [
-        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-    ]  # fmt: skip
 
 
 def _parent(pid: int) -> int:
@@ -94,7 +86,7 @@ class TwoNodes:
         self.spare = (*self._launch(), time.monotonic())
 
     def _launch(self) -> tuple[subprocess.Popen[bytes], int]:
-        ports = _ports()
+        ports = node_port_flags()
         args = [
             str(BIN / "ray"), "start", f"--address={self.address}", "--block", "--disable-usage-stats",
             "--node-ip-address=127.0.0.1", "--num-cpus=4", *ports,
@@ -184,11 +176,10 @@ def two_node_cluster() -> Iterator[TwoNodes]:
     args = [
         str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
         "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-        f"--temp-dir={temp_dir}", f"--ray-client-server-port={free_port()}", *_ports(),
-        f"--system-config={json.dumps(_SYSTEM_CONFIG)}",
+        f"--temp-dir={temp_dir}", f"--system-config={json.dumps(_SYSTEM_CONFIG)}",
         "--min-worker-port=20000", "--max-worker-port=20999",
     ]  # fmt: skip
-    head = start_ray_head(args, env, Path(temp_dir))
+    head = start_ray_head(lambda: [*args, *node_port_flags()], env, Path(temp_dir))
     cluster = TwoNodes(temp_dir, f"127.0.0.1:{port}")
     try:
         wait_for_port(port)
