@@ -24,7 +24,7 @@ def register_model(
     preprocess: Literal["imagenet", "squash"] = "imagenet",
     resize: int | None = None,
     crop: int | None = None,
-    draft: bool = False,
+    draft: bool = True,
     alias: str | None = None,
 ) -> RegisterModelResult:
     """Check the model file ``weights_uri`` and register it as a new version of ``name``.
@@ -38,9 +38,10 @@ def register_model(
     ``classes``: ``imagenet`` or a file/S3 URI with one class name a line.
     ``preprocess``: ``imagenet`` (the architecture's own torchvision weights
     entry's transform) or ``squash``; ``resize``/``crop`` override its sizes
-    (a size the architecture cannot take, such as a ViT's crop other than 224, is refused); ``draft`` decodes
-    large JPEGs at a reduced scale (faster, not equal to full decoding). ``alias``: e.g.
-    ``champion`` (nightly inference uses it), or ``challenger`` to canary it.
+    (a size the architecture cannot take, such as a ViT's crop other than 224, is refused); ``draft`` (the
+    default) decodes large JPEGs at a reduced scale (faster, within images.DRAFT_MAX_MEAN_ABS_DIFF of full
+    decoding), ``False`` fully. ``alias``: e.g. ``champion`` (nightly inference uses it), or ``challenger`` to
+    canary it.
     """
     return register_outside_model(
         RegisterModelConfig(

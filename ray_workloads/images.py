@@ -15,32 +15,42 @@ Preprocess (training data), batch inference and serving all call
    ``transforms()`` of a torchvision weights entry does — then scales to
    [0, 1] and normalises.
 
-For ``resize_crop`` specs the output equals ``weights.transforms()`` applied
-to the same decoded RGB image within ``IMAGENET_MAX_ABS_DIFF`` (asserted by
-tests/unit/test_preprocessing.py).
+With full decoding (``ImageSpec.draft`` false) the output of a ``resize_crop``
+spec equals ``weights.transforms()`` applied to the same decoded RGB image
+within ``IMAGENET_MAX_ABS_DIFF`` (asserted by tests/unit/test_preprocessing.py).
 
-JPEG draft decoding (``ImageSpec.draft``, off unless asked for): a JPEG over
-twice the size the spec needs is decoded at a reduced DCT scale (1/2, 1/4,
-1/8), never below twice that size, and the antialiased resize does the rest.
-It makes multi-megapixel photos cheaper to decode at the price of exact
-equality with full decoding; ``bench/preprocessing.py`` measures both.
+Reduced-scale decoding, the default (``ImageSpec.draft``): a JPEG over twice
+the size the spec needs is decoded at a reduced DCT scale (1/2, 1/4, 1/8),
+never below twice that size, and the antialiased resize does the rest, from
+the part of the reduced image that holds the photo (whole reduced pixels
+overhang it) to the size the full decode resizes to, so both sample the
+same geometry. A 12 MP photo decodes ~4x faster; the model input stays
+within ``DRAFT_MAX_MEAN_ABS_DIFF`` of full decoding (``bench/preprocessing.py``
+measures both, figures in bench/README.md). ``draft=False`` (``register-model
+--full-decode``) keeps equality with torchvision's transforms().
 """
 
 from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from rayline.specs import DEFAULT_MAX_PIXELS, RESIZE_CROP, ImageSpec
 
-__all__ = ["DEFAULT_MAX_PIXELS", "ImageSpec", "decode_image", "decode_rgb", "to_model_input"]
+__all__ = ["DEFAULT_MAX_PIXELS", "ImageSpec", "Reduced", "decode_image", "decode_rgb", "to_model_input"]
 
 # float32 rounding of the normalisation: torchvision divides by 255 then normalises in float32
 # tensors, this module does the same arithmetic in numpy; measured differences are ~5e-7.
 IMAGENET_MAX_ABS_DIFF = 1e-5
+# reduced-scale vs full decoding: the bound on one photo's mean |difference| of model input (normalised units,
+# std ~0.226: 0.015 is under one grey level of 255); measured at most 0.009 over 360 photos, ~0.005 on camera
+# photos, about what one more JPEG save at quality 90 changes (bench/README.md)
+DRAFT_MAX_MEAN_ABS_DIFF = 0.015
 BACKGROUND = (255, 255, 255)
 
 
@@ -64,16 +74,28 @@ class ImageTooLargeError(ImageDecodeError):
     """The image declares more pixels than the configured limit."""
 
 
+class Reduced(NamedTuple):
+    """Where a reduced-scale decode came from: the upright full size, and the box of the image that holds it."""
+
+    full_size: tuple[int, int]
+    box: tuple[float, float, float, float]
+
+
 def decode_image(data: bytes | None, spec: ImageSpec) -> np.ndarray:
     """Bytes → normalised float32 array of shape (3, crop, crop).
 
     Raises an :class:`ImageDecodeError` subclass naming what was wrong.
     """
-    return to_model_input(decode_rgb(data, spec), spec)
+    rgb, reduced = _decode(data, spec)
+    return to_model_input(rgb, spec, reduced)
 
 
 def decode_rgb(data: bytes | None, spec: ImageSpec) -> Image.Image:
-    """Bytes → an upright RGB image (EXIF orientation applied, transparency on white)."""
+    """Bytes → an upright RGB image (EXIF orientation applied, transparency on white), maybe at a reduced scale."""
+    return _decode(data, spec)[0]
+
+
+def _decode(data: bytes | None, spec: ImageSpec) -> tuple[Image.Image, Reduced | None]:
     if not data:
         raise EmptyImageError("object is empty (0 bytes)")
     try:
@@ -86,11 +108,8 @@ def decode_rgb(data: bytes | None, spec: ImageSpec) -> Image.Image:
                     raise ImageTooLargeError(
                         f"image is {width}x{height} = {width * height} pixels, limit is {spec.max_pixels}"
                     )
-                if spec.draft and img.format == "JPEG":
-                    # draft picks the largest DCT reduction that keeps both sides >= the request
-                    side = 2 * spec.needed_side
-                    img.draft("RGB", (side, side))
-                return _to_rgb(ImageOps.exif_transpose(img))
+                reduced = _draft(img, spec) if spec.draft and img.format == "JPEG" else None
+                return _to_rgb(ImageOps.exif_transpose(img)), reduced
     except ImageDecodeError:
         raise
     except UnidentifiedImageError as exc:
@@ -100,6 +119,38 @@ def decode_rgb(data: bytes | None, spec: ImageSpec) -> Image.Image:
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         # truncated or corrupt data surfaces as OSError/SyntaxError inside PIL's plugins
         raise CorruptImageError(f"corrupt image data: {exc}") from exc
+
+
+def _draft(img: Image.Image, spec: ImageSpec) -> Reduced | None:
+    """Ask the JPEG decoder for the largest DCT reduction that keeps both sides >= twice the needed side."""
+    full_size = img.size
+    # twice, not once: decoding right down to the needed side was measured 1.2-1.7x faster again but 2-3x
+    # further from full decoding, past DRAFT_MAX_MEAN_ABS_DIFF on camera photos (bench/README.md)
+    side = 2 * spec.needed_side
+    drafted = img.draft("RGB", (side, side))
+    if drafted is None or img.size == full_size:
+        return None
+    orientation = int(img.getexif().get(ExifTags.Base.Orientation, 1))
+    move = _EXIF_MOVES.get(orientation)
+    if move is None:
+        return Reduced(full_size, drafted[1])
+    # the box in the upright image exif_transpose makes: the overhang may end up on any side
+    x0, y0, x1, y1 = drafted[1]
+    (ax, ay), (bx, by) = move(x0, y0, *img.size), move(x1, y1, *img.size)
+    upright = full_size[::-1] if orientation >= 5 else full_size
+    return Reduced((upright[0], upright[1]), (min(ax, bx), min(ay, by), max(ax, bx), max(ay, by)))
+
+
+# where exif_transpose's transposition for each EXIF orientation takes a point (x, y) of a width × height image
+_EXIF_MOVES: dict[int, Callable[[float, float, int, int], tuple[float, float]]] = {
+    2: lambda x, y, w, h: (w - x, y),  # FLIP_LEFT_RIGHT
+    3: lambda x, y, w, h: (w - x, h - y),  # ROTATE_180
+    4: lambda x, y, w, h: (x, h - y),  # FLIP_TOP_BOTTOM
+    5: lambda x, y, w, h: (y, x),  # TRANSPOSE
+    6: lambda x, y, w, h: (h - y, x),  # ROTATE_270
+    7: lambda x, y, w, h: (h - y, w - x),  # TRANSVERSE
+    8: lambda x, y, w, h: (y, w - x),  # ROTATE_90
+}
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -119,8 +170,8 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def to_model_input(rgb: Image.Image, spec: ImageSpec) -> np.ndarray:
-    """An RGB image → normalised float32 (3, crop, crop)."""
+def to_model_input(rgb: Image.Image, spec: ImageSpec, reduced: Reduced | None = None) -> np.ndarray:
+    """An RGB image → normalised float32 (3, crop, crop); ``reduced``: it was decoded at a reduced scale."""
     resample = _PIL_RESAMPLE[spec.interpolation]
     if spec.mode == RESIZE_CROP:
         # torchvision's own functional transforms, as the weights entry's transforms() applies them
@@ -128,16 +179,29 @@ def to_model_input(rgb: Image.Image, spec: ImageSpec) -> np.ndarray:
         from torchvision.transforms import functional as F
 
         assert spec.resize is not None  # the spec's validator guarantees it
-        resized = F.resize(rgb, [spec.resize], interpolation=InterpolationMode(spec.interpolation), antialias=True)
+        if reduced is None:
+            resized = F.resize(rgb, [spec.resize], interpolation=InterpolationMode(spec.interpolation), antialias=True)
+        else:
+            # F.resize's PIL call, sized from the full image: the reduced one's rounded sides can make the
+            # resized image a pixel longer and shift the centre crop by up to a pixel
+            resized = rgb.resize(_resized_size(reduced.full_size, spec.resize), resample, box=reduced.box)
         image = F.center_crop(resized, [spec.crop])
     else:
         # torchvision's F.resize of a PIL image to (crop, crop) is exactly this PIL call; calling PIL
         # directly spares the digits' Ray Data workers importing torch + torchvision (seconds each: bench/README.md)
-        image = rgb.resize((spec.crop, spec.crop), resample)
+        image = rgb.resize((spec.crop, spec.crop), resample, box=reduced.box if reduced else None)
     array = np.asarray(image, dtype=np.float32) / np.float32(255.0)
     mean = np.asarray(spec.mean, dtype=np.float32)
     std = np.asarray(spec.std, dtype=np.float32)
     return np.ascontiguousarray(((array - mean) / std).transpose(2, 0, 1))
+
+
+def _resized_size(size: tuple[int, int], shorter: int) -> tuple[int, int]:
+    """The (width, height) torchvision's ``F.resize(img, [shorter])`` gives an image of ``size``."""
+    width, height = size
+    if width <= height:
+        return shorter, int(shorter * height / width)
+    return int(shorter * width / height), shorter
 
 
 _PIL_RESAMPLE = {

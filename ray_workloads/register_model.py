@@ -102,7 +102,9 @@ class RegisterModelConfig(BaseModel):
     preprocess: Literal["imagenet", "squash"] = "imagenet"
     resize: int | None = Field(None, ge=4, le=4096, description="Override the shorter side before cropping.")
     crop: int | None = Field(None, ge=4, le=1024, description="Override the square side the model sees.")
-    draft: bool = Field(False, description="Decode large JPEGs at a reduced scale (faster, not bit-equal).")
+    draft: bool = Field(
+        True, description="Decode large JPEGs at a reduced scale (faster, close to full decoding; False: exact)."
+    )
     alias: str | None = None
     code_version: str = "unknown"
     flow_run_id: str | None = None

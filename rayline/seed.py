@@ -8,13 +8,17 @@ variants of scikit-learn's two real photos (``<photo>/photo-<id>.jpg``, the
 source photo as the label), some over 2 megapixels. Deterministic for a
 given seed, and idempotent: objects already present with the same size are
 not rewritten, so their etags (and the ingest content hash) stay put.
+:func:`camera_photo` makes the 1–12 MP JPEGs a camera writes, for the
+benches and tests that measure what decoding them costs.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -145,6 +149,61 @@ def photo_objects(count: int, rng: np.random.Generator, large_share: float = 0.1
         which = index % len(photos)
         data, _ = photo_variant(photos[which], rng, large=rng.random() < large_share)
         yield f"{PHOTO_LABELS[which]}/photo-{index:06d}.jpg", data
+
+
+CAMERA_MEGAPIXELS = (1, 3, 12)
+
+
+def camera_size(megapixels: float) -> tuple[int, int]:
+    """Width × height of a 4:3 photo of about ``megapixels``, in whole 16-pixel blocks (1 MP: 1152×864)."""
+    width = 16 * max(1, round(math.sqrt(megapixels * 1e6 * 4 / 3) / 16))
+    return width, width * 3 // 4
+
+
+@functools.cache
+def _cached_sources() -> tuple[Image.Image, ...]:
+    return tuple(source_photos())
+
+
+def camera_photo(megapixels: float, rng: np.random.Generator, photo: Image.Image | None = None) -> bytes:
+    """A JPEG the size a camera writes: a 4:3 crop of one real photo upscaled to ``megapixels``, grain added.
+
+    Upscaling alone gives a smooth image that compresses to a third of a
+    camera's file and decodes faster than one; luminance grain at two scales
+    (a few pixels wide, like foliage or fabric, and per pixel, like sensor
+    noise) plus faint colour noise bring a 12 MP photo at quality 85–95 to
+    a camera's 3–5 MB. ``photo``: one of scikit-learn's two when not given.
+    """
+    source = photo if photo is not None else _cached_sources()[int(rng.integers(len(PHOTO_LABELS)))]
+    width, height = camera_size(megapixels)
+    src_w, src_h = source.size
+    crop_h = int(min(src_h, src_w * 3 / 4) * rng.uniform(0.4, 1.0))
+    crop_w = crop_h * 4 // 3
+    left, top = int(rng.integers(0, src_w - crop_w + 1)), int(rng.integers(0, src_h - crop_h + 1))
+    view = source.convert("RGB").crop((left, top, left + crop_w, top + crop_h))
+    pixels = np.asarray(view.resize((width, height), Image.Resampling.BICUBIC), dtype=np.int16)
+    grain = np.asarray(
+        Image.fromarray(rng.integers(116, 141, (max(1, height // 3), max(1, width // 3)), dtype=np.uint8)).resize(
+            (width, height), Image.Resampling.BILINEAR
+        ),
+        dtype=np.int16,
+    )
+    grain -= 128
+    grain += rng.integers(-7, 8, (height, width), dtype=np.int8)
+    pixels += grain[..., None]
+    pixels += rng.integers(-2, 3, (height, width, 3), dtype=np.int8)
+    rgb = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+    return jpeg_bytes(rgb, quality=int(rng.integers(85, 96)))
+
+
+def camera_photos(
+    count: int, rng: np.random.Generator, megapixels: Sequence[float] = CAMERA_MEGAPIXELS
+) -> Iterator[tuple[str, bytes]]:
+    """``count`` camera-sized photos, the sizes in ``megapixels`` in turn: ``<photo>/camera-<mp>mp-<id>.jpg``."""
+    photos = _cached_sources()
+    for index in range(count):
+        which, size = index % len(photos), megapixels[index % len(megapixels)]
+        yield f"{PHOTO_LABELS[which]}/camera-{size:g}mp-{index:06d}.jpg", camera_photo(size, rng, photos[which])
 
 
 def corrupt_photos(count: int, rng: np.random.Generator) -> Iterator[tuple[str, bytes, str]]:

@@ -1,4 +1,4 @@
-"""Photos for the compute-bound inference bench: JPEG views of two real photos, generated once, reused.
+"""Photos for the compute-bound benches: JPEG views of two real photos and camera-sized ones, generated once.
 
 ``rayline.seed.photo_objects`` (random crops, scales, flips and qualities of
 scikit-learn's two sample photos, ~10 % over 2 megapixels) in chunks of
@@ -6,6 +6,10 @@ scikit-learn's two sample photos, ~10 % over 2 megapixels) in chunks of
 larger size extends a smaller one instead of replacing it. They live under
 ``$RAYLINE_BENCH_CACHE/photos/c<chunk>/<photo>/photo-<n>.jpg``; a folder of
 exactly N of them is hard links, made once per size.
+
+:func:`camera_folder` mixes in what a phone uploads: a quarter small views,
+a quarter each 1, 3 and 12 MP camera photos (``rayline.seed.camera_photo``),
+each photo seeded by its number (``$RAYLINE_BENCH_CACHE/camera/``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from bench.support.inference_images import CACHE, linked_folder, warm_page_cache
 PHOTOS = CACHE / "photos"
 CHUNK = 500
 _SEED_BASE = 11_000  # chunk c uses default_rng(_SEED_BASE + c): fixed, so every run sees the same photos
+CAMERA = CACHE / "camera"
+CAMERA_KINDS = ("view", "1mp", "3mp", "12mp")  # photo n is CAMERA_KINDS[n % 4]
+_CAMERA_SEED = 12_000  # photo n uses default_rng((_CAMERA_SEED, n))
+_CAMERA_BATCH = 8  # photos per task: a 12 MP one takes ~1 s to make
 
 
 def _chunk_done(chunk: int) -> Path:
@@ -64,3 +72,48 @@ def photo_folder(count: int) -> Path:
 def warm_photos(folder: Path) -> None:
     """Read every photo once so that neither side pays for cold disk reads."""
     warm_page_cache(folder, "*.jpg")
+
+
+def _camera_path(index: int) -> Path:
+    label = ("china", "flower")[index // len(CAMERA_KINDS) % 2]  # each kind gets both photos
+    return CAMERA / label / f"camera-{index:06d}-{CAMERA_KINDS[index % len(CAMERA_KINDS)]}.jpg"
+
+
+def _write_camera(indices: list[int]) -> int:
+    import numpy as np
+
+    from rayline.seed import camera_photo, photo_variant, source_photos
+
+    china, flower = source_photos()
+    for index in indices:
+        rng = np.random.default_rng((_CAMERA_SEED, index))
+        path = _camera_path(index)
+        source = china if path.parent.name == "china" else flower
+        kind = CAMERA_KINDS[index % len(CAMERA_KINDS)]
+        data = photo_variant(source, rng)[0] if kind == "view" else camera_photo(float(kind[:-2]), rng, source)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_bytes(data)
+        partial.replace(path)  # a killed run leaves no half-written photo under the final name
+    return len(indices)
+
+
+def ensure_camera(count: int) -> list[Path]:
+    """Photos 0 .. count-1 of the mixed set under CAMERA (missing ones generated in parallel), in order."""
+    paths = [_camera_path(index) for index in range(count)]
+    missing = [index for index, path in enumerate(paths) if not path.exists()]
+    if missing:
+        print(f"generating {len(missing)} photos (views, 1, 3 and 12 MP) under {CAMERA} (once)", flush=True)
+        batches = [missing[start : start + _CAMERA_BATCH] for start in range(0, len(missing), _CAMERA_BATCH)]
+        with ProcessPoolExecutor(min(len(batches), os.cpu_count() or 1)) as pool:
+            assert sum(pool.map(_write_camera, batches)) == len(missing)
+    return paths
+
+
+def camera_folder(count: int) -> Path:
+    """A folder of ``count`` JPEGs: a quarter small views, a quarter each 1, 3 and 12 MP camera photos.
+
+    Deterministic (the same photos every run; a larger count extends a smaller one), made once and kept
+    under CACHE: the folder is hard links, made once per size.
+    """
+    return linked_folder(CACHE / f"camera-inputs-{count}", lambda: ensure_camera(count), CAMERA)

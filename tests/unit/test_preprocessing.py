@@ -1,10 +1,12 @@
 """The one preprocessing implementation against torchvision's own ImageNet transforms.
 
-For ``--preprocess imagenet`` specs, ``decode_image(bytes)`` must equal the
-weights entry's ``transforms()`` applied to the same decoded RGB image (EXIF
-orientation applied) within ``IMAGENET_MAX_ABS_DIFF``: on the two real photos,
-crops of them at several sizes and aspect ratios, grayscale, CMYK, palette
-and alpha images and an EXIF-rotated JPEG.
+For ``--preprocess imagenet`` specs with full decoding, ``decode_image(bytes)``
+must equal the weights entry's ``transforms()`` applied to the same decoded
+RGB image (EXIF orientation applied) within ``IMAGENET_MAX_ABS_DIFF``: on the
+two real photos, crops of them at several sizes and aspect ratios, grayscale,
+CMYK, palette and alpha images and an EXIF-rotated JPEG. Reduced-scale
+decoding (the default) must leave small photos alone and stay within
+``DRAFT_MAX_MEAN_ABS_DIFF`` of full decoding on camera-sized ones.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ import torch
 import torchvision
 from PIL import Image, ImageOps
 
-from ray_workloads.images import IMAGENET_MAX_ABS_DIFF, decode_image, decode_rgb
+from ray_workloads.images import DRAFT_MAX_MEAN_ABS_DIFF, IMAGENET_MAX_ABS_DIFF, decode_image, decode_rgb
 from ray_workloads.models import imagenet_classes, imagenet_image_spec
 from ray_workloads.register_model import RegisterModelConfig, image_spec_for
-from rayline.seed import EXIF_ORIENTATION, jpeg_bytes, photo_variant, source_photos
+from rayline.seed import EXIF_ORIENTATION, camera_photo, camera_size, jpeg_bytes, photo_variant, source_photos
 from rayline.specs import ImageSpec
 
 pytestmark = pytest.mark.unit
@@ -67,11 +69,13 @@ def _views() -> dict[str, Callable[[], bytes]]:
 @pytest.mark.parametrize("view", sorted(_views()))
 def test_imagenet_spec_matches_torchvision_transforms(arch: str, view: str) -> None:
     data = _views()[view]()
-    spec = imagenet_image_spec(arch)
-    ours = decode_image(data, spec)
+    default = imagenet_image_spec(arch)
+    ours = decode_image(data, default.model_copy(update={"draft": False}))
     reference = _reference(data, arch)
     assert ours.shape == reference.shape == (3, 224, 224)
     assert float(np.abs(ours - reference).max()) <= IMAGENET_MAX_ABS_DIFF
+    if view != "over-2-megapixels":  # under twice the needed side: reduced-scale decoding leaves it alone
+        assert np.array_equal(decode_image(data, default), ours)
 
 
 def test_imagenet_specs_come_from_each_weights_entry() -> None:
@@ -121,19 +125,41 @@ def test_squash_keeps_the_digits_behaviour() -> None:
     assert ImageSpec.model_validate({"size": 32}).crop == 32  # versions stored before resize/crop existed
 
 
-def test_draft_decoding_stays_close_on_large_photos() -> None:
-    """Draft decoding kicks in only over twice the needed size; its pixels stay near full decoding."""
-    rng = np.random.default_rng(3)
-    full = imagenet_image_spec("resnet18")
-    assert not full.draft, "full decoding unless asked: equal to torchvision's transforms()"
-    spec = full.model_copy(update={"draft": True})
-    data, kind = photo_variant(source_photos()[1], rng, large=True)
-    assert kind.startswith("large")
+@pytest.mark.parametrize("megapixels", [3, 12])
+def test_reduced_scale_decoding_stays_within_its_bound_on_camera_photos(megapixels: int) -> None:
+    """The default decodes a camera photo at a reduced scale, never below twice the needed side, close to full."""
+    default = imagenet_image_spec("resnet18")
+    assert default.draft, "reduced-scale decoding is the default"
+    full = default.model_copy(update={"draft": False})
+    data = camera_photo(megapixels, np.random.default_rng(megapixels))
+    assert decode_rgb(data, full).size == camera_size(megapixels)
+    reduced = decode_rgb(data, default)
+    assert 2 * default.needed_side <= min(reduced.size) <= camera_size(megapixels)[1] // 2
+    difference = float(np.abs(decode_image(data, default) - decode_image(data, full)).mean())
+    assert 0 < difference <= DRAFT_MAX_MEAN_ABS_DIFF
+
+
+def test_reduced_scale_decoding_samples_the_same_geometry_in_every_orientation() -> None:
+    """Odd sides make the reduced decode overhang the photo; every EXIF orientation must crop the same way."""
+    default = imagenet_image_spec("resnet18")
+    full = default.model_copy(update={"draft": False})
+    stored = source_photos()[1].resize((1031, 1543), Image.Resampling.BICUBIC)
+    differences = []
+    for orientation in range(1, 9):
+        exif = Image.Exif()
+        exif[EXIF_ORIENTATION] = orientation
+        data = jpeg_bytes(stored, 92, exif)
+        differences.append(float(np.abs(decode_image(data, default) - decode_image(data, full)).mean()))
+    # a box on the wrong side shifts the crop by half a reduced pixel: ~5x the difference (0.03 vs 0.006)
+    assert max(differences) <= DRAFT_MAX_MEAN_ABS_DIFF and max(differences) - min(differences) < 0.002
+
+
+def test_camera_photos_are_camera_sized() -> None:
+    assert [camera_size(mp) for mp in (1, 3, 12)] == [(1152, 864), (2000, 1500), (4000, 3000)]
+    data = camera_photo(1, np.random.default_rng(0))
     with Image.open(io.BytesIO(data)) as img:
-        assert img.size[0] * img.size[1] > 2_000_000
-    drafted, exact = decode_image(data, spec), decode_image(data, full)
-    # normalised units (~4.4 per unit of [0, 1]); a mean shift this small does not move a prediction much
-    assert float(np.abs(drafted - exact).mean()) < 0.05
+        assert (img.format, img.size) == ("JPEG", (1152, 864))
+    assert 150_000 < len(data) < 600_000  # a camera's 1 MP JPEG, not a smooth upscale's
 
 
 def test_spec_rejects_inconsistent_sizes() -> None:
