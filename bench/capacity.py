@@ -101,7 +101,7 @@ def child_costs(spec: dict[str, Any]) -> dict[str, Any]:
         udf.predict(rows)
         del rows["image"]
         t2 = time.perf_counter()
-        write_block(f"p/b{start:09d}", rows, output, udf.constants)
+        write_block(f"p/b{start:09d}", rows, output, {**udf.constants, "plan": "eager/fp32/channels-last"})
         t3 = time.perf_counter()
         if start == 0:
             continue  # the warm-up block: first calls allocate and fill caches

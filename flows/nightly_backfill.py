@@ -24,6 +24,7 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
 from ray_workloads.batch_inference import InferenceConfig, InferenceResult, NightSkipped
+from ray_workloads.execution.plan import PlanPolicy
 from rayline.config import get_settings
 from rayline.errors import ErrorBudgetExceeded
 from rayline.lineage import code_version
@@ -44,7 +45,12 @@ def flow_run_id() -> str | None:
 
 
 def night_config(
-    day: date, version: ModelVersion, input_uri: str | None, actors: int, batch_size: int
+    day: date,
+    version: ModelVersion,
+    input_uri: str | None,
+    actors: int,
+    batch_size: int,
+    plan: PlanPolicy | None = None,
 ) -> InferenceConfig:
     """One night's workload config: the night's arrivals through ``version``, committed under the storage root."""
     root = root_uri()
@@ -58,6 +64,7 @@ def night_config(
         io_concurrency=get_settings().io_concurrency,
         code_version=code_version(),
         flow_run_id=flow_run_id(),
+        plan=plan or PlanPolicy(),
     )
 
 
@@ -133,9 +140,10 @@ def run_range(
     batch_size: int,
     max_error_fraction: float,
     max_concurrent_nights: int | None,
+    plan: PlanPolicy | None = None,
 ) -> BackfillResult:
     """Run every night of ``days``; a table artifact row per night; raise NightsFailed if any failed."""
-    configs = [night_config(day, version, input_uri, actors, batch_size) for day in days]
+    configs = [night_config(day, version, input_uri, actors, batch_size, plan) for day in days]
     width = max_concurrent_nights or nights.nights_at_once(
         cluster_cpus(), actors, configs[0].cpus_per_actor, len(configs)
     )

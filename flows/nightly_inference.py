@@ -7,13 +7,14 @@ own commit: a backfill after an outage or a new champion
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow
 from prefect.artifacts import create_link_artifact, create_table_artifact
 
 from flows.nightly_backfill import check_error_budget, night_config, run_range
 from ray_workloads.batch_inference import InferenceResult, NightSkipped
+from ray_workloads.execution.plan import PlanPolicy, Precision, plans_text
 from rayline.errors import ConfigError
 from rayline.skipped import skipped_text
 from rayline.storage.layout import model_name as checked_model_name
@@ -43,6 +44,10 @@ def nightly_inference(
     date_from: str | None = None,
     date_to: str | None = None,
     max_concurrent_nights: int | None = None,
+    plan: Literal["auto", "off"] = "auto",
+    precision: Precision | None = None,
+    backend: Literal["eager"] | None = None,
+    min_plan_agreement: float = 0.995,
 ) -> InferenceResult | NightSkipped | BackfillResult:
     """Predict every object under ``incoming/dt=<date>/`` (default: yesterday, UTC) with ``model_name``.
 
@@ -61,7 +66,15 @@ def nightly_inference(
     returns a ``BackfillResult`` when every night committed or was skipped,
     and fails naming the failed nights otherwise (the others stay committed).
     ``input_uri`` for a range needs ``{dt}`` where the day goes.
+
+    ``plan`` ``auto`` lets each predictor measure the execution plans its
+    machine offers (reduced precision where the hardware computes it
+    natively) and use the fastest whose answers agree with fp32's on the
+    night's first images (top-1 agreement at least ``min_plan_agreement``);
+    ``precision``/``backend`` pin one (still gated); ``off`` runs fp32 eager.
+    See :mod:`ray_workloads.execution.plan`.
     """
+    policy = PlanPolicy(mode=plan, precision=precision, backend=backend, min_agreement=min_plan_agreement)
     days = nights.night_range(date, date_from, date_to)
     if days is not None:
         nights.check_range_input(input_uri)
@@ -83,8 +96,9 @@ def nightly_inference(
             batch_size=batch_size,
             max_error_fraction=max_error_fraction,
             max_concurrent_nights=max_concurrent_nights,
+            plan=policy,
         )
-    result = batch_inference_task(night_config(day, version, input_uri, actors, batch_size))
+    result = batch_inference_task(night_config(day, version, input_uri, actors, batch_size, policy))
     if isinstance(result, NightSkipped):
         create_table_artifact(key="nightly-inference", table=[{"item": "skipped", "value": result.message}])
         return result
@@ -96,6 +110,7 @@ def nightly_inference(
         {"item": "skipped (not inputs)", "value": _skipped(result)},
         {"item": "rows/s", "value": round(result.inputs / max(result.elapsed_s, 1e-9), 1)},
         {"item": "model", "value": result.model},
+        {"item": "execution plan", "value": plans_text(result.plans)},
         {"item": "predictions table", "value": f"{result.predictions_table} version {result.predictions_version}"},
         {"item": "errors table", "value": f"{result.errors_table} version {result.errors_version}"},
         {"item": "replaced an earlier run", "value": result.replaced},

@@ -337,6 +337,7 @@ def _predict_night(
         "rayline.code_version": cfg.code_version,
         "rayline.flow_run_id": cfg.flow_run_id or "",
         "rayline.error_types": json.dumps(dict(sorted(totals.error_types.items()))),
+        "rayline.plans": json.dumps(sorted(totals.plans)),
     }
 
     def commit(table: str, kind: str) -> CommitResult:
@@ -384,4 +385,5 @@ def _predict_night(
         elapsed_s=time.perf_counter() - started,
         phase_s=phases.seconds,
         ray_data_stats=ray_data_stats,
+        plans=totals.plans,
     )

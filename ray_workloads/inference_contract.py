@@ -7,8 +7,11 @@ weights, and wrote both tables at the versions holding its commit.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, Field
 
+from ray_workloads.execution.plan import PlanPolicy
 from rayline.config import lease_ttl
 from rayline.lineage import DatasetRef
 from rayline.models.registry import ModelVersion
@@ -59,6 +62,9 @@ class InferenceConfig(LeasedOutput):
     top_k: int = Field(3, ge=1)
     code_version: str = "unknown"
     flow_run_id: str | None = None
+    plan: PlanPolicy = Field(
+        default_factory=PlanPolicy, description="How the actors choose their execution plan (ray_workloads.execution)."
+    )
     # the night's lease: a dead holder blocks the night's next run this long at most
     lease_ttl_s: float = Field(
         default_factory=lambda: lease_ttl(60.0),
@@ -98,6 +104,11 @@ class InferenceResult(BaseModel):
     elapsed_s: float
     phase_s: dict[str, float] = Field(default_factory=dict, description="Wall-clock seconds per phase of the run.")
     ray_data_stats: str = Field("", description="Ray Data's execution stats of the predict-and-write stage.")
+    plans: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="The execution plans the actors predicted with: each plan's name, with how it was chosen on "
+        "which hardware (the first actor's record of it).",
+    )
 
     @property
     def error_fraction(self) -> float:
@@ -112,7 +123,7 @@ class InferenceResult(BaseModel):
         """The night's inputs, pinned to their listing's hash, and the model's weights."""
         return [
             DatasetRef(uri=self.input_uri, content_hash=self.input_content_hash),
-            DatasetRef(uri=self.weights_uri, facets={"model": self.model}),
+            DatasetRef(uri=self.weights_uri, facets={"model": self.model, "plans": self.plans}),
         ]
 
     def lineage_outputs(self) -> list[DatasetRef]:

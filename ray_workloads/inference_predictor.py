@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from ray_workloads.execution.cache import plan_for
+from ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanPolicy
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
 from ray_workloads.night_blocks import (
     SPAN_COLUMNS,
@@ -117,6 +119,7 @@ class PredictorUDF:
         io_concurrency: int,
         output: NightOutput,
         constants: dict[str, Any],
+        plan_policy: PlanPolicy | None = None,
     ) -> None:
         import torch  # here, not at module level: only the actors need it
 
@@ -128,6 +131,8 @@ class PredictorUDF:
         self.io_concurrency = io_concurrency
         self.output = output
         self.constants = constants
+        self.plan_policy = plan_policy or PlanPolicy()
+        self.version_uri = model.uri
         self.part_rows = PartRows()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.load_error: Exception | None = None
@@ -168,7 +173,8 @@ class PredictorUDF:
             self.predict(rows)
             del rows["image"]  # the pixels are done with: keep only the chunk's prediction columns
             parts.append(rows)
-        return write_block(block, concat_rows(parts), self.output, self.constants)
+        plan = self.model.plan.record() if self.model.plan else {"plan": REFERENCE.name}
+        return write_block(block, concat_rows(parts), self.output, {**self.constants, "plan": plan["plan"]}, plan)
 
     def predict(self, rows: dict[str, np.ndarray]) -> None:
         """Add top-k predictions to the decoded rows, ``batch_size`` images per model call.
@@ -206,6 +212,8 @@ class PredictorUDF:
             rows["top_k_class"][i] = [str(self.names[j]) for j in row] if row[0] >= 0 else []
 
     def _predict_batch(self, rows: dict[str, np.ndarray], batch: np.ndarray) -> None:
+        if self.model.plan is None:  # the night's first images are the probe set of the actor's plan
+            plan_for(self.model, self.version_uri, rows["image"][batch[:PROBE_IMAGES]], self.plan_policy)
         started = time.perf_counter()
         probabilities = self.model.probabilities(rows["image"][batch])
         indices = top_k_indices(probabilities, self.top_k)
@@ -275,10 +283,17 @@ def _error_table(rows: dict[str, np.ndarray], selected: np.ndarray) -> pa.Table:
     return pa.table({field.name: pa.array(rows[field.name][selected].tolist(), field.type) for field in ERRORS_SCHEMA})
 
 
-def write_block(block: str, rows: dict[str, np.ndarray], output: NightOutput, constants: dict[str, Any]) -> BlockReport:
+def write_block(
+    block: str,
+    rows: dict[str, np.ndarray],
+    output: NightOutput,
+    constants: dict[str, Any],
+    plan: dict[str, Any] | None = None,
+) -> BlockReport:
     """Write a block's predictions and errors, one file each, at the block's fixed names (night_blocks)."""
     ok = rows["ok"]
     errors = _error_table(rows, ~ok)
     types = Counter(str(t) for t in errors.column("error_type").to_pylist())
     contents = block_contents(list(rows["uri"]), list(rows["etag"]))
-    return write_block_files(output, block, _prediction_table(rows, ok, constants), errors, dict(types), contents)
+    predictions = _prediction_table(rows, ok, constants)
+    return write_block_files(output, block, predictions, errors, dict(types), contents, plan)

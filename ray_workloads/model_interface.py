@@ -20,21 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ray_workloads.execution.plan import REFERENCE, Plan, PlanChoice, PlanPolicy, choose, softmax, torch_run
 from ray_workloads.model_sources import factory_models
 from rayline import storage
 from rayline.errors import InputDataError
+from rayline.hardware import Hardware, detect
 from rayline.models.registry import ModelVersion
 from rayline.specs import ImageSpec, ModelSpec
 
 if TYPE_CHECKING:
     from torch import nn
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    exp = np.exp(shifted.astype(np.float64))
-    probabilities: np.ndarray = (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
-    return probabilities
 
 
 class LoadedModel:
@@ -51,6 +46,7 @@ class LoadedModel:
         self.image_spec = image_spec
         self._logits = logits
         self.module = module  # the torch module, for formats rayline builds (None for a code-free file)
+        self.plan: PlanChoice | None = None  # how it runs, once chosen (choose_plan); fp32 until then
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
         """Raw scores (N, classes) for a float32 batch (N, 3, S, S)."""
@@ -67,22 +63,34 @@ class LoadedModel:
 
     def probabilities(self, batch: np.ndarray) -> np.ndarray:
         """Class probabilities (N, classes), each row summing to 1."""
-        return softmax(self.logits(batch))
+        return softmax(self.logits(batch)).astype(np.float32)
 
+    def choose_plan(self, probe: np.ndarray, policy: PlanPolicy, hardware: Hardware | None = None) -> PlanChoice:
+        """Measure the plans this model may run with on ``probe`` (decoded images), adopt the chosen one.
 
-def _torch_logits(module: nn.Module, channels_last: bool) -> Callable[[np.ndarray], np.ndarray]:
-    import torch
+        Only a module rayline built has candidates: a code-free file runs as
+        it was saved, in fp32, and :attr:`plan` says so without measuring.
+        """
+        hardware = hardware or detect()
+        if self.module is None:
+            plan = Plan(backend="onnxruntime") if self.spec.format == "onnx" else REFERENCE
+            return self.adopt(PlanChoice(plan, hardware, f"fp32: a {self.spec.format} file runs as it was saved"))
+        module = self.module
+        return self.adopt(choose(lambda plan: torch_run(module, plan), probe, hardware, self.device, policy))
 
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    def adopt(self, choice: PlanChoice) -> PlanChoice:
+        """Run with ``choice`` from now on (one just measured, or one cached for this version and machine)."""
+        if self.module is not None:
+            self._logits = torch_run(self.module, choice.plan)
+        self.plan = choice
+        return choice
 
-    def run(batch: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            images = torch.from_numpy(batch).to(device)
-            if channels_last:
-                images = images.contiguous(memory_format=torch.channels_last)
-            return module(images).float().cpu().numpy()  # type: ignore[no-any-return]
-
-    return run
+    @property
+    def device(self) -> str:
+        """Where the module's weights are: ``cpu`` or ``cuda`` (``cpu`` for a code-free file)."""
+        if self.module is None:
+            return "cpu"
+        return next((p.device.type for p in self.module.parameters()), "cpu")
 
 
 def load(
@@ -115,7 +123,7 @@ def load(
     module = load_model(spec, model_uri).to(target)
     if optimize:
         module = prepare_for_inference(module)
-    return LoadedModel(spec, image_spec, _torch_logits(module, channels_last=optimize), module)
+    return LoadedModel(spec, image_spec, torch_run(module, Plan(channels_last=optimize)), module)
 
 
 def load_version(version: ModelVersion, **options: Any) -> LoadedModel:

@@ -135,6 +135,8 @@ class BlockReport:
     reused: bool = False
     # of "uri<TAB>etag" for the block's inputs: a rerun reuses the block only for the same objects' versions
     contents: SetDigest = SetDigest()
+    # the record of the execution plan that predicted the block's rows (execution.plan.PlanChoice.record)
+    plan: dict[str, Any] = field(default_factory=dict)
 
     @property
     def part(self) -> str:
@@ -154,6 +156,7 @@ class BlockReport:
             "error_types": json.dumps(self.error_types, sort_keys=True),
             "reused": self.reused,
             "contents": self.contents.encode(),
+            "plan": json.dumps(self.plan, sort_keys=True),
         }
 
     @classmethod
@@ -170,6 +173,7 @@ class BlockReport:
             reused=bool(row.get("reused", False)),
             # a report without it (written before it was kept) matches no block: that block is predicted again
             contents=SetDigest.decode(str(row["contents"])) if row.get("contents") else SetDigest(),
+            plan=json.loads(row["plan"]) if row.get("plan") else {},
         )
 
 
@@ -207,19 +211,20 @@ def write_block_files(
     errors: pa.Table,
     error_types: dict[str, int],
     contents: SetDigest,
+    plan: dict[str, Any] | None = None,
 ) -> BlockReport:
     """Write a block's two files, errors first: the predictions file, with the report in its footer, marks it done.
 
-    ``contents``: :func:`block_contents` of the block's inputs.
+    ``contents``: :func:`block_contents` of the block's inputs; ``plan``: the record of the plan that predicted.
     """
     uris = SetDigest.of(predictions.column("uri").to_pylist()) + SetDigest.of(errors.column("uri").to_pylist())
     errors_bytes = _write_parquet(block_file_uri(output.errors_table, output.night, output.key, block), errors)
     # the report's own size is not known before writing it: the footer holds the errors file's, the driver both
     rows = (predictions.num_rows, errors.num_rows)
-    report = BlockReport(block, *rows, 0, errors_bytes, uris, error_types, contents=contents)
+    report = BlockReport(block, *rows, 0, errors_bytes, uris, error_types, contents=contents, plan=plan or {})
     uri = block_file_uri(output.predictions_table, output.night, output.key, block)
     predictions_bytes = _write_parquet(uri, predictions, report)
-    return BlockReport(block, *rows, predictions_bytes, errors_bytes, uris, error_types, contents=contents)
+    return dataclasses.replace(report, predictions_bytes=predictions_bytes)
 
 
 def written_report(output: NightOutput, block: str) -> BlockReport | None:

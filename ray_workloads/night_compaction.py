@@ -80,8 +80,11 @@ class NightTotals:
     # part name -> kind -> [rows, bytes]
     per_part: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     cut: dict[str, PartBlocks] = field(default_factory=dict)
+    plans: dict[str, dict[str, Any]] = field(default_factory=dict)  # plan name -> the first record of it
 
     def add(self, report: BlockReport) -> None:
+        if report.plan.get("plan"):
+            self.plans.setdefault(str(report.plan["plan"]), report.plan)
         self.uris = self.uris + report.uris
         self.rows.update({"predictions": report.predictions, "errors": report.errors})
         self.error_types.update(report.error_types)

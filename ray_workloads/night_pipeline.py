@@ -130,6 +130,7 @@ def predict_and_write(
             cfg.io_concurrency,
             output,
             run_constants(cfg),
+            cfg.plan,
         ),
         batch_size=1,  # one span per call: it writes one file of each kind per block
         batch_format="pyarrow",

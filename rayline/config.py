@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -123,6 +124,12 @@ class Settings(BaseSettings):
     serve_default_model: str | None = Field(
         None,
         description="Model answering POST /predict (no model name in the path); unset: the first model served.",
+    )
+    serve_plan: Literal["auto", "off"] = Field(
+        "auto", description="auto: each model replica runs the fastest plan that passes the gate; off: fp32 eager."
+    )
+    serve_precision: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="Pin the model replicas' precision (still gated against fp32); unset: measured."
     )
     serve_graceful_shutdown_wait_loop_s: float = Field(
         2.0,

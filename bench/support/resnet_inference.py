@@ -210,6 +210,7 @@ def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
         "phases": result.phase_s,
         "connect_s": connect_s,
         "idle_wait_s": idle_wait_s,
+        "plans": result.plans,
     }
 
 

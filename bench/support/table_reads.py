@@ -53,6 +53,7 @@ def night_rows(night: Night, rows: int, rng: np.random.Generator) -> pa.Table:
         "model_version": pa.array(np.ones(rows, dtype=np.int64)),
         "code_version": pa.array(["bench"] * rows),
         "flow_run_id": pa.array([""] * rows),
+        "plan": pa.array(["eager/fp32/channels-last"] * rows),
     }
     return pa.table(columns, schema=PREDICTIONS_SCHEMA)
 

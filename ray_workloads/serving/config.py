@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ray_workloads.execution.plan import PlanPolicy
 from ray_workloads.images import DEFAULT_MAX_PIXELS
 from rayline.config import get_settings
 from rayline.errors import ConfigError
@@ -55,6 +56,10 @@ class ServeConfig(BaseModel):
     graceful_shutdown_wait_loop_s: float = Field(
         2.0, gt=0, description="How often a stopping replica checks that its requests have drained."
     )
+    plan: PlanPolicy = Field(
+        default_factory=PlanPolicy,
+        description="How each model replica chooses its execution plan (RAYLINE_SERVE_PLAN, RAYLINE_SERVE_PRECISION).",
+    )
     default_model: str | None = Field(
         None,
         pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
@@ -87,6 +92,7 @@ def config_from_settings() -> ServeConfig:
             port=settings.serve_port,
             default_model=settings.serve_default_model,
             graceful_shutdown_wait_loop_s=settings.serve_graceful_shutdown_wait_loop_s,
+            plan=PlanPolicy(mode=settings.serve_plan, precision=settings.serve_precision),
         )
     except ValidationError as exc:  # every field here comes from RAYLINE_SERVE_<FIELD>
         problems = "; ".join(

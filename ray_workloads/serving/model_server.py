@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 from ray import serve
 
+from ray_workloads.execution.cache import plan_for, sample_probe
+from ray_workloads.execution.plan import PlanPolicy
 from ray_workloads.images import ImageDecodeError, decode_image
 from ray_workloads.model_interface import remote_options
 from ray_workloads.serving.config import ServeConfig
@@ -32,7 +34,7 @@ class ModelOutputError(RuntimeError):
 class ModelServer:
     """One registered model version: weights read once per replica, requests batched."""
 
-    def __init__(self, model: ModelVersion, top_k: int, max_pixels: int) -> None:
+    def __init__(self, model: ModelVersion, top_k: int, max_pixels: int, plan: dict[str, Any] | None = None) -> None:
         # torch only here: router replicas and the control actor never pay for importing it
         import torch
 
@@ -45,6 +47,9 @@ class ModelServer:
         # any registered format, through the one model interface; nothing is unpickled beyond tensors
         self.net = load_version(model, device=torch.device("cpu"), optimize=False, threads=1)
         self.top_k = min(top_k, len(self.model.classes))
+        # the version's plan on this machine: the one a night cached, else measured here on sample photos
+        policy = PlanPolicy.model_validate(plan or {})
+        self.plan = plan_for(self.net, model.uri, sample_probe(self.image_spec), policy).plan.name
         self._probe = np.zeros((1, 3, spec.size, spec.size), dtype=np.float32)
         self._last_forward = 0.0
 
@@ -85,6 +90,7 @@ class ModelServer:
             "top_k": [{"index": int(i), "name": classes[int(i)], "prob": float(probs[i])} for i in top],
             "model": self.model.name,
             "version": self.model.version,
+            "plan": self.plan,
         }
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
@@ -114,4 +120,4 @@ def model_app(model: ModelVersion, cfg: ServeConfig) -> Any:
         max_surge_percent=100,  # a restart (new config) starts replacements before stopping old replicas
         logging_config={"enable_access_log": cfg.access_log},
     )(ModelServer)
-    return deployment.bind(model, cfg.top_k, cfg.max_pixels)
+    return deployment.bind(model, cfg.top_k, cfg.max_pixels, cfg.plan.model_dump(mode="json"))

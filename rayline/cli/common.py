@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from enum import StrEnum
 from typing import NoReturn
 
 import typer
@@ -10,6 +11,22 @@ import typer
 from rayline.errors import ConfigError
 
 DEFAULT_MODEL_NAME = "digits"
+
+
+# typer takes a fixed set of values as an Enum; these mirror ray_workloads.execution.plan's Literals
+class PlanMode(StrEnum):
+    auto = "auto"
+    off = "off"
+
+
+class PrecisionChoice(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class BackendChoice(StrEnum):
+    eager = "eager"
 
 
 def quiet_ray() -> None:

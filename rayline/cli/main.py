@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 import typer
 
 from rayline.cli import console, demo, ops, platform, register, summaries, tables
-from rayline.cli.common import DEFAULT_MODEL_NAME, model_ref
+from rayline.cli.common import DEFAULT_MODEL_NAME, BackendChoice, PlanMode, PrecisionChoice, model_ref
 from rayline.cli.common import fail as _fail
 from rayline.cli.common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
@@ -240,6 +240,17 @@ def nightly_inference_command(
             min=1, help="Backfill: nights at once; default the cluster's CPUs / one night's (--actors × 0.5)."
         ),
     ] = None,
+    plan: Annotated[
+        PlanMode,
+        typer.Option(help="auto: measure the plans the hardware offers, keep the fastest that agrees with fp32; off."),
+    ] = PlanMode.auto,
+    precision: Annotated[
+        PrecisionChoice | None, typer.Option(help="Pin the precision (still gated against fp32's answers).")
+    ] = None,
+    backend: Annotated[BackendChoice | None, typer.Option(help="Pin the backend.")] = None,
+    min_plan_agreement: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Top-1 agreement with fp32 a faster plan needs on the probe.")
+    ] = 0.995,
 ) -> None:
     """Run the nightly-inference flow once: predict a day of arrivals (or each night of --from..--to), commit it.
 
@@ -266,6 +277,10 @@ def nightly_inference_command(
             date_from=date_from,
             date_to=date_to,
             max_concurrent_nights=max_concurrent,
+            plan=plan.value,
+            precision=precision.value if precision else None,
+            backend=backend.value if backend else None,
+            min_plan_agreement=min_plan_agreement,
         )
     except nights.NightsFailed as exc:
         summaries.print_backfill_summary(exc.result)

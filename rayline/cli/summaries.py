@@ -79,6 +79,7 @@ def print_registration(result: RegisterModelResult) -> None:
 
 def print_inference_summary(result: InferenceResult | NightSkipped) -> None:
     from ray_workloads.batch_inference import NightSkipped  # loaded already: the result came from it
+    from ray_workloads.execution.plan import plans_text
 
     typer.echo("")
     typer.secho("nightly-inference finished", bold=True)
@@ -92,6 +93,7 @@ def print_inference_summary(result: InferenceResult | NightSkipped) -> None:
     )
     if result.skipped:
         typer.echo(f"  skipped            {skipped_text(result.skipped)}")
+    typer.echo(f"  execution plan     {plans_text(result.plans)}")
     if result.reused_blocks:
         reused = f"{result.reused_blocks} of {result.blocks}"
         typer.echo(f"  resumed            {reused} blocks of an earlier attempt reused")

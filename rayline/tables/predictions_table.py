@@ -121,6 +121,8 @@ PREDICTIONS_SCHEMA = pa.schema(
         ("model_version", pa.int64()),
         ("code_version", pa.string()),
         ("flow_run_id", pa.string()),
+        # how the row was computed: its execution plan, backend/precision[/layout] (ray_workloads.execution.plan)
+        ("plan", pa.string()),
     ]
 )
 ERRORS_SCHEMA = pa.schema([(name, pa.string()) for name in ("uri", "stage", "error_type", "error_message")])

@@ -3,8 +3,10 @@
 - ``s3_server``: a loopback S3-protocol server (moto's server mode, in its own process), free ports,
   stopping a process by PID;
 - ``s3_proxy``: a real HTTP proxy in front of any S3 endpoint that throttles, fails, resets, cuts
-  bodies short and refuses reads by policy (``python -m rayline.testing.s3_proxy --help``).
+  bodies short and refuses reads by policy (``python -m rayline.testing.s3_proxy --help``);
+- ``trained_models``: a ResNet-18 trained on the digits in seconds (real logit margins, for accuracy gates).
 
-Standard library only (moto runs as ``python -m moto.server``), so an installed rayline finds them
-without the test suite or ``bench/`` on the path.
+The servers are standard library only (moto runs as ``python -m moto.server``) and the model imports
+torch inside its function, so an installed rayline finds them without the test suite or ``bench/`` on
+the path.
 """

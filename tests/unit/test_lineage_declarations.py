@@ -118,11 +118,12 @@ def test_a_night_declares_its_inputs_the_weights_and_both_tables_at_its_versions
         model="digits v3",
         data_files=files,
         elapsed_s=1.0,
+        plans={"eager/bf16/channels-last": {"reason": "eager/bf16/channels-last: 2.10x fp32's speed"}},
     )
     night = {"model_name": "digits", "dt": "2026-11-28", "run_id": "task-1"}
     assert result.lineage_inputs() == [
         DatasetRef(uri="s3://b/incoming/dt=2026-11-28", content_hash="def"),
-        DatasetRef(uri="s3://b/models/digits/v3/weights.pt", facets={"model": "digits v3"}),
+        DatasetRef(uri="s3://b/models/digits/v3/weights.pt", facets={"model": "digits v3", "plans": result.plans}),
     ]
     assert result.lineage_outputs() == [
         DatasetRef(uri="s3://b/predictions", facets={**night, "version": 4, "data_files": 2}),

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from ray_workloads.execution.plan import PlanPolicy
 from ray_workloads.inference_predictor import PredictorUDF
 from ray_workloads.model_interface import LoadedModel
 from rayline.errors import DeviceError, OutOfMemory, is_transient, model_call_fault
@@ -63,6 +64,7 @@ def _udf(exc: BaseException) -> PredictorUDF:
     udf = PredictorUDF.__new__(PredictorUDF)
     udf.top_k, udf.batch_size, udf.names = 2, 4, np.array([str(i) for i in range(10)], dtype=object)
     udf.device, udf.model = torch.device("cpu"), LoadedModel(ModelSpec(), None, _raising(exc))
+    udf.plan_policy, udf.version_uri = PlanPolicy(mode="off"), "unused: the plan's choice is off"
     return udf
 
 

@@ -1,0 +1,178 @@
+"""The execution plan on a GPU: fp32, fp16 and bf16 at larger batches, and the photo loop end to end.
+
+The GPU machines lent to this project have torch, torchvision, PIL, numpy
+and scikit-learn but no Ray (and nothing can be installed from a registry
+there), so this is bench/night_plan.py's measurement without Ray:
+
+* **model**: ResNet-50 and ResNet-18 (``weights=None``) at batches of 64 and
+  256: ``ray_workloads.execution.plan.choose`` on the GPU's hardware, every
+  candidate's images/s (numpy in, logits out: the copies a night's actor
+  makes are included) and the plan chosen.
+* **gate**: fp16 and bf16 against fp32 on a ResNet-18 trained on the digits
+  (``rayline.testing.trained_models``, 64 px, trained on the GPU) over its
+  297 held-out images.
+* **loop**: ``--photos`` generated camera photos (bench/support/photo_images.py's
+  mix: a quarter each small, 1, 3 and 12 MP) through a DataLoader with a
+  worker per core, ResNet-50: the documented pattern (full decode, the
+  weights' transforms, fp32 eager, batch 64) against rayline's way (its
+  ``decode_image`` at reduced scale, its chosen plan, batch 256).
+
+Run with the machine's python3 and pydantic carried as wheels; last line: one line of JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the repository root
+
+ARCHS = ("resnet50", "resnet18")
+DEVICE = {"name": "cuda"}  # --dry-run: "cpu", to try the script where there is no GPU
+
+
+def model_plans(arch: str, batch: int) -> dict[str, Any]:
+    import torch
+    from torchvision.models import get_model
+
+    from ray_workloads.execution.plan import PlanPolicy, choose, torch_run
+    from rayline.hardware import detect
+
+    module = get_model(arch, weights=None).to(DEVICE["name"]).eval().to(memory_format=torch.channels_last)
+    probe = np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32)
+    choice = choose(lambda plan: torch_run(module, plan), probe, detect(), DEVICE["name"], PlanPolicy())
+    speeds = ", ".join(f"{name} {speed:,.0f}" for name, speed in choice.speeds.items())
+    print(f"{arch}, batch {batch}: images/s {speeds}; chosen {choice.reason}", flush=True)
+    return {"plan": choice.plan.name, "images_s": {k: round(v, 1) for k, v in choice.speeds.items()}}
+
+
+def trained_gate() -> dict[str, Any]:
+    from ray_workloads.execution.plan import REFERENCE, Plan, gate, torch_run
+    from rayline.testing.trained_models import digits_resnet18
+
+    module, images, _ = digits_resnet18(side=64, steps=80, device=DEVICE["name"])
+    reference = torch_run(module, REFERENCE)(images)
+    figures = {}
+    for precision in ("fp16", "bf16"):
+        result = gate(reference, torch_run(module, Plan(precision=precision))(images))  # type: ignore[arg-type]
+        figures[precision] = {"agreement": result.agreement, "max_prob_diff": round(result.max_prob_diff, 5)}
+        print(f"trained ResNet-18, {precision} against fp32 on {result.images} images: {figures[precision]}")
+    return figures
+
+
+class RaylineDecode:
+    """rayline's decoding of a photo file (reduced-scale JPEG decoding where the photo is far larger)."""
+
+    def __init__(self, paths: list[str], spec: Any) -> None:
+        self.paths, self.spec = paths, spec
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> Any:
+        from ray_workloads.images import decode_image
+
+        return index, decode_image(Path(self.paths[index]).read_bytes(), self.spec)
+
+
+def photo_loop(paths: list[str], plan_side: bool) -> dict[str, Any]:
+    from torch.utils.data import DataLoader
+    from torchvision.models import get_model
+
+    from bench.support.documented_loop import DocumentedDataset
+    from ray_workloads.execution.plan import Plan, PlanPolicy, choose, torch_run
+    from ray_workloads.model_sources.architectures import imagenet_image_spec
+    from rayline.hardware import detect
+
+    workers = len(os.sched_getaffinity(0))
+    module = get_model("resnet50", weights=None).to(DEVICE["name"]).eval()
+    dataset: Any = (
+        RaylineDecode(paths, imagenet_image_spec("resnet50")) if plan_side else DocumentedDataset(paths, "resnet50")
+    )
+    # the same batches on both sides: a DataLoader worker builds a whole batch, so larger ones idle workers
+    loader = DataLoader(dataset, batch_size=64, num_workers=workers, pin_memory=True)
+    began = time.perf_counter()
+    documented = Plan(channels_last=False)  # fp32 eager, as the documented pattern runs it
+    run: Any = None if plan_side else torch_run(module, documented)
+    plan = documented.name
+    rows = 0
+    for _, images in loader:
+        array = np.asarray(images)
+        if run is None:  # rayline: the plan measured on the night's first images
+            choice = choose(lambda p: torch_run(module, p), array[:64], detect(), DEVICE["name"], PlanPolicy())
+            run, plan = torch_run(module, choice.plan), choice.plan.name
+        run(array).argmax(axis=1)
+        rows += len(array)
+    seconds = time.perf_counter() - began
+    side = "rayline (reduced-scale decode, plan)" if plan_side else "documented (full decode, fp32 eager)"
+    print(f"photo loop, {side}: {rows / seconds:,.1f} images/s ({rows} photos, {seconds:.1f} s, plan {plan})")
+    return {"images_s": rows / seconds, "plan": plan}
+
+
+def _write_photo(args: tuple[int, str]) -> None:
+    from rayline.seed import camera_photo, photo_variant, source_photos
+
+    index, folder = args
+    rng = np.random.default_rng(20_000 + index)
+    kind = index % 4
+    if kind == 0:
+        photos = source_photos()
+        data = photo_variant(photos[index % len(photos)], rng)[0]
+    else:
+        data = camera_photo((1, 3, 12)[kind - 1], rng)
+    (Path(folder) / f"photo-{index:05d}.jpg").write_bytes(data)
+
+
+def make_photos(count: int, folder: Path) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        list(pool.map(_write_photo, [(i, str(folder)) for i in range(count)], chunksize=8))
+    return sorted(str(p) for p in folder.glob("*.jpg"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--photos", type=int, default=2000)
+    parser.add_argument("--folder", type=Path, default=Path("/tmp/rayline-gpu-photos"))
+    parser.add_argument("--dry-run", action="store_true", help="on the CPU, tiny sizes: tries the script, no figures")
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--only-loop", action="store_true", help="only the photo loop")
+    args = parser.parse_args()
+    import torch
+
+    from rayline.hardware import detect
+
+    if args.dry_run:
+        DEVICE["name"] = "cpu"
+    elif not torch.cuda.is_available():
+        raise SystemExit("no GPU: bench/night_plan.py is the CPU bench (--dry-run tries this one on the CPU)")
+    hardware = detect()
+    print(f"hardware: {hardware.describe()}, bf16 on the GPU: {hardware.gpu_bf16}; torch {torch.__version__}")
+    figures: dict[str, Any] = {"gpu": hardware.gpu, "cpu_cores": len(os.sched_getaffinity(0))}
+    for arch in () if args.only_loop else ARCHS:
+        for batch in args.batches:
+            figures[f"{arch}_b{batch}"] = model_plans(arch, batch)
+    if not args.only_loop:
+        figures["gate"] = trained_gate()
+    began = time.perf_counter()
+    paths = make_photos(args.photos, args.folder)
+    print(f"{len(paths)} photos generated in {time.perf_counter() - began:.0f} s", flush=True)
+    documented = photo_loop(paths, plan_side=False)
+    rayline = photo_loop(paths, plan_side=True)
+    figures["loop_documented_img_s"] = round(documented["images_s"], 1)
+    figures["loop_rayline_img_s"] = round(rayline["images_s"], 1)
+    figures["loop_plan"] = rayline["plan"]
+    figures["loop_speedup"] = round(rayline["images_s"] / documented["images_s"], 2)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Nights and serving at the speed of the hardware: rayline's execution plan and reduced-scale decoding
+against the plain loop of Ray Data's documented pattern, in one run on one machine.
+
+* **ISA**: what the CPU offers (``rayline.hardware``), printed first: the
+  targets depend on it (with AVX-512-BF16 or AMX: ResNet-50 ≥ 3×, ResNet-18
+  ≥ 2.5× the plain loop; without: ≥ 1.3×).
+* **photos**: ``bench.support.photo_images.camera_folder``: generated JPEGs of
+  mixed sizes, a quarter small views of the two sample photos and a quarter
+  each of 1, 3 and 12 megapixels, as cameras and phones make them.
+* **plain**: bench/support/documented_loop.py, eager fp32, full decoding, the
+  weights' ``transforms()``, a DataLoader with a worker per core and as many
+  torch threads as cores.
+* **rayline**: ``batch_inference.run`` with the settings of
+  ``resnet_inference.choose_settings`` and its defaults: the execution plan
+  chosen by measuring on the night's first images (included in the time: a
+  fresh registration, so nothing is cached) and reduced-scale decoding.
+  Both sides in fresh processes, model loading and start-up included;
+  ``ray.init`` is not timed. Random weights: speed does not depend on them.
+* **agreement**: the plan chosen for ResNet-18, gated against fp32 on a
+  ResNet-18 trained on the digits (``rayline.testing.trained_models``, 64 px)
+  over its 297 held-out images: random weights' logits are nearly tied and
+  say nothing about a precision's answers.
+* **decode**: one photo's decode and full transform at 1, 3 and 12 MP, full
+  and reduced-scale (median of repeats).
+* **serving**: ``POST /predict`` of a 1 MP photo, 8 kept-alive connections for
+  ``--serve-seconds`` through the router, ResNet-18 on the default
+  ``ServeConfig`` with ``plan`` auto and off (a fresh instance each).
+
+GPU: where ``torch.cuda.is_available()`` both nights run on it too (fp16/bf16
+candidates) with larger batches. Nothing needs a GPU. Last line: one line of JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the repository root
+
+if TYPE_CHECKING:
+    from ray_workloads.execution.plan import Precision
+
+RESULT = "RESULT "
+ARCHS = ("resnet50", "resnet18")
+SERVE_CONNECTIONS = 8
+TARGETS = {True: {"resnet50": 3.0, "resnet18": 2.5}, False: {"resnet50": 1.3, "resnet18": 1.3}}
+
+
+# ---------------------------------------------------------------- the measuring children
+
+
+def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
+    from bench.support.documented_loop import documented_loop
+    from bench.support.resnet_inference import _version
+
+    version = _version(spec)
+    paths = sorted(str(p) for p in Path(spec["input"]).rglob("*.jpg"))
+    began = time.perf_counter()
+    rows = documented_loop(paths, version, Path(spec["root"]) / "plain" / f"{spec['name']}.parquet", spec["batch"])
+    seconds = time.perf_counter() - began
+    assert rows == spec["count"], (rows, spec["count"])
+    return {"seconds": seconds, "images_s": rows / seconds}
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    from bench.support import resnet_inference
+
+    if spec["kind"] == "plain":
+        return child_plain(spec)
+    return resnet_inference.child_rayline(spec)
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """One side in a fresh process (its own Ray cluster, its own memory)."""
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, check=False
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"measurement {spec['kind']} {spec['name']} failed (exit {proc.returncode})")
+    return dict(json.loads(lines[-1][len(RESULT) :]))
+
+
+# ---------------------------------------------------------------- nights
+
+
+def night(work: str, arch: str, folder: Path, count: int, gpu: bool) -> dict[str, Any]:
+    """The plain loop and rayline's night for ``arch`` over ``folder``; their figures and the plan chosen."""
+    from bench.support.resnet_inference import choose_settings, register_resnet
+
+    cores = os.cpu_count() or 1
+    root = str(Path(work) / arch)
+    register_resnet(root, arch)  # fresh: the night measures its plan, as a new version's first night does
+    settings = choose_settings(cores, gpu=gpu, overrides={"batch_size": 64} if gpu else None)
+    base = {"root": root, "arch": arch, "input": str(folder), "count": count, "name": f"{arch}-{count}"}
+    rayline = measure({**base, "kind": "rayline", "settings": asdict(settings), "gpu": gpu})
+    plain = measure({**base, "kind": "plain", "batch": settings.batch_size, "gpu": gpu})
+    plans = rayline["plans"]
+    chosen = sorted(plans) or ["none recorded"]
+    speedup = rayline["images_s"] / plain["images_s"]
+    print(f"{arch}, {count} photos{' (GPU)' if gpu else ''}:")
+    print(f"  plain loop {plain['images_s']:6.1f} images/s ({plain['seconds']:.1f} s)")
+    print(f"  rayline    {rayline['images_s']:6.1f} images/s ({rayline['seconds']:.1f} s; phases {rayline['phases']})")
+    for name in chosen:
+        print(f"  plan {name}: {plans.get(name, {}).get('reason', '')}")
+    print(f"  speedup {speedup:.2f}", flush=True)
+    return {"plan": ", ".join(chosen), "speedup": speedup, "plain": plain, "rayline": rayline}
+
+
+def trained_agreement(precision: Precision) -> tuple[float, float]:
+    """Top-1 agreement and largest top-class probability change of ``precision`` against fp32 on a trained
+    ResNet-18 (digits, 64 px, 297 held-out images)."""
+    from ray_workloads.execution.plan import REFERENCE, Plan, gate, torch_run
+    from rayline.testing.trained_models import digits_resnet18
+
+    module, images, labels = digits_resnet18(side=64, steps=80)
+    reference = torch_run(module, REFERENCE)(images)
+    result = gate(reference, torch_run(module, Plan(precision=precision))(images))
+    accuracy = float((reference.argmax(axis=1) == labels).mean())
+    print(
+        f"trained ResNet-18 (digits, 64 px, held-out accuracy {accuracy:.3f}): {precision} against fp32 on "
+        f"{result.images} images: top-1 agreement {result.agreement:.4f}, top-class probability within "
+        f"{result.max_prob_diff:.4f}"
+    )
+    return result.agreement, result.max_prob_diff
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def decode_costs(repeats: int) -> dict[int, dict[str, float]]:
+    """ms to decode and transform one camera photo of each size, full and reduced-scale (median of repeats)."""
+    import numpy as np
+
+    from ray_workloads.images import decode_image
+    from ray_workloads.models import imagenet_image_spec
+    from rayline.seed import camera_photo
+
+    reduced = imagenet_image_spec("resnet50").model_copy(update={"draft": True})
+    full = reduced.model_copy(update={"draft": False})
+    costs = {}
+    for megapixels in (1, 3, 12):
+        data = camera_photo(megapixels, np.random.default_rng(megapixels))
+        figures = {}
+        for label, spec in (("full", full), ("reduced", reduced)):
+            times = []
+            for _ in range(repeats):
+                began = time.perf_counter()
+                decode_image(data, spec)
+                times.append((time.perf_counter() - began) * 1000)
+            figures[label] = statistics.median(times)
+        costs[megapixels] = figures
+        print(
+            f"decode + transform, {megapixels:2d} MP ({len(data) / 1e6:.1f} MB): full {figures['full']:6.1f} ms, "
+            f"reduced-scale {figures['reduced']:6.1f} ms, x{figures['full'] / figures['reduced']:.2f}"
+        )
+    return costs
+
+
+# ---------------------------------------------------------------- serving
+
+
+def serving(work: str, seconds: float) -> dict[str, dict[str, float]]:
+    """/predict saturated with the plan (auto) and without (off), ResNet-18, a fresh instance each."""
+    import numpy as np
+
+    from bench.support.http_load import saturate
+    from bench.support.resnet_inference import _version, register_resnet
+    from ray_workloads.execution.plan import PlanPolicy
+    from ray_workloads.serving import control
+    from ray_workloads.serving.config import ServeConfig
+    from rayline import ray_cluster
+    from rayline.seed import camera_photo
+    from rayline.testing.s3_server import free_port
+
+    root = str(Path(work) / "serve")
+    register_resnet(root, "resnet18")
+    version = _version({"root": root, "arch": "resnet18"})
+    body = camera_photo(1, np.random.default_rng(7))
+    figures = {}
+    ray_cluster.connect()
+    try:
+        for label, policy in (("plan", PlanPolicy()), ("fp32", PlanPolicy(mode="off"))):
+            cfg = ServeConfig(name=f"bench-{label}", port=free_port(), plan=policy)
+            control.start(cfg)
+            try:
+                control.deploy_version(version, cfg)
+                control.set_weights({version.version: 100.0}, cfg)
+                saturate(cfg.port, "/predict", body, SERVE_CONNECTIONS, 3.0)  # warm-up: replica, batching
+                result = saturate(cfg.port, "/predict", body, SERVE_CONNECTIONS, seconds)
+            finally:
+                control.shutdown(cfg)
+            figures[label] = {"rps": result.rps, "p50_ms": result.p50_ms, "p99_ms": result.p99_ms}
+            print(
+                f"/predict, {label}: {result.rps:.1f} req/s, p50 {result.p50_ms:.0f} ms, p99 {result.p99_ms:.0f} ms, "
+                f"{result.errors} errors ({result.client})",
+                flush=True,
+            )
+    finally:
+        ray_cluster.disconnect()
+    return figures
+
+
+# ---------------------------------------------------------------- the run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--photos", type=int, default=240, help="photos of mixed sizes in each night")
+    parser.add_argument("--archs", nargs="+", choices=ARCHS, default=list(ARCHS))
+    parser.add_argument("--serve-seconds", type=float, default=20.0)
+    parser.add_argument("--decode-repeats", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="40 photos, 5 s of serving: a smoke test")
+    args = parser.parse_args()
+    if args.child:
+        print(RESULT + json.dumps(child(json.loads(args.child))), flush=True)
+        return
+    if args.quick:
+        args.photos, args.serve_seconds, args.decode_repeats = 40, 5.0, 3
+    os.environ.pop("RAY_ADDRESS", None)  # always embedded clusters of our own
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+    import torch
+
+    from bench.support.photo_images import camera_folder
+    from rayline.hardware import detect
+
+    hardware = detect()
+    fast = hardware.cpu_bf16
+    print(f"ISA: {hardware.describe()}; reduced-precision fast path on the CPU: {'yes' if fast else 'no'}")
+    folder = camera_folder(args.photos)
+    figures: dict[str, Any] = {"isa": list(hardware.isa), "cpu": hardware.cpu_model, "photos": args.photos}
+    with tempfile.TemporaryDirectory(prefix="rayline-bench-plan-") as work:
+        for arch in args.archs:
+            result = night(work, arch, folder, args.photos, gpu=False)
+            target = TARGETS[fast][arch]
+            print(f"  target {target}x ({'met' if result['speedup'] >= target else 'NOT met'})")
+            figures[f"plan_{arch}"] = result["plan"]
+            figures[f"speedup_{arch}"] = round(result["speedup"], 3)
+            figures[f"img_s_{arch}"] = round(result["rayline"]["images_s"], 1)
+            figures[f"plain_img_s_{arch}"] = round(result["plain"]["images_s"], 1)
+            if torch.cuda.is_available():
+                on_gpu = night(work, f"{arch}", folder, args.photos, gpu=True)
+                figures[f"gpu_plan_{arch}"], figures[f"gpu_speedup_{arch}"] = on_gpu["plan"], on_gpu["speedup"]
+        # the chosen plan's precision; where fp32 was chosen, its CPU candidate's (what the gate weighed)
+        chosen = figures.get("plan_resnet18", "eager/fp32")
+        precision: Precision = "fp16" if "fp16" in chosen else "bf16"
+        agreement, prob_diff = trained_agreement(precision)
+        figures["top1_agreement_resnet18"] = round(agreement, 4)
+        figures["max_prob_diff_resnet18"] = round(prob_diff, 4)
+        costs = decode_costs(args.decode_repeats)
+        for mp, cost in costs.items():
+            figures[f"decode_speedup_{mp}mp"] = round(cost["full"] / cost["reduced"], 2)
+        served = serving(work, args.serve_seconds)
+    figures["serve_rps_ratio"] = round(served["plan"]["rps"] / served["fp32"]["rps"], 3)
+    figures["serve_p99_ms"] = round(served["plan"]["p99_ms"], 1)
+    figures["serve_p99_ms_fp32"] = round(served["fp32"]["p99_ms"], 1)
+    figures["serve_rps"] = round(served["plan"]["rps"], 1)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""How a model version runs on a machine: precision, memory layout and backend, chosen by measuring, behind a gate.
+
+fp32 eager is the reference: what the model was trained and validated in.
+Where the hardware computes a narrower type natively (a CPU with AVX-512-BF16
+or AMX: bf16; a GPU: fp16, and bf16 where it supports it), a candidate plan
+runs under ``torch.autocast`` and can be several times faster (bench/README.md),
+but its outputs differ. So a candidate is used only when, on a probe set of
+real images, it is faster than the reference and its answers agree with the
+reference's: top-1 agreement at least :attr:`PlanPolicy.min_agreement` and the
+top class's probability never further than :attr:`PlanPolicy.max_prob_diff`.
+Otherwise the reference runs and :attr:`PlanChoice.reason` says why in one
+line. A user may pin the precision or backend (still gated) or turn the
+choice off (the reference, unmeasured).
+
+torch is imported only inside the functions that run a model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from rayline.hardware import Hardware
+
+if TYPE_CHECKING:
+    from torch import nn
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Backend = Literal["eager", "onnxruntime"]
+Logits = Callable[[np.ndarray], np.ndarray]
+
+# A candidate must be this much faster than the reference to be worth its different answers.
+MIN_SPEEDUP = 1.1
+PROBE_IMAGES = 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to run a model: which backend, in which precision, in which memory layout."""
+
+    backend: Backend = "eager"
+    precision: Precision = "fp32"
+    channels_last: bool = True
+
+    @property
+    def name(self) -> str:
+        layout = "/channels-last" if self.channels_last and self.backend == "eager" else ""
+        return f"{self.backend}/{self.precision}{layout}"
+
+    @property
+    def is_reference(self) -> bool:
+        return self.precision == "fp32"
+
+
+REFERENCE = Plan()
+
+
+class PlanPolicy(BaseModel):
+    """What a user asks of the choice: measure and gate (``auto``), pins, or none at all (``off``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["auto", "off"] = Field("auto", description="auto: measure the candidates; off: fp32 eager.")
+    precision: Precision | None = Field(None, description="Pin the precision (still gated against fp32).")
+    backend: Literal["eager"] | None = Field(None, description="Pin the backend.")
+    min_agreement: float = Field(0.995, gt=0, le=1, description="Top-1 agreement with fp32 a plan needs.")
+    max_prob_diff: float = Field(
+        0.05, ge=0, le=1, description="Largest difference in the top class's probability a plan may make."
+    )
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A candidate's answers against the reference's on the probe set."""
+
+    agreement: float
+    max_prob_diff: float
+    images: int
+
+    def refusal(self, policy: PlanPolicy) -> str | None:
+        """Why the candidate may not be used, or None."""
+        if self.agreement < policy.min_agreement:
+            return f"top-1 agreement {self.agreement:.4f} < {policy.min_agreement} on {self.images} probe images"
+        if self.max_prob_diff > policy.max_prob_diff:
+            return (
+                f"top-class probability differs by up to {self.max_prob_diff:.4f} > {policy.max_prob_diff} "
+                f"on {self.images} probe images"
+            )
+        return None
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=1, keepdims=True)  # type: ignore[no-any-return]
+
+
+def gate(reference_logits: np.ndarray, candidate_logits: np.ndarray) -> Gate:
+    """Top-1 agreement and the largest change of the reference's top-class probability."""
+    reference, candidate = softmax(reference_logits), softmax(candidate_logits)
+    top = reference.argmax(axis=1)
+    rows = np.arange(len(top))
+    agreement = float((candidate.argmax(axis=1) == top).mean()) if len(top) else 1.0
+    diff = float(np.abs(reference[rows, top] - candidate[rows, top]).max()) if len(top) else 0.0
+    return Gate(agreement, diff, len(top))
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The plan a model runs with on a machine, and what it was chosen on: for records and logs."""
+
+    plan: Plan
+    hardware: Hardware
+    reason: str
+    gate: Gate | None = None  # of the chosen plan (None: the reference, or not measured)
+    speeds: dict[str, float] = field(default_factory=dict)  # images/s of each plan measured
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.name,
+            "backend": self.plan.backend,
+            "precision": self.plan.precision,
+            "channels_last": self.plan.channels_last,
+            "reason": self.reason,
+            "hardware": self.hardware.as_record(),
+            "top1_agreement": self.gate.agreement if self.gate else None,
+            "max_prob_diff": self.gate.max_prob_diff if self.gate else None,
+            "probe_images": self.gate.images if self.gate else None,
+            "images_per_s": {name: round(speed, 2) for name, speed in self.speeds.items()},
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> PlanChoice:
+        """The choice :meth:`record` wrote (a cached plan): ``ValueError`` naming what is missing or wrong."""
+        try:
+            plan = Plan(record["backend"], record["precision"], bool(record["channels_last"]))
+            if plan.backend not in ("eager", "onnxruntime") or plan.precision not in ("fp32", "bf16", "fp16"):
+                raise ValueError(f"unknown plan {plan}")
+            hardware = Hardware.from_record(record["hardware"])
+            agreement = record.get("top1_agreement")
+            result = None
+            if agreement is not None:
+                result = Gate(float(agreement), float(record["max_prob_diff"]), int(record["probe_images"]))
+            speeds = {str(k): float(v) for k, v in record.get("images_per_s", {}).items()}
+            return cls(plan, hardware, str(record["reason"]), result, speeds)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a plan record ({type(exc).__name__}: {exc}): {record!r:.200}") from exc
+
+
+def plans_text(plans: dict[str, dict[str, Any]]) -> str:
+    """What predicted a night, one clause per plan its actors ran: for summaries and artifacts."""
+    if not plans:
+        return "none recorded"
+    return "; ".join(
+        f"{record.get('reason', name)} on {Hardware.from_record(record['hardware']).describe()}"
+        if "hardware" in record
+        else str(record.get("reason", name))
+        for name, record in sorted(plans.items())
+    )
+
+
+def candidates(hardware: Hardware, device: str, policy: PlanPolicy) -> list[Plan]:
+    """The plans other than the reference worth measuring on this hardware, or the one pinned."""
+    if policy.precision is not None:
+        return [] if policy.precision == "fp32" else [Plan(precision=policy.precision)]
+    if device == "cuda":
+        return [Plan(precision="fp16"), *([Plan(precision="bf16")] if hardware.gpu_bf16 else [])]
+    return [Plan(precision="bf16")] if hardware.cpu_bf16 else []
+
+
+def no_fast_path(hardware: Hardware, device: str) -> str:
+    where = f"GPU {hardware.gpu}" if device == "cuda" else hardware.describe()
+    return f"fp32 eager: no reduced-precision fast path on {where} (none of AVX-512-BF16, AMX)"
+
+
+def measure(
+    run: Logits, probe: np.ndarray, *, min_seconds: float = 0.2, max_calls: int = 5
+) -> tuple[np.ndarray, float]:
+    """``run``'s logits on ``probe`` and its images per second, after one warm-up call (kernel selection)."""
+    logits = run(probe)
+    calls, started = 0, time.perf_counter()
+    while calls < 2 or (time.perf_counter() - started < min_seconds and calls < max_calls):
+        run(probe)
+        calls += 1
+    return logits, calls * len(probe) / (time.perf_counter() - started)
+
+
+def choose(
+    make_run: Callable[[Plan], Logits], probe: np.ndarray, hardware: Hardware, device: str, policy: PlanPolicy
+) -> PlanChoice:
+    """Measure the reference and each candidate on ``probe``; the fastest that passes the gate, else fp32.
+
+    A pinned precision is used when it passes the gate, faster or not; a
+    chosen one must also be :data:`MIN_SPEEDUP` times faster than fp32.
+    """
+    if policy.mode == "off":
+        return PlanChoice(REFERENCE, hardware, "fp32 eager: the plan's choice is off")
+    plans = candidates(hardware, device, policy)
+    if not plans:
+        pinned = policy.precision == "fp32"
+        return PlanChoice(REFERENCE, hardware, "fp32 eager: pinned" if pinned else no_fast_path(hardware, device))
+    reference_logits, reference_speed = measure(make_run(REFERENCE), probe)
+    speeds = {REFERENCE.name: reference_speed}
+    accepted: list[tuple[float, Plan, Gate]] = []
+    refusals = []
+    for plan in plans:
+        try:
+            logits, speed = measure(make_run(plan), probe)
+        except Exception as exc:  # a plan the model or the machine cannot run is no plan
+            refusals.append(f"{plan.name} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        speeds[plan.name] = speed
+        result = gate(reference_logits, logits)
+        refusal = result.refusal(policy)
+        if refusal is None and policy.precision is None and speed < MIN_SPEEDUP * reference_speed:
+            refusal = f"{speed:.1f} img/s is not faster than fp32's {reference_speed:.1f}"
+        if refusal is None:
+            accepted.append((speed, plan, result))
+        else:
+            refusals.append(f"{plan.name} refused: {refusal}")
+    if not accepted:
+        return PlanChoice(REFERENCE, hardware, f"fp32 eager: {'; '.join(refusals)}", speeds=speeds)
+    speed, plan, result = max(accepted, key=lambda item: item[0])
+    reason = (
+        f"{plan.name}: {speed / reference_speed:.2f}x fp32's speed, top-1 agreement {result.agreement:.4f}, "
+        f"top-class probability within {result.max_prob_diff:.4f} on {result.images} probe images"
+    )
+    return PlanChoice(plan, hardware, reason, result, speeds)
+
+
+def torch_run(module: nn.Module, plan: Plan) -> Logits:
+    """Logits of a torch module under ``plan`` (the module already in the plan's memory layout)."""
+    import torch
+
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision)
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            images = torch.from_numpy(batch).to(device)
+            if plan.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            if dtype is None:
+                return module(images).float().cpu().numpy()  # type: ignore[no-any-return]
+            with torch.autocast(device.type, dtype=dtype):
+                return module(images).float().cpu().numpy()  # type: ignore[no-any-return]
+
+    return run
