@@ -15,7 +15,10 @@ against the plain loop of Ray Data's documented pattern, in one run on one machi
   chosen by measuring on the night's first images (included in the time: a
   fresh registration, so nothing is cached) and reduced-scale decoding.
   Both sides in fresh processes, model loading and start-up included;
-  ``ray.init`` is not timed. Random weights: speed does not depend on them.
+  ``ray.init`` is not timed. The models: random backbones (speed does not
+  depend on the weights) with a 2-class head fitted on their features of
+  the sample photos (bench/support/probe_head.py): the 1,000 random logits
+  of a ``weights=None`` head are tied and fail the gate whatever the plan.
 * **agreement**: the plan chosen for ResNet-18, gated against fp32 on a
   ResNet-18 trained on the digits (``rayline.testing.trained_models``, 64 px)
   over its 297 held-out images: random weights' logits are nearly tied and
@@ -100,7 +103,7 @@ def night(work: str, arch: str, folder: Path, count: int, gpu: bool) -> dict[str
 
     cores = os.cpu_count() or 1
     root = str(Path(work) / arch)
-    register_resnet(root, arch)  # fresh: the night measures its plan, as a new version's first night does
+    register_resnet(root, arch, photo_head=True)  # fresh: the night measures its plan, as a first night does
     settings = choose_settings(cores, gpu=gpu, overrides={"batch_size": 64} if gpu else None)
     base = {"root": root, "arch": arch, "input": str(folder), "count": count, "name": f"{arch}-{count}"}
     rayline = measure({**base, "kind": "rayline", "settings": asdict(settings), "gpu": gpu})
@@ -184,7 +187,7 @@ def serving(work: str, seconds: float) -> dict[str, dict[str, float]]:
     from rayline.testing.s3_server import free_port
 
     root = str(Path(work) / "serve")
-    register_resnet(root, "resnet18")
+    register_resnet(root, "resnet18", photo_head=True)
     version = _version({"root": root, "arch": "resnet18"})
     body = camera_photo(1, np.random.default_rng(7))
     figures = {}
@@ -217,7 +220,7 @@ def serving(work: str, seconds: float) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--photos", type=int, default=240, help="photos of mixed sizes in each night")
+    parser.add_argument("--photos", type=int, default=480, help="photos of mixed sizes in each night")
     parser.add_argument("--archs", nargs="+", choices=ARCHS, default=list(ARCHS))
     parser.add_argument("--serve-seconds", type=float, default=20.0)
     parser.add_argument("--decode-repeats", type=int, default=7)

@@ -115,21 +115,26 @@ def model_name(arch: str) -> str:
     return f"photos-{arch}"
 
 
-def register_resnet(root: str, arch: str) -> None:
-    """``arch`` with random weights, saved as a state dict and registered as an outside model (champion)."""
+def register_resnet(root: str, arch: str, photo_head: bool = False) -> None:
+    """``arch`` with random weights, saved as a state dict and registered as an outside model (champion);
+    ``photo_head``: with a 2-class head fitted on its features of the sample photos (bench/support/probe_head.py)."""
     import torch
 
+    from bench.support.probe_head import fit_photo_head
     from ray_workloads.models import build_model, imagenet_classes, imagenet_image_spec, state_dict_bytes
     from rayline.models import registry
     from rayline.specs import ModelSpec, WeightsSource
 
     os.environ["RAYLINE_STORAGE"] = root
     classes = imagenet_classes(arch)
-    spec = ModelSpec(arch=arch, num_classes=len(classes))
     torch.manual_seed(0)
+    model = build_model(ModelSpec(arch=arch, num_classes=len(classes)))
+    if photo_head:
+        classes = fit_photo_head(model, imagenet_image_spec(arch))
+    spec = ModelSpec(arch=arch, num_classes=len(classes))
     saved = Path(root) / "outside" / f"{arch}-random.pt"  # what a user would hand over
     saved.parent.mkdir(parents=True, exist_ok=True)
-    saved.write_bytes(state_dict_bytes(build_model(spec)))
+    saved.write_bytes(state_dict_bytes(model))
     weights = saved.read_bytes()
     version = registry.register(
         model_name(arch),

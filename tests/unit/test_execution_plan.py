@@ -99,7 +99,7 @@ def _fake_runs(seconds: dict[str, float], answers: dict[str, np.ndarray] | None 
     return make
 
 
-FP32, BF16_PLAN = REFERENCE.name, Plan(precision="bf16").name
+FP32, BF16_PLAN, FP16_PLAN = REFERENCE.name, Plan(precision="bf16").name, Plan(precision="fp16").name
 
 
 def test_a_faster_plan_that_agrees_is_chosen_and_says_why() -> None:
@@ -254,3 +254,10 @@ def test_serving_takes_its_plan_policy_from_settings_and_probes_on_real_photos(
     probe = sample_probe(squash(32))
     assert probe.shape == (16, 3, 32, 32) and probe.dtype == np.float32
     assert len({image.tobytes() for image in probe}) == 16 and float(probe.std()) > 0.1
+
+
+def test_the_reason_of_a_chosen_plan_names_the_candidates_refused_beside_it() -> None:
+    wrong_bf16 = _fake_runs({FP32: 0.02, BF16_PLAN: 0.001, FP16_PLAN: 0.004}, {BF16_PLAN: _logits_of(1)})
+    choice = choose(wrong_bf16, PROBE, GPU, "cuda", PlanPolicy())
+    assert choice.plan == Plan(precision="fp16")
+    assert "(eager/bf16/channels-last refused: top-1 agreement 0.0000 < 0.995 on 4 probe images)" in choice.reason
