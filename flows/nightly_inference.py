@@ -46,7 +46,7 @@ def nightly_inference(
     max_concurrent_nights: int | None = None,
     plan: Literal["auto", "off"] = "auto",
     precision: Precision | None = None,
-    backend: Literal["eager"] | None = None,
+    backend: Literal["eager", "openvino"] | None = None,
     min_plan_agreement: float = 0.995,
 ) -> InferenceResult | NightSkipped | BackfillResult:
     """Predict every object under ``incoming/dt=<date>/`` (default: yesterday, UTC) with ``model_name``.

@@ -16,11 +16,23 @@ driver and Serve's router import this module without it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ray_workloads.execution.plan import REFERENCE, Plan, PlanChoice, PlanPolicy, choose, softmax, torch_run
+from ray_workloads.execution import openvino_backend
+from ray_workloads.execution.plan import (
+    REFERENCE,
+    Backend,
+    Logits,
+    Plan,
+    PlanChoice,
+    PlanPolicy,
+    choose,
+    softmax,
+    torch_run,
+)
 from ray_workloads.model_sources import factory_models
 from rayline import storage
 from rayline.errors import InputDataError
@@ -47,6 +59,7 @@ class LoadedModel:
         self._logits = logits
         self.module = module  # the torch module, for formats rayline builds (None for a code-free file)
         self.plan: PlanChoice | None = None  # how it runs, once chosen (choose_plan); fp32 until then
+        self.converted: openvino_backend.OpenVinoModel | None = None  # the module as OpenVINO runs it, if chosen
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
         """Raw scores (N, classes) for a float32 batch (N, 3, S, S)."""
@@ -69,18 +82,53 @@ class LoadedModel:
         """Measure the plans this model may run with on ``probe`` (decoded images), adopt the chosen one.
 
         Only a module rayline built has candidates: a code-free file runs as
-        it was saved, in fp32, and :attr:`plan` says so without measuring.
+        it was saved, in fp32, and :attr:`plan` says so without measuring. An
+        OpenVINO candidate converts the module once for all its precisions;
+        :attr:`converted` keeps it when it is chosen, for the cache to store.
         """
         hardware = hardware or detect()
         if self.module is None:
             plan = Plan(backend="onnxruntime") if self.spec.format == "onnx" else REFERENCE
             return self.adopt(PlanChoice(plan, hardware, f"fp32: a {self.spec.format} file runs as it was saved"))
         module = self.module
-        return self.adopt(choose(lambda plan: torch_run(module, plan), probe, hardware, self.device, policy))
+        backends: tuple[Backend, ...] = (
+            ("eager", "openvino") if self.device == "cpu" and openvino_backend.available() else ("eager",)
+        )
+        converted: list[openvino_backend.OpenVinoModel] = []
 
-    def adopt(self, choice: PlanChoice) -> PlanChoice:
-        """Run with ``choice`` from now on (one just measured, or one cached for this version and machine)."""
-        if self.module is not None:
+        def make_run(plan: Plan) -> Logits:
+            if plan.backend != "openvino":
+                return torch_run(module, plan)
+            if not converted:
+                converted.append(openvino_backend.OpenVinoModel.convert(module, probe))
+            return converted[0].run(plan.precision)
+
+        choice = choose(make_run, probe, hardware, self.device, policy, backends)
+        if choice.plan.backend == "openvino":
+            self.converted = converted[0]
+            choice = replace(choice, prepare_s=converted[0].prepare_s)
+        return self.adopt(choice)
+
+    def adopt(self, choice: PlanChoice, artifact_uri: str | None = None) -> PlanChoice:
+        """Run with ``choice`` from now on: one just measured, or one cached for this version and machine
+        (an OpenVINO plan's model then read from ``artifact_uri``; fp32 eager, saying why, if it cannot be)."""
+        if self.module is None:
+            self.plan = choice
+            return choice
+        if choice.plan.backend == "openvino":
+            try:
+                if self.converted is None:
+                    if artifact_uri is None:
+                        raise ValueError("the plan names no stored model")
+                    self.converted = openvino_backend.OpenVinoModel.load(artifact_uri)
+                self._logits = self.converted.run(choice.plan.precision)
+                choice = replace(choice, prepare_s=self.converted.prepare_s)
+            except Exception as exc:  # a plan that cannot run here is no plan: the reference, saying why
+                reason = (
+                    f"fp32 eager: the {choice.plan.name} plan's model could not be loaded ({type(exc).__name__}: {exc})"
+                )
+                choice = PlanChoice(REFERENCE, choice.hardware, reason[:500])
+        if choice.plan.backend != "openvino":
             self._logits = torch_run(self.module, choice.plan)
         self.plan = choice
         return choice

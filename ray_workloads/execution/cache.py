@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +27,7 @@ import numpy as np
 from ray_workloads.execution.plan import PROBE_IMAGES, PlanChoice, PlanPolicy
 from ray_workloads.images import decode_image
 from rayline import storage
+from rayline.errors import StorageError
 from rayline.hardware import Hardware, detect
 from rayline.specs import ImageSpec
 from rayline.storage import conditional
@@ -58,7 +61,7 @@ def cached_plan(uri: str) -> PlanChoice | None:
     """The plan stored at ``uri``; None when there is none or it cannot be read (logged)."""
     try:
         found = conditional.read_versioned(uri)
-    except OSError as exc:
+    except (OSError, StorageError) as exc:
         logger.warning("could not read the cached execution plan %s (%s): measuring", uri, exc)
         return None
     if found is None:
@@ -75,7 +78,7 @@ def store_plan(uri: str, choice: PlanChoice, extra: dict[str, Any]) -> PlanChoic
     record = {**choice.record(), **extra}
     try:
         created = conditional.create_exclusive(uri, json.dumps(record, indent=2, sort_keys=True).encode())
-    except OSError as exc:
+    except (OSError, StorageError) as exc:
         logger.warning("could not cache the execution plan at %s (%s): using it uncached", uri, exc)
         return choice
     if created is not None:
@@ -91,15 +94,38 @@ def plan_for(model: LoadedModel, version_uri: str, probe: np.ndarray, policy: Pl
         logger.info("execution plan of %s: %s", model.spec.describe(), choice.reason)
         return choice
     versions = libraries()
-    uri = plan_uri(version_uri, plan_key(hardware, policy, versions))
+    key = plan_key(hardware, policy, versions)
+    uri = plan_uri(version_uri, key)
     found = cached_plan(uri)
     if found is not None:
-        logger.info("execution plan of %s (cached at %s): %s", model.spec.describe(), uri, found.reason)
-        return model.adopt(found)
+        adopted = model.adopt(found, _artifact_uri(version_uri, found))
+        logger.info("execution plan of %s (cached at %s): %s", model.spec.describe(), uri, adopted.reason)
+        return adopted
     measured = model.choose_plan(probe, policy, hardware)
     logger.info("execution plan of %s: %s", model.spec.describe(), measured.reason)
+    if model.converted is not None and measured.plan.backend == "openvino":
+        measured = _store_converted(model, version_uri, key, measured)
+        if measured.artifact is None:  # a plan whose model is not stored would fail every other actor: not cached
+            return measured
     stored = store_plan(uri, measured, {"libraries": versions, "policy": policy.model_dump(mode="json")})
-    return measured if stored is measured else model.adopt(stored)
+    return measured if stored is measured else model.adopt(stored, _artifact_uri(version_uri, stored))
+
+
+def _artifact_uri(version_uri: str, choice: PlanChoice) -> str | None:
+    return None if choice.artifact is None else storage.join(version_uri, choice.artifact)
+
+
+def _store_converted(model: LoadedModel, version_uri: str, key: str, choice: PlanChoice) -> PlanChoice:
+    """Store the converted model of ``choice`` in a folder of this actor's own (two actors measuring at once
+    never mix their files); the choice naming it, or without it where it cannot be stored (logged)."""
+    assert model.converted is not None
+    artifact = "/".join((PLANS_DIR, key, uuid.uuid4().hex))
+    try:
+        model.converted.save(storage.join(version_uri, artifact))
+    except (OSError, StorageError) as exc:
+        logger.warning("could not store the %s plan's model under %s (%s)", choice.plan.name, version_uri, exc)
+        return choice
+    return replace(choice, artifact=artifact)
 
 
 def sample_probe(image_spec: ImageSpec, count: int = PROBE_IMAGES) -> np.ndarray:

@@ -27,6 +27,7 @@ class PrecisionChoice(StrEnum):
 
 class BackendChoice(StrEnum):
     eager = "eager"
+    openvino = "openvino"
 
 
 def quiet_ray() -> None:

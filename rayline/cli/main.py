@@ -247,7 +247,9 @@ def nightly_inference_command(
     precision: Annotated[
         PrecisionChoice | None, typer.Option(help="Pin the precision (still gated against fp32's answers).")
     ] = None,
-    backend: Annotated[BackendChoice | None, typer.Option(help="Pin the backend.")] = None,
+    backend: Annotated[
+        BackendChoice | None, typer.Option(help="Pin the backend (openvino: CPUs, with rayline[openvino]).")
+    ] = None,
     min_plan_agreement: Annotated[
         float, typer.Option(min=0.0, max=1.0, help="Top-1 agreement with fp32 a faster plan needs on the probe.")
     ] = 0.995,

@@ -1,0 +1,102 @@
+"""OpenVINO as a plan's backend on CPUs: the module converted once per version and machine, stored with its plan.
+
+Why a second backend: on a CPU with AVX-512-BF16 or AMX, OpenVINO's bf16
+kernels run ResNets faster than torch's autocast (bench/README.md), and
+slower for others (ConvNeXt), so it is a candidate the plan's choice
+measures and gates like any other, never a default. It is an optional
+extra (``pip install rayline[openvino]``): without it there is no such
+candidate. Converting a module takes seconds to tens of seconds (ResNet-50:
+~20 s on 2 cores), so the converted model (OpenVINO IR: an ``.xml`` graph and
+a ``.bin`` of weights, nothing executable) is stored beside the plan that
+chose it, in a folder of the measuring actor's own, and every later actor,
+rerun and node of the kind reads and compiles it instead (~1 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rayline import storage
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ray_workloads.execution.plan import Logits
+
+MODEL_FILES = ("model.xml", "model.bin")
+OV_PRECISION = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+
+
+def available() -> bool:
+    return importlib.util.find_spec("openvino") is not None
+
+
+class OpenVinoModel:
+    """A module converted to OpenVINO: compiled per precision on demand, for this process's threads."""
+
+    def __init__(self, model: Any, prepare_s: float) -> None:
+        self.model = model
+        self.prepare_s = prepare_s  # converting, or reading and compiling a stored one: what an actor's start pays
+
+    @classmethod
+    def convert(cls, module: nn.Module, probe: np.ndarray) -> OpenVinoModel:
+        """``module`` exported by ``torch.export`` (OpenVINO's own tracing goes through ``torch.jit.trace``,
+        which this torch refuses) on two probe images, with the batch dimension left dynamic."""
+        import openvino as ov
+        import torch
+
+        began = time.perf_counter()
+        example = torch.from_numpy(np.concatenate([probe[:1], probe[:1]]))  # two: a batch of one would be fixed
+        batch = torch.export.Dim("batch", min=1, max=65_536)
+        exported = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
+        return cls(ov.convert_model(exported), time.perf_counter() - began)
+
+    @classmethod
+    def load(cls, uri: str) -> OpenVinoModel:
+        """The model stored at ``uri`` (a folder of :data:`MODEL_FILES`) by :meth:`save`."""
+        import openvino as ov
+
+        began = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="rayline-openvino-") as folder:
+            for name in MODEL_FILES:
+                (Path(folder) / name).write_bytes(storage.read_bytes(storage.join(uri, name)))
+            model = ov.Core().read_model(str(Path(folder) / MODEL_FILES[0]))
+        return cls(model, time.perf_counter() - began)
+
+    def save(self, uri: str) -> None:
+        """Store the model under ``uri``; weights stay fp32 (the plan's precision is a compile-time hint)."""
+        import openvino as ov
+
+        with tempfile.TemporaryDirectory(prefix="rayline-openvino-") as folder:
+            ov.save_model(self.model, str(Path(folder) / MODEL_FILES[0]), compress_to_fp16=False)
+            for name in MODEL_FILES:
+                storage.write_bytes_atomic(storage.join(uri, name), (Path(folder) / name).read_bytes())
+
+    def run(self, precision: str) -> Logits:
+        """Logits in ``precision`` on this process's torch threads (one request at a time: Serve's health
+        check may call while a batch runs)."""
+        import openvino as ov
+        import torch
+
+        config = {
+            "INFERENCE_PRECISION_HINT": OV_PRECISION[precision],
+            "INFERENCE_NUM_THREADS": torch.get_num_threads(),
+            "PERFORMANCE_HINT": "LATENCY",
+        }
+        began = time.perf_counter()
+        compiled = ov.Core().compile_model(self.model, "CPU", config)
+        self.prepare_s += time.perf_counter() - began
+        request, lock = compiled.create_infer_request(), threading.Lock()
+
+        def run(batch: np.ndarray) -> np.ndarray:
+            with lock:
+                return np.array(request.infer({0: np.ascontiguousarray(batch)})[0], dtype=np.float32)
+
+        return run
