@@ -35,6 +35,7 @@ from ray_workloads.execution.plan import (
 )
 from ray_workloads.model_sources import factory_models
 from rayline import storage
+from rayline.config import get_settings
 from rayline.errors import InputDataError
 from rayline.hardware import Hardware, detect
 from rayline.models.registry import ModelVersion
@@ -91,9 +92,9 @@ class LoadedModel:
             plan = Plan(backend="onnxruntime") if self.spec.format == "onnx" else REFERENCE
             return self.adopt(PlanChoice(plan, hardware, f"fp32: a {self.spec.format} file runs as it was saved"))
         module = self.module
-        backends: tuple[Backend, ...] = (
-            ("eager", "openvino") if self.device == "cpu" and openvino_backend.available() else ("eager",)
-        )
+        wanted = get_settings().plan_openvino or policy.backend == "openvino"  # a pin overrides the setting
+        with_openvino = self.device == "cpu" and wanted and openvino_backend.available()
+        backends: tuple[Backend, ...] = ("eager", "openvino") if with_openvino else ("eager",)
         converted: list[openvino_backend.OpenVinoModel] = []
 
         def make_run(plan: Plan) -> Logits:

@@ -125,6 +125,11 @@ class Settings(BaseSettings):
         None,
         description="Model answering POST /predict (no model name in the path); unset: the first model served.",
     )
+    plan_openvino: bool = Field(
+        True,
+        description="Measure OpenVINO as a CPU execution plan where it is installed (rayline[openvino]); its "
+        "first measurement per version and machine converts the model (seconds).",
+    )
     serve_plan: Literal["auto", "off"] = Field(
         "auto", description="auto: each model replica runs the fastest plan that passes the gate; off: fp32 eager."
     )

@@ -33,6 +33,9 @@ _TEST_SETTINGS = {
     "RAYLINE_S3_MAX_ATTEMPTS": "2",
     # the stage's rounds of re-fetching 0.1, 0.2, 0.4 s apart (0.5, 1, 2 s by default)
     "RAYLINE_FETCH_RETRY_DELAY_S": "0.1",
+    # every test's fresh version would convert its model to OpenVINO at its first actor or replica (seconds
+    # each): tests/unit/test_execution_plan.py covers that backend
+    "RAYLINE_PLAN_OPENVINO": "0",
 }
 
 
