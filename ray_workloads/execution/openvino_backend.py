@@ -89,6 +89,8 @@ class OpenVinoModel:
             "INFERENCE_PRECISION_HINT": OV_PRECISION[precision],
             "INFERENCE_NUM_THREADS": torch.get_num_threads(),
             "PERFORMANCE_HINT": "LATENCY",
+            # unpinned: each night actor is a process of its own, and OpenVINO pins every one to the same cores
+            "ENABLE_CPU_PINNING": False,
         }
         began = time.perf_counter()
         compiled = ov.Core().compile_model(self.model, "CPU", config)
