@@ -14,7 +14,9 @@ rerun and node of the kind reads and compiles it instead (~1 s).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 import tempfile
 import threading
 import time
@@ -38,6 +40,39 @@ def available() -> bool:
     return importlib.util.find_spec("openvino") is not None
 
 
+def _openvino() -> Any:
+    """The ``openvino`` module, its telemetry declined before anything of it is imported."""
+    _no_telemetry()
+    import openvino
+
+    return openvino
+
+
+@functools.cache
+def _no_telemetry() -> None:
+    """Keep OpenVINO's converter from sending usage data: unless a user opted out, it forks processes that post
+    to Google Analytics and writes a client ID under the home directory. A night's actor sends nothing anywhere,
+    and a fork inside a Ray worker is unsafe. The telemetry is a process-wide singleton that the converter
+    re-initialises (consenting again) only when it was made for another application name than its own."""
+    ci = os.environ.get("CI")
+    os.environ["CI"] = "true"  # the singleton made at import declines in CI: the only switch it reads
+    try:
+        import openvino.tools.ovc  # noqa: F401  (importing it makes the singleton, as "OpenVINO")
+        from openvino_telemetry import Telemetry
+    except ImportError:  # no telemetry package: the converter uses its own stub
+        return
+    finally:
+        if ci is None:
+            del os.environ["CI"]
+        else:
+            os.environ["CI"] = ci
+    telemetry = Telemetry()
+    telemetry.consent = False
+    backend = getattr(telemetry, "backend", None)
+    if backend is not None:
+        backend.app_name = "OVC"  # the name convert_model initialises it with: it stays declined
+
+
 class OpenVinoModel:
     """A module converted to OpenVINO: compiled per precision on demand, for this process's threads."""
 
@@ -49,7 +84,7 @@ class OpenVinoModel:
     def convert(cls, module: nn.Module, probe: np.ndarray) -> OpenVinoModel:
         """``module`` exported by ``torch.export`` (OpenVINO's own tracing goes through ``torch.jit.trace``,
         which this torch refuses) on two probe images, with the batch dimension left dynamic."""
-        import openvino as ov
+        ov = _openvino()
         import torch
 
         began = time.perf_counter()
@@ -61,7 +96,7 @@ class OpenVinoModel:
     @classmethod
     def load(cls, uri: str) -> OpenVinoModel:
         """The model stored at ``uri`` (a folder of :data:`MODEL_FILES`) by :meth:`save`."""
-        import openvino as ov
+        ov = _openvino()
 
         began = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="rayline-openvino-") as folder:
@@ -72,7 +107,7 @@ class OpenVinoModel:
 
     def save(self, uri: str) -> None:
         """Store the model under ``uri``; weights stay fp32 (the plan's precision is a compile-time hint)."""
-        import openvino as ov
+        ov = _openvino()
 
         with tempfile.TemporaryDirectory(prefix="rayline-openvino-") as folder:
             ov.save_model(self.model, str(Path(folder) / MODEL_FILES[0]), compress_to_fp16=False)
@@ -82,7 +117,7 @@ class OpenVinoModel:
     def run(self, precision: str) -> Logits:
         """Logits in ``precision`` on this process's torch threads (one request at a time: Serve's health
         check may call while a batch runs)."""
-        import openvino as ov
+        ov = _openvino()
         import torch
 
         config = {

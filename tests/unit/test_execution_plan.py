@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -295,6 +296,8 @@ def _openvino_plan_round_trip(version: str) -> None:
     model is broken: run in a process of its own (the test below says why)."""
     from ray_workloads.execution import openvino_backend
 
+    forks: list[int] = []  # OpenVINO's telemetry posts from forked processes unless declined
+    os.register_at_fork(before=lambda: forks.append(1))
     probe = np.random.default_rng(0).standard_normal((8, 3, 16, 16)).astype(np.float32)
     policy = PlanPolicy(backend="openvino", precision="fp32")  # pinned: gated, whatever its speed
     first = _loaded(_small_cnn())
@@ -320,6 +323,7 @@ def _openvino_plan_round_trip(version: str) -> None:
     fallback = plan_for(broken, version, probe, policy)
     assert fallback.plan == REFERENCE and "plan's model could not be loaded" in fallback.reason
     np.testing.assert_allclose(broken.logits(probe), expected, atol=1e-4)
+    assert not forks, "OpenVINO forked a process: its telemetry was not declined"
 
 
 def test_an_openvino_plan_stores_its_converted_model_and_a_restart_reads_it_instead_of_converting(
