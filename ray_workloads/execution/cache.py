@@ -1,12 +1,16 @@
 """Execution plans kept with the model version they were chosen for, per machine, libraries and policy.
 
 A plan is measured once per (version, CPU model and instruction sets, GPU,
-torch version, policy) and stored as ``<version>/plans/<key>.json``. The
-first actor to finish measuring creates the file exclusively; an actor that
-loses that race, and every later actor, restart, rerun or node of the same
-kind, reads it and runs the same plan. So the rows of a night, and of its
-rerun, are predicted by one plan, not by whichever plan each actor's timing
-happened to favour.
+torch version, policy) and stored as ``<version>/plans/<key>.json``. One
+actor measures: it claims ``<key>.measuring`` exclusively, and the others
+wait for its plan instead of timing candidates on the same cores at the same
+time (which slows every actor's probe and skews the timings it decides on).
+The plan file is created exclusively too; every later actor, restart, rerun
+or node of the same kind reads it and runs the same plan. So the rows of a
+night, and of its rerun, are predicted by one plan, not by whichever plan
+each actor's timing happened to favour. A claim whose actor died is taken
+over once it is older than ``MEASURE_WAIT_S``; a waiter that sees no plan by
+then measures itself, so a lost claimant costs time, never the night.
 
 The cache is an optimisation: a store that cannot be written is logged and
 the measured plan is used; a record that cannot be read is named in the log
@@ -18,6 +22,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import socket
+import time
 import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -38,6 +45,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PLANS_DIR = "plans"
+# How long an actor waits for another's measurement (a ResNet-50's, OpenVINO conversion included, takes
+# 10-30 s on 2 cores) before measuring itself; also the age at which a claim is taken over as abandoned.
+MEASURE_WAIT_S = 300.0
+CLAIM_POLL_S = 0.5
 
 
 def libraries() -> dict[str, str]:
@@ -96,11 +107,32 @@ def plan_for(model: LoadedModel, version_uri: str, probe: np.ndarray, policy: Pl
     versions = libraries()
     key = plan_key(hardware, policy, versions)
     uri = plan_uri(version_uri, key)
-    found = cached_plan(uri)
+    found, claim = cached_plan(uri), None
+    if found is None:
+        claim = _claim(claim_uri(version_uri, key))
+        if claim is None:
+            found = _await_plan(uri, claim_uri(version_uri, key))
     if found is not None:
         adopted = model.adopt(found, _artifact_uri(version_uri, found))
         logger.info("execution plan of %s (cached at %s): %s", model.spec.describe(), uri, adopted.reason)
         return adopted
+    try:
+        return _measure_and_store(model, version_uri, (key, uri), probe, policy, (hardware, versions))
+    finally:
+        if claim is not None:
+            _release(claim_uri(version_uri, key), claim)
+
+
+def _measure_and_store(
+    model: LoadedModel,
+    version_uri: str,
+    where: tuple[str, str],
+    probe: np.ndarray,
+    policy: PlanPolicy,
+    machine: tuple[Hardware, dict[str, str]],
+) -> PlanChoice:
+    """Measure the plan on ``probe`` and cache it at ``where`` (its key and URI), with its converted model."""
+    (key, uri), (hardware, versions) = where, machine
     measured = model.choose_plan(probe, policy, hardware)
     logger.info("execution plan of %s: %s", model.spec.describe(), measured.reason)
     if model.converted is not None and measured.plan.backend == "openvino":
@@ -109,6 +141,64 @@ def plan_for(model: LoadedModel, version_uri: str, probe: np.ndarray, policy: Pl
             return measured
     stored = store_plan(uri, measured, {"libraries": versions, "policy": policy.model_dump(mode="json")})
     return measured if stored is measured else model.adopt(stored, _artifact_uri(version_uri, stored))
+
+
+def claim_uri(version_uri: str, key: str) -> str:
+    return storage.join(version_uri, PLANS_DIR, f"{key}.measuring")
+
+
+def _claim_record(state: str) -> bytes:
+    return json.dumps({"state": state, "host": socket.gethostname(), "pid": os.getpid(), "at": time.time()}).encode()
+
+
+def _claim(uri: str) -> str | None:
+    """Claim the measurement: the claim's token, or None while another actor's live claim holds it.
+
+    A claim released without a plan, or older than ``MEASURE_WAIT_S`` (its
+    actor died), is taken over. A store that cannot coordinate (an error)
+    counts as claimed: measuring is always safe, only slower.
+    """
+    try:
+        created = conditional.create_exclusive(uri, _claim_record("measuring"))
+        if created is not None:
+            return created
+        held = conditional.read_versioned(uri)
+        if held is None:  # released and gone between the two calls: try once more
+            return conditional.create_exclusive(uri, _claim_record("measuring"))
+        record = json.loads(held.data)
+        if record.get("state") == "measuring" and time.time() - float(record.get("at", 0)) < MEASURE_WAIT_S:
+            return None
+        return conditional.replace_if_match(uri, _claim_record("measuring"), held.token)
+    except (OSError, StorageError, ValueError) as exc:
+        logger.warning("could not claim the plan's measurement at %s (%s): measuring here", uri, exc)
+        return "unclaimed"
+
+
+def _release(uri: str, token: str) -> None:
+    """Mark the claim released, so that actors still waiting (the plan was not cached) measure at once."""
+    try:
+        conditional.replace_if_match(uri, _claim_record("released"), token)
+    except (OSError, StorageError) as exc:
+        logger.warning("could not release the plan's measurement claim at %s (%s)", uri, exc)
+
+
+def _await_plan(uri: str, claim: str) -> PlanChoice | None:
+    """The plan another actor is measuring, once stored; None when its claim is released or outlives the wait."""
+    deadline = time.monotonic() + MEASURE_WAIT_S
+    logger.info("waiting for another actor's execution plan at %s", uri)
+    while time.monotonic() < deadline:
+        found = cached_plan(uri)
+        if found is not None:
+            return found
+        try:
+            held = conditional.read_versioned(claim)
+            if held is None or json.loads(held.data).get("state") != "measuring":
+                return cached_plan(uri)
+        except (OSError, StorageError, ValueError):
+            pass  # the plan file, not the claim, is what ends the wait
+        time.sleep(CLAIM_POLL_S)
+    logger.warning("no execution plan at %s after %.0f s: measuring here", uri, MEASURE_WAIT_S)
+    return None
 
 
 def _artifact_uri(version_uri: str, choice: PlanChoice) -> str | None:
