@@ -112,13 +112,14 @@ def _model_version(root: str) -> Any:
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     import ray_workloads.images  # noqa: F401  (imports happen before the clock starts)
     from rayline import storage
+    from rayline.testing.s3_server import boto3_client
 
     version = _model_version(spec["root"])
     prepared = not spec.get("seed_verbatim")
     threads = choose_torch_threads(version, prepared)
     out_dir = storage.join(spec["root"], "plain", spec["name"])
     if spec.get("s3"):
-        client = storage.s3_client()
+        client = boto3_client()
 
         def read(uri: str) -> bytes:
             bucket, _, key = uri[len("s3://") :].partition("/")

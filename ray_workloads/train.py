@@ -208,7 +208,8 @@ def _first_failure(exc: ray.train.TrainingFailedError) -> BaseException:
 
 
 def _checkpoint_uri(path: str, like: str) -> str:
-    return f"s3://{path.lstrip('/')}" if storage.is_s3(like) else path
+    """The URI of ``path`` (a path on the filesystem of ``like``'s store) in ``like``'s scheme."""
+    return storage.uri_of_path(path, like)
 
 
 def _use_gpu(cfg: TrainConfig) -> bool:

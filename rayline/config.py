@@ -2,8 +2,9 @@
 
 Per-stage parameters (image size, shard size …) are pydantic models next to
 each workload; this module holds only what depends on the environment.
-Secrets are never fields here: S3 credentials come from the standard AWS
-variables (or an instance role) and are read by botocore/the AWS SDK itself.
+Secrets are never fields here: credentials come from each cloud SDK's
+standard variables (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``,
+``AZURE_STORAGE_*``) or the machine's identity, read by the SDK itself.
 """
 
 from __future__ import annotations
@@ -20,20 +21,32 @@ from rayline.errors import ConfigError
 
 DEFAULT_STORAGE = "./rayline-data"
 
-S3_FORM = "s3://bucket[/prefix]"
-_S3_URI = re.compile(r"s3://[^/\s]+(/.*)?", re.DOTALL)
+# The object stores a URI may name, and the form each URI must take.
+CLOUD_SCHEMES = {"s3": "s3://bucket[/prefix]", "gs": "gs://bucket[/prefix]", "az": "az://container[/prefix]"}
+STORAGE_FORMS = "a local path, " + ", ".join(CLOUD_SCHEMES.values())
+S3_FORM = CLOUD_SCHEMES["s3"]
+_CLOUD_URI = re.compile(r"(s3|gs|az)://[^/\s]+(/.*)?", re.DOTALL)
 
 
-def malformed_s3_uri(uri: str) -> str | None:
-    """Why ``uri`` is a mistyped S3 URI (it starts with ``s3:`` but is not ``s3://bucket[/prefix]``), else None.
+def malformed_store_uri(uri: str) -> str | None:
+    """Why ``uri`` is a mistyped cloud URI (``s3:``, ``gs:`` or ``az:`` but not ``<scheme>://bucket[/prefix]``).
 
     Anything without ``://`` is a local path to the rest of rayline: ``s3:/bucket/raw`` would become
-    ``<cwd>/s3:/bucket/raw`` and ``s3://`` (stripped of its slashes) ``<cwd>/s3:``, so that a seed or
+    ``<cwd>/s3:/bucket/raw`` and ``gs://`` (stripped of its slashes) ``<cwd>/gs:``, so that a seed or
     an ingest silently wrote to, or read, a local folder.
     """
-    if uri[:3].lower() != "s3:" or _S3_URI.fullmatch(uri):
+    scheme = uri[:3].lower()
+    if scheme[:2] not in CLOUD_SCHEMES or scheme[2:] != ":" or _CLOUD_URI.fullmatch(uri):
         return None
-    return f"malformed S3 URI {uri!r}: expected {S3_FORM}"
+    return f"malformed {scheme[:2].upper()} URI {uri!r}: expected {CLOUD_SCHEMES[scheme[:2]]}"
+
+
+def unsupported_scheme(uri: str) -> str | None:
+    """Why ``uri`` names a store rayline has no backend for (``hdfs://``, ``abfs://`` …), else None."""
+    head, sep, _ = uri.partition("://")
+    if not sep or head in CLOUD_SCHEMES or head == "file":
+        return None
+    return f"unsupported storage URI {uri!r}: use {STORAGE_FORMS}"
 
 
 class Settings(BaseSettings):
@@ -43,7 +56,8 @@ class Settings(BaseSettings):
 
     storage: str = Field(
         DEFAULT_STORAGE,
-        description="Storage root URI: a local folder or s3://bucket/prefix.",
+        description="Storage root URI: a local folder, s3://bucket/prefix, gs://bucket/prefix or "
+        "az://container/prefix.",
     )
     checkpoints: str | None = Field(
         None,
@@ -75,19 +89,26 @@ class Settings(BaseSettings):
         ),
     )
     io_concurrency: int = Field(64, ge=1, le=1024, description="Concurrent object reads per task.")
-    s3_max_attempts: int = Field(
+    storage_max_attempts: int = Field(
         6,
         ge=1,
         le=20,
-        description="Attempts of one S3 request by rayline's botocore client (standard mode: throttling, 5xx and "
-        "dropped connections are retried with exponential backoff, up to ~1, 2, 4, 8, 16 s).",
+        description="Attempts of one request to the object store, by every client rayline uses (listings, reads, "
+        "conditional writes, readers, delta-rs's commits): throttling, 5xx, resets and timeouts are retried with "
+        "exponential backoff.",
+    )
+    storage_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="How long one request to the object store may wait for its answer."
+    )
+    storage_connect_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="How long connecting to the object store may take."
     )
     fetch_retries: int = Field(
         3,
         ge=0,
         le=10,
         description="Rounds in which a stage fetches again the objects whose reads still failed transiently "
-        "after botocore's own attempts (throttling, 5xx, resets); then the stage fails as transient.",
+        "after the client's own attempts (throttling, 5xx, resets); then the stage fails as transient.",
     )
     fetch_retry_delay_s: float = Field(
         0.5, ge=0, le=60, description="Wait before the first of those rounds; it doubles each round (with jitter)."
@@ -159,11 +180,10 @@ class Settings(BaseSettings):
         value = value.strip()
         if not value:
             raise ValueError("must not be empty")
-        if "://" in value and not value.startswith(("s3://", "file://")):
-            raise ValueError(f"unsupported scheme in {value!r}; use a local path or s3://bucket/prefix")
-        if value.startswith("s3://") and not value[len("s3://") :].strip("/"):
+        head, sep, rest = value.partition("://")
+        if sep and head in CLOUD_SCHEMES and not rest.strip("/"):
             raise ValueError(f"{value!r} names no bucket")
-        if (problem := malformed_s3_uri(value)) is not None:
+        if (problem := unsupported_scheme(value) or malformed_store_uri(value)) is not None:
             raise ValueError(problem)
         return value.rstrip("/") if value != "/" else value
 

@@ -229,6 +229,14 @@ _TRANSIENT_NAMES = frozenset(
         "ServerDisconnectedError",
         "ClientConnectorError",
         "ClientOSError",
+        "ServerTimeoutError",
+        # aiohttp's body cut short (s3fs, gcsfs, adlfs all read through aiohttp)
+        "ClientPayloadError",
+        "ContentLengthError",
+        "TransferEncodingError",
+        # the Azure SDK's transport problems
+        "ServiceRequestError",
+        "ServiceResponseError",
         # a body cut short: botocore's length check, its wrapper of urllib3's error, urllib3's own,
         # and http.client's under them
         "IncompleteReadError",
@@ -300,10 +308,16 @@ def _s3_error_code(exc: BaseException) -> str | None:
 
 
 def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status a store's client failed with: botocore's response, the Azure SDK's ``status_code``,
+    gcsfs's ``HttpError.code``, aiohttp's ``status``; None when there was no answer."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return int(status) if isinstance(status, int) else None
+    for attribute in ("status_code", "code", "status"):
+        status = getattr(exc, attribute, None)
+        if isinstance(status, int) and 100 <= status < 600:
+            return status
     return None
 
 
@@ -357,4 +371,6 @@ def is_transient(exc: BaseException) -> bool:
             return True
         if _s3_error_code(err) in _TRANSIENT_S3_CODES:
             return True
+        if (status := _http_status(err)) is not None and (status == 429 or status >= 500):
+            return True  # throttled, or the store's own fault: GCS and Azure say so with the status alone
     return False

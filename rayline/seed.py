@@ -287,7 +287,7 @@ def _write_many(target: str, objects: dict[str, bytes]) -> None:
         return
     fs, base = storage.filesystem(target)
     paths = {f"{base}/{key}": data for key, data in objects.items()}
-    if not storage.is_s3(target):
+    if not storage.is_remote(target):
         for parent in {p.rsplit("/", 1)[0] for p in paths}:
             fs.makedirs(parent, exist_ok=True)
-    fs.pipe(paths)  # concurrent PUTs on S3
+    fs.pipe(paths)  # concurrent PUTs on a cloud store

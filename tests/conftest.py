@@ -22,6 +22,11 @@ _FOREIGN = (
     "PREFECT_API_URL",
     "AWS_PROFILE",
     "AWS_SESSION_TOKEN",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "STORAGE_EMULATOR_HOST",
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_STORAGE_ACCOUNT_NAME",
+    "AZURE_STORAGE_ACCOUNT_KEY",
     "OPENLINEAGE_URL",
     "MLFLOW_TRACKING_URI",
 )
@@ -30,7 +35,7 @@ _FOREIGN = (
 # Tests that fault every read of an object wait for all the attempts: fewer and shorter than by default.
 _TEST_SETTINGS = {
     # 2 attempts a request (6 by default: botocore's backoff waits up to 1+2+4+8+16 s for them)
-    "RAYLINE_S3_MAX_ATTEMPTS": "2",
+    "RAYLINE_STORAGE_MAX_ATTEMPTS": "2",
     # the stage's rounds of re-fetching 0.1, 0.2, 0.4 s apart (0.5, 1, 2 s by default)
     "RAYLINE_FETCH_RETRY_DELAY_S": "0.1",
     # every test's fresh version would convert its model to OpenVINO at its first actor or replica (seconds
@@ -44,7 +49,20 @@ _TESTS = Path(__file__).parent
 _TIERS = frozenset({"unit", "integration", "e2e"})
 # Each of these starts a service (an S3-protocol server, a Ray cluster, a Prefect API): no unit test asks for one.
 _SERVICE_FIXTURES = frozenset(
-    {"s3_proxy", "s3_endpoint", "s3_faults", "s3_bucket", "s3_storage", "ray_session", "prefect_api"}
+    {
+        "s3_proxy",
+        "s3_endpoint",
+        "s3_faults",
+        "s3_bucket",
+        "s3_storage",
+        "gcs_emulator",
+        "azurite_server",
+        "azurite_endpoint",
+        "gcs_storage",
+        "azure_storage",
+        "ray_session",
+        "prefect_api",
+    }
 )
 
 
@@ -108,9 +126,47 @@ def s3_faults(s3_proxy: S3Proxy, s3_endpoint: str) -> Iterator[S3Proxy]:
     s3_proxy.reset()
 
 
+# The bucket and container the GCS and Azure emulators start with; each test writes under a prefix of its own.
+EMULATOR_BUCKET = "rayline-test"
+
+
 @pytest.fixture(scope="session")
-def ray_session(s3_endpoint: str) -> Iterator[None]:
-    """One embedded Ray cluster for the whole session (after the S3 env is set)."""
+def gcs_emulator() -> Iterator[str]:
+    """fake-gcs-server for the session (GCS's JSON API), found by every GCS client through STORAGE_EMULATOR_HOST."""
+    from rayline.testing.gcs_server import fake_gcs_server
+
+    with fake_gcs_server([EMULATOR_BUCKET]) as endpoint:
+        os.environ["STORAGE_EMULATOR_HOST"] = endpoint
+        yield endpoint
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+
+
+@pytest.fixture(scope="session")
+def azurite_server() -> Iterator[str | None]:
+    """Azurite for the session where it is installed (it needs npm: ``.ci/run`` installs it), else None; found by
+    every Azure client through AZURE_STORAGE_CONNECTION_STRING."""
+    from rayline.testing.azurite import azurite, azurite_binary
+
+    if azurite_binary() is None:
+        yield None
+        return
+    with azurite([EMULATOR_BUCKET]) as endpoint:
+        os.environ["AZURE_STORAGE_CONNECTION_STRING"] = endpoint.connection_string
+        yield endpoint.blob_endpoint
+        os.environ.pop("AZURE_STORAGE_CONNECTION_STRING", None)
+
+
+@pytest.fixture
+def azurite_endpoint(azurite_server: str | None) -> str:
+    if azurite_server is None:
+        pytest.skip("Azurite is not installed: python -m rayline.testing.azurite (needs npm)")
+    return azurite_server
+
+
+@pytest.fixture(scope="session")
+def ray_session(s3_endpoint: str, gcs_emulator: str, azurite_server: str | None) -> Iterator[None]:
+    """One embedded Ray cluster for the whole session, started once every store's emulator is set in the
+    environment its workers inherit."""
     from rayline import ray_cluster
 
     ray_cluster.connect()
@@ -145,6 +201,20 @@ def s3_bucket(s3_endpoint: str) -> Iterator[str]:
     create_bucket(s3_endpoint, name)
     yield name
     delete_bucket(s3_endpoint, name)
+
+
+@pytest.fixture
+def gcs_storage(gcs_emulator: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    root = f"gs://{EMULATOR_BUCKET}/root-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("RAYLINE_STORAGE", root)
+    return root
+
+
+@pytest.fixture
+def azure_storage(azurite_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    root = f"az://{EMULATOR_BUCKET}/root-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("RAYLINE_STORAGE", root)
+    return root
 
 
 @pytest.fixture

@@ -78,7 +78,7 @@ def state_dir(settings: Settings) -> Path:
     if settings.state_dir:
         return Path(settings.state_dir).resolve()
     root = storage.storage_root()
-    if storage.is_s3(root):
+    if storage.is_remote(root):
         return Path.home() / ".rayline" / "state"
     return Path(root.removeprefix("file://")).resolve() / "state"
 
@@ -330,7 +330,9 @@ def mlflow_command(state: Path, settings: Settings) -> list[str]:
     """MLflow's server on loopback: runs and the registry in SQLite, artifacts under the storage root
     (``--artifacts-destination``: clients upload through the server, so they need no storage credentials)."""
     root = storage.storage_root()
-    artifacts = storage.join(root, MLFLOW_ARTIFACTS_DIR) if storage.is_s3(root) else _local_dir(root)
+    artifacts = (
+        storage.hadoop_uri(storage.join(root, MLFLOW_ARTIFACTS_DIR)) if storage.is_remote(root) else _local_dir(root)
+    )
     return [
         sys.executable, "-m", "mlflow", "server",
         "--backend-store-uri", f"sqlite:///{state / 'mlflow' / 'mlflow.db'}",

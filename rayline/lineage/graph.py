@@ -170,7 +170,7 @@ def _model_version_root(uri: str) -> str | None:
 
 def _is_uri(value: str | None) -> TypeGuard[str]:
     """Version fields may hold placeholders ("-") where nothing upstream is known."""
-    return bool(value) and (storage.is_s3(str(value)) or str(value).startswith(("/", "file://")))
+    return bool(value) and (storage.is_remote(str(value)) or str(value).startswith(("/", "file://")))
 
 
 def _version(version_root: str) -> registry.ModelVersion:
@@ -339,7 +339,7 @@ def build_graph(
         raise ConfigError(f"model {model_name!r} picks a night: give the night's date (dt) too")
     index = index or LineageIndex.load()
     candidates = [uri]
-    if not storage.is_s3(uri) and not uri.startswith(("/", "file://", "~")):
+    if not storage.is_remote(uri) and not uri.startswith(("/", "file://", "~")):
         candidates.append(storage.join(storage.storage_root(), uri))
     if dt is not None:
         day = parse_day(dt, "dt").isoformat()

@@ -88,10 +88,11 @@ def as_run_id(value: str | None) -> str:
 
 
 def dataset_id(uri: str) -> tuple[str, str]:
-    """OpenLineage (namespace, name) of a URI: ``s3://bucket`` + key, or ``file`` + absolute path."""
-    if storage.is_s3(uri):
-        bucket, _, key = uri[len(storage.S3) :].partition("/")
-        return f"{storage.S3}{bucket}", key.rstrip("/") or "/"
+    """OpenLineage (namespace, name) of a URI, by its naming spec: ``s3://bucket`` or ``gs://bucket`` + key,
+    ``wasbs://container@account.blob.core.windows.net`` + key, or ``file`` + absolute path."""
+    if storage.is_remote(uri):
+        namespace, _, key = storage.hadoop_uri(uri).partition("://")[2].partition("/")
+        return f"{storage.hadoop_uri(uri).partition('://')[0]}://{namespace}", key.rstrip("/") or "/"
     return "file", storage.normalize(uri)
 
 

@@ -134,8 +134,8 @@ def read_records(stage: str) -> list[LineageRecord]:
 
 
 def is_storage_uri(uri: str) -> bool:
-    """Whether a ref's URI is storage (S3, a local path, ``file://``), not one that only names an origin."""
-    return storage.is_s3(uri) or "://" not in uri or uri.startswith("file://")
+    """Whether a ref's URI is storage (a cloud store, a local path, ``file://``), not one that only names an origin."""
+    return storage.is_remote(uri) or "://" not in uri or uri.startswith("file://")
 
 
 def normalize_uri(uri: str) -> str:

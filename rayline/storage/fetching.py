@@ -2,8 +2,9 @@
 
 The fetch loop of ingest, nightly inference, rollouts' probes and lineage reads.
 A transient failure (throttling, 5xx, a reset, a body cut short) is retried by
-botocore, then by this loop's rounds; one that outlasts them fails the stage as
-transient, never an object's error row. A read refused for want of permission
+the store's client (``RAYLINE_STORAGE_MAX_ATTEMPTS``), then by this loop's
+rounds; one that outlasts them fails the stage as transient, never an
+object's error row. A read refused for want of permission
 fails the stage too: a policy is the run's fault, not the object's.
 """
 
@@ -14,7 +15,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from rayline.config import get_settings
 from rayline.errors import (
@@ -24,12 +24,13 @@ from rayline.errors import (
     is_access_denied,
     is_transient,
 )
-from rayline.storage import is_s3, normalize, s3_client, split_s3
+from rayline.storage.backends import ObjectStore, scheme_of, store_for
+from rayline.storage.uris import is_remote, normalize
 
 
 @dataclass(frozen=True)
 class Fetched:
-    """One object's bytes and the version actually read (S3 ETag), or why it failed."""
+    """One object's bytes and the version actually read (its ETag or generation), or why it failed."""
 
     data: bytes | None
     etag: str | None = None
@@ -47,13 +48,14 @@ def as_listed(fetched: Fetched, listed_etag: str) -> Fetched:
     return Fetched(data=None, etag=fetched.etag, error=changed)
 
 
-def _fetch_s3(uri: str, client: Any) -> Fetched:
-    bucket, key = split_s3(uri)
+def _fetch_remote(uri: str, store: ObjectStore) -> Fetched:
     try:
-        response = client.get_object(Bucket=bucket, Key=key)
-        return Fetched(data=response["Body"].read(), etag=str(response.get("ETag", "")).strip('"') or None)
+        found = store.get(uri)
     except Exception as exc:
         return Fetched(data=None, error=exc)
+    if found is None:
+        return Fetched(data=None, error=FileNotFoundError(f"no object at {uri}"))
+    return Fetched(data=found.data, etag=found.version)
 
 
 def _fetch_local(uri: str) -> Fetched:
@@ -68,18 +70,19 @@ def _fetch_local(uri: str) -> Fetched:
 def _fetch_pass(uris: list[str], concurrency: int) -> list[Fetched]:
     """One read of each object, in order; failures are returned, not raised.
 
-    S3 reads overlap on a thread pool: per-request latency dominates with many
-    small objects (botocore releases the GIL while waiting on the network).
-    Local files are read one after another: from the page cache a read costs
-    less than handing it to a thread pool would (bench/README.md).
+    Reads from a cloud store overlap on a thread pool: per-request latency
+    dominates with many small objects (each request waits on the store's
+    client, which releases the GIL meanwhile). Local files are read one after
+    another: from the page cache a read costs less than handing it to a
+    thread pool would (bench/README.md).
     """
-    if not any(is_s3(u) for u in uris):
+    if not any(is_remote(u) for u in uris):
         return [_fetch_local(u) for u in uris]
     workers = max(1, min(concurrency, len(uris)))
-    client = s3_client(max(1, concurrency))  # one client per process and setting, also for the few of a retry
+    stores = {scheme_of(u): store_for(u) for u in uris if is_remote(u)}  # one client per store, for the whole pass
 
     def fetch(uri: str) -> Fetched:
-        return _fetch_s3(uri, client) if is_s3(uri) else _fetch_local(uri)
+        return _fetch_remote(uri, stores[scheme_of(uri)]) if is_remote(uri) else _fetch_local(uri)
 
     with ThreadPoolExecutor(workers) as pool:
         return list(pool.map(fetch, uris))
@@ -127,7 +130,7 @@ def retry_transient(
         first = results[pending[0]].error
         raise TransientStorageError(
             f"{len(pending)} of {len(uris)} objects still failed transiently after {len(delays)} more rounds of "
-            f"reads (each with the S3 client's own retries), e.g. {uris[pending[0]]}: "
+            f"reads (each with the store client's own retries), e.g. {uris[pending[0]]}: "
             f"{type(first).__name__}: {first}"
         ) from first
     return results

@@ -1,8 +1,10 @@
-"""Storage URIs: one place that turns a URI into the filesystems Ray needs.
+"""Storage URIs: one place that turns a URI into the store and filesystems that hold it.
 
-URIs are either local paths (``/data/x``, ``./x``, ``file:///x``) or
-``s3://bucket/prefix``. S3 endpoints come from settings (``AWS_ENDPOINT_URL``);
-credentials are left to botocore / the AWS SDK so they never pass through here.
+URIs are local paths (``/data/x``, ``./x``, ``file:///x``), ``s3://bucket/prefix``,
+``gs://bucket/prefix`` or ``az://container/prefix``; each names its backend in
+:mod:`rayline.storage.backends`. Endpoints come from settings
+(``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``, ``AZURE_STORAGE_*``);
+credentials are left to each cloud's SDK so they never pass through here.
 
 Small files (JSON, manifests, Parquet shards) are written atomically: a reader
 sees the old object or the new one, never half of one.
@@ -14,11 +16,8 @@ import io
 import json
 import os
 import posixpath
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from functools import lru_cache
 from typing import Any
 from urllib.parse import urlparse
 
@@ -27,8 +26,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from rayline.config import get_settings, malformed_s3_uri
+from rayline.config import get_settings, malformed_store_uri, unsupported_scheme
 from rayline.errors import InputDataError, StorageError, TransientStorageError, is_transient
+from rayline.storage.backends import CLOUD_SCHEMES, ObjectStore, scheme_of, store_for
+from rayline.storage.backends.local import write_atomic
 
 S3 = "s3://"
 
@@ -48,30 +49,62 @@ def is_s3(uri: str) -> bool:
     return uri.startswith(S3)
 
 
-def _refuse_malformed_s3(uri: str) -> None:
-    if (problem := malformed_s3_uri(uri)) is not None:
+def is_remote(uri: str) -> bool:
+    """Whether ``uri`` names an object store (S3, GCS, Azure) rather than a local path."""
+    return scheme_of(uri) in CLOUD_SCHEMES
+
+
+def _refuse_malformed(uri: str) -> None:
+    if (problem := malformed_store_uri(uri)) is not None:
         raise InputDataError(problem)
 
 
 def normalize(uri: str) -> str:
     """Absolute, scheme-explicit form: local paths become absolute, no trailing slash.
 
-    A URI starting with ``s3:`` that is not ``s3://bucket[/prefix]`` is refused
-    (:func:`rayline.config.malformed_s3_uri`), never taken for a local path.
+    A URI starting with ``s3:``, ``gs:`` or ``az:`` that is not
+    ``<scheme>://bucket[/prefix]`` is refused (:func:`rayline.config.malformed_store_uri`),
+    never taken for a local path; so is a scheme rayline has no backend for.
     """
-    _refuse_malformed_s3(uri)
-    if is_s3(uri):
+    _refuse_malformed(uri)
+    if is_remote(uri):
         return uri.rstrip("/")
     if uri.startswith("file://"):
         uri = urlparse(uri).path
-    if "://" in uri:
-        raise InputDataError(f"unsupported storage URI {uri!r}: use a local path or s3://bucket/prefix")
+    if (problem := unsupported_scheme(uri)) is not None:
+        raise InputDataError(problem)
     return os.path.abspath(os.path.expanduser(uri))
 
 
+def store(uri: str) -> ObjectStore:
+    """The object store that holds ``uri`` (the seam's face: bytes, conditional writes, listings)."""
+    return store_for(normalize(uri))
+
+
+def uri_of_path(path: str, like: str) -> str:
+    """The URI of ``path``, a path on the filesystem :func:`filesystem` gave for ``like`` (``bucket/key``)."""
+    return f"{scheme_of(like)}://{path.lstrip('/')}" if is_remote(like) else path
+
+
+def hadoop_uri(uri: str) -> str:
+    """``uri`` as the Hadoop-style tools (MLflow, OpenLineage's naming) spell it: Azure's
+    ``az://container/key`` becomes ``wasbs://container@<account>.blob.core.windows.net/key``; others are kept."""
+    if scheme_of(uri) != "az":
+        return uri
+    container, _, key = uri[len("az://") :].partition("/")
+    account = store_for(uri).account  # type: ignore[attr-defined]
+    return f"wasbs://{container}@{account}.blob.core.windows.net/{key}".rstrip("/")
+
+
+def endpoint_of(uri: str) -> str | None:
+    """Where the store of ``uri`` is served, when not by the cloud itself (an emulator, a gateway); None else."""
+    return store(uri).endpoint
+
+
 def join(base: str, *parts: str) -> str:
-    """Join path segments onto a URI with '/' whatever the OS; a mistyped S3 base is refused as by :func:`normalize`."""
-    _refuse_malformed_s3(base)
+    """Join path segments onto a URI with '/' whatever the OS; a mistyped cloud base is refused as by
+    :func:`normalize`."""
+    _refuse_malformed(base)
     clean = [p.strip("/") for p in parts if p and p.strip("/")]
     return posixpath.join(base.rstrip("/"), *clean) if clean else base.rstrip("/")
 
@@ -92,44 +125,25 @@ def storage_root() -> str:
 
 
 def _strip_scheme(uri: str) -> str:
-    return uri[len(S3) :] if is_s3(uri) else normalize(uri)
-
-
-@lru_cache(maxsize=8)
-def _s3fs(endpoint_url: str | None, region: str | None) -> fsspec.AbstractFileSystem:
-    client_kwargs: dict[str, Any] = {}
-    if endpoint_url:
-        client_kwargs["endpoint_url"] = endpoint_url
-    if region:
-        client_kwargs["region_name"] = region
-    # listings are always fresh: a stale cache would hide new arrivals
-    return fsspec.filesystem("s3", client_kwargs=client_kwargs, use_listings_cache=False, skip_instance_cache=True)
+    """The path of ``uri`` for its store's filesystems: ``bucket/key`` for a cloud URI, the absolute path else."""
+    return uri.partition("://")[2] if is_remote(uri) else normalize(uri)
 
 
 def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """An fsspec filesystem for ``uri`` and the path to use with it."""
-    if is_s3(uri):
-        settings = get_settings()
-        return _s3fs(settings.aws_endpoint_url, settings.aws_region), _strip_scheme(uri)
-    return fsspec.filesystem("file"), normalize(uri)
-
-
-@lru_cache(maxsize=8)
-def _arrow_s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
-    kwargs: dict[str, Any] = {"region": region or "us-east-1"}
-    if endpoint_url:
-        parsed = urlparse(endpoint_url)
-        kwargs["endpoint_override"] = parsed.netloc or endpoint_url
-        kwargs["scheme"] = parsed.scheme or "https"
-    return pafs.S3FileSystem(**kwargs)
+    """An fsspec filesystem for ``uri`` (its store's client and policy) and the path to use with it."""
+    uri = normalize(uri)
+    return store_for(uri).filesystem(), _strip_scheme(uri)
 
 
 def arrow_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem (what Ray Data's readers take) and the path to use with it."""
-    if is_s3(uri):
-        settings = get_settings()
-        return _arrow_s3(settings.aws_endpoint_url, settings.aws_region), _strip_scheme(uri)
-    return pafs.LocalFileSystem(), normalize(uri)
+    """A pyarrow filesystem (what Ray Data's readers take) and the path to use with it: the store's own client."""
+    uri = normalize(uri)
+    return store_for(uri).arrow_filesystem(), _strip_scheme(uri)
+
+
+def delta_options(uri: str) -> dict[str, str] | None:
+    """delta-rs's storage options for a table at ``uri``: its store's endpoint, and the one retry policy."""
+    return store_for(normalize(uri)).delta_options()
 
 
 def storage_error(exc: Exception, action: str, uri: str) -> Exception:
@@ -150,11 +164,15 @@ def exists(uri: str) -> bool:
 
 
 def read_bytes(uri: str) -> bytes:
-    fs, path = filesystem(uri)
+    """The bytes of the object at ``uri``, exactly that key (a cloud key's trailing slash is part of it)."""
+    uri = uri if is_remote(uri) and malformed_store_uri(uri) is None else normalize(uri)
     try:
-        return bytes(fs.cat_file(path))
+        found = store_for(uri).get(uri)
     except Exception as exc:
         raise storage_error(exc, "reading", uri) from exc
+    if found is None:
+        raise InputDataError(f"reading {uri}: not found")
+    return found.data
 
 
 def write_bytes_atomic(uri: str, data: bytes, *, durable: bool = True) -> None:
@@ -162,27 +180,14 @@ def write_bytes_atomic(uri: str, data: bytes, *, durable: bool = True) -> None:
 
     Local: a temp file in the same folder, fsynced (unless not ``durable``:
     scratch files that a reader checks anyway, such as a night's blocks), then
-    ``os.replace``. S3: a single PUT is already atomic for readers.
+    ``os.replace``. A cloud store: a single PUT is already atomic for readers.
     """
-    fs, path = filesystem(uri)
+    uri = normalize(uri)
     try:
-        if is_s3(uri):
-            fs.pipe_file(path, data)
-            return
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                if durable:
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        if is_remote(uri):
+            store_for(uri).put(uri, data)
+        else:
+            write_atomic(uri, data, durable=durable)
     except Exception as exc:
         raise storage_error(exc, "writing", uri) from exc
 
@@ -250,32 +255,14 @@ def list_names(uri: str) -> list[str]:
 def _one_level(uri: str) -> list[tuple[str, str]]:
     """(name, type) of each entry directly under ``uri``; none when it is missing."""
     uri = normalize(uri)
-    fs, path = filesystem(uri)
     try:
-        entries: list[dict[str, Any]] = fs.ls(path, detail=True)
-    except FileNotFoundError:
-        return []
+        entries: list[tuple[str, str]] = []
+        for page in store_for(uri).list_pages(uri, level=True):
+            entries += [(stat.key, "file") for stat in page.objects]
+            entries += [(prefix.rstrip("/"), "directory") for prefix in page.prefixes]
     except Exception as exc:
         raise storage_error(exc, "listing", uri) from exc
-    return [(posixpath.basename(str(e["name"]).rstrip("/")), str(e.get("type"))) for e in entries]
-
-
-def _etag(info: dict[str, Any]) -> str:
-    etag = info.get("ETag") or info.get("etag")
-    if etag:
-        return str(etag).strip('"')
-    # local files have no ETag: size and mtime identify a version, as HTTP servers do
-    mtime = info.get("mtime") or info.get("created") or 0
-    return f"{int(info.get('size') or 0):x}-{int(float(mtime) * 1e9):x}"
-
-
-def _last_modified(info: dict[str, Any]) -> str:
-    value = info.get("LastModified") or info.get("mtime")
-    if isinstance(value, datetime):
-        return value.astimezone(UTC).isoformat()
-    if isinstance(value, int | float):
-        return datetime.fromtimestamp(value, UTC).isoformat()
-    return str(value or "")
+    return [(name, kind) for name, kind in entries if name]
 
 
 # Why a listed object is not an input (the reasons a listing reports).
@@ -314,27 +301,22 @@ def list_inputs(prefix_uri: str) -> Listing:
     disk has no folder markers: an empty folder is not listed at all.
     """
     prefix_uri = normalize(prefix_uri)
-    fs, path = filesystem(prefix_uri)
-    try:
-        found: dict[str, dict[str, Any]] = fs.find(path, detail=True)
-    except FileNotFoundError:
-        found = {}
-    except Exception as exc:
-        raise storage_error(exc, "listing", prefix_uri) from exc
-    base = path.rstrip("/") + "/"
     objects = []
     skipped: dict[str, list[str]] = {}
-    for full, info in sorted(found.items()):
-        if info.get("type") == "directory" or not full.startswith(base):
-            continue
-        key, size = full[len(base) :], int(info.get("size") or 0)
-        reason = skip_reason(key, size)
-        if reason is not None:
-            skipped.setdefault(reason, []).append(key or "./")  # "./": the listed prefix's own marker
-            continue
-        objects.append(ObjectInfo(object_uri(prefix_uri, key), key, size, _etag(info), _last_modified(info)))
+    try:
+        for page in store_for(prefix_uri).list_pages(prefix_uri):
+            for stat in page.objects:
+                reason = skip_reason(stat.key, stat.size)
+                if reason is not None:
+                    skipped.setdefault(reason, []).append(stat.key or "./")  # "./": the listed prefix's own marker
+                    continue
+                objects.append(
+                    ObjectInfo(object_uri(prefix_uri, stat.key), stat.key, stat.size, stat.version, stat.modified)
+                )
+    except Exception as exc:
+        raise storage_error(exc, "listing", prefix_uri) from exc
     return Listing(
-        objects=objects,  # sorted by key: the paths share the prefix
+        objects=objects,  # sorted by key: every store lists in key order
         skipped={reason: len(keys) for reason, keys in sorted(skipped.items())},
         skipped_examples={reason: keys[:_EXAMPLES_PER_REASON] for reason, keys in sorted(skipped.items())},
     )
@@ -348,25 +330,6 @@ def list_objects(prefix_uri: str) -> list[ObjectInfo]:
     :func:`list_inputs`, which counts what it leaves out.
     """
     return list_inputs(prefix_uri).objects
-
-
-@lru_cache(maxsize=8)
-def _s3_client(endpoint_url: str | None, region: str | None, pool: int, attempts: int) -> Any:
-    import boto3
-    from botocore.config import Config
-
-    config = Config(
-        max_pool_connections=pool,
-        # standard mode retries throttling, 5xx and dropped connections with backoff
-        retries={"mode": "standard", "total_max_attempts": attempts},
-    )
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
-
-
-def s3_client(pool: int = 10) -> Any:
-    """A botocore S3 client for the configured endpoint (shared, thread-safe)."""
-    settings = get_settings()
-    return _s3_client(settings.aws_endpoint_url, settings.aws_region, pool, settings.s3_max_attempts)
 
 
 def split_s3(uri: str) -> tuple[str, str]:

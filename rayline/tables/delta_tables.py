@@ -22,7 +22,6 @@ from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
 
 from rayline import storage
-from rayline.config import get_settings
 from rayline.errors import InputDataError, StorageError, TransientStorageError, is_transient
 from rayline.tables import delta_log
 
@@ -91,19 +90,9 @@ class NightCommit:
 
 
 def storage_options(uri: str) -> dict[str, str] | None:
-    """delta-rs options for ``uri``: endpoint and region from settings; credentials stay with the AWS SDK env."""
-    if not storage.is_s3(uri):
-        return None
-    settings = get_settings()
-    options: dict[str, str] = {}
-    if settings.aws_endpoint_url:
-        options["AWS_ENDPOINT_URL"] = settings.aws_endpoint_url
-        # object_store refuses plain-http endpoints (moto, local gateways) unless told
-        if settings.aws_endpoint_url.startswith("http://"):
-            options["AWS_ALLOW_HTTP"] = "true"
-    if settings.aws_region:
-        options["AWS_REGION"] = settings.aws_region
-    return options
+    """delta-rs options for ``uri``: its store's endpoint and the one retry policy; credentials stay with each
+    cloud SDK's own variables, which delta-rs reads too."""
+    return storage.delta_options(uri)
 
 
 def check_run_id(run_id: str) -> None:

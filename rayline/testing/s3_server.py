@@ -19,6 +19,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # moto accepts any credentials; boto3 needs some to sign requests
 S3_ENV = {
@@ -102,6 +103,19 @@ def s3_server(pid_out: list[int] | None = None) -> Iterator[str]:
         yield endpoint
     finally:
         stop_process(proc)
+
+
+def boto3_client(pool: int = 10) -> Any:
+    """A boto3 S3 client for the configured endpoint (``AWS_ENDPOINT_URL``), for tests and benches to seed or
+    inspect a bucket at exact keys; rayline itself talks to S3 through ``rayline.storage``."""
+    import boto3
+    from botocore.config import Config
+
+    from rayline.config import get_settings
+
+    settings = get_settings()
+    config = Config(max_pool_connections=pool, retries={"mode": "standard", "total_max_attempts": 3})
+    return boto3.client("s3", endpoint_url=settings.aws_endpoint_url, region_name=settings.aws_region, config=config)
 
 
 def create_bucket(endpoint: str, name: str) -> None:

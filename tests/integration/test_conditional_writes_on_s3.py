@@ -24,6 +24,7 @@ from rayline.errors import ConditionalWritesUnsupported, LeaseLost, NightCommitt
 from rayline.storage import conditional, layout, leases
 from rayline.tables import delta_tables, prediction_reads, predictions_table
 from rayline.testing.s3_proxy import S3Proxy
+from rayline.testing.s3_server import boto3_client
 from tests.unit.test_predictions_table import DT, SCHEMA, _labels, _write, errors_landed_predictions_raised
 
 pytestmark = pytest.mark.integration
@@ -97,7 +98,7 @@ def test_vacuum_keeps_the_paired_errors_on_the_s3_protocol_server(s3_storage: st
 
 
 def _keys(bucket: str) -> list[str]:
-    listed = storage.s3_client().list_objects_v2(Bucket=bucket).get("Contents", [])
+    listed = boto3_client().list_objects_v2(Bucket=bucket).get("Contents", [])
     return sorted(str(o["Key"]) for o in listed)
 
 

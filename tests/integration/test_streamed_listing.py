@@ -13,6 +13,7 @@ import pytest
 from rayline import storage
 from rayline.storage import listing
 from rayline.storage.digests import SetDigest
+from rayline.testing.s3_server import boto3_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
 
@@ -28,10 +29,10 @@ def _seed(source: str) -> set[str]:
     keys |= {f"{h:02x}/{i}.jpg" for h in range(10) for i in range(2)} | {"top-0.png", "top-1.png"}
     for key in keys | {".DS_Store", "dt=2026-11-28/_SUCCESS"}:
         storage.write_bytes_atomic(storage.join(source, key), key.encode())
-    if storage.is_s3(source):
-        bucket, _, prefix = source.removeprefix(storage.S3).partition("/")
+    if source.startswith("s3://"):
+        bucket, _, prefix = source.removeprefix("s3://").partition("/")
         for marker in (f"{prefix}/", f"{prefix}/dt=2026-11-28/hour=03/"):
-            storage.s3_client().put_object(Bucket=bucket, Key=marker, Body=b"")
+            boto3_client().put_object(Bucket=bucket, Key=marker, Body=b"")
     return keys
 
 
@@ -62,7 +63,7 @@ def _seed_exact(source: str, keys: tuple[str, ...]) -> None:
     """Objects at exactly these keys (``storage.join`` would strip a leading slash)."""
     bucket, prefix = storage.split_s3(source)
     for key in keys:
-        storage.s3_client().put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=key.encode())
+        boto3_client().put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=key.encode())
 
 
 @pytest.mark.parametrize("inline", [0, 2, listing.INLINE_OBJECTS])

@@ -24,6 +24,7 @@ from rayline.models import registry
 from rayline.seed import digit_objects
 from rayline.tables.prediction_reads import committed_nights, read_night_pair
 from rayline.testing.s3_proxy import S3Proxy
+from rayline.testing.s3_server import boto3_client
 from tests.integration.helpers import register_untrained_champion
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
@@ -35,10 +36,10 @@ MIX = ["503", "500", "reset"]  # MIX[1:]: no SlowDown, for which botocore waits 
 def _put_many(prefix: str, count: int) -> dict[str, bytes]:
     """``count`` digit PNGs under ``prefix``, written concurrently; URI → bytes."""
     objects = {storage.join(prefix, key): data for key, data in list(digit_objects(32))[:count]}
-    client = storage.s3_client(16)
+    client = boto3_client(16)
 
     def put(item: tuple[str, bytes]) -> None:
-        bucket, _, key = item[0][len(storage.S3) :].partition("/")
+        bucket, _, key = item[0][len("s3://") :].partition("/")
         client.put_object(Bucket=bucket, Key=key, Body=item[1])
 
     with ThreadPoolExecutor(16) as pool:
@@ -77,7 +78,7 @@ def test_the_proxy_answers_slowdown_internal_error_and_resets(s3_faults: S3Proxy
     """Each fault kind reaches an S3 client as real S3 would send it, and each is classified transient."""
     uri = storage.join(s3_storage, "raw", "one.png")
     storage.write_bytes_atomic(uri, b"x")
-    bucket, _, key = uri[len(storage.S3) :].partition("/")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     client = boto3.client(
         "s3", endpoint_url=s3_faults.endpoint, config=Config(retries={"mode": "standard", "total_max_attempts": 1})
     )
@@ -102,7 +103,7 @@ def test_the_proxy_refuses_reads_and_cuts_bodies_short(s3_faults: S3Proxy, s3_st
     """A 403 reaches the client as S3's AccessDenied; a body cut short as botocore's streaming error, transient."""
     uri = storage.join(s3_storage, "raw", "one.png")
     storage.write_bytes_atomic(uri, b"0123456789" * 10)
-    bucket, _, key = uri[len(storage.S3) :].partition("/")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     client = boto3.client(
         "s3", endpoint_url=s3_faults.endpoint, config=Config(retries={"mode": "standard", "total_max_attempts": 1})
     )
@@ -164,7 +165,7 @@ def test_ingest_with_five_percent_of_reads_faulted_gives_one_correct_row_per_obj
 
 def test_reads_failing_past_the_clients_attempts_are_retried_by_the_stage(s3_faults: S3Proxy, s3_storage: str) -> None:
     """The first reads of 3 objects fail: more than botocore's attempts, so only the stage's rounds save them."""
-    attempts = get_settings().s3_max_attempts  # the session's: 2 (6 by default)
+    attempts = get_settings().storage_max_attempts  # the session's: 2 (6 by default)
     written = _put_many(storage.join(s3_storage, "raw"), 40)
     s3_faults.configure(
         fail_first_n=attempts + 2, fault_kinds=["500", "reset"], key_regex="/raw/\\d/digit-0000[0-2]\\.png$"

@@ -35,8 +35,10 @@ def test_standard_variables_are_honoured(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.parametrize(
     ("value", "fragment"),
     [
-        ("gs://bucket", "unsupported scheme"),
+        ("hdfs://bucket", "unsupported storage URI 'hdfs://bucket': use a local path, s3://"),
         ("s3://", "names no bucket"),
+        ("gs://", "names no bucket"),
+        ("az:/container/x", r"malformed AZ URI 'az:/container/x': expected az://container\[/prefix\]"),
         ("  ", "must not be empty"),
         ("s3:/bucket/raw", r"malformed S3 URI 's3:/bucket/raw': expected s3://bucket\[/prefix\]"),
     ],

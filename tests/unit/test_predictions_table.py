@@ -225,12 +225,18 @@ def test_files_outside_the_night_folder_or_bad_names_are_refused(table: str) -> 
 
 
 def test_storage_options_for_s3_come_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The endpoint and region, and the one retry and timeout policy in delta-rs's names."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.setenv("RAYLINE_STORAGE_MAX_ATTEMPTS", "4")
+    monkeypatch.setenv("RAYLINE_STORAGE_TIMEOUT_S", "30")
     assert delta_tables.storage_options("s3://bucket/predictions") == {
         "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
         "AWS_ALLOW_HTTP": "true",
         "AWS_REGION": "eu-west-1",
+        "max_retries": "3",
+        "timeout": "30s",
+        "connect_timeout": "10s",
     }
     assert delta_tables.storage_options("/tmp/x") is None
 

@@ -19,8 +19,11 @@ def test_join_and_normalize() -> None:
     assert storage.normalize("s3://b/p/") == "s3://b/p"
     assert storage.normalize("file:///tmp/x") == "/tmp/x"
     assert os.path.isabs(storage.normalize("./relative"))
+    assert storage.normalize("gs://b/p/") == "gs://b/p" and storage.normalize("az://c/p") == "az://c/p"
     with pytest.raises(InputDataError, match="unsupported storage URI"):
-        storage.normalize("gs://bucket/x")
+        storage.normalize("hdfs://bucket/x")
+    with pytest.raises(InputDataError, match="malformed GS URI"):
+        storage.join("gs:/bucket", "x")
 
 
 def test_atomic_write_leaves_no_temp_files(tmp_path: Path) -> None:

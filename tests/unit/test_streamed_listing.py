@@ -69,14 +69,16 @@ def test_a_begun_listing_leaves_groups_whose_parts_finish_it_as_the_whole_listin
     cutters (list_group_parts, streamed part by part); the finished listing is the one list_to_parts makes."""
     keys = _tree(tmp_path / "in")
     whole = listing.list_to_parts(str(tmp_path / "in"), str(tmp_path / "whole"), rows_per_part=10)
-    monkeypatch.setattr(listing, "INLINE_OBJECTS", 20)  # ".hidden.png", 00/ and 01/ whole, 02/ up to its 5th
+    # a level's objects come first (a store lists a page's objects, then its sub-prefixes): the 11 names at the
+    # top (9 inputs, 2 hidden), then 00/ whole and 01/ up to its 2nd object make the 20 listed inline
+    monkeypatch.setattr(listing, "INLINE_OBJECTS", 20)
     begun = listing.begin_listing(str(tmp_path / "in"), str(tmp_path / "staging"), rows_per_part=10)
-    assert not begun.complete and begun.own.count < len(keys) and begun.own_prefixes == 3
-    # the rest of 02/, then 03/ to 0b/ and dt=…/, a group each: fewer sub-prefixes than LISTERS
-    assert [prefixes for _, prefixes in begun.groups][:2] == [[("02", "02/img-4.png")], [("03", "")]]
-    assert [name for name, _ in begun.groups] == [f"g{n:05d}" for n in range(1, 12)]
-    # the 10 sub-prefixes not begun as many objects each as the 3 begun, on average
-    assert begun.estimated_count == begun.own.count + begun.own.count * 10 // 3
+    assert not begun.complete and begun.own.count < len(keys) and begun.own_prefixes == 2
+    # the rest of 01/, then 02/ to 0b/ and dt=…/, a group each: fewer sub-prefixes than LISTERS
+    assert [prefixes for _, prefixes in begun.groups][:2] == [[("01/", "01/img-1.png")], [("02/", "")]]
+    assert [name for name, _ in begun.groups] == [f"g{n:05d}" for n in range(1, 13)]
+    # the 11 sub-prefixes not begun as many objects each as the 2 begun, on average
+    assert begun.estimated_count == begun.own.count + begun.own.count * 11 // 2
     with pytest.raises(StorageError, match="no summary of its group g00001"):
         listing.finish_listing(begun)  # a group never listed to its end
     streamed = [
