@@ -112,6 +112,7 @@ from rayline.skipped import skipped_text
 from rayline.storage import leases
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
 from rayline.storage.listing import ListingStart, begin_listing, finish_listing
+from rayline.tables.delta_probe import require_delta_writes
 from rayline.tables.delta_tables import Night, NightCommit, attempt_run_id, commit_log_bytes, find_commit, open_table
 from rayline.tables.predictions_table import (
     ERRORS_SCHEMA,
@@ -254,6 +255,7 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
     attempt_id, landed = attempt_run_id(*tables, night, run_id or new_run_id())
     if landed is not None:  # a retry of a run whose commit landed: that commit is the result
         return _committed_result(cfg, tables, night, landed, time.perf_counter() - started)
+    require_delta_writes(cfg.tables_root)  # refused here, not after predicting every input
     # what the night looked like when this run started: a predictions commit after this is another run's
     seen = night_seq(tables[0], night)
     with (

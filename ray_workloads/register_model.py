@@ -98,7 +98,7 @@ class RegisterModelConfig(BaseModel):
     factory_kwargs: dict[str, Any] = Field(default_factory=dict)
     code: str | None = Field(None, description="A local package folder holding the factory, shipped to Ray.")
     sidecar: str | None = Field(None, description="JSON file/URI with 'classes' and/or 'image' (an image spec).")
-    classes: str = Field(IMAGENET, description="'imagenet', or a file/S3 URI with one class name a line.")
+    classes: str = Field(IMAGENET, description="'imagenet', or a file or storage URI with one class name a line.")
     preprocess: Literal["imagenet", "squash"] = "imagenet"
     resize: int | None = Field(None, ge=4, le=4096, description="Override the shorter side before cropping.")
     crop: int | None = Field(None, ge=4, le=1024, description="Override the square side the model sees.")

@@ -5,8 +5,10 @@ to the library error that caused it::
 
     RaylineError
     ├── ConfigError            bad settings or stage parameters (not retried)
-    │   └── ConditionalWritesUnsupported  the S3 endpoint ignores If-None-Match /
-    │                          If-Match (``rayline.storage.conditional_probe``)
+    │   ├── ConditionalWritesUnsupported  the object store ignores its conditional
+    │   │                      writes (``rayline.storage.conditional_probe``)
+    │   └── DeltaWritesUnsupported  delta-rs cannot write Delta tables at the store's
+    │                          endpoint (``rayline.tables.delta_probe``)
     ├── InputDataError         the input itself is wrong: empty prefix, bad URI,
     │   │                      unreadable manifest (not retried)
     │   └── ErrorBudgetExceeded  more of a night's inputs failed than allowed
@@ -69,8 +71,15 @@ class ConfigError(RaylineError):
 
 
 class ConditionalWritesUnsupported(ConfigError):
-    """The S3 endpoint answered a conditional write that should have been refused: it ignores
-    ``If-None-Match`` or ``If-Match``, on which every lease, claim and commit relies. Not retried."""
+    """The object store answered a conditional write that should have been refused: it ignores
+    ``If-None-Match`` / ``If-Match`` (S3, Azure) or ``ifGenerationMatch`` (GCS), on which every lease,
+    claim and commit relies. Not retried."""
+
+
+class DeltaWritesUnsupported(ConfigError):
+    """delta-rs could not write a Delta table at the store's endpoint (a server that lacks the API its
+    client speaks, such as a GCS emulator without the XML API): a night there would predict everything
+    and then fail to commit. Not retried."""
 
 
 class InputDataError(RaylineError):

@@ -64,7 +64,13 @@ def _state_dir_or_none() -> Path | None:
 
 @app.command("seed-data")
 def seed_data(
-    to: Annotated[str, typer.Option("--to", help="Target prefix: a local folder or s3://bucket/prefix.")],
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            help="Target prefix: a local folder, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix.",
+        ),
+    ],
     corrupt: Annotated[int, typer.Option(min=0, help="Broken objects to add (several kinds).")] = 0,
     synthetic: Annotated[int, typer.Option(min=0, help="Generated images to add for scale tests.")] = 0,
     size: Annotated[int, typer.Option(min=8, max=1024, help="Side of the stored images in pixels.")] = 32,

@@ -54,7 +54,7 @@ def register_model_command(
         ),
     ] = None,
     classes: Annotated[
-        str, typer.Option(help="'imagenet' (torchvision's 1,000 names) or a file/S3 URI with one name a line.")
+        str, typer.Option(help="'imagenet' (torchvision's 1,000 names) or a file or storage URI with one name a line.")
     ] = "imagenet",
     preprocess: Annotated[
         str,

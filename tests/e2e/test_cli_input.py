@@ -21,17 +21,26 @@ def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[
 
 
 def test_bad_storage_setting_is_named(tmp_path: Path) -> None:
-    done = _run(["seed-data", "--to", "gs://nope/raw"], tmp_path)
+    done = _run(["seed-data", "--to", "hdfs://nope/raw"], tmp_path)
     assert done.returncode == 2
-    assert "unsupported storage URI 'gs://nope/raw'" in done.stderr
+    assert "unsupported storage URI 'hdfs://nope/raw': use a local path, s3://bucket[/prefix]" in done.stderr
     done = _run(["prepare-data"], tmp_path, RAYLINE_STORAGE="ftp://host/x")
     assert done.returncode == 2
     assert "invalid rayline settings: RAYLINE_STORAGE: " in done.stderr
 
 
-@pytest.mark.parametrize("uri", ["s3:/bucket/raw", "s3://"])
-def test_a_mistyped_s3_uri_is_refused_with_the_expected_form_and_nothing_written(tmp_path: Path, uri: str) -> None:
+@pytest.mark.parametrize(
+    ("uri", "form"),
+    [
+        ("s3:/bucket/raw", "s3://bucket[/prefix]"),
+        ("s3://", "s3://bucket[/prefix]"),
+        ("az:/c/x", "az://container[/prefix]"),
+    ],
+)
+def test_a_mistyped_cloud_uri_is_refused_with_the_expected_form_and_nothing_written(
+    tmp_path: Path, uri: str, form: str
+) -> None:
     done = _run(["seed-data", "--to", uri], tmp_path)
     assert done.returncode == 2, done.stdout
-    assert f"{uri!r}" in done.stderr and "expected s3://bucket[/prefix]" in done.stderr
+    assert f"{uri!r}" in done.stderr and f"expected {form}" in done.stderr
     assert list(tmp_path.iterdir()) == [], "nothing written to local disk"

@@ -3,9 +3,9 @@
 Next to good images: a hidden key, two underscore keys and, on a cloud store
 (S3, GCS, Azure), a zero-byte folder marker (local disk has none: an empty
 folder is no object) and good images at keys with doubled slashes (each an
-object of its own). On GCS only the ingest runs: the night's Delta commits
-go through delta-rs's XML-API client, which no GCS emulator serves
-(docs/storage.md).
+object of its own). On GCS the ingest runs and the night is refused before any
+work: its Delta commits go through delta-rs's XML-API client, which no GCS
+emulator serves (docs/storage.md, ``rayline.tables.delta_probe``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 from ray_workloads import batch_inference, ingest
 from rayline import storage
 from rayline.cli.summaries import print_inference_summary
+from rayline.errors import DeltaWritesUnsupported
 from rayline.seed import digit_objects
 from rayline.skipped import skipped_text
 from rayline.storage import layout
@@ -76,8 +77,16 @@ def test_ingest_and_a_night_account_for_every_listed_object(root: str, capsys: p
     assert sorted(r["key"] for r in rows) == sorted(good) and not any(r["error_type"] for r in rows)  # one row each
     reused = ingest.run(config)
     assert reused.cached and reused.skipped == skipped
-    if root.startswith("gs://"):
-        return  # the night commits Delta tables: not on a GCS emulator (module docstring)
+    if root.startswith("gs://"):  # the night's Delta commits: refused before any work (module docstring)
+        with pytest.raises(DeltaWritesUnsupported, match="does not serve the XML API"):
+            batch_inference.run(
+                batch_inference.InferenceConfig(
+                    input_uri=source, tables_root=root, dt=DAY, model=register_untrained(), actors=1
+                )
+            )
+        assert not {"predictions", "prediction_errors"} & set(storage.list_folders(root)), "no table was begun"
+        assert "nights" not in storage.list_folders(storage.join(root, "_staging")), "no night's lease was taken"
+        return
 
     night = batch_inference.run(
         batch_inference.InferenceConfig(

@@ -1,0 +1,73 @@
+"""Proof that delta-rs can commit to a Delta table where a night is about to write its tables.
+
+delta-rs talks to cloud stores through its own client (``object_store``),
+not through rayline's. A store whose endpoint serves rayline's requests but
+not delta-rs's (a GCS emulator: object_store writes with GCS's XML API, which
+neither fake-gcs-server nor gcp-storage-emulator serves) would let a night
+list, fetch and predict every input and then fail at its commit. So before a
+night's first work on a store, :func:`require_delta_writes` commits a
+one-row table under ``<root>/_staging`` with the night's storage options,
+reads it back, and removes it; the answer is kept for the process, per
+bucket and endpoint. Local disk needs no probe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+
+from rayline import storage
+from rayline.errors import DeltaWritesUnsupported, TransientStorageError, is_transient
+
+log = logging.getLogger(__name__)
+
+_answers: dict[tuple[str, str | None], DeltaWritesUnsupported | None] = {}
+_lock = threading.Lock()
+
+
+def require_delta_writes(tables_root: str) -> None:
+    """Refuse (``DeltaWritesUnsupported``) a night whose tables under ``tables_root`` delta-rs cannot write."""
+    root = storage.normalize(tables_root)
+    if not storage.is_remote(root):
+        return
+    scheme, _, rest = root.partition("://")
+    where = (f"{scheme}://{rest.partition('/')[0]}", storage.endpoint_of(root))
+    with _lock:
+        if where not in _answers:
+            _answers[where] = _probe(root)
+        refusal = _answers[where]
+    if refusal is not None:
+        raise refusal
+
+
+def _probe(root: str) -> DeltaWritesUnsupported | None:
+    probe = storage.join(root, "_staging", f"delta-probe-{uuid.uuid4().hex}")
+    options = storage.delta_options(probe)
+    try:
+        write_deltalake(probe, pa.table({"probe": [1]}), storage_options=options)
+        rows = DeltaTable(probe, storage_options=options).to_pyarrow_table().num_rows
+    except Exception as exc:
+        if is_transient(exc):  # the store's trouble of the moment, not what it can do: not kept as the answer
+            raise TransientStorageError(f"probing Delta writes at {probe}: {type(exc).__name__}: {exc}") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        endpoint = storage.endpoint_of(root) or "the cloud's own"
+        return DeltaWritesUnsupported(
+            f"delta-rs could not write a Delta table at {root} (endpoint {endpoint}): {type(exc).__name__}: "
+            f"{first[:300]}. The night's predictions are Delta tables, so nothing was predicted. A GCS emulator "
+            "does not serve the XML API delta-rs writes with (docs/storage.md); against a cloud, check the "
+            "credentials delta-rs reads and the endpoint."
+        )
+    finally:
+        _remove(probe)
+    return None if rows == 1 else DeltaWritesUnsupported(f"delta-rs wrote a table at {probe} but read {rows} rows")
+
+
+def _remove(probe: str) -> None:
+    try:
+        storage.remove_tree(probe)
+    except Exception as exc:  # never hide the probe's own answer; a hidden folder of a few bytes is left
+        log.warning("removing the Delta write probe %s failed: %s", probe, exc)
