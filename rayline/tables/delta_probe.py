@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 
 import pyarrow as pa
@@ -25,6 +26,7 @@ from rayline.errors import DeltaWritesUnsupported, TransientStorageError, is_tra
 
 log = logging.getLogger(__name__)
 
+_TRANSIENT_ATTEMPTS = 3
 _answers: dict[tuple[str, str | None], DeltaWritesUnsupported | None] = {}
 _lock = threading.Lock()
 
@@ -45,13 +47,26 @@ def require_delta_writes(tables_root: str) -> None:
 
 
 def _probe(root: str) -> DeltaWritesUnsupported | None:
+    """The store's answer; a transient failure (the store's trouble of the moment, not what it can do) is tried
+    again a few times, then raised as :class:`TransientStorageError`, never kept as the answer."""
+    for attempt in range(_TRANSIENT_ATTEMPTS):
+        try:
+            return _probe_once(root)
+        except TransientStorageError:
+            if attempt + 1 == _TRANSIENT_ATTEMPTS:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    return None
+
+
+def _probe_once(root: str) -> DeltaWritesUnsupported | None:
     probe = storage.join(root, "_staging", f"delta-probe-{uuid.uuid4().hex}")
     options = storage.delta_options(probe)
     try:
         write_deltalake(probe, pa.table({"probe": [1]}), storage_options=options)
         rows = DeltaTable(probe, storage_options=options).to_pyarrow_table().num_rows
     except Exception as exc:
-        if is_transient(exc):  # the store's trouble of the moment, not what it can do: not kept as the answer
+        if is_transient(exc):
             raise TransientStorageError(f"probing Delta writes at {probe}: {type(exc).__name__}: {exc}") from exc
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         endpoint = storage.endpoint_of(root) or "the cloud's own"
