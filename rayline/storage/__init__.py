@@ -1,9 +1,11 @@
 """Storage: where everything rayline writes lives, and how it is written safely.
 
+- ``backends``: the seam: one object-store interface, a backend per scheme (local disk, ``s3://``,
+  ``gs://``, ``az://``) and the one retry and timeout policy; nothing outside this package builds a client;
 - ``uris``: URIs to filesystems, whole-object reads and atomic writes, listings (this package's face:
   ``from rayline import storage``; ``storage.join(...)``, ``storage.read_json(...)``);
 - ``conditional``, ``fencing``, ``leases``: create-if-absent and compare-and-swap, fencing tokens, leases
-  (``conditional_probe``: proof that an S3 endpoint honours the conditions, before the first such write);
+  (``conditional_probe``: proof that a store honours the conditions, before the first such write);
 - ``folders``, ``manifests``: content-addressed output folders committed by typed manifests;
 - ``listing``, ``listing_parts``, ``walking``, ``digests``, ``fetching``: a prefix's listing streamed into parts
   (``listing_parts``: the parts and their summaries; ``walking``: a prefix's levels and objects, page by page),

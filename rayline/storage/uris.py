@@ -45,10 +45,6 @@ class ObjectInfo:
     last_modified: str
 
 
-def is_s3(uri: str) -> bool:
-    return uri.startswith(S3)
-
-
 def is_remote(uri: str) -> bool:
     """Whether ``uri`` names an object store (S3, GCS, Azure) rather than a local path."""
     return scheme_of(uri) in CLOUD_SCHEMES
