@@ -132,7 +132,7 @@ def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
 
 
 def arrow_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem (what Ray Data's readers take) and the path to use with it: the store's own client."""
+    """A pyarrow filesystem (what Ray Data's readers take) and the path to use with it, with the store's policy."""
     uri = normalize(uri)
     return store_for(uri).arrow_filesystem(), _strip_scheme(uri)
 

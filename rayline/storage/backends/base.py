@@ -125,7 +125,8 @@ class ObjectStore(ABC):
         """The fsspec filesystem of this store (paths without the scheme), with the store's policy."""
 
     def arrow_filesystem(self) -> pafs.FileSystem:
-        """A pyarrow filesystem for readers and Ray Data: the same client, policy and credentials."""
+        """A pyarrow filesystem for readers and Ray Data with the same policy and credentials: by default the
+        store's fsspec filesystem wrapped for pyarrow."""
         return pafs.PyFileSystem(ModifiedTimeHandler(self.filesystem()))
 
     @abstractmethod
