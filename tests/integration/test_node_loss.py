@@ -229,7 +229,7 @@ def test_serving_answers_every_request_while_a_node_is_lost(two_nodes: TwoNodes,
     preference) while that one has room, so the worker node's router replica holds no request
     when it dies. (With that preference off, Serve's proxy answers 500 to each request in flight
     inside the dying router replica, 1–2 of ~3,600 here: it does not retry a request a replica
-    has accepted; README "Node loss".)
+    has accepted; docs/failure-handling.md, "Node loss".)
     """
     model = register_untrained("digits-nl")
     cfg = ServeConfig(
@@ -274,7 +274,7 @@ def test_serving_answers_every_request_while_a_node_is_lost(two_nodes: TwoNodes,
             time.sleep(1.0)  # traffic on the replacements too
         print(f"replicas replaced {replaced_s:.1f} s after the kill; {len(load.answers)} requests")
         # Serve's proxy answers 500 for a request in flight inside a router replica that dies, and does not
-        # retry it (README "Node loss"); its local-node preference keeps that replica idle, but only while
+        # retry it (docs/failure-handling.md, "Node loss"); its local-node preference keeps that replica idle, but only while
         # the head's router answers the proxy's queue probe in time, which a loaded machine does not always
         # do. So: no failure at all apart from those, and those at most one per client.
         assert load.failed_apart_from_those_in_flight_at(killing, killed) == [], load.failures()[:5]
