@@ -274,7 +274,8 @@ def test_serving_answers_every_request_while_a_node_is_lost(two_nodes: TwoNodes,
             time.sleep(1.0)  # traffic on the replacements too
         print(f"replicas replaced {replaced_s:.1f} s after the kill; {len(load.answers)} requests")
         # Serve's proxy answers 500 for a request in flight inside a router replica that dies, and does not
-        # retry it (docs/failure-handling.md, "Node loss"); its local-node preference keeps that replica idle, but only while
+        # retry it (docs/failure-handling.md, "Node loss"); its local-node preference keeps that replica idle,
+        # but only while
         # the head's router answers the proxy's queue probe in time, which a loaded machine does not always
         # do. So: no failure at all apart from those, and those at most one per client.
         assert load.failed_apart_from_those_in_flight_at(killing, killed) == [], load.failures()[:5]
