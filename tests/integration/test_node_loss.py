@@ -275,9 +275,8 @@ def test_serving_answers_every_request_while_a_node_is_lost(two_nodes: TwoNodes,
         print(f"replicas replaced {replaced_s:.1f} s after the kill; {len(load.answers)} requests")
         # Serve's proxy answers 500 for a request in flight inside a router replica that dies, and does not
         # retry it (docs/failure-handling.md, "Node loss"); its local-node preference keeps that replica idle,
-        # but only while
-        # the head's router answers the proxy's queue probe in time, which a loaded machine does not always
-        # do. So: no failure at all apart from those, and those at most one per client.
+        # but only while the head's router answers the proxy's queue probe in time, which a loaded machine
+        # does not always do. So: no failure at all apart from those, and those at most one per client.
         assert load.failed_apart_from_those_in_flight_at(killing, killed) == [], load.failures()[:5]
         assert len(load.failures()) <= 4, f"{len(load.failures())} failed: {load.failures()[:5]}"
         assert load.answered_since(killed) > 20
