@@ -5,7 +5,7 @@
 (c) a plain boto3 client doing 32 concurrent GETs, no Ray, no output.
 
 Each is measured twice: against the bare server, and through the
-fault-injecting proxy (``rayline/testing/s3_proxy.py``, no faults) adding
+fault-injecting proxy (``rayline/testing/fault_proxy.py``, no faults) adding
 ``--latency-ms`` (20 by default: real S3's order of magnitude for a small
 GET) to every request, where per-request latency, not the server's CPU,
 bounds throughput.
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from rayline.testing.s3_proxy import s3_proxy
+from rayline.testing.fault_proxy import fault_proxy
 from rayline.testing.s3_server import S3_ENV, create_bucket, process_cpu_seconds, s3_server
 
 BUCKET = "rayline-bench"
@@ -110,7 +110,7 @@ def main() -> None:
     os.environ.update(S3_ENV)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     server_pid: list[int] = []
-    with s3_server(server_pid) as endpoint, s3_proxy(endpoint, latency_ms=args.latency_ms) as proxy:
+    with s3_server(server_pid) as endpoint, fault_proxy(endpoint, latency_ms=args.latency_ms) as proxy:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         from rayline.seed import seed
 

@@ -323,13 +323,13 @@ def main() -> None:
 
 
 def s3_measure(count: int, latency_ms: float, work: str, env: dict[str, str]) -> dict[str, Any]:
-    from rayline.testing.s3_proxy import s3_proxy
+    from rayline.testing.fault_proxy import fault_proxy
     from rayline.testing.s3_server import s3_server
 
     os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"})  # moto takes any
     with s3_server() as endpoint:
         prefix = s3_night(endpoint, count)
-        with s3_proxy(endpoint, latency_ms=latency_ms, methods=["GET", "HEAD", "PUT", "POST", "DELETE"]) as proxy:
+        with fault_proxy(endpoint, latency_ms=latency_ms, methods=["GET", "HEAD", "PUT", "POST", "DELETE"]) as proxy:
             s3_env = {
                 **env,
                 "AWS_ENDPOINT_URL": proxy.endpoint,

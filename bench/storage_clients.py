@@ -15,8 +15,11 @@ and an ingest do, on the same moto server in one run:
   ``put(mode="create" | {"e_tag": …})``.
 
 Parts: listing ``--keys`` keys (100,000 by default), 1,000 GETs of 64 KiB
-objects with 64 in flight, and 200 conditional puts (create, then replace
-if matching). Each is the best of ``--repeats``; it also prints how busy the
+objects with 64 in flight, 200 conditional puts (create, then replace
+if matching), and the readers': 20 Parquet shards of about 8 MB read
+through a pyarrow filesystem (today's pyarrow ``S3FileSystem`` with its
+defaults, the seam's, s3fs wrapped for pyarrow as on GCS and Azure, and
+obstore's fsspec adapter wrapped the same way). Each is the best of ``--repeats``; it also prints how busy the
 server and this process were. moto is the ceiling of every figure here: a
 ratio says which client asks the least of a server and of the node, not
 what real S3 would give. Ends with one JSON line.
@@ -37,6 +40,7 @@ from rayline.testing.s3_server import S3_ENV, create_bucket, process_cpu_seconds
 
 BUCKET = "rayline-clients"
 GET_COUNT, GET_BYTES, IN_FLIGHT, CONDITIONAL = 1000, 64 * 1024, 64, 200
+SHARDS, SHARD_ROWS = 20, 2000  # rows of 4 KiB: about 8 MB a shard, like a night's ingested shards
 
 
 def _timed(name: str, run: Callable[[], int], server_pid: int, repeats: int) -> dict[str, float]:
@@ -110,7 +114,45 @@ def _populate(endpoint: str, keys: int) -> None:
 
     started = time.perf_counter()
     asyncio.run(put_all())
+    for i in range(SHARDS):
+        obs.put(store, f"shards/{i:03d}.parquet", _shard())
     print(f"populated {keys:,} keys and {GET_COUNT} x 64 KiB objects in {time.perf_counter() - started:.0f} s")
+
+
+def _shard() -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pa.table(
+        {"uri": [f"s3://b/{i}.jpg" for i in range(SHARD_ROWS)], "data": [os.urandom(4096) for _ in range(SHARD_ROWS)]}
+    )
+    buffer = io.BytesIO()
+    pq.write_table(rows, buffer, compression="none", use_dictionary=False)
+    return buffer.getvalue()
+
+
+def _read_parts(endpoint: str) -> dict[str, Callable[[], int]]:
+    """Each pyarrow filesystem reading every shard whole, one after another (``storage.read_parquet``'s way)."""
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+    from obstore.fsspec import FsspecStore
+
+    paths = [f"{BUCKET}/shards/{i:03d}.parquet" for i in range(SHARDS)]
+    default = pafs.S3FileSystem(endpoint_override=endpoint, region="us-east-1", scheme="http")
+    wrapped_s3fs = pafs.PyFileSystem(pafs.FSSpecHandler(_seam(endpoint).filesystem()))
+    obstore_fs = FsspecStore("s3", endpoint=endpoint, region="us-east-1", client_options={"allow_http": True})
+
+    def reading(fs: pafs.FileSystem) -> Callable[[], int]:
+        return lambda: sum(pq.read_table(path, filesystem=fs).num_rows == SHARD_ROWS for path in paths)
+
+    return {
+        "today (pyarrow S3FileSystem)": reading(default),
+        "fsspec (rayline's S3Store readers: pyarrow's client, the policy)": reading(_seam(endpoint).arrow_filesystem()),
+        "s3fs (wrapped for pyarrow, as GCS's and Azure's readers are)": reading(wrapped_s3fs),
+        "obstore (its fsspec adapter, wrapped)": reading(pafs.PyFileSystem(pafs.FSSpecHandler(obstore_fs))),
+    }
 
 
 def _list_parts(endpoint: str) -> dict[str, Callable[[], int]]:
@@ -263,12 +305,17 @@ def main() -> None:
     with s3_server(pids) as endpoint:
         create_bucket(endpoint, BUCKET)
         _populate(endpoint, keys)
-        for part, parts in (("list", _list_parts), ("get", _get_parts), ("conditional", _conditional_parts)):
+        for part, parts in (
+            ("list", _list_parts),
+            ("get", _get_parts),
+            ("conditional", _conditional_parts),
+            ("read", _read_parts),
+        ):
             print(f"{part}:")
             results[part] = {name: _timed(name, run, pids[0], repeats) for name, run in parts(endpoint).items()}
         print("odd keys:")
         odd = _odd_keys(endpoint)
-    summary: dict[str, Any] = {"keys": keys, "gets": GET_COUNT, "conditional_puts": CONDITIONAL}
+    summary: dict[str, Any] = {"keys": keys, "gets": GET_COUNT, "conditional_puts": CONDITIONAL, "shards": SHARDS}
     for part, figures in results.items():
         today = next(f for name, f in figures.items() if name.startswith("today"))
         for name, f in figures.items():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rayline.config import PROCESS_DEFAULTS
-from tests.support import S3_TEST_ENV, S3Proxy, create_bucket, delete_bucket, proxy_in_front, s3_server
+from tests.support import S3_TEST_ENV, FaultProxy, create_bucket, delete_bucket, proxy_in_front, s3_server
 
 # Variables a developer's shell may carry that would point tests at real services.
 _FOREIGN = (
@@ -100,7 +100,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def s3_proxy() -> Iterator[S3Proxy]:
+def s3_proxy() -> Iterator[FaultProxy]:
     """The session's S3-protocol server behind the fault-injecting proxy (no faults unless a test asks).
 
     Every S3 client of the session, Ray's workers included (they inherit the
@@ -112,14 +112,14 @@ def s3_proxy() -> Iterator[S3Proxy]:
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint(s3_proxy: S3Proxy) -> Iterator[str]:
+def s3_endpoint(s3_proxy: FaultProxy) -> Iterator[str]:
     os.environ["AWS_ENDPOINT_URL"] = s3_proxy.endpoint
     yield s3_proxy.endpoint
     os.environ.pop("AWS_ENDPOINT_URL", None)
 
 
 @pytest.fixture
-def s3_faults(s3_proxy: S3Proxy, s3_endpoint: str) -> Iterator[S3Proxy]:
+def s3_faults(s3_proxy: FaultProxy, s3_endpoint: str) -> Iterator[FaultProxy]:
     """The session's proxy for a test to configure (``configure(fault_rate=…)``); reset to no faults after it."""
     s3_proxy.reset()
     yield s3_proxy

@@ -2,7 +2,7 @@
 
 The services themselves (a moto S3 server, the fault-injecting proxy in
 front of it, free ports, stopping a process group) are the benchmarks'
-(``rayline/testing/s3_server.py``, ``rayline/testing/s3_proxy.py``): tests may build on
+(``rayline/testing/s3_server.py``, ``rayline/testing/fault_proxy.py``): tests may build on
 ``bench``, never the other way round, so one copy serves both.
 """
 
@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rayline.testing.s3_proxy import S3Proxy
-from rayline.testing.s3_proxy import s3_proxy as proxy_in_front
+from rayline.testing.fault_proxy import FaultProxy
+from rayline.testing.fault_proxy import fault_proxy as proxy_in_front
 from rayline.testing.s3_server import S3_ENV as S3_TEST_ENV
 from rayline.testing.s3_server import (
     create_bucket,
@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 __all__ = [
     "REPO_ROOT",
     "S3_TEST_ENV",
-    "S3Proxy",
+    "FaultProxy",
     "create_bucket",
     "delete_bucket",
     "free_port",

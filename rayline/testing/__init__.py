@@ -2,8 +2,9 @@
 
 - ``s3_server``: a loopback S3-protocol server (moto's server mode, in its own process), free ports,
   stopping a process by PID;
-- ``s3_proxy``: a real HTTP proxy in front of any S3 endpoint that throttles, fails, resets, cuts
-  bodies short and refuses reads by policy (``python -m rayline.testing.s3_proxy --help``);
+- ``fault_proxy``: a real HTTP proxy in front of an S3, GCS or Azure endpoint that throttles, fails,
+  resets, cuts bodies short and refuses reads by policy (``python -m rayline.testing.fault_proxy --help``);
+- ``gcs_server``, ``azurite``: GCS's and Azure's emulators in their own processes;
 - ``trained_models``: a ResNet-18 trained on the digits in seconds (real logit margins, for accuracy gates).
 
 The servers are standard library only (moto runs as ``python -m moto.server``) and the model imports

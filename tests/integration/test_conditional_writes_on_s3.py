@@ -23,7 +23,7 @@ from rayline.cli import app
 from rayline.errors import ConditionalWritesUnsupported, LeaseLost, NightCommittedElsewhere
 from rayline.storage import conditional, layout, leases
 from rayline.tables import delta_tables, prediction_reads, predictions_table
-from rayline.testing.s3_proxy import S3Proxy
+from rayline.testing.fault_proxy import FaultProxy
 from rayline.testing.s3_server import boto3_client
 from tests.unit.test_predictions_table import DT, SCHEMA, _labels, _write, errors_landed_predictions_raised
 
@@ -103,7 +103,7 @@ def _keys(bucket: str) -> list[str]:
 
 
 def test_a_command_on_an_endpoint_that_ignores_conditional_writes_fails_at_once_and_writes_nothing(
-    s3_faults: S3Proxy, s3_storage: str, prefect_api: str, tmp_path: Path
+    s3_faults: FaultProxy, s3_storage: str, prefect_api: str, tmp_path: Path
 ) -> None:
     """The proxy forwards every write without If-None-Match / If-Match, as a gateway that ignores them would
     answer: register-model's first conditional write (its version claim) probes the endpoint and refuses."""

@@ -26,7 +26,7 @@ from rayline.errors import StorageAccessDenied
 from rayline.seed import digit_objects
 from rayline.storage import folders, manifests
 from rayline.storage.manifests import IngestManifest
-from rayline.testing.s3_proxy import S3Proxy
+from rayline.testing.fault_proxy import FaultProxy
 from tests.integration.stalled_commit import fill_with
 from tests.support import REPO_ROOT, proxy_in_front
 
@@ -86,7 +86,7 @@ def test_readers_of_the_committed_output_read_it_whole_while_a_forced_run_writes
 
 
 def test_a_forced_ingest_refused_mid_run_leaves_the_committed_ingest_for_preprocess(
-    s3_faults: S3Proxy, s3_storage: str, ray_session: None
+    s3_faults: FaultProxy, s3_storage: str, ray_session: None
 ) -> None:
     raw = storage.join(s3_storage, "raw")
     for key, data in list(digit_objects(32))[:12]:
@@ -138,7 +138,7 @@ def _wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> 
 
 
 def test_a_forced_run_stalled_before_its_manifest_lands_commits_nothing_over_the_run_that_took_over(
-    s3_faults: S3Proxy, s3_storage: str
+    s3_faults: FaultProxy, s3_storage: str
 ) -> None:
     """Run A (its own process, behind a second proxy that holds its manifest PUT) passes its last lease check,
     then stalls (SIGSTOP) past its ttl; run B takes the lease and commits; then A's PUT reaches the server."""

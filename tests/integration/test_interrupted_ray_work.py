@@ -30,7 +30,7 @@ from rayline.seed import digit_objects
 from rayline.storage import manifests
 from rayline.storage.manifests import IngestManifest
 from rayline.tables.nights import NightsFailed
-from rayline.testing.s3_proxy import S3Proxy
+from rayline.testing.fault_proxy import FaultProxy
 from tasks.batch_inference import batch_inference_task
 from tests.integration.helpers import (
     HUNG_MARK,
@@ -58,7 +58,7 @@ def _cpus_back_to(idle: float, within_s: float = 10.0) -> float:
 
 
 def test_a_timed_out_ingest_cancels_its_fetch_tasks_before_the_retry_clears_the_folder(
-    s3_faults: S3Proxy, s3_storage: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    s3_faults: FaultProxy, s3_storage: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     raw = storage.join(s3_storage, "raw")
     count = ingest.MAX_SHARDS_IN_FLIGHT + 4  # more shards than wait at once: the driver waits among them

@@ -18,7 +18,7 @@ from ray_workloads.serving.config import ServeConfig
 from rayline.errors import AliasConflict, TransientStorageError, is_transient
 from rayline.models import registry
 from rayline.storage import leases
-from rayline.testing.s3_proxy import S3Proxy
+from rayline.testing.fault_proxy import FaultProxy
 from tests.unit.test_alias_moves import ROLLOUT, _move_after_the_next_alias_read, _versions
 from tests.unit.test_registry_and_models import _register_keyed
 
@@ -60,7 +60,7 @@ def test_a_champion_move_outside_a_rollout_is_refused_while_the_rollout_holds_th
 
 
 def test_a_throttled_read_of_the_first_attempts_claim_fails_the_retry_instead_of_registering_again(
-    s3_faults: S3Proxy, s3_storage: str
+    s3_faults: FaultProxy, s3_storage: str
 ) -> None:
     """The retry cannot tell whether its first attempt claimed a version: it raises a transient error (Prefect
     retries it) rather than claim a second version for the same registration."""
@@ -75,7 +75,7 @@ def test_a_throttled_read_of_the_first_attempts_claim_fails_the_retry_instead_of
 
 
 def test_a_rollout_paused_past_its_ttl_before_its_champion_move_leaves_the_champion_that_took_over(
-    s3_faults: S3Proxy, s3_storage: str
+    s3_faults: FaultProxy, s3_storage: str
 ) -> None:
     """Rollout A prepared against champion v1 and holds the rollout lease (not renewed: it is paused); its
     read of the alias is delayed at the proxy past the lease's ttl while rollout B takes the lease over and

@@ -1,4 +1,4 @@
-"""A transient fault is not a bad image: S3 faults injected by the session's proxy (``rayline/testing/s3_proxy.py``).
+"""A transient fault is not a bad image: S3 faults injected by the session's proxy (``rayline/testing/fault_proxy.py``).
 
 Faults hit only the reads of the input objects (``key_regex``): what is
 shown is what ingest and nightly inference do with an object whose read
@@ -23,7 +23,7 @@ from rayline.errors import StorageAccessDenied, TransientStorageError, is_transi
 from rayline.models import registry
 from rayline.seed import digit_objects
 from rayline.tables.prediction_reads import committed_nights, read_night_pair
-from rayline.testing.s3_proxy import S3Proxy
+from rayline.testing.fault_proxy import FaultProxy
 from rayline.testing.s3_server import boto3_client
 from tests.integration.helpers import register_untrained_champion
 
@@ -74,7 +74,7 @@ def _night_predictions(root: str) -> dict[str, int]:
     return dict(zip(uris, night.predictions.column("predicted_index").to_pylist(), strict=True))
 
 
-def test_the_proxy_answers_slowdown_internal_error_and_resets(s3_faults: S3Proxy, s3_storage: str) -> None:
+def test_the_proxy_answers_slowdown_internal_error_and_resets(s3_faults: FaultProxy, s3_storage: str) -> None:
     """Each fault kind reaches an S3 client as real S3 would send it, and each is classified transient."""
     uri = storage.join(s3_storage, "raw", "one.png")
     storage.write_bytes_atomic(uri, b"x")
@@ -99,7 +99,7 @@ def test_the_proxy_answers_slowdown_internal_error_and_resets(s3_faults: S3Proxy
     assert (stats["fault_503"], stats["fault_500"], stats["fault_reset"]) == (1, 1, 1)
 
 
-def test_the_proxy_refuses_reads_and_cuts_bodies_short(s3_faults: S3Proxy, s3_storage: str) -> None:
+def test_the_proxy_refuses_reads_and_cuts_bodies_short(s3_faults: FaultProxy, s3_storage: str) -> None:
     """A 403 reaches the client as S3's AccessDenied; a body cut short as botocore's streaming error, transient."""
     uri = storage.join(s3_storage, "raw", "one.png")
     storage.write_bytes_atomic(uri, b"0123456789" * 10)
@@ -120,7 +120,7 @@ def test_the_proxy_refuses_reads_and_cuts_bodies_short(s3_faults: S3Proxy, s3_st
     assert (stats["fault_403"], stats["fault_truncate"]) == (1, 1)
 
 
-def test_a_body_cut_short_is_read_again_never_an_error_row(s3_faults: S3Proxy, s3_storage: str) -> None:
+def test_a_body_cut_short_is_read_again_never_an_error_row(s3_faults: FaultProxy, s3_storage: str) -> None:
     written = _put_many(storage.join(s3_storage, "raw"), 40)
     s3_faults.configure(fail_first_n=1, fault_kinds=["truncate"], key_regex="/raw/\\d/digit-0000[0-2]\\.png$")
     result = _ingest(s3_storage)
@@ -129,7 +129,7 @@ def test_a_body_cut_short_is_read_again_never_an_error_row(s3_faults: S3Proxy, s
 
 
 def test_reads_refused_by_policy_fail_ingest_and_the_night_and_commit_nothing(
-    s3_faults: S3Proxy, s3_storage: str
+    s3_faults: FaultProxy, s3_storage: str
 ) -> None:
     """An AccessDenied is the run's permission fault, not a bad sample: no error rows committed or cached."""
     register_untrained_champion()
@@ -152,7 +152,7 @@ def test_reads_refused_by_policy_fail_ingest_and_the_night_and_commit_nothing(
 
 
 def test_ingest_with_five_percent_of_reads_faulted_gives_one_correct_row_per_object(
-    s3_faults: S3Proxy, s3_storage: str
+    s3_faults: FaultProxy, s3_storage: str
 ) -> None:
     written = _put_many(storage.join(s3_storage, "raw"), 600)
     s3_faults.configure(fault_rate=0.05, fault_kinds=MIX, key_regex="/raw/", seed=13)
@@ -163,7 +163,9 @@ def test_ingest_with_five_percent_of_reads_faulted_gives_one_correct_row_per_obj
     assert _ingested_rows(result) == written, "every object once, with its bytes"
 
 
-def test_reads_failing_past_the_clients_attempts_are_retried_by_the_stage(s3_faults: S3Proxy, s3_storage: str) -> None:
+def test_reads_failing_past_the_clients_attempts_are_retried_by_the_stage(
+    s3_faults: FaultProxy, s3_storage: str
+) -> None:
     """The first reads of 3 objects fail: more than botocore's attempts, so only the stage's rounds save them."""
     attempts = get_settings().storage_max_attempts  # the session's: 2 (6 by default)
     written = _put_many(storage.join(s3_storage, "raw"), 40)
@@ -176,7 +178,7 @@ def test_reads_failing_past_the_clients_attempts_are_retried_by_the_stage(s3_fau
 
 
 def test_reads_that_keep_failing_fail_ingest_as_transient_and_cache_nothing(
-    s3_faults: S3Proxy, s3_storage: str
+    s3_faults: FaultProxy, s3_storage: str
 ) -> None:
     written = _put_many(storage.join(s3_storage, "raw"), 40)
     broken = sorted(written)[:2]
@@ -194,7 +196,7 @@ def test_reads_that_keep_failing_fail_ingest_as_transient_and_cache_nothing(
 
 
 def test_a_night_with_five_percent_of_reads_faulted_predicts_every_input_once(
-    s3_faults: S3Proxy, s3_storage: str
+    s3_faults: FaultProxy, s3_storage: str
 ) -> None:
     register_untrained_champion()
     incoming = storage.join(s3_storage, "incoming", f"dt={DAY}")
@@ -211,7 +213,7 @@ def test_a_night_with_five_percent_of_reads_faulted_predicts_every_input_once(
 
 
 def test_a_night_whose_reads_keep_failing_fails_as_transient_and_commits_nothing(
-    s3_faults: S3Proxy, s3_storage: str
+    s3_faults: FaultProxy, s3_storage: str
 ) -> None:
     register_untrained_champion()
     incoming = storage.join(s3_storage, "incoming", f"dt={DAY}")

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rayline.config import Settings, load_settings
@@ -142,3 +144,25 @@ def _body_cut_short() -> list[BaseException]:
 @pytest.mark.parametrize("exc", _body_cut_short(), ids=lambda e: type(e).__name__)
 def test_a_body_cut_short_is_transient(exc: BaseException) -> None:
     assert is_transient(exc)
+
+
+def test_gcs_without_credentials_is_refused_at_once_naming_the_ways_to_give_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Not gcsfs's default: 16 s of metadata-server probes, then anonymous requests that a private bucket
+    refuses later. The metadata server is pointed at a closed loopback port, gcloud at an empty folder."""
+    import time
+
+    from rayline.storage.backends import store_for
+
+    for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")
+    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="no Google credentials: set GOOGLE_APPLICATION_CREDENTIALS") as raised:
+        store_for("gs://a-private-bucket/photos")
+    assert "gcloud auth application-default login" in str(raised.value)
+    assert "STORAGE_EMULATOR_HOST" in str(raised.value)
+    assert time.monotonic() - started < 10

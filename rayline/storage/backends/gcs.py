@@ -4,9 +4,9 @@ The JSON API is what GCS's emulators serve (``STORAGE_EMULATOR_HOST``), so
 the same requests are proven here and made against GCS. An object's version
 is its *generation*; a conditional write sends ``ifGenerationMatch`` (``0``:
 only if there is no object) on a multipart upload, the form whose condition
-every server checks. Credentials are gcsfs's: Application Default
-Credentials (``GOOGLE_APPLICATION_CREDENTIALS``, a metadata server), or none
-against an emulator.
+every server checks. Credentials are Application Default Credentials
+(``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's, a metadata server), and
+their absence a ``ConfigError`` at once; none against an emulator.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import fsspec.asyn
 from gcsfs.core import GCSFileSystem
 from gcsfs.retry import retry_request
 
+from rayline.errors import ConfigError
 from rayline.storage.backends.base import ObjectStore, Page, Stat, StoragePolicy, Versioned, first_cause, split
 
 if TYPE_CHECKING:
@@ -68,7 +69,9 @@ def _filesystem(emulator: str | None, policy: StoragePolicy) -> AbstractFileSyst
     # wrapper of it travels with Ray Data's reads and Train's checkpoints).
     return PolicyGCSFileSystem(
         attempts=policy.max_attempts,
-        token="anon" if emulator else None,
+        # Application Default Credentials or nothing: gcsfs's own default would go on to probe the metadata
+        # server for 16 s and then fall back to anonymous requests, which a private bucket refuses much later.
+        token="anon" if emulator else "google_default",
         endpoint_url=emulator,
         requests_timeout=policy.timeout_s,
         session_kwargs={"conn_timeout": policy.connect_timeout_s},
@@ -83,7 +86,18 @@ class GCSStore(ObjectStore):
     def __init__(self, policy: StoragePolicy) -> None:
         self.policy, self.emulator = policy, emulator_host()
         self.endpoint = self.emulator
-        self.fs = _filesystem(self.emulator, policy)
+        try:
+            self.fs = _filesystem(self.emulator, policy)
+        except Exception as exc:
+            from google.auth.exceptions import DefaultCredentialsError
+
+            if first_cause(exc, DefaultCredentialsError) is None:
+                raise
+            raise ConfigError(
+                "gs:// storage found no Google credentials: set GOOGLE_APPLICATION_CREDENTIALS to a service "
+                "account key file, run `gcloud auth application-default login`, run on GCP with a service "
+                f"account, or point STORAGE_EMULATOR_HOST at an emulator ({exc})"
+            ) from exc
 
     def _call(self, method: str, path: str, *args: str, **kwargs: Any) -> Any:
         return fsspec.asyn.sync(self.fs.loop, self.fs._call, method, path, *args, **kwargs)

@@ -1,15 +1,17 @@
-"""A fault-injecting HTTP proxy in front of an S3 server, on loopback: latency, 503, 500, 403, resets, cut bodies.
+"""A fault-injecting HTTP proxy in front of an object store's server, on loopback: latency, 503, 500, 403, resets,
+cut bodies.
 
-``python -m rayline.testing.s3_proxy --upstream http://127.0.0.1:<port> --port <port> [--config '<JSON>']``
+``python -m rayline.testing.fault_proxy --upstream http://127.0.0.1:<port> --port <port> [--config '<JSON>']``
 
 Every request is forwarded unchanged (its Host header and SigV4 signature
 included) over a pool of keep-alive connections to the upstream server, after
 ``latency_ms`` (only those whose path matches ``latency_regex``, when set).
 A request whose method is in ``methods`` and whose path matches
 ``key_regex`` may be faulted instead of forwarded: a ``503`` answer
-(S3 error XML, code ``SlowDown``), a ``500`` (``InternalError``), a ``403`` (``AccessDenied``, what a bucket
-policy that refuses the caller answers), a ``reset`` (the connection closed
-with SO_LINGER 0, so the client reads an RST and no answer), or a
+(S3's ``SlowDown``), a ``500`` (``InternalError``), a ``403`` (``AccessDenied``, what a bucket
+policy that refuses the caller answers), each in the error format of the server's protocol
+(``flavor``: ``s3``'s XML, ``gcs``'s JSON API error, ``azure``'s XML with its ``x-ms-error-code``),
+a ``reset`` (the connection closed with SO_LINGER 0, so the client reads an RST and no answer), or a
 ``truncate`` (the upstream's answer forwarded with its Content-Length but
 only the first half of its body, then the connection closed: a body cut
 short). Which ones: those matching ``always_fail`` (a path
@@ -56,10 +58,17 @@ CONTROL = "/__proxy__/"
 FAULT_KINDS = ("503", "500", "403", "reset", "truncate")
 # What a fault rate draws from unless told otherwise: the faults a retry gets past (a 403 is the caller's own)
 DEFAULT_KINDS = ("503", "500", "reset")
+FLAVORS = ("s3", "gcs", "azure")
+# status line, then the error's code in each flavor: S3's, the JSON API's reason, Azure's x-ms-error-code
 _ERRORS = {
-    "503": (b"503 Slow Down", "SlowDown", "Please reduce your request rate."),
-    "500": (b"500 Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
-    "403": (b"403 Forbidden", "AccessDenied", "Access Denied"),
+    "503": (b"503 Slow Down", {"s3": "SlowDown", "gcs": "backendError", "azure": "ServerBusy"}),
+    "500": (b"500 Internal Server Error", {"s3": "InternalError", "gcs": "backendError", "azure": "InternalError"}),
+    "403": (b"403 Forbidden", {"s3": "AccessDenied", "gcs": "forbidden", "azure": "AuthorizationPermissionMismatch"}),
+}
+_MESSAGES = {
+    "503": "Please reduce your request rate.",
+    "500": "Internal error. Please try again.",
+    "403": "Access Denied",
 }
 _NO_BODY_STATUS = {204, 304}
 _CONDITIONAL_HEADERS = (b"if-none-match", b"if-match")
@@ -81,6 +90,7 @@ class ProxyConfig:
     strip_conditional: bool = False  # forward writes without If-None-Match / If-Match
     hold_regex: str | None = None  # on the request's path: held until released
     hold_methods: list[str] = field(default_factory=lambda: ["PUT"])
+    flavor: str = "s3"  # the protocol whose error format faults are answered in
 
     def updated(self, changes: dict[str, Any]) -> ProxyConfig:
         known = {f.name for f in dataclasses.fields(self)}
@@ -90,6 +100,8 @@ class ProxyConfig:
         new = dataclasses.replace(self, **changes)
         if not set(new.fault_kinds) <= set(FAULT_KINDS) or not new.fault_kinds:
             raise ValueError(f"fault_kinds must be some of {FAULT_KINDS}")
+        if new.flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {FLAVORS}, not {new.flavor!r}")
         re.compile(new.key_regex)
         re.compile(new.latency_regex)
         re.compile(new.always_fail or "")
@@ -238,15 +250,34 @@ class _Upstream:
         return head + body, to_eof
 
 
-def _error_answer(kind: str, method: str, path: str) -> bytes:
-    status, code, message = _ERRORS[kind]
-    body = (
-        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
-        f"<Resource>{path}</Resource><RequestId>rayline-proxy</RequestId></Error>"
-    ).encode()
+def _error_answer(kind: str, method: str, path: str, flavor: str) -> bytes:
+    status, codes = _ERRORS[kind]
+    code, message = codes[flavor], _MESSAGES[kind]
+    extra = b""
+    if flavor == "gcs":
+        error = {"code": int(status[:3]), "message": message, "errors": [{"reason": code, "message": message}]}
+        content_type, body = b"application/json", json.dumps({"error": error}).encode()
+    else:
+        content_type = b"application/xml"
+        body = (
+            f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
+            f"<Resource>{path}</Resource><RequestId>rayline-proxy</RequestId></Error>"
+        ).encode()
+        extra = (
+            b"x-ms-error-code: " + code.encode() + b"\r\n"
+            if flavor == "azure"
+            else b"x-amz-request-id: rayline-proxy\r\n"
+        )
     head = (
-        b"HTTP/1.1 " + status + b"\r\nContent-Type: application/xml\r\n"
-        b"x-amz-request-id: rayline-proxy\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        b"HTTP/1.1 "
+        + status
+        + b"\r\nContent-Type: "
+        + content_type
+        + b"\r\n"
+        + extra
+        + b"Content-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
     )
     return head if method == "HEAD" else head + body
 
@@ -343,7 +374,7 @@ class Proxy:
             _reset(writer)
             return False
         if fault is not None and fault != "truncate":
-            writer.write(_error_answer(fault, request.method, request.path))
+            writer.write(_error_answer(fault, request.method, request.path, self.state.config.flavor))
             await writer.drain()
             return True
         try:
@@ -372,7 +403,7 @@ async def serve(upstream: str, port: int, config: ProxyConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--upstream", required=True, help="the S3-protocol server, http://host:port")
+    parser.add_argument("--upstream", required=True, help="the server, http://host:port")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--config", default="{}", help="ProxyConfig fields as JSON")
     args = parser.parse_args(argv)
@@ -387,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         runner(serve(args.upstream, args.port, config))
 
 
-class S3Proxy:
+class FaultProxy:
     """A running proxy: its endpoint (what S3 clients use), its PID, and its control calls."""
 
     def __init__(self, endpoint: str, pid: int) -> None:
@@ -418,7 +449,7 @@ class S3Proxy:
 
 
 @contextlib.contextmanager
-def s3_proxy(upstream: str, **config: Any) -> Iterator[S3Proxy]:
+def fault_proxy(upstream: str, **config: Any) -> Iterator[FaultProxy]:
     """The proxy in front of ``upstream`` on a free loopback port, in its own process; stopped by PID at the end."""
     from rayline.testing.s3_server import free_port, stop_process, wait_for_http
 
@@ -432,7 +463,7 @@ def s3_proxy(upstream: str, **config: Any) -> Iterator[S3Proxy]:
     endpoint = f"http://127.0.0.1:{port}"
     try:
         wait_for_http(f"{endpoint}{CONTROL}stats")
-        yield S3Proxy(endpoint, proc.pid)
+        yield FaultProxy(endpoint, proc.pid)
     finally:
         stop_process(proc)
 
