@@ -25,6 +25,7 @@ def register_model(
     resize: int | None = None,
     crop: int | None = None,
     draft: bool = True,
+    samples: str | None = None,
     alias: str | None = None,
 ) -> RegisterModelResult:
     """Check the model file ``weights_uri`` and register it as a new version of ``name``.
@@ -40,8 +41,9 @@ def register_model(
     entry's transform) or ``squash``; ``resize``/``crop`` override its sizes
     (a size the architecture cannot take, such as a ViT's crop other than 224, is refused); ``draft`` (the
     default) decodes large JPEGs at a reduced scale (faster, within images.DRAFT_MAX_MEAN_ABS_DIFF of full
-    decoding), ``False`` fully. ``alias``: e.g. ``champion`` (nightly inference uses it), or ``challenger`` to
-    canary it.
+    decoding), ``False`` fully. ``samples``: a folder or prefix of a few of the model's own images, kept with
+    the version to judge its execution plans on. ``alias``: e.g. ``champion`` (nightly inference uses it), or
+    ``challenger`` to canary it.
     """
     return register_outside_model(
         RegisterModelConfig(
@@ -58,6 +60,7 @@ def register_model(
             resize=resize,
             crop=crop,
             draft=draft,
+            samples=samples,
             alias=alias,
         )
     )

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from ray_workloads.execution.cache import plan_for
+from ray_workloads.execution.cache import plan_for, probe_set
 from ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanPolicy
 from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
 from ray_workloads.night_blocks import (
@@ -132,7 +132,7 @@ class PredictorUDF:
         self.output = output
         self.constants = constants
         self.plan_policy = plan_policy or PlanPolicy()
-        self.version_uri = model.uri
+        self.version, self.version_uri = model, model.uri
         self.part_rows = PartRows()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.load_error: Exception | None = None
@@ -212,8 +212,9 @@ class PredictorUDF:
             rows["top_k_class"][i] = [str(self.names[j]) for j in row] if row[0] >= 0 else []
 
     def _predict_batch(self, rows: dict[str, np.ndarray], batch: np.ndarray) -> None:
-        if self.model.plan is None:  # the night's first images are the probe set of the actor's plan
-            plan_for(self.model, self.version_uri, rows["image"][batch[:PROBE_IMAGES]], self.plan_policy)
+        if self.model.plan is None:  # the version's samples and the night's first images: the plan's probe set
+            probe = probe_set(self.version, self.spec, rows["image"][batch[:PROBE_IMAGES]])
+            plan_for(self.model, self.version_uri, probe, self.plan_policy)
         started = time.perf_counter()
         probabilities = self.model.probabilities(rows["image"][batch])
         indices = top_k_indices(probabilities, self.top_k)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 from pydantic import BaseModel, Field
 
 from ray_workloads import evaluate, preprocess
+from ray_workloads.execution.plan import PROBE_IMAGES
 from ray_workloads.models import ModelSpec, state_dict_from_bytes
 from ray_workloads.train import TrainResult
 from rayline import storage
@@ -78,6 +80,21 @@ class PromotionResult(BaseModel):
         return [DatasetRef(uri=self.version.uri, content_hash=self.data_content_hash, facets=facets)]
 
 
+def test_samples(prepared: preprocess.PreprocessResult, count: int = PROBE_IMAGES) -> np.ndarray | None:
+    """Up to ``count`` images of the test split, decoded, taken in turn from each class: the version's samples."""
+    files = prepared.read_files().get("test", []) if prepared.file_counts.get("test") else []
+    if not files:
+        return None
+    rows = storage.read_parquet(files[:1], columns=["image", "label_index"])
+    labels = np.asarray(rows.column("label_index").to_numpy())
+    by_class = [np.flatnonzero(labels == label).tolist() for label in np.unique(labels)]
+    chosen: list[int] = []
+    for turn in range(max(len(picks) for picks in by_class)):
+        chosen.extend(picks[turn] for picks in by_class if turn < len(picks))
+    images: np.ndarray = rows.column("image").combine_chunks().take(chosen[:count]).to_numpy()
+    return images.astype(np.float32, copy=False)
+
+
 def run(cfg: PromotionConfig) -> PromotionResult:
     """Register the trained weights, gate them against the champion, and move the alias they earned."""
     if cfg.promote_to not in (registry.CHAMPION, registry.CHALLENGER):
@@ -101,6 +118,7 @@ def run(cfg: PromotionConfig) -> PromotionResult:
         flow_run_id=cfg.flow_run_id,
         parent=cfg.parent,
         idempotency_key=cfg.idempotency_key,
+        samples=test_samples(prepared),
     )
     decision, moves = gate_and_move(
         cfg.name,

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
+from ray_workloads.images import ImageDecodeError, decode_image
 from ray_workloads.model_sources import factory_models, timm_models
 from ray_workloads.model_sources.architectures import (
     check_input_size,
@@ -104,6 +105,11 @@ class RegisterModelConfig(BaseModel):
     crop: int | None = Field(None, ge=4, le=1024, description="Override the square side the model sees.")
     draft: bool = Field(
         True, description="Decode large JPEGs at a reduced scale (faster, close to full decoding; False: exact)."
+    )
+    samples: str | None = Field(
+        None,
+        description="A folder or prefix of a few of the model's own images (the first 32 by key are kept): the "
+        "probe set its execution plans are judged on.",
     )
     alias: str | None = None
     code_version: str = "unknown"
@@ -356,12 +362,15 @@ def run(cfg: RegisterModelConfig) -> RegisterModelResult:
     spec = provisional.model_copy(update={"num_classes": len(classes)})
     image = image_spec_for(cfg, spec, sidecar)
     spec = _with_code(cfg, spec)
+    samples = read_sample_images(cfg.samples, image) if cfg.samples else None
     stored = _stored_bytes(cfg, spec, data, image)
     # absolute, so lineage finds the file whatever folder it is read from
     source = WeightsSource(
         uri=storage.normalize(cfg.weights_uri), sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data)
     )
     existing = _same_registration(cfg.name, spec, image, classes, source)
+    if existing is not None and samples is not None and existing.samples_uri is None:
+        existing = None  # the same model given its sample images now: a version that has them
     if existing is not None:
         version, reused = existing, True
     else:
@@ -375,6 +384,7 @@ def run(cfg: RegisterModelConfig) -> RegisterModelResult:
             code_version=cfg.code_version,
             flow_run_id=cfg.flow_run_id,
             weights_source=source,
+            samples=samples,
         )
         reused = False
     alias, note = cfg.alias, None
@@ -387,6 +397,24 @@ def run(cfg: RegisterModelConfig) -> RegisterModelResult:
     if alias and registry.alias_version(cfg.name, alias) != version.version:
         move = registry.set_alias(cfg.name, alias, version.version, f"registered from {source.uri}", expected=expected)
     return RegisterModelResult(version=version, reused=reused, alias_move=move, note=note)
+
+
+def read_sample_images(prefix_uri: str, image: ImageSpec) -> np.ndarray:
+    """The first ``registry.MAX_SAMPLES`` images under ``prefix_uri`` (by key), decoded as the version will decode
+    its inputs; a file that is not an image is refused by name, before anything is registered."""
+    try:
+        listed = storage.list_inputs(prefix_uri).objects[: registry.MAX_SAMPLES]
+    except InputDataError as exc:
+        raise ConfigError(f"--samples {prefix_uri}: {exc}") from exc
+    if not listed:
+        raise ConfigError(f"--samples {prefix_uri} holds no files: give a folder or prefix of the model's images")
+    decoded = []
+    for found in listed:
+        try:
+            decoded.append(decode_image(storage.read_bytes(found.uri), image))
+        except ImageDecodeError as exc:
+            raise ConfigError(f"--samples: {found.uri} is not an image the model can take ({exc})") from exc
+    return np.stack(decoded)
 
 
 def _same_registration(

@@ -36,6 +36,7 @@ from ray_workloads.images import decode_image
 from rayline import storage
 from rayline.errors import StorageError
 from rayline.hardware import Hardware, detect
+from rayline.models.registry import ModelVersion, read_samples
 from rayline.specs import ImageSpec
 from rayline.storage import conditional
 
@@ -218,14 +219,34 @@ def _store_converted(model: LoadedModel, version_uri: str, key: str, choice: Pla
     return replace(choice, artifact=artifact)
 
 
-def sample_probe(image_spec: ImageSpec, count: int = PROBE_IMAGES) -> np.ndarray:
-    """Real photos to choose a plan on where no night's images are at hand (a serving replica's start).
+def probe_set(version: ModelVersion, image_spec: ImageSpec, first_images: np.ndarray | None = None) -> np.ndarray:
+    """The images a plan of ``version`` is judged on: its own sample images, and a night's first images.
 
-    Views of scikit-learn's two sample photos (offline), decoded as the
-    version decodes its inputs: their logits are a real image's, unlike a
-    blank or random probe's, which sit near a tie and say little about a
-    plan's answers. A night's plan, cached first, was chosen on its own images.
+    A version with neither (an outside model registered without ``--samples``,
+    on a serving replica) is judged on views of scikit-learn's two sample
+    photos instead, and the log says so: real photos, unlike a blank or random
+    probe, whose logits sit near a tie and say little about a plan's answers.
     """
+    parts = [p for p in (_version_samples(version), first_images) if p is not None and len(p)]
+    if parts:
+        return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
+    logger.warning(
+        "%s v%d has no sample images (register-model --samples): its plan is judged on stand-in photos",
+        version.name,
+        version.version,
+    )
+    return _stand_in_photos(image_spec, PROBE_IMAGES)
+
+
+def _version_samples(version: ModelVersion) -> np.ndarray | None:
+    try:
+        return read_samples(version)
+    except (OSError, StorageError, ValueError) as exc:
+        logger.warning("could not read the sample images of %s v%d (%s)", version.name, version.version, exc)
+        return None
+
+
+def _stand_in_photos(image_spec: ImageSpec, count: int) -> np.ndarray:
     from rayline.seed import photo_variant, source_photos
 
     photos, rng = source_photos(), np.random.default_rng(0)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from ray import serve
 
-from ray_workloads.execution.cache import plan_for, sample_probe
+from ray_workloads.execution.cache import plan_for, probe_set
 from ray_workloads.execution.plan import PlanPolicy
 from ray_workloads.images import ImageDecodeError, decode_image
 from ray_workloads.model_interface import remote_options
@@ -47,9 +47,9 @@ class ModelServer:
         # any registered format, through the one model interface; nothing is unpickled beyond tensors
         self.net = load_version(model, device=torch.device("cpu"), optimize=False, threads=1)
         self.top_k = min(top_k, len(self.model.classes))
-        # the version's plan on this machine: the one a night cached, else measured here on sample photos
+        # the version's plan on this machine: the one a night cached, else measured here on its sample images
         policy = PlanPolicy.model_validate(plan or {})
-        self.plan = plan_for(self.net, model.uri, sample_probe(self.image_spec), policy).plan.name
+        self.plan = plan_for(self.net, model.uri, probe_set(model, self.image_spec), policy).plan.name
         self._probe = np.zeros((1, 3, spec.size, spec.size), dtype=np.float32)
         self._last_forward = 0.0
 

@@ -73,6 +73,13 @@ def register_model_command(
             "full decoding), or fully: equal to torchvision's transforms().",
         ),
     ] = True,
+    samples: Annotated[
+        str | None,
+        typer.Option(
+            help="A folder or URI prefix of a few of the model's own images (the first 32 are kept): the execution "
+            "plan's accuracy gate is judged on them. Without it, on stand-in photos."
+        ),
+    ] = None,
     alias: Annotated[
         str | None, typer.Option(help="Alias to point at it: champion, or challenger to canary it.")
     ] = None,

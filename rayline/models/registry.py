@@ -3,6 +3,8 @@
 Layout under ``<storage>/models/<name>/``::
 
     v<N>/weights.pt      state dict (tensors only)
+    v<N>/samples.npy     a few of its own inputs, decoded as it decodes them: the
+                         probe set its execution plans are judged on
     v<N>/version.json    model spec, classes, metrics, data hash, code version,
                          producing run ids — written last: the version's commit
     aliases/<alias>.json the move that put the alias there ({"version": N,
@@ -21,11 +23,13 @@ is what it replaced.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from contextlib import ExitStack
 from datetime import UTC, datetime
 
+import numpy as np
 from pydantic import BaseModel, Field
 
 from rayline import storage
@@ -39,6 +43,8 @@ from rayline.storage import conditional, leases
 MODELS_DIR = "models"
 VERSION_FILE = "version.json"
 WEIGHTS_FILE = "weights.pt"
+SAMPLES_FILE = "samples.npy"
+MAX_SAMPLES = 32
 # what a version stores, by the spec's format: a tensors-only state dict, or the user's code-free file as given
 MODEL_FILES = {
     "state_dict": WEIGHTS_FILE,
@@ -74,6 +80,9 @@ class ModelVersion(BaseModel):
     flow_run_id: str | None = None
     weights_source: WeightsSource | None = None
     parent: ParentModel | None = None
+    samples_uri: str | None = Field(
+        None, description="Its sample images, decoded as it decodes its inputs: the probe set of its execution plans."
+    )
     registered_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
 
@@ -184,13 +193,19 @@ def register(
     weights_source: WeightsSource | None = None,
     parent: ParentModel | None = None,
     idempotency_key: str | None = None,
+    samples: np.ndarray | None = None,
 ) -> ModelVersion:
     """Store a new immutable version; ``version.json`` is written last.
+
+    ``samples``: a few of its inputs as it decodes them (N×3×S×S float32, at
+    most ``MAX_SAMPLES``), kept with it to judge execution plans on.
 
     ``idempotency_key``: a retry of the same registration (same key) gets the
     version its earlier attempt claimed — committed already, or finished now —
     never a second one.
     """
+    if samples is not None:  # refused before a version number is claimed
+        _check_samples(samples, ImageSpec.model_validate(image_spec))
     number = _version_claimed_with(name, idempotency_key) if idempotency_key else None
     if number is not None:
         done = storage.join(model_root(name), f"v{number}", VERSION_FILE)
@@ -201,6 +216,7 @@ def register(
     uri = storage.join(model_root(name), f"v{number}")
     weights_uri = storage.join(uri, MODEL_FILES[ModelSpec.model_validate(model_spec).format])
     storage.write_bytes_atomic(weights_uri, weights)
+    samples_uri = _store_samples(uri, samples) if samples is not None else None
     version = ModelVersion(
         name=name,
         version=number,
@@ -217,9 +233,34 @@ def register(
         flow_run_id=flow_run_id,
         weights_source=weights_source,
         parent=parent,
+        samples_uri=samples_uri,
     )
     storage.write_json_atomic(storage.join(uri, VERSION_FILE), version.model_dump(mode="json"))
     return version
+
+
+def _check_samples(samples: np.ndarray, image: ImageSpec) -> None:
+    expected = (3, image.size, image.size)
+    if samples.ndim != 4 or samples.shape[1:] != expected or not 1 <= len(samples) <= MAX_SAMPLES:
+        raise ConfigError(
+            f"sample images must be 1 to {MAX_SAMPLES} decoded images of shape {expected}, got {samples.shape}"
+        )
+
+
+def _store_samples(version_uri: str, samples: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(samples, dtype=np.float32), allow_pickle=False)
+    uri = storage.join(version_uri, SAMPLES_FILE)
+    storage.write_bytes_atomic(uri, buffer.getvalue())
+    return uri
+
+
+def read_samples(version: ModelVersion) -> np.ndarray | None:
+    """The version's sample images as it decodes them, or None when it was registered without any."""
+    if version.samples_uri is None:
+        return None
+    samples: np.ndarray = np.load(io.BytesIO(storage.read_bytes(version.samples_uri)), allow_pickle=False)
+    return samples
 
 
 def get_version(name: str, version: int) -> ModelVersion:

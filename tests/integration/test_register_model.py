@@ -11,6 +11,7 @@ import hashlib
 import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torchvision
@@ -57,6 +58,39 @@ def test_register_a_resnet_from_a_file_then_again(tmp_path: Path, local_storage:
     code, out = _register("--name", "photos", "--arch", "resnet18", "--weights", str(weights))
     assert code == 0 and "already registered as" in out and "photos v1" in out, out
     assert [v.version for v in registry.list_versions("photos")] == [1]
+    assert version.samples_uri is None  # its plans are judged on stand-in photos
+
+
+def test_register_with_the_models_own_sample_images(tmp_path: Path, local_storage: str, prefect_api: str) -> None:
+    """The first 32 images by key, decoded as the version decodes its inputs, kept with it; a file that is not
+    an image is refused by name before anything is registered; the same weights given samples later are a new
+    version that has them."""
+    from rayline.seed import photo_variant, source_photos
+
+    weights = tmp_path / "resnet18.pt"
+    weights.write_bytes(_state_dict_bytes("resnet18", num_classes=2))
+    (tmp_path / "classes.txt").write_text("china\nflower\n")
+    common = ["--name", "photos", "--arch", "resnet18", "--weights", str(weights), "--classes",
+              str(tmp_path / "classes.txt"), "--crop", "64", "--resize", "72"]  # fmt: skip
+    assert _register(*common)[0] == 0
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(34):
+        photo = photo_variant(source_photos()[i % 2], rng)[0]
+        (samples / f"{i:02d}.jpg").write_bytes(photo)
+    (samples / "zz-notes.txt").write_text("not a photo")
+    code, out = _register(*common, "--samples", str(samples))
+    assert code == 0, out
+    (version,) = [v for v in registry.list_versions("photos") if v.samples_uri]
+    assert version.version == 2
+    stored = registry.read_samples(version)
+    assert stored is not None and stored.shape == (32, 3, 64, 64) and stored.dtype == np.float32
+    assert len({image.tobytes() for image in stored}) == 32
+    (samples / "00.jpg").write_text("not a photo either")
+    code, out = _register(*common, "--samples", str(samples))
+    assert code != 0 and f"--samples: {samples / '00.jpg'} is not an image the model can take" in out, out
+    assert [v.version for v in registry.list_versions("photos")] == [1, 2]
 
 
 def test_register_from_s3_with_a_classes_file(s3_storage: str, prefect_api: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -65,3 +66,8 @@ def test_train_recovers_from_a_worker_failure_and_the_gate_keeps_the_best(local_
     card = registry.get_version("digits", 2)
     assert card.data_content_hash == strong.data.ingest.content_hash
     assert card.code_version.startswith(("git:", "pkg:")) and card.flow_run_id
+    # its sample images: test-split digits from each class in turn, decoded as it decodes its inputs
+    samples = registry.read_samples(card)
+    size = card.image_spec.size
+    assert samples is not None and samples.shape == (16, 3, size, size) and samples.dtype == np.float32
+    assert len({image.tobytes() for image in samples}) == 16

@@ -244,19 +244,49 @@ def test_a_plan_is_measured_once_per_version_and_machine_then_adopted(
     assert plan_for(_loaded(module), version, PROBE, policy).reason == "fp32 eager: pinned"
 
 
-def test_serving_takes_its_plan_policy_from_settings_and_probes_on_real_photos(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from ray_workloads.execution.cache import sample_probe
+def test_serving_takes_its_plan_policy_from_settings() -> None:
     from ray_workloads.serving.config import config_from_settings
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAYLINE_SERVE_PLAN", "off")
+        env.setenv("RAYLINE_SERVE_PRECISION", "bf16")
+        assert config_from_settings().plan == PlanPolicy(mode="off", precision="bf16")
+
+
+def test_a_plan_is_judged_on_the_versions_own_samples_and_a_nights_first_images(
+    local_storage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its samples first, then the night's images; a version without samples gets stand-in photos, said in
+    the log. Bad samples are refused at registration, never stored."""
+    from ray_workloads.execution.cache import probe_set
+    from rayline.errors import ConfigError
+    from rayline.models import registry
     from rayline.specs import squash
 
-    monkeypatch.setenv("RAYLINE_SERVE_PLAN", "off")
-    monkeypatch.setenv("RAYLINE_SERVE_PRECISION", "bf16")
-    assert config_from_settings().plan == PlanPolicy(mode="off", precision="bf16")
-    probe = sample_probe(squash(32))
-    assert probe.shape == (16, 3, 32, 32) and probe.dtype == np.float32
-    assert len({image.tobytes() for image in probe}) == 16 and float(probe.std()) > 0.1
+    spec, image = ModelSpec(num_classes=3, width=4), squash(32)
+    samples = np.random.default_rng(1).standard_normal((5, 3, 32, 32)).astype(np.float32)
+
+    def register(with_samples: np.ndarray | None) -> registry.ModelVersion:
+        weights = b"\0"  # never loaded here
+        return registry.register("probe", weights, model_spec=spec, image_spec=image, classes=["a", "b", "c"],
+                                 metrics={}, code_version="test", samples=with_samples)  # fmt: skip
+
+    version = register(samples)
+    assert version.samples_uri is not None and np.array_equal(registry.read_samples(version), samples)
+    night = np.ones((4, 3, 32, 32), dtype=np.float32)
+    assert np.array_equal(probe_set(version, image), samples)
+    assert np.array_equal(probe_set(version, image, night), np.concatenate([samples, night]))
+    bare = register(None)
+    assert bare.samples_uri is None and np.array_equal(probe_set(bare, image, night), night)
+    with caplog.at_level("WARNING"):
+        stand_in = probe_set(bare, image)
+    assert "probe v2 has no sample images (register-model --samples)" in caplog.text
+    assert stand_in.shape == (16, 3, 32, 32) and stand_in.dtype == np.float32
+    assert len({view.tobytes() for view in stand_in}) == 16 and float(stand_in.std()) > 0.1
+    with pytest.raises(ConfigError, match=r"1 to 32 decoded images of shape \(3, 32, 32\), got \(2, 3, 64, 64\)"):
+        register(np.zeros((2, 3, 64, 64), dtype=np.float32))
+    assert [v.version for v in registry.list_versions("probe")] == [1, 2]
+    assert not Path(local_storage, "models", "probe", "v3").exists(), "refused before a number was claimed"
 
 
 def test_the_reason_of_a_chosen_plan_names_the_candidates_refused_beside_it() -> None:
