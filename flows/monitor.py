@@ -96,8 +96,7 @@ def monitor(
     a trained champion is compared with its training labels and an outside one
     with its first committed night. Then vacuums both night tables, for real,
     keeping every file a version current within ``vacuum_retention_hours``
-    needs (None: no vacuum). A failed vacuum (legacy night folders not yet
-    migrated, say) fails the run after the checks are published.
+    needs (None: no vacuum). A failed vacuum fails the run after the checks are published.
     """
     if vacuum_retention_hours is not None:
         check_retention(vacuum_retention_hours)  # a bad parameter fails before any work

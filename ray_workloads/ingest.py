@@ -22,9 +22,6 @@ and a committed folder (``manifest.json`` written last,
 :class:`rayline.storage.manifests.IngestManifest`) is reused as is. A run fills the
 folder only while it holds the folder's lease (:mod:`rayline.storage.folders`): a
 concurrent run on the same input waits, then reuses what the first committed.
-An ingest from before the hash changed form (the sorted listing's sha256) is
-recognised by its shards' (key, etag) digest and committed again under the
-new name, its shards reused (:func:`legacy_ingest`).
 """
 
 from __future__ import annotations
@@ -41,9 +38,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import ray
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 
-from ray_workloads.ingest_legacy import legacy_ingest, migrated
 from rayline import lineage, progress, ray_work, storage
 from rayline.errors import InputDataError, StorageError
 from rayline.lineage import DatasetRef
@@ -115,14 +111,6 @@ class IngestResult(BaseModel):
     waited_s: float = Field(0.0, description="How long this run waited for another run filling the same folder.")
     elapsed_s: float = 0.0
 
-    @model_validator(mode="before")
-    @classmethod
-    def _shards_to_count(cls, data: Any) -> Any:
-        """A result persisted before ``shard_count`` (it listed its shards, e.g. cached): counted, list dropped."""
-        if isinstance(data, dict) and "shard_count" not in data and isinstance(data.get("shards"), list):
-            return {k: v for k, v in data.items() if k != "shards"} | {"shard_count": len(data["shards"])}
-        return data
-
     def read_shards(self) -> list[ShardInfo]:
         """The shards, in order, as the manifest at ``manifest_uri`` lists them: reads it (I/O).
 
@@ -173,12 +161,8 @@ def objects_per_shard(count: int, cfg: IngestConfig) -> int:
     return max(1, min(cfg.shard_max_objects, math.ceil(count / wanted)))
 
 
-def plan_shards(objects: Sequence[ObjectInfo], cfg: IngestConfig) -> list[list[ObjectInfo]]:
-    """Cut the listing into contiguous shards bounded by object count and bytes."""
-    return list(_cut(objects, objects_per_shard(len(objects), cfg), cfg.shard_max_bytes))
-
-
-def _cut(objects: Iterable[ObjectInfo], per_shard: int, max_bytes: int) -> Iterator[list[ObjectInfo]]:
+def cut_shards(objects: Iterable[ObjectInfo], per_shard: int, max_bytes: int) -> Iterator[list[ObjectInfo]]:
+    """Contiguous shards: each at most ``per_shard`` objects and ``max_bytes`` (a bigger object alone)."""
     current: list[ObjectInfo] = []
     current_bytes = 0
     for obj in objects:
@@ -277,9 +261,6 @@ def run(cfg: IngestConfig) -> IngestResult:
         output = storage.join(storage.normalize(cfg.output_root), dataset_id(source, digest))
 
         def fill(lease: leases.HeldLease, files: str) -> IngestManifest:
-            earlier = None if cfg.force else legacy_ingest(source, listing)
-            if earlier is not None:
-                return migrated(earlier, listing, lease)
             return _fetch(cfg, listing, source, digest, files, lease)
 
         done = folders.fill_once(
@@ -323,7 +304,7 @@ def _fetch(
                 shown.add(landed["rows"])
                 stats.append(landed)
 
-        for chunk in _cut(iter_objects(listing), per_shard, cfg.shard_max_bytes):
+        for chunk in cut_shards(iter_objects(listing), per_shard, cfg.shard_max_bytes):
             uri = storage.join(files, "shards", f"part-{len(stats) + len(in_flight):05d}.parquet")
             ray_work.raise_if_stopped()
             submitted = fetch.remote(chunk, uri, cfg.io_concurrency)

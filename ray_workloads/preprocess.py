@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import ray
-from pydantic import Field, model_validator
+from pydantic import Field
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink, WriteResult
 
@@ -85,15 +85,6 @@ class PreprocessResult(PreprocessCounts):
     waited_s: float = Field(0.0, description="How long this run waited for another run filling the same folder.")
     elapsed_s: float = 0.0
     ray_data_stats: str = Field("", description="Ray Data's execution stats of this run (empty when reused).")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _files_to_counts(cls, data: Any) -> Any:
-        """A result persisted before ``file_counts`` (it listed its files, e.g. cached): counted, lists dropped."""
-        if isinstance(data, dict) and "file_counts" not in data and isinstance(data.get("files"), dict):
-            counts = {split: len(uris) for split, uris in data["files"].items()}
-            return {k: v for k, v in data.items() if k != "files"} | {"file_counts": counts}
-        return data
 
     @property
     def total_rows(self) -> int:

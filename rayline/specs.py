@@ -151,18 +151,6 @@ class ImageSpec(BaseModel):
         "False decodes fully, equal to torchvision's transforms().",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _accept_size(cls, data: Any) -> Any:
-        # versions registered before resize/crop existed stored {"size": S} for an S×S squash, and were
-        # decoded fully (draft came with resize/crop): they keep decoding as they were trained
-        if isinstance(data, dict) and "size" in data:
-            data = dict(data)
-            size = data.pop("size")
-            data.setdefault("crop", size)
-            data.setdefault("draft", False)
-        return data
-
     @model_validator(mode="after")
     def _resize_fits_mode(self) -> ImageSpec:
         if self.mode == RESIZE_CROP:

@@ -17,8 +17,7 @@ def vacuum_tables_task(root: str, retention_hours: int) -> int:
     """Delete the files of both night tables that no version within ``retention_hours`` needs; how many.
 
     Not a dry run. Versions current within the retention stay readable by
-    number (``rayline.tables.prediction_reads`` docstring). Raises ``ConfigError``
-    while legacy night folders remain (``rayline migrate-predictions``).
+    number (``rayline.tables.prediction_reads`` docstring).
     """
     logger = get_run_logger()
     removed = vacuum_tables(root, retention_hours, dry_run=False)

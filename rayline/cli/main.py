@@ -332,7 +332,6 @@ app.command()(ops.up)
 app.command()(ops.down)
 app.command("lineage")(ops.lineage_command)
 app.command("register-model")(register.register_model_command)
-app.command("migrate-predictions")(tables.migrate_predictions_command)
 app.command("vacuum")(tables.vacuum_command)
 app.add_typer(ops.serve_app, name="serve")
 

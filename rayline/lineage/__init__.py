@@ -3,8 +3,7 @@
 - ``records``: the typed records every stage writes beside its outputs (this package's face:
   ``from rayline import lineage``; ``lineage.write_record(...)``, ``lineage.DatasetRef``);
 - ``openlineage_events``: the same runs as OpenLineage events (START, COMPLETE, FAIL, ABORT);
-- ``graph``, ``nights``: the upstream graph of any stored output, the Delta tables' nights in it,
-  and the record of a night migrated from a legacy folder.
+- ``graph``, ``nights``: the upstream graph of any stored output, and the Delta tables' nights in it.
 
 It sits on top of the core's subpackages: it may import ``rayline.storage``, ``rayline.tables`` and
 ``rayline.models`` (the graph reads tables and registry versions); none of them imports it.

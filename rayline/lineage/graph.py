@@ -63,7 +63,6 @@ STAGE_KINDS = {
     "evaluate": "evaluation",
     "registry": "model version",
     "batch_inference": "predictions",
-    "migrate_predictions": "predictions",
 }
 _MODEL_VERSION = re.compile(rf"^(.*/{registry.MODELS_DIR}/[a-z0-9][a-z0-9-]*/v\d+)(?:/.*)?$")
 _RECORD_READS = 32  # concurrent record reads: many small JSON objects on S3

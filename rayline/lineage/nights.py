@@ -8,9 +8,7 @@ so each night of each model is a node of its own, showing the Delta version
 and run id; a rerun's record replaces the earlier one (the latest record of
 a key wins). ``build_graph(table, dt=…)`` picks the nights of one day (of
 one model, or a folder node of every model's); the partition folder, or a
-file in it, finds its night too. A night moved from a legacy manifest folder
-(``rayline migrate-predictions``) leads to the old batch inference record
-through the legacy manifest.
+file in it, finds its night too.
 """
 
 from __future__ import annotations
@@ -25,19 +23,14 @@ from rayline import storage
 from rayline.errors import InputDataError
 from rayline.lineage import (
     DatasetRef,
-    LineageRecord,
     NoLineageError,
-    code_version,
     is_storage_uri,
     lineage_dir,
     normalize_uri,
-    write_record,
 )
 from rayline.storage.layout import ERRORS_TABLE
 from rayline.tables.delta_tables import PARTITION_COLUMNS, Night, open_table, storage_options
-from rayline.tables.prediction_migration import MigratedNight
 
-MIGRATION_STAGE = "migrate_predictions"
 # What a night of each table is, when the table is not the predictions one.
 _NIGHT_KINDS = {ERRORS_TABLE: "prediction errors"}
 
@@ -103,7 +96,7 @@ def pick_nights(
         which = f"{model_name}'s night" if model_name else "any model's night"
         raise NoLineageError(
             f"no lineage for {which} of {dt} in {uri}: no record under {lineage_dir()} "
-            "names it (nights are recorded by nightly-inference and migrate-predictions)"
+            "names it (nights are recorded by nightly-inference)"
         )
     return table, sorted(nights)
 
@@ -128,22 +121,3 @@ def _is_night_delta_table(uri: str) -> bool:
     if not DeltaTable.is_deltatable(uri, storage_options(uri)):
         return False
     return tuple(open_table(uri).metadata().partition_columns) == PARTITION_COLUMNS
-
-
-def record_migrated_night(migrated: MigratedNight) -> None:
-    """The night as produced from the legacy manifest: lineage walks on to the old batch inference record."""
-    night, legacy = migrated.night, migrated.legacy
-    facets = {"model_name": night.model_name, "dt": night.dt, "run_id": migrated.run_id}
-    write_record(
-        LineageRecord(
-            stage=MIGRATION_STAGE,
-            started_at=migrated.started,
-            inputs=[DatasetRef(uri=legacy.manifest_uri)],
-            outputs=[
-                DatasetRef(uri=uri, facets={**facets, "version": version, "files": files})
-                for uri, (version, files) in migrated.versions.items()
-            ],
-            parameters={"legacy_folder": legacy.folder},
-            code_version=code_version(),
-        )
-    )

@@ -217,11 +217,6 @@ class StorageTransport(Transport):
         return uri
 
 
-def event_uri(event: RunEvent) -> str:
-    """Where the default transport writes ``event``."""
-    return StorageTransport(StorageTransportConfig()).uri(event)
-
-
 def _configured_by_user() -> bool:
     """True when the client's own resolution finds a transport (anything but its console fallback)."""
     if os.environ.get("OPENLINEAGE_URL") or os.environ.get("OPENLINEAGE_DISABLED", "").strip().lower() == "true":

@@ -123,24 +123,8 @@ def rollout_lease_uri(name: str) -> str:
     return storage.join(model_root(name), ROLLOUT_LEASE)
 
 
-def acquire_rollout_lease(name: str, holder: str, ttl_s: float) -> bool:
-    """One rollout per model at a time: True if ``holder`` now holds the lease.
-
-    A lease left past its ttl (its holder crashed) is taken over; a flow
-    holds it with ``leases.held`` instead, which also renews it.
-    """
-    return leases.try_acquire(rollout_lease_uri(name), holder, ttl_s, describe=rollout_lease_what(name)) is not None
-
-
 def rollout_lease_what(name: str) -> str:
     return f"the rollout of model {name}"
-
-
-def release_rollout_lease(name: str, holder: str) -> None:
-    """Release the rollout lease if ``holder`` holds it; someone else's is left alone."""
-    current = leases.read(rollout_lease_uri(name))
-    if current is not None and current.holder == holder and not current.released:
-        leases.release(current)
 
 
 def _claim_next_version(name: str, idempotency_key: str | None = None) -> int:

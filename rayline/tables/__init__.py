@@ -6,7 +6,6 @@
 - ``predictions_table``: the writer (the driver's one commit per table per night) and the schemas;
 - ``prediction_reads``: the readers (a night, both tables paired by run, committed nights) and vacuum
   (the face users call: ``rayline.tables.read_night_pair(...)``);
-- ``prediction_migration``: legacy manifest folders moved into the tables;
 - ``nights``: which nights a nightly run covers and what became of each.
 
 It imports ``rayline.storage`` and the cross-cutting modules only: never ``rayline.models`` or

@@ -45,7 +45,6 @@ from rayline.tables.delta_tables import (
     storage_error,
     storage_options,
 )
-from rayline.tables.prediction_migration import legacy_nights
 
 DEFAULT_RETENTION_HOURS = 168
 MIN_SAFE_RETENTION_HOURS = 24
@@ -140,14 +139,9 @@ def vacuum(
     ``keep_versions`` keeps older versions' files too, and so does every
     version of the errors table that a night of the predictions table next to
     it pairs with (:func:`read_night_pair`), however old.
-
-    Refused (:class:`ConfigError`) while legacy manifest nights sit in the
-    table's folder: a full vacuum would delete them, as files the log does
-    not reference. ``rayline migrate-predictions`` moves them into the table.
     """
     uri = storage.normalize(uri)
     check_retention(retention_hours, allow_short_retention)
-    refuse_legacy_nights(uri)
     # the predictions' nights before the errors snapshot: an errors commit between the two is then seen
     # by the errors snapshot, which keeps its files as referenced, and the version it replaced as paired
     predictions_runs = current_predictions_runs(uri)
@@ -216,31 +210,14 @@ def check_retention(retention_hours: int, allow_short_retention: bool = False) -
         )
 
 
-def refuse_legacy_nights(uri: str) -> None:
-    """Raise :class:`ConfigError` when legacy manifest nights sit in ``uri``'s folder: a vacuum would delete them."""
-    found = legacy_nights(uri)
-    if found:
-        examples = ", ".join(f"{n.model_name}/dt={n.dt}" for n in found[:3])
-        raise ConfigError(
-            f"{uri} holds {len(found)} legacy manifest night folder(s) ({examples}{', …' if len(found) > 3 else ''}) "
-            "that a vacuum would delete as files the table does not reference: run `rayline migrate-predictions` "
-            "to move them into the table first"
-        )
-
-
 def vacuum_tables(
     root: str, retention_hours: int = DEFAULT_RETENTION_HOURS, *, dry_run: bool = True
 ) -> dict[str, list[str]]:
-    """:func:`vacuum` of both night tables under ``root`` (those that exist): table URI → files (to be) deleted.
-
-    Both tables are checked for legacy nights before either is vacuumed.
-    """
+    """:func:`vacuum` of both night tables under ``root`` (those that exist): table URI → files (to be) deleted."""
     tables = [
         uri
         for uri in (table_uri(root, PREDICTIONS_TABLE), table_uri(root, ERRORS_TABLE))
         if DeltaTable.is_deltatable(uri, storage_options(uri))
     ]
     check_retention(retention_hours)
-    for uri in tables:
-        refuse_legacy_nights(uri)
     return {uri: vacuum(uri, retention_hours, dry_run=dry_run) for uri in tables}

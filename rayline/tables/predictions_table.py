@@ -74,9 +74,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections import Counter
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -88,7 +86,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction
 
 from rayline import storage
-from rayline.errors import ConfigError, InputDataError, NightCommittedElsewhere, StorageError, TransientStorageError
+from rayline.errors import ConfigError, InputDataError, NightCommittedElsewhere, TransientStorageError
 from rayline.storage import conditional_probe
 from rayline.tables.delta_tables import (
     PARTITION_COLUMNS,
@@ -388,29 +386,3 @@ def _already(uri: str, tbl: DeltaTable, night: Night, run_id: str) -> CommitResu
     version = committed.version if committed else commit_version(uri, night.run_app_id(run_id), -1, tbl.version())
     replaced = committed is not None and committed.night_seq > 1
     return CommitResult(version=version, replaced=replaced, already_committed=True)
-
-
-def _read_uri_columns(uris: list[str]) -> list[str]:
-    """The ``uri`` column of the written files, read concurrently (the other columns are not needed)."""
-
-    def read(uri: str) -> list[str]:
-        fs, path = storage.arrow_filesystem(uri)
-        try:
-            return [str(u) for u in pq.read_table(path, columns=["uri"], filesystem=fs).column("uri").to_pylist()]
-        except Exception as exc:
-            raise StorageError(f"reading back {uri}: {type(exc).__name__}: {exc}") from exc
-
-    with ThreadPoolExecutor(8) as pool:
-        return [u for part in pool.map(read, uris) for u in part]
-
-
-def verify_exactly_once(files: dict[str, list[str]], expected: set[str]) -> None:
-    """Refuse a commit unless the written files name every expected input once (predictions ∪ errors)."""
-    seen = _read_uri_columns(files["predictions"] + files["errors"])
-    duplicates = [u for u, c in Counter(seen).items() if c > 1]
-    missing, extra = expected - set(seen), set(seen) - expected
-    if duplicates or missing or extra:
-        raise StorageError(
-            f"refusing to commit: {len(missing)} inputs missing, {len(extra)} unexpected, "
-            f"{len(duplicates)} duplicated (e.g. {(sorted(missing) + sorted(extra) + duplicates)[:3]})"
-        )

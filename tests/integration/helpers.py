@@ -87,7 +87,7 @@ def register_untrained(
         name,
         state_dict_bytes(model),
         model_spec=spec,
-        image_spec=ImageSpec(size=32),
+        image_spec=ImageSpec(crop=32),
         classes=[f"{class_prefix}{i}" for i in range(10)],
         metrics={"test_accuracy": 0.1},
         data_manifest_uri="-",

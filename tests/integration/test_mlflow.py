@@ -237,7 +237,7 @@ def _factory_version(name: str, tmp_path: Path, classes: list[str]) -> registry.
         name,
         state_dict_bytes(module),
         model_spec=ModelSpec(arch=FACTORY, num_classes=len(classes), factory=ref),
-        image_spec=ImageSpec(size=32),
+        image_spec=ImageSpec(crop=32),
         classes=classes,
         metrics={},
         code_version="test",

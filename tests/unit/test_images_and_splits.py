@@ -15,7 +15,7 @@ from ray_workloads.images import (
     UnsupportedFormatError,
     decode_image,
 )
-from ray_workloads.ingest import IngestConfig, content_hash, label_from_key, plan_shards
+from ray_workloads.ingest import IngestConfig, content_hash, cut_shards, label_from_key, objects_per_shard
 from ray_workloads.preprocess import SplitFractions, decode_batch, ordered_classes, split_for_key
 from rayline.storage import ObjectInfo
 
@@ -36,7 +36,7 @@ def _noise_png() -> bytes:
 
 
 def test_decode_gives_normalised_chw_rgb() -> None:
-    array = decode_image(_png(), ImageSpec(size=16))
+    array = decode_image(_png(), ImageSpec(crop=16))
     assert array.shape == (3, 16, 16) and array.dtype == np.float32
     assert np.allclose(array, (128 / 255 - 0.5) / 0.5, atol=1e-2)
 
@@ -69,7 +69,7 @@ def test_decode_batch_emits_one_row_per_input() -> None:
         "error_type": np.array([None, None, "FileNotFoundError"], dtype=object),
         "error_message": np.array([None, None, "gone"], dtype=object),
     }
-    out = decode_batch(batch, ImageSpec(size=8), SplitFractions(), ["0", "1"])
+    out = decode_batch(batch, ImageSpec(crop=8), SplitFractions(), ["0", "1"])
     assert out["ok"].tolist() == [True, False, False]
     assert out["stage"].tolist() == [None, "decode", "fetch"]
     assert out["error_type"].tolist() == [None, "UnsupportedFormatError", "FileNotFoundError"]
@@ -117,9 +117,13 @@ def test_labels_come_from_the_parent_folder() -> None:
 
 def test_shards_respect_count_and_byte_limits() -> None:
     objects = [_obj(f"{i}.png", size=100) for i in range(1000)]
-    shards = plan_shards(objects, IngestConfig(source_uri="x", output_root="y", shard_max_objects=300))
+
+    def plan(cfg: IngestConfig) -> list[list[ObjectInfo]]:
+        return list(cut_shards(objects, objects_per_shard(len(objects), cfg), cfg.shard_max_bytes))
+
+    shards = plan(IngestConfig(source_uri="x", output_root="y", shard_max_objects=300))
     assert sum(len(s) for s in shards) == 1000
     assert max(len(s) for s in shards) <= 300
     assert len(shards) >= 4
-    by_bytes = plan_shards(objects, IngestConfig(source_uri="x", output_root="y", shard_max_bytes=1000))
+    by_bytes = plan(IngestConfig(source_uri="x", output_root="y", shard_max_bytes=1000))
     assert max(sum(o.size for o in s) for s in by_bytes) <= 1000

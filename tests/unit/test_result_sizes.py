@@ -13,8 +13,6 @@ import math
 import pytest
 
 from ray_workloads import ingest, preprocess
-from ray_workloads.ingest import IngestResult
-from ray_workloads.preprocess import PreprocessResult
 from rayline import storage
 from rayline.specs import ImageSpec, SplitFractions
 from rayline.storage.manifests import (
@@ -88,27 +86,6 @@ def test_the_shards_of_an_ingest_result_are_read_from_its_manifest(local_storage
     assert result.read_shard_uris() == [s.uri for s in manifest.shards]
 
 
-def test_a_result_persisted_with_its_list_of_shards_still_loads_as_a_count() -> None:
-    # what an IngestResult was before: a row per shard (a cached task result or a flow's persisted result)
-    old = {
-        "source_uri": "s3://b/raw",
-        "output_uri": "s3://b/ingested/x",
-        "manifest_uri": "s3://b/ingested/x/manifest.json",
-        "content_hash": "abc",
-        "object_count": 5,
-        "total_bytes": 500,
-        "fetch_errors": 0,
-        "labels": {"3": 5},
-        "shards": [
-            {"uri": f"s3://b/ingested/x/shards/part-{i:05d}.parquet", "rows": 1, "bytes": 100, "fetch_errors": 0}
-            for i in range(5)
-        ],
-    }
-    loaded = IngestResult.model_validate_json(json.dumps(old))
-    assert loaded.shard_count == 5 and "shards" not in loaded.model_dump()
-    assert IngestResult.model_validate(old) == loaded
-
-
 # A preprocess's result: the files per split stay in its manifest, the result counts them.
 
 FILES_PER_SPLIT = 20_000
@@ -176,30 +153,3 @@ def test_the_files_of_a_preprocess_result_are_read_from_its_manifest(local_stora
     result = preprocess.read_manifest(uri)
     assert result.file_counts == {part: 3 for part in manifest.summary.files}
     assert result.read_files() == manifest.summary.files
-
-
-def test_a_preprocess_result_persisted_with_its_files_still_loads_as_counts() -> None:
-    # what a PreprocessResult was before: every file by split (a cached task result or a flow's persisted result)
-    old = {
-        "classes": ["3", "7"],
-        "counts": {"train": 3, "val": 1, "test": 0},
-        "class_counts": {"train": {"3": 1, "7": 2}, "val": {"3": 1, "7": 0}, "test": {"3": 0, "7": 0}},
-        "error_count": 1,
-        "error_types": {"ImageDecodeError": 1},
-        "files": {
-            "errors": ["s3://b/pre/y/errors/part-00000.parquet"],
-            "train": ["s3://b/pre/y/train/part-00000.parquet", "s3://b/pre/y/train/part-00001.parquet"],
-            "val": ["s3://b/pre/y/val/part-00001.parquet"],
-        },
-        "input_manifest_uri": "s3://b/ingested/x/manifest.json",
-        "input_content_hash": "abc",
-        "output_uri": "s3://b/pre/y",
-        "manifest_uri": "s3://b/pre/y/manifest.json",
-        "summary_uri": "s3://b/pre/y/summary.json",
-        "errors_uri": "s3://b/pre/y/errors",
-        "cached": True,
-    }
-    loaded = PreprocessResult.model_validate_json(json.dumps(old))
-    assert loaded.file_counts == {"errors": 1, "train": 2, "val": 1}
-    assert "files" not in loaded.model_dump()
-    assert PreprocessResult.model_validate(old) == loaded

@@ -118,17 +118,20 @@ def test_prometheus_serving_counters_are_counters() -> None:
 
 
 def test_one_rollout_lease_per_model(local_storage: str) -> None:
+    """The lease a rollout holds (``leases.held`` in tasks/rollouts.py) is one file per model."""
     from rayline.models import registry
+    from rayline.storage import leases
 
-    assert registry.acquire_rollout_lease("digits", "run-a", ttl_s=60)
-    assert not registry.acquire_rollout_lease("digits", "run-b", ttl_s=60), "held by run-a"
-    assert registry.acquire_rollout_lease("digits", "run-a", ttl_s=60), "re-entrant for its holder"
-    assert registry.acquire_rollout_lease("other-model", "run-b", ttl_s=60), "per model"
-    registry.release_rollout_lease("digits", "run-b")  # not the holder: no effect
-    assert not registry.acquire_rollout_lease("digits", "run-b", ttl_s=60)
-    registry.release_rollout_lease("digits", "run-a")
-    assert registry.acquire_rollout_lease("digits", "run-b", ttl_s=-1)  # expires at once: as if it crashed
-    assert registry.acquire_rollout_lease("digits", "run-c", ttl_s=60), "a stale lease is taken over"
+    def take(model: str, holder: str, ttl_s: float = 60) -> leases.Lease | None:
+        return leases.try_acquire(registry.rollout_lease_uri(model), holder, ttl_s)
+
+    first = take("digits", "run-a")
+    assert first is not None and take("digits", "run-b") is None, "held by run-a"
+    assert take("other-model", "run-b") is not None, "per model"
+    assert leases.release(first)
+    stale = take("digits", "run-b", ttl_s=-1)  # expires at once: as if it crashed
+    assert stale is not None and take("digits", "run-c") is not None, "a stale lease is taken over"
+    assert not leases.release(stale), "a lease taken over is not its old holder's to release"
 
 
 def test_smoothed_psi_stays_sensible_with_a_thousand_mostly_empty_classes() -> None:

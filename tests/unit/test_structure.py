@@ -299,7 +299,6 @@ FLOW_SAFE_NAMES_OF_IO_MODULES: dict[str, frozenset[str]] = {
     "rayline.storage.conditional": frozenset(),
     "rayline.storage.conditional_probe": frozenset(),
     "rayline.tables.predictions_table": frozenset(),
-    "rayline.tables.prediction_migration": frozenset(),
     "rayline.storage.manifests": frozenset(),
     "rayline.storage.folders": frozenset(),
     "rayline.storage.fetching": frozenset(),
