@@ -28,6 +28,14 @@ app = typer.Typer(
 _PLAIN_COMMANDS = frozenset({"up", "down", "seed-data", "lineage"})
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        import rayline
+
+        typer.echo(f"rayline {rayline.__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _options(
     ctx: typer.Context,
@@ -38,6 +46,10 @@ def _options(
             "-v",
             help="Print Ray worker logs, Ray Data stats and Prefect task lines here too, not only in the log file.",
         ),
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print rayline's version and exit."),
     ] = False,
 ) -> None:
     """Set the terminal up for the command: rayline's progress and summary; the rest in a log file."""
