@@ -2,7 +2,7 @@
 
 What is compared (issue 4, point 7):
 
-* **rayline**: ``ray_workloads.batch_inference.run``, the workload of the
+* **rayline**: ``ray_workloads.nightly.batch_inference.run``, the workload of the
   ``nightly-inference`` flow, on an embedded Ray cluster started the way its
   task starts it (``ray_cluster.connect(preload=WORKER_PRELOAD)``): list the
   prefix; predictor actors (a Ray Data actor pool) fetch, decode, predict and
@@ -110,7 +110,7 @@ def _model_version(root: str) -> Any:
 
 
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
-    import ray_workloads.images  # noqa: F401  (imports happen before the clock starts)
+    import ray_workloads.data.images  # noqa: F401  (imports happen before the clock starts)
     from rayline import storage
     from rayline.testing.s3_server import boto3_client
 
@@ -147,7 +147,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
-    from ray_workloads import batch_inference
+    from ray_workloads.nightly import batch_inference
     from rayline import ray_cluster, storage
 
     version = _model_version(spec["root"])

@@ -78,7 +78,7 @@ class RaylineDecode:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> Any:
-        from ray_workloads.images import decode_image
+        from ray_workloads.data.images import decode_image
 
         return index, decode_image(Path(self.paths[index]).read_bytes(), self.spec)
 
@@ -88,8 +88,8 @@ def photo_loop(paths: list[str], plan_side: bool) -> dict[str, Any]:
     from torchvision.models import get_model
 
     from bench.support.documented_loop import DocumentedDataset
+    from ray_workloads.architectures.torchvision_families import imagenet_image_spec
     from ray_workloads.execution.plan import Plan, PlanPolicy, choose, torch_run
-    from ray_workloads.model_sources.architectures import imagenet_image_spec
     from rayline.hardware import detect
 
     workers = len(os.sched_getaffinity(0))

@@ -153,8 +153,8 @@ def decode_costs(repeats: int) -> dict[int, dict[str, float]]:
     """ms to decode and transform one camera photo of each size, full and reduced-scale (median of repeats)."""
     import numpy as np
 
-    from ray_workloads.images import decode_image
-    from ray_workloads.models import imagenet_image_spec
+    from ray_workloads.architectures.build import imagenet_image_spec
+    from ray_workloads.data.images import decode_image
     from rayline.seed import camera_photo
 
     reduced = imagenet_image_spec("resnet50").model_copy(update={"draft": True})

@@ -156,7 +156,7 @@ def main() -> None:
     from ray import serve
 
     from bench.support.inference_night import register_untrained
-    from ray_workloads.models import ModelSpec
+    from ray_workloads.architectures.build import ModelSpec
     from ray_workloads.serving import control as serve_control
     from ray_workloads.serving.config import ServeConfig
     from ray_workloads.serving.model_server import model_app

@@ -39,7 +39,7 @@ def prepare(root: str) -> Any:
     """The digits ingested and preprocessed under ``root``: the prepared manifest."""
     import ray
 
-    from ray_workloads import ingest, preprocess
+    from ray_workloads.data import ingest, preprocess
     from rayline import storage
     from rayline.seed import seed
 
@@ -52,8 +52,8 @@ def prepare(root: str) -> Any:
 
 
 def ray_fit(root: str, prepared: Any, epochs: int) -> dict[str, Any]:
-    from ray_workloads import evaluate, train
-    from ray_workloads.training_loop import TrainLoopConfig
+    from ray_workloads.training import evaluate, train
+    from ray_workloads.training.loop import TrainLoopConfig
 
     loop = TrainLoopConfig(epochs=epochs, batch_size=32)
     started, started_at = time.perf_counter(), time.time()
@@ -100,8 +100,8 @@ def plain_fit(root: str, prepared: Any, epochs: int) -> dict[str, Any]:
     """
     import torch
 
-    from ray_workloads.models import build_model
-    from ray_workloads.training_loop import (
+    from ray_workloads.architectures.build import build_model
+    from ray_workloads.training.loop import (
         TrainLoopConfig,
         in_memory_batches,
         make_optimizer,

@@ -8,7 +8,7 @@ submits one ``batch-inference`` task per night, at most
 ``max_concurrent_nights`` at a time: each night is its own Delta commit and
 its own task run, and a night that fails (any exception, or over its error
 budget) leaves the others running. The run ends with one table artifact row
-per night, then raises :class:`~rayline.tables.nights.NightsFailed` if any night
+per night, then raises :class:`~rayline.tables.night_ranges.NightsFailed` if any night
 failed, so the flow run ends Failed naming them.
 """
 
@@ -23,15 +23,15 @@ from prefect.artifacts import create_table_artifact
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
-from ray_workloads.batch_inference import InferenceConfig, InferenceResult, NightSkipped
 from ray_workloads.execution.plan import PlanPolicy
+from ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, NightSkipped
 from rayline.config import get_settings
 from rayline.errors import ErrorBudgetExceeded
 from rayline.lineage import code_version
 from rayline.models.registry import ModelVersion
 from rayline.storage.layout import root_uri
-from rayline.tables import nights
-from rayline.tables.nights import BackfillResult, NightOutcome, NightsFailed
+from rayline.tables import night_ranges
+from rayline.tables.night_ranges import BackfillResult, NightOutcome, NightsFailed
 from tasks.batch_inference import batch_inference_task, cluster_cpus
 
 BACKFILL_ARTIFACT = "nightly-inference-backfill"
@@ -55,7 +55,7 @@ def night_config(
     """One night's workload config: the night's arrivals through ``version``, committed under the storage root."""
     root = root_uri()
     return InferenceConfig(
-        input_uri=nights.night_input_uri(input_uri, root, day),
+        input_uri=night_ranges.night_input_uri(input_uri, root, day),
         tables_root=root,
         dt=day.isoformat(),
         model=version,
@@ -144,7 +144,7 @@ def run_range(
 ) -> BackfillResult:
     """Run every night of ``days``; a table artifact row per night; raise NightsFailed if any failed."""
     configs = [night_config(day, version, input_uri, actors, batch_size, plan) for day in days]
-    width = max_concurrent_nights or nights.nights_at_once(
+    width = max_concurrent_nights or night_ranges.nights_at_once(
         cluster_cpus(), actors, configs[0].cpus_per_actor, len(configs)
     )
     get_run_logger().info("%d nights of %s v%d, %d at a time", len(configs), version.name, version.version, width)
@@ -163,5 +163,5 @@ def run_range(
         description=f"{result.model}, {result.date_from} to {result.date_to}, {width} nights at a time",
     )
     if result.failed:
-        raise NightsFailed(nights.failure_message(result), result)
+        raise NightsFailed(night_ranges.failure_message(result), result)
     return result

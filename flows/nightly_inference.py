@@ -13,16 +13,16 @@ from prefect import flow
 from prefect.artifacts import create_link_artifact, create_table_artifact
 
 from flows.nightly_backfill import check_error_budget, night_config, run_range
-from ray_workloads.batch_inference import InferenceResult, NightSkipped
 from ray_workloads.execution.plan import PlanPolicy, Precision, plans_text
+from ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
 from rayline.errors import ConfigError
 from rayline.skipped import skipped_text
 from rayline.storage.layout import model_name as checked_model_name
 from rayline.storage.layout import parse_day, yesterday_utc
-from rayline.tables import nights
-from rayline.tables.nights import BackfillResult
+from rayline.tables import night_ranges
+from rayline.tables.night_ranges import BackfillResult
 from tasks.batch_inference import batch_inference_task
-from tasks.models import parse_model_ref_task, resolve_version_task
+from tasks.registry_lookups import parse_model_ref_task, resolve_version_task
 
 
 def _skipped(result: InferenceResult) -> str:
@@ -61,7 +61,7 @@ def nightly_inference(
     ``date_from`` and ``date_to`` (inclusive, instead of ``date``) run a range
     of nights with the version ``model`` names when the run starts,
     ``max_concurrent_nights`` at a time (default: as many as the cluster has
-    CPUs for, see :func:`rayline.tables.nights.nights_at_once`). Each night commits
+    CPUs for, see :func:`rayline.tables.night_ranges.nights_at_once`). Each night commits
     on its own and is judged against the error budget on its own; the run
     returns a ``BackfillResult`` when every night committed or was skipped,
     and fails naming the failed nights otherwise (the others stay committed).
@@ -75,9 +75,9 @@ def nightly_inference(
     See :mod:`ray_workloads.execution.plan`.
     """
     policy = PlanPolicy(mode=plan, precision=precision, backend=backend, min_agreement=min_plan_agreement)
-    days = nights.night_range(date, date_from, date_to)
+    days = night_ranges.night_range(date, date_from, date_to)
     if days is not None:
-        nights.check_range_input(input_uri)
+        night_ranges.check_range_input(input_uri)
         if max_concurrent_nights is not None and max_concurrent_nights < 1:
             raise ConfigError(f"max_concurrent_nights must be at least 1, got {max_concurrent_nights}")
     day = parse_day(date) if date else yesterday_utc()

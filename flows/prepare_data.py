@@ -6,9 +6,9 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
-from ray_workloads.images import ImageSpec
-from ray_workloads.ingest import IngestConfig, IngestResult
-from ray_workloads.preprocess import PreprocessConfig, PreprocessResult, error_sample
+from ray_workloads.data.images import ImageSpec
+from ray_workloads.data.ingest import IngestConfig, IngestResult
+from ray_workloads.data.preprocess import PreprocessConfig, PreprocessResult, error_sample
 from rayline.config import get_settings
 from rayline.specs import squash
 from rayline.storage.layout import RAW_DIR, under_root

@@ -10,7 +10,7 @@ from ray_workloads.serving.rollout import GateConfig, RolloutConfig, StepReport
 from rayline.errors import AliasConflict, LeaseLost, RolloutRolledBack
 from rayline.models.registry import CHAMPION, ModelVersion
 from rayline.storage.leases import HeldLease
-from tasks.models import alias_version_task, resolve_version_task
+from tasks.registry_lookups import alias_version_task, resolve_version_task
 from tasks.rollouts import LEASE_TTL_S, another_rollout_holds_task, probe_source_task, rollout_lease
 from tasks.serve import PreparedRollout, prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
 

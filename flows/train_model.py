@@ -11,11 +11,11 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
 from flows.prepare_data import DIGITS_IMAGE_SIZE, PrepareDataResult, prepare_data
-from ray_workloads.evaluate import EvaluationResult
-from ray_workloads.models import ModelSpec, check_input_size
-from ray_workloads.train import TrainConfig, TrainResult
-from ray_workloads.training_loop import TrainLoopConfig
-from ray_workloads.tune import TuneJobConfig, TuneResult
+from ray_workloads.architectures.build import ModelSpec, check_input_size
+from ray_workloads.training.evaluate import EvaluationResult
+from ray_workloads.training.loop import TrainLoopConfig
+from ray_workloads.training.train import TrainConfig, TrainResult
+from ray_workloads.training.tune import TuneJobConfig, TuneResult
 from rayline.storage.layout import (
     RAW_DIR,
     TRAINING_DIR,
@@ -24,8 +24,8 @@ from rayline.storage.layout import (
     checkpoints_uri,
     under_root,
 )
-from tasks.models import reconcile_mirror_task
 from tasks.register import RegistrationResult, register_and_gate
+from tasks.registry_lookups import reconcile_mirror_task
 from tasks.train import evaluate_task, train_model_task
 from tasks.training_plan import plan_training_task
 from tasks.tune import tune_task

@@ -26,7 +26,7 @@ to the library error that caused it::
     │                          Delta table first (not retried: a retry would
     │                          replace that run's commit)
     ├── NightsFailed           some nights of a range failed, the others
-    │                          committed (``rayline.tables.nights``: it carries them)
+    │                          committed (``rayline.tables.night_ranges``: it carries them)
     ├── RetriesExhausted       Ray's own retries of a stage were used up: a Train
     │                          run past ``max_failures``, every Tune trial
     │                          failed, an input that kills its actor each time

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger
 
-from ray_workloads import batch_inference
+from ray_workloads.nightly import batch_inference
 from rayline import ray_cluster
 from rayline.errors import NightCommittedElsewhere
 from rayline.skipped import skipped_text

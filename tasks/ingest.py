@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger
 from prefect.runtime import task_run
 
-from ray_workloads import ingest
+from ray_workloads.data import ingest
 from rayline import events
 from rayline.config import get_settings
 from rayline.skipped import skipped_text

@@ -7,8 +7,8 @@ task run): a retry repeats nothing.
 
 from __future__ import annotations
 
-from ray_workloads import monitor as mon
-from ray_workloads.serving_champion import serving_against_registry
+from ray_workloads.monitoring import monitor as mon
+from ray_workloads.serving.champion import serving_against_registry
 from rayline import events, storage
 from rayline.models.registry import ModelVersion
 from rayline.tables.prediction_reads import committed_nights
@@ -22,7 +22,7 @@ DRIFT_TIMEOUT_S = 1800
 def reference_task(
     champion: ModelVersion, root: str, reference_date: str | None, low_confidence: float
 ) -> mon.Reference:
-    """What the champion's nights are judged against (``ray_workloads.monitor.reference_for``)."""
+    """What the champion's nights are judged against (``ray_workloads.monitoring.monitor.reference_for``)."""
     return mon.reference_for(champion, root, reference_date, low_confidence)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger
 
-from ray_workloads import preprocess
+from ray_workloads.data import preprocess
 from tasks.common import folder_wait_text, lease_holder, log_ray_data_stats, ray_task, record_lineage
 
 

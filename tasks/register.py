@@ -1,4 +1,4 @@
-"""Prefect task: register a trained model and run the promotion gate (``ray_workloads.promotion``)."""
+"""Prefect task: register a trained model and run the promotion gate (``ray_workloads.training.promotion``)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
-from ray_workloads import evaluate, mlflow_models, promotion
-from ray_workloads.models import ModelSpec
-from ray_workloads.train import TrainResult
+from ray_workloads.architectures.build import ModelSpec
+from ray_workloads.registration import mlflow_models
+from ray_workloads.training import evaluate, promotion
+from ray_workloads.training.train import TrainResult
 from rayline import events, lineage
 from rayline.models import registry
 from rayline.specs import ParentModel

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 
-from ray_workloads import mlflow_models
+from ray_workloads.registration import mlflow_models
 from ray_workloads.serving import canary, rollout
 from ray_workloads.serving.canary import PreparedRollout as PreparedRollout  # where flows have always found it
 from ray_workloads.serving.config import ServeConfig

@@ -7,8 +7,8 @@ import re
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from ray_workloads import evaluate, train
-from ray_workloads.models import ModelSpec
+from ray_workloads.architectures.build import ModelSpec
+from ray_workloads.training import evaluate, train
 from rayline import storage
 from rayline.models import tracking
 from tasks.common import png_markdown, ray_task, record_lineage

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from ray_workloads import preprocess
-from ray_workloads.model_sources.model_files import described
-from ray_workloads.models import InferenceOnlyFormat
-from ray_workloads.training_loop import InitFrom
+from ray_workloads.architectures.build import InferenceOnlyFormat
+from ray_workloads.architectures.model_files import described
+from ray_workloads.data import preprocess
+from ray_workloads.training.loop import InitFrom
 from rayline.errors import ConfigError
 from rayline.models import registry
 from rayline.models.registry import ModelVersion

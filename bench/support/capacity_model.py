@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ray_workloads.inference_contract import block_size
+from ray_workloads.nightly.contract import block_size
 from rayline.storage.listing import INLINE_OBJECTS, LISTERS
 
 
@@ -41,11 +41,11 @@ class Limits:
     gpu_img_s: float = 2_000.0  # ASSUMED one GPU's forward rate for the model (no GPU was lent to measure it)
     cpu_node_cores: int = 16
     gpu_node_cores: int = 8  # the CPU cores beside the one GPU (decode and writes run on them)
-    image_side: int = 224  # the model's input: a compute-bound night's blocks (inference_contract.block_size)
+    image_side: int = 224  # the model's input: a compute-bound night's blocks (nightly.contract.block_size)
     prefixes: int = 256  # hashed key prefixes of the bucket (1: a flat prefix)
     prefixes_per_group: int = 8  # rayline.storage.listing.PREFIXES_PER_GROUP: one listing stream per group
     listers: int = LISTERS  # groups a night's cutters list at once
-    rows_per_file: int = 100_000  # ray_workloads.night_compaction.MIN_FILE_ROWS
+    rows_per_file: int = 100_000  # ray_workloads.nightly.compaction.MIN_FILE_ROWS
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ray_workloads.data.images import decode_image
 from ray_workloads.execution.plan import PROBE_IMAGES, PlanChoice, PlanPolicy
-from ray_workloads.images import decode_image
 from rayline import storage
 from rayline.errors import StorageError
 from rayline.hardware import Hardware, detect
@@ -41,7 +41,7 @@ from rayline.specs import ImageSpec
 from rayline.storage import conditional
 
 if TYPE_CHECKING:
-    from ray_workloads.model_interface import LoadedModel
+    from ray_workloads.execution.interface import LoadedModel
 
 logger = logging.getLogger(__name__)
 

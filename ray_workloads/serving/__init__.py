@@ -39,6 +39,7 @@ alias a promotion moves; the serve-rollout flow's tasks call them step by step):
     all pass   retire: the candidate at 100 %, the old version's app deleted
     one fails  roll_back: the incumbent at 100 %, the candidate's app deleted
 
-Nothing is imported here: the control actor imports ``routing`` alone, without Serve's HTTP
-stack or torch.
+``champion`` judges serving against the registry: the version with the most traffic should be the
+champion. Imports ``data``, ``execution`` and ``monitoring``. Nothing is imported here: the control
+actor imports ``routing`` alone, without Serve's HTTP stack or torch.
 """

@@ -15,7 +15,7 @@ from email.parser import HeaderParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ray_workloads.images import (
+from ray_workloads.data.images import (
     CorruptImageError,
     EmptyImageError,
     ImageDecodeError,

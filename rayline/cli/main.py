@@ -14,7 +14,7 @@ from rayline.cli.common import fail as _fail
 from rayline.cli.common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import ConfigError, RaylineError
-from rayline.tables import nights
+from rayline.tables import night_ranges
 
 # Each command imports its flow when it runs: the flows load Prefect, Ray and torch (seconds),
 # which `rayline --help` and the commands that start no flow do without.
@@ -282,9 +282,11 @@ def nightly_inference_command(
 
     try:
         name, ref = model_ref(model, model_name)
-        labels = nights.RangeLabels(date="--date", start="--from", end="--to", input_uri="--source")
-        if nights.night_range(date, date_from, date_to, labels) is not None:  # checked before Prefect and Ray start
-            nights.check_range_input(source, labels)
+        labels = night_ranges.RangeLabels(date="--date", start="--from", end="--to", input_uri="--source")
+        if (
+            night_ranges.night_range(date, date_from, date_to, labels) is not None
+        ):  # checked before Prefect and Ray start
+            night_ranges.check_range_input(source, labels)
         get_settings()
         result = nightly_inference(
             date=date,
@@ -302,7 +304,7 @@ def nightly_inference_command(
             backend=backend.value if backend else None,
             min_plan_agreement=min_plan_agreement,
         )
-    except nights.NightsFailed as exc:
+    except night_ranges.NightsFailed as exc:
         summaries.print_backfill_summary(exc.result)
         raise typer.Exit(code=1) from exc
     except RaylineError as exc:

@@ -21,8 +21,8 @@ from rayline import storage
 from rayline.errors import RaylineError
 
 if TYPE_CHECKING:  # for the types only: the workloads load Ray and torch, which `rayline --help` does without
-    from ray_workloads.batch_inference import InferenceResult
-    from ray_workloads.register_model import RegisterModelResult
+    from ray_workloads.nightly.batch_inference import InferenceResult
+    from ray_workloads.registration.outside_models import RegisterModelResult
 
 OUTSIDE_MODEL = "photos"
 OUTSIDE_ARCH = "resnet18"
@@ -56,7 +56,7 @@ def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
     from flows.nightly_inference import nightly_inference
     from flows.register_model import register_model
     from flows.serve_rollout import serve_config
-    from ray_workloads.batch_inference import InferenceResult
+    from ray_workloads.nightly.batch_inference import InferenceResult
     from ray_workloads.serving import rollout
     from rayline import ray_cluster
     from rayline.models import registry

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from ray_workloads import preprocess
+from ray_workloads.data import preprocess
 from rayline import lineage, storage
 from rayline.seed import SeedResult, seed, seed_incoming
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri

@@ -20,7 +20,7 @@ import pytest
 import ray
 from deltalake import DeltaTable
 
-from ray_workloads.batch_inference import InferenceConfig, InferenceResult
+from ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult
 from rayline import storage
 from rayline.models.registry import ModelVersion
 from rayline.seed import corrupt_objects, digit_objects

@@ -28,7 +28,7 @@ import torchvision
 from typer.testing import CliRunner
 
 from flows.serve_rollout import serve_config
-from ray_workloads.models import imagenet_classes
+from ray_workloads.architectures.build import imagenet_classes
 from ray_workloads.serving import control as serve_control
 from rayline import storage
 from rayline.cli import app

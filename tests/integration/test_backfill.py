@@ -12,12 +12,12 @@ from typer.testing import CliRunner
 
 from flows.nightly_backfill import BACKFILL_ARTIFACT
 from flows.nightly_inference import nightly_inference
-from ray_workloads.batch_inference import InferenceConfig, InferenceResult, NightSkipped
+from ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, NightSkipped
 from rayline import storage
 from rayline.cli import app
 from rayline.errors import ErrorBudgetExceeded
 from rayline.seed import digit_objects
-from rayline.tables.nights import BackfillResult, NightOutcome, NightsFailed
+from rayline.tables.night_ranges import BackfillResult, NightOutcome, NightsFailed
 from rayline.tables.prediction_reads import read_night_pair
 from tests.integration.helpers import register_untrained_champion
 

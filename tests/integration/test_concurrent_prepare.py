@@ -9,7 +9,7 @@ from typing import TypeVar
 
 import pytest
 
-from ray_workloads import ingest, preprocess
+from ray_workloads.data import ingest, preprocess
 from rayline import storage
 from rayline.errors import LeaseBusy, LeaseLost
 from rayline.seed import seed

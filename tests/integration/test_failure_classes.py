@@ -17,8 +17,9 @@ import pytest
 import ray
 from prefect.task_engine import TaskRunTimeoutError
 
-from ray_workloads import ingest, preprocess, train, tune
-from ray_workloads.training_loop import TrainLoopConfig
+from ray_workloads.data import ingest, preprocess
+from ray_workloads.training import train, tune
+from ray_workloads.training.loop import TrainLoopConfig
 from rayline import ray_work, storage
 from rayline.errors import RetriesExhausted, WorkTimedOut, is_transient
 from rayline.seed import digit_objects

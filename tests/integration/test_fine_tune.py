@@ -33,8 +33,8 @@ from typer.testing import CliRunner
 
 from deployments.catalog import deployment_table
 from flows.train_model import train_model
-from ray_workloads.model_interface import load_version
-from ray_workloads.models import load_state_dict
+from ray_workloads.architectures.build import load_state_dict
+from ray_workloads.execution.interface import load_version
 from rayline import lineage, storage
 from rayline.cli import app
 from rayline.errors import ConfigError

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ray_workloads import ingest, preprocess
+from ray_workloads.data import ingest, preprocess
 from rayline import storage
 from rayline.errors import StorageAccessDenied
 from rayline.seed import digit_objects

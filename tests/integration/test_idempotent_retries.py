@@ -22,17 +22,19 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 
-import ray_workloads.ingest
+import ray_workloads.data.ingest
 import tasks.ingest
 import tasks.preprocess
 import tasks.register
 from flows.prepare_data import prepare_data
-from ray_workloads import batch_inference, preprocess, promotion
-from ray_workloads.evaluate import EvaluationResult
-from ray_workloads.ingest import IngestConfig, IngestResult
-from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
-from ray_workloads.preprocess import PreprocessResult
-from ray_workloads.train import TrainResult
+from ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
+from ray_workloads.data import preprocess
+from ray_workloads.data.ingest import IngestConfig, IngestResult
+from ray_workloads.data.preprocess import PreprocessResult
+from ray_workloads.nightly import batch_inference
+from ray_workloads.training import promotion
+from ray_workloads.training.evaluate import EvaluationResult
+from ray_workloads.training.train import TrainResult
 from rayline import events, lineage, ray_cluster, storage
 from rayline.errors import TransientError
 from rayline.models import registry
@@ -197,7 +199,7 @@ def test_register_and_gate_retried_after_a_side_effect_leaves_one_of_each(
 
 
 INGEST_SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
-    "manifest-committed": (ray_workloads.ingest, "run"),
+    "manifest-committed": (ray_workloads.data.ingest, "run"),
     "event-emitted": (tasks.ingest, "data_arrived"),
     "lineage-written": (tasks.ingest, "record_lineage"),
 }

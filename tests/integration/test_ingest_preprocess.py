@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from ray_workloads import ingest, preprocess
+from ray_workloads.data import ingest, preprocess
 from rayline import storage
 from rayline.errors import InputDataError
 from rayline.seed import CORRUPT_KINDS, seed

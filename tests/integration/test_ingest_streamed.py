@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_workloads import ingest
+from ray_workloads.data import ingest
 from rayline import storage
 from rayline.seed import seed
 

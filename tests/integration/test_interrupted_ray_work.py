@@ -21,15 +21,15 @@ from prefect.futures import PrefectFuture
 
 from flows import nightly_backfill
 from flows.nightly_inference import nightly_inference
-from ray_workloads import batch_inference as bi
-from ray_workloads import ingest
-from ray_workloads.batch_inference import InferenceConfig
+from ray_workloads.data import ingest
+from ray_workloads.nightly import batch_inference as bi
+from ray_workloads.nightly.batch_inference import InferenceConfig
 from rayline import ray_work, storage
 from rayline.errors import WorkTimedOut
 from rayline.seed import digit_objects
 from rayline.storage import manifests
 from rayline.storage.manifests import IngestManifest
-from rayline.tables.nights import NightsFailed
+from rayline.tables.night_ranges import NightsFailed
 from rayline.testing.fault_proxy import FaultProxy
 from tasks.batch_inference import batch_inference_task
 from tests.integration.helpers import (

@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 
 from flows.nightly_inference import nightly_inference
 from flows.prepare_data import prepare_data
-from ray_workloads.batch_inference import InferenceResult
-from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
+from ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
+from ray_workloads.nightly.batch_inference import InferenceResult
 from rayline import lineage, storage
 from rayline.cli import app
 from rayline.lineage import DatasetRef

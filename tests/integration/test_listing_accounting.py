@@ -15,7 +15,8 @@ from itertools import islice
 
 import pytest
 
-from ray_workloads import batch_inference, ingest
+from ray_workloads.data import ingest
+from ray_workloads.nightly import batch_inference
 from rayline import storage
 from rayline.cli.summaries import print_inference_summary
 from rayline.errors import DeltaWritesUnsupported

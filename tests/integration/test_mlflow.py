@@ -21,12 +21,13 @@ from mlflow.models import Model
 from PIL import Image
 
 from flows.train_model import train_model
-from ray_workloads import mlflow_models, model_interface
-from ray_workloads.images import decode_image
-from ray_workloads.model_sources import factory_models
-from ray_workloads.models import state_dict_bytes
-from ray_workloads.register_model import RegisterModelConfig
-from ray_workloads.register_model import run as register_model
+from ray_workloads.architectures import factory_models
+from ray_workloads.architectures.build import state_dict_bytes
+from ray_workloads.data.images import decode_image
+from ray_workloads.execution import interface
+from ray_workloads.registration import mlflow_models
+from ray_workloads.registration.outside_models import RegisterModelConfig
+from ray_workloads.registration.outside_models import run as register_model
 from rayline import storage
 from rayline.models import mlflow_mirror, registry
 from rayline.seed import seed
@@ -286,7 +287,7 @@ def test_mlflow_loads_every_mirrored_version_and_predicts_what_rayline_predicts(
     stored.rename(local_storage)
     for uri, version in uris.items():
         batch = np.stack([decode_image(photo, version.image_spec) for photo in photos])
-        expected = model_interface.load_version(version).probabilities(batch)
+        expected = interface.load_version(version).probabilities(batch)
         good, bad = predicted[uri].iloc[: len(photos)], predicted[uri].iloc[-1]
         assert list(good["class_index"]) == [int(i) for i in expected.argmax(axis=1)], uri
         assert list(good["class_name"]) == [classes[int(i)] for i in expected.argmax(axis=1)], uri

@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from flows.monitor import monitor
 from flows.nightly_inference import nightly_inference
 from flows.prepare_data import prepare_data
-from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
-from ray_workloads.monitor import DriftThresholds
-from ray_workloads.training_loop import TrainLoopConfig, in_memory_batches, make_optimizer, run_epoch
+from ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
+from ray_workloads.monitoring.monitor import DriftThresholds
+from ray_workloads.training.loop import TrainLoopConfig, in_memory_batches, make_optimizer, run_epoch
 from rayline import events, storage
 from rayline.models import registry
 from rayline.seed import digit_objects, seed, synthetic_objects

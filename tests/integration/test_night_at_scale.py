@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ray_workloads import batch_inference
-from ray_workloads.batch_inference import new_run_id
-from ray_workloads.night_blocks import night_listings
+from ray_workloads.nightly import batch_inference
+from ray_workloads.nightly.batch_inference import new_run_id
+from ray_workloads.nightly.blocks import night_listings
 from rayline.errors import StorageError
 from rayline.storage import listing
 from rayline.tables.delta_tables import Night, table_version

@@ -9,8 +9,8 @@ import pytest
 from deltalake import DeltaTable
 
 from flows.nightly_inference import nightly_inference
-from ray_workloads.batch_inference import InferenceResult, NightSkipped
-from ray_workloads.night_blocks import night_lease_uri
+from ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
+from ray_workloads.nightly.blocks import night_lease_uri
 from rayline import storage
 from rayline.errors import OutOfMemory, RetriesExhausted, is_transient
 from rayline.models import registry
@@ -149,7 +149,7 @@ def test_a_killed_predictor_actor_loses_no_row(local_storage: str) -> None:
     import threading
     import time
 
-    from ray_workloads import batch_inference as bi
+    from ray_workloads.nightly import batch_inference as bi
 
     register_untrained_champion()
     incoming, inputs = _incoming(local_storage, corrupt=4)
@@ -186,7 +186,7 @@ def test_a_killed_predictor_actor_loses_no_row(local_storage: str) -> None:
 def test_an_input_that_kills_its_actor_every_time_fails_the_run_after_bounded_retries(
     local_storage: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ray_workloads import batch_inference as bi
+    from ray_workloads.nightly import batch_inference as bi
 
     register_untrained_champion()
     incoming = storage.join(local_storage, "incoming", f"dt={DAY}")
@@ -213,7 +213,7 @@ def test_a_model_call_out_of_memory_fails_the_night_once_and_commits_nothing(
     local_storage: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Memory is the machine's fault, not the samples': no "predict" error rows, and no retry of the same shape."""
-    from ray_workloads import batch_inference as bi
+    from ray_workloads.nightly import batch_inference as bi
     from tasks.batch_inference import batch_inference_task
 
     register_untrained_champion()

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from flows.monitor import monitor
 from flows.nightly_inference import nightly_inference
-from ray_workloads.batch_inference import InferenceResult
-from ray_workloads.models import imagenet_classes
-from ray_workloads.night_blocks import NightOutput, block_file_uri
+from ray_workloads.architectures.build import imagenet_classes
+from ray_workloads.nightly.batch_inference import InferenceResult
+from ray_workloads.nightly.blocks import NightOutput, block_file_uri
 from rayline import storage
 from rayline.cli import app
 from rayline.lineage.graph import build_graph, render_text
@@ -125,7 +125,7 @@ def test_a_block_predicted_in_small_chunks_gives_the_rows_of_one_chunk(
     local_storage: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The predictor bounds the pixels it holds by chunking a block; the written rows do not depend on it."""
-    from ray_workloads import inference_predictor as ip
+    from ray_workloads.nightly import predictor as ip
 
     version = register_outside()
     incoming, inputs, broken = _photos_day(local_storage, DAY, photos=9, corrupt=2, large=1)

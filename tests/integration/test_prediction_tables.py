@@ -27,8 +27,8 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from ray_workloads import batch_inference
-from ray_workloads.batch_inference import InferenceConfig, InferenceResult, new_run_id
+from ray_workloads.nightly import batch_inference
+from ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, new_run_id
 from rayline import storage
 from rayline.errors import NightCommittedElsewhere
 from rayline.storage.layout import PREDICTIONS_TABLE

@@ -9,7 +9,7 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 
-from ray_workloads.ingest import IngestConfig
+from ray_workloads.data.ingest import IngestConfig
 from rayline import storage
 from tasks.ingest import ingest_objects
 from tests.support import free_port

@@ -19,7 +19,7 @@ from ray import serve
 from typer.testing import CliRunner
 
 from flows.serve_rollout import serve_config, serve_rollout
-from ray_workloads.models import imagenet_classes
+from ray_workloads.architectures.build import imagenet_classes
 from ray_workloads.serving import control as serve_control
 from ray_workloads.serving.http_api import ANSWER_HEADER, MODEL_HEADER
 from rayline import storage

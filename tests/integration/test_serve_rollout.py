@@ -28,7 +28,7 @@ from ray import serve
 from ray.serve.schema import ApplicationStatus
 
 from flows.serve_rollout import serve_config, serve_rollout
-from ray_workloads import monitor as mon
+from ray_workloads.monitoring import monitor as mon
 from ray_workloads.serving import canary, rollout
 from ray_workloads.serving import control as serve_control
 from ray_workloads.serving.http_api import ANSWER_HEADER

@@ -15,8 +15,8 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError
 
-from ray_workloads import batch_inference as bi
-from ray_workloads import ingest
+from ray_workloads.data import ingest
+from ray_workloads.nightly import batch_inference as bi
 from rayline import storage
 from rayline.config import get_settings
 from rayline.errors import StorageAccessDenied, TransientStorageError, is_transient

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from ray_workloads import ingest, preprocess, tune
+from ray_workloads.data import ingest, preprocess
+from ray_workloads.training import tune
 from rayline import storage
 from rayline.seed import seed
 from tests.support import stop_process

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ray_workloads import promotion
-from ray_workloads.models import ModelSpec, build_model, state_dict_bytes
+from ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
+from ray_workloads.training import promotion
 from rayline.errors import AliasConflict, LeaseLost
 from rayline.models import registry
 from rayline.storage import conditional, leases

@@ -14,14 +14,7 @@ import torch
 import torchvision
 from torch import nn
 
-from ray_workloads.model_sources.architectures import (
-    FAMILIES,
-    LIST_HINT,
-    classifier_head,
-    family_of,
-    torchvision_names,
-)
-from ray_workloads.models import (
+from ray_workloads.architectures.build import (
     ModelSpec,
     WeightsMismatchError,
     build_model,
@@ -31,8 +24,15 @@ from ray_workloads.models import (
     load_model,
     state_dict_bytes,
 )
-from ray_workloads.register_model import RegisterModelConfig, image_spec_for
-from ray_workloads.register_model import run as register
+from ray_workloads.architectures.torchvision_families import (
+    FAMILIES,
+    LIST_HINT,
+    classifier_head,
+    family_of,
+    torchvision_names,
+)
+from ray_workloads.registration.outside_models import RegisterModelConfig, image_spec_for
+from ray_workloads.registration.outside_models import run as register
 from rayline import storage
 from rayline.errors import ConfigError
 

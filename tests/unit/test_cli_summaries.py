@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ray_workloads.ingest import IngestResult
+from ray_workloads.data.ingest import IngestResult
 from rayline import storage
 from rayline.cli.summaries import print_prepare_summary
 
@@ -47,7 +47,7 @@ def test_prepare_summary_has_no_skipped_line_when_nothing_was_skipped(capsys: py
 
 def test_the_nightly_artifact_names_the_skipped_and_their_first_keys() -> None:
     from flows.nightly_inference import _skipped
-    from ray_workloads.batch_inference import InferenceResult
+    from ray_workloads.nightly.batch_inference import InferenceResult
 
     night = InferenceResult.model_construct(
         skipped={storage.SKIP_FOLDER_MARKER: 1}, skipped_examples={storage.SKIP_FOLDER_MARKER: ["photos/"]}

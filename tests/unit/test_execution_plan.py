@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from ray_workloads.execution.cache import libraries, plan_for, plan_key, plan_uri
+from ray_workloads.execution.interface import LoadedModel
 from ray_workloads.execution.plan import (
     PROBE_IMAGES,
     REFERENCE,
@@ -38,7 +39,6 @@ from ray_workloads.execution.plan import (
     plans_text,
     torch_run,
 )
-from ray_workloads.model_interface import LoadedModel
 from rayline.hardware import Hardware, detect, parse_cpuinfo
 from rayline.specs import ModelSpec
 from rayline.testing.trained_models import digits_resnet18

@@ -12,9 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ray_workloads import preprocess
-from ray_workloads.model_interface import load
-from ray_workloads.models import (
+from ray_workloads.architectures.build import (
     InferenceOnlyFormat,
     ModelSpec,
     build_model,
@@ -22,7 +20,9 @@ from ray_workloads.models import (
     state_dict_bytes,
     trainable_parameters,
 )
-from ray_workloads.training_loop import TrainLoopConfig, make_optimizer, run_epoch
+from ray_workloads.data import preprocess
+from ray_workloads.execution.interface import load
+from ray_workloads.training.loop import TrainLoopConfig, make_optimizer, run_epoch
 from rayline.cli import app
 from rayline.errors import ConfigError, InputDataError
 from rayline.models import registry

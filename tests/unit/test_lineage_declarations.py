@@ -11,18 +11,18 @@ from datetime import UTC, datetime
 
 import pytest
 
-from ray_workloads import ingest
-from ray_workloads.batch_inference import InferenceResult
-from ray_workloads.evaluate import EvaluationResult
-from ray_workloads.ingest import IngestResult
-from ray_workloads.preprocess import PreprocessResult
-from ray_workloads.promotion import PromotionResult
-from ray_workloads.register_model import RegisterModelResult
+from ray_workloads.data import ingest
+from ray_workloads.data.ingest import IngestResult
+from ray_workloads.data.preprocess import PreprocessResult
+from ray_workloads.nightly.batch_inference import InferenceResult
+from ray_workloads.registration.outside_models import RegisterModelResult
 from ray_workloads.serving import canary
 from ray_workloads.serving.rollout import StepReport
-from ray_workloads.train import TrainResult
-from ray_workloads.training_loop import TrainLoopConfig
-from ray_workloads.tune import TuneResult
+from ray_workloads.training.evaluate import EvaluationResult
+from ray_workloads.training.loop import TrainLoopConfig
+from ray_workloads.training.promotion import PromotionResult
+from ray_workloads.training.train import TrainResult
+from ray_workloads.training.tune import TuneResult
 from rayline import storage
 from rayline.errors import StorageError
 from rayline.lineage import DatasetRef

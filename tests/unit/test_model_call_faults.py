@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from ray_workloads.execution.interface import LoadedModel
 from ray_workloads.execution.plan import PlanPolicy
-from ray_workloads.inference_predictor import PredictorUDF
-from ray_workloads.model_interface import LoadedModel
+from ray_workloads.nightly.predictor import PredictorUDF
 from rayline.errors import DeviceError, OutOfMemory, is_transient, model_call_fault
 from rayline.specs import ModelSpec
 

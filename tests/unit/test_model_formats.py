@@ -20,10 +20,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ray_workloads.model_interface import load_version
-from ray_workloads.model_sources import factory_models
-from ray_workloads.model_sources.model_files import UnsafeModelFileError
-from ray_workloads.register_model import RegisterModelConfig, RegisterModelResult, run
+from ray_workloads.architectures import factory_models
+from ray_workloads.architectures.model_files import UnsafeModelFileError
+from ray_workloads.execution.interface import load_version
+from ray_workloads.registration.outside_models import RegisterModelConfig, RegisterModelResult, run
 from rayline.cli import app
 from rayline.errors import ConfigError, InputDataError
 

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rayline.errors import ConfigError, InputDataError
-from rayline.tables import nights
-from rayline.tables.nights import BackfillResult, NightOutcome, NightsFailed, RangeLabels
+from rayline.tables import night_ranges
+from rayline.tables.night_ranges import BackfillResult, NightOutcome, NightsFailed, RangeLabels
 
 pytestmark = pytest.mark.unit
 
@@ -18,59 +18,61 @@ CLI = RangeLabels(date="--date", start="--from", end="--to", input_uri="--source
 
 
 def test_no_range_is_the_single_night_path() -> None:
-    assert nights.night_range(None, None, None) is None
-    assert nights.night_range("2026-11-28", None, None) is None
+    assert night_ranges.night_range(None, None, None) is None
+    assert night_ranges.night_range("2026-11-28", None, None) is None
 
 
 def test_a_range_is_every_night_inclusive_in_order() -> None:
-    days = nights.night_range(None, "2026-12-30", "2027-01-02")
+    days = night_ranges.night_range(None, "2026-12-30", "2027-01-02")
     assert days == [date(2026, 12, 30), date(2026, 12, 31), date(2027, 1, 1), date(2027, 1, 2)]
-    assert nights.night_range(None, "2026-11-28", "2026-11-28") == [date(2026, 11, 28)]
+    assert night_ranges.night_range(None, "2026-11-28", "2026-11-28") == [date(2026, 11, 28)]
 
 
 def test_date_and_a_range_exclude_each_other_naming_both() -> None:
     with pytest.raises(ConfigError, match="date and date_from/date_to exclude each other"):
-        nights.night_range("2026-11-28", "2026-11-01", "2026-11-02")
+        night_ranges.night_range("2026-11-28", "2026-11-01", "2026-11-02")
     with pytest.raises(ConfigError, match="--date and --from/--to exclude each other"):
-        nights.night_range("2026-11-28", None, "2026-11-02", CLI)
+        night_ranges.night_range("2026-11-28", None, "2026-11-02", CLI)
 
 
 def test_a_range_needs_both_ends() -> None:
     with pytest.raises(ConfigError, match="--from needs --to"):
-        nights.night_range(None, "2026-11-01", None, CLI)
+        night_ranges.night_range(None, "2026-11-01", None, CLI)
     with pytest.raises(ConfigError, match="date_to needs date_from"):
-        nights.night_range(None, None, "2026-11-01")
+        night_ranges.night_range(None, None, "2026-11-01")
 
 
 def test_a_backwards_range_is_refused() -> None:
     with pytest.raises(ConfigError, match="--from 2026-11-03 is after --to 2026-11-01"):
-        nights.night_range(None, "2026-11-03", "2026-11-01", CLI)
+        night_ranges.night_range(None, "2026-11-03", "2026-11-01", CLI)
 
 
 def test_a_bad_day_names_its_option() -> None:
     with pytest.raises(InputDataError, match="--to must look like 2026-11-28, got '2026-13-01'"):
-        nights.night_range(None, "2026-11-01", "2026-13-01", CLI)
+        night_ranges.night_range(None, "2026-11-01", "2026-13-01", CLI)
     with pytest.raises(InputDataError, match="date_from must look like"):
-        nights.night_range(None, "yesterday", "2026-11-01")
+        night_ranges.night_range(None, "yesterday", "2026-11-01")
 
 
 def test_an_over_long_range_is_refused() -> None:
-    assert len(nights.night_range(None, "2024-01-01", "2024-12-31") or []) == nights.MAX_NIGHTS  # a leap year
+    assert (
+        len(night_ranges.night_range(None, "2024-01-01", "2024-12-31") or []) == night_ranges.MAX_NIGHTS
+    )  # a leap year
     with pytest.raises(ConfigError, match="is 367 nights; at most 366 at once: split the range"):
-        nights.night_range(None, "2024-01-01", "2025-01-01")
+        night_ranges.night_range(None, "2024-01-01", "2025-01-01")
 
 
 def test_a_range_input_prefix_needs_the_day_placeholder() -> None:
-    nights.check_range_input(None)
-    nights.check_range_input("s3://b/incoming-photos/dt={dt}")
+    night_ranges.check_range_input(None)
+    night_ranges.check_range_input("s3://b/incoming-photos/dt={dt}")
     with pytest.raises(ConfigError, match="--source 's3://b/in/dt=2026-11-28' is one prefix for every night"):
-        nights.check_range_input("s3://b/in/dt=2026-11-28", CLI)
+        night_ranges.check_range_input("s3://b/in/dt=2026-11-28", CLI)
 
 
 def test_night_input_uri() -> None:
-    assert nights.night_input_uri(None, "/data", date(2026, 11, 28)) == "/data/incoming/dt=2026-11-28"
-    assert nights.night_input_uri("s3://b/p/dt={dt}/", "/data", date(2026, 11, 28)) == "s3://b/p/dt=2026-11-28/"
-    assert nights.night_input_uri("s3://b/one", "/data", date(2026, 11, 28)) == "s3://b/one"
+    assert night_ranges.night_input_uri(None, "/data", date(2026, 11, 28)) == "/data/incoming/dt=2026-11-28"
+    assert night_ranges.night_input_uri("s3://b/p/dt={dt}/", "/data", date(2026, 11, 28)) == "s3://b/p/dt=2026-11-28/"
+    assert night_ranges.night_input_uri("s3://b/one", "/data", date(2026, 11, 28)) == "s3://b/one"
 
 
 @pytest.mark.parametrize(
@@ -84,7 +86,7 @@ def test_night_input_uri() -> None:
     ],
 )
 def test_nights_at_once(cpus: float, actors: int, per_actor: float, count: int, expected: int) -> None:
-    assert nights.nights_at_once(cpus, actors, per_actor, count) == expected
+    assert night_ranges.nights_at_once(cpus, actors, per_actor, count) == expected
 
 
 def _result() -> BackfillResult:
@@ -113,7 +115,7 @@ def _result() -> BackfillResult:
 def test_failure_message_names_each_failed_night() -> None:
     result = _result()
     assert [n.dt for n in result.failed] == ["2026-11-27"]
-    assert nights.failure_message(result) == (
+    assert night_ranges.failure_message(result) == (
         "1 of 3 nights of digits failed (2026-11-27: InputDataError: no input objects under /x)"
     )
 

@@ -13,8 +13,8 @@ import torch
 
 from ray_workloads.execution import cache
 from ray_workloads.execution.cache import claim_uri, libraries, plan_for, plan_key, plan_uri, store_plan
+from ray_workloads.execution.interface import LoadedModel
 from ray_workloads.execution.plan import REFERENCE, PlanChoice, PlanPolicy, torch_run
-from ray_workloads.model_interface import LoadedModel
 from rayline.hardware import detect
 from rayline.specs import ModelSpec
 

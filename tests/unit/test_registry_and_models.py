@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from ray_workloads.models import (
+from ray_workloads.architectures.build import (
     ModelSpec,
     UnsafeCheckpointError,
     build_model,

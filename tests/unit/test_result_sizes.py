@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from ray_workloads import ingest, preprocess
+from ray_workloads.data import ingest, preprocess
 from rayline import storage
 from rayline.specs import ImageSpec, SplitFractions
 from rayline.storage.manifests import (

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from ray_workloads.monitor import (
+from ray_workloads.monitoring.monitor import (
     DriftThresholds,
     PartitionDrift,
     ServingHealth,
@@ -135,7 +135,7 @@ def test_one_rollout_lease_per_model(local_storage: str) -> None:
 
 
 def test_smoothed_psi_stays_sensible_with_a_thousand_mostly_empty_classes() -> None:
-    from ray_workloads.monitor import smoothed_psi
+    from ray_workloads.monitoring.monitor import smoothed_psi
 
     night = {f"class-{i}": 1 for i in range(20)}  # 20 photos, 20 different ImageNet classes
     assert smoothed_psi(night, night, 0.5) == pytest.approx(0.0)
@@ -175,7 +175,7 @@ def _health(weights: dict[int, float]) -> ServingHealth:
 
 
 def test_most_traffic_off_the_champion_is_unhealthy_unless_a_rollout_runs() -> None:
-    from ray_workloads.serving_champion import check_champion
+    from ray_workloads.serving.champion import check_champion
 
     left = check_champion(_health({1: 0.0, 2: 100.0}), champion=1, rollout_holder=None)
     assert not left.healthy and left.champion_mismatch and left.champion == 1

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_workloads.night_compaction import check_rows, plan_groups
+from ray_workloads.nightly.compaction import check_rows, plan_groups
 from rayline import storage
 from rayline.errors import StorageError
 from rayline.storage import listing

@@ -251,6 +251,48 @@ def test_only_the_shell_imports_the_shell() -> None:
     assert not bad, _report("only rayline/cli/ imports rayline.cli: it is the top of the house", bad)
 
 
+# The stages' packages, each with those it may import (as its __init__ says): one way, data at the bottom.
+WORKLOAD_PACKAGES: dict[str, frozenset[str]] = {
+    "ray_workloads.data": frozenset(),
+    "ray_workloads.architectures": frozenset(),
+    "ray_workloads.execution": frozenset({"ray_workloads.data", "ray_workloads.architectures"}),
+    "ray_workloads.training": frozenset(
+        {"ray_workloads.data", "ray_workloads.architectures", "ray_workloads.execution"}
+    ),
+    "ray_workloads.nightly": frozenset({"ray_workloads.data", "ray_workloads.execution"}),
+    "ray_workloads.registration": frozenset(
+        {"ray_workloads.data", "ray_workloads.architectures", "ray_workloads.execution"}
+    ),
+    "ray_workloads.monitoring": frozenset({"ray_workloads.data"}),
+    "ray_workloads.serving": frozenset({"ray_workloads.data", "ray_workloads.execution", "ray_workloads.monitoring"}),
+}
+
+
+def _workload_package(module: str) -> str | None:
+    return next((p for p in WORKLOAD_PACKAGES if _within(module, p)), None)
+
+
+def test_the_stages_packages_import_each_other_one_way() -> None:
+    def wrong(i: Import) -> bool:
+        own, target = _workload_package(i.importer), _workload_package(i.target)
+        if own is None or target is None or own == target:
+            return False
+        return target not in WORKLOAD_PACKAGES[own]
+
+    modules = set(_sources())
+    assert set(WORKLOAD_PACKAGES) <= modules, "a stage package was renamed: name it here"
+    loose = [m for m in _modules("ray_workloads") if m != "ray_workloads" and _workload_package(m) is None]
+    assert not loose, f"every stage lives in a package of ray_workloads/: {loose}"
+    bad = [i for i in _imports_of("ray_workloads") if wrong(i)]
+    assert not bad, _report("the stage packages import one way (WORKLOAD_PACKAGES, as each __init__ says)", bad)
+
+
+def test_each_stage_package_says_what_it_holds_and_may_import() -> None:
+    for package in WORKLOAD_PACKAGES:
+        doc = ast.get_docstring(ast.parse(_sources()[package].read_text())) or ""
+        assert "mport" in doc and len(doc.splitlines()) >= 3, f"{package}'s __init__ docstring says what it holds"
+
+
 def test_workloads_never_import_prefect() -> None:
     bad = [i for i in _imports_of("ray_workloads") if _within(i.target, "prefect")]
     assert not bad, _report("ray_workloads are plain Ray code: no Prefect", bad)
@@ -290,7 +332,7 @@ FLOW_SAFE_NAMES_OF_IO_MODULES: dict[str, frozenset[str]] = {
     "rayline.models.registry": frozenset({"ModelVersion", "CHAMPION"}),
     "rayline.storage": frozenset(),
     "rayline.models.mlflow_mirror": frozenset(),
-    "ray_workloads.mlflow_models": frozenset(),
+    "ray_workloads.registration.mlflow_models": frozenset(),
     "rayline.storage.leases": frozenset({"HeldLease"}),
     "rayline.lineage": frozenset({"code_version"}),
     "rayline.tables.prediction_reads": frozenset({"DEFAULT_RETENTION_HOURS", "check_retention"}),

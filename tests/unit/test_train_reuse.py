@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ray_workloads import train
-from ray_workloads.training_loop import TrainLoopConfig
+from ray_workloads.training import train
+from ray_workloads.training.loop import TrainLoopConfig
 from rayline import storage
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,7 @@ malformed reference fails at once with its own message (not transient).
 
 from __future__ import annotations
 
-from ray_workloads import mlflow_models
+from ray_workloads.registration import mlflow_models
 from rayline.models import registry
 from rayline.models.mlflow_mirror import MirrorReport
 from rayline.models.registry import ModelVersion
@@ -37,5 +37,5 @@ def alias_version_task(name: str, alias: str) -> int | None:
 @io_task("mirror-model-registry", timeout_s=DEFAULT_TIMEOUT_S)
 def reconcile_mirror_task(name: str) -> MirrorReport | None:
     """Complete MLflow's mirror of ``name`` (what an earlier run left unfinished); never raises
-    (``ray_workloads.mlflow_models``): None when tracking is off or the mirror failed."""
+    (``ray_workloads.registration.mlflow_models``): None when tracking is off or the mirror failed."""
     return mlflow_models.reconcile(name)

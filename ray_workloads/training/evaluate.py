@@ -14,10 +14,10 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
-from ray_workloads import preprocess
-from ray_workloads.model_interface import LoadedModel, load
-from ray_workloads.models import ModelSpec
-from ray_workloads.train import dataset_for_split
+from ray_workloads.architectures.build import ModelSpec
+from ray_workloads.data import preprocess
+from ray_workloads.execution.interface import LoadedModel, load
+from ray_workloads.training.train import dataset_for_split
 from rayline import storage
 from rayline.lineage import DatasetRef
 

@@ -1,7 +1,7 @@
 """Hyper-parameter search: Ray Tune with the ASHA scheduler.
 
 Each trial is a plain function trial running the same epoch loop as the
-Ray Train workers (``training_loop``) over the same preprocessed datasets
+Ray Train workers (``loop``) over the same preprocessed datasets
 (``train.dataset_for_split``): no second copy of data preparation, and no
 TorchTrainer start-up per trial. Trials checkpoint every epoch, so an
 interrupted search restores with ``Tuner.restore`` and finished trials are
@@ -27,10 +27,9 @@ from ray.air.integrations.mlflow import MLflowLoggerCallback
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from ray_workloads import preprocess
-from ray_workloads.models import ModelSpec, build_model
-from ray_workloads.train import SCORE, dataset_for_split, restore_state, save_state
-from ray_workloads.training_loop import (
+from ray_workloads.architectures.build import ModelSpec, build_model
+from ray_workloads.data import preprocess
+from ray_workloads.training.loop import (
     TrainLoopConfig,
     epoch_batches,
     inject_failure_if_due,
@@ -38,6 +37,7 @@ from ray_workloads.training_loop import (
     run_epoch,
     set_epoch_lr,
 )
+from ray_workloads.training.train import SCORE, dataset_for_split, restore_state, save_state
 from rayline import progress, storage
 from rayline.errors import RetriesExhausted
 from rayline.lineage import DatasetRef

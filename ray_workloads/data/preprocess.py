@@ -40,8 +40,8 @@ from pydantic import Field
 from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink, WriteResult
 
-from ray_workloads import ingest
-from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
+from ray_workloads.data import ingest
+from ray_workloads.data.images import ImageDecodeError, ImageSpec, decode_image
 from rayline import progress, ray_work, storage
 from rayline.errors import StorageError
 from rayline.lineage import DatasetRef

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from ray_workloads.data.images import ImageDecodeError, ImageSpec, decode_image
 from ray_workloads.execution.cache import plan_for, probe_set
 from ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanPolicy
-from ray_workloads.images import ImageDecodeError, ImageSpec, decode_image
-from ray_workloads.night_blocks import (
+from ray_workloads.nightly.blocks import (
     SPAN_COLUMNS,
     BlockReport,
     NightOutput,
@@ -42,7 +42,7 @@ from rayline.storage import fetching
 from rayline.tables.predictions_table import ERRORS_SCHEMA, PREDICTIONS_SCHEMA
 
 if TYPE_CHECKING:
-    from ray_workloads.model_interface import LoadedModel
+    from ray_workloads.execution.interface import LoadedModel
 
 
 def fetch_and_decode(uris: list[str], etags: list[str], spec: ImageSpec, concurrency: int) -> dict[str, np.ndarray]:
@@ -147,7 +147,7 @@ class PredictorUDF:
         if self.load_error is not None:
             raise self.load_error
         reports = []
-        for span in batch.select(list(SPAN_COLUMNS)).to_pylist():  # spans of blocks (night_blocks.cut_part)
+        for span in batch.select(list(SPAN_COLUMNS)).to_pylist():  # spans of blocks (blocks.cut_part)
             for block, uris, etags in self.part_rows.blocks(span):
                 # a block an earlier attempt of the same night wrote with these rows is reused, not predicted
                 reused = reused_report(self.output, block, uris, etags) if span["resuming"] else None
@@ -213,7 +213,9 @@ class PredictorUDF:
 
     def _predict_batch(self, rows: dict[str, np.ndarray], batch: np.ndarray) -> None:
         if self.model.plan is None:  # the version's samples and the night's first images: the plan's probe set
-            probe = probe_set(self.version, self.spec, rows["image"][batch[:PROBE_IMAGES]])
+            probe = rows["image"][batch[:PROBE_IMAGES]]
+            if self.plan_policy.mode != "off":  # off runs fp32 eager unmeasured: no samples to read
+                probe = probe_set(self.version, self.spec, probe)
             plan_for(self.model, self.version_uri, probe, self.plan_policy)
         started = time.perf_counter()
         probabilities = self.model.probabilities(rows["image"][batch])
@@ -264,7 +266,7 @@ def concat_rows(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 def _load_for_inference(model: ModelVersion, device: Any) -> LoadedModel:
-    from ray_workloads.model_interface import load_version
+    from ray_workloads.execution.interface import load_version
 
     return load_version(model, device=device, threads=torch_threads(_assigned_cpus()))
 
@@ -291,7 +293,7 @@ def write_block(
     constants: dict[str, Any],
     plan: dict[str, Any] | None = None,
 ) -> BlockReport:
-    """Write a block's predictions and errors, one file each, at the block's fixed names (night_blocks)."""
+    """Write a block's predictions and errors, one file each, at the block's fixed names (nightly.blocks)."""
     ok = rows["ok"]
     errors = _error_table(rows, ~ok)
     types = Counter(str(t) for t in errors.column("error_type").to_pylist())

@@ -42,7 +42,7 @@ same key, so it finds the blocks a killed attempt wrote: a block whose
 predictions file exists and whose report names the same URIs at the same
 ETags (the digests of both) is reused, not predicted again
 (:func:`reused_report`). Block files are never committed; the night's compacted
-files are (:mod:`ray_workloads.night_compaction`), and vacuum deletes block
+files are (:mod:`ray_workloads.nightly.compaction`), and vacuum deletes block
 files as files no version references, once past the retention.
 """
 
@@ -74,7 +74,7 @@ from rayline.tables.delta_tables import Night
 
 # Columns of the rows the predictor actors take (one row per span of blocks) and of the reports they return.
 SPAN_COLUMNS = ("part", "name", "start", "stop", "size", "resuming")
-# Blocks per span, at most: a span is what one actor call takes (night_blocks' docstring).
+# Blocks per span, at most: a span is what one actor call takes (this module's docstring).
 SPAN_BLOCKS = 16
 # Spans per actor a night has at least before its blocks are grouped: the pool's load stays balanced.
 SPANS_PER_ACTOR = 16

@@ -9,7 +9,7 @@ serve-rollout rolls it back (``serving.canary.reconcile``). The monitor reports 
 
 from __future__ import annotations
 
-from ray_workloads.monitor import ServingHealth
+from ray_workloads.monitoring.monitor import ServingHealth
 from rayline.models import registry
 from rayline.storage import leases
 

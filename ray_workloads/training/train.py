@@ -29,9 +29,9 @@ from pydantic import BaseModel, Field, ValidationError
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from ray_workloads import preprocess
-from ray_workloads.model_interface import runtime_env
-from ray_workloads.training_loop import (
+from ray_workloads.data import preprocess
+from ray_workloads.execution.interface import runtime_env
+from ray_workloads.training.loop import (
     TrainLoopConfig,
     epoch_batches,
     initial_model,

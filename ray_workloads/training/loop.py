@@ -16,7 +16,7 @@ import torch
 from pydantic import BaseModel, Field
 from torch import nn
 
-from ray_workloads.models import (
+from ray_workloads.architectures.build import (
     ModelSpec,
     build_model,
     fine_tune_model,

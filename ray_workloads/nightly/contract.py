@@ -1,5 +1,5 @@
 """What a night of batch inference is asked (:class:`InferenceConfig`) and answers (:class:`InferenceResult`,
-:class:`NightSkipped`): the typed contract between ``ray_workloads.batch_inference`` and its callers.
+:class:`NightSkipped`): the typed contract between ``ray_workloads.nightly.batch_inference`` and its callers.
 
 A result declares its lineage: it read the night's inputs and the model's
 weights, and wrote both tables at the versions holding its commit.

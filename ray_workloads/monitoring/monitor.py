@@ -29,8 +29,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, Field
 
-from ray_workloads import preprocess
-from ray_workloads.monitor_charts import distribution_png as distribution_png  # the monitor's chart
+from ray_workloads.data import preprocess
+from ray_workloads.monitoring.charts import distribution_png as distribution_png  # the monitor's chart
 from rayline.errors import InputDataError
 from rayline.models.registry import ModelVersion
 from rayline.storage.layout import PREDICTIONS_TABLE, parse_day, table_uri

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from ray_workloads import mlflow_models, register_model
-from ray_workloads.register_model import RegisterModelConfig, RegisterModelResult
+from ray_workloads.registration import mlflow_models, outside_models
+from ray_workloads.registration.outside_models import RegisterModelConfig, RegisterModelResult
 from rayline import events, lineage, ray_cluster
 from rayline.models import registry
 from tasks.common import emit, idempotency_key, ray_task, record_lineage, run_context
@@ -21,7 +21,7 @@ def register_outside_model(cfg: RegisterModelConfig) -> RegisterModelResult:
     """
     if cfg.factory is not None:
         ray_cluster.connect()
-    result = register_model.run(
+    result = outside_models.run(
         cfg.model_copy(update={"code_version": lineage.code_version(), "flow_run_id": run_context().flow_run_id})
     )
     version, move, source = result.version, result.alias_move, result.weights_source

@@ -12,17 +12,17 @@ list them part by part as the night goes, so the first blocks are predicted
 while the rest is still listed; the driver keeps per part only counts and
 digests. A Ray Data ``flat_map`` cuts the parts into spans of blocks of
 ``objects_per_task`` URIs
-(:mod:`ray_workloads.night_blocks`), and one ``map_batches`` stage runs
-:class:`~ray_workloads.inference_predictor.PredictorUDF` over them in an actor
+(:mod:`ray_workloads.nightly.blocks`), and one ``map_batches`` stage runs
+:class:`~ray_workloads.nightly.predictor.PredictorUDF` over them in an actor
 pool: an actor loads the model once, then for each block fetches, decodes,
 predicts and writes the block's predictions and errors at the block's fixed
 names, and returns a report of rows and an order-independent digest of the
 block's URIs. The driver sums the reports as they stream in
-(:class:`~ray_workloads.night_compaction.NightTotals`), checks that
+(:class:`~ray_workloads.nightly.compaction.NightTotals`), checks that
 predictions plus errors are the listing, each input once, by comparing counts
 and digests, and then Ray tasks compact the block files into files sized for
 readers, checked against the listing again
-(:mod:`ray_workloads.night_compaction`). Those are committed: one Delta
+(:mod:`ray_workloads.nightly.compaction`). Those are committed: one Delta
 commit per table that replaces the night's partition (``model_name``,
 ``dt``) with this run's files (:func:`rayline.tables.predictions_table.commit_night`),
 ``prediction_errors`` first, then ``predictions``. Until then the files are
@@ -30,7 +30,7 @@ invisible to every Delta reader, so a killed or failed run leaves nothing a
 reader sees; a rerun replaces the night in one commit and the previous
 version stays readable by version number until a vacuum. A rerun of a killed
 night with the same model over the same listing reuses the blocks it wrote
-and predicts only the others (:mod:`ray_workloads.night_blocks`).
+and predicts only the others (:mod:`ray_workloads.nightly.blocks`).
 
 The two commits: a reader of ``predictions`` alone sees the old night or the
 new one, never a mix. The predictions commit is the night's "done" marker;
@@ -49,7 +49,7 @@ retention that outlasts any run).
 
 Why Ray Data, and why one stage of whole blocks: Ray Data gives the actor
 pool, its scheduling, and the restart of a lost actor with the retry of its
-block (bounded: ``night_pipeline.ACTOR_RESTARTS``). The inputs are URIs and the outputs
+block (bounded: ``pipeline.ACTOR_RESTARTS``). The inputs are URIs and the outputs
 a few file names, so only those cross the object store, never images.
 Separate fetch, predict and write stages would stream the images through
 the object store and start processes per stage: slow to the first row, and
@@ -92,20 +92,20 @@ import uuid
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from ray_workloads.inference_contract import InferenceConfig as InferenceConfig  # callers import it from here
-from ray_workloads.inference_contract import InferenceResult as InferenceResult
-from ray_workloads.inference_contract import NightSkipped as NightSkipped
-from ray_workloads.inference_contract import block_size
-from ray_workloads.inference_predictor import PredictorUDF
-from ray_workloads.night_blocks import (
+from ray_workloads.nightly.blocks import (
     NightOutput,
     held_night,
     listing_staging_uri,
     night_key,
     remove_earlier_listings,
 )
-from ray_workloads.night_compaction import check_rows, compact_checked, remove_blocks
-from ray_workloads.night_pipeline import predict_and_write, run_constants, sum_reports
+from ray_workloads.nightly.compaction import check_rows, compact_checked, remove_blocks
+from ray_workloads.nightly.contract import InferenceConfig as InferenceConfig  # callers import it from here
+from ray_workloads.nightly.contract import InferenceResult as InferenceResult
+from ray_workloads.nightly.contract import NightSkipped as NightSkipped
+from ray_workloads.nightly.contract import block_size
+from ray_workloads.nightly.pipeline import predict_and_write, run_constants, sum_reports
+from ray_workloads.nightly.predictor import PredictorUDF
 from rayline import progress, ray_work, storage
 from rayline.errors import InputDataError, LeaseLost, NightCommittedElsewhere, StorageError
 from rayline.skipped import skipped_text
@@ -131,7 +131,7 @@ if TYPE_CHECKING:
 # that a predictor actor starts without waiting for these imports (bench/README.md):
 # torch for the model; ray.data, and ray.util.state that unpickling Ray Data's
 # context imports, for the actor pool's worker; the UDF's own module.
-WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "ray_workloads.inference_predictor")
+WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "ray_workloads.nightly.predictor")
 SCHEMAS = {"predictions": PREDICTIONS_SCHEMA, "errors": ERRORS_SCHEMA}
 
 
@@ -154,13 +154,13 @@ def objects_per_task(cfg: InferenceConfig, count: int) -> int:
 
 
 def blocks_key(cfg: InferenceConfig, listing: ListingStart) -> str:
-    """The key of the night's blocks: what decides their rows (night_blocks.night_key).
+    """The key of the night's blocks: what decides their rows (blocks.night_key).
 
     Not the listing's content hash: that is known only once the whole prefix
     is listed, and the first blocks are predicted before (``listing.groups``).
     Each block's report holds the digest of its inputs with their ETags, and a
     rerun reuses only blocks whose inputs are the same objects at the same
-    versions (``night_blocks.reused_report``).
+    versions (``blocks.reused_report``).
     """
     return night_key(
         {

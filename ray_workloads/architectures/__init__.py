@@ -1,0 +1,6 @@
+"""The models rayline runs: ``build`` (modules built by name and their weights loaded safely),
+``torchvision_families``, ``timm_models`` and ``factory_models`` (where each kind comes from),
+and ``model_files`` (TorchScript, ``.pt2`` and ONNX run as saved).
+
+Imports no other stage package.
+"""

@@ -1,0 +1,6 @@
+"""A night's batch inference: ``batch_inference.run`` is the stage; ``contract`` its typed config,
+result and outcomes; ``pipeline`` the Ray Data pipeline; ``blocks`` the blocks cut from the listing and
+written once each; ``predictor`` the actors' model call; ``compaction`` the files the tables commit.
+
+Imports ``data`` and ``execution``.
+"""
