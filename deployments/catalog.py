@@ -143,9 +143,10 @@ def deployment_table() -> list[DeploymentSpec]:
             flow=serve_rollout,
             triggers=[
                 _on(
-                    events.CHALLENGER_REGISTERED,
+                    events.ALIAS_MOVED,
                     "roll-out-new-challenger",
                     timedelta(0),
+                    match={"rayline.alias": "challenger"},
                     candidate="v{{ event.payload.version }}",
                     model_name="{{ event.payload.model }}",
                 )

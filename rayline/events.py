@@ -17,7 +17,8 @@ DRIFT_DETECTED = "rayline.drift.detected"
 HEALTH_DEGRADED = "rayline.serve.unhealthy"
 # the version with the most traffic is not the registry's champion, and no rollout holds the model's lease
 CHAMPION_NOT_SERVED = "rayline.serve.champion_mismatch"
-CHALLENGER_REGISTERED = "rayline.model.challenger"
+# an alias moved (champion or challenger), whoever moved it: labelled with the model and the alias
+ALIAS_MOVED = "rayline.model.alias_moved"
 ROLLED_BACK = "rayline.rollout.rolled_back"
 PROMOTED = "rayline.rollout.promoted"
 RETRAIN_LABEL = "rayline.retrain"

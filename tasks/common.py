@@ -25,9 +25,10 @@ from prefect.context import TaskRunContext
 from prefect.events import emit_event
 from prefect.runtime import flow_run, task_run
 
-from rayline import lineage, ray_cluster, ray_work
+from rayline import events, lineage, ray_cluster, ray_work
 from rayline.errors import is_transient
 from rayline.lineage import DatasetRef, DeclaresLineage, LineageRecord, RunContext, openlineage_events
+from rayline.models.aliases import AliasMove
 from rayline.ray_cluster import RayConnection
 from rayline.storage import leases
 
@@ -228,6 +229,28 @@ def emit(
     event_id = uuid.uuid5(uuid.NAMESPACE_URL, f"rayline:{event}:{idempotency_key}") if idempotency_key else None
     emit_event(
         event=event, resource={"prefect.resource.id": resource_id, **(labels or {})}, payload=payload, id=event_id
+    )
+
+
+def emit_alias_move(move: AliasMove) -> None:
+    """The one event of an alias move, whoever made it: the promotion gate, a registration or a rollout.
+
+    Its resource is the version the alias now names, labelled with the model
+    and the alias (``serve-rollout`` listens for ``challenger``); a retried
+    task emits the same move again as the same event.
+    """
+    emit(
+        events.ALIAS_MOVED,
+        events.model_resource(move.name, move.version),
+        payload={
+            "model": move.name,
+            "alias": move.alias,
+            "version": move.version,
+            "previous": move.previous,
+            "reason": move.reason,
+        },
+        labels={"rayline.model": move.name, "rayline.alias": move.alias},
+        idempotency_key=f"{move.name}:{move.alias}:v{move.version}:from:{move.previous}:{move.moved_at.isoformat()}",
     )
 
 

@@ -7,9 +7,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from ray_workloads.registration import mlflow_models, outside_models
 from ray_workloads.registration.outside_models import RegisterModelConfig, RegisterModelResult
-from rayline import events, lineage, ray_cluster
-from rayline.models import registry
-from tasks.common import emit, idempotency_key, ray_task, record_lineage, run_context
+from rayline import lineage, ray_cluster
+from tasks.common import emit_alias_move, ray_task, record_lineage, run_context
 
 
 @ray_task("register-model", timeout_s=900, connects=False)
@@ -25,14 +24,8 @@ def register_outside_model(cfg: RegisterModelConfig) -> RegisterModelResult:
         cfg.model_copy(update={"code_version": lineage.code_version(), "flow_run_id": run_context().flow_run_id})
     )
     version, move, source = result.version, result.alias_move, result.weights_source
-    if move is not None and move.alias == registry.CHALLENGER:  # serving canaries it: serve-rollout listens
-        emit(
-            events.CHALLENGER_REGISTERED,
-            events.model_resource(version.name, version.version),
-            payload={"model": version.name, "version": version.version, "reason": move.reason},
-            labels={"rayline.model": version.name},
-            idempotency_key=idempotency_key(version.uri),  # a retried task: the same event, kept once
-        )
+    if move is not None:  # a challenger is canaried: serve-rollout listens
+        emit_alias_move(move)
     mlflow_models.reconcile(version.name)  # best effort: logged on failure, completed by the next call
     what = "already registered as" if result.reused else "registered as"
     get_run_logger().info("%s %s %s v%d", source.uri, what, version.name, version.version)

@@ -10,10 +10,10 @@ from ray_workloads.architectures.build import ModelSpec
 from ray_workloads.registration import mlflow_models
 from ray_workloads.training import evaluate, promotion
 from ray_workloads.training.train import TrainResult
-from rayline import events, lineage
+from rayline import lineage
 from rayline.models import registry
 from rayline.specs import ParentModel
-from tasks.common import emit, idempotency_key, ray_task, record_lineage, run_context
+from tasks.common import emit_alias_move, idempotency_key, ray_task, record_lineage, run_context
 
 
 class RegistrationResult(BaseModel):
@@ -59,14 +59,8 @@ def register_and_gate(
         )
     )
     version, decision, alias = gated.version, gated.decision, gated.alias
-    if alias == registry.CHALLENGER:  # serving canaries it: the serve-rollout deployment listens
-        emit(
-            events.CHALLENGER_REGISTERED,
-            events.model_resource(name, version.version),
-            payload={"model": name, "version": version.version, "reason": decision.reason},
-            labels={"rayline.model": name},
-            idempotency_key=key,
-        )
+    for move in gated.moves:  # a challenger is canaried: the serve-rollout deployment listens
+        emit_alias_move(move)
     get_run_logger().info("registered %s v%d; gate: %s", name, version.version, decision.reason)
     mlflow_models.reconcile(name)  # best effort: a failure is logged, and the next registration catches up
     create_markdown_artifact(

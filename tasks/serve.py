@@ -14,7 +14,7 @@ from ray_workloads.serving.config import ServeConfig
 from rayline import events
 from rayline.models import registry
 from rayline.storage.fencing import Fence
-from tasks.common import emit, idempotency_key, ray_task, record_lineage
+from tasks.common import emit, emit_alias_move, idempotency_key, ray_task, record_lineage
 
 
 @ray_task("serve-prepare-rollout", timeout_s=900)
@@ -128,4 +128,5 @@ def promote_task(
     mlflow_models.reconcile(cand.name)  # best effort: logged on failure, completed by the next call
     get_run_logger().info("v%d is champion; v%d retired from serving", cand.version, prepared.incumbent.version)
     _finish(promotion, events.PROMOTED)
+    emit_alias_move(promotion.alias_move)
     return promotion.alias_move

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
+import httpx
 import numpy as np
 import pyarrow as pa
 from prefect import Task, flow
@@ -388,3 +389,25 @@ class PlantExtraRow(_PlantingPredictor):
             }
         )
         storage.write_parquet_atomic(errors, pa.concat_tables([table, extra.cast(table.schema)]))
+
+
+def stored_events(api: str, event: str, resource_id: str) -> list[dict[str, Any]]:
+    """The events named ``event`` about ``resource_id`` that the Prefect API at ``api`` stored."""
+    with httpx.Client(base_url=api) as client:
+        answer = client.post(
+            "/events/filter", json={"filter": {"event": {"name": [event]}, "resource": {"id": [resource_id]}}}
+        )
+        answer.raise_for_status()
+        return list(answer.json()["events"])
+
+
+def one_stored_event(api: str, event: str, resource_id: str) -> dict[str, Any]:
+    """The event reached the server once (a retry's second emission, with the same id, was not kept): it."""
+    deadline = time.monotonic() + 20
+    while not stored_events(api, event, resource_id):
+        assert time.monotonic() < deadline, f"{event} for {resource_id} never reached the server"
+        time.sleep(0.5)
+    time.sleep(1.0)  # a second copy, had there been one, was sent right after the first
+    stored = stored_events(api, event, resource_id)
+    assert len(stored) == 1, stored
+    return stored[0]

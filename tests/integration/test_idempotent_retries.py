@@ -10,13 +10,11 @@ the version before, not from itself), one event and one lineage record.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 from uuid import UUID
 
-import httpx
 import numpy as np
 import pytest
 from prefect import flow
@@ -45,7 +43,7 @@ from tasks.batch_inference import batch_inference_task
 from tasks.ingest import ingest_objects
 from tasks.preprocess import preprocess_images
 from tasks.register import RegistrationResult, register_and_gate
-from tests.integration.helpers import register_untrained_champion, run_task_once
+from tests.integration.helpers import one_stored_event, register_untrained_champion, run_task_once
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 
@@ -133,26 +131,6 @@ async def _run_count(task_run_id: UUID) -> int:
         return (await client.read_task_run(task_run_id)).run_count
 
 
-def _stored_events(api: str, event: str, resource_id: str) -> list[dict[str, Any]]:
-    with httpx.Client(base_url=api) as client:
-        answer = client.post(
-            "/events/filter", json={"filter": {"event": {"name": [event]}, "resource": {"id": [resource_id]}}}
-        )
-        answer.raise_for_status()
-        return list(answer.json()["events"])
-
-
-def _one_stored_event(api: str, event: str, resource_id: str) -> None:
-    """The event reached the server once: a retry's second emission (same id) was not kept."""
-    deadline = time.monotonic() + 20
-    while not _stored_events(api, event, resource_id):
-        assert time.monotonic() < deadline, f"{event} for {resource_id} never reached the server"
-        time.sleep(0.5)
-    time.sleep(1.0)  # a second copy, had there been one, was sent right after the first
-    stored = _stored_events(api, event, resource_id)
-    assert len(stored) == 1, stored
-
-
 def _champion(name: str, prepared: PreprocessResult) -> registry.ModelVersion:
     spec = ModelSpec(num_classes=len(prepared.classes), width=8)
     champion = registry.register(
@@ -172,7 +150,7 @@ def _champion(name: str, prepared: PreprocessResult) -> registry.ModelVersion:
 SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
     "version-registered": (registry, "register"),
     "alias-moved": (registry, "set_alias"),
-    "event-emitted": (tasks.register, "emit"),
+    "event-emitted": (tasks.register, "emit_alias_move"),
     "lineage-written": (tasks.register, "record_lineage"),
 }
 
@@ -195,7 +173,7 @@ def test_register_and_gate_retried_after_a_side_effect_leaves_one_of_each(
     assert move is not None and move.version == result.version.version and move.previous is None
     records = [r for r in lineage.read_records("registry") if r.outputs[0].uri == result.version.uri]
     assert len(records) == 1, records
-    _one_stored_event(prefect_api, events.CHALLENGER_REGISTERED, events.model_resource(name, result.version.version))
+    one_stored_event(prefect_api, events.ALIAS_MOVED, events.model_resource(name, result.version.version))
 
 
 INGEST_SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
@@ -227,7 +205,7 @@ def test_ingest_retried_after_a_side_effect_announces_the_arrival_once(
     assert result.object_count == 40
     records = [r for r in lineage.read_records("ingest") if r.inputs[0].uri == result.source_uri]
     assert len(records) == 1, records
-    _one_stored_event(prefect_api, events.DATA_ARRIVED, f"rayline.data.{result.source_uri}")
+    one_stored_event(prefect_api, events.DATA_ARRIVED, f"rayline.data.{result.source_uri}")
 
 
 def test_a_retried_ingest_that_finds_an_older_runs_dataset_announces_nothing(

@@ -17,9 +17,10 @@ import torch
 import torchvision
 from typer.testing import CliRunner
 
-from rayline import storage
+from rayline import events, storage
 from rayline.cli import app
 from rayline.models import registry
+from tests.integration.helpers import one_stored_event
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +54,10 @@ def test_register_a_resnet_from_a_file_then_again(tmp_path: Path, local_storage:
     assert version.image_spec.draft  # reduced-scale JPEG decoding unless --full-decode
     stored = torch.load(io.BytesIO(storage.read_bytes(version.weights_uri)), weights_only=True)
     assert set(stored) == set(torchvision.models.resnet18().state_dict())
+    moved = one_stored_event(prefect_api, events.ALIAS_MOVED, events.model_resource("photos", 1))
+    assert moved["payload"] == {
+        "model": "photos", "alias": "champion", "version": 1, "previous": None, "reason": f"registered from {weights}"
+    }  # fmt: skip
 
     # the same file again (a retried or repeated command) is the same version, not a second one
     code, out = _register("--name", "photos", "--arch", "resnet18", "--weights", str(weights))

@@ -41,7 +41,7 @@ from rayline.ray_cluster import NAMESPACE
 from rayline.seed import digit_objects
 from rayline.storage import leases
 from tasks.monitoring import serving_health_task
-from tests.integration.helpers import ClientThreads, register_untrained
+from tests.integration.helpers import ClientThreads, one_stored_event, register_untrained
 from tests.support import REPO_ROOT, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
@@ -115,7 +115,7 @@ def _probe_image() -> bytes:
     return next(iter(digit_objects(32)))[1]
 
 
-def test_rollout_under_load_promotes_with_no_failed_request(champion_serving: str) -> None:
+def test_rollout_under_load_promotes_with_no_failed_request(champion_serving: str, prefect_api: str) -> None:
     incumbent = registry.resolve("digits", registry.CHAMPION)
     twin = _register(seed=0)  # same weights: agrees with the champion everywhere
     registry.set_alias("digits", registry.CHALLENGER, twin.version, "test")
@@ -133,6 +133,9 @@ def test_rollout_under_load_promotes_with_no_failed_request(champion_serving: st
     assert serve_control.live_versions(cfg) == [twin.version], "the old version's deployment is retired"
     (record,) = [r for r in lineage.read_records("serve_rollout") if r.outputs[0].uri == twin.uri]
     assert record.outputs[0].facets["outcome"] == "promoted"
+    moved = one_stored_event(prefect_api, events.ALIAS_MOVED, events.model_resource("digits", twin.version))
+    assert moved["payload"]["alias"] == "champion" and moved["payload"]["previous"] == incumbent.version
+    assert moved["resource"]["rayline.alias"] == "champion"
 
 
 def test_a_broken_challenger_is_rolled_back_at_the_first_step(champion_serving: str) -> None:

@@ -51,7 +51,8 @@ def test_retraining_and_rollout_are_event_triggered() -> None:
         assert trigger.posture.value == "Reactive" and trigger.threshold == 1 and trigger.within == RETRAIN_DEBOUNCE
 
     (rollout,) = built["serve-rollout"].triggers
-    assert rollout.expect == {events.CHALLENGER_REGISTERED}
+    assert rollout.expect == {events.ALIAS_MOVED}
+    assert rollout.match.model_dump() == {"rayline.alias": "challenger"}, "only a challenger is canaried"
     assert rollout.parameters == {
         "candidate": "v{{ event.payload.version }}",
         "model_name": "{{ event.payload.model }}",
