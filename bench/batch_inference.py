@@ -1,6 +1,6 @@
 """Batch inference throughput: nightly_inference's workload vs a plain single-process PyTorch loop.
 
-What is compared (issue 4, point 7):
+What is compared:
 
 * **rayline**: ``ray_workloads.nightly.batch_inference.run``, the workload of the
   ``nightly-inference`` flow, on an embedded Ray cluster started the way its

@@ -138,7 +138,7 @@ def child_main(spec: dict[str, Any]) -> None:
     )
     result = batch_inference.run(cfg)
     # the night's own peak, before the bench reads the whole night back into this process (that read holds
-    # every row: ~280 MB at 1 M, which an earlier version of this bench counted as the driver's)
+    # every row: ~280 MB at 1 M, which is the bench's, not the driver's)
     night_peak_mb = _high_water_mb()
     began = time.perf_counter()
     table = DeltaTable(result.predictions_table, storage_options=storage_options(result.predictions_table))

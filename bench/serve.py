@@ -83,7 +83,7 @@ SATURATION_S = 20.0
 SATURATION_ROUNDS = 2
 TARGET_OVERHEAD = 0.15
 TARGET_P99_MS = 50.0
-TARGET_SATURATION_RPS = 138.0  # what the router answered at saturation on 2026-11-30 (issue 21)
+TARGET_SATURATION_RPS = 138.0  # what the router answered at saturation on 2026-11-30
 TARGET_SATURATION_P99_MS = 100.0
 
 

@@ -9,7 +9,7 @@ from prefect.artifacts import create_table_artifact
 
 from ray_workloads.registration import mlflow_models
 from ray_workloads.serving import canary, rollout
-from ray_workloads.serving.canary import PreparedRollout as PreparedRollout  # where flows have always found it
+from ray_workloads.serving.canary import PreparedRollout as PreparedRollout  # the type flows pass between tasks
 from ray_workloads.serving.config import ServeConfig
 from rayline import events
 from rayline.models import registry

@@ -1,4 +1,4 @@
-"""The compute-bound case of the batch-inference bench (issue 11, point 6): ResNet on real-photo JPEGs.
+"""The compute-bound case of the batch-inference bench: ResNet on real-photo JPEGs.
 
 * **model**: torchvision's ResNet-18 (``--arch resnet50`` as an option) with
   random weights, saved as a state dict and registered as an outside model is:

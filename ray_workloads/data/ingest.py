@@ -56,7 +56,7 @@ from rayline.storage.listing import (
     list_to_parts,
 )
 from rayline.storage.listing import content_hash as listing_hash
-from rayline.storage.manifests import MANIFEST as MANIFEST  # where tests and callers have always found it
+from rayline.storage.manifests import MANIFEST as MANIFEST  # the ingest folder's manifest, named with the stage
 from rayline.storage.manifests import IngestManifest, ShardInfo
 
 SHARD_SCHEMA = pa.schema(

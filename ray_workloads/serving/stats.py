@@ -13,7 +13,7 @@ Routers hand over one :data:`Sample` per answered prediction. Two views are read
 
 No sample is kept. The control actor answers every router's sync one call at a time, so a
 stats read must cost the same however much traffic a version had (a read scanning every
-sample kept delayed the syncs of every router behind it: issue 21). Per version the book
+sample kept would delay the syncs of every router behind it). Per version the book
 keeps a :class:`Tally` (counts, and a histogram of successful answers' latencies with the sum
 of the latencies in each bin) since the model's last reset, and a snapshot of that running tally
 at the start of every ``BUCKET_S`` window that saw an answer, for the last ``WINDOW_S``. The
@@ -140,8 +140,7 @@ class StatsBook:
         ts = np.fromiter((r[2] for r in rows), np.float64, n)
         latency = np.fromiter((r[3] for r in rows), np.float64, n)
         outcome = np.fromiter((r[4] for r in rows), np.int64, n)
-        # a sample without the flag comes from a router of an older release: counted as before
-        routed = np.fromiter((bool(r[5]) if len(r) > 5 else True for r in rows), np.bool_, n)
+        routed = np.fromiter((bool(r[5]) for r in rows), np.bool_, n)
         gate = routed & (outcome != REJECTED)  # evidence for the rollout gate (the module docstring)
         refused_before = np.array([self._since.get(model, self._started) for model, _ in keys])
         kept = ts >= refused_before[key]  # samples from before their model's last reset are refused

@@ -2,7 +2,7 @@
 
 A child process opens the CLI's quiet terminal, starts a Ray cluster of its own and creates a restartable
 actor whose constructor argument is in the object store: the driver's core worker (C++) warns about it,
-as it does for every Ray Data actor pool (issue 21, point 14). The warning must land in the command's log
+as it does for every Ray Data actor pool. The warning must land in the command's log
 file, while what rayline and Python print to stderr still reaches the terminal.
 """
 

@@ -1,4 +1,4 @@
-"""Nights at scale, on a small night (issue 20): a night killed at 60 % resumes with only its
+"""Nights at scale, on a small night: a night killed at 60 % resumes with only its
 unfinished blocks, a night whose cutters list the sub-prefixes the driver left, a result that stays
 small however many parts and blocks, written files that no longer match the listing refused, and a block an
 earlier attempt left past a shorter listing not read.

@@ -1,4 +1,4 @@
-"""The predictions tables as outside readers and concurrent writers see them (issue 12).
+"""The predictions tables as outside readers and concurrent writers see them.
 
 Real nights from ``batch_inference.run`` on the session's Ray cluster (a few
 dozen digits and broken images, one actor), read back the way people outside

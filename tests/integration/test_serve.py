@@ -309,8 +309,8 @@ def test_control_actor_killed_routing_goes_on_and_weights_survive(serving: Servi
 
 
 def test_a_paused_router_holds_set_weights_and_a_gone_one_does_not(serving: Serving) -> None:
-    """Issue 21, point 5: the routers a table change waits for are the router replicas Serve runs. One
-    frozen (SIGSTOP) for longer than the routers used to be counted after falling silent (5 s) still routes
+    """The routers a table change waits for are the router replicas Serve runs. One frozen (SIGSTOP)
+    for longer than 5 s (a silence that counting routers by their syncs would take for gone) still routes
     by the old table as soon as it resumes: set_weights waits for it and fails naming it. Killed, Serve
     drops it from its replicas, and set_weights no longer waits for it."""
     cfg = serving.cfg
@@ -339,8 +339,8 @@ def test_a_paused_router_holds_set_weights_and_a_gone_one_does_not(serving: Serv
 
 
 def test_a_stats_loop_does_not_starve_the_router_syncs_of_a_rollout_step(serving: Serving) -> None:
-    """Issue 21, point 4: clients looping on ``GET /stats?since=0`` over a full book (200,000 answers for
-    each of 4 versions, the most the control actor used to keep) while a rollout step moves the weights.
+    """Clients looping on ``GET /stats?since=0`` over a full book (200,000 answers for each of 4
+    versions) while a rollout step moves the weights.
     The step returns about as fast as without them (its routers' syncs with the control actor stay on
     time), and the loop is answered 429 with Retry-After past its rate, the same shape as ever below it."""
     cfg = serving.cfg

@@ -130,7 +130,7 @@ def test_two_models_answer_on_their_own_routes_and_predict_goes_to_the_default(s
 
 
 MIB = 1024 * 1024
-STALL_BUDGET_MS = 50.0  # what a bad body may add to other requests' p99 (issue 13)
+STALL_BUDGET_MS = 50.0  # what a bad body may add to other requests' p99
 
 
 def _many_parts(size: int) -> bytes:

@@ -1,4 +1,4 @@
-"""What each stage's result declares for its lineage record: the refs its task used to build by hand.
+"""What each stage's result declares for its lineage record, which its task turns into refs.
 
 Each expected ref is written out as the task wrote it before results declared
 their own (same URIs, content hashes and facets), so lineage records and

@@ -159,7 +159,7 @@ def test_pinned_requests_and_4xx_do_not_count_toward_the_gate() -> None:
 
 def test_stats_answer_from_windows_whatever_the_samples_kept() -> None:
     """``GET /stats?since=0`` on a full book must not scan it: the control actor that answers is the
-    one every router syncs with (issue 21, point 4)."""
+    one every router syncs with."""
     book = StatsBook(started=0.0)
     book.record(("m", v, 1000.0 + i * 1e-3, 5.0 + i % 50, OK, True) for v in (1, 2) for i in range(100_000))
     for since in (None, 0.0, 1050.0):

@@ -327,7 +327,7 @@ def test_flows_import_another_flow_only_as_a_subflow_they_call() -> None:
 # The modules below the tasks that read or write storage, the registry, MLflow, leases, Delta tables or
 # Ray Serve, each with the names a flow may still take from it: types and constants, a check of a
 # parameter, the code version (no I/O). Flows reach the rest only through tasks, where the retry
-# policy is (issue 15); a flow that needs another pure name adds it here.
+# policy is; a flow that needs another pure name adds it here.
 FLOW_SAFE_NAMES_OF_IO_MODULES: dict[str, frozenset[str]] = {
     "rayline.models.registry": frozenset({"ModelVersion", "CHAMPION"}),
     "rayline.storage": frozenset(),
