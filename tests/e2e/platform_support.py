@@ -94,7 +94,7 @@ def platform_env(root: Path) -> dict[str, str]:
 def running_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """`rayline up` (API basic auth on) on free loopback ports in a fresh storage root; `down` after, by PID.
 
-    Yields the environment a user exports to work against it (README: "The operated system").
+    Yields the environment a user exports to work against it (docs/operations.md).
     """
     root = tmp_path_factory.mktemp("platform") / "data"
     env = platform_env(root)

@@ -63,7 +63,8 @@ def test_a_burst_of_labelled_arrivals_starts_exactly_one_retraining(platform: di
 
 
 def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
-    """`rayline demo` against `up` (README): the whole lifecycle on its cluster, recorded by its Prefect server."""
+    """`rayline demo` against `up` (docs/operations.md): the whole lifecycle on its cluster, recorded by its
+    Prefect server."""
     done = run_rayline(["demo"], platform, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
@@ -115,7 +116,8 @@ def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
 
 
 def test_ray_metrics_port_exports_serves_own_metrics(platform: dict[str, str]) -> None:
-    """Prometheus' stable target (README): Ray's fixed metrics port carries Serve's per-deployment series."""
+    """Prometheus' stable target (docs/monitoring.md): Ray's fixed metrics port carries Serve's
+    per-deployment series."""
     url = f"http://127.0.0.1:{platform['RAYLINE_RAY_METRICS_PORT']}/metrics"
     serve_port = platform["RAYLINE_SERVE_PORT"]
     deadline = time.monotonic() + 120  # Ray's agents export every few seconds; Serve's series appear after traffic
