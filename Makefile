@@ -1,9 +1,10 @@
 # The two commands a newcomer types: `make demo` and `make test`.
 # Both create .venv and install on first use; later runs skip the install
-# unless pyproject.toml or constraints.txt changed. The demo installs only
-# what it runs; the test targets add the `dev` extras (pytest, moto, ruff,
-# mypy, playwright) on top. `make check` is the inner loop: lint, types and
-# the unit tier only (no Ray, no S3 server, no Prefect API).
+# unless pyproject.toml or constraints.txt changed. The demo installs the
+# core and the `train` extra; the test targets add the `dev` extras (every
+# other extra, the emulators, pytest, moto, ruff, mypy, playwright) on top.
+# `make check` is the inner loop: lint, types and the unit tier only (no Ray,
+# no S3 server, no Prefect API).
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -16,7 +17,7 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) -e .
+	$(PIP) -e '.[train]'
 	@touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)

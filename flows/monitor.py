@@ -142,8 +142,9 @@ def monitor(
     # last: upkeep, which must not hold back the checks' events
     result.files_vacuumed, vacuum_error = _vacuum(root, vacuum_retention_hours)
     markdown = _markdown(result, vacuum_error)
-    if drifts:
-        markdown += "\n" + png_markdown(f"Predicted classes vs {drifts[0].reference}", mon.distribution_png(drifts[0]))
+    chart = mon.distribution_png(drifts[0]) if drifts else None
+    if chart is not None:
+        markdown += "\n" + png_markdown(f"Predicted classes vs {drifts[0].reference}", chart)
     create_markdown_artifact(key="monitor", markdown=markdown)
     if vacuum_error is not None:
         raise vacuum_error

@@ -20,11 +20,13 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 from rayline import storage
+from rayline.errors import ConfigError
 
 CORRUPT_KINDS = ("zero-bytes", "truncated-png", "text-as-png", "binary-as-png")
 PHOTO_CORRUPT_KINDS = ("zero-bytes", "truncated-jpeg", "text-as-jpeg")
@@ -65,7 +67,7 @@ def png_bytes(pixels: np.ndarray) -> bytes:
 
 def digit_objects(size: int) -> Iterator[tuple[str, bytes]]:
     """The scikit-learn digits, upscaled to ``size`` and stored as RGB PNGs."""
-    from sklearn.datasets import load_digits
+    load_digits = _sklearn_dataset("load_digits")
 
     digits = load_digits()
     for index, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
@@ -110,7 +112,7 @@ def jpeg_bytes(img: Image.Image, quality: int = 90, exif: Image.Exif | None = No
 
 def source_photos() -> list[Image.Image]:
     """scikit-learn's two real 640×427 photos (china, flower) as RGB images."""
-    from sklearn.datasets import load_sample_images
+    load_sample_images = _sklearn_dataset("load_sample_images")
 
     return [Image.fromarray(photo) for photo in load_sample_images().images]
 
@@ -291,3 +293,14 @@ def _write_many(target: str, objects: dict[str, bytes]) -> None:
         for parent in {p.rsplit("/", 1)[0] for p in paths}:
             fs.makedirs(parent, exist_ok=True)
     fs.pipe(paths)  # concurrent PUTs on a cloud store
+
+
+def _sklearn_dataset(name: str) -> Any:
+    """One of scikit-learn's bundled datasets (offline), or ``ConfigError`` naming the extra that brings it."""
+    try:
+        from sklearn import datasets
+    except ImportError as exc:
+        raise ConfigError(
+            "the demo's data (scikit-learn's digits and sample photos) needs scikit-learn: pip install 'rayline[train]'"
+        ) from exc
+    return getattr(datasets, name)

@@ -34,7 +34,7 @@ import numpy as np
 from ray_workloads.data.images import decode_image
 from ray_workloads.execution.plan import PROBE_IMAGES, PlanChoice, PlanPolicy
 from rayline import storage
-from rayline.errors import StorageError
+from rayline.errors import ConfigError, StorageError
 from rayline.hardware import Hardware, detect
 from rayline.models.registry import ModelVersion, read_samples
 from rayline.specs import ImageSpec
@@ -219,23 +219,37 @@ def _store_converted(model: LoadedModel, version_uri: str, key: str, choice: Pla
     return replace(choice, artifact=artifact)
 
 
-def probe_set(version: ModelVersion, image_spec: ImageSpec, first_images: np.ndarray | None = None) -> np.ndarray:
+def probe_set(
+    version: ModelVersion, image_spec: ImageSpec, first_images: np.ndarray | None = None
+) -> np.ndarray | None:
     """The images a plan of ``version`` is judged on: its own sample images, and a night's first images.
 
     A version with neither (an outside model registered without ``--samples``,
     on a serving replica) is judged on views of scikit-learn's two sample
     photos instead, and the log says so: real photos, unlike a blank or random
     probe, whose logits sit near a tie and say little about a plan's answers.
+    None when there are no images at all (no samples, and scikit-learn, whose
+    photos these are, not installed): the caller runs fp32 eager.
     """
     parts = [p for p in (_version_samples(version), first_images) if p is not None and len(p)]
     if parts:
         return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
+    try:
+        stand_ins = _stand_in_photos(image_spec, PROBE_IMAGES)
+    except ConfigError:  # scikit-learn, whose photos they are, is not installed
+        logger.warning(
+            "%s v%d has no sample images (register-model --samples) and scikit-learn is not installed for "
+            "stand-ins: it runs fp32 eager",
+            version.name,
+            version.version,
+        )
+        return None
     logger.warning(
         "%s v%d has no sample images (register-model --samples): its plan is judged on stand-in photos",
         version.name,
         version.version,
     )
-    return _stand_in_photos(image_spec, PROBE_IMAGES)
+    return stand_ins
 
 
 def _version_samples(version: ModelVersion) -> np.ndarray | None:

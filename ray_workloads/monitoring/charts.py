@@ -13,11 +13,15 @@ if TYPE_CHECKING:
 _CHART_CLASSES = 20
 
 
-def distribution_png(drift: PartitionDrift) -> bytes:
-    """Predicted-class shares of a partition next to the reference shares (the most common classes)."""
+def distribution_png(drift: PartitionDrift) -> bytes | None:
+    """Predicted-class shares of a partition next to the reference shares (the most common classes); None
+    without matplotlib (the ``rayline[train]`` extra): the monitor's artifact is then its table alone."""
     import io
 
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -215,7 +215,8 @@ class PredictorUDF:
         if self.model.plan is None:  # the version's samples and the night's first images: the plan's probe set
             probe = rows["image"][batch[:PROBE_IMAGES]]
             if self.plan_policy.mode != "off":  # off runs fp32 eager unmeasured: no samples to read
-                probe = probe_set(self.version, self.spec, probe)
+                judged_on = probe_set(self.version, self.spec, probe)  # never None: the night's images are in it
+                probe = probe if judged_on is None else judged_on
             plan_for(self.model, self.version_uri, probe, self.plan_policy)
         started = time.perf_counter()
         probabilities = self.model.probabilities(rows["image"][batch])

@@ -49,8 +49,11 @@ class ModelServer:
         self.top_k = min(top_k, len(self.model.classes))
         # the version's plan on this machine: the one a night cached, else measured here on its sample images
         policy = PlanPolicy.model_validate(plan or {})
-        self.plan = plan_for(self.net, model.uri, probe_set(model, self.image_spec), policy).plan.name
         self._probe = np.zeros((1, 3, spec.size, spec.size), dtype=np.float32)
+        probe = probe_set(model, self.image_spec)
+        if probe is None:  # nothing to judge a faster plan on: the reference
+            policy, probe = policy.model_copy(update={"mode": "off"}), self._probe
+        self.plan = plan_for(self.net, model.uri, probe, policy).plan.name
         self._last_forward = 0.0
 
     async def reconfigure(self, config: dict[str, Any]) -> None:

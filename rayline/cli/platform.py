@@ -26,6 +26,7 @@ nothing else.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import socket
@@ -348,9 +349,22 @@ def _local_dir(root: str) -> str:
     return str(path)
 
 
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def _start_mlflow(settings: Settings, state: Path, started: Started, timeout_s: float) -> tuple[str, Readiness | None]:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return "external", None  # the user's own tracking server: flow runs log there
+    if not _installed("mlflow"):  # the full distribution: mlflow-skinny (the [mlflow] extra) has no server
+        raise ConfigError(
+            "rayline up starts an MLflow server, which is not installed: pip install 'rayline[platform]', "
+            "or set MLFLOW_TRACKING_URI to a tracking server of your own"
+        )
     (state / "mlflow").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     # MLflow's job runner (GenAI jobs) is not used here; without it the server starts and stops faster

@@ -13,6 +13,7 @@ Tune trials are logged by Ray's own ``MLflowLoggerCallback`` (``ray_workloads.tr
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import tempfile
@@ -22,6 +23,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rayline.errors import ConfigError
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -36,8 +39,18 @@ _HEALTH_TIMEOUT_S = 3.0
 
 
 def tracking_uri() -> str | None:
-    """The MLflow tracking server, or None when tracking is off."""
-    return os.environ.get(TRACKING_URI_ENV, "").strip() or None
+    """The MLflow tracking server, or None when tracking is off; ``ConfigError`` when it is set but MLflow's
+    client (the ``rayline[mlflow]`` extra) is not installed."""
+    uri = os.environ.get(TRACKING_URI_ENV, "").strip() or None
+    if uri is not None:
+        try:
+            importlib.import_module("mlflow")  # what every caller of a set URI imports next
+        except ImportError as exc:
+            raise ConfigError(
+                f"{TRACKING_URI_ENV} is {uri}, but MLflow is not installed: pip install 'rayline[mlflow]', "
+                f"or unset {TRACKING_URI_ENV} to run without tracking"
+            ) from exc
+    return uri
 
 
 def reachable(uri: str) -> bool:
