@@ -2,13 +2,82 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
-from enum import StrEnum
-from typing import NoReturn
+import os
+import sys
+from enum import IntEnum, StrEnum
+from typing import Annotated, Any, NoReturn, TextIO
 
 import typer
+from pydantic import BaseModel
 
-from rayline.errors import ConfigError
+from rayline.errors import (
+    AliasConflict,
+    ConfigError,
+    InputDataError,
+    LeaseBusy,
+    NightCommittedElsewhere,
+    PlatformBusy,
+    TransientError,
+)
+
+
+class ExitCode(IntEnum):
+    """What a script or scheduler running ``rayline`` learns from its exit status (docs/cli.md)."""
+
+    OK = 0
+    FAILED = 1  # the work failed: a stage's error, a rollout rolled back, a night that failed
+    USAGE = 2  # the command line itself (click's own code)
+    REFUSED = 3  # bad input or configuration, refused before or while reading it: fix it, then run again
+    BUSY = 4  # another run holds what this one needs (a lease, an alias, the platform): run again later
+    TRANSIENT = 5  # storage or the cluster stayed unavailable through every retry: run again later
+
+
+# --json: the result, dumped, is the whole of stdout; everything else the command prints goes to stderr
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print the result as JSON (for another program), not the summary.")
+]
+_json_stdout: TextIO | None = None
+
+
+def reserve_stdout_for_json() -> None:
+    """Send everything written to stdout (Ray's and Prefect's lines, native code's too) to stderr, and keep
+    the real stdout for the JSON document. A captured stdout (no file descriptor) is left alone."""
+    global _json_stdout
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    sys.stdout.flush()
+    _json_stdout = os.fdopen(os.dup(descriptor), "w")
+    os.dup2(sys.stderr.fileno(), descriptor)
+
+
+def echo_json(result: Any) -> None:
+    """``result`` (a pydantic model, a dataclass or plain data) as JSON on stdout."""
+    if isinstance(result, BaseModel):
+        text = result.model_dump_json(indent=2)
+    else:
+        plain = (
+            dataclasses.asdict(result) if dataclasses.is_dataclass(result) and not isinstance(result, type) else result
+        )
+        text = json.dumps(plain, indent=2, default=str)
+    out = _json_stdout or sys.stdout
+    out.write(text + "\n")
+    out.flush()
+
+
+def exit_code(exc: BaseException) -> ExitCode:
+    if isinstance(exc, ConfigError | InputDataError):
+        return ExitCode.REFUSED
+    if isinstance(exc, LeaseBusy | PlatformBusy | AliasConflict | NightCommittedElsewhere):
+        return ExitCode.BUSY
+    if isinstance(exc, TransientError):
+        return ExitCode.TRANSIENT
+    return ExitCode.FAILED
+
 
 DEFAULT_MODEL_NAME = "digits"
 
@@ -40,7 +109,7 @@ def quiet_ray() -> None:
 
 def fail(exc: BaseException) -> NoReturn:
     typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code=2) from exc
+    raise typer.Exit(code=exit_code(exc)) from exc
 
 
 def model_ref(model: str, model_name: str | None) -> tuple[str, str]:

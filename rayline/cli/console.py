@@ -180,8 +180,9 @@ class Terminal:
         # The file stays open for Ray's worker-log thread, which still delivers lines while Ray shuts down;
         # logging closes it at exit.
         if self.log_file is not None:
-            typer.echo(
-                f"Ray worker logs, Ray Data stats and Prefect task lines: {self.log_file} (--verbose prints them)"
+            typer.echo(  # a note, not the command's output: stdout may be a --json document
+                f"Ray worker logs, Ray Data stats and Prefect task lines: {self.log_file} (--verbose prints them)",
+                err=True,
             )
 
 

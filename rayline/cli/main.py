@@ -9,7 +9,18 @@ from typing import Annotated, Literal
 import typer
 
 from rayline.cli import console, demo, ops, platform, register, summaries, tables
-from rayline.cli.common import DEFAULT_MODEL_NAME, BackendChoice, PlanMode, PrecisionChoice, model_ref
+from rayline.cli.common import (
+    DEFAULT_MODEL_NAME,
+    BackendChoice,
+    ExitCode,
+    JsonOption,
+    PlanMode,
+    PrecisionChoice,
+    echo_json,
+    exit_code,
+    model_ref,
+    reserve_stdout_for_json,
+)
 from rayline.cli.common import fail as _fail
 from rayline.cli.common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
@@ -56,7 +67,10 @@ def _options(
     command = ctx.invoked_subcommand
     args = _remaining_args(ctx)
     # --json: stdout is the document alone, for another program to read
-    if command is None or command in _PLAIN_COMMANDS or "--help" in args or "--json" in args:
+    if "--json" in args and "--help" not in args:
+        reserve_stdout_for_json()
+        return
+    if command is None or command in _PLAIN_COMMANDS or "--help" in args:
         return
     terminal = console.open_terminal(command, _state_dir_or_none(), verbose)
     ctx.call_on_close(terminal.close)
@@ -98,6 +112,7 @@ def seed_data(
     digits: Annotated[
         bool | None, typer.Option("--digits/--no-digits", help="Write the digits too (default: unless --photos).")
     ] = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Write scikit-learn's digits as PNG objects under <label>/<id>.png, or a day of photos (--photos N)."""
     from rayline.seed import seed as write_seed
@@ -114,6 +129,9 @@ def seed_data(
         )
     except RaylineError as exc:
         _fail(exc)
+    if as_json:
+        echo_json(result)
+        return
     typer.echo(
         f"seeded {result.total} objects under {result.uri} "
         f"({result.digits} digits, {result.photos} photos, {len(result.corrupt)} corrupt, "
@@ -130,6 +148,7 @@ def prepare_data_command(
         str | None,
         typer.Option(help="Decode with a registered model's image spec instead (NAME@champion, NAME@v3)."),
     ] = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Run the prepare-data flow (ingest → preprocess) once."""
     apply_process_defaults()
@@ -143,7 +162,7 @@ def prepare_data_command(
         result = prepare_data(source_uri=source, image_size=image_size, force=force, image=image)
     except RaylineError as exc:
         _fail(exc)
-    summaries.print_prepare_summary(result)
+    echo_json(result) if as_json else summaries.print_prepare_summary(result)
 
 
 @app.command("train-model")
@@ -182,6 +201,7 @@ def train_model_command(
     promote_to: Annotated[
         str, typer.Option(help="Alias a model that passes the gate gets: champion, or challenger for a rollout.")
     ] = "champion",
+    as_json: JsonOption = False,
 ) -> None:
     """Run the train-model flow: prepare data, (tune,) train, evaluate, register, gate."""
     apply_process_defaults()
@@ -211,7 +231,7 @@ def train_model_command(
         )
     except RaylineError as exc:
         _fail(exc)
-    summaries.print_model_summary(result)
+    echo_json(result) if as_json else summaries.print_model_summary(result)
 
 
 def _check_fine_tune_options(init_from: str | None, arch: str | None, tune: int) -> None:
@@ -271,6 +291,7 @@ def nightly_inference_command(
     min_plan_agreement: Annotated[
         float, typer.Option(min=0.0, max=1.0, help="Top-1 agreement with fp32 a faster plan needs on the probe.")
     ] = 0.995,
+    as_json: JsonOption = False,
 ) -> None:
     """Run the nightly-inference flow once: predict a day of arrivals (or each night of --from..--to), commit it.
 
@@ -305,11 +326,11 @@ def nightly_inference_command(
             min_plan_agreement=min_plan_agreement,
         )
     except night_ranges.NightsFailed as exc:
-        summaries.print_backfill_summary(exc.result)
-        raise typer.Exit(code=1) from exc
+        echo_json(exc.result) if as_json else summaries.print_backfill_summary(exc.result)
+        raise typer.Exit(code=ExitCode.FAILED) from exc
     except RaylineError as exc:
         _fail(exc)
-    summaries.print_nightly_summary(result)
+    echo_json(result) if as_json else summaries.print_nightly_summary(result)
 
 
 @app.command("monitor")
@@ -321,6 +342,7 @@ def monitor_command(
         typer.Option(help="Night (YYYY-MM-DD) to compare with; default training labels, else the first night."),
     ] = None,
     check_serving: Annotated[bool, typer.Option(help="Also check the serving router.")] = True,
+    as_json: JsonOption = False,
 ) -> None:
     """Run the monitor flow once: drift of a model's latest nights (and serving health)."""
     apply_process_defaults()
@@ -333,11 +355,17 @@ def monitor_command(
         )
     except RaylineError as exc:
         _fail(exc)
+    if as_json:
+        echo_json(result)
+        return
     typer.echo("")
     typer.secho("monitor finished", bold=True)
     for night in result.partitions:
         verdict = "DRIFT: " + "; ".join(night.reasons) if night.drifted else "ok"
-        typer.echo(f"  {night.partition} (v{night.version})  PSI {night.psi:.3f} vs {night.reference}  {verdict}")
+        typer.echo(
+            f"  {night.partition}  predicted by {night.model_name} {night.model}  (predictions table version "
+            f"{night.version})  PSI {night.psi:.3f} vs {night.reference}  {verdict}"
+        )
     typer.echo(f"  metrics            {result.metrics_uri}")
 
 
@@ -355,7 +383,7 @@ def main() -> None:
         app()
     except RaylineError as exc:  # pragma: no cover - typer handles most paths
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_code(exc))
 
 
 if __name__ == "__main__":

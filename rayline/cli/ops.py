@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from rayline.cli import platform
+from rayline.cli.common import JsonOption, echo_json, model_ref
 from rayline.cli.common import fail as _fail
-from rayline.cli.common import model_ref
 from rayline.cli.common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import ConfigError, RaylineError
@@ -17,13 +18,17 @@ if TYPE_CHECKING:  # for the type only: the flows load Prefect, Ray and torch, w
     from flows.serve_rollout import RolloutResult
 
 
-def up() -> None:
+def up(as_json: JsonOption = False) -> None:
     """Start a Prefect server, a Ray head, and a work pool of every deployment with its worker (loopback)."""
     try:
         settings = get_settings()
         ends, outcome = platform.up(settings)
     except RaylineError as exc:
         _fail(exc)
+    if as_json:
+        state = str(platform.state_dir(settings))
+        echo_json({"services": outcome, "endpoints": dataclasses.asdict(ends), "state": state})
+        return
     for name, what in outcome.items():
         typer.echo(f"  {name:<12} {what}")
     typer.echo(f"Prefect UI       {ends.prefect_ui}")
@@ -38,12 +43,15 @@ def up() -> None:
     )
 
 
-def down() -> None:
+def down(as_json: JsonOption = False) -> None:
     """Stop exactly what `rayline up` started (by its PID files)."""
     try:
         outcome = platform.down(get_settings())
     except RaylineError as exc:
         _fail(exc)
+    if as_json:
+        echo_json({"services": outcome})
+        return
     if not outcome:
         typer.echo("nothing to stop: no PID files of `rayline up`")
     for name, what in outcome.items():
@@ -74,6 +82,7 @@ def serve_start(
     block: Annotated[
         bool, typer.Option(help="Keep this process (and an embedded cluster) serving until Ctrl-C.")
     ] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Deploy MODEL (NAME[@alias|vN]) on the running cluster; it takes all of its model's traffic when no
     other version of that model serves, else it waits at 0 % for `rayline serve rollout`."""
@@ -96,6 +105,21 @@ def serve_start(
     except RaylineError as exc:
         _fail(exc)
     share = weights.get(version.version, 0.0) / (sum(weights.values()) or 1.0)
+    if as_json:
+        echo_json(
+            {
+                "model": name,
+                "version": version.version,
+                "ref": ref,
+                "share": share,
+                "url": url,
+                "default_model": default,
+                "embedded_cluster": connection.embedded,
+            }  # fmt: skip
+        )
+        if block:
+            _block_until_interrupted()
+        return
     typer.echo(f"{name} v{version.version} ({ref}) deployed: {share:.0%} of {name}'s traffic")
     if share == 0:
         typer.echo(f"  another version serves {name}; move traffic with `rayline serve rollout --model-name {name}`")
@@ -127,6 +151,7 @@ def serve_stop(
     model: Annotated[
         str | None, typer.Option(help="Model name to stop (all its versions); default: every model and the router.")
     ] = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Stop serving MODEL (the others keep answering), or without --model everything: models, router, control."""
     apply_process_defaults()
@@ -144,17 +169,23 @@ def serve_stop(
         ray_cluster.connect()
         if name is None:
             serve_control.shutdown(cfg)
-            typer.echo("stopped every model, the router and the control actor")
+            if as_json:
+                echo_json({"stopped": "everything", "still_served": []})
+            else:
+                typer.echo("stopped every model, the router and the control actor")
             return
         apps = serve_control.remove_model(name, cfg)
         rest = serve_control.routing_table(cfg)
     except RaylineError as exc:
         _fail(exc)
+    if as_json:
+        echo_json({"stopped": name, "applications": apps, "still_served": list(rest.models)})
+        return
     typer.echo(f"stopped {name} ({', '.join(apps)}); still served: {', '.join(rest.models) or 'nothing'}")
 
 
 @serve_app.command("status")
-def serve_status() -> None:
+def serve_status(as_json: JsonOption = False) -> None:
     """Print every served model: live versions, traffic weights and per-version stats."""
     import httpx
 
@@ -166,6 +197,9 @@ def serve_status() -> None:
             per_model = {m: client.get(f"/models/{m}/stats").raise_for_status().json() for m in served["models"]}
     except httpx.HTTPError as exc:
         _fail(RaylineError(f"no rayline serving endpoint answers at {url}: {exc}"))
+    if as_json:
+        echo_json({"url": url, "default_model": served.get("default"), "models": per_model})
+        return
     if not per_model:
         typer.echo(f"serving nothing at {url}")
     for name, stats in per_model.items():
@@ -192,6 +226,7 @@ def serve_rollout_command(
     ] = "challenger",
     model_name: Annotated[str | None, typer.Option(help="Registry name when --candidate has no NAME@.")] = None,
     soak_s: Annotated[float, typer.Option(min=0.1, help="Seconds each traffic step holds.")] = 10.0,
+    as_json: JsonOption = False,
 ) -> None:
     """Run the serve-rollout flow: canary the candidate 10 → 50 → 100 %, promote or roll back."""
     apply_process_defaults()
@@ -204,7 +239,7 @@ def serve_rollout_command(
         result = serve_rollout(candidate=ref, model_name=name, soak_s=soak_s)
     except RaylineError as exc:
         _fail(exc)
-    print_rollout_summary(result)
+    echo_json(result) if as_json else print_rollout_summary(result)
 
 
 def print_rollout_summary(result: RolloutResult) -> None:

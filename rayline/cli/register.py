@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from rayline.cli import summaries
+from rayline.cli.common import JsonOption, echo_json
 from rayline.cli.common import fail as _fail
 from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import ConfigError, RaylineError
@@ -83,6 +84,7 @@ def register_model_command(
     alias: Annotated[
         str | None, typer.Option(help="Alias to point at it: champion, or challenger to canary it.")
     ] = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Register a model you already have (see the README's "Bring your model"), as a new version."""
     apply_process_defaults()
@@ -94,11 +96,12 @@ def register_model_command(
             raise ConfigError(f"--preprocess must be imagenet or squash, got {preprocess!r}")
         if format not in (None, "state_dict", "torchscript", "torch_export", "onnx"):
             raise ConfigError(f"--format must be state_dict, torchscript, torch_export or onnx, got {format!r}")
-        params = {**ctx.params, "factory_kwargs": _json_object("--factory-kwargs", factory_kwargs)}
+        params = {k: v for k, v in ctx.params.items() if k != "as_json"}
+        params["factory_kwargs"] = _json_object("--factory-kwargs", factory_kwargs)
         result = register_model(**params)  # the options are the flow's parameters, named alike
     except RaylineError as exc:
         _fail(exc)
-    summaries.print_registration(result)
+    echo_json(result) if as_json else summaries.print_registration(result)
 
 
 def _json_object(option: str, text: str | None) -> dict[str, Any] | None:

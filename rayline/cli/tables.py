@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from rayline import storage
-from rayline.cli.common import fail
+from rayline.cli.common import JsonOption, echo_json, fail
 from rayline.config import get_settings
 from rayline.errors import RaylineError
 from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS, MIN_SAFE_RETENTION_HOURS
@@ -22,6 +22,7 @@ def vacuum_command(
         ),
     ] = DEFAULT_RETENTION_HOURS,
     apply: Annotated[bool, typer.Option("--apply", help="Delete the files; without it, only list them.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """List (or with --apply delete) the files of both predictions tables that no version within the retention needs:
     files replaced by reruns and files of runs that never committed."""
@@ -32,6 +33,9 @@ def vacuum_command(
         removed = vacuum_tables(storage.storage_root(), retention_hours, dry_run=not apply)
     except RaylineError as exc:
         fail(exc)
+    if as_json:
+        echo_json({"dry_run": not apply, "retention_hours": retention_hours, "files": removed})
+        return
     verb = "deleted" if apply else "would delete"
     if not removed:
         typer.echo("no predictions tables yet: nothing to vacuum")

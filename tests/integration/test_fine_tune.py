@@ -296,7 +296,7 @@ def test_fine_tuning_an_onnx_parent_is_refused_before_any_cluster_time(fine_tune
     result = CliRunner().invoke(
         app, ["train-model", "--init-from", "from-onnx@champion", "--source", fine_tuned.labelled]
     )
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 3, result.output
     message = " ".join(result.output.split())
     assert "from-onnx v1 is an ONNX file, an inference-only format" in message, message
     assert "--arch" in message and "--factory" in message, "it says what to register instead"

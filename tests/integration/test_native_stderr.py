@@ -70,4 +70,4 @@ def test_the_core_workers_own_warnings_go_to_the_log_file_and_rayline_keeps_the_
     assert "a line of python's own" in done.stderr
     assert "an error message of rayline's" in done.stderr
     assert "an error record of ray's" in done.stderr
-    assert "(--verbose prints them)" in done.stdout  # where to look, said on the terminal
+    assert "(--verbose prints them)" in done.stderr  # where to look, said on the terminal

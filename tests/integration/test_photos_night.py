@@ -54,7 +54,7 @@ def test_a_photos_night_on_s3_is_keyed_by_model_next_to_a_digits_night_of_the_sa
     cli = CliRunner().invoke(
         app, ["nightly-inference", "--model", "photos@champion", "--date", DAY, "--source", incoming, "--actors", "1"]
     )
-    assert cli.exit_code == 2 and "3 of 24 inputs failed" in cli.output, cli.output
+    assert cli.exit_code == 3 and "3 of 24 inputs failed" in cli.output, cli.output
     night = read_night_pair(s3_storage, "photos", DAY)
     predictions, errors = night.predictions, night.errors
     predicted, errored = predictions.column("uri").to_pylist(), errors.column("uri").to_pylist()

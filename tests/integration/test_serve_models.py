@@ -290,7 +290,7 @@ def test_serve_stop_and_start_through_the_cli(served: Served) -> None:
         assert client.post("/predict", content=_digit()).json()["model"] == DIGITS, "the other model still answers"
 
     bad = runner.invoke(app, ["serve", "start", "--model", f"{PHOTOS}@nope"])
-    assert bad.exit_code == 2 and "has no 'nope' alias" in bad.output, bad.output
+    assert bad.exit_code == 3 and "has no 'nope' alias" in bad.output, bad.output
 
     started = runner.invoke(app, ["serve", "start", "--model", PHOTOS])  # its champion: the promoted twin
     assert started.exit_code == 0, started.output

@@ -157,12 +157,12 @@ def test_the_command_line_refuses_what_a_fine_tune_cannot_honour(
     local_storage: str, extra: list[str], message: str
 ) -> None:
     result = CliRunner().invoke(app, ["train-model", "--init-from", "photos@champion", *extra])
-    assert result.exit_code == 2 and message in result.output, result.output
+    assert result.exit_code == 3 and message in result.output, result.output
 
 
 def test_prepare_data_like_an_unknown_model_is_named(local_storage: str) -> None:
     result = CliRunner().invoke(app, ["prepare-data", "--like", "nothing@champion"])
-    assert result.exit_code == 2 and "model nothing has no 'champion' alias" in result.output, result.output
+    assert result.exit_code == 3 and "model nothing has no 'champion' alias" in result.output, result.output
 
 
 TIMM_HEADS = {"test_efficientnet": "classifier", "test_resnet": "fc", "test_convnext": "head.fc"}

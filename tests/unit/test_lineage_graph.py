@@ -123,11 +123,11 @@ def test_an_outside_model_version_leads_to_its_weights_source(local_storage: str
     assert others == ([recorded] if recorded not in (None, source.uri) else [])
 
 
-def test_an_unknown_uri_is_a_clear_error_and_exit_2(local_storage: str) -> None:
+def test_an_unknown_uri_is_a_clear_error_and_a_refusal(local_storage: str) -> None:
     with pytest.raises(NoLineageError, match="no lineage for"):
         build_graph(storage.join(local_storage, "nothing"))
     result = CliRunner().invoke(app, ["lineage", storage.join(local_storage, "nothing")])
-    assert result.exit_code == 2 and "no lineage for" in result.output
+    assert result.exit_code == 3 and "no lineage for" in result.output
 
 
 def _night_record(table: str, model: str, dt: str, run_id: str, version: int, inputs: list[str]) -> None:
@@ -196,8 +196,8 @@ def test_a_date_needs_a_night_table_and_a_recorded_night(local_storage: str) -> 
     with pytest.raises(InputDataError, match="must look like 2026-11-28"):
         build_graph(table, dt="28.11.2026")
     result = CliRunner().invoke(app, ["lineage", raw, "--dt", DAY])
-    assert result.exit_code == 2 and "is not a table of nights" in result.output
+    assert result.exit_code == 3 and "is not a table of nights" in result.output
     result = CliRunner().invoke(app, ["lineage", table, "--model", "digits"])
-    assert result.exit_code == 2 and "give --dt too" in result.output
+    assert result.exit_code == 3 and "give --dt too" in result.output
     result = CliRunner().invoke(app, ["lineage", table, "--dt", DAY, "--model", "digits"])
     assert result.exit_code == 0 and "Delta version 3, run run-1" in result.output

@@ -228,7 +228,7 @@ def test_the_package_version_is_read_from_the_code_without_importing_it(tmp_path
 def test_factory_kwargs_on_the_command_line_must_be_a_json_object(local_storage: str, kwargs: str) -> None:
     args = ["register-model", "--name", "own", "--weights", "never-read.pt", "--factory", "mynet.models:build"]
     result = CliRunner().invoke(app, [*args, "--factory-kwargs", kwargs])
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 3, result.output
     assert "--factory-kwargs must be a JSON object" in " ".join(result.output.split()), result.output
 
 

@@ -176,5 +176,5 @@ def test_cli_refuses_a_bad_range_before_starting_anything(args: list[str], messa
     from rayline.cli import app
 
     done = CliRunner().invoke(app, ["nightly-inference", *args])
-    assert done.exit_code == 2, done.output
+    assert done.exit_code == 3, done.output
     assert message in " ".join(done.output.split())
