@@ -9,9 +9,12 @@ standard variables (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``,
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import tomllib
 from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator
@@ -243,8 +246,57 @@ def lease_ttl(default_s: float) -> float:
     return get_settings().lease_ttl_s or default_s
 
 
+CONFIG_FILE_ENV = "RAYLINE_CONFIG"
+DEFAULT_CONFIG_FILE = "rayline.toml"
+
+
+def config_file() -> Path | None:
+    """The settings file: ``RAYLINE_CONFIG`` (which must exist), else ``./rayline.toml`` when there is one."""
+    named = os.environ.get(CONFIG_FILE_ENV, "").strip()
+    if named:
+        path = Path(named).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"{CONFIG_FILE_ENV}={named}: no such file (a TOML file of rayline settings)")
+        return path
+    default = Path(DEFAULT_CONFIG_FILE)
+    return default if default.is_file() else None
+
+
+def apply_config_file() -> None:
+    """The settings file's values as ``RAYLINE_<NAME>`` variables, under those already set: the environment
+    wins. Variables, not a settings source of their own, because Ray's workers get rayline's settings
+    from the variables the driver forwards (``rayline.ray_cluster``), and a worker node has no such file.
+
+    The file holds the settings' names in lowercase (``storage = "s3://bucket/rayline"``); a name that is
+    no setting is refused, naming the file.
+    """
+    path = config_file()
+    if path is None:
+        return
+    try:
+        values = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: not a readable TOML file of rayline settings: {exc}") from exc
+    known = {name for name, field in Settings.model_fields.items() if field.validation_alias is None}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{path}: {', '.join(unknown)} is no rayline setting; known: {', '.join(sorted(known))}")
+    for name, value in values.items():
+        os.environ.setdefault(f"RAYLINE_{name.upper()}", _as_variable(value))
+
+
+def _as_variable(value: object) -> str:
+    """A TOML value as pydantic-settings reads it from a variable: JSON for lists and tables, true/false."""
+    if isinstance(value, list | dict):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def get_settings() -> Settings:
-    """Settings for the current environment, re-read when relevant variables change."""
+    """Settings for the current environment (and the settings file, under it), re-read when they change."""
+    apply_config_file()
     prefixes = ("RAYLINE_", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "RAY_ADDRESS", "PREFECT_API_URL")
     key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(prefixes)))
     return _cached_settings(key)

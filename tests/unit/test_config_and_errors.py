@@ -166,3 +166,26 @@ def test_gcs_without_credentials_is_refused_at_once_naming_the_ways_to_give_them
     assert "gcloud auth application-default login" in str(raised.value)
     assert "STORAGE_EMULATOR_HOST" in str(raised.value)
     assert time.monotonic() - started < 10
+
+
+def test_a_settings_file_is_read_under_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``./rayline.toml`` (or ``RAYLINE_CONFIG``) holds settings by name; a variable that is set wins."""
+    from rayline.config import get_settings
+
+    for name in ("RAYLINE_STORAGE", "RAYLINE_LEASE_TTL_S", "RAYLINE_CONFIG", "RAYLINE_SERVE_PLAN"):
+        monkeypatch.setenv(name, "")  # recorded, so that whatever the file sets is undone after the test
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rayline.toml").write_text(f'storage = "{tmp_path / "data"}"\nlease_ttl_s = 90.0\nserve_plan = "off"\n')
+    monkeypatch.setenv("RAYLINE_LEASE_TTL_S", "30")
+    settings = get_settings()
+    assert settings.storage == str(tmp_path / "data") and settings.serve_plan == "off"
+    assert settings.lease_ttl_s == 30.0, "the environment wins over the file"
+
+    (tmp_path / "other.toml").write_text('storage = "s3://bucket/x"\nstorage_root = "typo"\n')
+    monkeypatch.setenv("RAYLINE_CONFIG", str(tmp_path / "other.toml"))
+    with pytest.raises(ConfigError, match=r"other.toml: storage_root is no rayline setting; known: .*storage"):
+        get_settings()
+    monkeypatch.setenv("RAYLINE_CONFIG", str(tmp_path / "missing.toml"))
+    with pytest.raises(ConfigError, match="RAYLINE_CONFIG=.*missing.toml: no such file"):
+        get_settings()
