@@ -178,15 +178,22 @@ def _core_subpackage(module: str) -> str | None:
     return next((p for p in CORE_SUBPACKAGES if _within(module, p)), None)
 
 
-def test_the_core_subpackages_import_each_other_one_way() -> None:
-    def wrong(i: Import) -> bool:
-        own, target = _core_subpackage(i.importer), _core_subpackage(i.target)
-        if own is None or target is None or own == target:
-            return False
-        return target not in CORE_SUBPACKAGES[own]
+def _against_one_way(layer: str, allowed: dict[str, frozenset[str]]) -> list[Import]:
+    """The imports of ``layer`` from one of ``allowed``'s packages into another it may not import."""
 
-    bad = [i for i in _imports_of("core") if wrong(i)]
-    assert set(CORE_SUBPACKAGES) <= set(_sources()), "a core subpackage was renamed: name it here"
+    def package_of(module: str) -> str | None:
+        return next((p for p in allowed if _within(module, p)), None)
+
+    def wrong(i: Import) -> bool:
+        own, target = package_of(i.importer), package_of(i.target)
+        return own is not None and target is not None and own != target and target not in allowed[own]
+
+    assert set(allowed) <= set(_sources()), f"a package of {sorted(allowed)} was renamed: name it here"
+    return [i for i in _imports_of(layer) if wrong(i)]
+
+
+def test_the_core_subpackages_import_each_other_one_way() -> None:
+    bad = _against_one_way("core", CORE_SUBPACKAGES)
     assert not bad, _report(
         "rayline.storage imports no other subpackage; tables and models import storage only; lineage may "
         "import all three",
@@ -268,22 +275,10 @@ WORKLOAD_PACKAGES: dict[str, frozenset[str]] = {
 }
 
 
-def _workload_package(module: str) -> str | None:
-    return next((p for p in WORKLOAD_PACKAGES if _within(module, p)), None)
-
-
 def test_the_stages_packages_import_each_other_one_way() -> None:
-    def wrong(i: Import) -> bool:
-        own, target = _workload_package(i.importer), _workload_package(i.target)
-        if own is None or target is None or own == target:
-            return False
-        return target not in WORKLOAD_PACKAGES[own]
-
-    modules = set(_sources())
-    assert set(WORKLOAD_PACKAGES) <= modules, "a stage package was renamed: name it here"
-    loose = [m for m in _modules("ray_workloads") if m != "ray_workloads" and _workload_package(m) is None]
+    loose = [m for m in _modules("ray_workloads") if m != "ray_workloads" and not _within(m, *WORKLOAD_PACKAGES)]
     assert not loose, f"every stage lives in a package of ray_workloads/: {loose}"
-    bad = [i for i in _imports_of("ray_workloads") if wrong(i)]
+    bad = _against_one_way("ray_workloads", WORKLOAD_PACKAGES)
     assert not bad, _report("the stage packages import one way (WORKLOAD_PACKAGES, as each __init__ says)", bad)
 
 
