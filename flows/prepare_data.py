@@ -11,12 +11,10 @@ from ray_workloads.data.ingest import IngestConfig, IngestResult
 from ray_workloads.data.preprocess import PreprocessConfig, PreprocessResult, error_sample
 from rayline.config import get_settings
 from rayline.specs import squash
-from rayline.storage.layout import RAW_DIR, under_root
+from rayline.storage.layout import INGESTED_DIR, PREPROCESSED_DIR, RAW_DIR, under_root
 from tasks.ingest import ingest_objects
 from tasks.preprocess import preprocess_images
 
-INGESTED_DIR = "ingested"
-PREPROCESSED_DIR = "preprocessed"
 DIGITS_IMAGE_SIZE = 32  # the side images are squashed to when no image spec is given
 
 

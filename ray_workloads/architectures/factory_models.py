@@ -32,11 +32,10 @@ from typing import TYPE_CHECKING, Any
 from rayline import storage
 from rayline.errors import ConfigError, InputDataError
 from rayline.specs import FactoryRef
+from rayline.storage.layout import CODE_DIR
 
 if TYPE_CHECKING:
     from torch import nn
-
-CODE_DIR = "code"
 
 
 def parse_target(target: str) -> tuple[str, str]:

@@ -39,13 +39,13 @@ from rayline.hardware import Hardware, detect
 from rayline.models.registry import ModelVersion, read_samples
 from rayline.specs import ImageSpec
 from rayline.storage import conditional
+from rayline.storage.layout import PLANS_DIR
 
 if TYPE_CHECKING:
     from ray_workloads.execution.interface import LoadedModel
 
 logger = logging.getLogger(__name__)
 
-PLANS_DIR = "plans"
 # How long an actor waits for another's measurement (a ResNet-50's, OpenVINO conversion included, takes
 # 10-30 s on 2 cores) before measuring itself; also the age at which a claim is taken over as abandoned.
 MEASURE_WAIT_S = 300.0

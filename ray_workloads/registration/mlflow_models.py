@@ -27,6 +27,7 @@ from rayline import storage
 from rayline.models import mlflow_mirror, registry
 from rayline.models.mlflow_mirror import MirrorReport
 from rayline.specs import ONNX, ModelSpec
+from rayline.storage import layout
 
 if TYPE_CHECKING:
     from mlflow.models import ModelSignature
@@ -70,7 +71,7 @@ def save_version(version: registry.ModelVersion, model_file: bytes, path: Path) 
     with tempfile.TemporaryDirectory(prefix="rayline-mlflow-") as tmp:
         staged = Path(tmp)
         artifacts = {
-            code.VERSION_ARTIFACT: _write(staged / registry.VERSION_FILE, version.model_dump_json(indent=2).encode()),
+            code.VERSION_ARTIFACT: _write(staged / layout.VERSION_FILE, version.model_dump_json(indent=2).encode()),
             code.MODEL_ARTIFACT: _write(staged / _name(version.weights_uri), model_file),
         }
         factory = version.model_spec.factory

@@ -5,7 +5,7 @@ Run configs; the driver (:func:`run`) builds those. Checkpoints go to the
 storage root (local or S3), the best N are kept, a worker crash resumes from
 the latest checkpoint (``FailureConfig``), and running again with the same
 run name resumes instead of starting over. A run that finished leaves its
-result beside its checkpoints (``RESULT_FILE``): running it again with the
+result beside its checkpoints (``TRAIN_RESULT_FILE``): running it again with the
 same data and loop returns that result without starting a worker group.
 
 CPU budget on small machines: each worker asks for ``cpus_per_worker``
@@ -43,10 +43,8 @@ from ray_workloads.training.loop import (
 from rayline import progress, storage
 from rayline.errors import InputDataError, RetriesExhausted
 from rayline.lineage import DatasetRef
+from rayline.storage.layout import TRAIN_RESULT_FILE, TRAIN_STATE_FILE, WEIGHTS_FILE
 
-WEIGHTS_FILE = "weights.pt"
-STATE_FILE = "train_state.pt"
-RESULT_FILE = "train_result.json"  # a finished fit's config and result, in its run folder
 SCORE = "val_accuracy"  # the EpochMetrics field that ranks checkpoints
 
 
@@ -136,7 +134,7 @@ def save_state(folder: str, model: torch.nn.Module, optimizer: torch.optim.Optim
     """Write weights (tensors only) and the resumable training state into ``folder``."""
     weights = {k: v.detach().cpu() for k, v in _unwrap(model).state_dict().items()}
     torch.save(weights, os.path.join(folder, WEIGHTS_FILE))
-    torch.save({**state, "optimizer": optimizer.state_dict()}, os.path.join(folder, STATE_FILE))
+    torch.save({**state, "optimizer": optimizer.state_dict()}, os.path.join(folder, TRAIN_STATE_FILE))
 
 
 def restore_state(
@@ -147,7 +145,7 @@ def restore_state(
         return None
     with checkpoint.as_directory() as folder:
         _unwrap(model).load_state_dict(torch.load(os.path.join(folder, WEIGHTS_FILE), weights_only=True))
-        state: dict[str, Any] = torch.load(os.path.join(folder, STATE_FILE), weights_only=True)
+        state: dict[str, Any] = torch.load(os.path.join(folder, TRAIN_STATE_FILE), weights_only=True)
     optimizer.load_state_dict(state.pop("optimizer"))
     return state
 
@@ -230,14 +228,14 @@ class _EpochProgress(ray.train.UserCallback):
 
 
 class _FinishedRun(BaseModel):
-    """What :data:`RESULT_FILE` holds: the config a fit finished with, and its result."""
+    """What :data:`TRAIN_RESULT_FILE` holds: the config a fit finished with, and its result."""
 
     config: TrainConfig
     result: TrainResult
 
 
 def run_folder(cfg: TrainConfig) -> str:
-    """The run's folder under the output root: Ray Train's checkpoints and :data:`RESULT_FILE`."""
+    """The run's folder under the output root: Ray Train's checkpoints and :data:`TRAIN_RESULT_FILE`."""
     return storage.join(storage.normalize(cfg.output_root), cfg.run_name)
 
 
@@ -249,7 +247,7 @@ def finished_result(cfg: TrainConfig) -> TrainResult | None:
     compute shape (workers, CPUs, failures allowed) does not change what a
     finished run produced.
     """
-    uri = storage.join(run_folder(cfg), RESULT_FILE)
+    uri = storage.join(run_folder(cfg), TRAIN_RESULT_FILE)
     if not storage.exists(uri):
         return None
     try:
@@ -271,7 +269,8 @@ def run(cfg: TrainConfig) -> TrainResult:
     result = _fit(cfg)
     # written after the fit's last checkpoint: a run killed before it is resumed by Ray Train instead
     storage.write_json_atomic(
-        storage.join(run_folder(cfg), RESULT_FILE), _FinishedRun(config=cfg, result=result).model_dump(mode="json")
+        storage.join(run_folder(cfg), TRAIN_RESULT_FILE),
+        _FinishedRun(config=cfg, result=result).model_dump(mode="json"),
     )
     return result
 
@@ -326,7 +325,7 @@ def _fit(cfg: TrainConfig) -> TrainResult:
     if best is None or result.checkpoint is None:
         raise InputDataError(f"training run {cfg.run_name} produced no checkpoint")
     with result.checkpoint.as_directory() as folder:
-        saved = torch.load(Path(folder) / STATE_FILE, weights_only=True)["history"]
+        saved = torch.load(Path(folder) / TRAIN_STATE_FILE, weights_only=True)["history"]
     history = [EpochMetrics.model_validate(h) for h in saved]
     best_uri = _checkpoint_uri(best.path, output_root)
     samples = sum(h.train_samples for h in history)

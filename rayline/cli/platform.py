@@ -57,8 +57,7 @@ from rayline.cli.service_records import (
 from rayline.config import Settings, get_settings
 from rayline.errors import ClusterError, ConfigError
 from rayline.ray_cluster import RAY_ENV_DEFAULTS
-
-MLFLOW_ARTIFACTS_DIR = "mlflow-artifacts"
+from rayline.storage.layout import MLFLOW_ARTIFACTS_DIR
 
 # what one `up` started, oldest first: a failed `up` stops these and nothing else
 Started = list[tuple[ServiceRecord, subprocess.Popen[bytes]]]

@@ -49,7 +49,7 @@ from rayline.errors import ConfigError, InputDataError
 from rayline.lineage import DatasetRef, LineageRecord, NoLineageError, is_storage_uri, normalize_uri
 from rayline.lineage.nights import night_details, night_kind, night_of, pick_nights, ref_uri
 from rayline.models import registry
-from rayline.storage import fetching, manifests
+from rayline.storage import fetching, layout, manifests
 from rayline.storage.layout import parse_day
 from rayline.storage.manifests import MANIFEST, IngestManifest
 from rayline.tables.delta_tables import Night
@@ -64,7 +64,7 @@ STAGE_KINDS = {
     "registry": "model version",
     "batch_inference": "predictions",
 }
-_MODEL_VERSION = re.compile(rf"^(.*/{registry.MODELS_DIR}/[a-z0-9][a-z0-9-]*/v\d+)(?:/.*)?$")
+_MODEL_VERSION = re.compile(rf"^(.*/{layout.MODELS_DIR}/[a-z0-9][a-z0-9-]*/v\d+)(?:/.*)?$")
 _RECORD_READS = 32  # concurrent record reads: many small JSON objects on S3
 
 
@@ -134,12 +134,11 @@ class LineageIndex:
     @classmethod
     def load(cls) -> LineageIndex:
         """Read every stage's records under ``<storage>/lineage/`` (OpenLineage events excluded)."""
-        from rayline.lineage.openlineage_events import EVENTS_DIR
 
         objects = [
             o
             for o in storage.list_objects(lineage.lineage_dir())
-            if o.key.endswith(".json") and not o.key.startswith(f"{EVENTS_DIR}/")
+            if o.key.endswith(".json") and not o.key.startswith(f"{layout.OPENLINEAGE_DIR}/")
         ]
         fetched = fetching.fetch_many([o.uri for o in objects], _RECORD_READS)
         records = []
@@ -162,7 +161,7 @@ def _model_version_root(uri: str) -> str | None:
     if not is_storage_uri(uri):
         return None
     match = _MODEL_VERSION.match(storage.normalize(uri))
-    if match and storage.exists(storage.join(match.group(1), registry.VERSION_FILE)):
+    if match and storage.exists(storage.join(match.group(1), layout.VERSION_FILE)):
         return match.group(1)
     return None
 
@@ -173,7 +172,7 @@ def _is_uri(value: str | None) -> TypeGuard[str]:
 
 
 def _version(version_root: str) -> registry.ModelVersion:
-    return registry.ModelVersion.model_validate(storage.read_json(storage.join(version_root, registry.VERSION_FILE)))
+    return registry.ModelVersion.model_validate(storage.read_json(storage.join(version_root, layout.VERSION_FILE)))
 
 
 def _most_specific(refs: list[DatasetRef]) -> list[DatasetRef]:

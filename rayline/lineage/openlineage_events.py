@@ -53,11 +53,11 @@ from openlineage.client.transport.transport import Config, Transport
 
 from rayline import lineage, storage
 from rayline.lineage import DatasetRef
+from rayline.storage import layout
 
 log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "rayline"
-EVENTS_DIR = "openlineage"  # under <storage>/lineage/
 
 State = Literal["START", "COMPLETE", "FAIL", "ABORT"]
 
@@ -178,7 +178,7 @@ def _unique(refs: Sequence[DatasetRef]) -> list[DatasetRef]:
 
 
 def events_dir() -> str:
-    return lineage.lineage_dir(EVENTS_DIR)
+    return lineage.lineage_dir(layout.OPENLINEAGE_DIR)
 
 
 class StorageTransportConfig(Config):

@@ -19,8 +19,7 @@ from pydantic import BaseModel, Field
 
 from rayline import storage
 from rayline.errors import InputDataError
-
-LINEAGE_DIR = "lineage"
+from rayline.storage.layout import LINEAGE_DIR as LINEAGE_DIR
 
 
 class NoLineageError(InputDataError):

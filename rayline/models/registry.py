@@ -39,11 +39,16 @@ from rayline.models.aliases import AliasMove as AliasMove
 from rayline.models.aliases import Unchecked as Unchecked
 from rayline.specs import NAME_PATTERN, ImageSpec, ModelSpec, ParentModel, WeightsSource, check_model_name
 from rayline.storage import conditional, leases
+from rayline.storage.layout import (
+    ALIASES_DIR,
+    CLAIM_FILE,
+    MODELS_DIR,
+    ROLLOUT_LEASE,
+    SAMPLES_FILE,
+    VERSION_FILE,
+    WEIGHTS_FILE,
+)
 
-MODELS_DIR = "models"
-VERSION_FILE = "version.json"
-WEIGHTS_FILE = "weights.pt"
-SAMPLES_FILE = "samples.npy"
 MAX_SAMPLES = 32
 # what a version stores, by the spec's format: a tensors-only state dict, or the user's code-free file as given
 MODEL_FILES = {
@@ -52,8 +57,6 @@ MODEL_FILES = {
     "torch_export": "model.pt2",
     "onnx": "model.onnx",
 }
-CLAIM_FILE = "_claim"
-ROLLOUT_LEASE = "rollout.lease"
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 # a champion move outside a rollout holds the rollout lease for one compare-and-swap
@@ -267,7 +270,7 @@ def list_versions(name: str) -> list[ModelVersion]:
 def _alias_uri(name: str, alias: str) -> str:
     if not NAME_PATTERN.match(alias):
         raise ConfigError(f"alias {alias!r} must be lowercase letters, digits and '-'")
-    return storage.join(model_root(name), "aliases", f"{alias}.json")
+    return storage.join(model_root(name), ALIASES_DIR, f"{alias}.json")
 
 
 def alias_version(name: str, alias: str) -> int | None:

@@ -31,6 +31,28 @@ ERRORS_TABLE = "prediction_errors"
 MONITORING_DIR = "monitoring"
 # Runs' scratch space (a night's listing parts, its lease): hidden from listings of the root.
 STAGING_DIR = "_staging"
+# prepare-data's outputs: ingested/<dataset-id>/, preprocessed/<dataset-id>-<params>/
+INGESTED_DIR = "ingested"
+PREPROCESSED_DIR = "preprocessed"
+# A training run's folder (under training/): Ray Train's checkpoints, each with its weights and state, and
+# the result of the fit that finished there.
+TRAIN_STATE_FILE = "train_state.pt"
+TRAIN_RESULT_FILE = "train_result.json"
+# The registry: models/<name>/v<N>/ (version.json written last; weights, samples, plans/, code/, _claim),
+# models/<name>/aliases/<alias>.json and models/<name>/rollout.lease (rayline.models.registry).
+MODELS_DIR = "models"
+VERSION_FILE = "version.json"
+WEIGHTS_FILE = "weights.pt"  # a tensors-only state dict: a version's, and a training checkpoint's
+SAMPLES_FILE = "samples.npy"
+CLAIM_FILE = "_claim"
+ALIASES_DIR = "aliases"
+ROLLOUT_LEASE = "rollout.lease"
+PLANS_DIR = "plans"  # a version's execution plans, one per machine (ray_workloads.execution.cache)
+CODE_DIR = "code"  # a factory model's package, stored with its version
+# lineage/<stage>/ records, and lineage/openlineage/ events of the default transport
+LINEAGE_DIR = "lineage"
+OPENLINEAGE_DIR = "openlineage"
+MLFLOW_ARTIFACTS_DIR = "mlflow-artifacts"  # the MLflow server `rayline up` starts
 
 
 def root_uri() -> str:

@@ -32,6 +32,7 @@ from rayline import storage
 from rayline.models import mlflow_mirror, registry
 from rayline.seed import seed
 from rayline.specs import FACTORY, FactoryRef, ImageSpec, ModelSpec
+from rayline.storage import layout
 from tests.integration.helpers import register_untrained
 from tests.mlflow_support import mlflow_server
 from tests.support import free_port
@@ -86,7 +87,7 @@ def _assert_mirror_equals_registry(client: MlflowClient, name: str) -> None:
         if version.model_spec.format == "state_dict":
             state = torch.load(local, weights_only=True)  # refuses anything but tensors
             assert set(state) and all(isinstance(t, torch.Tensor) for t in state.values())
-        logged = download_artifacts(artifact_uri=f"{mv.source}/artifacts/{registry.VERSION_FILE}")
+        logged = download_artifacts(artifact_uri=f"{mv.source}/artifacts/{layout.VERSION_FILE}")
         assert registry.ModelVersion.model_validate_json(Path(logged).read_text()) == version
         assert client.get_run(mv.run_id).data.metrics == pytest.approx(version.metrics)
     aliases = client.get_registered_model(name).aliases

@@ -17,7 +17,7 @@ from ray_workloads.serving import canary
 from ray_workloads.serving.config import ServeConfig
 from rayline.errors import AliasConflict, TransientStorageError, is_transient
 from rayline.models import registry
-from rayline.storage import leases
+from rayline.storage import layout, leases
 from rayline.testing.fault_proxy import FaultProxy
 from tests.unit.test_alias_moves import ROLLOUT, _move_after_the_next_alias_read, _versions
 from tests.unit.test_registry_and_models import _register_keyed
@@ -65,7 +65,7 @@ def test_a_throttled_read_of_the_first_attempts_claim_fails_the_retry_instead_of
     """The retry cannot tell whether its first attempt claimed a version: it raises a transient error (Prefect
     retries it) rather than claim a second version for the same registration."""
     first = _register_keyed("run-1")
-    s3_faults.configure(always_fail=f"/models/digits/v{first.version}/{registry.CLAIM_FILE}", fault_kinds=["503"])
+    s3_faults.configure(always_fail=f"/models/digits/v{first.version}/{layout.CLAIM_FILE}", fault_kinds=["503"])
     with pytest.raises(TransientStorageError, match="SlowDown") as info:
         _register_keyed("run-1")
     assert is_transient(info.value) and s3_faults.stats()["fault_503"] >= 1

@@ -19,6 +19,7 @@ from rayline import storage
 from rayline.errors import ConfigError, InputDataError
 from rayline.models import registry
 from rayline.specs import ImageSpec
+from rayline.storage import layout
 
 pytestmark = pytest.mark.unit
 
@@ -113,7 +114,7 @@ def test_gate_and_aliases(local_storage: str) -> None:
 
 
 def test_unfinished_versions_are_never_resolved(local_storage: str) -> None:
-    storage.write_bytes_atomic(storage.join(registry.model_root("digits"), "v1", registry.CLAIM_FILE), b"x")
+    storage.write_bytes_atomic(storage.join(registry.model_root("digits"), "v1", layout.CLAIM_FILE), b"x")
     assert registry.list_versions("digits") == []
     with pytest.raises(InputDataError, match="no registered version 1"):
         registry.set_alias("digits", registry.CHAMPION, 1, "nope")
@@ -192,7 +193,7 @@ def test_a_retried_registration_gets_the_version_its_first_attempt_claimed(local
     other = _register_keyed("run-2")
     assert other.version == first.version + 1
     # a first attempt that claimed a number and died before committing: the retry finishes that one
-    storage.remove_tree(storage.join(other.uri, registry.VERSION_FILE))
+    storage.remove_tree(storage.join(other.uri, layout.VERSION_FILE))
     assert _register_keyed("run-2").version == other.version
     assert [v.version for v in registry.list_versions("digits")] == [first.version, other.version]
     assert _register_keyed(None).version == other.version + 1  # no key: always a new version

@@ -9,6 +9,7 @@ import pytest
 from ray_workloads.training import train
 from ray_workloads.training.loop import TrainLoopConfig
 from rayline import storage
+from rayline.storage import layout
 
 pytestmark = pytest.mark.unit
 
@@ -22,7 +23,7 @@ def _finished(tmp_path: Path) -> tuple[train.TrainConfig, train.TrainResult]:
         loop=TrainLoopConfig(epochs=3),
     )
     run_uri = train.run_folder(cfg)
-    weights = storage.join(run_uri, "checkpoint_000002", train.WEIGHTS_FILE)
+    weights = storage.join(run_uri, "checkpoint_000002", layout.WEIGHTS_FILE)
     storage.write_bytes_atomic(weights, b"tensors")
     result = train.TrainResult(
         run_name=cfg.run_name,
@@ -37,7 +38,7 @@ def _finished(tmp_path: Path) -> tuple[train.TrainConfig, train.TrainResult]:
         data_manifest_uri=cfg.data_manifest_uri,
     )
     finished = {"config": cfg.model_dump(mode="json"), "result": result.model_dump(mode="json")}
-    storage.write_json_atomic(storage.join(run_uri, train.RESULT_FILE), finished)
+    storage.write_json_atomic(storage.join(run_uri, layout.TRAIN_RESULT_FILE), finished)
     return cfg, result
 
 
@@ -55,9 +56,9 @@ def test_another_loop_other_data_lost_weights_or_an_unreadable_file_train_instea
     assert train.finished_result(cfg.model_copy(update={"data_manifest_uri": "other/manifest.json"})) is None
     assert train.finished_result(cfg.model_copy(update={"run_name": "digits-2"})) is None, "no such run"
 
-    storage.write_bytes_atomic(storage.join(train.run_folder(cfg), train.RESULT_FILE), b"{not json")
+    storage.write_bytes_atomic(storage.join(train.run_folder(cfg), layout.TRAIN_RESULT_FILE), b"{not json")
     assert train.finished_result(cfg) is None
-    storage.write_json_atomic(storage.join(train.run_folder(cfg), train.RESULT_FILE), {"result": {}})
+    storage.write_json_atomic(storage.join(train.run_folder(cfg), layout.TRAIN_RESULT_FILE), {"result": {}})
     assert train.finished_result(cfg) is None, "a file of another version"
 
     _finished(tmp_path)
