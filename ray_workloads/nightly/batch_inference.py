@@ -1,87 +1,9 @@
 """Batch inference: every input object gets exactly one prediction row or one error row.
 
-Listed objects that are no inputs (hidden or underscore names, folder
-markers: :func:`rayline.storage.list_inputs`) get no row; the result counts
-them per reason (``skipped``).
-
-The listing is streamed into Parquet parts of keys and ETags
-(:mod:`rayline.storage.listing`): the driver lists the prefix's levels and its
-first ``INLINE_OBJECTS`` objects itself (all of a small night), and leaves
-the rest, in groups of sub-prefixes, to the night's block cutters, which
-list them part by part as the night goes, so the first blocks are predicted
-while the rest is still listed; the driver keeps per part only counts and
-digests. A Ray Data ``flat_map`` cuts the parts into spans of blocks of
-``objects_per_task`` URIs
-(:mod:`ray_workloads.nightly.blocks`), and one ``map_batches`` stage runs
-:class:`~ray_workloads.nightly.predictor.PredictorUDF` over them in an actor
-pool: an actor loads the model once, then for each block fetches, decodes,
-predicts and writes the block's predictions and errors at the block's fixed
-names, and returns a report of rows and an order-independent digest of the
-block's URIs. The driver sums the reports as they stream in
-(:class:`~ray_workloads.nightly.compaction.NightTotals`), checks that
-predictions plus errors are the listing, each input once, by comparing counts
-and digests, and then Ray tasks compact the block files into files sized for
-readers, checked against the listing again
-(:mod:`ray_workloads.nightly.compaction`). Those are committed: one Delta
-commit per table that replaces the night's partition (``model_name``,
-``dt``) with this run's files (:func:`rayline.tables.predictions_table.commit_night`),
-``prediction_errors`` first, then ``predictions``. Until then the files are
-invisible to every Delta reader, so a killed or failed run leaves nothing a
-reader sees; a rerun replaces the night in one commit and the previous
-version stays readable by version number until a vacuum. A rerun of a killed
-night with the same model over the same listing reuses the blocks it wrote
-and predicts only the others (:mod:`ray_workloads.nightly.blocks`).
-
-The two commits: a reader of ``predictions`` alone sees the old night or the
-new one, never a mix. The predictions commit is the night's "done" marker;
-between the two commits the errors table already holds the new run's errors.
-:func:`rayline.tables.prediction_reads.read_night_pair` pairs both tables by run id
-(the errors table read at the version carrying the predictions' run).
-
-Overlapping runs of one night: each run reads the night's commit count when
-it starts, and its commit is refused with
-:class:`~rayline.errors.NightCommittedElsewhere` when another run committed the
-night since (in ``predictions``, the done marker: a holder that died between
-its two commits left a night that the run taking its lease over completes,
-reading the errors table's count once it holds the lease); no run deletes
-files (replaced and never-committed files go only through ``vacuum``, after a
-retention that outlasts any run).
-
-Why Ray Data, and why one stage of whole blocks: Ray Data gives the actor
-pool, its scheduling, and the restart of a lost actor with the retry of its
-block (bounded: ``pipeline.ACTOR_RESTARTS``). The inputs are URIs and the outputs
-a few file names, so only those cross the object store, never images.
-Separate fetch, predict and write stages would stream the images through
-the object store and start processes per stage: slow to the first row, and
-memory growing with the night (bench/README.md).
-Here a small input gets no more actors than it has blocks, and a process that
-asks for ``WORKER_PRELOAD`` gets actors that already have what they import.
-
-What Ray Data costs on top of a plain pool of actors: three helper actors of
-its own (stats, autoscaling coordinator, actor locations), each a worker
-process, and the driver's scheduling loop. They are detached, so a long-lived
-cluster pays for them once; a fresh embedded one pays each night, mostly in
-starting their worker processes (what that came to against plain actors:
-bench/README.md). ``bench/batch_inference.py`` measures the whole against a
-plain loop.
-
-Layout (``<root>`` is the storage root)::
-
-    <root>/predictions/_delta_log/…                                  the commits
-    <root>/predictions/model_name=<m>/dt=<d>/part-<run>-c<n>.parquet      compacted, committed
-    <root>/predictions/model_name=<m>/dt=<d>/blocks-<key>/<part>/b<n>.parquet   a block, never committed
-    <root>/prediction_errors/…                                       the same
-    <root>/_staging/nights/<m>/dt=<d>.lease                          one live run predicts a night
-    <root>/_staging/nights/<m>/dt=<d>.listing-<g>-<h>/g<group>-<n>.parquet   the listing of the lease's holder
-    <root>/_staging/nights/<m>/dt=<d>.listing-<g>-<h>/g<group>.json          a group's parts and skips, once listed
-
-A holder lists into a folder of its own (``<g>``: its lease generation,
-``<h>``: random), removed at its end; those of earlier holders that died are
-removed by the next holder that commits the night. A holder that lost the
-lease (paused past its ttl) and still runs never touches the listing of the
-run that took the night over, nor that run its listing while it might read it. The lease's loss
-also stops that holder's Ray Data run (``ray_work.stoppable``), and it fails
-with ``LeaseLost``.
+The driver streams the listing into parts, Ray Data cuts them into blocks that an actor pool
+predicts (fetch, decode, predict, write each block at fixed names), the driver checks predictions
+plus errors against the listing by counts and digests, compacts the block files and commits each
+table once. How and why, step by step, with the layout: docs/nights.md.
 """
 
 from __future__ import annotations

@@ -1,72 +1,10 @@
 """Nightly predictions as Delta Lake tables: the driver's one commit per table per night.
 
-Two tables live under the storage root, ``<storage>/predictions`` and
-``<storage>/prediction_errors``, both partitioned by ``model_name`` and ``dt``
-(both strings; ``dt`` is an ISO date). Their data columns are
-:data:`PREDICTIONS_SCHEMA` and :data:`ERRORS_SCHEMA`.
-
-Who writes what
-    Predictor actors keep writing plain Parquet files, but *inside the table
-    folder*, under the night's Hive-style partition folder
-    (``<table>/model_name=<m>/dt=<d>/part-<run id>-<part>.parquet``, see
-    :func:`data_file_uri` / :func:`write_data_file`), without the partition
-    columns (Delta keeps those in the log). Such files are invisible to every
-    Delta reader until the driver commits them: :func:`commit_night` reads only
-    their footers (size, row count, schema) and commits them as *one*
-    ``overwrite`` transaction whose partition filter is exactly that
-    (model_name, dt), so the night is replaced atomically.
-
-Idempotency and concurrency
-    Each commit carries two app transactions (``txn`` actions):
-    ``rayline-run/<run id>/<model>/<dt>`` makes a retried commit of the same run
-    a no-op, and ``rayline-night/<model>/<dt>`` (version = how many times the
-    night was committed) serialises commits of one night. Both carry that count,
-    so the night's current run is the one whose transaction equals the night's
-    (``delta_tables.current_runs``: no history read; releases before gave every
-    run version 1, and such nights are found in the history). The second
-    one is needed: on a partition that is *empty* in the writer's snapshot,
-    deltalake 1.6.6 rebases concurrent ``overwrite`` commits onto each other
-    without conflict (observed: three runs, three commits, every row three
-    times). With the night transaction the losers fail with
-    ``CommitFailedError: Concurrent transaction failed`` (on a non-empty
-    partition deltalake already fails them with "a concurrent transaction
-    deleted data this operation read"); either way :func:`commit_night` raises
-    :class:`~rayline.errors.NightCommittedElsewhere` naming the winning run.
-    Commits of other nights or models do not conflict and are retried by
-    deltalake itself. A run that passes ``expected_seq`` (how many times the
-    night was committed when it started, from :func:`night_seq`) is also
-    refused when another run committed the night since, even if the commits
-    did not overlap in time.
-    Commit info carries ``rayline.run_id``, ``rayline.model_name``,
-    ``rayline.dt`` and ``rayline.night_seq`` for readers and lineage.
-
-Order of the two tables, and what a reader sees
-    The driver commits ``prediction_errors`` FIRST, then ``predictions``. The
-    predictions commit is the night's "done" marker: a night is complete when
-    the run that last committed it in ``predictions``
-    (:func:`rayline.tables.delta_tables.night_commit`) also has its commit in
-    ``prediction_errors`` (same run id; always true in this order unless the
-    errors table was committed by a later run). Between the two commits a
-    reader sees the new run's errors next to the previous run's (or no)
-    predictions; a reader that pairs the tables
-    (:func:`rayline.tables.prediction_reads.read_night_pair`) reads
-    ``prediction_errors`` at the version that carries the predictions' run id.
-    A run that loses the race on the errors table never reaches the
-    predictions table.
-
-Files and vacuum
-    Overwrites only *mark* files removed; nothing is deleted until
-    :func:`rayline.tables.prediction_reads.vacuum`, which deletes removed files and
-    files never committed (orphans of failed runs) once their age exceeds the
-    retention. The
-    retention must exceed the longest time between an actor writing a file and
-    the driver committing it, or vacuum would delete a running night's files;
-    hence the 168 h default and the refusal of anything under 24 h unless asked.
-    Time travel reaches versions whose files are still there (``keep_versions``
-    protects chosen ones, and the errors version that a night's current
-    predictions pair with is always kept: a run whose errors commit landed
-    but whose predictions commit did not replaced it); the log keeps every
-    commit (:data:`TABLE_CONFIGURATION`).
+``predictions`` and ``prediction_errors``, partitioned by ``model_name`` and ``dt``: actors write
+Parquet files inside the night's partition folder, invisible until :func:`commit_night` commits them
+as one ``overwrite`` of that partition, errors first; two app transactions make a retried commit a
+no-op and serialise commits of one night. Who writes what, concurrency, what a reader sees between
+the two commits, and vacuum: docs/nights.md.
 """
 
 from __future__ import annotations
