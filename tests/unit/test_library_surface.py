@@ -23,3 +23,42 @@ def test_the_version_is_the_installed_distributions_and_the_cli_prints_it() -> N
 def test_the_package_says_it_is_typed() -> None:
     """PEP 561: mypy and pyright read rayline's annotations in a user's project only with this marker."""
     assert files("rayline").joinpath("py.typed").is_file()
+
+
+# What a user imports to compose rayline in a flow of their own (docs/api.md): a change here is a change of
+# the public API, to be made on purpose.
+PUBLIC = {
+    "flows": ["monitor", "nightly_inference", "prepare_data", "register_model", "serve_rollout", "train_model"],
+    "tasks": [
+        "InferenceConfig",
+        "InferenceResult",
+        "IngestConfig",
+        "IngestResult",
+        "PreprocessConfig",
+        "PreprocessResult",
+        "RegisterModelConfig",
+        "batch_inference_task",
+        "ingest_objects",
+        "preprocess_images",
+        "register_outside_model",
+        "resolve_version_task",
+        "vacuum_tables_task",
+    ],
+    "rayline.tables": ["committed_nights", "latest_night_commit", "read_night", "read_night_pair", "vacuum_tables"],
+}
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_the_public_api_is_what_it_says_and_each_name_resolves(package: str) -> None:
+    import importlib
+
+    from prefect import Flow, Task
+
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == PUBLIC[package]
+    for name in module.__all__:
+        value = getattr(module, name)
+        if package == "flows":
+            assert isinstance(value, Flow), name
+        elif package == "tasks" and name[0].islower():
+            assert isinstance(value, Task), name

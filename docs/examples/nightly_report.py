@@ -1,0 +1,31 @@
+"""A flow of your own around rayline's: predict a night with the champion, then report it your way.
+
+Run it with ``python docs/examples/nightly_report.py 2026-11-28`` (``RAYLINE_STORAGE`` names the storage
+root; the night's photos are under ``<storage>/incoming/dt=<day>/``). ``tests/integration/test_public_api.py``
+runs it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+from prefect import flow, get_run_logger
+
+from flows import nightly_inference
+from rayline import storage
+from rayline.tables import read_night_pair
+
+
+@flow(name="nightly-report")
+def nightly_report(day: str, model_name: str = "digits") -> dict[str, int]:
+    """rayline's nightly-inference as a subflow, then the night's predicted classes counted from its tables."""
+    nightly_inference(date=day, model_name=model_name)
+    rows = read_night_pair(storage.storage_root(), model_name, day)
+    counts = Counter(rows.predictions.column("predicted_class").to_pylist())
+    get_run_logger().info("%s: %d predictions, %d errors", day, rows.predictions.num_rows, rows.errors.num_rows)
+    return {"predictions": rows.predictions.num_rows, "errors": rows.errors.num_rows, **counts}
+
+
+if __name__ == "__main__":
+    print(nightly_report(sys.argv[1]))
