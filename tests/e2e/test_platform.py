@@ -71,7 +71,7 @@ def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
     # a quiet terminal: rayline's progress and summaries; Ray's and Prefect's lines went to the named log file
     printed = (done.stdout + done.stderr).splitlines()
     assert len(printed) <= 80, "\n".join(printed)
-    log_file = Path(out.split("Prefect task lines: ")[1].split(" (--verbose")[0])
+    log_file = Path(done.stderr.split("Prefect task lines: ")[1].split(" (--verbose")[0])  # a note: stderr
     assert log_file.parent == Path(platform["RAYLINE_STORAGE"]) / "state" / "logs" and log_file.stat().st_size > 0
     assert "  done preprocess" in out and "  done tune" in out and "12/12 epochs" in out, out
     assert "prepare-data finished" in out
