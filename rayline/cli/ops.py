@@ -277,7 +277,6 @@ def lineage_command(
     A night resolves to the Delta version that committed it and the run: `rayline lineage <storage>/predictions
     --dt 2026-11-28 [--model digits]`, or its partition folder `<storage>/predictions/model_name=digits/dt=2026-11-28`.
     """
-    import json
 
     from rayline.lineage.graph import build_graph, render_text
 
@@ -292,4 +291,7 @@ def lineage_command(
         )
     except RaylineError as exc:
         _fail(exc)
-    typer.echo(json.dumps(graph.model_dump(mode="json"), indent=2) if as_json else render_text(graph))
+    if as_json:
+        echo_json(graph)
+    else:
+        typer.echo(render_text(graph))
