@@ -75,7 +75,7 @@ def test_asha_stops_weak_trials_and_restore_skips_finished_ones(local_storage: s
     )
     experiment = Path(storage.join(local_storage, "tuning", "search"))
     code = (
-        "from ray_workloads import tune\n"
+        "from ray_workloads.training import tune\n"
         f"tune.run(tune.TuneJobConfig.model_validate_json({config.model_dump_json()!r}))\n"
     )
     # a driver of its own on the session's cluster (starting a cluster of its own costs seconds): its trials

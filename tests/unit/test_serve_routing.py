@@ -140,8 +140,8 @@ def test_pinned_requests_and_4xx_do_not_count_toward_the_gate() -> None:
     routed_error = [("m", 2, 20.0, 9.0, ERROR, True)]
     junk = [("m", 2, 30.0 + i, 1.0, REJECTED, True) for i in range(50)]  # 4xx: bad input, routed
     pinned = [("m", 2, 40.0 + i, 1.0, outcome, False) for i in range(50) for outcome in (OK, REJECTED)]
-    old_router = [("m", 2, 50.0, 5.0, OK)]  # a sample without the flag: counted, as before
-    book.record([*routed_ok, *routed_error, *junk, *pinned, *old_router])  # type: ignore[list-item]
+    late = [("m", 2, 50.0, 5.0, OK, True)]  # a routed answer after the junk
+    book.record([*routed_ok, *routed_error, *junk, *pinned, *late])
 
     everything = book.stats("m")[2]
     assert (everything["requests"], everything["errors"], everything["rejected"]) == (155, 1, 100)
