@@ -1,25 +1,7 @@
-"""rayline's Prefect flows, to run as they are or as subflows of a flow of your own (docs/api.md).
+"""rayline's Prefect flows, one module each, named as its flow: ``from flows.nightly_inference import
+nightly_inference``. Run them as they are or as subflows of a flow of your own (docs/api.md).
 
-Each is imported on first use, not with this package: a flow loads Prefect, Ray and the stages.
+Nothing is imported here: a flow loads Prefect, Ray and the stages, and a command loads only its own.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_WHERE = {
-    "prepare_data": "flows.prepare_data",
-    "train_model": "flows.train_model",
-    "register_model": "flows.register_model",
-    "nightly_inference": "flows.nightly_inference",
-    "serve_rollout": "flows.serve_rollout",
-    "monitor": "flows.monitor",
-}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'flows' has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+__all__ = ["monitor", "nightly_inference", "prepare_data", "register_model", "serve_rollout", "train_model"]

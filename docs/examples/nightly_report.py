@@ -12,7 +12,7 @@ from collections import Counter
 
 from prefect import flow, get_run_logger
 
-from flows import nightly_inference
+from flows.nightly_inference import nightly_inference
 from rayline import storage
 from rayline.tables import read_night_pair
 
