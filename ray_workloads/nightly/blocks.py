@@ -1,49 +1,10 @@
 """The blocks of a night: spans of them cut from the listing's parts, written once each, found again by a rerun.
 
-A block is ``objects_per_task`` consecutive rows of one listing part
-(:mod:`rayline.storage.listing`), named ``<part>/b<first row>``. A Ray Data
-``flat_map`` over the parts cuts each into *spans* of up to
-``blocks_per_span`` consecutive blocks (:func:`cut_part`: arithmetic on the
-part's row count, no I/O), so the driver never holds a list of blocks, and
-what crosses the object store and waits in Ray Data's queues is a few numbers
-per span, never URIs. A predictor actor takes a span, reads its rows from
-the listing part (:class:`PartRows`, the last part kept) and writes each
-block as two Parquet files at names fixed by the night's *key* and the
-block's name (:func:`block_file_uri`)::
-
-    <table>/model_name=<m>/dt=<d>/blocks-<key>/<part>/b<first row>.parquet
-
-in both tables, the errors file first and then the predictions file, whose
-footer holds the block's report (:class:`BlockReport`: rows of each kind, the
-digest of the block's URIs, the error types). Each attempt writes both files,
-even empty ones, and a retry overwrites them, so a block never has a stale
-file of an earlier attempt beside it.
-
-Why spans: a queued Ray Data block costs the driver memory (its metadata,
-and its rows when a small object is inlined in the driver's own store), and
-the cutters run ahead of slower actors. One row per block carrying its URIs
-made the driver's peak grow with the night (~0.4 KB an object:
-bench/README.md); a span is one row of five numbers for up to
-:data:`SPAN_BLOCKS` blocks. Small nights keep one block per span, so every
-actor of the pool takes blocks as it is free (:func:`blocks_per_span`).
-
-The listing's parts come from the driver, which lists the first
-``INLINE_OBJECTS`` objects itself, and from the cutters, which list the
-groups of sub-prefixes the driver left, the rest of the one it stopped in
-among them (:func:`cut_part`): a night of ten
-million photos has its first blocks predicted while the rest of its prefix is
-still listed.
-
-The key (:func:`night_key`) is a hash of what decides a block's rows: the
-night, the input prefix, the model version and its weights, the block size,
-``top_k`` and the code version; not the listing's content hash, which is
-known only at the end. A rerun of the same night with the same model has the
-same key, so it finds the blocks a killed attempt wrote: a block whose
-predictions file exists and whose report names the same URIs at the same
-ETags (the digests of both) is reused, not predicted again
-(:func:`reused_report`). Block files are never committed; the night's compacted
-files are (:mod:`ray_workloads.nightly.compaction`), and vacuum deletes block
-files as files no version references, once past the retention.
+A block is ``objects_per_task`` consecutive rows of one listing part; :func:`cut_part` cuts parts into
+spans of blocks by arithmetic alone, an actor writes each block's two files at names fixed by the
+night's key (:func:`night_key`, :func:`block_file_uri`), and a rerun reuses a block whose report names
+the same URIs at the same ETags (:func:`reused_report`). Why spans, and what the key holds:
+docs/nights.md.
 """
 
 from __future__ import annotations
