@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from rayline.testing.fault_proxy import fault_proxy
+from rayline.testing.fault_proxy_control import fault_proxy
 from rayline.testing.s3_server import S3_ENV, create_bucket, process_cpu_seconds, s3_server
 
 BUCKET = "rayline-bench"

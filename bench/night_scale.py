@@ -323,7 +323,7 @@ def main() -> None:
 
 
 def s3_measure(count: int, latency_ms: float, work: str, env: dict[str, str]) -> dict[str, Any]:
-    from rayline.testing.fault_proxy import fault_proxy
+    from rayline.testing.fault_proxy_control import fault_proxy
     from rayline.testing.s3_server import s3_server
 
     os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"})  # moto takes any

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rayline.testing.fault_proxy import FaultProxy
-from rayline.testing.fault_proxy import fault_proxy as proxy_in_front
+from rayline.testing.fault_proxy_control import FaultProxy
+from rayline.testing.fault_proxy_control import fault_proxy as proxy_in_front
 from rayline.testing.s3_server import S3_ENV as S3_TEST_ENV
 from rayline.testing.s3_server import (
     create_bucket,

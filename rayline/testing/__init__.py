@@ -4,6 +4,7 @@
   stopping a process by PID;
 - ``fault_proxy``: a real HTTP proxy in front of an S3, GCS or Azure endpoint that throttles, fails,
   resets, cuts bodies short and refuses reads by policy (``python -m rayline.testing.fault_proxy --help``);
+  ``fault_proxy_control`` starts one in its own process and configures it;
 - ``gcs_server``, ``azurite``: GCS's and Azure's emulators in their own processes;
 - ``trained_models``: a ResNet-18 trained on the digits in seconds (real logit margins, for accuracy gates).
 

@@ -23,7 +23,7 @@ from rayline.cli import app
 from rayline.errors import ConditionalWritesUnsupported, LeaseLost, NightCommittedElsewhere
 from rayline.storage import conditional, layout, leases
 from rayline.tables import delta_tables, prediction_reads, predictions_table
-from rayline.testing.fault_proxy import FaultProxy
+from rayline.testing.fault_proxy_control import FaultProxy
 from rayline.testing.s3_server import boto3_client
 from tests.unit.test_predictions_table import DT, SCHEMA, _labels, _write, errors_landed_predictions_raised
 

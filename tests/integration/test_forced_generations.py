@@ -26,7 +26,7 @@ from rayline.errors import StorageAccessDenied
 from rayline.seed import digit_objects
 from rayline.storage import folders, manifests
 from rayline.storage.manifests import IngestManifest
-from rayline.testing.fault_proxy import FaultProxy
+from rayline.testing.fault_proxy_control import FaultProxy
 from tests.integration.stalled_commit import fill_with
 from tests.support import REPO_ROOT, proxy_in_front
 

@@ -30,7 +30,7 @@ from rayline.seed import digit_objects
 from rayline.storage import manifests
 from rayline.storage.manifests import IngestManifest
 from rayline.tables.night_ranges import NightsFailed
-from rayline.testing.fault_proxy import FaultProxy
+from rayline.testing.fault_proxy_control import FaultProxy
 from tasks.batch_inference import batch_inference_task
 from tests.integration.helpers import (
     HUNG_MARK,

@@ -18,7 +18,7 @@ from ray_workloads.serving.config import ServeConfig
 from rayline.errors import AliasConflict, TransientStorageError, is_transient
 from rayline.models import registry
 from rayline.storage import layout, leases
-from rayline.testing.fault_proxy import FaultProxy
+from rayline.testing.fault_proxy_control import FaultProxy
 from tests.unit.test_alias_moves import ROLLOUT, _move_after_the_next_alias_read, _versions
 from tests.unit.test_registry_and_models import _register_keyed
 

@@ -21,7 +21,7 @@ import pytest
 from rayline import storage
 from rayline.storage import conditional, conditional_probe
 from rayline.storage.backends import store_for
-from rayline.testing.fault_proxy import FaultProxy
+from rayline.testing.fault_proxy_control import FaultProxy
 from tests.conftest import EMULATOR_BUCKET
 from tests.support import proxy_in_front
 

@@ -23,7 +23,7 @@ from rayline.errors import StorageAccessDenied, TransientStorageError, is_transi
 from rayline.models import registry
 from rayline.seed import digit_objects
 from rayline.tables.prediction_reads import committed_nights, read_night_pair
-from rayline.testing.fault_proxy import FaultProxy
+from rayline.testing.fault_proxy_control import FaultProxy
 from rayline.testing.s3_server import boto3_client
 from tests.integration.helpers import register_untrained_champion
 
