@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self
 
@@ -391,12 +392,18 @@ class PlantExtraRow(_PlantingPredictor):
         storage.write_parquet_atomic(errors, pa.concat_tables([table, extra.cast(table.schema)]))
 
 
-def stored_events(api: str, event: str, resource_id: str) -> list[dict[str, Any]]:
-    """The events named ``event`` about ``resource_id`` that the Prefect API at ``api`` stored."""
+def stored_events(
+    api: str, event: str, resource_id: str | None = None, since: float | None = None
+) -> list[dict[str, Any]]:
+    """The events named ``event`` (about ``resource_id``, since the unix time ``since``) that the Prefect API
+    at ``api`` stored."""
+    wanted: dict[str, Any] = {"event": {"name": [event]}}
+    if resource_id is not None:
+        wanted["resource"] = {"id": [resource_id]}
+    if since is not None:
+        wanted["occurred"] = {"since": datetime.fromtimestamp(since, UTC).isoformat()}
     with httpx.Client(base_url=api) as client:
-        answer = client.post(
-            "/events/filter", json={"filter": {"event": {"name": [event]}, "resource": {"id": [resource_id]}}}
-        )
+        answer = client.post("/events/filter", json={"filter": wanted})
         answer.raise_for_status()
         return list(answer.json()["events"])
 

@@ -7,7 +7,6 @@ sending requests through the router.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import queue
@@ -18,7 +17,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 
 import httpx
 import pytest
@@ -41,7 +39,7 @@ from rayline.ray_cluster import NAMESPACE
 from rayline.seed import digit_objects
 from rayline.storage import leases
 from tasks.monitoring import serving_health_task
-from tests.integration.helpers import ClientThreads, one_stored_event, register_untrained
+from tests.integration.helpers import ClientThreads, one_stored_event, register_untrained, stored_events
 from tests.support import REPO_ROOT, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
@@ -377,16 +375,6 @@ def test_a_rollout_paused_past_its_lease_cannot_move_traffic_over_the_one_that_t
             leases.release(taken)
 
 
-async def _events_since(api: str, name: str, since: float) -> list[dict[str, object]]:
-    async with httpx.AsyncClient(base_url=api) as client:
-        since_iso = datetime.fromtimestamp(since, UTC).isoformat()
-        answer = await client.post(
-            "/events/filter", json={"filter": {"event": {"name": [name]}, "occurred": {"since": since_iso}}}
-        )
-        answer.raise_for_status()
-        return list(answer.json()["events"])
-
-
 def test_a_rollout_killed_mid_soak_is_reconciled_by_the_next_one(champion_serving: str, prefect_api: str) -> None:
     """The flow's process SIGKILLed while the candidate soaks at 100 %: serving has it at 100 % while the
     registry's champion is the old version. While the dead run's lease lasts that is a rollout under way;
@@ -438,7 +426,7 @@ def test_a_rollout_killed_mid_soak_is_reconciled_by_the_next_one(champion_servin
     assert mismatch.value == 1.0
     _wait_until(
         "the champion-mismatch event",
-        lambda: bool(asyncio.run(_events_since(prefect_api, events.CHAMPION_NOT_SERVED, started))),
+        lambda: bool(stored_events(prefect_api, events.CHAMPION_NOT_SERVED, since=started)),
         timeout_s=30,
     )
 
