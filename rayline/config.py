@@ -273,16 +273,22 @@ def apply_config_file() -> None:
     path = config_file()
     if path is None:
         return
+    for name, value in _file_values(str(path.resolve()), path.stat().st_mtime_ns).items():
+        os.environ.setdefault(f"RAYLINE_{name.upper()}", _as_variable(value))
+
+
+@lru_cache(maxsize=4)
+def _file_values(path: str, _mtime_ns: int) -> dict[str, object]:
+    """The file's checked values, read once per version of the file: get_settings runs on every storage call."""
     try:
-        values = tomllib.loads(path.read_text())
+        values = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: not a readable TOML file of rayline settings: {exc}") from exc
     known = {name for name, field in Settings.model_fields.items() if field.validation_alias is None}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"{path}: {', '.join(unknown)} is no rayline setting; known: {', '.join(sorted(known))}")
-    for name, value in values.items():
-        os.environ.setdefault(f"RAYLINE_{name.upper()}", _as_variable(value))
+    return values
 
 
 def _as_variable(value: object) -> str:
