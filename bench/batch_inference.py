@@ -2,7 +2,7 @@
 
 What is compared:
 
-* **rayline**: ``ray_workloads.nightly.batch_inference.run``, the workload of the
+* **rayline**: ``rayline.ray_workloads.nightly.batch_inference.run``, the workload of the
   ``nightly-inference`` flow, on an embedded Ray cluster started the way its
   task starts it (``ray_cluster.connect(preload=WORKER_PRELOAD)``): list the
   prefix; predictor actors (a Ray Data actor pool) fetch, decode, predict and
@@ -110,7 +110,7 @@ def _model_version(root: str) -> Any:
 
 
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
-    import ray_workloads.data.images  # noqa: F401  (imports happen before the clock starts)
+    import rayline.ray_workloads.data.images  # noqa: F401  (imports happen before the clock starts)
     from rayline import storage
     from rayline.testing.s3_server import boto3_client
 
@@ -147,8 +147,8 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
-    from ray_workloads.nightly import batch_inference
     from rayline import ray_cluster, storage
+    from rayline.ray_workloads.nightly import batch_inference
 
     version = _model_version(spec["root"])
     cfg, connect_s, idle_wait_s = connect_for_night(spec, version, batch_size=BATCH_SIZE)

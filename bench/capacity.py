@@ -59,7 +59,7 @@ from bench.support.resnet_inference import model_name, register_resnet  # noqa: 
 RESULT = "BENCH-RESULT "
 ARCH = "resnet18"
 DAY = "2026-11-28"
-BLOCK = 32  # objects per task of a compute-bound night (ray_workloads.nightly.batch_inference)
+BLOCK = 32  # objects per task of a compute-bound night (rayline.ray_workloads.nightly.batch_inference)
 
 
 # ---------------------------------------------------------------- 1. per-image costs, one core
@@ -70,12 +70,12 @@ def child_costs(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from ray_workloads.nightly import batch_inference
-    from ray_workloads.nightly.blocks import NightOutput
-    from ray_workloads.nightly.pipeline import run_constants
-    from ray_workloads.nightly.predictor import PredictorUDF, fetch_and_decode, write_block
     from rayline import storage
     from rayline.models import registry
+    from rayline.ray_workloads.nightly import batch_inference
+    from rayline.ray_workloads.nightly.blocks import NightOutput
+    from rayline.ray_workloads.nightly.pipeline import run_constants
+    from rayline.ray_workloads.nightly.predictor import PredictorUDF, fetch_and_decode, write_block
     from rayline.tables.delta_tables import Night
 
     torch.set_num_threads(1)
@@ -121,9 +121,9 @@ def child_cluster(spec: dict[str, Any]) -> dict[str, Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from ray_workloads.nightly import batch_inference
     from rayline import ray_cluster, storage
     from rayline.models import registry
+    from rayline.ray_workloads.nightly import batch_inference
 
     os.environ["RAYLINE_STORAGE"] = spec["root"]
     node = {"num_cpus": 2, "object_store_memory": 1 << 30}  # 2 logical CPUs a core, as rayline's embedded cluster

@@ -5,7 +5,7 @@ and scikit-learn but no Ray (and nothing can be installed from a registry
 there), so this is bench/night_plan.py's measurement without Ray:
 
 * **model**: ResNet-50 and ResNet-18 (``weights=None``) at batches of 64 and
-  256: ``ray_workloads.execution.plan.choose`` on the GPU's hardware, every
+  256: ``rayline.ray_workloads.execution.plan.choose`` on the GPU's hardware, every
   candidate's images/s (numpy in, logits out: the copies a night's actor
   makes are included) and the plan chosen.
 * **gate**: fp16 and bf16 against fp32 on a ResNet-18 trained on the digits
@@ -43,8 +43,8 @@ def model_plans(arch: str, batch: int) -> dict[str, Any]:
     import torch
     from torchvision.models import get_model
 
-    from ray_workloads.execution.plan import PlanPolicy, choose, torch_run
     from rayline.hardware import detect
+    from rayline.ray_workloads.execution.plan import PlanPolicy, choose, torch_run
 
     module = get_model(arch, weights=None).to(DEVICE["name"]).eval().to(memory_format=torch.channels_last)
     probe = np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32)
@@ -55,7 +55,7 @@ def model_plans(arch: str, batch: int) -> dict[str, Any]:
 
 
 def trained_gate() -> dict[str, Any]:
-    from ray_workloads.execution.plan import REFERENCE, Plan, gate, torch_run
+    from rayline.ray_workloads.execution.plan import REFERENCE, Plan, gate, torch_run
     from rayline.testing.trained_models import digits_resnet18
 
     module, images, _ = digits_resnet18(side=64, steps=80, device=DEVICE["name"])
@@ -78,7 +78,7 @@ class RaylineDecode:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> Any:
-        from ray_workloads.data.images import decode_image
+        from rayline.ray_workloads.data.images import decode_image
 
         return index, decode_image(Path(self.paths[index]).read_bytes(), self.spec)
 
@@ -88,9 +88,9 @@ def photo_loop(paths: list[str], plan_side: bool) -> dict[str, Any]:
     from torchvision.models import get_model
 
     from bench.support.documented_loop import DocumentedDataset
-    from ray_workloads.architectures.torchvision_families import imagenet_image_spec
-    from ray_workloads.execution.plan import Plan, PlanPolicy, choose, torch_run
     from rayline.hardware import detect
+    from rayline.ray_workloads.architectures.torchvision_families import imagenet_image_spec
+    from rayline.ray_workloads.execution.plan import Plan, PlanPolicy, choose, torch_run
 
     workers = len(os.sched_getaffinity(0))
     module = get_model("resnet50", weights=None).to(DEVICE["name"]).eval()

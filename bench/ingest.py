@@ -53,8 +53,8 @@ def _measure(endpoint: str, count: int, pids: dict[str, int]) -> dict[str, float
     import ray
     from botocore.config import Config
 
-    from ray_workloads.data import ingest
     from rayline import ray_cluster, storage
+    from rayline.ray_workloads.data import ingest
 
     os.environ["AWS_ENDPOINT_URL"] = endpoint  # before Ray starts: its workers inherit it
     raw = f"s3://{BUCKET}/raw"

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the repository root
 
 if TYPE_CHECKING:
-    from ray_workloads.execution.plan import Precision
+    from rayline.ray_workloads.execution.plan import Precision
 
 RESULT = "RESULT "
 ARCHS = ("resnet50", "resnet18")
@@ -131,7 +131,7 @@ def night(work: str, arch: str, folder: Path, count: int, gpu: bool) -> dict[str
 def trained_agreement(precision: Precision) -> tuple[float, float]:
     """Top-1 agreement and largest top-class probability change of ``precision`` against fp32 on a trained
     ResNet-18 (digits, 64 px, 297 held-out images)."""
-    from ray_workloads.execution.plan import REFERENCE, Plan, gate, torch_run
+    from rayline.ray_workloads.execution.plan import REFERENCE, Plan, gate, torch_run
     from rayline.testing.trained_models import digits_resnet18
 
     module, images, labels = digits_resnet18(side=64, steps=80)
@@ -153,8 +153,8 @@ def decode_costs(repeats: int) -> dict[int, dict[str, float]]:
     """ms to decode and transform one camera photo of each size, full and reduced-scale (median of repeats)."""
     import numpy as np
 
-    from ray_workloads.architectures.build import imagenet_image_spec
-    from ray_workloads.data.images import decode_image
+    from rayline.ray_workloads.architectures.build import imagenet_image_spec
+    from rayline.ray_workloads.data.images import decode_image
     from rayline.seed import camera_photo
 
     reduced = imagenet_image_spec("resnet50").model_copy(update={"draft": True})
@@ -187,10 +187,10 @@ def serving(work: str, seconds: float) -> dict[str, dict[str, float]]:
 
     from bench.support.http_load import saturate
     from bench.support.resnet_inference import _version, register_resnet
-    from ray_workloads.execution.plan import PlanPolicy
-    from ray_workloads.serving import control
-    from ray_workloads.serving.config import ServeConfig
     from rayline import ray_cluster
+    from rayline.ray_workloads.execution.plan import PlanPolicy
+    from rayline.ray_workloads.serving import control
+    from rayline.ray_workloads.serving.config import ServeConfig
     from rayline.seed import camera_photo
     from rayline.testing.s3_server import free_port
 

@@ -1,6 +1,6 @@
 """Nights at scale: what grows with the number of images, measured as ratios between sizes of one run.
 
-``python bench/night_scale.py`` runs ``ray_workloads.nightly.batch_inference.run``
+``python bench/night_scale.py`` runs ``rayline.ray_workloads.nightly.batch_inference.run``
 (the nightly-inference workload) on nights of tiny objects, so that
 orchestration, not the model, dominates: the digits CNN (untrained
 ``small_cnn``, 32 px) on ``--sizes`` objects on local disk (default 100,000
@@ -125,9 +125,9 @@ def child_main(spec: dict[str, Any]) -> None:
         return
     from deltalake import DeltaTable
 
-    from ray_workloads.nightly import batch_inference
     from rayline import ray_cluster
     from rayline.models import registry
+    from rayline.ray_workloads.nightly import batch_inference
     from rayline.tables.delta_tables import Night, storage_options
 
     os.environ["RAYLINE_STORAGE"] = spec["model_root"]
@@ -172,8 +172,8 @@ def _high_water_mb() -> float:
 
 def child_ingest(spec: dict[str, Any]) -> None:
     """``prepare-data``'s workload over the same objects: listing parts, shards packed from them, the manifest."""
-    from ray_workloads.data import ingest
     from rayline import ray_cluster
+    from rayline.ray_workloads.data import ingest
 
     os.environ["RAYLINE_STORAGE"] = spec["model_root"]
     ray_cluster.connect()

@@ -30,8 +30,8 @@ import time
 import numpy as np
 import torch
 
-from ray_workloads.architectures.build import build_model, imagenet_image_spec
-from ray_workloads.data.images import DRAFT_MAX_MEAN_ABS_DIFF, decode_image, decode_rgb
+from rayline.ray_workloads.architectures.build import build_model, imagenet_image_spec
+from rayline.ray_workloads.data.images import DRAFT_MAX_MEAN_ABS_DIFF, decode_image, decode_rgb
 from rayline.seed import CAMERA_MEGAPIXELS, camera_photos, jpeg_bytes, photo_objects
 from rayline.specs import ImageSpec, ModelSpec
 

@@ -69,7 +69,7 @@ from starlette.responses import JSONResponse
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.support.http_load import Run, Saturation, closed_loop, open_loop, saturate  # noqa: E402
-from ray_workloads.serving.model_server import ModelServer  # noqa: E402
+from rayline.ray_workloads.serving.model_server import ModelServer  # noqa: E402
 
 ROUTER_PATH = "/predict"
 DIRECT_PREFIX = "/direct"
@@ -156,11 +156,11 @@ def main() -> None:
     from ray import serve
 
     from bench.support.inference_night import register_untrained
-    from ray_workloads.architectures.build import ModelSpec
-    from ray_workloads.serving import control as serve_control
-    from ray_workloads.serving.config import ServeConfig
-    from ray_workloads.serving.model_server import model_app
     from rayline import ray_cluster
+    from rayline.ray_workloads.architectures.build import ModelSpec
+    from rayline.ray_workloads.serving import control as serve_control
+    from rayline.ray_workloads.serving.config import ServeConfig
+    from rayline.ray_workloads.serving.model_server import model_app
     from rayline.seed import digit_objects
     from rayline.testing.s3_server import free_port
 

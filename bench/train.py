@@ -39,8 +39,8 @@ def prepare(root: str) -> Any:
     """The digits ingested and preprocessed under ``root``: the prepared manifest."""
     import ray
 
-    from ray_workloads.data import ingest, preprocess
     from rayline import storage
+    from rayline.ray_workloads.data import ingest, preprocess
     from rayline.seed import seed
 
     seed(storage.join(root, "raw"))
@@ -52,8 +52,8 @@ def prepare(root: str) -> Any:
 
 
 def ray_fit(root: str, prepared: Any, epochs: int) -> dict[str, Any]:
-    from ray_workloads.training import evaluate, train
-    from ray_workloads.training.loop import TrainLoopConfig
+    from rayline.ray_workloads.training import evaluate, train
+    from rayline.ray_workloads.training.loop import TrainLoopConfig
 
     loop = TrainLoopConfig(epochs=epochs, batch_size=32)
     started, started_at = time.perf_counter(), time.time()
@@ -100,8 +100,8 @@ def plain_fit(root: str, prepared: Any, epochs: int) -> dict[str, Any]:
     """
     import torch
 
-    from ray_workloads.architectures.build import build_model
-    from ray_workloads.training.loop import (
+    from rayline.ray_workloads.architectures.build import build_model
+    from rayline.ray_workloads.training.loop import (
         TrainLoopConfig,
         in_memory_batches,
         make_optimizer,

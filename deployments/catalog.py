@@ -17,7 +17,7 @@ How the lifecycle runs itself:
   events within ``RETRAIN_DEBOUNCE`` starts one run. It searches with 4 ASHA
   trials first (the digits); a model whose champion is a fine-tune of another
   (an outside ResNet, say) is fine-tuned again from that parent with no search
-  — the flow decides (``tasks.training_plan.plan_training``), since a trial per
+  — the flow decides (``rayline.tasks.training_plan.plan_training``), since a trial per
   fine-tune of a torchvision model at 224 px doesn't fit a small CPU cluster;
 * ``serve-rollout`` when a challenger is registered (or by hand);
 * ``monitor`` every 15 minutes, which also vacuums the predictions tables
@@ -87,11 +87,11 @@ def _on(
 
 
 def deployment_table() -> list[DeploymentSpec]:
-    from flows.monitor import monitor
-    from flows.nightly_inference import nightly_inference
-    from flows.prepare_data import prepare_data
-    from flows.serve_rollout import serve_rollout
-    from flows.train_model import train_model
+    from rayline.flows.monitor import monitor
+    from rayline.flows.nightly_inference import nightly_inference
+    from rayline.flows.prepare_data import prepare_data
+    from rayline.flows.serve_rollout import serve_rollout
+    from rayline.flows.train_model import train_model
 
     return [
         DeploymentSpec(

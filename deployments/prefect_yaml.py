@@ -1,7 +1,7 @@
 """``prefect.yaml`` from the deployment table, for teams that deploy with ``prefect deploy`` to a work pool.
 
 The table in ``catalog.py`` is the one source; this renders it (``python -m
-deployments.prefect_yaml > prefect.yaml``) and a test keeps the committed file
+rayline.deployments.prefect_yaml > prefect.yaml``) and a test keeps the committed file
 equal to the rendering. The work pool comes from ``RAYLINE_WORK_POOL`` at
 deploy time (a ``process`` pool on a VM, or a ``kubernetes`` pool running the
 image of ``deployments/cluster/Dockerfile``).
@@ -15,10 +15,10 @@ from typing import Any
 
 import yaml  # type: ignore[import-untyped]  # no stubs installed; only safe_dump is used
 
-from deployments.catalog import DeploymentSpec, deployment_table
+from rayline.deployments.catalog import DeploymentSpec, deployment_table
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADER = "# Generated from deployments/catalog.py by `python -m deployments.prefect_yaml > prefect.yaml`.\n"
+HEADER = "# Generated from deployments/catalog.py by `python -m rayline.deployments.prefect_yaml > prefect.yaml`.\n"
 
 
 def _entrypoint(spec: DeploymentSpec) -> str:

@@ -6,7 +6,7 @@ version within the retention needs them, so every version current within it
 stays readable by number (``rayline.tables.prediction_reads``).
 
 Every read and write of the registry, storage and serving goes through a
-task (``tasks.registry_lookups``, ``tasks.monitoring``, ``tasks.maintenance``).
+task (``rayline.tasks.registry_lookups``, ``rayline.tasks.monitoring``, ``rayline.tasks.maintenance``).
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
-from ray_workloads.monitoring import monitor as mon
-from ray_workloads.serving.config import config_from_settings
 from rayline import events
 from rayline.errors import RaylineError
 from rayline.models.registry import CHAMPION
+from rayline.ray_workloads.monitoring import monitor as mon
+from rayline.ray_workloads.serving.config import config_from_settings
 from rayline.storage.layout import metrics_uri as metrics_file_uri
 from rayline.storage.layout import model_name as checked_model_name
 from rayline.storage.layout import root_uri
 from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS, check_retention
-from tasks.common import emit, png_markdown
-from tasks.maintenance import vacuum_tables_task
-from tasks.monitoring import night_drifts_task, reference_task, serving_health_task, write_metrics_task
-from tasks.registry_lookups import reconcile_mirror_task, resolve_version_task
+from rayline.tasks.common import emit, png_markdown
+from rayline.tasks.maintenance import vacuum_tables_task
+from rayline.tasks.monitoring import night_drifts_task, reference_task, serving_health_task, write_metrics_task
+from rayline.tasks.registry_lookups import reconcile_mirror_task, resolve_version_task
 
 
 class MonitorResult(BaseModel):

@@ -23,16 +23,16 @@ from prefect.artifacts import create_table_artifact
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
-from ray_workloads.execution.plan import PlanPolicy
-from ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, NightSkipped
 from rayline.config import get_settings
 from rayline.errors import ErrorBudgetExceeded
 from rayline.lineage import code_version
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.execution.plan import PlanPolicy
+from rayline.ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, NightSkipped
 from rayline.storage.layout import root_uri
 from rayline.tables import night_ranges
 from rayline.tables.night_ranges import BackfillResult, NightOutcome, NightsFailed
-from tasks.batch_inference import batch_inference_task, cluster_cpus
+from rayline.tasks.batch_inference import batch_inference_task, cluster_cpus
 
 BACKFILL_ARTIFACT = "nightly-inference-backfill"
 

@@ -2,7 +2,7 @@
 
 Or a range of nights (``date_from``..``date_to``), several at once, each its
 own commit: a backfill after an outage or a new champion
-(:mod:`flows.nightly_backfill`).
+(:mod:`rayline.flows.nightly_backfill`).
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from typing import Any, Literal
 from prefect import flow
 from prefect.artifacts import create_link_artifact, create_table_artifact
 
-from flows.nightly_backfill import check_error_budget, night_config, run_range
-from ray_workloads.execution.plan import PlanPolicy, Precision, plans_text
-from ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
 from rayline.errors import ConfigError
+from rayline.flows.nightly_backfill import check_error_budget, night_config, run_range
+from rayline.ray_workloads.execution.plan import PlanPolicy, Precision, plans_text
+from rayline.ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
 from rayline.skipped import skipped_text
 from rayline.storage.layout import model_name as checked_model_name
 from rayline.storage.layout import parse_day, yesterday_utc
 from rayline.tables import night_ranges
 from rayline.tables.night_ranges import BackfillResult
-from tasks.batch_inference import batch_inference_task
-from tasks.registry_lookups import parse_model_ref_task, resolve_version_task
+from rayline.tasks.batch_inference import batch_inference_task
+from rayline.tasks.registry_lookups import parse_model_ref_task, resolve_version_task
 
 
 def _skipped(result: InferenceResult) -> str:
@@ -72,7 +72,7 @@ def nightly_inference(
     natively) and use the fastest whose answers agree with fp32's on the
     night's first images (top-1 agreement at least ``min_plan_agreement``);
     ``precision``/``backend`` pin one (still gated); ``off`` runs fp32 eager.
-    See :mod:`ray_workloads.execution.plan`.
+    See :mod:`rayline.ray_workloads.execution.plan`.
     """
     policy = PlanPolicy(mode=plan, precision=precision, backend=backend, min_agreement=min_plan_agreement)
     days = night_ranges.night_range(date, date_from, date_to)

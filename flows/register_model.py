@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from prefect import flow
 
-from ray_workloads.registration.outside_models import IMAGENET, RegisterModelConfig, RegisterModelResult
-from tasks.outside_models import register_outside_model
+from rayline.ray_workloads.registration.outside_models import IMAGENET, RegisterModelConfig, RegisterModelResult
+from rayline.tasks.outside_models import register_outside_model
 
 
 @flow(name="register-model")

@@ -5,14 +5,14 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel
 
-from ray_workloads.serving.config import ServeConfig, config_from_settings
-from ray_workloads.serving.rollout import GateConfig, RolloutConfig, StepReport
 from rayline.errors import AliasConflict, LeaseLost, RolloutRolledBack
 from rayline.models.registry import CHAMPION, ModelVersion
+from rayline.ray_workloads.serving.config import ServeConfig, config_from_settings
+from rayline.ray_workloads.serving.rollout import GateConfig, RolloutConfig, StepReport
 from rayline.storage.leases import HeldLease
-from tasks.registry_lookups import alias_version_task, resolve_version_task
-from tasks.rollouts import LEASE_TTL_S, another_rollout_holds_task, probe_source_task, rollout_lease
-from tasks.serve import PreparedRollout, prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
+from rayline.tasks.registry_lookups import alias_version_task, resolve_version_task
+from rayline.tasks.rollouts import LEASE_TTL_S, another_rollout_holds_task, probe_source_task, rollout_lease
+from rayline.tasks.serve import PreparedRollout, prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
 
 
 class RolloutResult(BaseModel):

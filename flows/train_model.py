@@ -10,12 +10,12 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
-from flows.prepare_data import DIGITS_IMAGE_SIZE, PrepareDataResult, prepare_data
-from ray_workloads.architectures.build import ModelSpec, check_input_size
-from ray_workloads.training.evaluate import EvaluationResult
-from ray_workloads.training.loop import TrainLoopConfig
-from ray_workloads.training.train import TrainConfig, TrainResult
-from ray_workloads.training.tune import TuneJobConfig, TuneResult
+from rayline.flows.prepare_data import DIGITS_IMAGE_SIZE, PrepareDataResult, prepare_data
+from rayline.ray_workloads.architectures.build import ModelSpec, check_input_size
+from rayline.ray_workloads.training.evaluate import EvaluationResult
+from rayline.ray_workloads.training.loop import TrainLoopConfig
+from rayline.ray_workloads.training.train import TrainConfig, TrainResult
+from rayline.ray_workloads.training.tune import TuneJobConfig, TuneResult
 from rayline.storage.layout import (
     RAW_DIR,
     TRAINING_DIR,
@@ -24,11 +24,11 @@ from rayline.storage.layout import (
     checkpoints_uri,
     under_root,
 )
-from tasks.register import RegistrationResult, register_and_gate
-from tasks.registry_lookups import reconcile_mirror_task
-from tasks.train import evaluate_task, train_model_task
-from tasks.training_plan import plan_training_task
-from tasks.tune import tune_task
+from rayline.tasks.register import RegistrationResult, register_and_gate
+from rayline.tasks.registry_lookups import reconcile_mirror_task
+from rayline.tasks.train import evaluate_task, train_model_task
+from rayline.tasks.training_plan import plan_training_task
+from rayline.tasks.tune import tune_task
 
 
 class TrainModelResult(BaseModel):
@@ -76,7 +76,7 @@ def train_model(
     ``challenger`` when a serve rollout is to promote it.
 
     Fine-tuning (``init_from="NAME@champion"``, or retraining a model whose
-    champion is a fine-tune: see :func:`tasks.training_plan.plan_training`) starts from the
+    champion is a fine-tune: see :func:`rayline.tasks.training_plan.plan_training`) starts from the
     parent's weights with a new head sized to the data's classes, prepares the
     data with the parent's image spec, never searches, and registers under
     ``model_name`` (default ``<parent>-ft``) with a ``parent`` link. ``arch``

@@ -1,7 +1,7 @@
 """rayline's Prefect events by name: what stages announce, for automations (retraining, rollouts) and for people.
 
 The names live in core because both ends use them: the tasks and flows that
-emit them (``tasks.common.emit``) and the deployments whose triggers wait for
+emit them (``rayline.tasks.common.emit``) and the deployments whose triggers wait for
 them (``deployments/catalog.py``).
 
 Prefect triggers match resource *labels* (strings, globs), not numbers, so

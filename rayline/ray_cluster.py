@@ -83,9 +83,9 @@ RAY_ENV_DEFAULTS = {
 }
 
 
-# The packages a remote cluster's workers run, shipped by folder. Found by name, not imported:
-# core imports nothing above it, and what ships is the code, not this process's loaded modules.
-_SHIPPED_PACKAGES = ("rayline", "ray_workloads")
+# The package a remote cluster's workers run, shipped by folder (Ray's zip follows the links of
+# rayline/ray_workloads and the rest). Found by name, not imported: what ships is the code.
+_SHIPPED_PACKAGES = ("rayline",)
 
 
 def _package_folder(name: str) -> str:

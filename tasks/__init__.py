@@ -10,24 +10,24 @@ import importlib
 from typing import Any
 
 _WHERE = {
-    "ingest_objects": "tasks.ingest",
-    "IngestConfig": "ray_workloads.data.ingest",
-    "IngestResult": "ray_workloads.data.ingest",
-    "preprocess_images": "tasks.preprocess",
-    "PreprocessConfig": "ray_workloads.data.preprocess",
-    "PreprocessResult": "ray_workloads.data.preprocess",
-    "batch_inference_task": "tasks.batch_inference",
-    "InferenceConfig": "ray_workloads.nightly.contract",
-    "InferenceResult": "ray_workloads.nightly.contract",
-    "register_outside_model": "tasks.outside_models",
-    "RegisterModelConfig": "ray_workloads.registration.outside_models",
-    "resolve_version_task": "tasks.registry_lookups",
-    "vacuum_tables_task": "tasks.maintenance",
+    "ingest_objects": "rayline.tasks.ingest",
+    "IngestConfig": "rayline.ray_workloads.data.ingest",
+    "IngestResult": "rayline.ray_workloads.data.ingest",
+    "preprocess_images": "rayline.tasks.preprocess",
+    "PreprocessConfig": "rayline.ray_workloads.data.preprocess",
+    "PreprocessResult": "rayline.ray_workloads.data.preprocess",
+    "batch_inference_task": "rayline.tasks.batch_inference",
+    "InferenceConfig": "rayline.ray_workloads.nightly.contract",
+    "InferenceResult": "rayline.ray_workloads.nightly.contract",
+    "register_outside_model": "rayline.tasks.outside_models",
+    "RegisterModelConfig": "rayline.ray_workloads.registration.outside_models",
+    "resolve_version_task": "rayline.tasks.registry_lookups",
+    "vacuum_tables_task": "rayline.tasks.maintenance",
 }
 __all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
-        raise AttributeError(f"module 'tasks' has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(_WHERE[name]), name)

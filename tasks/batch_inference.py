@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from prefect import get_run_logger
 
-from ray_workloads.nightly import batch_inference
 from rayline import ray_cluster
 from rayline.errors import NightCommittedElsewhere
+from rayline.ray_workloads.nightly import batch_inference
 from rayline.skipped import skipped_text
-from tasks.common import idempotency_key, lease_holder, ray_task, record_lineage
+from rayline.tasks.common import idempotency_key, lease_holder, ray_task, record_lineage
 
 
 @ray_task("batch-inference", preload=batch_inference.WORKER_PRELOAD)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from prefect import get_run_logger
 from prefect.runtime import task_run
 
-from ray_workloads.data import ingest
 from rayline import events
 from rayline.config import get_settings
+from rayline.ray_workloads.data import ingest
 from rayline.skipped import skipped_text
-from tasks.common import emit, folder_wait_text, lease_holder, ray_task, record_lineage
+from rayline.tasks.common import emit, folder_wait_text, lease_holder, ray_task, record_lineage
 
 
 @ray_task("ingest")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger
 
 from rayline.tables.prediction_reads import vacuum_tables
-from tasks.common import maintenance_task
+from rayline.tasks.common import maintenance_task
 
 # Listing a table's folder and deleting files: minutes at most, even for a large table on S3.
 VACUUM_TIMEOUT_S = 1800

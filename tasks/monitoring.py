@@ -1,5 +1,5 @@
 """Prefect tasks of the ``monitor`` flow: what it reads (the reference, serving health, the nights'
-drift) and the metrics file it writes. The vacuum is ``tasks.maintenance``'s.
+drift) and the metrics file it writes. The vacuum is ``rayline.tasks.maintenance``'s.
 
 Reads only, apart from the metrics file (replaced whole) and the serving check's event (one per
 task run): a retry repeats nothing.
@@ -7,12 +7,12 @@ task run): a retry repeats nothing.
 
 from __future__ import annotations
 
-from ray_workloads.monitoring import monitor as mon
-from ray_workloads.serving.champion import serving_against_registry
 from rayline import events, storage
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.monitoring import monitor as mon
+from rayline.ray_workloads.serving.champion import serving_against_registry
 from rayline.tables.prediction_reads import committed_nights
-from tasks.common import emit, idempotency_key, io_task
+from rayline.tasks.common import emit, idempotency_key, io_task
 
 # Reading the predicted classes of a few nights' partitions: minutes at most, even on S3.
 DRIFT_TIMEOUT_S = 1800
@@ -22,7 +22,7 @@ DRIFT_TIMEOUT_S = 1800
 def reference_task(
     champion: ModelVersion, root: str, reference_date: str | None, low_confidence: float
 ) -> mon.Reference:
-    """What the champion's nights are judged against (``ray_workloads.monitoring.monitor.reference_for``)."""
+    """What the champion's nights are judged against (``rayline.ray_workloads.monitoring.monitor.reference_for``)."""
     return mon.reference_for(champion, root, reference_date, low_confidence)
 
 

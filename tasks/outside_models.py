@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from ray_workloads.registration import mlflow_models, outside_models
-from ray_workloads.registration.outside_models import RegisterModelConfig, RegisterModelResult
 from rayline import lineage, ray_cluster
-from tasks.common import emit_alias_move, ray_task, record_lineage, run_context
+from rayline.ray_workloads.registration import mlflow_models, outside_models
+from rayline.ray_workloads.registration.outside_models import RegisterModelConfig, RegisterModelResult
+from rayline.tasks.common import emit_alias_move, ray_task, record_lineage, run_context
 
 
 @ray_task("register-model", timeout_s=900, connects=False)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import get_run_logger
 
-from ray_workloads.data import preprocess
-from tasks.common import folder_wait_text, lease_holder, log_ray_data_stats, ray_task, record_lineage
+from rayline.ray_workloads.data import preprocess
+from rayline.tasks.common import folder_wait_text, lease_holder, log_ray_data_stats, ray_task, record_lineage
 
 
 @ray_task("preprocess")

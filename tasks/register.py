@@ -1,4 +1,4 @@
-"""Prefect task: register a trained model and run the promotion gate (``ray_workloads.training.promotion``)."""
+"""Prefect task: register a trained model and run the promotion gate (``rayline.ray_workloads.training.promotion``)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
-from ray_workloads.architectures.build import ModelSpec
-from ray_workloads.registration import mlflow_models
-from ray_workloads.training import evaluate, promotion
-from ray_workloads.training.train import TrainResult
 from rayline import lineage
 from rayline.models import registry
+from rayline.ray_workloads.architectures.build import ModelSpec
+from rayline.ray_workloads.registration import mlflow_models
+from rayline.ray_workloads.training import evaluate, promotion
+from rayline.ray_workloads.training.train import TrainResult
 from rayline.specs import ParentModel
-from tasks.common import emit_alias_move, idempotency_key, ray_task, record_lineage, run_context
+from rayline.tasks.common import emit_alias_move, idempotency_key, ray_task, record_lineage, run_context
 
 
 class RegistrationResult(BaseModel):

@@ -1,17 +1,17 @@
 """Prefect tasks: the model registry lookups flows make, and the MLflow mirror they keep in line.
 
 Flows reach the registry only through these, so a lookup that S3 throttles is
-retried like any stage (``tasks.common.io_task``); a missing alias or a
+retried like any stage (``rayline.tasks.common.io_task``); a missing alias or a
 malformed reference fails at once with its own message (not transient).
 """
 
 from __future__ import annotations
 
-from ray_workloads.registration import mlflow_models
 from rayline.models import registry
 from rayline.models.mlflow_mirror import MirrorReport
 from rayline.models.registry import ModelVersion
-from tasks.common import DEFAULT_TIMEOUT_S, io_task
+from rayline.ray_workloads.registration import mlflow_models
+from rayline.tasks.common import DEFAULT_TIMEOUT_S, io_task
 
 
 @io_task("parse-model-ref")
@@ -37,5 +37,5 @@ def alias_version_task(name: str, alias: str) -> int | None:
 @io_task("mirror-model-registry", timeout_s=DEFAULT_TIMEOUT_S)
 def reconcile_mirror_task(name: str) -> MirrorReport | None:
     """Complete MLflow's mirror of ``name`` (what an earlier run left unfinished); never raises
-    (``ray_workloads.registration.mlflow_models``): None when tracking is off or the mirror failed."""
+    (``rayline.ray_workloads.registration.mlflow_models``): None when tracking is off or the mirror failed."""
     return mlflow_models.reconcile(name)

@@ -1,4 +1,4 @@
-"""What the ``serve-rollout`` flow reads and holds around its Ray tasks (``tasks.serve``): the
+"""What the ``serve-rollout`` flow reads and holds around its Ray tasks (``rayline.tasks.serve``): the
 canary probes' default source, and the model's rollout lease."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
-from ray_workloads.serving.rollout import default_probe_source
 from rayline import storage
 from rayline.errors import LeaseBusy, RolloutRolledBack
 from rayline.models import registry
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.serving.rollout import default_probe_source
 from rayline.storage import leases
-from tasks.common import io_task, lease_holder
+from rayline.tasks.common import io_task, lease_holder
 
 # renewed every ttl/3 while the rollout runs, so it need not outlast a rollout: a crashed
 # holder's lease is taken over this long after its last renewal (the flow's default)

@@ -7,14 +7,14 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 
-from ray_workloads.registration import mlflow_models
-from ray_workloads.serving import canary, rollout
-from ray_workloads.serving.canary import PreparedRollout as PreparedRollout  # the type flows pass between tasks
-from ray_workloads.serving.config import ServeConfig
 from rayline import events
 from rayline.models import registry
+from rayline.ray_workloads.registration import mlflow_models
+from rayline.ray_workloads.serving import canary, rollout
+from rayline.ray_workloads.serving.canary import PreparedRollout as PreparedRollout  # the type flows pass between tasks
+from rayline.ray_workloads.serving.config import ServeConfig
 from rayline.storage.fencing import Fence
-from tasks.common import emit, emit_alias_move, idempotency_key, ray_task, record_lineage
+from rayline.tasks.common import emit, emit_alias_move, idempotency_key, ray_task, record_lineage
 
 
 @ray_task("serve-prepare-rollout", timeout_s=900)

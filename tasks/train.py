@@ -7,11 +7,11 @@ import re
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from ray_workloads.architectures.build import ModelSpec
-from ray_workloads.training import evaluate, train
 from rayline import storage
 from rayline.models import tracking
-from tasks.common import png_markdown, ray_task, record_lineage
+from rayline.ray_workloads.architectures.build import ModelSpec
+from rayline.ray_workloads.training import evaluate, train
+from rayline.tasks.common import png_markdown, ray_task, record_lineage
 
 # an attempt's marks: when and where it resumed, not how well (epoch_ended_at stamps each point instead)
 _UNTRACKED = {"attempt_started_at", "attempt_start_epoch"}

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from ray_workloads.architectures.build import InferenceOnlyFormat
-from ray_workloads.architectures.model_files import described
-from ray_workloads.data import preprocess
-from ray_workloads.training.loop import InitFrom
 from rayline.errors import ConfigError
 from rayline.models import registry
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.architectures.build import InferenceOnlyFormat
+from rayline.ray_workloads.architectures.model_files import described
+from rayline.ray_workloads.data import preprocess
+from rayline.ray_workloads.training.loop import InitFrom
 from rayline.specs import ParentModel
-from tasks.common import io_task
+from rayline.tasks.common import io_task
 
 DEFAULT_MODEL = "digits"
 FINE_TUNE_SUFFIX = "-ft"

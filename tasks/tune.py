@@ -7,10 +7,10 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from ray_workloads.training import evaluate, tune
-from ray_workloads.training.loop import TrainLoopConfig
 from rayline import storage
-from tasks.common import png_markdown, ray_task, record_lineage
+from rayline.ray_workloads.training import evaluate, tune
+from rayline.ray_workloads.training.loop import TrainLoopConfig
+from rayline.tasks.common import png_markdown, ray_task, record_lineage
 
 
 @ray_task("tune")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ray_workloads.nightly.contract import block_size
+from rayline.ray_workloads.nightly.contract import block_size
 from rayline.storage.listing import INLINE_OBJECTS, LISTERS
 
 
@@ -45,7 +45,7 @@ class Limits:
     prefixes: int = 256  # hashed key prefixes of the bucket (1: a flat prefix)
     prefixes_per_group: int = 8  # rayline.storage.listing.PREFIXES_PER_GROUP: one listing stream per group
     listers: int = LISTERS  # groups a night's cutters list at once
-    rows_per_file: int = 100_000  # ray_workloads.nightly.compaction.MIN_FILE_ROWS
+    rows_per_file: int = 100_000  # rayline.ray_workloads.nightly.compaction.MIN_FILE_ROWS
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def documented_loop(paths: list[str], version: Any, out: Path, batch_size: int) 
     import torch
     from torch.utils.data import DataLoader
 
-    from ray_workloads.architectures.build import load_model
+    from rayline.ray_workloads.architectures.build import load_model
 
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)

@@ -15,8 +15,8 @@ def connect_for_night(spec: dict[str, Any], version: Any, **settings: Any) -> tu
     """Connect as tasks/batch_inference.py does and wait until the machine is idle; returns the night's
     ``InferenceConfig`` (``settings`` on top), the seconds ``ray.init`` took and the seconds waited."""
     from bench.support.process_tree import wait_until_idle
-    from ray_workloads.nightly import batch_inference
     from rayline import ray_cluster, storage
+    from rayline.ray_workloads.nightly import batch_inference
 
     began = time.perf_counter()
     ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD)
@@ -38,8 +38,8 @@ def register_untrained(name: str, side: int = 32, champion: bool = True) -> Any:
 
     Throughput does not depend on the weights. ``RAYLINE_STORAGE`` names the registry's storage.
     """
-    from ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
     from rayline.models import registry
+    from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
     from rayline.specs import squash
 
     spec = ModelSpec(num_classes=10)

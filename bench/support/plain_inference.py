@@ -27,9 +27,9 @@ def plain_loop(objects: list[Any], read: Callable[[str], bytes], version: Any, o
     import pyarrow as pa
     import torch
 
-    from ray_workloads.architectures.build import load_model, prepare_for_inference
-    from ray_workloads.data.images import decode_image
     from rayline import storage
+    from rayline.ray_workloads.architectures.build import load_model, prepare_for_inference
+    from rayline.ray_workloads.data.images import decode_image
 
     spec = version.image_spec
     model = load_model(version.model_spec, version.weights_uri)
@@ -88,7 +88,7 @@ def choose_torch_threads(version: Any, prepared: bool) -> int:
     """The faster of 1 thread and torch's default for this model, so the plain loop is at its best."""
     import torch
 
-    from ray_workloads.architectures.build import build_model, prepare_for_inference
+    from rayline.ray_workloads.architectures.build import build_model, prepare_for_inference
 
     model = build_model(version.model_spec).eval()
     batch = torch.randn(BATCH_SIZE, 3, IMAGE_SIZE, IMAGE_SIZE)

@@ -23,7 +23,7 @@ def fit_photo_head(model: Any, image_spec: Any) -> list[str]:
     import torch
     from sklearn.linear_model import LogisticRegression
 
-    from ray_workloads.data.images import decode_image
+    from rayline.ray_workloads.data.images import decode_image
     from rayline.seed import PHOTO_LABELS, photo_objects
 
     views = list(photo_objects(VIEWS, np.random.default_rng(5)))

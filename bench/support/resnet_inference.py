@@ -8,7 +8,7 @@
 * **images**: ``rayline.seed.photo_objects`` JPEGs (bench/support/photo_images.py),
   from a local folder (read once before timing: page cache) or from a
   loopback moto S3 server.
-* **rayline**: ``ray_workloads.nightly.batch_inference.run`` with the settings of
+* **rayline**: ``rayline.ray_workloads.nightly.batch_inference.run`` with the settings of
   :func:`choose_settings`, on an embedded cluster started as the nightly task
   starts it; ``ray.init`` is not timed.
 * **plain**: one process, no Ray: a ``torch.utils.data.DataLoader`` whose
@@ -57,7 +57,7 @@ class RaylineSettings:
     objects_per_task: int
 
     def describe(self) -> str:
-        from ray_workloads.nightly.predictor import torch_threads
+        from rayline.ray_workloads.nightly.predictor import torch_threads
 
         gpus = f", {self.gpus_per_actor:g} GPU each" if self.gpus_per_actor else ""
         threads = torch_threads(self.cpus_per_actor)  # what PredictorUDF sets from the actor's CPUs
@@ -121,8 +121,13 @@ def register_resnet(root: str, arch: str, photo_head: bool = False) -> None:
     import torch
 
     from bench.support.probe_head import fit_photo_head
-    from ray_workloads.architectures.build import build_model, imagenet_classes, imagenet_image_spec, state_dict_bytes
     from rayline.models import registry
+    from rayline.ray_workloads.architectures.build import (
+        build_model,
+        imagenet_classes,
+        imagenet_image_spec,
+        state_dict_bytes,
+    )
     from rayline.specs import ModelSpec, WeightsSource
 
     os.environ["RAYLINE_STORAGE"] = root
@@ -165,7 +170,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     """Measure the plain loop (in a process of its own)."""
     import torch
 
-    import ray_workloads.data.images  # noqa: F401  (imports before the clock starts, as on the rayline side)
+    import rayline.ray_workloads.data.images  # noqa: F401  (imports before the clock starts, as on the rayline side)
     from bench.support.process_tree import watch_tree
     from bench.support.resnet_plain import plain_loop
     from rayline import storage
@@ -196,8 +201,8 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
 def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
     """Measure ``batch_inference.run`` with the chosen settings (in a process of its own)."""
     from bench.support.process_tree import watch_tree
-    from ray_workloads.nightly import batch_inference
     from rayline import ray_cluster, storage
+    from rayline.ray_workloads.nightly import batch_inference
 
     version = _version(spec)
     cfg, connect_s, idle_wait_s = connect_for_night(spec, version, **spec["settings"])

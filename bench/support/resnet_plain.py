@@ -46,7 +46,7 @@ class PhotoDataset:
         return len(self.uris)
 
     def __getitem__(self, index: int) -> tuple[int, Any, tuple[str, str, str] | None]:
-        from ray_workloads.data.images import decode_image
+        from rayline.ray_workloads.data.images import decode_image
 
         try:
             data = self.read(self.uris[index])
@@ -128,7 +128,7 @@ def plain_loop(objects: list[Any], version: Any, out_dir: str, cfg: dict[str, An
     import torch
     from torch.utils.data import DataLoader
 
-    from ray_workloads.architectures.build import load_model, prepare_for_inference
+    from rayline.ray_workloads.architectures.build import load_model, prepare_for_inference
 
     device = torch.device("cuda" if cfg["gpu"] else "cpu")
     model = prepare_for_inference(load_model(version.model_spec, version.weights_uri).to(device))

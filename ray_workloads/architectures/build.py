@@ -2,14 +2,14 @@
 
 The modules rayline builds and loads a state dict into: a small CNN suited to
 the digits (the demo default), every torchvision classifier by name
-(:mod:`ray_workloads.architectures.torchvision_families`), timm models (``timm:<name>``,
-:mod:`ray_workloads.architectures.timm_models`) and the user's own class
-(:mod:`ray_workloads.architectures.factory_models`), always built without pretrained
+(:mod:`rayline.ray_workloads.architectures.torchvision_families`), timm models (``timm:<name>``,
+:mod:`rayline.ray_workloads.architectures.timm_models`) and the user's own class
+(:mod:`rayline.ray_workloads.architectures.factory_models`), always built without pretrained
 weights (nothing is downloaded at run time) and the class count from the
 data. Weights come from a file or object-store URI and are loaded with
 ``torch.load(weights_only=True)``: a checkpoint that needs arbitrary
 unpickling is refused. Code-free files (TorchScript, ``.pt2``, ONNX) have no
-module to build: :mod:`ray_workloads.architectures.model_files` runs them.
+module to build: :mod:`rayline.ray_workloads.architectures.model_files` runs them.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ray_workloads.architectures import factory_models, timm_models
-from ray_workloads.architectures.model_files import described
-from ray_workloads.architectures.torchvision_families import (
+from rayline import storage
+from rayline.errors import ConfigError, InputDataError
+from rayline.ray_workloads.architectures import factory_models, timm_models
+from rayline.ray_workloads.architectures.model_files import described
+from rayline.ray_workloads.architectures.torchvision_families import (
     build_torchvision,
     check_input_size,
     classifier_head,
@@ -34,8 +36,6 @@ from ray_workloads.architectures.torchvision_families import (
     replace_head,
     without_auxiliary_heads,
 )
-from rayline import storage
-from rayline.errors import ConfigError, InputDataError
 from rayline.specs import SMALL_CNN, ModelSpec
 
 __all__ = [

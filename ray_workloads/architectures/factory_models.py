@@ -275,7 +275,7 @@ def _build_and_probe(spec_json: str, state: bytes, side: int, uri: str) -> str |
     import numpy as np
     import torch
 
-    from ray_workloads.architectures.build import check_state_dict, state_dict_from_bytes
+    from rayline.ray_workloads.architectures.build import check_state_dict, state_dict_from_bytes
     from rayline.specs import ModelSpec
 
     spec = ModelSpec.model_validate_json(spec_json)

@@ -31,18 +31,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ray_workloads.data.images import decode_image
-from ray_workloads.execution.plan import PROBE_IMAGES, PlanChoice, PlanPolicy
 from rayline import storage
 from rayline.errors import ConfigError, StorageError
 from rayline.hardware import Hardware, detect
 from rayline.models.registry import ModelVersion, read_samples
+from rayline.ray_workloads.data.images import decode_image
+from rayline.ray_workloads.execution.plan import PROBE_IMAGES, PlanChoice, PlanPolicy
 from rayline.specs import ImageSpec
 from rayline.storage import conditional
 from rayline.storage.layout import PLANS_DIR
 
 if TYPE_CHECKING:
-    from ray_workloads.execution.interface import LoadedModel
+    from rayline.ray_workloads.execution.interface import LoadedModel
 
 logger = logging.getLogger(__name__)
 

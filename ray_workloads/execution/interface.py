@@ -5,7 +5,7 @@ Batch inference, serving, evaluation and MLflow's pyfunc all hold a
 :class:`~rayline.specs.ImageSpec`, in; class probabilities (N, classes) out.
 Behind it is either a module rayline built and loaded a state dict into
 (small CNN, torchvision, timm, the user's factory), prepared for inference,
-or a code-free file run as it is (:mod:`ray_workloads.architectures.model_files`).
+or a code-free file run as it is (:mod:`rayline.ray_workloads.architectures.model_files`).
 Fine-tuning needs the module itself: :attr:`LoadedModel.module`, which a
 code-free file does not have.
 
@@ -21,9 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ray_workloads.architectures import factory_models
-from ray_workloads.execution import openvino_backend
-from ray_workloads.execution.plan import (
+from rayline import storage
+from rayline.config import get_settings
+from rayline.errors import InputDataError
+from rayline.hardware import Hardware, detect
+from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.architectures import factory_models
+from rayline.ray_workloads.execution import openvino_backend
+from rayline.ray_workloads.execution.plan import (
     REFERENCE,
     Backend,
     Logits,
@@ -34,11 +39,6 @@ from ray_workloads.execution.plan import (
     softmax,
     torch_run,
 )
-from rayline import storage
-from rayline.config import get_settings
-from rayline.errors import InputDataError
-from rayline.hardware import Hardware, detect
-from rayline.models.registry import ModelVersion
 from rayline.specs import ImageSpec, ModelSpec
 
 if TYPE_CHECKING:
@@ -158,13 +158,13 @@ def load(
     are the process's, set by the caller).
     """
     if spec.inference_only:
-        from ray_workloads.architectures.model_files import load_file_model
+        from rayline.ray_workloads.architectures.model_files import load_file_model
 
         loaded = load_file_model(spec.format, storage.read_bytes(model_uri), model_uri, threads)
         return LoadedModel(spec, image_spec, loaded.logits)
     import torch
 
-    from ray_workloads.architectures.build import load_model, prepare_for_inference
+    from rayline.ray_workloads.architectures.build import load_model, prepare_for_inference
 
     if spec.factory is not None:
         factory_models.ensure_importable(spec.factory)

@@ -30,7 +30,7 @@ from rayline import storage
 if TYPE_CHECKING:
     from torch import nn
 
-    from ray_workloads.execution.plan import Logits
+    from rayline.ray_workloads.execution.plan import Logits
 
 MODEL_FILES = ("model.xml", "model.bin")
 OV_PRECISION = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}

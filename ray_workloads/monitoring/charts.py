@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from ray_workloads.monitoring.monitor import PartitionDrift
+    from rayline.ray_workloads.monitoring.monitor import PartitionDrift
 
 # Bars in the distribution chart: 1,000 ImageNet classes would be unreadable.
 _CHART_CLASSES = 20

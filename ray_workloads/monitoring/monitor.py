@@ -29,10 +29,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, Field
 
-from ray_workloads.data import preprocess
-from ray_workloads.monitoring.charts import distribution_png as distribution_png  # the monitor's chart
 from rayline.errors import InputDataError
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.data import preprocess
+from rayline.ray_workloads.monitoring.charts import distribution_png as distribution_png  # the monitor's chart
 from rayline.storage.layout import PREDICTIONS_TABLE, parse_day, table_uri
 from rayline.tables.prediction_reads import committed_nights, read_night_pair
 

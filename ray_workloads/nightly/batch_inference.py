@@ -14,22 +14,22 @@ import uuid
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from ray_workloads.nightly.blocks import (
+from rayline import progress, ray_work, storage
+from rayline.errors import InputDataError, LeaseLost, NightCommittedElsewhere, StorageError
+from rayline.ray_workloads.nightly.blocks import (
     NightOutput,
     held_night,
     listing_staging_uri,
     night_key,
     remove_earlier_listings,
 )
-from ray_workloads.nightly.compaction import check_rows, compact_checked, remove_blocks
-from ray_workloads.nightly.contract import InferenceConfig as InferenceConfig  # callers import it from here
-from ray_workloads.nightly.contract import InferenceResult as InferenceResult
-from ray_workloads.nightly.contract import NightSkipped as NightSkipped
-from ray_workloads.nightly.contract import block_size
-from ray_workloads.nightly.pipeline import predict_and_write, run_constants, sum_reports
-from ray_workloads.nightly.predictor import PredictorUDF
-from rayline import progress, ray_work, storage
-from rayline.errors import InputDataError, LeaseLost, NightCommittedElsewhere, StorageError
+from rayline.ray_workloads.nightly.compaction import check_rows, compact_checked, remove_blocks
+from rayline.ray_workloads.nightly.contract import InferenceConfig as InferenceConfig  # callers import it from here
+from rayline.ray_workloads.nightly.contract import InferenceResult as InferenceResult
+from rayline.ray_workloads.nightly.contract import NightSkipped as NightSkipped
+from rayline.ray_workloads.nightly.contract import block_size
+from rayline.ray_workloads.nightly.pipeline import predict_and_write, run_constants, sum_reports
+from rayline.ray_workloads.nightly.predictor import PredictorUDF
 from rayline.skipped import skipped_text
 from rayline.storage import leases
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 # that a predictor actor starts without waiting for these imports (bench/README.md):
 # torch for the model; ray.data, and ray.util.state that unpickling Ray Data's
 # context imports, for the actor pool's worker; the UDF's own module.
-WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "ray_workloads.nightly.predictor")
+WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "rayline.ray_workloads.nightly.predictor")
 SCHEMAS = {"predictions": PREDICTIONS_SCHEMA, "errors": ERRORS_SCHEMA}
 
 

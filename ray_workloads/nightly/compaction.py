@@ -40,9 +40,16 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ray_workloads.nightly.blocks import BlockReport, NightOutput, block_file_uri, block_folder, block_name, blocks_root
 from rayline import ray_work, storage
 from rayline.errors import StorageError
+from rayline.ray_workloads.nightly.blocks import (
+    BlockReport,
+    NightOutput,
+    block_file_uri,
+    block_folder,
+    block_name,
+    blocks_root,
+)
 from rayline.storage.digests import SetDigest, combine
 from rayline.tables.predictions_table import check_night_unchanged, data_file_uri
 
@@ -61,7 +68,7 @@ class PartBlocks:
     size: int  # the largest block's rows: every block of a part but its last is full
 
     def names(self) -> list[str]:
-        """The blocks' names (:func:`~ray_workloads.nightly.blocks.block_name`), in the part's order."""
+        """The blocks' names (:func:`~rayline.ray_workloads.nightly.blocks.block_name`), in the part's order."""
         return [block_name(self.part, start) for start in range(0, self.rows, self.size)]
 
     def add(self, rows: int) -> PartBlocks:

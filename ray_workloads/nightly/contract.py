@@ -1,5 +1,5 @@
 """What a night of batch inference is asked (:class:`InferenceConfig`) and answers (:class:`InferenceResult`,
-:class:`NightSkipped`): the typed contract between ``ray_workloads.nightly.batch_inference`` and its callers.
+:class:`NightSkipped`): the typed contract between ``rayline.ray_workloads.nightly.batch_inference`` and its callers.
 
 A result declares its lineage: it read the night's inputs and the model's
 weights, and wrote both tables at the versions holding its commit.
@@ -11,10 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from ray_workloads.execution.plan import PlanPolicy
 from rayline.config import lease_ttl
 from rayline.lineage import DatasetRef
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.execution.plan import PlanPolicy
 from rayline.storage.folders import LeasedOutput
 
 SMALL_IMAGE_SIDE = 64
@@ -63,7 +63,8 @@ class InferenceConfig(LeasedOutput):
     code_version: str = "unknown"
     flow_run_id: str | None = None
     plan: PlanPolicy = Field(
-        default_factory=PlanPolicy, description="How the actors choose their execution plan (ray_workloads.execution)."
+        default_factory=PlanPolicy,
+        description="How the actors choose their execution plan (rayline.ray_workloads.execution).",
     )
     # the night's lease: a dead holder blocks the night's next run this long at most
     lease_ttl_s: float = Field(

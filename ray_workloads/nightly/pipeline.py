@@ -1,12 +1,12 @@
 """A night's Ray Data pipeline: block cutters on the driver's node, predictor actors, their reports summed.
 
 ``predict_and_write`` builds the lazy dataset: one Ray Data block per listing
-part, cut into blocks of object URIs (:func:`ray_workloads.nightly.blocks.cut_part`)
+part, cut into blocks of object URIs (:func:`rayline.ray_workloads.nightly.blocks.cut_part`)
 and predicted by a pool of restartable actors, each of which writes one file
 of each kind per block and reports it. ``sum_reports`` runs it and adds the
 reports up as they stream in, with rayline's errors raised in an actor coming
 out as themselves. The night's listing, lease, compaction and commits are
-:mod:`ray_workloads.nightly.batch_inference`'s.
+:mod:`rayline.ray_workloads.nightly.batch_inference`'s.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import pyarrow as pa
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_workloads.execution.interface import remote_options
-from ray_workloads.nightly.blocks import (
+from rayline import errors, progress, ray_work
+from rayline.errors import RaylineError, RetriesExhausted
+from rayline.ray_workloads.execution.interface import remote_options
+from rayline.ray_workloads.nightly.blocks import (
     BlockReport,
     Cutting,
     NightOutput,
@@ -32,11 +34,9 @@ from ray_workloads.nightly.blocks import (
     objects_reported,
     reports_of,
 )
-from ray_workloads.nightly.compaction import NightTotals
-from ray_workloads.nightly.contract import InferenceConfig
-from ray_workloads.nightly.predictor import PredictorUDF
-from rayline import errors, progress, ray_work
-from rayline.errors import RaylineError, RetriesExhausted
+from rayline.ray_workloads.nightly.compaction import NightTotals
+from rayline.ray_workloads.nightly.contract import InferenceConfig
+from rayline.ray_workloads.nightly.predictor import PredictorUDF
 from rayline.storage.listing import ListingStart
 
 if TYPE_CHECKING:

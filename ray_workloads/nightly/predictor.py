@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from ray_workloads.data.images import ImageDecodeError, ImageSpec, decode_image
-from ray_workloads.execution.cache import plan_for, probe_set
-from ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanPolicy
-from ray_workloads.nightly.blocks import (
+from rayline import errors
+from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.data.images import ImageDecodeError, ImageSpec, decode_image
+from rayline.ray_workloads.execution.cache import plan_for, probe_set
+from rayline.ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanPolicy
+from rayline.ray_workloads.nightly.blocks import (
     SPAN_COLUMNS,
     BlockReport,
     NightOutput,
@@ -36,13 +38,11 @@ from ray_workloads.nightly.blocks import (
     reused_report,
     write_block_files,
 )
-from rayline import errors
-from rayline.models.registry import ModelVersion
 from rayline.storage import fetching
 from rayline.tables.predictions_table import ERRORS_SCHEMA, PREDICTIONS_SCHEMA
 
 if TYPE_CHECKING:
-    from ray_workloads.execution.interface import LoadedModel
+    from rayline.ray_workloads.execution.interface import LoadedModel
 
 
 def fetch_and_decode(uris: list[str], etags: list[str], spec: ImageSpec, concurrency: int) -> dict[str, np.ndarray]:
@@ -267,7 +267,7 @@ def concat_rows(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 def _load_for_inference(model: ModelVersion, device: Any) -> LoadedModel:
-    from ray_workloads.execution.interface import load_version
+    from rayline.ray_workloads.execution.interface import load_version
 
     return load_version(model, device=device, threads=torch_threads(_assigned_cpus()))
 

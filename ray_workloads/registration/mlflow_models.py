@@ -1,7 +1,7 @@
 """Each registered version as a real MLflow model, for the registry mirror (``rayline.models.mlflow_mirror``).
 
 What is logged: an MLflow pyfunc written as code (MLflow's models-from-code,
-:mod:`ray_workloads.registration.mlflow_pyfunc`), with the version's own files as its
+:mod:`rayline.ray_workloads.registration.mlflow_pyfunc`), with the version's own files as its
 artifacts, so ``mlflow.pyfunc.load_model("models:/<name>@champion")`` loads
 what the MLflow UI shows and predicts what rayline predicts, preprocessing
 included. Why not ``mlflow.pytorch``: it pickles the whole module, and rayline
@@ -66,7 +66,7 @@ def save_version(version: registry.ModelVersion, model_file: bytes, path: Path) 
     """Write ``version`` (its model file's bytes given) as an MLflow pyfunc model at ``path``."""
     import mlflow.pyfunc
 
-    from ray_workloads.registration import mlflow_pyfunc as code
+    from rayline.ray_workloads.registration import mlflow_pyfunc as code
 
     with tempfile.TemporaryDirectory(prefix="rayline-mlflow-") as tmp:
         staged = Path(tmp)
@@ -106,7 +106,7 @@ def signature() -> ModelSignature:
     from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
     from mlflow.types.schema import Array
 
-    from ray_workloads.registration import mlflow_pyfunc as code
+    from rayline.ray_workloads.registration import mlflow_pyfunc as code
 
     return ModelSignature(
         inputs=Schema([ColSpec(DataType.binary, code.IMAGE_COLUMN)]),

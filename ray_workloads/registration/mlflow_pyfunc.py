@@ -1,7 +1,7 @@
 """rayline's MLflow pyfunc, logged as code: image bytes in, the version's classes out.
 
 The registry mirror logs this file with each version (MLflow's models-from-code,
-:mod:`ray_workloads.registration.mlflow_models`): MLflow copies the file into the model and
+:mod:`rayline.ray_workloads.registration.mlflow_models`): MLflow copies the file into the model and
 runs it on load, so no Python object is pickled. The artifacts are the
 version's own files: ``version.json`` (the :class:`~rayline.models.registry.ModelVersion`),
 its model file (a tensors-only state dict, TorchScript, ``.pt2`` or ONNX) and,
@@ -25,10 +25,10 @@ import pandas as pd
 from mlflow.models import set_model
 from mlflow.pyfunc.model import PythonModel, PythonModelContext
 
-from ray_workloads.data.images import ImageDecodeError, decode_image
-from ray_workloads.execution.interface import LoadedModel, load_version
 from rayline.errors import InputDataError
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.data.images import ImageDecodeError, decode_image
+from rayline.ray_workloads.execution.interface import LoadedModel, load_version
 
 # names of the logged artifacts (``context.artifacts`` keys)
 VERSION_ARTIFACT = "version"

@@ -10,7 +10,7 @@ What is accepted (``ModelSpec.arch`` records which):
   count (missing, unexpected and mis-shaped keys are named);
 * a code-free file: TorchScript, a ``torch.export`` program (``.pt2``) or
   ONNX, detected from its content, loaded without unpickling arbitrary
-  objects (:mod:`ray_workloads.architectures.model_files`) and probed with a forward pass at
+  objects (:mod:`rayline.ray_workloads.architectures.model_files`) and probed with a forward pass at
   the declared input size: one finite score per class, or refused with the
   shapes seen.
 
@@ -41,31 +41,31 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
-from ray_workloads.architectures import factory_models, timm_models
-from ray_workloads.architectures.build import (
+from rayline import storage
+from rayline.errors import ConfigError, InputDataError, StorageError
+from rayline.lineage import DatasetRef
+from rayline.models import registry
+from rayline.ray_workloads.architectures import factory_models, timm_models
+from rayline.ray_workloads.architectures.build import (
     check_state_dict,
     state_dict_bytes,
     state_dict_from_bytes,
     strip_auxiliary_heads,
 )
-from ray_workloads.architectures.model_files import (
+from rayline.ray_workloads.architectures.model_files import (
     FORMAT_NAMES,
     described,
     detect_format,
     load_file_model,
     onnx_input_shape,
 )
-from ray_workloads.architectures.torchvision_families import (
+from rayline.ray_workloads.architectures.torchvision_families import (
     check_input_size,
     family_of,
     imagenet_classes,
     imagenet_image_spec,
 )
-from ray_workloads.data.images import ImageDecodeError, decode_image
-from rayline import storage
-from rayline.errors import ConfigError, InputDataError, StorageError
-from rayline.lineage import DatasetRef
-from rayline.models import registry
+from rayline.ray_workloads.data.images import ImageDecodeError, decode_image
 from rayline.specs import (
     FACTORY,
     FILE_FORMATS,
@@ -169,7 +169,7 @@ def read_classes(source: str, arch: str) -> list[str]:
 
 
 def _torchvision_archs() -> tuple[str, ...]:
-    from ray_workloads.architectures.torchvision_families import torchvision_names
+    from rayline.ray_workloads.architectures.torchvision_families import torchvision_names
 
     return torchvision_names()
 

@@ -15,8 +15,8 @@ import ray
 from ray import serve
 from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview
 
-from ray_workloads.serving.config import ServeConfig
 from rayline.errors import ClusterError, InputDataError
+from rayline.ray_workloads.serving.config import ServeConfig
 
 
 def app_status(name: str) -> ApplicationStatus | None:

@@ -20,10 +20,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from ray_workloads.serving import rollout
-from ray_workloads.serving.config import ServeConfig
 from rayline.lineage import DatasetRef
 from rayline.models import registry
+from rayline.ray_workloads.serving import rollout
+from rayline.ray_workloads.serving.config import ServeConfig
 from rayline.storage.fencing import Fence
 
 PROMOTED = "promoted"

@@ -9,8 +9,8 @@ serve-rollout rolls it back (``serving.canary.reconcile``). The monitor reports 
 
 from __future__ import annotations
 
-from ray_workloads.monitoring.monitor import ServingHealth
 from rayline.models import registry
+from rayline.ray_workloads.monitoring.monitor import ServingHealth
 from rayline.storage import leases
 
 

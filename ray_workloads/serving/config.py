@@ -10,10 +10,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ray_workloads.data.images import DEFAULT_MAX_PIXELS
-from ray_workloads.execution.plan import PlanPolicy
 from rayline.config import get_settings
 from rayline.errors import ConfigError
+from rayline.ray_workloads.data.images import DEFAULT_MAX_PIXELS
+from rayline.ray_workloads.execution.plan import PlanPolicy
 
 
 class ServeConfig(BaseModel):

@@ -32,15 +32,15 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve.schema import ApplicationStatus, ServeInstanceDetails
 
-from ray_workloads.serving import applications
-from ray_workloads.serving.config import ServeConfig
-from ray_workloads.serving.ingress import ROUTER_DEPLOYMENT, SYNC_INTERVAL_S, router_app
-from ray_workloads.serving.model_server import model_app
-from ray_workloads.serving.routing import RoutingTable, ServeControl
 from rayline import storage
 from rayline.errors import ClusterError, ConfigError, InputDataError, RaylineError
 from rayline.models.registry import ModelVersion
 from rayline.ray_cluster import NAMESPACE
+from rayline.ray_workloads.serving import applications
+from rayline.ray_workloads.serving.config import ServeConfig
+from rayline.ray_workloads.serving.ingress import ROUTER_DEPLOYMENT, SYNC_INTERVAL_S, router_app
+from rayline.ray_workloads.serving.model_server import model_app
+from rayline.ray_workloads.serving.routing import RoutingTable, ServeControl
 from rayline.storage.fencing import Fence
 
 __all__ = [

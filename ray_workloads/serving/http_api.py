@@ -15,7 +15,7 @@ from email.parser import HeaderParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ray_workloads.data.images import (
+from rayline.ray_workloads.data.images import (
     CorruptImageError,
     EmptyImageError,
     ImageDecodeError,

@@ -62,8 +62,9 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ray_workloads.serving.config import ServeConfig
-from ray_workloads.serving.http_api import (
+from rayline.ray_cluster import NAMESPACE
+from rayline.ray_workloads.serving.config import ServeConfig
+from rayline.ray_workloads.serving.http_api import (
     ANSWER_HEADER,
     KEY_HEADER,
     MODEL_HEADER,
@@ -76,11 +77,10 @@ from ray_workloads.serving.http_api import (
     parse_since,
     read_body,
 )
-from ray_workloads.serving.http_api import route as _route
-from ray_workloads.serving.model_server import MODEL_DEPLOYMENT
-from ray_workloads.serving.routing import ModelRoutes, RoutingTable, choose_version
-from ray_workloads.serving.stats import ERROR, OK, REJECTED, Sample
-from rayline.ray_cluster import NAMESPACE
+from rayline.ray_workloads.serving.http_api import route as _route
+from rayline.ray_workloads.serving.model_server import MODEL_DEPLOYMENT
+from rayline.ray_workloads.serving.routing import ModelRoutes, RoutingTable, choose_version
+from rayline.ray_workloads.serving.stats import ERROR, OK, REJECTED, Sample
 
 logger = logging.getLogger("ray.serve")
 

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 from ray import serve
 
-from ray_workloads.data.images import ImageDecodeError, decode_image
-from ray_workloads.execution.cache import plan_for, probe_set
-from ray_workloads.execution.interface import remote_options
-from ray_workloads.execution.plan import PlanPolicy
-from ray_workloads.serving.config import ServeConfig
-from ray_workloads.serving.http_api import DECODE_STATUS
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.data.images import ImageDecodeError, decode_image
+from rayline.ray_workloads.execution.cache import plan_for, probe_set
+from rayline.ray_workloads.execution.interface import remote_options
+from rayline.ray_workloads.execution.plan import PlanPolicy
+from rayline.ray_workloads.serving.config import ServeConfig
+from rayline.ray_workloads.serving.http_api import DECODE_STATUS
 
 MODEL_DEPLOYMENT = "ModelServer"
 HEALTH_PROBE_IDLE_S = 30.0  # a model replica idle this long proves itself with a forward pass
@@ -38,7 +38,7 @@ class ModelServer:
         # torch only here: router replicas and the control actor never pay for importing it
         import torch
 
-        from ray_workloads.execution.interface import load_version
+        from rayline.ray_workloads.execution.interface import load_version
 
         torch.set_num_threads(1)
         self.model = model

@@ -36,13 +36,13 @@ from collections.abc import Iterable
 import httpx
 from pydantic import BaseModel, Field, field_validator
 
-from ray_workloads.data.images import ImageDecodeError, ImageSpec, decode_image
-from ray_workloads.serving import control
-from ray_workloads.serving.config import ServeConfig
-from ray_workloads.serving.control import VersionStats
 from rayline import storage
 from rayline.errors import ConfigError, InputDataError
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.data.images import ImageDecodeError, ImageSpec, decode_image
+from rayline.ray_workloads.serving import control
+from rayline.ray_workloads.serving.config import ServeConfig
+from rayline.ray_workloads.serving.control import VersionStats
 from rayline.storage import fetching
 from rayline.storage.fencing import Fence
 from rayline.storage.layout import RAW_DIR
@@ -128,7 +128,7 @@ def default_probe_source(version: ModelVersion, root: str) -> str:
     versions whose data manifest is gone). An outside model: the inputs of its
     latest committed night. Otherwise the caller must say.
     """
-    from ray_workloads.data import preprocess  # the rollout's own imports stay light
+    from rayline.ray_workloads.data import preprocess  # the rollout's own imports stay light
     from rayline.tables.prediction_reads import latest_night_commit
 
     if version.data_manifest_uri is not None:

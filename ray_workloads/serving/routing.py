@@ -45,9 +45,9 @@ from typing import Any
 
 from ray.experimental import internal_kv
 
-from ray_workloads.serving.stats import Sample, StatsBook
 from rayline.errors import ConfigError
 from rayline.ray_cluster import NAMESPACE
+from rayline.ray_workloads.serving.stats import Sample, StatsBook
 from rayline.storage.fencing import Fence, admit
 
 # a router silent this long is forgotten (memory only: which routers are waited for is Serve's membership)

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
-from ray_workloads.architectures.build import ModelSpec
-from ray_workloads.data import preprocess
-from ray_workloads.execution.interface import LoadedModel, load
-from ray_workloads.training.train import dataset_for_split
 from rayline import storage
 from rayline.lineage import DatasetRef
+from rayline.ray_workloads.architectures.build import ModelSpec
+from rayline.ray_workloads.data import preprocess
+from rayline.ray_workloads.execution.interface import LoadedModel, load
+from rayline.ray_workloads.training.train import dataset_for_split
 
 
 class ClassMetrics(BaseModel):

@@ -16,7 +16,9 @@ import torch
 from pydantic import BaseModel, Field
 from torch import nn
 
-from ray_workloads.architectures.build import (
+from rayline import storage
+from rayline.errors import ConfigError
+from rayline.ray_workloads.architectures.build import (
     ModelSpec,
     build_model,
     fine_tune_model,
@@ -24,8 +26,6 @@ from ray_workloads.architectures.build import (
     load_state_dict,
     trainable_parameters,
 )
-from rayline import storage
-from rayline.errors import ConfigError
 
 Batch = dict[str, torch.Tensor]
 

@@ -2,7 +2,7 @@
 
 The candidate is judged on its own test split. A champion trained on the same
 data is judged by the score it was registered with; one trained on other data
-is evaluated again on the candidate's split (:func:`ray_workloads.training.evaluate.run`,
+is evaluated again on the candidate's split (:func:`rayline.ray_workloads.training.evaluate.run`,
 on Ray). A candidate that passes becomes ``promote_to``: ``champion``
 directly, or ``challenger`` when serving decides (a canary rollout moves the
 champion later); the first model that passes the floor is champion either way.
@@ -19,15 +19,15 @@ import logging
 import numpy as np
 from pydantic import BaseModel, Field
 
-from ray_workloads.architectures.build import ModelSpec, state_dict_from_bytes
-from ray_workloads.data import preprocess
-from ray_workloads.execution.plan import PROBE_IMAGES
-from ray_workloads.training import evaluate
-from ray_workloads.training.train import TrainResult
 from rayline import storage
 from rayline.errors import AliasConflict, ConfigError
 from rayline.lineage import DatasetRef
 from rayline.models import registry
+from rayline.ray_workloads.architectures.build import ModelSpec, state_dict_from_bytes
+from rayline.ray_workloads.data import preprocess
+from rayline.ray_workloads.execution.plan import PROBE_IMAGES
+from rayline.ray_workloads.training import evaluate
+from rayline.ray_workloads.training.train import TrainResult
 from rayline.specs import ParentModel
 
 GATE_METRIC = "test_accuracy"

@@ -29,9 +29,12 @@ from pydantic import BaseModel, Field, ValidationError
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from ray_workloads.data import preprocess
-from ray_workloads.execution.interface import runtime_env
-from ray_workloads.training.loop import (
+from rayline import progress, storage
+from rayline.errors import InputDataError, RetriesExhausted
+from rayline.lineage import DatasetRef
+from rayline.ray_workloads.data import preprocess
+from rayline.ray_workloads.execution.interface import runtime_env
+from rayline.ray_workloads.training.loop import (
     TrainLoopConfig,
     epoch_batches,
     initial_model,
@@ -40,9 +43,6 @@ from ray_workloads.training.loop import (
     run_epoch,
     set_epoch_lr,
 )
-from rayline import progress, storage
-from rayline.errors import InputDataError, RetriesExhausted
-from rayline.lineage import DatasetRef
 from rayline.storage.layout import TRAIN_RESULT_FILE, TRAIN_STATE_FILE, WEIGHTS_FILE
 
 SCORE = "val_accuracy"  # the EpochMetrics field that ranks checkpoints

@@ -27,9 +27,13 @@ from ray.air.integrations.mlflow import MLflowLoggerCallback
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from ray_workloads.architectures.build import ModelSpec, build_model
-from ray_workloads.data import preprocess
-from ray_workloads.training.loop import (
+from rayline import progress, storage
+from rayline.errors import RetriesExhausted
+from rayline.lineage import DatasetRef
+from rayline.models import tracking
+from rayline.ray_workloads.architectures.build import ModelSpec, build_model
+from rayline.ray_workloads.data import preprocess
+from rayline.ray_workloads.training.loop import (
     TrainLoopConfig,
     epoch_batches,
     inject_failure_if_due,
@@ -37,11 +41,7 @@ from ray_workloads.training.loop import (
     run_epoch,
     set_epoch_lr,
 )
-from ray_workloads.training.train import SCORE, dataset_for_split, restore_state, save_state
-from rayline import progress, storage
-from rayline.errors import RetriesExhausted
-from rayline.lineage import DatasetRef
-from rayline.models import tracking
+from rayline.ray_workloads.training.train import SCORE, dataset_for_split, restore_state, save_state
 
 
 class SearchSpace(BaseModel):

@@ -82,7 +82,7 @@ def exit_code(exc: BaseException) -> ExitCode:
 DEFAULT_MODEL_NAME = "digits"
 
 
-# typer takes a fixed set of values as an Enum; these mirror ray_workloads.execution.plan's Literals
+# typer takes a fixed set of values as an Enum; these mirror rayline.ray_workloads.execution.plan's Literals
 class PlanMode(StrEnum):
     auto = "auto"
     off = "off"

@@ -20,8 +20,8 @@ from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import RaylineError
 
 if TYPE_CHECKING:  # for the types only: the flows load Prefect, Ray and torch, which `rayline --help` does without
-    from flows.serve_rollout import RolloutResult
-    from flows.train_model import TrainModelResult
+    from rayline.flows.serve_rollout import RolloutResult
+    from rayline.flows.train_model import TrainModelResult
     from rayline.models.registry import ModelVersion
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,8 @@ def demo(
     started = time.perf_counter()
     apply_process_defaults()
     _quiet_ray()
-    from flows.nightly_inference import nightly_inference
-    from flows.train_model import train_model
+    from rayline.flows.nightly_inference import nightly_inference
+    from rayline.flows.train_model import train_model
     from rayline.lineage import lineage_dir
     from rayline.seed import seed as write_seed
     from rayline.seed import seed_incoming
@@ -124,10 +124,10 @@ class _Serving:
 
 def _serve_champion(model_name: str) -> _Serving | None:
     """Serve ``model_name``'s champion behind the router; None when it has no champion (nothing to roll out to)."""
-    from flows.serve_rollout import serve_config
-    from ray_workloads.serving import rollout
     from rayline import ray_cluster
+    from rayline.flows.serve_rollout import serve_config
     from rayline.models import registry
+    from rayline.ray_workloads.serving import rollout
 
     if registry.alias_version(model_name, registry.CHAMPION) is None:
         return None
@@ -142,10 +142,10 @@ def _roll_out_under_load(
     """Keep a small load on the serving champion and canary the tuned challenger next to it."""
     import threading
 
-    from flows.serve_rollout import serve_rollout
-    from ray_workloads.serving import rollout
     from rayline.errors import RolloutRolledBack
+    from rayline.flows.serve_rollout import serve_rollout
     from rayline.models import registry
+    from rayline.ray_workloads.serving import rollout
 
     candidate = trained.registration
     if candidate.alias != registry.CHALLENGER:

@@ -153,7 +153,7 @@ def prepare_data_command(
     """Run the prepare-data flow (ingest → preprocess) once."""
     apply_process_defaults()
     _quiet_ray()
-    from flows.prepare_data import prepare_data
+    from rayline.flows.prepare_data import prepare_data
     from rayline.models import registry
 
     try:
@@ -206,7 +206,7 @@ def train_model_command(
     """Run the train-model flow: prepare data, (tune,) train, evaluate, register, gate."""
     apply_process_defaults()
     _quiet_ray()
-    from flows.train_model import train_model
+    from rayline.flows.train_model import train_model
 
     try:
         get_settings()
@@ -299,7 +299,7 @@ def nightly_inference_command(
     """
     apply_process_defaults()
     _quiet_ray()
-    from flows.nightly_inference import nightly_inference
+    from rayline.flows.nightly_inference import nightly_inference
 
     try:
         name, ref = model_ref(model, model_name)
@@ -346,7 +346,7 @@ def monitor_command(
 ) -> None:
     """Run the monitor flow once: drift of a model's latest nights (and serving health)."""
     apply_process_defaults()
-    from flows.monitor import monitor
+    from rayline.flows.monitor import monitor
 
     try:
         get_settings()

@@ -15,7 +15,7 @@ from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import ConfigError, RaylineError
 
 if TYPE_CHECKING:  # for the type only: the flows load Prefect, Ray and torch, which `rayline --help` does without
-    from flows.serve_rollout import RolloutResult
+    from rayline.flows.serve_rollout import RolloutResult
 
 
 def up(as_json: JsonOption = False) -> None:
@@ -88,11 +88,11 @@ def serve_start(
     other version of that model serves, else it waits at 0 % for `rayline serve rollout`."""
     apply_process_defaults()
     _quiet_ray()
-    from ray_workloads.serving import control as serve_control
-    from ray_workloads.serving import rollout
-    from ray_workloads.serving.config import config_from_settings
     from rayline import ray_cluster
     from rayline.models import registry
+    from rayline.ray_workloads.serving import control as serve_control
+    from rayline.ray_workloads.serving import rollout
+    from rayline.ray_workloads.serving.config import config_from_settings
 
     try:
         name, ref = registry.parse_named_ref(model)
@@ -156,10 +156,10 @@ def serve_stop(
     """Stop serving MODEL (the others keep answering), or without --model everything: models, router, control."""
     apply_process_defaults()
     _quiet_ray()
-    from ray_workloads.serving import control as serve_control
-    from ray_workloads.serving.config import config_from_settings
     from rayline import ray_cluster
     from rayline.models import registry
+    from rayline.ray_workloads.serving import control as serve_control
+    from rayline.ray_workloads.serving.config import config_from_settings
 
     try:
         name = registry.parse_named_ref(model)[0] if model is not None else None
@@ -231,7 +231,7 @@ def serve_rollout_command(
     """Run the serve-rollout flow: canary the candidate 10 → 50 → 100 %, promote or roll back."""
     apply_process_defaults()
     _quiet_ray()
-    from flows.serve_rollout import serve_rollout
+    from rayline.flows.serve_rollout import serve_rollout
 
     try:
         get_settings()

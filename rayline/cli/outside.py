@@ -21,8 +21,8 @@ from rayline import storage
 from rayline.errors import RaylineError
 
 if TYPE_CHECKING:  # for the types only: the workloads load Ray and torch, which `rayline --help` does without
-    from ray_workloads.nightly.batch_inference import InferenceResult
-    from ray_workloads.registration.outside_models import RegisterModelResult
+    from rayline.ray_workloads.nightly.batch_inference import InferenceResult
+    from rayline.ray_workloads.registration.outside_models import RegisterModelResult
 
 OUTSIDE_MODEL = "photos"
 OUTSIDE_ARCH = "resnet18"
@@ -53,13 +53,13 @@ def save_user_weights(root: str) -> str:
 
 
 def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
-    from flows.nightly_inference import nightly_inference
-    from flows.register_model import register_model
-    from flows.serve_rollout import serve_config
-    from ray_workloads.nightly.batch_inference import InferenceResult
-    from ray_workloads.serving import rollout
     from rayline import ray_cluster
+    from rayline.flows.nightly_inference import nightly_inference
+    from rayline.flows.register_model import register_model
+    from rayline.flows.serve_rollout import serve_config
     from rayline.models import registry
+    from rayline.ray_workloads.nightly.batch_inference import InferenceResult
+    from rayline.ray_workloads.serving import rollout
     from rayline.seed import jpeg_bytes, source_photos
     from rayline.seed import seed as write_seed
     from rayline.storage.layout import partition_for
@@ -83,7 +83,7 @@ def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
 def _predict(url: str, photo: bytes) -> dict[str, Any]:
     import httpx
 
-    from ray_workloads.serving import rollout
+    from rayline.ray_workloads.serving import rollout
 
     response = httpx.post(f"{url}{rollout.predict_path(OUTSIDE_MODEL)}", content=photo, timeout=60)
     response.raise_for_status()

@@ -88,7 +88,7 @@ def register_model_command(
 ) -> None:
     """Register a model you already have (see the README's "Bring your model"), as a new version."""
     apply_process_defaults()
-    from flows.register_model import register_model
+    from rayline.flows.register_model import register_model
 
     try:
         get_settings()

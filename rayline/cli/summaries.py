@@ -10,10 +10,10 @@ from rayline.skipped import skipped_text
 from rayline.tables.night_ranges import BackfillResult, NightOutcome
 
 if TYPE_CHECKING:  # for the types only: importing the flows at run time loads Prefect, Ray and torch
-    from flows.prepare_data import PrepareDataResult
-    from flows.train_model import TrainModelResult
-    from ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
-    from ray_workloads.registration.outside_models import RegisterModelResult
+    from rayline.flows.prepare_data import PrepareDataResult
+    from rayline.flows.train_model import TrainModelResult
+    from rayline.ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
+    from rayline.ray_workloads.registration.outside_models import RegisterModelResult
 
 
 def print_prepare_summary(result: PrepareDataResult) -> None:
@@ -78,8 +78,8 @@ def print_registration(result: RegisterModelResult) -> None:
 
 
 def print_inference_summary(result: InferenceResult | NightSkipped) -> None:
-    from ray_workloads.execution.plan import plans_text
-    from ray_workloads.nightly.batch_inference import NightSkipped  # loaded already: the result came from it
+    from rayline.ray_workloads.execution.plan import plans_text
+    from rayline.ray_workloads.nightly.batch_inference import NightSkipped  # loaded already: the result came from it
 
     typer.echo("")
     typer.secho("nightly-inference finished", bold=True)

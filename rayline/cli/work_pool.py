@@ -10,7 +10,7 @@
   heartbeats stop for ``RAYLINE_ZOMBIE_WINDOW_S`` (default 90 s) is marked ``Crashed``.
 
 Prefect is driven through its CLI and client, and the table is rendered in a
-child process (``python -m deployments.prefect_yaml``): rendering imports
+child process (``python -m rayline.deployments.prefect_yaml``): rendering imports
 every flow (Prefect, Ray, torch), which the ``up`` process itself never needs;
 it runs while the services start.
 """
@@ -33,8 +33,9 @@ _DEPLOY_TIMEOUT_S = 600.0
 
 
 def project_root() -> Path:
-    """The folder holding ``flows/`` and ``deployments/`` (a checkout, or site-packages), found without importing."""
-    spec = importlib.util.find_spec("deployments")
+    """The folder holding ``flows/`` and ``deployments/`` (a checkout, or the installed package), found without
+    importing them (``rayline/deployments`` links to the checkout's folder, so resolving it finds the checkout)."""
+    spec = importlib.util.find_spec("rayline.deployments")
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError("the rayline deployments package is not importable here: reinstall rayline")
     return Path(list(spec.submodule_search_locations)[0]).resolve().parent
@@ -62,12 +63,12 @@ def create_pool(pool: str, env: dict[str, str]) -> None:
 
 
 class PrefectYamlRendering:
-    """``python -m deployments.prefect_yaml`` in a child process, started before the services: it imports every
+    """``python -m rayline.deployments.prefect_yaml`` in a child process, started before the services: it imports every
     flow (Prefect, Ray, torch) and needs no service, so its seconds overlap their start-ups."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "deployments.prefect_yaml"],
+            [sys.executable, "-m", "rayline.deployments.prefect_yaml"],
             env=env,
             cwd=project_root(),
             stdin=subprocess.DEVNULL,

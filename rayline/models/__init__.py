@@ -3,7 +3,8 @@
 - ``registry``: immutable versions, movable aliases (``champion``, ``challenger``), the promotion gate;
 - ``aliases``: one alias move as a compare-and-swap;
 - ``tracking``, ``mlflow_mirror``: MLflow tracking of Train runs, and the registry mirrored into MLflow's
-  (how a version becomes an MLflow model is the caller's ``save_model``: ``ray_workloads.registration.mlflow_models``).
+  (how a version becomes an MLflow model is the caller's ``save_model``:
+  ``rayline.ray_workloads.registration.mlflow_models``).
 
 It imports ``rayline.storage`` and the cross-cutting modules (a model's spec is ``rayline.specs``):
 never ``rayline.tables`` or ``rayline.lineage``.

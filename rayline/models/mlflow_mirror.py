@@ -10,7 +10,7 @@ module makes MLflow show the same thing:
   logged under ``model/`` in a run of its own (experiment = model name); the
   MLflow version's source is that folder, and the version's metrics are the
   run's metrics and tags of the version. The tasks pass
-  ``ray_workloads.registration.mlflow_models.save_version``: a pyfunc logged from code,
+  ``rayline.ray_workloads.registration.mlflow_models.save_version``: a pyfunc logged from code,
   the version's own files as its artifacts and no pickle, that
   ``mlflow.pyfunc.load_model("models:/<name>@champion")`` loads. It runs
   rayline's model interface, which the core may not import: hence the

@@ -8,7 +8,7 @@ down, wrong URI, refused write): it logs a warning and returns ``None``, and
 every write is keyed by a ``rayline.*`` tag, so the next call completes what
 a failed one left out instead of duplicating it.
 
-Tune trials are logged by Ray's own ``MLflowLoggerCallback`` (``ray_workloads.training.tune``).
+Tune trials are logged by Ray's own ``MLflowLoggerCallback`` (``rayline.ray_workloads.training.tune``).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ SAMPLES_FILE = "samples.npy"
 CLAIM_FILE = "_claim"
 ALIASES_DIR = "aliases"
 ROLLOUT_LEASE = "rollout.lease"
-PLANS_DIR = "plans"  # a version's execution plans, one per machine (ray_workloads.execution.cache)
+PLANS_DIR = "plans"  # a version's execution plans, one per machine (rayline.ray_workloads.execution.cache)
 CODE_DIR = "code"  # a factory model's package, stored with its version
 # lineage/<stage>/ records, and lineage/openlineage/ events of the default transport
 LINEAGE_DIR = "lineage"

@@ -93,7 +93,7 @@ MAX_DEPTH = 3
 PREFIXES_PER_GROUP = 8
 # Objects the caller lists itself before it hands the rest of the sub-prefixes to Ray tasks.
 INLINE_OBJECTS = 100_000
-# How many groups a night's cutters list at once (ray_workloads.nightly.pipeline), and so the fewest groups the
+# How many groups a night's cutters list at once (rayline.ray_workloads.nightly.pipeline), and so the fewest groups the
 # sub-prefixes the caller left are cut into: with fewer, larger groups some of them would idle.
 LISTERS = 8
 

@@ -217,7 +217,7 @@ def list_group_parts(
     """List ``prefixes`` into the parts of ``group``, yielding each part as it is written; then write the
     group's summary (:func:`group_summary_uri`), which :func:`finish_listing` reads.
 
-    What a night's block cutters run (:mod:`ray_workloads.nightly.blocks`): the
+    What a night's block cutters run (:mod:`rayline.ray_workloads.nightly.blocks`): the
     first blocks are predicted while the rest of the prefix is still listed.
     """
     writer = PartWriter(root, staging, group, rows_per_part)

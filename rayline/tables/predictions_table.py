@@ -57,7 +57,8 @@ PREDICTIONS_SCHEMA = pa.schema(
         ("model_version", pa.int64()),
         ("code_version", pa.string()),
         ("flow_run_id", pa.string()),
-        # how the row was computed: its execution plan, backend/precision[/layout] (ray_workloads.execution.plan)
+        # how the row was computed: its execution plan, backend/precision[/layout]
+        # (rayline.ray_workloads.execution.plan)
         ("plan", pa.string()),
     ]
 )

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from ray_workloads.data import preprocess
 from rayline import lineage, storage
+from rayline.ray_workloads.data import preprocess
 from rayline.seed import SeedResult, seed, seed_incoming
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
 from rayline.tables.delta_tables import Night, table_version

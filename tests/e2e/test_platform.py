@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ray_workloads.architectures.build import imagenet_classes
 from rayline.cli.platform import SERVICES
+from rayline.ray_workloads.architectures.build import imagenet_classes
 from tests.e2e.platform_support import AUTH, program_output, run_program, run_rayline, service_records
 from tests.e2e.programs import (
     burst_of_arrivals,

@@ -21,12 +21,12 @@ from prefect import Task, flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import State
 
-from ray_workloads.architectures.build import ModelSpec, build_model, imagenet_image_spec, state_dict_bytes
-from ray_workloads.data.preprocess import ERRORS, SPLITS, PreprocessResult
-from ray_workloads.nightly.blocks import BlockReport, block_file_uri, night_lease_uri
-from ray_workloads.nightly.predictor import PredictorUDF
 from rayline import storage
 from rayline.models import registry
+from rayline.ray_workloads.architectures.build import ModelSpec, build_model, imagenet_image_spec, state_dict_bytes
+from rayline.ray_workloads.data.preprocess import ERRORS, SPLITS, PreprocessResult
+from rayline.ray_workloads.nightly.blocks import BlockReport, block_file_uri, night_lease_uri
+from rayline.ray_workloads.nightly.predictor import PredictorUDF
 from rayline.seed import EXPECTED_ERROR_TYPE, SeedResult
 from rayline.specs import ImageSpec, WeightsSource
 from rayline.storage import leases
@@ -113,7 +113,7 @@ def register_outside(
     """
     import torch
 
-    from ray_workloads.architectures.build import imagenet_classes
+    from rayline.ray_workloads.architectures.build import imagenet_classes
 
     names = classes if classes is not None else imagenet_classes(arch)
     spec = ModelSpec(arch=arch, num_classes=len(names))
@@ -163,7 +163,7 @@ class OutOfMemoryPredictor(PredictorUDF):
 
         super().__init__(*args, **kwargs)
 
-        from ray_workloads.execution.interface import LoadedModel
+        from rayline.ray_workloads.execution.interface import LoadedModel
 
         def out_of_memory(images: np.ndarray) -> np.ndarray:
             raise torch.OutOfMemoryError(

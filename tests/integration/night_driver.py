@@ -2,7 +2,7 @@
 
 ``python -m tests.integration.night_driver '<InferenceConfig as JSON>' <run id>``
 
-Runs ``ray_workloads.nightly.batch_inference.run`` in this process on the cluster of
+Runs ``rayline.ray_workloads.nightly.batch_inference.run`` in this process on the cluster of
 ``RAY_ADDRESS``, or on an embedded cluster of its own when that is unset, with
 a predictor that writes ``RAYLINE_TEST_STALL_AFTER`` blocks (default 1) like
 the real one, counted per actor, and then stalls before the next one. So the
@@ -26,10 +26,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ray_workloads.nightly import batch_inference
-from ray_workloads.nightly.blocks import BlockReport
-from ray_workloads.nightly.predictor import PredictorUDF
 from rayline import ray_cluster
+from rayline.ray_workloads.nightly import batch_inference
+from rayline.ray_workloads.nightly.blocks import BlockReport
+from rayline.ray_workloads.nightly.predictor import PredictorUDF
 from rayline.tables.delta_tables import Night
 from tests.support import REPO_ROOT
 

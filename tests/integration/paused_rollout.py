@@ -22,11 +22,11 @@ from __future__ import annotations
 import json
 import sys
 
-from ray_workloads.serving import canary
-from ray_workloads.serving.config import ServeConfig
 from rayline import ray_cluster
 from rayline.errors import LeaseLost
 from rayline.models import registry
+from rayline.ray_workloads.serving import canary
+from rayline.ray_workloads.serving.config import ServeConfig
 from rayline.storage import leases
 
 
@@ -50,7 +50,7 @@ def paused_move(argv: list[str]) -> None:
 
 
 def whole_flow(parameters: str) -> None:
-    from flows.serve_rollout import serve_rollout  # Prefect only for this mode
+    from rayline.flows.serve_rollout import serve_rollout  # Prefect only for this mode
 
     serve_rollout(**json.loads(parameters))
 

@@ -20,9 +20,9 @@ import pytest
 import ray
 from deltalake import DeltaTable
 
-from ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult
 from rayline import storage
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult
 from rayline.seed import corrupt_objects, digit_objects
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
 from rayline.tables.delta_tables import Night, storage_options

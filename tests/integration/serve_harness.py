@@ -20,11 +20,11 @@ import pytest
 from PIL import Image
 from ray import serve
 
-from ray_workloads.serving import control as serve_control
-from ray_workloads.serving.control import ServeConfig
-from ray_workloads.serving.http_api import ANSWER_HEADER
-from ray_workloads.serving.ingress import ROUTER_DEPLOYMENT
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.serving import control as serve_control
+from rayline.ray_workloads.serving.control import ServeConfig
+from rayline.ray_workloads.serving.http_api import ANSWER_HEADER
+from rayline.ray_workloads.serving.ingress import ROUTER_DEPLOYMENT
 from tests.integration.helpers import ClientThreads, register_untrained
 from tests.support import free_port
 

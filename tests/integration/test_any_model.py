@@ -27,12 +27,12 @@ import torch
 import torchvision
 from typer.testing import CliRunner
 
-from flows.serve_rollout import serve_config
-from ray_workloads.architectures.build import imagenet_classes
-from ray_workloads.serving import control as serve_control
 from rayline import storage
 from rayline.cli import app
+from rayline.flows.serve_rollout import serve_config
 from rayline.models import registry
+from rayline.ray_workloads.architectures.build import imagenet_classes
+from rayline.ray_workloads.serving import control as serve_control
 from rayline.seed import jpeg_bytes, photo_objects, source_photos
 from rayline.tables.prediction_reads import read_night_pair
 from tests.support import free_port

@@ -10,12 +10,12 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 from typer.testing import CliRunner
 
-from flows.nightly_backfill import BACKFILL_ARTIFACT
-from flows.nightly_inference import nightly_inference
-from ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, NightSkipped
 from rayline import storage
 from rayline.cli import app
 from rayline.errors import ErrorBudgetExceeded
+from rayline.flows.nightly_backfill import BACKFILL_ARTIFACT
+from rayline.flows.nightly_inference import nightly_inference
+from rayline.ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, NightSkipped
 from rayline.seed import digit_objects
 from rayline.tables.night_ranges import BackfillResult, NightOutcome, NightsFailed
 from rayline.tables.prediction_reads import read_night_pair
@@ -117,7 +117,7 @@ def test_nights_run_at_most_max_concurrent_at_once(local_storage: str, monkeypat
 
     from prefect import task
 
-    from flows import nightly_backfill
+    from rayline.flows import nightly_backfill
 
     lock, running, peak, started = threading.Lock(), [0], [0], []
 

@@ -9,9 +9,9 @@ from typing import TypeVar
 
 import pytest
 
-from ray_workloads.data import ingest, preprocess
 from rayline import storage
 from rayline.errors import LeaseBusy, LeaseLost
+from rayline.ray_workloads.data import ingest, preprocess
 from rayline.seed import seed
 from rayline.storage import folders, leases, manifests
 from rayline.storage.manifests import IngestManifest
@@ -115,7 +115,7 @@ def test_two_concurrent_prepare_data_runs_both_complete(local_storage: str) -> N
     from prefect import flow
     from prefect.client.schemas.objects import State
 
-    from flows.prepare_data import PrepareDataResult, prepare_data
+    from rayline.flows.prepare_data import PrepareDataResult, prepare_data
 
     @flow(name="retrain-like")
     def retrain_like() -> PrepareDataResult:

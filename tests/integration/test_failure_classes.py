@@ -17,15 +17,15 @@ import pytest
 import ray
 from prefect.task_engine import TaskRunTimeoutError
 
-from ray_workloads.data import ingest, preprocess
-from ray_workloads.training import train, tune
-from ray_workloads.training.loop import TrainLoopConfig
 from rayline import ray_work, storage
 from rayline.errors import RetriesExhausted, WorkTimedOut, is_transient
+from rayline.ray_workloads.data import ingest, preprocess
+from rayline.ray_workloads.training import train, tune
+from rayline.ray_workloads.training.loop import TrainLoopConfig
 from rayline.seed import digit_objects
-from tasks.common import ray_task
-from tasks.train import train_model_task
-from tasks.tune import tune_task
+from rayline.tasks.common import ray_task
+from rayline.tasks.train import train_model_task
+from rayline.tasks.tune import tune_task
 from tests.integration.helpers import run_task_once, running_pids
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]

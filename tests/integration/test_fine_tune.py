@@ -31,14 +31,14 @@ from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from prefect.logging.handlers import APILogHandler
 from typer.testing import CliRunner
 
-from deployments.catalog import deployment_table
-from flows.train_model import train_model
-from ray_workloads.architectures.build import load_state_dict
-from ray_workloads.execution.interface import load_version
 from rayline import lineage, storage
 from rayline.cli import app
+from rayline.deployments.catalog import deployment_table
 from rayline.errors import ConfigError
+from rayline.flows.train_model import train_model
 from rayline.models import registry
+from rayline.ray_workloads.architectures.build import load_state_dict
+from rayline.ray_workloads.execution.interface import load_version
 from rayline.seed import seed
 from rayline.specs import FACTORY, ParentModel
 from rayline.storage.layout import RAW_DIR

@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import pytest
 
-from ray_workloads.data import ingest, preprocess
 from rayline import storage
 from rayline.errors import StorageAccessDenied
+from rayline.ray_workloads.data import ingest, preprocess
 from rayline.seed import digit_objects
 from rayline.storage import folders, manifests
 from rayline.storage.manifests import IngestManifest

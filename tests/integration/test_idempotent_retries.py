@@ -20,29 +20,29 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 
-import ray_workloads.data.ingest
-import tasks.ingest
-import tasks.preprocess
-import tasks.register
-from flows.prepare_data import prepare_data
-from ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
-from ray_workloads.data import preprocess
-from ray_workloads.data.ingest import IngestConfig, IngestResult
-from ray_workloads.data.preprocess import PreprocessResult
-from ray_workloads.nightly import batch_inference
-from ray_workloads.training import promotion
-from ray_workloads.training.evaluate import EvaluationResult
-from ray_workloads.training.train import TrainResult
+import rayline.ray_workloads.data.ingest
+import rayline.tasks.ingest
+import rayline.tasks.preprocess
+import rayline.tasks.register
 from rayline import events, lineage, ray_cluster, storage
 from rayline.errors import TransientError
+from rayline.flows.prepare_data import prepare_data
 from rayline.models import registry
+from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
+from rayline.ray_workloads.data import preprocess
+from rayline.ray_workloads.data.ingest import IngestConfig, IngestResult
+from rayline.ray_workloads.data.preprocess import PreprocessResult
+from rayline.ray_workloads.nightly import batch_inference
+from rayline.ray_workloads.training import promotion
+from rayline.ray_workloads.training.evaluate import EvaluationResult
+from rayline.ray_workloads.training.train import TrainResult
 from rayline.seed import digit_objects, synthetic_objects
 from rayline.tables.delta_tables import Night
 from rayline.tables.predictions_table import night_seq
-from tasks.batch_inference import batch_inference_task
-from tasks.ingest import ingest_objects
-from tasks.preprocess import preprocess_images
-from tasks.register import RegistrationResult, register_and_gate
+from rayline.tasks.batch_inference import batch_inference_task
+from rayline.tasks.ingest import ingest_objects
+from rayline.tasks.preprocess import preprocess_images
+from rayline.tasks.register import RegistrationResult, register_and_gate
 from tests.integration.helpers import one_stored_event, register_untrained_champion, run_task_once
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
@@ -150,8 +150,8 @@ def _champion(name: str, prepared: PreprocessResult) -> registry.ModelVersion:
 SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
     "version-registered": (registry, "register"),
     "alias-moved": (registry, "set_alias"),
-    "event-emitted": (tasks.register, "emit_alias_move"),
-    "lineage-written": (tasks.register, "record_lineage"),
+    "event-emitted": (rayline.tasks.register, "emit_alias_move"),
+    "lineage-written": (rayline.tasks.register, "record_lineage"),
 }
 
 
@@ -177,9 +177,9 @@ def test_register_and_gate_retried_after_a_side_effect_leaves_one_of_each(
 
 
 INGEST_SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
-    "manifest-committed": (ray_workloads.data.ingest, "run"),
-    "event-emitted": (tasks.ingest, "data_arrived"),
-    "lineage-written": (tasks.ingest, "record_lineage"),
+    "manifest-committed": (rayline.ray_workloads.data.ingest, "run"),
+    "event-emitted": (rayline.tasks.ingest, "data_arrived"),
+    "lineage-written": (rayline.tasks.ingest, "record_lineage"),
 }
 
 
@@ -226,7 +226,7 @@ def test_a_retried_ingest_that_finds_an_older_runs_dataset_announces_nothing(
         return state.result(), state.state_details.task_run_id
 
     first, _ = probe()  # the earlier run: commits and announces
-    announced = _calls_of(tasks.ingest, "data_arrived", monkeypatch)  # announcements from here on
+    announced = _calls_of(rayline.tasks.ingest, "data_arrived", monkeypatch)  # announcements from here on
     _fail_once_after(ray_cluster, "connect", monkeypatch)  # the later run's first attempt fails early
     again, task_run_id = probe()
 
@@ -258,8 +258,8 @@ def test_nightly_inference_retried_after_its_commit_returns_it_without_predictin
 
 
 PREPROCESS_SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
-    "manifest-committed": (tasks.preprocess.preprocess, "run"),
-    "lineage-written": (tasks.preprocess, "record_lineage"),
+    "manifest-committed": (rayline.tasks.preprocess.preprocess, "run"),
+    "lineage-written": (rayline.tasks.preprocess, "record_lineage"),
 }
 
 

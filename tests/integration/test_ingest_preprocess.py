@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from ray_workloads.data import ingest, preprocess
 from rayline import storage
 from rayline.errors import InputDataError
+from rayline.ray_workloads.data import ingest, preprocess
 from rayline.seed import CORRUPT_KINDS, seed
 from rayline.storage import manifests
 from rayline.storage.manifests import IngestManifest

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ray_workloads.data import ingest
 from rayline import storage
+from rayline.ray_workloads.data import ingest
 from rayline.seed import seed
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]

@@ -19,19 +19,19 @@ import pytest
 import ray
 from prefect.futures import PrefectFuture
 
-from flows import nightly_backfill
-from flows.nightly_inference import nightly_inference
-from ray_workloads.data import ingest
-from ray_workloads.nightly import batch_inference as bi
-from ray_workloads.nightly.batch_inference import InferenceConfig
 from rayline import ray_work, storage
 from rayline.errors import WorkTimedOut
+from rayline.flows import nightly_backfill
+from rayline.flows.nightly_inference import nightly_inference
+from rayline.ray_workloads.data import ingest
+from rayline.ray_workloads.nightly import batch_inference as bi
+from rayline.ray_workloads.nightly.batch_inference import InferenceConfig
 from rayline.seed import digit_objects
 from rayline.storage import manifests
 from rayline.storage.manifests import IngestManifest
 from rayline.tables.night_ranges import NightsFailed
+from rayline.tasks.batch_inference import batch_inference_task
 from rayline.testing.fault_proxy_control import FaultProxy
-from tasks.batch_inference import batch_inference_task
 from tests.integration.helpers import (
     HUNG_MARK,
     SIBLING_MARK,

@@ -20,18 +20,18 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from flows.nightly_inference import nightly_inference
-from flows.prepare_data import prepare_data
-from ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
-from ray_workloads.nightly.batch_inference import InferenceResult
 from rayline import lineage, storage
 from rayline.cli import app
+from rayline.flows.nightly_inference import nightly_inference
+from rayline.flows.prepare_data import prepare_data
 from rayline.lineage import DatasetRef
 from rayline.lineage.graph import LineageNode, build_graph, render_text
 from rayline.models import registry
+from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
+from rayline.ray_workloads.nightly.batch_inference import InferenceResult
 from rayline.seed import digit_objects
 from rayline.tables.delta_tables import NightCommit, night_commit
-from tasks.common import openlineage_run, record_lineage
+from rayline.tasks.common import openlineage_run, record_lineage
 from tests.unit.test_lineage_graph import DAY, _record
 from tests.unit.test_openlineage import Declared, validate
 

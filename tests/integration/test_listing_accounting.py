@@ -15,11 +15,11 @@ from itertools import islice
 
 import pytest
 
-from ray_workloads.data import ingest
-from ray_workloads.nightly import batch_inference
 from rayline import storage
 from rayline.cli.summaries import print_inference_summary
 from rayline.errors import DeltaWritesUnsupported
+from rayline.ray_workloads.data import ingest
+from rayline.ray_workloads.nightly import batch_inference
 from rayline.seed import digit_objects
 from rayline.skipped import skipped_text
 from rayline.storage import layout

@@ -20,16 +20,16 @@ from mlflow.artifacts import download_artifacts
 from mlflow.models import Model
 from PIL import Image
 
-from flows.train_model import train_model
-from ray_workloads.architectures import factory_models
-from ray_workloads.architectures.build import state_dict_bytes
-from ray_workloads.data.images import decode_image
-from ray_workloads.execution import interface
-from ray_workloads.registration import mlflow_models
-from ray_workloads.registration.outside_models import RegisterModelConfig
-from ray_workloads.registration.outside_models import run as register_model
 from rayline import storage
+from rayline.flows.train_model import train_model
 from rayline.models import mlflow_mirror, registry
+from rayline.ray_workloads.architectures import factory_models
+from rayline.ray_workloads.architectures.build import state_dict_bytes
+from rayline.ray_workloads.data.images import decode_image
+from rayline.ray_workloads.execution import interface
+from rayline.ray_workloads.registration import mlflow_models
+from rayline.ray_workloads.registration.outside_models import RegisterModelConfig
+from rayline.ray_workloads.registration.outside_models import run as register_model
 from rayline.seed import seed
 from rayline.specs import FACTORY, FactoryRef, ImageSpec, ModelSpec
 from rayline.storage import layout

@@ -11,14 +11,14 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from flows.monitor import monitor
-from flows.nightly_inference import nightly_inference
-from flows.prepare_data import prepare_data
-from ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
-from ray_workloads.monitoring.monitor import DriftThresholds
-from ray_workloads.training.loop import TrainLoopConfig, in_memory_batches, make_optimizer, run_epoch
 from rayline import events, storage
+from rayline.flows.monitor import monitor
+from rayline.flows.nightly_inference import nightly_inference
+from rayline.flows.prepare_data import prepare_data
 from rayline.models import registry
+from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
+from rayline.ray_workloads.monitoring.monitor import DriftThresholds
+from rayline.ray_workloads.training.loop import TrainLoopConfig, in_memory_batches, make_optimizer, run_epoch
 from rayline.seed import digit_objects, seed, synthetic_objects
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from ray_workloads.nightly import batch_inference
-from ray_workloads.nightly.batch_inference import new_run_id
-from ray_workloads.nightly.blocks import night_listings
 from rayline.errors import StorageError
+from rayline.ray_workloads.nightly import batch_inference
+from rayline.ray_workloads.nightly.batch_inference import new_run_id
+from rayline.ray_workloads.nightly.blocks import night_listings
 from rayline.storage import listing
 from rayline.tables.delta_tables import Night, table_version
 from rayline.tables.prediction_reads import read_night_pair, vacuum

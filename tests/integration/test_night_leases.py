@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from ray_workloads.nightly import batch_inference
-from ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, new_run_id
-from ray_workloads.nightly.blocks import night_lease_uri, night_listings
+from rayline.ray_workloads.nightly import batch_inference
+from rayline.ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, new_run_id
+from rayline.ray_workloads.nightly.blocks import night_lease_uri, night_listings
 from rayline.storage import leases
 from rayline.tables.delta_tables import Night
 from rayline.tables.prediction_reads import read_night_pair

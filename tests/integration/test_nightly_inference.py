@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from deltalake import DeltaTable
 
-from flows.nightly_inference import nightly_inference
-from ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
-from ray_workloads.nightly.blocks import night_lease_uri
 from rayline import storage
 from rayline.errors import OutOfMemory, RetriesExhausted, is_transient
+from rayline.flows.nightly_inference import nightly_inference
 from rayline.models import registry
+from rayline.ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
+from rayline.ray_workloads.nightly.blocks import night_lease_uri
 from rayline.seed import digit_objects, seed_incoming, synthetic_objects
 from rayline.storage import leases
 from rayline.tables.delta_tables import Night
@@ -149,7 +149,7 @@ def test_a_killed_predictor_actor_loses_no_row(local_storage: str) -> None:
     import threading
     import time
 
-    from ray_workloads.nightly import batch_inference as bi
+    from rayline.ray_workloads.nightly import batch_inference as bi
 
     register_untrained_champion()
     incoming, inputs = _incoming(local_storage, corrupt=4)
@@ -186,7 +186,7 @@ def test_a_killed_predictor_actor_loses_no_row(local_storage: str) -> None:
 def test_an_input_that_kills_its_actor_every_time_fails_the_run_after_bounded_retries(
     local_storage: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ray_workloads.nightly import batch_inference as bi
+    from rayline.ray_workloads.nightly import batch_inference as bi
 
     register_untrained_champion()
     incoming = storage.join(local_storage, "incoming", f"dt={DAY}")
@@ -199,7 +199,7 @@ def test_an_input_that_kills_its_actor_every_time_fails_the_run_after_bounded_re
         dt=DAY,
         model=registry.resolve("digits", "champion"),
     )
-    from tasks.batch_inference import batch_inference_task
+    from rayline.tasks.batch_inference import batch_inference_task
 
     # Ray Data restarted the actor and retried the block 3 times: Prefect runs the task once
     state, attempts = run_task_once(batch_inference_task, config)
@@ -213,8 +213,8 @@ def test_a_model_call_out_of_memory_fails_the_night_once_and_commits_nothing(
     local_storage: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Memory is the machine's fault, not the samples': no "predict" error rows, and no retry of the same shape."""
-    from ray_workloads.nightly import batch_inference as bi
-    from tasks.batch_inference import batch_inference_task
+    from rayline.ray_workloads.nightly import batch_inference as bi
+    from rayline.tasks.batch_inference import batch_inference_task
 
     register_untrained_champion()
     incoming = storage.join(local_storage, "incoming", f"dt={DAY}")

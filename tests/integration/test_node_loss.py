@@ -26,13 +26,13 @@ import ray
 from ray import serve
 from ray.serve.schema import ServeInstanceDetails
 
-from ray_workloads.data import ingest, preprocess
-from ray_workloads.nightly import batch_inference
-from ray_workloads.serving import control as serve_control
-from ray_workloads.serving.config import ServeConfig
-from ray_workloads.training import train
-from ray_workloads.training.loop import TrainLoopConfig
 from rayline import storage
+from rayline.ray_workloads.data import ingest, preprocess
+from rayline.ray_workloads.nightly import batch_inference
+from rayline.ray_workloads.serving import control as serve_control
+from rayline.ray_workloads.serving.config import ServeConfig
+from rayline.ray_workloads.training import train
+from rayline.ray_workloads.training.loop import TrainLoopConfig
 from rayline.seed import SeedResult, png_bytes, seed
 from rayline.specs import ImageSpec, ModelSpec
 from rayline.tables.prediction_reads import read_night_pair

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from flows.monitor import monitor
-from flows.nightly_inference import nightly_inference
-from ray_workloads.architectures.build import imagenet_classes
-from ray_workloads.nightly.batch_inference import InferenceResult
-from ray_workloads.nightly.blocks import NightOutput, block_file_uri
 from rayline import storage
 from rayline.cli import app
+from rayline.flows.monitor import monitor
+from rayline.flows.nightly_inference import nightly_inference
 from rayline.lineage.graph import build_graph, render_text
+from rayline.ray_workloads.architectures.build import imagenet_classes
+from rayline.ray_workloads.nightly.batch_inference import InferenceResult
+from rayline.ray_workloads.nightly.blocks import NightOutput, block_file_uri
 from rayline.seed import EXPECTED_ERROR_TYPE, digit_objects, photo_variant, seed, source_photos
 from rayline.tables.delta_tables import Night
 from rayline.tables.prediction_reads import read_night_pair
@@ -125,7 +125,7 @@ def test_a_block_predicted_in_small_chunks_gives_the_rows_of_one_chunk(
     local_storage: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The predictor bounds the pixels it holds by chunking a block; the written rows do not depend on it."""
-    from ray_workloads.nightly import predictor as ip
+    from rayline.ray_workloads.nightly import predictor as ip
 
     version = register_outside()
     incoming, inputs, broken = _photos_day(local_storage, DAY, photos=9, corrupt=2, large=1)

@@ -27,10 +27,10 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from ray_workloads.nightly import batch_inference
-from ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, new_run_id
 from rayline import storage
 from rayline.errors import NightCommittedElsewhere
+from rayline.ray_workloads.nightly import batch_inference
+from rayline.ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, new_run_id
 from rayline.storage.layout import PREDICTIONS_TABLE
 from rayline.storage.listing import ListingStart
 from rayline.tables.delta_tables import PARTITION_COLUMNS, Night, night_commit, table_version

@@ -9,8 +9,8 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from flows.prepare_data import prepare_data
 from rayline import lineage, storage
+from rayline.flows.prepare_data import prepare_data
 from rayline.seed import seed
 from tests.integration.helpers import assert_exactly_one_row_per_object
 

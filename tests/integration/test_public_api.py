@@ -1,8 +1,12 @@
-"""The example in docs/examples/nightly_report.py: a user's own flow composing rayline's, run as written."""
+"""The example project in docs/examples/my_project: a Prefect project with its own ``flows`` and ``tasks``
+packages whose flow runs rayline's nightly flow as a subflow, in this process, as written."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -14,15 +18,30 @@ from tests.support import REPO_ROOT
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 
 DAY = "2026-11-27"
+PROJECT = REPO_ROOT / "docs" / "examples" / "my_project"
+USERS_PACKAGES = ("flows", "tasks")
 
 
-def test_the_documented_example_flow_runs_rayline_as_a_subflow(local_storage: str) -> None:
+@pytest.fixture
+def users_project(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The project first on the path, as when its owner runs it from its folder; its modules gone after."""
+    monkeypatch.syspath_prepend(str(PROJECT))
+    yield PROJECT
+    for name in [m for m in sys.modules if m.split(".")[0] in USERS_PACKAGES]:
+        del sys.modules[name]
+
+
+def test_a_project_with_its_own_flows_and_tasks_runs_rayline_s_nightly_flow(
+    local_storage: str, users_project: Path
+) -> None:
     register_untrained_champion()
     seeded = seed_incoming(storage.join(local_storage, "incoming", f"dt={DAY}"), corrupt=2)
-    spec = importlib.util.spec_from_file_location("nightly_report", REPO_ROOT / "docs/examples/nightly_report.py")
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = importlib.import_module("flows.nightly_report")
+    counting = importlib.import_module("tasks.counting")
+    rayline_flow = importlib.import_module("rayline.flows.nightly_inference")
+    assert Path(example.__file__).is_relative_to(users_project)
+    assert Path(counting.__file__).is_relative_to(users_project)
+    assert not Path(rayline_flow.__file__).is_relative_to(users_project)
 
     report = example.nightly_report(DAY)
 

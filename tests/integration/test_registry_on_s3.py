@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from ray_workloads.serving import canary
-from ray_workloads.serving.config import ServeConfig
 from rayline.errors import AliasConflict, TransientStorageError, is_transient
 from rayline.models import registry
+from rayline.ray_workloads.serving import canary
+from rayline.ray_workloads.serving.config import ServeConfig
 from rayline.storage import layout, leases
 from rayline.testing.fault_proxy_control import FaultProxy
 from tests.unit.test_alias_moves import ROLLOUT, _move_after_the_next_alias_read, _versions

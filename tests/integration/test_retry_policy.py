@@ -9,9 +9,9 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 
-from ray_workloads.data.ingest import IngestConfig
 from rayline import storage
-from tasks.ingest import ingest_objects
+from rayline.ray_workloads.data.ingest import IngestConfig
+from rayline.tasks.ingest import ingest_objects
 from tests.support import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]

@@ -18,14 +18,14 @@ import pytest
 from ray import serve
 from typer.testing import CliRunner
 
-from flows.serve_rollout import serve_config, serve_rollout
-from ray_workloads.architectures.build import imagenet_classes
-from ray_workloads.serving import control as serve_control
-from ray_workloads.serving.http_api import ANSWER_HEADER, MODEL_HEADER
 from rayline import storage
 from rayline.cli import app
+from rayline.flows.serve_rollout import serve_config, serve_rollout
 from rayline.models import registry
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.architectures.build import imagenet_classes
+from rayline.ray_workloads.serving import control as serve_control
+from rayline.ray_workloads.serving.http_api import ANSWER_HEADER, MODEL_HEADER
 from rayline.seed import digit_objects, jpeg_bytes, photo_objects, source_photos
 from tests.integration.helpers import ClientThreads, register_outside, register_untrained
 from tests.support import free_port

@@ -25,20 +25,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.schema import ApplicationStatus
 
-from flows.serve_rollout import serve_config, serve_rollout
-from ray_workloads.monitoring import monitor as mon
-from ray_workloads.serving import canary, rollout
-from ray_workloads.serving import control as serve_control
-from ray_workloads.serving.http_api import ANSWER_HEADER
-from ray_workloads.serving.model_server import MODEL_DEPLOYMENT, ModelServer, model_app
 from rayline import events, lineage, storage
 from rayline.errors import ClusterError
+from rayline.flows.serve_rollout import serve_config, serve_rollout
 from rayline.models import registry
 from rayline.models.registry import ModelVersion
 from rayline.ray_cluster import NAMESPACE
+from rayline.ray_workloads.monitoring import monitor as mon
+from rayline.ray_workloads.serving import canary, rollout
+from rayline.ray_workloads.serving import control as serve_control
+from rayline.ray_workloads.serving.http_api import ANSWER_HEADER
+from rayline.ray_workloads.serving.model_server import MODEL_DEPLOYMENT, ModelServer, model_app
 from rayline.seed import digit_objects
 from rayline.storage import leases
-from tasks.monitoring import serving_health_task
+from rayline.tasks.monitoring import serving_health_task
 from tests.integration.helpers import ClientThreads, one_stored_event, register_untrained, stored_events
 from tests.support import REPO_ROOT, free_port
 

@@ -9,8 +9,8 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from flows.train_model import train_model
 from rayline import lineage, storage
+from rayline.flows.train_model import train_model
 from rayline.models import registry
 from rayline.seed import seed
 

@@ -15,12 +15,12 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError
 
-from ray_workloads.data import ingest
-from ray_workloads.nightly import batch_inference as bi
 from rayline import storage
 from rayline.config import get_settings
 from rayline.errors import StorageAccessDenied, TransientStorageError, is_transient
 from rayline.models import registry
+from rayline.ray_workloads.data import ingest
+from rayline.ray_workloads.nightly import batch_inference as bi
 from rayline.seed import digit_objects
 from rayline.tables.prediction_reads import committed_nights, read_night_pair
 from rayline.testing.fault_proxy_control import FaultProxy

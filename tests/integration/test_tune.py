@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from ray_workloads.data import ingest, preprocess
-from ray_workloads.training import tune
 from rayline import storage
+from rayline.ray_workloads.data import ingest, preprocess
+from rayline.ray_workloads.training import tune
 from rayline.seed import seed
 from tests.support import stop_process
 
@@ -75,7 +75,7 @@ def test_asha_stops_weak_trials_and_restore_skips_finished_ones(local_storage: s
     )
     experiment = Path(storage.join(local_storage, "tuning", "search"))
     code = (
-        "from ray_workloads.training import tune\n"
+        "from rayline.ray_workloads.training import tune\n"
         f"tune.run(tune.TuneJobConfig.model_validate_json({config.model_dump_json()!r}))\n"
     )
     # a driver of its own on the session's cluster (starting a cluster of its own costs seconds): its trials

@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
-from ray_workloads.training import promotion
 from rayline.errors import AliasConflict, LeaseLost
 from rayline.models import registry
+from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
+from rayline.ray_workloads.training import promotion
 from rayline.storage import conditional, leases
 from tests.unit.test_registry_and_models import _register, _register_keyed
 

@@ -14,7 +14,9 @@ import torch
 import torchvision
 from torch import nn
 
-from ray_workloads.architectures.build import (
+from rayline import storage
+from rayline.errors import ConfigError
+from rayline.ray_workloads.architectures.build import (
     ModelSpec,
     WeightsMismatchError,
     build_model,
@@ -24,17 +26,15 @@ from ray_workloads.architectures.build import (
     load_model,
     state_dict_bytes,
 )
-from ray_workloads.architectures.torchvision_families import (
+from rayline.ray_workloads.architectures.torchvision_families import (
     FAMILIES,
     LIST_HINT,
     classifier_head,
     family_of,
     torchvision_names,
 )
-from ray_workloads.registration.outside_models import RegisterModelConfig, image_spec_for
-from ray_workloads.registration.outside_models import run as register
-from rayline import storage
-from rayline.errors import ConfigError
+from rayline.ray_workloads.registration.outside_models import RegisterModelConfig, image_spec_for
+from rayline.ray_workloads.registration.outside_models import run as register
 
 pytestmark = pytest.mark.unit
 
@@ -166,7 +166,7 @@ def test_a_size_that_does_not_fit_is_refused_before_the_weights_are_read() -> No
 
 
 def test_training_from_scratch_refuses_what_the_digits_squares_do_not_fit() -> None:
-    from flows.train_model import train_model
+    from rayline.flows.train_model import train_model
 
     with pytest.raises(ConfigError, match=r"maxvit_t takes only 224×224 input.* gives 32×32"):
         train_model.fn(arch="maxvit_t")

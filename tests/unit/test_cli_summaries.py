@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ray_workloads.data.ingest import IngestResult
 from rayline import storage
 from rayline.cli.summaries import print_prepare_summary
+from rayline.ray_workloads.data.ingest import IngestResult
 
 pytestmark = pytest.mark.unit
 
@@ -46,8 +46,8 @@ def test_prepare_summary_has_no_skipped_line_when_nothing_was_skipped(capsys: py
 
 
 def test_the_nightly_artifact_names_the_skipped_and_their_first_keys() -> None:
-    from flows.nightly_inference import _skipped
-    from ray_workloads.nightly.batch_inference import InferenceResult
+    from rayline.flows.nightly_inference import _skipped
+    from rayline.ray_workloads.nightly.batch_inference import InferenceResult
 
     night = InferenceResult.model_construct(
         skipped={storage.SKIP_FOLDER_MARKER: 1}, skipped_examples={storage.SKIP_FOLDER_MARKER: ["photos/"]}
@@ -57,8 +57,8 @@ def test_the_nightly_artifact_names_the_skipped_and_their_first_keys() -> None:
 
 
 def test_rollout_summary_says_what_it_reconciled_first(capsys: pytest.CaptureFixture[str]) -> None:
-    from flows.serve_rollout import RolloutResult
     from rayline.cli.ops import print_rollout_summary
+    from rayline.flows.serve_rollout import RolloutResult
 
     found = "serving disagreed with the registry at the start (v2 at 100%, …): rolled all traffic back to v1"
     result = RolloutResult(

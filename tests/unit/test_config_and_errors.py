@@ -53,7 +53,7 @@ def test_bad_storage_uri_fails_with_a_clear_message(monkeypatch: pytest.MonkeyPa
 
 
 def test_one_setting_sets_the_ttl_of_every_data_lease(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ray_workloads.nightly.contract import InferenceConfig
+    from rayline.ray_workloads.nightly.contract import InferenceConfig
     from rayline.storage.folders import LeasedOutput
 
     assert LeasedOutput().lease_ttl_s == 120.0 and InferenceConfig.model_fields["lease_ttl_s"].default_factory

@@ -6,8 +6,8 @@ from datetime import timedelta
 
 import pytest
 
-from deployments.catalog import RETRAIN_DEBOUNCE, build_deployments, deployment_table
 from rayline import events
+from rayline.deployments.catalog import RETRAIN_DEBOUNCE, build_deployments, deployment_table
 
 pytestmark = pytest.mark.unit
 
@@ -65,10 +65,12 @@ def test_prefect_yaml_is_the_table_and_valid_for_prefect_deploy() -> None:
     from prefect.events.schemas.deployment_triggers import DeploymentTriggerTypes
     from pydantic import TypeAdapter
 
-    from deployments.prefect_yaml import ROOT, render
+    from rayline.deployments.prefect_yaml import ROOT, render
 
     committed = (ROOT / "prefect.yaml").read_text()
-    assert committed == render(), "prefect.yaml is stale: run `python -m deployments.prefect_yaml > prefect.yaml`"
+    assert committed == render(), (
+        "prefect.yaml is stale: run `python -m rayline.deployments.prefect_yaml > prefect.yaml`"
+    )
     model = PrefectYamlModel.model_validate(yaml.safe_load(committed))
     assert {d.name for d in model.deployments} == {d.name for d in build_deployments()}
     triggers = TypeAdapter(DeploymentTriggerTypes)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_workloads.training.evaluate import classification_metrics, confusion_png, curves_png
+from rayline.ray_workloads.training.evaluate import classification_metrics, confusion_png, curves_png
 
 pytestmark = pytest.mark.unit
 

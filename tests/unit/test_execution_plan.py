@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-from ray_workloads.execution.cache import libraries, plan_for, plan_key, plan_uri
-from ray_workloads.execution.interface import LoadedModel
-from ray_workloads.execution.plan import (
+from rayline.hardware import Hardware, detect, parse_cpuinfo
+from rayline.ray_workloads.execution.cache import libraries, plan_for, plan_key, plan_uri
+from rayline.ray_workloads.execution.interface import LoadedModel
+from rayline.ray_workloads.execution.plan import (
     PROBE_IMAGES,
     REFERENCE,
     Backend,
@@ -39,7 +40,6 @@ from ray_workloads.execution.plan import (
     plans_text,
     torch_run,
 )
-from rayline.hardware import Hardware, detect, parse_cpuinfo
 from rayline.specs import ModelSpec
 from rayline.testing.trained_models import digits_resnet18
 
@@ -245,7 +245,7 @@ def test_a_plan_is_measured_once_per_version_and_machine_then_adopted(
 
 
 def test_serving_takes_its_plan_policy_from_settings() -> None:
-    from ray_workloads.serving.config import config_from_settings
+    from rayline.ray_workloads.serving.config import config_from_settings
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAYLINE_SERVE_PLAN", "off")
@@ -258,9 +258,9 @@ def test_a_plan_is_judged_on_the_versions_own_samples_and_a_nights_first_images(
 ) -> None:
     """Its samples first, then the night's images; a version without samples gets stand-in photos, said in
     the log. Bad samples are refused at registration, never stored."""
-    from ray_workloads.execution.cache import probe_set
     from rayline.errors import ConfigError
     from rayline.models import registry
+    from rayline.ray_workloads.execution.cache import probe_set
     from rayline.specs import squash
 
     spec, image = ModelSpec(num_classes=3, width=4), squash(32)
@@ -324,7 +324,7 @@ def _small_cnn() -> torch.nn.Module:
 def _openvino_plan_round_trip(version: str) -> None:
     """Choose a pinned OpenVINO plan, adopt it from the cache without converting, and fall back when its stored
     model is broken: run in a process of its own (the test below says why)."""
-    from ray_workloads.execution import openvino_backend
+    from rayline.ray_workloads.execution import openvino_backend
 
     forks: list[int] = []  # OpenVINO's telemetry posts from forked processes unless declined
     os.register_at_fork(before=lambda: forks.append(1))

@@ -12,7 +12,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ray_workloads.architectures.build import (
+from rayline.cli import app
+from rayline.errors import ConfigError, InputDataError
+from rayline.models import registry
+from rayline.ray_workloads.architectures.build import (
     InferenceOnlyFormat,
     ModelSpec,
     build_model,
@@ -20,14 +23,11 @@ from ray_workloads.architectures.build import (
     state_dict_bytes,
     trainable_parameters,
 )
-from ray_workloads.data import preprocess
-from ray_workloads.execution.interface import load
-from ray_workloads.training.loop import TrainLoopConfig, make_optimizer, run_epoch
-from rayline.cli import app
-from rayline.errors import ConfigError, InputDataError
-from rayline.models import registry
+from rayline.ray_workloads.data import preprocess
+from rayline.ray_workloads.execution.interface import load
+from rayline.ray_workloads.training.loop import TrainLoopConfig, make_optimizer, run_epoch
 from rayline.specs import FACTORY, FactoryRef, ImageSpec, ParentModel, squash
-from tasks.training_plan import plan_training
+from rayline.tasks.training_plan import plan_training
 
 pytestmark = pytest.mark.unit
 

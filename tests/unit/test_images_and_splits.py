@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ray_workloads.data.images import (
+from rayline.ray_workloads.data.images import (
     CorruptImageError,
     EmptyImageError,
     ImageSpec,
@@ -15,8 +15,8 @@ from ray_workloads.data.images import (
     UnsupportedFormatError,
     decode_image,
 )
-from ray_workloads.data.ingest import IngestConfig, content_hash, cut_shards, label_from_key, objects_per_shard
-from ray_workloads.data.preprocess import SplitFractions, decode_batch, ordered_classes, split_for_key
+from rayline.ray_workloads.data.ingest import IngestConfig, content_hash, cut_shards, label_from_key, objects_per_shard
+from rayline.ray_workloads.data.preprocess import SplitFractions, decode_batch, ordered_classes, split_for_key
 from rayline.storage import ObjectInfo
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from ray_workloads.nightly.blocks import (
+from rayline import storage
+from rayline.ray_workloads.nightly.blocks import (
     BlockReport,
     listing_staging_uri,
     night_listings,
@@ -15,9 +16,8 @@ from ray_workloads.nightly.blocks import (
     reports_batch,
     reports_of,
 )
-from ray_workloads.nightly.contract import block_size
-from ray_workloads.nightly.predictor import torch_threads
-from rayline import storage
+from rayline.ray_workloads.nightly.contract import block_size
+from rayline.ray_workloads.nightly.predictor import torch_threads
 from rayline.storage.digests import SetDigest
 from rayline.tables.delta_tables import Night
 
@@ -53,7 +53,9 @@ def test_importing_the_udf_module_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, ray_workloads.nightly.batch_inference; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys, rayline.ray_workloads.nightly.batch_inference; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -64,7 +66,7 @@ def test_an_actor_runs_torch_on_the_whole_cpus_it_holds(cpus: float, threads: in
 
 
 def test_decoded_pixels_per_chunk_are_bounded_but_a_chunk_holds_at_least_a_batch() -> None:
-    from ray_workloads.nightly.predictor import DECODED_BYTES_PER_CHUNK, chunk_size
+    from rayline.ray_workloads.nightly.predictor import DECODED_BYTES_PER_CHUNK, chunk_size
 
     assert chunk_size(32, 64) >= 256  # the digits: a whole block in one concurrent fetch
     assert 64 <= chunk_size(224, 64) and chunk_size(224, 64) * 3 * 224 * 224 * 4 <= DECODED_BYTES_PER_CHUNK
@@ -72,7 +74,7 @@ def test_decoded_pixels_per_chunk_are_bounded_but_a_chunk_holds_at_least_a_batch
 
 
 def test_model_calls_are_bounded_by_pixels() -> None:
-    from ray_workloads.nightly.predictor import model_batch_size
+    from rayline.ray_workloads.nightly.predictor import model_batch_size
 
     assert model_batch_size(32, 64) == 64  # the digits: as asked
     assert model_batch_size(224, 64) == 32 and model_batch_size(224, 8) == 8

@@ -28,8 +28,8 @@ def test_the_package_says_it_is_typed() -> None:
 # What a user imports to compose rayline in a flow of their own (docs/api.md): a change here is a change of
 # the public API, to be made on purpose.
 PUBLIC = {
-    "flows": ["monitor", "nightly_inference", "prepare_data", "register_model", "serve_rollout", "train_model"],
-    "tasks": [
+    "rayline.flows": ["monitor", "nightly_inference", "prepare_data", "register_model", "serve_rollout", "train_model"],
+    "rayline.tasks": [
         "InferenceConfig",
         "InferenceResult",
         "IngestConfig",
@@ -57,9 +57,9 @@ def test_the_public_api_is_what_it_says_and_each_name_resolves(package: str) -> 
     module = importlib.import_module(package)
     assert sorted(module.__all__) == PUBLIC[package]
     for name in module.__all__:
-        if package == "flows":  # a module each, named as its flow
-            assert isinstance(getattr(importlib.import_module(f"flows.{name}"), name), Flow), name
-        elif package == "tasks" and name[0].islower():
+        if package == "rayline.flows":  # a module each, named as its flow
+            assert isinstance(getattr(importlib.import_module(f"rayline.flows.{name}"), name), Flow), name
+        elif package == "rayline.tasks" and name[0].islower():
             assert isinstance(getattr(module, name), Task), name
         else:
             assert getattr(module, name) is not None, name

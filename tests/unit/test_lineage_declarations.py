@@ -11,26 +11,26 @@ from datetime import UTC, datetime
 
 import pytest
 
-from ray_workloads.data import ingest
-from ray_workloads.data.ingest import IngestResult
-from ray_workloads.data.preprocess import PreprocessResult
-from ray_workloads.nightly.batch_inference import InferenceResult
-from ray_workloads.registration.outside_models import RegisterModelResult
-from ray_workloads.serving import canary
-from ray_workloads.serving.rollout import StepReport
-from ray_workloads.training.evaluate import EvaluationResult
-from ray_workloads.training.loop import TrainLoopConfig
-from ray_workloads.training.promotion import PromotionResult
-from ray_workloads.training.train import TrainResult
-from ray_workloads.training.tune import TuneResult
 from rayline import storage
 from rayline.errors import StorageError
 from rayline.lineage import DatasetRef
 from rayline.models import registry
+from rayline.ray_workloads.data import ingest
+from rayline.ray_workloads.data.ingest import IngestResult
+from rayline.ray_workloads.data.preprocess import PreprocessResult
+from rayline.ray_workloads.nightly.batch_inference import InferenceResult
+from rayline.ray_workloads.registration.outside_models import RegisterModelResult
+from rayline.ray_workloads.serving import canary
+from rayline.ray_workloads.serving.rollout import StepReport
+from rayline.ray_workloads.training.evaluate import EvaluationResult
+from rayline.ray_workloads.training.loop import TrainLoopConfig
+from rayline.ray_workloads.training.promotion import PromotionResult
+from rayline.ray_workloads.training.train import TrainResult
+from rayline.ray_workloads.training.tune import TuneResult
 from rayline.specs import ImageSpec, ModelSpec, ParentModel, WeightsSource
 from rayline.storage import ObjectInfo
 from rayline.storage.manifests import IngestManifest, ShardInfo
-from tasks.common import record_lineage
+from rayline.tasks.common import record_lineage
 
 pytestmark = pytest.mark.unit
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from ray_workloads.execution.interface import LoadedModel
-from ray_workloads.execution.plan import PlanPolicy
-from ray_workloads.nightly.predictor import PredictorUDF
 from rayline.errors import DeviceError, OutOfMemory, is_transient, model_call_fault
+from rayline.ray_workloads.execution.interface import LoadedModel
+from rayline.ray_workloads.execution.plan import PlanPolicy
+from rayline.ray_workloads.nightly.predictor import PredictorUDF
 from rayline.specs import ModelSpec
 
 pytestmark = pytest.mark.unit

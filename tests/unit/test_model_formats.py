@@ -20,12 +20,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ray_workloads.architectures import factory_models
-from ray_workloads.architectures.model_files import UnsafeModelFileError
-from ray_workloads.execution.interface import load_version
-from ray_workloads.registration.outside_models import RegisterModelConfig, RegisterModelResult, run
 from rayline.cli import app
 from rayline.errors import ConfigError, InputDataError
+from rayline.ray_workloads.architectures import factory_models
+from rayline.ray_workloads.architectures.model_files import UnsafeModelFileError
+from rayline.ray_workloads.execution.interface import load_version
+from rayline.ray_workloads.registration.outside_models import RegisterModelConfig, RegisterModelResult, run
 
 pytestmark = pytest.mark.unit
 

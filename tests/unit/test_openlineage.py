@@ -31,12 +31,12 @@ from openlineage.client.facet_v2 import (
 )
 from openlineage.client.serde import Serde
 
-import tasks.common
+import rayline.tasks.common
 from rayline import lineage, storage
 from rayline.errors import StorageError
 from rayline.lineage import DatasetRef, openlineage_events
 from rayline.ray_cluster import RayConnection
-from tasks.common import openlineage_run, ray_task, record_lineage
+from rayline.tasks.common import openlineage_run, ray_task, record_lineage
 
 pytestmark = pytest.mark.unit
 
@@ -168,7 +168,7 @@ def ray_connections(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
         connected.append(tuple(preload))
         return FAKE_CONNECTION
 
-    monkeypatch.setattr(tasks.common.ray_cluster, "connect", connect)
+    monkeypatch.setattr(rayline.tasks.common.ray_cluster, "connect", connect)
     return connected
 
 

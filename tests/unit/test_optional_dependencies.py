@@ -31,10 +31,11 @@ PROGRAM = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, Hidden())
-    core = ["rayline.cli.main", "flows.nightly_inference", "flows.serve_rollout", "flows.register_model",
-            "flows.monitor", "tasks.batch_inference", "tasks.serve", "tasks.monitoring", "tasks.outside_models"]
-    for package in ("ray_workloads.nightly", "ray_workloads.serving", "ray_workloads.execution",
-                    "ray_workloads.data", "ray_workloads.architectures", "ray_workloads.monitoring"):
+    core = ["rayline.cli.main"]
+    core += [f"rayline.flows.{{m}}" for m in ("nightly_inference", "serve_rollout", "register_model", "monitor")]
+    core += [f"rayline.tasks.{{m}}" for m in ("batch_inference", "serve", "monitoring", "outside_models")]
+    for package in ("nightly", "serving", "execution", "data", "architectures", "monitoring"):
+        package = f"rayline.ray_workloads.{{package}}"
         module = importlib.import_module(package)
         core += [f"{{package}}.{{m.name}}" for m in pkgutil.iter_modules(module.__path__)]
     for name in core:
@@ -59,7 +60,7 @@ PROGRAM = textwrap.dedent(
         assert "pip install 'rayline[train]'" in str(exc), exc
     else:
         raise AssertionError("the demo's photos without scikit-learn: no error")
-    from ray_workloads.monitoring.charts import distribution_png
+    from rayline.ray_workloads.monitoring.charts import distribution_png
     assert distribution_png(None) is None  # the monitor's artifact is its table alone
     print("ok")
     """
@@ -77,9 +78,9 @@ def test_a_version_without_samples_and_without_stand_ins_runs_fp32_eager(
     """Without scikit-learn there are no stand-in photos: the plan cannot be judged, so there is none."""
     import numpy as np
 
-    from ray_workloads.execution import cache
     from rayline.errors import ConfigError
     from rayline.models import registry
+    from rayline.ray_workloads.execution import cache
     from rayline.specs import ModelSpec, squash
 
     def no_scikit_learn(*_: object) -> np.ndarray:

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from ray_workloads.execution import cache
-from ray_workloads.execution.cache import claim_uri, libraries, plan_for, plan_key, plan_uri, store_plan
-from ray_workloads.execution.interface import LoadedModel
-from ray_workloads.execution.plan import REFERENCE, PlanChoice, PlanPolicy, torch_run
 from rayline.hardware import detect
+from rayline.ray_workloads.execution import cache
+from rayline.ray_workloads.execution.cache import claim_uri, libraries, plan_for, plan_key, plan_uri, store_plan
+from rayline.ray_workloads.execution.interface import LoadedModel
+from rayline.ray_workloads.execution.plan import REFERENCE, PlanChoice, PlanPolicy, torch_run
 from rayline.specs import ModelSpec
 
 pytestmark = pytest.mark.unit

@@ -20,9 +20,9 @@ import torch
 import torchvision
 from PIL import Image, ImageOps
 
-from ray_workloads.architectures.build import imagenet_classes, imagenet_image_spec
-from ray_workloads.data.images import DRAFT_MAX_MEAN_ABS_DIFF, IMAGENET_MAX_ABS_DIFF, decode_image, decode_rgb
-from ray_workloads.registration.outside_models import RegisterModelConfig, image_spec_for
+from rayline.ray_workloads.architectures.build import imagenet_classes, imagenet_image_spec
+from rayline.ray_workloads.data.images import DRAFT_MAX_MEAN_ABS_DIFF, IMAGENET_MAX_ABS_DIFF, decode_image, decode_rgb
+from rayline.ray_workloads.registration.outside_models import RegisterModelConfig, image_spec_for
 from rayline.seed import EXIF_ORIENTATION, camera_photo, camera_size, jpeg_bytes, photo_variant, source_photos
 from rayline.specs import ImageSpec
 

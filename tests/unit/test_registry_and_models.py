@@ -8,16 +8,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from ray_workloads.architectures.build import (
+from rayline import storage
+from rayline.errors import ConfigError, InputDataError
+from rayline.models import registry
+from rayline.ray_workloads.architectures.build import (
     ModelSpec,
     UnsafeCheckpointError,
     build_model,
     load_model,
     state_dict_bytes,
 )
-from rayline import storage
-from rayline.errors import ConfigError, InputDataError
-from rayline.models import registry
 from rayline.specs import ImageSpec
 from rayline.storage import layout
 

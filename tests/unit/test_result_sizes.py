@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from ray_workloads.data import ingest, preprocess
 from rayline import storage
+from rayline.ray_workloads.data import ingest, preprocess
 from rayline.specs import ImageSpec, SplitFractions
 from rayline.storage.manifests import (
     IngestManifest,

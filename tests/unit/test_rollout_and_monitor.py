@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from ray_workloads.monitoring.monitor import (
+from rayline.ray_workloads.monitoring.monitor import (
     DriftThresholds,
     PartitionDrift,
     ServingHealth,
@@ -21,8 +21,8 @@ from ray_workloads.monitoring.monitor import (
     serving_health,
     shares,
 )
-from ray_workloads.serving.control import VersionStats
-from ray_workloads.serving.rollout import GateConfig, RolloutConfig, judge
+from rayline.ray_workloads.serving.control import VersionStats
+from rayline.ray_workloads.serving.rollout import GateConfig, RolloutConfig, judge
 
 pytestmark = pytest.mark.unit
 
@@ -135,7 +135,7 @@ def test_one_rollout_lease_per_model(local_storage: str) -> None:
 
 
 def test_smoothed_psi_stays_sensible_with_a_thousand_mostly_empty_classes() -> None:
-    from ray_workloads.monitoring.monitor import smoothed_psi
+    from rayline.ray_workloads.monitoring.monitor import smoothed_psi
 
     night = {f"class-{i}": 1 for i in range(20)}  # 20 photos, 20 different ImageNet classes
     assert smoothed_psi(night, night, 0.5) == pytest.approx(0.0)
@@ -149,7 +149,7 @@ def test_smoothed_psi_stays_sensible_with_a_thousand_mostly_empty_classes() -> N
 
 
 def test_leftover_shares_are_the_traffic_off_the_champion() -> None:
-    from ray_workloads.serving.canary import leftover_shares
+    from rayline.ray_workloads.serving.canary import leftover_shares
 
     assert leftover_shares({1: 0.0, 2: 100.0}, champion=1) == {2: 100.0}, "killed at 100 %"
     assert leftover_shares({1: 0.25, 2: 0.75}, champion=1) == {2: 75.0}, "relative weights, as %"
@@ -159,7 +159,7 @@ def test_leftover_shares_are_the_traffic_off_the_champion() -> None:
 
 
 def test_reconciliation_says_what_it_found_and_did() -> None:
-    from ray_workloads.serving.canary import Reconciliation
+    from rayline.ray_workloads.serving.canary import Reconciliation
 
     text = Reconciliation(champion=1, left={2: 75.0, 3: 25.0}, removed=[3]).describe()
     assert "v2 at 75%, v3 at 25%" in text and "rolled all traffic back to the champion v1" in text, text
@@ -175,7 +175,7 @@ def _health(weights: dict[int, float]) -> ServingHealth:
 
 
 def test_most_traffic_off_the_champion_is_unhealthy_unless_a_rollout_runs() -> None:
-    from ray_workloads.serving.champion import check_champion
+    from rayline.ray_workloads.serving.champion import check_champion
 
     left = check_champion(_health({1: 0.0, 2: 100.0}), champion=1, rollout_holder=None)
     assert not left.healthy and left.champion_mismatch and left.champion == 1

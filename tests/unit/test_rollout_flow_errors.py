@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from flows import serve_rollout
-from ray_workloads.serving.config import ServeConfig
-from ray_workloads.serving.rollout import RolloutConfig, StepReport
 from rayline.errors import AliasConflict, LeaseLost
+from rayline.flows import serve_rollout
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.serving.config import ServeConfig
+from rayline.ray_workloads.serving.rollout import RolloutConfig, StepReport
 from rayline.specs import ImageSpec, ModelSpec
-from tasks.serve import PreparedRollout
+from rayline.tasks.serve import PreparedRollout
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from ray_workloads.serving.http_api import (
+from rayline.ray_workloads.serving.http_api import (
     MAX_MULTIPART_PARTS,
     HttpError,
     RateLimit,
@@ -16,14 +16,14 @@ from ray_workloads.serving.http_api import (
     parse_since,
     route,
 )
-from ray_workloads.serving.routing import (
+from rayline.ray_workloads.serving.routing import (
     ModelRoutes,
     RouterSync,
     RoutingTable,
     routers_behind,
     routers_not_synced_since,
 )
-from ray_workloads.serving.stats import BUCKET_S, ERROR, OK, REJECTED, WINDOW_S, StatsBook
+from rayline.ray_workloads.serving.stats import BUCKET_S, ERROR, OK, REJECTED, WINDOW_S, StatsBook
 
 pytestmark = pytest.mark.unit
 
@@ -76,8 +76,8 @@ def test_snapshots_round_trip_and_a_one_model_snapshot_still_loads() -> None:
 
 
 def test_the_default_model_comes_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ray_workloads.serving.config import config_from_settings
     from rayline.errors import ConfigError
+    from rayline.ray_workloads.serving.config import config_from_settings
 
     assert config_from_settings().default_model is None
     monkeypatch.setenv("RAYLINE_SERVE_DEFAULT_MODEL", "photos")

@@ -101,7 +101,7 @@ def test_fetch_many_reads_local_files_in_order_in_this_thread(tmp_path: Path, mo
 
 
 def test_a_prefix_of_only_skipped_objects_is_an_error_that_says_what_was_skipped(tmp_path: Path) -> None:
-    from ray_workloads.data import ingest
+    from rayline.ray_workloads.data import ingest
 
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "_SUCCESS").write_bytes(b"")

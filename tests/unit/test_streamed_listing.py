@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ray_workloads.nightly.compaction import check_rows, plan_groups
 from rayline import storage
 from rayline.errors import StorageError
+from rayline.ray_workloads.nightly.compaction import check_rows, plan_groups
 from rayline.storage import listing
 from rayline.storage.digests import SetDigest, combine
 

@@ -4,6 +4,10 @@ Imports run one way::
 
     rayline/cli (the shell) → deployments → flows → tasks → ray_workloads → core (the rest of rayline/)
 
+The four upper layers keep their folders at the top of the checkout and are
+imported as subpackages of ``rayline`` (``rayline/flows`` links to ``flows/``),
+so an installed rayline leaves the names ``flows`` and ``tasks`` to the user.
+
 Every module's imports are read from its source with ``ast``: those inside
 functions and under ``TYPE_CHECKING`` too, since a hidden import is still a
 dependency (it only hides a cycle). Each rule is its own test, and a failure
@@ -27,9 +31,11 @@ from tests.support import REPO_ROOT
 
 pytestmark = pytest.mark.unit
 
-PACKAGES = ["rayline", "ray_workloads", "tasks", "flows", "deployments"]
-WALKED = [*PACKAGES, "bench"]
+LAYERS = ("ray_workloads", "tasks", "flows", "deployments")  # folders at the top, imported as rayline.<layer>
+FOLDERS = ["rayline", *LAYERS]
+WALKED = [*FOLDERS, "bench"]
 SHELL = "rayline.cli"
+WORKLOADS, TASKS, FLOWS, DEPLOYMENTS = (f"rayline.{layer}" for layer in LAYERS)
 
 
 @dataclass(frozen=True)
@@ -46,12 +52,14 @@ class Import:
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    if parts[0] in LAYERS:
+        parts = ("rayline", *parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 @functools.cache
 def _sources() -> dict[str, Path]:
-    """Every module of the walked folders, by name."""
+    """Every module of the walked folders, by name (rglob does not descend rayline/'s links to the layers)."""
     return {_module_name(p): p for folder in WALKED for p in sorted((REPO_ROOT / folder).rglob("*.py"))}
 
 
@@ -67,8 +75,10 @@ def _within(name: str, *packages: str) -> bool:
 def _layer(module: str) -> str:
     if _within(module, SHELL):
         return "shell"
-    top = module.split(".")[0]
-    return "core" if top == "rayline" else top
+    parts = module.split(".")
+    if parts[0] == "rayline":
+        return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "core"
+    return parts[0]
 
 
 def _absolute(importer: str, node: ast.ImportFrom) -> str:
@@ -90,7 +100,7 @@ def _imports_in(importer: str) -> list[Import]:
         elif isinstance(node, ast.ImportFrom):
             base, names = _absolute(importer, node), []
             for alias in node.names:
-                if f"{base}.{alias.name}" in _sources():  # `from flows import prepare_data`: a module
+                if f"{base}.{alias.name}" in _sources():  # `from rayline.flows import prepare_data`: a module
                     found.append(
                         Import(importer, f"{base}.{alias.name}", node.lineno, bound=alias.asname or alias.name)
                     )
@@ -153,12 +163,12 @@ def _calls_a_subflow(imp: Import) -> bool:
 
 def test_the_walk_reads_every_layer_and_imports_inside_functions() -> None:
     assert {_layer(m) for m in _sources()} >= {"core", "shell", "ray_workloads", "tasks", "flows", "deployments"}
-    hidden = [i for i in _imports_of("deployments") if i.target == "flows.monitor"]
+    hidden = [i for i in _imports_of("deployments") if i.target == "rayline.flows.monitor"]
     assert hidden, "deployment_table() imports the monitor flow inside the function: the walk must see it"
 
 
 def test_core_imports_no_higher_layer() -> None:
-    bad = [i for i in _imports_of("core") if _within(i.target, "ray_workloads", "tasks", "flows", "deployments")]
+    bad = [i for i in _imports_of("core") if _within(i.target, WORKLOADS, TASKS, FLOWS, DEPLOYMENTS)]
     assert not bad, _report("core (rayline/ but rayline/cli/) imports nothing above it", bad)
 
 
@@ -244,7 +254,7 @@ def _lines_of_code(path: Path) -> int:
 
 def test_no_folder_holds_more_than_a_quarter_of_the_package_code() -> None:
     folders: dict[Path, int] = {}
-    for module in (m for p in PACKAGES for m in _modules(p)):
+    for module in _modules("rayline"):
         path = _sources()[module]
         folders[path.parent] = folders.get(path.parent, 0) + _lines_of_code(path)
     total = sum(folders.values())
@@ -260,23 +270,25 @@ def test_only_the_shell_imports_the_shell() -> None:
 
 # The stages' packages, each with those it may import (as its __init__ says): one way, data at the bottom.
 WORKLOAD_PACKAGES: dict[str, frozenset[str]] = {
-    "ray_workloads.data": frozenset(),
-    "ray_workloads.architectures": frozenset(),
-    "ray_workloads.execution": frozenset({"ray_workloads.data", "ray_workloads.architectures"}),
-    "ray_workloads.training": frozenset(
-        {"ray_workloads.data", "ray_workloads.architectures", "ray_workloads.execution"}
+    "rayline.ray_workloads.data": frozenset(),
+    "rayline.ray_workloads.architectures": frozenset(),
+    "rayline.ray_workloads.execution": frozenset({"rayline.ray_workloads.data", "rayline.ray_workloads.architectures"}),
+    "rayline.ray_workloads.training": frozenset(
+        {"rayline.ray_workloads.data", "rayline.ray_workloads.architectures", "rayline.ray_workloads.execution"}
     ),
-    "ray_workloads.nightly": frozenset({"ray_workloads.data", "ray_workloads.execution"}),
-    "ray_workloads.registration": frozenset(
-        {"ray_workloads.data", "ray_workloads.architectures", "ray_workloads.execution"}
+    "rayline.ray_workloads.nightly": frozenset({"rayline.ray_workloads.data", "rayline.ray_workloads.execution"}),
+    "rayline.ray_workloads.registration": frozenset(
+        {"rayline.ray_workloads.data", "rayline.ray_workloads.architectures", "rayline.ray_workloads.execution"}
     ),
-    "ray_workloads.monitoring": frozenset({"ray_workloads.data"}),
-    "ray_workloads.serving": frozenset({"ray_workloads.data", "ray_workloads.execution", "ray_workloads.monitoring"}),
+    "rayline.ray_workloads.monitoring": frozenset({"rayline.ray_workloads.data"}),
+    "rayline.ray_workloads.serving": frozenset(
+        {"rayline.ray_workloads.data", "rayline.ray_workloads.execution", "rayline.ray_workloads.monitoring"}
+    ),
 }
 
 
 def test_the_stages_packages_import_each_other_one_way() -> None:
-    loose = [m for m in _modules("ray_workloads") if m != "ray_workloads" and not _within(m, *WORKLOAD_PACKAGES)]
+    loose = [m for m in _modules(WORKLOADS) if m != WORKLOADS and not _within(m, *WORKLOAD_PACKAGES)]
     assert not loose, f"every stage lives in a package of ray_workloads/: {loose}"
     bad = _against_one_way("ray_workloads", WORKLOAD_PACKAGES)
     assert not bad, _report("the stage packages import one way (WORKLOAD_PACKAGES, as each __init__ says)", bad)
@@ -294,24 +306,24 @@ def test_workloads_never_import_prefect() -> None:
 
 
 def test_workloads_import_no_tasks_flows_or_deployments() -> None:
-    bad = [i for i in _imports_of("ray_workloads") if _within(i.target, "tasks", "flows", "deployments")]
+    bad = [i for i in _imports_of("ray_workloads") if _within(i.target, TASKS, FLOWS, DEPLOYMENTS)]
     assert not bad, _report("ray_workloads import only core", bad)
 
 
 def test_tasks_import_no_flows_and_no_other_task_but_the_common_base() -> None:
     def wrong(i: Import) -> bool:
-        other_task = _within(i.target, "tasks") and i.target not in ("tasks", "tasks.common", i.importer)
-        return other_task or _within(i.target, "flows", "deployments")
+        other_task = _within(i.target, TASKS) and i.target not in (TASKS, f"{TASKS}.common", i.importer)
+        return other_task or _within(i.target, FLOWS, DEPLOYMENTS)
 
     bad = [i for i in _imports_of("tasks") if wrong(i)]
-    assert not bad, _report("a task module imports no flow and no other task module, only tasks.common", bad)
+    assert not bad, _report("a task module imports no flow and no other task module, only rayline.tasks.common", bad)
 
 
 def test_flows_import_another_flow_only_as_a_subflow_they_call() -> None:
     def wrong(i: Import) -> bool:
-        if _within(i.target, "deployments"):
+        if _within(i.target, DEPLOYMENTS):
             return True
-        other_flow = _within(i.target, "flows") and i.target not in ("flows", i.importer)
+        other_flow = _within(i.target, FLOWS) and i.target not in (FLOWS, i.importer)
         # a flows module that defines no flow (flows/nightly_backfill.py) is a helper of the layer
         return other_flow and bool(_flows_defined(i.target)) and not _calls_a_subflow(i)
 
@@ -327,7 +339,7 @@ FLOW_SAFE_NAMES_OF_IO_MODULES: dict[str, frozenset[str]] = {
     "rayline.models.registry": frozenset({"ModelVersion", "CHAMPION"}),
     "rayline.storage": frozenset(),
     "rayline.models.mlflow_mirror": frozenset(),
-    "ray_workloads.registration.mlflow_models": frozenset(),
+    "rayline.ray_workloads.registration.mlflow_models": frozenset(),
     "rayline.storage.leases": frozenset({"HeldLease"}),
     "rayline.lineage": frozenset({"code_version"}),
     "rayline.tables.prediction_reads": frozenset({"DEFAULT_RETENTION_HOURS", "check_retention"}),
@@ -343,7 +355,7 @@ FLOW_SAFE_NAMES_OF_IO_MODULES: dict[str, frozenset[str]] = {
     "rayline.lineage.graph": frozenset(),
     "rayline.lineage.nights": frozenset(),
     "rayline.seed": frozenset(),
-    "ray_workloads.serving.control": frozenset(),
+    "rayline.ray_workloads.serving.control": frozenset(),
 }
 
 
@@ -370,7 +382,7 @@ def test_bench_imports_no_tests() -> None:
 
 
 def test_importing_everything_starts_no_ray_and_writes_nothing(tmp_path: object) -> None:
-    modules = [m for p in PACKAGES for m in _modules(p)]
+    modules = _modules("rayline")
     code = (
         "import importlib, os, ray\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
@@ -390,8 +402,45 @@ def test_every_flow_is_a_prefect_flow() -> None:
 
     flows = [
         obj
-        for module in _modules("flows")
+        for module in _modules(FLOWS)
         for obj in vars(importlib.import_module(module)).values()
         if isinstance(obj, Flow)
     ]
     assert {f.name for f in flows} >= {"prepare-data"}
+
+
+def _top_level_layer_imports(path: Path) -> list[str]:
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        else:
+            continue
+        found += [
+            f"{path.relative_to(REPO_ROOT)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in LAYERS
+        ]
+    return found
+
+
+def test_nothing_imports_a_layer_by_its_top_level_name() -> None:
+    """Installed, rayline has no top-level ``flows`` or ``tasks``: those names are the user's own packages'."""
+    users_project = REPO_ROOT / "docs" / "examples" / "my_project"  # its own flows and tasks: the point
+    paths = [p for folder in [*WALKED, "tests", "docs"] for p in sorted((REPO_ROOT / folder).rglob("*.py"))]
+    paths = [p for p in paths if not p.is_relative_to(users_project)]
+    bad = [found for p in paths for found in _top_level_layer_imports(p)]
+    assert not bad, "import the layers as rayline.flows, rayline.tasks, …:\n" + "\n".join(bad)
+
+
+def test_the_distribution_installs_one_top_level_package(tmp_path: Path) -> None:
+    """From outside the checkout only ``rayline`` is importable: the layers live under it."""
+    code = (
+        "import importlib.util as u\n"
+        "print(sorted(n for n in ('rayline', 'rayline.flows', 'rayline.tasks', 'flows', 'tasks', 'ray_workloads',"
+        " 'deployments') if u.find_spec(n)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[0] == "['rayline', 'rayline.flows', 'rayline.tasks']"

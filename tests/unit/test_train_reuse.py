@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from ray_workloads.training import train
-from ray_workloads.training.loop import TrainLoopConfig
 from rayline import storage
+from rayline.ray_workloads.training import train
+from rayline.ray_workloads.training.loop import TrainLoopConfig
 from rayline.storage import layout
 
 pytestmark = pytest.mark.unit

@@ -1,29 +1,30 @@
 """A flow of your own around rayline's: predict a night with the champion, then report it your way.
 
-Run it with ``python docs/examples/nightly_report.py 2026-11-28`` (``RAYLINE_STORAGE`` names the storage
-root; the night's photos are under ``<storage>/incoming/dt=<day>/``). ``tests/integration/test_public_api.py``
-runs it.
+This folder is a Prefect project with its own ``flows`` and ``tasks`` packages, as most have; rayline's
+live under ``rayline.`` and do not collide with them. Run it from this folder with
+``python -m flows.nightly_report 2026-11-28`` (``RAYLINE_STORAGE`` names the storage root; the night's
+photos are under ``<storage>/incoming/dt=<day>/``). ``tests/integration/test_public_api.py`` runs it.
 """
 
 from __future__ import annotations
 
 import sys
-from collections import Counter
 
 from prefect import flow, get_run_logger
+from tasks.counting import count_classes
 
-from flows.nightly_inference import nightly_inference
 from rayline import storage
+from rayline.flows.nightly_inference import nightly_inference
 from rayline.tables import read_night_pair
 
 
 @flow(name="nightly-report")
 def nightly_report(day: str, model_name: str = "digits") -> dict[str, int]:
-    """rayline's nightly-inference as a subflow, then the night's predicted classes counted from its tables."""
+    """rayline's nightly-inference as a subflow, then the night's predicted classes counted by a task of ours."""
     nightly_inference(date=day, model_name=model_name)
     rows = read_night_pair(storage.storage_root(), model_name, day)
-    counts = Counter(rows.predictions.column("predicted_class").to_pylist())
     get_run_logger().info("%s: %d predictions, %d errors", day, rows.predictions.num_rows, rows.errors.num_rows)
+    counts = count_classes(rows.predictions.column("predicted_class").to_pylist())
     return {"predictions": rows.predictions.num_rows, "errors": rows.errors.num_rows, **counts}
 
 

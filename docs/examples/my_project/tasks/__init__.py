@@ -1,0 +1,1 @@
+"""The project's own tasks: a Prefect project's usual ``tasks`` package, beside an installed rayline."""
