@@ -62,6 +62,23 @@ def azurite_binary() -> str | None:
     return shutil.which("azurite-blob")
 
 
+def runs(binary: str) -> bool:
+    """Whether ``binary --version`` works: an install cut short leaves the command without its modules."""
+    try:
+        return subprocess.run([binary, "--version"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def working_azurite() -> str | None:
+    """The first ``azurite-blob`` of :func:`azurite_binary`'s places that runs; None when none does."""
+    for candidate in (os.environ.get("RAYLINE_AZURITE"), str(_TOOLS / "node_modules" / ".bin" / "azurite-blob")):
+        if candidate and os.access(candidate, os.X_OK) and runs(candidate):
+            return candidate
+    found = shutil.which("azurite-blob")
+    return found if found and runs(found) else None
+
+
 def install_azurite() -> str:
     """``npm install`` Azurite (pinned) into ``<repo>/.tools/azurite`` (git-ignored); returns ``azurite-blob``."""
     npm = shutil.which("npm")
@@ -71,7 +88,7 @@ def install_azurite() -> str:
     argv = [npm, "install", "--prefix", str(_TOOLS), f"azurite@{AZURITE_VERSION}", "--no-audit", "--no-fund"]
     done = subprocess.run([*argv, "--loglevel=error"], capture_output=True, text=True)
     binary = _TOOLS / "node_modules" / ".bin" / "azurite-blob"
-    if done.returncode != 0 or not binary.exists():
+    if done.returncode != 0 or not binary.exists() or not runs(str(binary)):
         raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
     return str(binary)
 
@@ -161,5 +178,6 @@ def _shared_key_request(endpoint: AzuriteEndpoint, method: str, path: str, query
 
 
 if __name__ == "__main__":
-    # .ci/run: `python3 -m rayline.testing.azurite` installs Azurite unless one is found (standard library only)
-    print(f"azurite-blob: {azurite_binary() or install_azurite()}")
+    # .ci/run: `python3 -m rayline.testing.azurite` installs Azurite unless one that runs is found (an install
+    # cut short is repaired by installing again); standard library only
+    print(f"azurite-blob: {working_azurite() or install_azurite()}")
