@@ -4,4 +4,12 @@ nightly_inference``. Run them as they are or as subflows of a flow of your own (
 Nothing is imported here: a flow loads Prefect, Ray and the stages, and a command loads only its own.
 """
 
-__all__ = ["monitor", "nightly_inference", "prepare_data", "register_model", "serve_rollout", "train_model"]
+__all__ = [
+    "import_labels",
+    "monitor",
+    "nightly_inference",
+    "prepare_data",
+    "register_model",
+    "serve_rollout",
+    "train_model",
+]

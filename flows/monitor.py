@@ -19,6 +19,7 @@ from rayline import events
 from rayline.errors import RaylineError
 from rayline.models.registry import CHAMPION
 from rayline.ray_workloads.monitoring import monitor as mon
+from rayline.ray_workloads.quality.metrics import NightQuality
 from rayline.ray_workloads.serving.config import config_from_settings
 from rayline.storage.layout import metrics_uri as metrics_file_uri
 from rayline.storage.layout import model_name as checked_model_name
@@ -26,13 +27,22 @@ from rayline.storage.layout import root_uri
 from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS, check_retention
 from rayline.tasks.common import emit, png_markdown
 from rayline.tasks.maintenance import vacuum_tables_task
-from rayline.tasks.monitoring import night_drifts_task, reference_task, serving_health_task, write_metrics_task
+from rayline.tasks.monitoring import (
+    labelled_quality_task,
+    night_drifts_task,
+    reference_task,
+    serving_health_task,
+    write_metrics_task,
+)
 from rayline.tasks.registry_lookups import reconcile_mirror_task, resolve_version_task
 
 
 class MonitorResult(BaseModel):
     serving: mon.ServingHealth | None
     partitions: list[mon.PartitionDrift]
+    quality: list[NightQuality] = Field(
+        default_factory=list, description="Each version's labelled figures on the latest nights with labels."
+    )
     metrics_uri: str
     files_vacuumed: int | None = Field(
         None, description="Files the vacuum of the night tables deleted; None: none ran."
@@ -68,8 +78,18 @@ def _markdown(result: MonitorResult, vacuum_error: Exception | None = None) -> s
         f"{p.low_confidence_share:.1%} | {'DRIFT: ' + '; '.join(p.reasons) if p.drifted else 'ok'} |"
         for p in result.partitions
     ]
+    lines += _quality_lines(result.quality)
     lines += ["", _vacuum_line(result, vacuum_error), "", f"Prometheus metrics: `{result.metrics_uri}`"]
     return "\n".join(lines) + "\n"
+
+
+def _quality_lines(quality: list[NightQuality]) -> list[str]:
+    if not quality:
+        return ["", "**Labelled quality**: no labels yet (`rayline labels import`)"]
+    lines = ["", "**Labelled quality**", "", "| night | version | labelled | accuracy | ECE |", "|---|---|---|---|---|"]
+    return lines + [
+        f"| dt={q.dt} | v{q.model_version} | {q.labelled} | {q.accuracy:.1%} | {q.ece:.3f} |" for q in quality
+    ]
 
 
 def _vacuum_line(result: MonitorResult, error: Exception | None) -> str:
@@ -89,6 +109,7 @@ def monitor(
     max_low_confidence_share: float = 0.3,
     max_error_fraction: float = 0.05,
     vacuum_retention_hours: int | None = DEFAULT_RETENTION_HOURS,
+    quality_nights: int = 14,
 ) -> MonitorResult:
     """Check serving health and the latest ``partitions`` committed nights of ``model_name`` for drift.
 
@@ -97,6 +118,7 @@ def monitor(
     with its first committed night. Then vacuums both night tables, for real,
     keeping every file a version current within ``vacuum_retention_hours``
     needs (None: no vacuum). A failed vacuum fails the run after the checks are published.
+    Each version's labelled quality covers the latest ``quality_nights`` nights that have labels.
     """
     if vacuum_retention_hours is not None:
         check_retention(vacuum_retention_hours)  # a bad parameter fails before any work
@@ -112,11 +134,13 @@ def monitor(
     cfg = config_from_settings()
     serving = serving_health_task(f"http://{cfg.host}:{cfg.port}", thresholds, model_name) if check_serving else None
     drifts = night_drifts_task(root, model_name, partitions, reference, thresholds)
+    quality = labelled_quality_task(root, model_name, champion.classes, quality_nights)
     metrics_uri = metrics_file_uri(root, model_name)
-    write_metrics_task(metrics_uri, mon.prometheus_text(serving, drifts, model_name))
+    write_metrics_task(metrics_uri, mon.prometheus_text(serving, drifts, model_name, quality))
     result = MonitorResult(
         serving=serving,
         partitions=drifts,
+        quality=quality,
         metrics_uri=metrics_uri,
         vacuum_retention_hours=vacuum_retention_hours,
     )
@@ -145,6 +169,9 @@ def monitor(
     chart = mon.distribution_png(drifts[0]) if drifts else None
     if chart is not None:
         markdown += "\n" + png_markdown(f"Predicted classes vs {drifts[0].reference}", chart)
+    accuracy_chart = mon.accuracy_png(quality)
+    if accuracy_chart is not None:
+        markdown += "\n" + png_markdown("Labelled accuracy per version, night by night", accuracy_chart)
     create_markdown_artifact(key="monitor", markdown=markdown)
     if vacuum_error is not None:
         raise vacuum_error

@@ -1,60 +1,18 @@
-"""rayline's exception tree.
-
-Every error rayline raises on purpose is one of these, chained ``from exc``
-to the library error that caused it::
+"""rayline's exception tree: every error it raises on purpose, chained ``from exc`` to its cause::
 
     RaylineError
-    ├── ConfigError            bad settings or stage parameters (not retried)
-    │   ├── ConditionalWritesUnsupported  the object store ignores its conditional
-    │   │                      writes (``rayline.storage.conditional_probe``)
-    │   └── DeltaWritesUnsupported  delta-rs cannot write Delta tables at the store's
-    │                          endpoint (``rayline.tables.delta_probe``)
-    ├── InputDataError         the input itself is wrong: empty prefix, bad URI,
-    │   │                      unreadable manifest (not retried)
-    │   └── ErrorBudgetExceeded  more of a night's inputs failed than allowed
-    │                          (the night is committed first, then refused)
-    ├── StorageError           a storage operation failed for good
-    │   └── StorageAccessDenied  a read refused for want of permission (AccessDenied,
-    │                          403): the run's policy or credentials, never one
-    │                          object's fault (not retried)
-    ├── OutOfMemory            a model call ran out of device or host memory (not
-    │                          retried: the same batch on the same machine runs out
-    │                          again)
-    ├── RolloutRolledBack      a canary gate failed; traffic went back to the
-    │                          incumbent (not retried)
-    ├── NightCommittedElsewhere  another run committed the same night of a
-    │                          Delta table first (not retried: a retry would
-    │                          replace that run's commit)
-    ├── NightsFailed           some nights of a range failed, the others
-    │                          committed (``rayline.tables.night_ranges``: it carries them)
-    ├── RetriesExhausted       Ray's own retries of a stage were used up: a Train
-    │                          run past ``max_failures``, every Tune trial
-    │                          failed, an input that kills its actor each time
-    │                          (not retried: Ray already ran it again)
-    ├── WorkTimedOut           a task's Ray work outran the task's time limit and
-    │                          was stopped (not retried: it would outrun it again)
-    ├── AliasConflict          another writer moved a registry alias first, or a
-    │                          rollout holds the champion (not retried: the
-    │                          move was decided against what is gone)
-    ├── LeaseError             a lease in storage (``rayline.storage.leases``)
-    │   ├── LeaseBusy          another run still holds it after the wait (the
-    │   │                      message names that run)
-    │   └── LeaseLost          it expired and another run took it over: this
-    │       │                  run must not commit what it guards (not retried)
-    │       └── StaleFence     a move carried an older lease generation than one
-    │                          the receiver has seen (``rayline.storage.fencing``)
-    ├── PlatformBusy           another ``rayline up``/``down`` holds the state folder
-    │                          (the message names it; not retried)
-    └── TransientError         worth retrying at the task level
-        ├── TransientStorageError   S3 throttling / 5xx / connection reset / a body cut short
-        ├── ClusterError            Ray unreachable, workers or nodes lost
-        └── DeviceError             the accelerator failed a model call (a CUDA error)
+    ├── ConfigError             (ConditionalWritesUnsupported, DeltaWritesUnsupported)
+    ├── InputDataError          (ErrorBudgetExceeded)
+    ├── StorageError            (StorageAccessDenied)
+    ├── LeaseError              (LeaseBusy, LeaseLost → StaleFence)
+    ├── ObjectChangedError, OutOfMemory, RolloutRolledBack, NightCommittedElsewhere, RetriesExhausted,
+    │   WorkTimedOut, AliasConflict, PlatformBusy, NightsFailed (``rayline.tables.night_ranges``)
+    └── TransientError          (TransientStorageError, ClusterError, DeviceError)
 
-Per-sample problems (one undecodable image, a model call its input broke)
-are *not* exceptions at this level: workloads record them as error rows and
-carry on. Failures of the machine or of the run's rights are not per-sample,
-however many samples they hit: :func:`model_call_fault` and
-:func:`is_access_denied` tell them apart, and the stage fails uncommitted.
+Each class says when it is raised; :func:`is_transient` says which are worth a retry. Per-sample
+problems (an undecodable image, a model call its input broke) are error rows, not exceptions; a
+failure of the machine or of the run's rights is never per-sample (:func:`model_call_fault`,
+:func:`is_access_denied`), and fails the stage uncommitted.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Prefect tasks of the ``monitor`` flow: what it reads (the reference, serving health, the nights'
-drift) and the metrics file it writes. The vacuum is ``rayline.tasks.maintenance``'s.
+drift, each version's labelled quality) and the metrics file it writes. The vacuum is ``rayline.tasks.maintenance``'s.
 
 Reads only, apart from the metrics file (replaced whole) and the serving check's event (one per
 task run): a retry repeats nothing.
@@ -10,7 +10,10 @@ from __future__ import annotations
 from rayline import events, storage
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.monitoring import monitor as mon
+from rayline.ray_workloads.quality import metrics
+from rayline.ray_workloads.quality.metrics import NightQuality
 from rayline.ray_workloads.serving.champion import serving_against_registry
+from rayline.tables.labels import read_labels
 from rayline.tables.prediction_reads import committed_nights
 from rayline.tasks.common import emit, idempotency_key, io_task
 
@@ -57,6 +60,15 @@ def night_drifts_task(
         mon.night_drift(root, model_name, dt, reference, thresholds)
         for dt in committed_nights(root, model_name, partitions)
     ]
+
+
+@io_task("monitor-labelled-quality", timeout_s=DRIFT_TIMEOUT_S)
+def labelled_quality_task(root: str, model_name: str, classes: list[str], nights: int) -> list[NightQuality]:
+    """Each version's labelled figures on each of the latest ``nights`` nights that have labels, oldest first."""
+    joined = metrics.labelled_predictions(root, model_name, read_labels(root, model_name))
+    found = metrics.night_quality(joined, model_name, classes)
+    latest = sorted({q.dt for q in found}, reverse=True)[:nights]
+    return [q for q in found if q.dt in latest]
 
 
 @io_task("write-monitor-metrics")

@@ -32,7 +32,9 @@ from pydantic import BaseModel, Field
 from rayline.errors import InputDataError
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.data import preprocess
-from rayline.ray_workloads.monitoring.charts import distribution_png as distribution_png  # the monitor's chart
+from rayline.ray_workloads.monitoring.charts import accuracy_png as accuracy_png  # the monitor's charts
+from rayline.ray_workloads.monitoring.charts import distribution_png as distribution_png
+from rayline.ray_workloads.quality.metrics import NightQuality
 from rayline.storage.layout import PREDICTIONS_TABLE, parse_day, table_uri
 from rayline.tables.prediction_reads import committed_nights, read_night_pair
 
@@ -338,14 +340,20 @@ def _family(
     return family
 
 
-def prometheus_text(health: ServingHealth | None, drifts: list[PartitionDrift], model: str = "digits") -> str:
+def prometheus_text(
+    health: ServingHealth | None,
+    drifts: list[PartitionDrift],
+    model: str = "digits",
+    quality: Sequence[NightQuality] = (),
+) -> str:
     """The monitor's reading in Prometheus' text format, from ``prometheus_client`` (escaping, types, HELP).
 
     Labels stay bounded, as Prometheus asks: model, stage, model version, and
     for nights ``night`` = how many committed nights back (0 = the newest, up to
     the monitor's ``partitions``); the night's date is a gauge's value
     (``rayline_predictions_night_timestamp_seconds``), not a label, and no
-    per-run id is a label, so each run replaces the same series.
+    per-run id is a label, so each run replaces the same series. Labelled
+    quality counts its nights the same way, among the nights that have labels.
     """
     families: list[Metric] = []
     if health is not None:
@@ -382,9 +390,29 @@ def prometheus_text(health: ServingHealth | None, drifts: list[PartitionDrift], 
                 "Share of predictions under the confidence floor.",
                 [(labels, d.low_confidence_share) for labels, d in batch]),
     ]  # fmt: skip
+    families += _quality_families(model, quality)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(families))
     return generate_latest(registry).decode()
+
+
+def _quality_families(model: str, quality: Sequence[NightQuality]) -> list[Metric]:
+    """Each version's labelled figures per night; ``night`` counts back among the nights with labels."""
+    back = {dt: i for i, dt in enumerate(sorted({q.dt for q in quality}, reverse=True))}
+    rows = [({"model": model, "model_version": str(q.model_version), "night": str(back[q.dt])}, q) for q in quality]
+    recall = [({**labels, "class": name}, share) for labels, q in rows for name, share in q.recall.items()]
+    return [
+        _family(GaugeMetricFamily, "rayline_quality_night_timestamp_seconds", "The labelled night's date (UTC).",
+                [(labels, _night_timestamp(q.dt)) for labels, q in rows]),
+        _family(GaugeMetricFamily, "rayline_quality_labelled", "Labelled photos of the night the version predicted.",
+                [(labels, q.labelled) for labels, q in rows]),
+        _family(GaugeMetricFamily, "rayline_quality_accuracy", "Share of the labelled photos predicted right.",
+                [(labels, q.accuracy) for labels, q in rows]),
+        _family(GaugeMetricFamily, "rayline_quality_ece", "Expected calibration error on the labelled photos.",
+                [(labels, q.ece) for labels, q in rows]),
+        _family(GaugeMetricFamily, "rayline_quality_class_recall", "Per labelled class: the share predicted as it.",
+                recall),
+    ]  # fmt: skip
 
 
 def _night_timestamp(dt: str) -> float:

@@ -1,49 +1,12 @@
 """The HTTP ingress: Router replicas in front of every model's versions, and the HTTP API they answer.
 
-The router application is named after the instance (``ServeConfig.name``, route ``/``); each
-model version it routes to is an application of its own (``model_server``; the package docstring
-draws the whole instance).
-
-One instance serves any number of registered models (any name, trained here or outside),
-each with its own versions, weights, stats and rollouts. Every ``SYNC_INTERVAL_S`` each
-router replica makes one call to the control actor: it flushes its per-request samples and
-gets the routing table back. Weights therefore change without redeploying anything,
-in-flight requests finish where they started, and per-version stats are right with any
-number of routers.
-
-The *default model* answers the routes without a model name (``/predict``, ``/healthz``,
-``/stats``, which keep the shape they had when an instance served one model): the model
-named by ``RAYLINE_SERVE_DEFAULT_MODEL`` (``ServeConfig.default_model``; while it is not
-served those routes answer 503), else the first model deployed that is still served.
-
-HTTP API (errors are JSON ``{"error": <type>, "detail": <message>}``):
-
-* ``POST /models/<name>/predict`` (model ``name``) and ``POST /predict`` (the default model)
-  with the image as the raw body or a multipart form part (named ``file`` or ``image``, or
-  the only part). Optional headers: ``X-Rayline-Key`` (sticky: one key sees one version while
-  weights are unchanged), ``X-Rayline-Version: N`` (pin a live version; 404 if not live;
-  pinned answers never count toward a rollout's gate).
-  Answer: class index and name (from the model's own class list), confidence, top-k, model,
-  version, latency; the version also in ``X-Rayline-Model-Version``, the model in
-  ``X-Rayline-Model``. A multipart body is parsed in a worker thread, and refused (400) past
-  16 parts or 8 KiB of headers in a part (``http_api``) before any part is parsed.
-  404 model not served, 413 body over ``max_body_bytes``, 400 empty body or bad multipart,
-  415 not an image, 422 truncated/corrupt image or over ``max_pixels`` (decompression bomb),
-  500 the model failed on the input, 503 no version with traffic or the version's replicas
-  are gone.
-* ``GET /healthz``, ``GET /models/<name>/healthz``: 200 when some version of the model has
-  traffic weight, else 503.
-* ``GET /stats[?since=<unix time>]``, ``GET /models/<name>/stats[?since=…]``: the model's
-  weights and per-version requests, errors, rejected, latency p50/p95/p99, counting every
-  answer (pinned ones and 4xx included; a rollout's gate counts only routed, non-4xx ones:
-  ``stats``), from the control actor's per-second windows (``since`` counts from the start of
-  its second). 400 for a ``since`` that is not a finite number. Rate-limited per client address
-  (rayline's router authenticates no one), per router replica: ``stats_burst`` at once, then
-  ``stats_per_s`` a second; past that 429 ``TooManyRequests`` with ``Retry-After`` (seconds);
-  addresses past the buckets kept share one (``http_api.RateLimit``).
-  The answer comes from the control actor every router syncs with: a client looping on it
-  must not delay their syncs.
-* ``GET /models``: every served model with its live versions and weights, and the default.
+The router application is named after the instance (``ServeConfig.name``, route ``/``); each model
+version it routes to is an application of its own (``model_server``). Every ``SYNC_INTERVAL_S`` each
+router replica makes one call to the control actor: it flushes its per-request samples and gets the
+routing table back, so weights change without a redeploy, in-flight requests finish where they
+started, and per-version stats are right with any number of routers. The routes without a model name
+answer for the default model (``ServeConfig.default_model``). The HTTP API, its headers and its
+status codes are documented in docs/serving.md.
 """
 
 from __future__ import annotations

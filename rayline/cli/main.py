@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from rayline.cli import console, demo, ops, platform, register, summaries, tables
+from rayline.cli import console, demo, labels, ops, platform, register, summaries, tables
 from rayline.cli.common import (
     DEFAULT_MODEL_NAME,
     BackendChoice,
@@ -366,6 +366,11 @@ def monitor_command(
             f"  {night.partition}  predicted by {night.model_name} {night.model}  (predictions table version "
             f"{night.version})  PSI {night.psi:.3f} vs {night.reference}  {verdict}"
         )
+    for q in result.quality:
+        typer.echo(
+            f"  dt={q.dt}  labelled: {q.model_name} v{q.model_version} right on {q.correct} of {q.labelled} "
+            f"({q.accuracy:.1%}), calibration error {q.ece:.3f}"
+        )
     typer.echo(f"  metrics            {result.metrics_uri}")
 
 
@@ -376,6 +381,7 @@ app.command("lineage")(ops.lineage_command)
 app.command("register-model")(register.register_model_command)
 app.command("vacuum")(tables.vacuum_command)
 app.add_typer(ops.serve_app, name="serve")
+app.add_typer(labels.labels_app, name="labels")
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ rayline writes; the state it reads back, Train checkpoints and Tune experiments
 (default ``<storage>/checkpoints``), which may not overlap an input prefix. The
 Delta tables ``predictions`` and ``prediction_errors``
 (partitioned by ``model_name`` and ``dt``: two models' nights of one day
-never collide), ``monitoring/<model>.prom``.
+never collide), ``labels`` (partitioned by ``model_name``), ``monitoring/<model>.prom``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ TRAINING_DIR = "training"
 TUNING_DIR = "tuning"
 PREDICTIONS_TABLE = "predictions"
 ERRORS_TABLE = "prediction_errors"
+LABELS_TABLE = "labels"  # people's answers for predicted photos, partitioned by model_name (rayline.tables.labels)
+# each labels import's report: label_imports/<model>/<import id>/rejected.csv, the rows refused and why
+LABEL_IMPORTS_DIR = "label_imports"
 MONITORING_DIR = "monitoring"
 # Runs' scratch space (a night's listing parts, its lease): hidden from listings of the root.
 STAGING_DIR = "_staging"
@@ -120,7 +123,7 @@ def partition_for(day: date) -> str:
 
 
 def table_uri(root: str, name: str) -> str:
-    """``<root>/<name>``: where a night table lives (``PREDICTIONS_TABLE`` or ``ERRORS_TABLE``)."""
+    """``<root>/<name>``: where a Delta table lives (``PREDICTIONS_TABLE``, ``ERRORS_TABLE``, ``LABELS_TABLE``)."""
     return storage.join(storage.normalize(root), name)
 
 

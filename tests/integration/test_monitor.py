@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
 
 from rayline import events, storage
+from rayline.cli import app
+from rayline.cli.common import ExitCode
+from rayline.flows.import_labels import import_labels
 from rayline.flows.monitor import monitor
 from rayline.flows.nightly_inference import nightly_inference
 from rayline.flows.prepare_data import prepare_data
 from rayline.models import registry
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
 from rayline.ray_workloads.monitoring.monitor import DriftThresholds
+from rayline.ray_workloads.quality.labels_import import LabelsImportResult
 from rayline.ray_workloads.training.loop import TrainLoopConfig, in_memory_batches, make_optimizer, run_epoch
 from rayline.seed import digit_objects, seed, synthetic_objects
 
@@ -57,6 +63,15 @@ def _drop(root: str, day: str, objects: list[tuple[str, bytes]]) -> None:
         storage.write_bytes_atomic(storage.join(root, "incoming", f"dt={day}", key), data)
 
 
+def _label_familiar_night(root: str, day: str) -> Path:
+    """People's labels for the night's digits (the folder a digit was seeded under is its class), keyed
+    under the incoming prefix, plus one row with a class the model lacks."""
+    path = Path(root).parent / "labels.csv"
+    rows = [f"dt={day}/{key},{key.split('/')[0]}" for key, _ in list(digit_objects(32))[::3]]
+    path.write_text("key,label\n" + "\n".join([*rows, f"dt={day}/0/digit-00000.png,eleven"]) + "\n")
+    return path
+
+
 async def _events(api: str, name: str, since: float) -> list[dict[str, object]]:
     async with httpx.AsyncClient(base_url=api) as client:
         answer = await client.post(
@@ -83,6 +98,13 @@ def test_drift_is_detected_on_unfamiliar_images_only(local_storage: str, prefect
     for day in ("2026-11-27", "2026-11-28"):
         nightly_inference(date=day, max_error_fraction=0.0)
 
+    labels_file = _label_familiar_night(local_storage, "2026-11-27")
+    answer = CliRunner().invoke(app, ["labels", "import", str(labels_file), "--json"])
+    assert answer.exit_code == ExitCode.REFUSED, answer.output  # a row was refused: the others are in
+    imported = LabelsImportResult.model_validate_json(answer.stdout)
+    assert (imported.imported, imported.rejected) == (len(list(digit_objects(32))[::3]), {"unknown_class": 1})
+    assert import_labels(file=str(labels_file)).already_imported  # the same file again adds nothing
+
     started = time.time()
     result = monitor(partitions=2, check_serving=False)
     verdicts = {p.partition: p for p in result.partitions}
@@ -102,6 +124,20 @@ def test_drift_is_detected_on_unfamiliar_images_only(local_storage: str, prefect
     assert nights == {
         "0": datetime(2026, 11, 28, tzinfo=UTC).timestamp(),
         "1": datetime(2026, 11, 27, tzinfo=UTC).timestamp(),
+    }
+
+    (quality,) = result.quality  # only the familiar night has labels
+    assert (quality.dt, quality.model_version, quality.labelled) == ("2026-11-27", 1, imported.imported)
+    assert quality.accuracy > 0.8 and 0 <= quality.ece < 0.5 and set(quality.recall) == {str(d) for d in range(10)}
+    exported = {
+        (family.name, s.labels["model_version"], s.labels["night"]): s.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name in ("rayline_quality_accuracy", "rayline_quality_labelled")
+        for s in family.samples
+    }
+    assert exported == {
+        ("rayline_quality_accuracy", "1", "0"): pytest.approx(quality.accuracy),
+        ("rayline_quality_labelled", "1", "0"): quality.labelled,
     }
 
     deadline = time.monotonic() + 30  # events reach the server's store asynchronously

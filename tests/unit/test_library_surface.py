@@ -28,7 +28,15 @@ def test_the_package_says_it_is_typed() -> None:
 # What a user imports to compose rayline in a flow of their own (docs/api.md): a change here is a change of
 # the public API, to be made on purpose.
 PUBLIC = {
-    "rayline.flows": ["monitor", "nightly_inference", "prepare_data", "register_model", "serve_rollout", "train_model"],
+    "rayline.flows": [
+        "import_labels",
+        "monitor",
+        "nightly_inference",
+        "prepare_data",
+        "register_model",
+        "serve_rollout",
+        "train_model",
+    ],
     "rayline.tasks": [
         "InferenceConfig",
         "InferenceResult",

@@ -270,20 +270,18 @@ def test_only_the_shell_imports_the_shell() -> None:
 
 # The stages' packages, each with those it may import (as its __init__ says): one way, data at the bottom.
 WORKLOAD_PACKAGES: dict[str, frozenset[str]] = {
-    "rayline.ray_workloads.data": frozenset(),
-    "rayline.ray_workloads.architectures": frozenset(),
-    "rayline.ray_workloads.execution": frozenset({"rayline.ray_workloads.data", "rayline.ray_workloads.architectures"}),
-    "rayline.ray_workloads.training": frozenset(
-        {"rayline.ray_workloads.data", "rayline.ray_workloads.architectures", "rayline.ray_workloads.execution"}
-    ),
-    "rayline.ray_workloads.nightly": frozenset({"rayline.ray_workloads.data", "rayline.ray_workloads.execution"}),
-    "rayline.ray_workloads.registration": frozenset(
-        {"rayline.ray_workloads.data", "rayline.ray_workloads.architectures", "rayline.ray_workloads.execution"}
-    ),
-    "rayline.ray_workloads.monitoring": frozenset({"rayline.ray_workloads.data"}),
-    "rayline.ray_workloads.serving": frozenset(
-        {"rayline.ray_workloads.data", "rayline.ray_workloads.execution", "rayline.ray_workloads.monitoring"}
-    ),
+    f"{WORKLOADS}.{package}": frozenset(f"{WORKLOADS}.{below}" for below in may_import)
+    for package, may_import in {
+        "data": (),
+        "architectures": (),
+        "quality": (),
+        "execution": ("data", "architectures"),
+        "training": ("data", "architectures", "execution", "quality"),
+        "nightly": ("data", "execution"),
+        "registration": ("data", "architectures", "execution"),
+        "monitoring": ("data", "quality"),
+        "serving": ("data", "execution", "monitoring", "quality"),
+    }.items()
 }
 
 

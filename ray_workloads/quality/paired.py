@@ -1,0 +1,132 @@
+"""Is the challenger better than the champion on the photos people labelled? A paired sequential test.
+
+Both versions predicted the same labelled photos, so only the photos where exactly one of them is right
+carry evidence (McNemar's discordant pairs): the challenger right and the champion wrong is a win, the
+reverse a loss. Under "no better" a discordant photo is a win with probability 1/2; under "better" with
+``p_better`` (0.65 by default: of the photos they disagree on, the challenger gets about two in three).
+Wald's sequential probability ratio test adds each pair's log-likelihood ratio and stops at a boundary:
+
+* **passed** when the sum reaches log((1-beta)/alpha): the challenger is better;
+* **failed** when it falls to log(beta/(1-alpha)): it is not better (or is worse), with about ``beta``
+  (20 %) chance of failing one better by the margin;
+* **inconclusive** in between: too few discordant labels yet. The gate waits for more labels.
+
+The test is re-run on all the labels so far whenever it is asked, as labels arrive. The likelihood
+ratio is a martingale under "no better", so the chance that it ever reaches the pass boundary for a
+challenger that is no better, however often it is looked at, is at most alpha/(1-beta) (Ville's
+inequality): 6.25 % by default, where a fixed-sample test looked at every night would pass a coin flip
+sooner or later. Agreement between the versions is not evidence: two versions that agree on 99 % of
+photos are judged on the other 1 %.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import BaseModel, Field
+
+Outcome = Literal["passed", "failed", "inconclusive"]
+
+
+class PairedTestPolicy(BaseModel):
+    p_better: float = Field(0.65, gt=0.5, lt=1, description="Share of discordant photos a better challenger wins.")
+    alpha: float = Field(0.05, gt=0, lt=0.5, description="Chance of passing a challenger that is no better.")
+    beta: float = Field(0.2, gt=0, lt=0.5, description="Chance of failing one better by the margin.")
+
+    @property
+    def upper(self) -> float:
+        return math.log((1 - self.beta) / self.alpha)
+
+    @property
+    def lower(self) -> float:
+        return math.log(self.beta / (1 - self.alpha))
+
+
+class PairedTest(BaseModel):
+    outcome: Outcome
+    champion: int
+    challenger: int
+    paired: int = Field(description="Labelled photos both versions predicted.")
+    challenger_wins: int = Field(description="Photos the challenger got right and the champion wrong.")
+    champion_wins: int = Field(description="Photos the champion got right and the challenger wrong.")
+    champion_accuracy: float | None
+    challenger_accuracy: float | None
+    agreement: float | None = Field(description="Share of the paired photos both predicted alike (not evidence).")
+    log_likelihood_ratio: float
+    upper: float
+    lower: float
+    policy: PairedTestPolicy
+
+    def describe(self) -> str:
+        acc = (
+            f"accuracy v{self.challenger} {self.challenger_accuracy:.1%} vs v{self.champion} "
+            f"{self.champion_accuracy:.1%} on {self.paired} labelled photos"
+            if self.paired
+            else "no labelled photo both versions predicted"
+        )
+        return (
+            f"{self.outcome}: {acc}; discordant {self.challenger_wins} won / {self.champion_wins} lost "
+            f"(LLR {self.log_likelihood_ratio:+.2f}, pass at {self.upper:+.2f}, fail at {self.lower:+.2f})"
+        )
+
+
+def sprt(challenger_wins: int, champion_wins: int, policy: PairedTestPolicy) -> tuple[Outcome, float]:
+    """The outcome and log-likelihood ratio of these discordant pairs (it depends on the counts alone)."""
+    llr = challenger_wins * math.log(policy.p_better / 0.5) + champion_wins * math.log((1 - policy.p_better) / 0.5)
+    if llr >= policy.upper:
+        return "passed", llr
+    if llr <= policy.lower:
+        return "failed", llr
+    return "inconclusive", llr
+
+
+def paired_test(
+    champion_rows: pa.Table,
+    challenger_rows: pa.Table,
+    champion: int,
+    challenger: int,
+    policy: PairedTestPolicy | None = None,
+) -> PairedTest:
+    """The test over the labelled photos both versions predicted.
+
+    Each table holds one version's labelled predictions (``uri``, ``etag``, ``predicted_index``,
+    ``label_index``, and ``dt``: a photo predicted on several nights counts once, at its newest night).
+    """
+    policy = policy or PairedTestPolicy()
+    a, b = _newest_per_photo(champion_rows), _newest_per_photo(challenger_rows)
+    both = a.join(b, keys=["uri", "etag"], join_type="inner", left_suffix="_champion", right_suffix="_challenger")
+    truth = both["label_index_champion"].to_numpy() if both.num_rows else np.array([], dtype=np.int64)
+    right_a = both["predicted_index_champion"].to_numpy() == truth if both.num_rows else truth.astype(bool)
+    right_b = both["predicted_index_challenger"].to_numpy() == truth if both.num_rows else truth.astype(bool)
+    wins, losses = int((right_b & ~right_a).sum()), int((right_a & ~right_b).sum())
+    outcome, llr = sprt(wins, losses, policy)
+    n = both.num_rows
+    same = (both["predicted_index_champion"].to_numpy() == both["predicted_index_challenger"].to_numpy()) if n else None
+    return PairedTest(
+        outcome=outcome,
+        champion=champion,
+        challenger=challenger,
+        paired=n,
+        challenger_wins=wins,
+        champion_wins=losses,
+        champion_accuracy=float(right_a.mean()) if n else None,
+        challenger_accuracy=float(right_b.mean()) if n else None,
+        agreement=float(same.mean()) if same is not None else None,
+        log_likelihood_ratio=llr,
+        upper=policy.upper,
+        lower=policy.lower,
+        policy=policy,
+    )
+
+
+def _newest_per_photo(rows: pa.Table) -> pa.Table:
+    columns = ["uri", "etag", "predicted_index", "label_index"]
+    if rows.num_rows == 0:
+        return rows.select(columns)
+    ranked = rows.sort_by([("dt", "descending")]).append_column("_i", pa.array(range(rows.num_rows), pa.int64()))
+    first = ranked.group_by(["uri", "etag"], use_threads=False).aggregate([("_i", "min")])
+    return ranked.filter(pc.is_in(ranked["_i"], value_set=first["_i_min"])).select(columns)
