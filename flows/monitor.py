@@ -17,9 +17,10 @@ from pydantic import BaseModel, Field
 
 from rayline import events
 from rayline.errors import RaylineError
-from rayline.models.registry import CHAMPION
+from rayline.models.registry import CHALLENGER, CHAMPION
 from rayline.ray_workloads.monitoring import monitor as mon
 from rayline.ray_workloads.quality.metrics import NightQuality
+from rayline.ray_workloads.quality.paired import PairedTest
 from rayline.ray_workloads.serving.config import config_from_settings
 from rayline.storage.layout import metrics_uri as metrics_file_uri
 from rayline.storage.layout import model_name as checked_model_name
@@ -34,7 +35,7 @@ from rayline.tasks.monitoring import (
     serving_health_task,
     write_metrics_task,
 )
-from rayline.tasks.registry_lookups import reconcile_mirror_task, resolve_version_task
+from rayline.tasks.registry_lookups import alias_version_task, reconcile_mirror_task, resolve_version_task
 
 
 class MonitorResult(BaseModel):
@@ -43,6 +44,7 @@ class MonitorResult(BaseModel):
     quality: list[NightQuality] = Field(
         default_factory=list, description="Each version's labelled figures on the latest nights with labels."
     )
+    paired: PairedTest | None = Field(None, description="The challenger against the champion on labelled photos.")
     metrics_uri: str
     files_vacuumed: int | None = Field(
         None, description="Files the vacuum of the night tables deleted; None: none ran."
@@ -79,6 +81,8 @@ def _markdown(result: MonitorResult, vacuum_error: Exception | None = None) -> s
         for p in result.partitions
     ]
     lines += _quality_lines(result.quality)
+    if result.paired is not None:
+        lines += ["", f"**Challenger v{result.paired.challenger} vs champion**: {result.paired.describe()}"]
     lines += ["", _vacuum_line(result, vacuum_error), "", f"Prometheus metrics: `{result.metrics_uri}`"]
     return "\n".join(lines) + "\n"
 
@@ -134,13 +138,18 @@ def monitor(
     cfg = config_from_settings()
     serving = serving_health_task(f"http://{cfg.host}:{cfg.port}", thresholds, model_name) if check_serving else None
     drifts = night_drifts_task(root, model_name, partitions, reference, thresholds)
-    quality = labelled_quality_task(root, model_name, champion.classes, quality_nights)
+    challenger = alias_version_task(champion.name, CHALLENGER)
+    labelled = labelled_quality_task(root, model_name, champion.classes, quality_nights, champion.version, challenger)
     metrics_uri = metrics_file_uri(root, model_name)
-    write_metrics_task(metrics_uri, mon.prometheus_text(serving, drifts, model_name, quality))
+    text = mon.prometheus_text(
+        serving, drifts, model_name, labelled.nights, paired=labelled.paired, thresholds=thresholds
+    )
+    write_metrics_task(metrics_uri, text)
     result = MonitorResult(
         serving=serving,
         partitions=drifts,
-        quality=quality,
+        quality=labelled.nights,
+        paired=labelled.paired,
         metrics_uri=metrics_uri,
         vacuum_retention_hours=vacuum_retention_hours,
     )
@@ -169,7 +178,7 @@ def monitor(
     chart = mon.distribution_png(drifts[0]) if drifts else None
     if chart is not None:
         markdown += "\n" + png_markdown(f"Predicted classes vs {drifts[0].reference}", chart)
-    accuracy_chart = mon.accuracy_png(quality)
+    accuracy_chart = mon.accuracy_png(result.quality)
     if accuracy_chart is not None:
         markdown += "\n" + png_markdown("Labelled accuracy per version, night by night", accuracy_chart)
     create_markdown_artifact(key="monitor", markdown=markdown)

@@ -8,11 +8,15 @@ front of it, free ports, stopping a process group) are the benchmarks'
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from rayline.testing.fault_proxy_control import FaultProxy
 from rayline.testing.fault_proxy_control import fault_proxy as proxy_in_front
@@ -112,3 +116,13 @@ def start_ray_head(make_args: Callable[[], list[str]], env: dict[str, str], temp
             return head
         stop_process(head, timeout_s=30)  # what it left of its group
     raise AssertionError(f"the head failed to start three times: {out.read_text()[-2000:]}")
+
+
+def debian_tool(command: str, package: str) -> str:
+    """``command``'s path; a failure under CI (``.ci/run`` installs ``package`` with apt), else a skip."""
+    found = shutil.which(command)
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{command} is missing: .ci/run installs it (apt-get install {package})")
+        pytest.skip(f"needs {command} (apt-get install {package})")
+    return found

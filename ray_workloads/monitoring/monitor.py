@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
-from datetime import UTC, date, datetime, time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import httpx
 import numpy as np
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, Field
 
 from rayline.errors import InputDataError
@@ -34,7 +31,7 @@ from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.data import preprocess
 from rayline.ray_workloads.monitoring.charts import accuracy_png as accuracy_png  # the monitor's charts
 from rayline.ray_workloads.monitoring.charts import distribution_png as distribution_png
-from rayline.ray_workloads.quality.metrics import NightQuality
+from rayline.ray_workloads.monitoring.prometheus import prometheus_text as prometheus_text  # the monitor's file
 from rayline.storage.layout import PREDICTIONS_TABLE, parse_day, table_uri
 from rayline.tables.prediction_reads import committed_nights, read_night_pair
 
@@ -315,105 +312,3 @@ def night_drift(
         reasons=reasons,
         reference=ref.describe(),
     )
-
-
-class _Snapshot:
-    """A prometheus_client collector that yields metric families built once (the monitor's one reading)."""
-
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self.families)
-
-
-def _family(
-    kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
-    name: str,
-    help_text: str,
-    samples: Sequence[tuple[dict[str, str], float]],
-) -> Metric:
-    labels = list(samples[0][0]) if samples else []
-    family = kind(name, help_text, labels=labels)
-    for values, value in samples:
-        family.add_metric([values[k] for k in labels], value)
-    return family
-
-
-def prometheus_text(
-    health: ServingHealth | None,
-    drifts: list[PartitionDrift],
-    model: str = "digits",
-    quality: Sequence[NightQuality] = (),
-) -> str:
-    """The monitor's reading in Prometheus' text format, from ``prometheus_client`` (escaping, types, HELP).
-
-    Labels stay bounded, as Prometheus asks: model, stage, model version, and
-    for nights ``night`` = how many committed nights back (0 = the newest, up to
-    the monitor's ``partitions``); the night's date is a gauge's value
-    (``rayline_predictions_night_timestamp_seconds``), not a label, and no
-    per-run id is a label, so each run replaces the same series. Labelled
-    quality counts its nights the same way, among the nights that have labels.
-    """
-    families: list[Metric] = []
-    if health is not None:
-        serve = {"model": model, "stage": "serve"}
-        per_version = [({**serve, "model_version": str(v.version)}, v) for v in health.versions]
-        families += [
-            _family(GaugeMetricFamily, "rayline_serve_up", "1 when the router answers and some version takes traffic.",
-                    [(serve, float(health.healthy and health.served))]),
-            _family(CounterMetricFamily, "rayline_serve_requests", "Requests answered per version since stats reset.",
-                    [(labels, v.requests) for labels, v in per_version]),
-            _family(CounterMetricFamily, "rayline_serve_errors", "5xx answers per version since the stats reset.",
-                    [(labels, v.errors) for labels, v in per_version]),
-            _family(GaugeMetricFamily, "rayline_serve_weight", "Traffic weight per version.",
-                    [(labels, v.weight) for labels, v in per_version]),
-            _family(GaugeMetricFamily, "rayline_serve_champion_mismatch",
-                    "1 when the version with the most traffic is not the registry's champion and no rollout runs.",
-                    [(serve, float(health.champion_mismatch))]),
-        ]  # fmt: skip
-    batch = [
-        ({"model": model, "stage": "batch_inference", "model_version": d.model, "night": str(back)}, d)
-        for back, d in enumerate(sorted(drifts, key=lambda d: d.dt, reverse=True))
-    ]
-    families += [
-        _family(GaugeMetricFamily, "rayline_predictions_night_timestamp_seconds", "The night's date (UTC midnight).",
-                [(labels, _night_timestamp(d.dt)) for labels, d in batch]),
-        _family(GaugeMetricFamily, "rayline_predictions_rows", "Prediction rows of a committed night.",
-                [(labels, d.predictions) for labels, d in batch]),
-        _family(GaugeMetricFamily, "rayline_predictions_error_fraction", "Inputs of a night that got an error row.",
-                [(labels, d.error_fraction) for labels, d in batch]),
-        _family(GaugeMetricFamily, "rayline_predictions_class_psi",
-                "PSI of predicted classes vs the reference (training labels or a reference night).",
-                [(labels, d.psi) for labels, d in batch]),
-        _family(GaugeMetricFamily, "rayline_predictions_low_confidence_share",
-                "Share of predictions under the confidence floor.",
-                [(labels, d.low_confidence_share) for labels, d in batch]),
-    ]  # fmt: skip
-    families += _quality_families(model, quality)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(families))
-    return generate_latest(registry).decode()
-
-
-def _quality_families(model: str, quality: Sequence[NightQuality]) -> list[Metric]:
-    """Each version's labelled figures per night; ``night`` counts back among the nights with labels."""
-    back = {dt: i for i, dt in enumerate(sorted({q.dt for q in quality}, reverse=True))}
-    rows = [({"model": model, "model_version": str(q.model_version), "night": str(back[q.dt])}, q) for q in quality]
-    recall = [({**labels, "class": name}, share) for labels, q in rows for name, share in q.recall.items()]
-    return [
-        _family(GaugeMetricFamily, "rayline_quality_night_timestamp_seconds", "The labelled night's date (UTC).",
-                [(labels, _night_timestamp(q.dt)) for labels, q in rows]),
-        _family(GaugeMetricFamily, "rayline_quality_labelled", "Labelled photos of the night the version predicted.",
-                [(labels, q.labelled) for labels, q in rows]),
-        _family(GaugeMetricFamily, "rayline_quality_accuracy", "Share of the labelled photos predicted right.",
-                [(labels, q.accuracy) for labels, q in rows]),
-        _family(GaugeMetricFamily, "rayline_quality_ece", "Expected calibration error on the labelled photos.",
-                [(labels, q.ece) for labels, q in rows]),
-        _family(GaugeMetricFamily, "rayline_quality_class_recall", "Per labelled class: the share predicted as it.",
-                recall),
-    ]  # fmt: skip
-
-
-def _night_timestamp(dt: str) -> float:
-    return datetime.combine(date.fromisoformat(dt), time.min, tzinfo=UTC).timestamp()

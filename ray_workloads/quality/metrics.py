@@ -17,6 +17,7 @@ from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 from pydantic import BaseModel, Field
 
+from rayline.ray_workloads.quality.paired import PairedTest
 from rayline.storage.layout import PREDICTIONS_TABLE, table_uri
 from rayline.tables.delta_tables import open_table, storage_error, storage_options
 
@@ -39,6 +40,13 @@ class NightQuality(Quality):
     model_version: int
     dt: str
     table: str = Field(PREDICTIONS_TABLE, description="The table its predictions are in.")
+
+
+class QualityReading(BaseModel):
+    """What the monitor learns from the labels: each version's nights, and the challenger's paired test."""
+
+    nights: list[NightQuality] = Field(default_factory=list)
+    paired: PairedTest | None = None
 
 
 def expected_calibration_error(confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS) -> float:

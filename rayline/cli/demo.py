@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import date
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -20,9 +22,11 @@ from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import RaylineError
 
 if TYPE_CHECKING:  # for the types only: the flows load Prefect, Ray and torch, which `rayline --help` does without
+    from rayline.flows.monitor import MonitorResult
     from rayline.flows.serve_rollout import RolloutResult
     from rayline.flows.train_model import TrainModelResult
     from rayline.models.registry import ModelVersion
+    from rayline.ray_workloads.quality.labels_import import LabelsImportResult
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,8 @@ def demo(
         typer.echo(f"dropped {arrivals.total} arrivals under {incoming}")
         with _stage("nightly inference", times):
             predictions = nightly_inference(date=day.isoformat())
+        with _stage("labels and quality", times):
+            checked = _label_and_measure(root, day.isoformat(), check_serving=serving is not None)
         with _stage("outside model", times):
             # up to 3 broken photos, as many as the night's default 5 % error budget allows (one in
             # 20 inputs): `--photos 20` with 3 broken ones failed its night at 13 %
@@ -103,6 +109,7 @@ def demo(
     if rollout is not None:
         ops.print_rollout_summary(rollout)
     summaries.print_nightly_summary(predictions)
+    _print_quality(*checked)
     if walk is not None:
         outside.print_walk(walk)
     typer.echo(f"  lineage records    {lineage_dir()}")
@@ -176,6 +183,37 @@ def _roll_out_under_load(
     for failure in load.first_failures:
         typer.secho(f"  failed request: {failure}", fg=typer.colors.YELLOW)
     return result
+
+
+# Every fourth digit of the night comes back labelled: people label a sample, not the whole night.
+_LABELLED_EVERY = 4
+_DIGIT_KEY = re.compile(r"(?P<label>\d)/digit-\d+\.png")
+
+
+def _label_and_measure(root: str, day: str, check_serving: bool) -> tuple[LabelsImportResult, MonitorResult]:
+    """The quality loop's first turn: people label a sample of the night's digits (a digit's folder is its
+    class), the labels come back, and the monitor measures the version that predicted the night on them."""
+    from rayline.flows.import_labels import import_labels
+    from rayline.flows.monitor import monitor
+    from rayline.storage.layout import INCOMING_DIR, LABEL_IMPORTS_DIR, partition_for
+
+    night = partition_for(date.fromisoformat(day))
+    keys = sorted(o.key for o in storage.list_objects(storage.join(root, INCOMING_DIR, night)))
+    digits = [(key, m["label"]) for key in keys if (m := _DIGIT_KEY.fullmatch(key))][::_LABELLED_EVERY]
+    labels_uri = storage.join(root, LABEL_IMPORTS_DIR, "digits", f"demo-labels-{day}.csv")
+    rows = "".join(f"{night}/{key},{label},demo\n" for key, label in digits)
+    storage.write_bytes_atomic(labels_uri, f"key,label,source\n{rows}".encode())
+    imported = import_labels(file=labels_uri, model_name="digits")
+    return imported, monitor(model_name="digits", check_serving=check_serving)
+
+
+def _print_quality(imported: LabelsImportResult, checked: MonitorResult) -> None:
+    typer.echo(f"  labels back        {imported.imported} labels imported into {imported.labels_table_uri}")
+    for q in checked.quality:
+        typer.echo(
+            f"  labelled accuracy  dt={q.dt} digits v{q.model_version}: right on {q.correct} of {q.labelled} "
+            f"({q.accuracy:.1%}), calibration error {q.ece:.3f}"
+        )
 
 
 def _slowest(times: dict[str, float]) -> str:

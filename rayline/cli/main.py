@@ -371,6 +371,9 @@ def monitor_command(
             f"  dt={q.dt}  labelled: {q.model_name} v{q.model_version} right on {q.correct} of {q.labelled} "
             f"({q.accuracy:.1%}), calibration error {q.ece:.3f}"
         )
+    if result.paired is not None:
+        pair = result.paired
+        typer.echo(f"  challenger v{pair.challenger} vs champion v{pair.champion}: {pair.describe()}")
     typer.echo(f"  metrics            {result.metrics_uri}")
 
 
