@@ -13,7 +13,9 @@ How the lifecycle runs itself:
   ``rayline.data.arrived`` (labelled ``rayline.retrain=true`` when enough of them
   are labelled);
 * ``retrain`` (the ``train-model`` flow, its winner made ``challenger``) on that
-  event or on ``rayline.drift.detected`` from the monitor — debounced: a burst of
+  event, on ``rayline.labels.arrived`` labelled ``rayline.retrain=true`` (enough
+  labels came back: the champion is fine-tuned on its labelled photos), or on
+  ``rayline.drift.detected`` from the monitor — debounced: a burst of
   events within ``RETRAIN_DEBOUNCE`` starts one run. It searches with 4 ASHA
   trials first (the digits); a model whose champion is a fine-tune of another
   (an outside ResNet, say) is fine-tuned again from that parent with no search
@@ -126,6 +128,15 @@ def deployment_table() -> list[DeploymentSpec]:
                     source_uri="{{ event.payload.source_uri }}",  # train on what arrived
                 ),
                 _on(
+                    events.LABELS_ARRIVED,
+                    "retrain-on-new-labels",
+                    RETRAIN_DEBOUNCE,
+                    {events.RETRAIN_LABEL: "true"},
+                    for_each={"rayline.model"},
+                    model_name="{{ event.payload.model }}",
+                    labelled=True,  # the champion fine-tuned on its labelled photos
+                ),
+                _on(
                     events.DRIFT_DETECTED,
                     "retrain-on-drift",
                     RETRAIN_DEBOUNCE,
@@ -135,7 +146,8 @@ def deployment_table() -> list[DeploymentSpec]:
             ],
             description=(
                 "Retrain when labelled data arrives or drift is detected (4 ASHA trials first; a fine-tuned "
-                "model is fine-tuned again from its parent, no search); a winner becomes challenger"
+                "model is fine-tuned again from its parent, no search), or fine-tune the champion on its labelled "
+                "photos when enough labels came back; a winner becomes challenger"
             ),
         ),
         DeploymentSpec(

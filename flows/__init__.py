@@ -9,6 +9,7 @@ __all__ = [
     "monitor",
     "nightly_inference",
     "prepare_data",
+    "queue_labels",
     "register_model",
     "serve_rollout",
     "train_model",

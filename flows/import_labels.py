@@ -13,7 +13,7 @@ from rayline.models.registry import CHAMPION
 from rayline.ray_workloads.quality.labels_import import LabelsImportConfig, LabelsImportResult
 from rayline.storage.layout import INCOMING_DIR, root_uri, under_root
 from rayline.storage.layout import model_name as checked_model_name
-from rayline.tasks.labels import import_labels_task
+from rayline.tasks.labels import announce_labels_task, import_labels_task
 from rayline.tasks.registry_lookups import resolve_version_task
 
 
@@ -53,6 +53,9 @@ def import_labels(
     result = import_labels_task(cfg)
     logger = get_run_logger()
     logger.info("%s: %d labels imported, %d refused", result.file_uri, result.imported, result.rejected_total)
+    if result.imported:  # rayline.labels.arrived: enough labels new to training ask for a retraining on them
+        pending = announce_labels_task(cfg.root, result)
+        logger.info("%s has %d labels it has not trained on yet", name, pending)
     if result.rejected:
         logger.warning("refused labels by reason: %s (rows in %s)", result.rejected, result.rejected_uri)
     create_markdown_artifact(key="labels-import", markdown=_markdown(result))

@@ -51,14 +51,17 @@ def night_config(
     actors: int,
     batch_size: int,
     plan: PlanPolicy | None = None,
+    shadow: ModelVersion | None = None,
 ) -> InferenceConfig:
-    """One night's workload config: the night's arrivals through ``version``, committed under the storage root."""
+    """One night's workload config: the night's arrivals through ``version`` (and ``shadow``, scored beside it),
+    committed under the storage root."""
     root = root_uri()
     return InferenceConfig(
         input_uri=night_ranges.night_input_uri(input_uri, root, day),
         tables_root=root,
         dt=day.isoformat(),
         model=version,
+        shadow=shadow,
         actors=actors,
         batch_size=batch_size,
         io_concurrency=get_settings().io_concurrency,
@@ -141,9 +144,10 @@ def run_range(
     max_error_fraction: float,
     max_concurrent_nights: int | None,
     plan: PlanPolicy | None = None,
+    shadow: ModelVersion | None = None,
 ) -> BackfillResult:
     """Run every night of ``days``; a table artifact row per night; raise NightsFailed if any failed."""
-    configs = [night_config(day, version, input_uri, actors, batch_size, plan) for day in days]
+    configs = [night_config(day, version, input_uri, actors, batch_size, plan, shadow) for day in days]
     width = max_concurrent_nights or night_ranges.nights_at_once(
         cluster_cpus(), actors, configs[0].cpus_per_actor, len(configs)
     )

@@ -12,8 +12,10 @@ from typing import Any, Literal
 from prefect import flow
 from prefect.artifacts import create_link_artifact, create_table_artifact
 
+from rayline.config import get_settings
 from rayline.errors import ConfigError
 from rayline.flows.nightly_backfill import check_error_budget, night_config, run_range
+from rayline.models.registry import CHALLENGER, ModelVersion
 from rayline.ray_workloads.execution.plan import PlanPolicy, Precision, plans_text
 from rayline.ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
 from rayline.skipped import skipped_text
@@ -22,7 +24,23 @@ from rayline.storage.layout import parse_day, yesterday_utc
 from rayline.tables import night_ranges
 from rayline.tables.night_ranges import BackfillResult
 from rayline.tasks.batch_inference import batch_inference_task
-from rayline.tasks.registry_lookups import parse_model_ref_task, resolve_version_task
+from rayline.tasks.registry_lookups import alias_version_task, parse_model_ref_task, resolve_version_task
+
+
+def _shadow_version(version: ModelVersion, shadow: str | None) -> ModelVersion | None:
+    """The version to score beside ``version``: the one ``shadow`` names, else the challenger when the
+    settings ask for it and there is one other than ``version``, else none."""
+    if shadow is not None:
+        name, ref = parse_model_ref_task(shadow, version.name)
+        if name != version.name:
+            raise ConfigError(f"shadow {shadow!r} names {name!r}: a shadow is another version of {version.name!r}")
+        return resolve_version_task(name, ref)
+    if not get_settings().shadow_challenger:
+        return None
+    challenger = alias_version_task(version.name, CHALLENGER)
+    if challenger is None or challenger == version.version:
+        return None
+    return resolve_version_task(version.name, challenger)
 
 
 def _skipped(result: InferenceResult) -> str:
@@ -48,6 +66,7 @@ def nightly_inference(
     precision: Precision | None = None,
     backend: Literal["eager", "openvino"] | None = None,
     min_plan_agreement: float = 0.995,
+    shadow: str | None = None,
 ) -> InferenceResult | NightSkipped | BackfillResult:
     """Predict every object under ``incoming/dt=<date>/`` (default: yesterday, UTC) with ``model_name``.
 
@@ -73,6 +92,13 @@ def nightly_inference(
     night's first images (top-1 agreement at least ``min_plan_agreement``);
     ``precision``/``backend`` pin one (still gated); ``off`` runs fp32 eager.
     See :mod:`rayline.ray_workloads.execution.plan`.
+
+    ``shadow`` (an alias such as ``challenger``, or a version such as ``v3``)
+    scores a second version of ``model_name`` on the same decoded images, its
+    rows in the ``shadow_predictions`` table, with the night's agreement
+    between the two (``RAYLINE_SHADOW_CHALLENGER=1``: the challenger, whenever
+    there is one). The night's rows, commits and error budget stay the
+    champion's.
     """
     policy = PlanPolicy(mode=plan, precision=precision, backend=backend, min_agreement=min_plan_agreement)
     days = night_ranges.night_range(date, date_from, date_to)
@@ -87,6 +113,7 @@ def nightly_inference(
             f"model {model!r} names {name!r} but model_name is {model_name!r}: give the alias or version alone in model"
         )
     version = resolve_version_task(checked_model_name(name), ref)
+    shadowed = _shadow_version(version, shadow)
     if days is not None:
         return run_range(
             days,
@@ -97,8 +124,9 @@ def nightly_inference(
             max_error_fraction=max_error_fraction,
             max_concurrent_nights=max_concurrent_nights,
             plan=policy,
+            shadow=shadowed,
         )
-    result = batch_inference_task(night_config(day, version, input_uri, actors, batch_size, policy))
+    result = batch_inference_task(night_config(day, version, input_uri, actors, batch_size, policy, shadowed))
     if isinstance(result, NightSkipped):
         create_table_artifact(key="nightly-inference", table=[{"item": "skipped", "value": result.message}])
         return result
@@ -114,6 +142,7 @@ def nightly_inference(
         {"item": "predictions table", "value": f"{result.predictions_table} version {result.predictions_version}"},
         {"item": "errors table", "value": f"{result.errors_table} version {result.errors_version}"},
         {"item": "replaced an earlier run", "value": result.replaced},
+        *([{"item": "shadow", "value": result.shadow.line()}] if result.shadow else []),
     ]
     create_table_artifact(key="nightly-inference", table=summary)
     create_link_artifact(

@@ -5,11 +5,15 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel
 
-from rayline.errors import AliasConflict, LeaseLost, RolloutRolledBack
+from rayline.config import labelled_win_required
+from rayline.errors import AliasConflict, LeaseLost, QualityGateFailed, RolloutRolledBack
 from rayline.models.registry import CHAMPION, ModelVersion
+from rayline.ray_workloads.quality.paired import PairedTest
 from rayline.ray_workloads.serving.config import ServeConfig, config_from_settings
 from rayline.ray_workloads.serving.rollout import GateConfig, RolloutConfig, StepReport
+from rayline.storage.layout import root_uri
 from rayline.storage.leases import HeldLease
+from rayline.tasks.labels import labelled_gate_task
 from rayline.tasks.registry_lookups import alias_version_task, resolve_version_task
 from rayline.tasks.rollouts import LEASE_TTL_S, another_rollout_holds_task, probe_source_task, rollout_lease
 from rayline.tasks.serve import PreparedRollout, prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
@@ -23,6 +27,7 @@ class RolloutResult(BaseModel):
     reason: str
     steps: list[StepReport]
     reconciled: str | None = None  # what a rollout that did not finish left, and that it was rolled back
+    labelled: PairedTest | None = None  # the labelled paired test, when the rollout required a labelled win
 
 
 def serve_config() -> ServeConfig:
@@ -45,6 +50,7 @@ def serve_rollout(
     min_requests: int = 20,
     lease_wait_s: float = 1800.0,
     lease_ttl_s: float = LEASE_TTL_S,
+    require_labelled_win: bool | None = None,
 ) -> RolloutResult:
     """Step ``candidate`` (alias or version) through the traffic ``steps`` (default 10 → 50 → 100 %).
 
@@ -60,9 +66,24 @@ def serve_rollout(
     The model's rollout lease is renewed every ``lease_ttl_s`` / 3 seconds: a rollout whose process
     died is taken over ``lease_ttl_s`` after its last renewal; a second rollout waits up to
     ``lease_wait_s`` for it.
+
+    ``require_labelled_win`` (default ``RAYLINE_REQUIRE_LABELLED_WIN``): first the labels must say the
+    candidate beats the champion (the paired test, docs/quality.md). Inconclusive moves no traffic and
+    ends the run waiting for more labels (``promoted`` false); failed fails it (``QualityGateFailed``).
     """
     serve = serve_config()
     version = resolve_version_task(model_name, candidate)
+    labelled = _labelled_win(version, require_labelled_win)
+    if labelled is not None and labelled.outcome != "passed":
+        return RolloutResult(
+            model=model_name,
+            candidate=version.version,
+            incumbent=labelled.champion,
+            promoted=False,
+            reason=f"v{version.version} waits for more labels before its rollout: {labelled.describe()}",
+            steps=[],
+            labelled=labelled,
+        )
     cfg = RolloutConfig(
         steps=steps or [10.0, 50.0, 100.0],
         soak_s=soak_s,
@@ -82,7 +103,22 @@ def serve_rollout(
         result = _roll_out(cfg, version, serve, lease)
     if not result.steps and lease.waited_s > 1.0:  # say why there was nothing to do
         result.reason += f" (another rollout promoted it while this one waited {lease.waited_s:.0f} s for the lease)"
+    result.labelled = labelled
     return result
+
+
+def _labelled_win(version: ModelVersion, asked: bool | None) -> PairedTest | None:
+    """The labelled paired test of ``version`` against the champion, when a win is required (and there is a
+    champion other than it); raises ``QualityGateFailed`` when the labels say it is worse."""
+    if not labelled_win_required(asked):
+        return None
+    champion = alias_version_task(version.name, CHAMPION)
+    if champion is None or champion == version.version:
+        return None
+    test = labelled_gate_task(root_uri(), version.name, champion, version.version)
+    if test.outcome == "failed":
+        raise QualityGateFailed(f"{version.name} v{version.version} is not rolled out: {test.describe()}")
+    return test
 
 
 def _roll_out(cfg: RolloutConfig, version: ModelVersion, serve: ServeConfig, lease: HeldLease) -> RolloutResult:

@@ -10,8 +10,12 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
+from rayline.config import labelled_win_required
+from rayline.errors import ConfigError
 from rayline.flows.prepare_data import DIGITS_IMAGE_SIZE, PrepareDataResult, prepare_data
+from rayline.models.registry import CHAMPION
 from rayline.ray_workloads.architectures.build import ModelSpec, check_input_size
+from rayline.ray_workloads.quality.training_set import ExportConfig
 from rayline.ray_workloads.training.evaluate import EvaluationResult
 from rayline.ray_workloads.training.loop import TrainLoopConfig
 from rayline.ray_workloads.training.train import TrainConfig, TrainResult
@@ -22,12 +26,17 @@ from rayline.storage.layout import (
     TUNING_DIR,
     check_input_apart_from_checkpoints,
     checkpoints_uri,
+    root_uri,
     under_root,
 )
+from rayline.storage.layout import (
+    model_name as checked_model_name,
+)
+from rayline.tasks.labels import export_labelled_task
 from rayline.tasks.register import RegistrationResult, register_and_gate
-from rayline.tasks.registry_lookups import reconcile_mirror_task
+from rayline.tasks.registry_lookups import alias_version_task, reconcile_mirror_task, resolve_version_task
 from rayline.tasks.train import evaluate_task, train_model_task
-from rayline.tasks.training_plan import plan_training_task
+from rayline.tasks.training_plan import DEFAULT_MODEL, plan_training_task
 from rayline.tasks.tune import tune_task
 
 
@@ -45,6 +54,20 @@ def run_name(model_name: str, data_hash: str, loop: TrainLoopConfig) -> str:
     fields = loop.model_dump(mode="json", exclude={"init"} if loop.init is None else None)
     params = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     return f"{model_name}-{data_hash[:10]}-{params[:8]}"
+
+
+def _on_labels(model_name: str | None, source_uri: str | None, init_from: str | None) -> tuple[str, str, str | None]:
+    """(model, training source, fine-tune start) of a training on the model's labelled photos: its champion
+    fine-tuned on them (trained anew when it has none)."""
+    if source_uri is not None or init_from is not None:
+        raise ConfigError(
+            "labelled=True trains the model's champion on its labelled photos: give no source_uri or init_from"
+        )
+    name = checked_model_name(model_name or DEFAULT_MODEL)
+    champion = alias_version_task(name, CHAMPION)
+    classes = resolve_version_task(name, champion).classes if champion is not None else []
+    exported = export_labelled_task(ExportConfig(root=root_uri(), model_name=name, classes=classes))
+    return name, exported.folder, (f"{name}@{CHAMPION}" if champion is not None else None)
 
 
 @flow(name="train-model")
@@ -67,6 +90,8 @@ def train_model(
     promote_to: Literal["champion", "challenger"] = "champion",
     init_from: str | None = None,
     freeze_backbone: bool | None = None,
+    require_labelled_win: bool | None = None,
+    labelled: bool = False,
 ) -> TrainModelResult:
     """Train a classifier on ``source_uri`` (default ``<storage>/raw``) and gate it into the registry.
 
@@ -81,7 +106,19 @@ def train_model(
     data with the parent's image spec, never searches, and registers under
     ``model_name`` (default ``<parent>-ft``) with a ``parent`` link. ``arch``
     and ``width`` are then the parent's. ``freeze_backbone`` trains the head only.
+
+    ``require_labelled_win`` (default ``RAYLINE_REQUIRE_LABELLED_WIN``): the
+    champion moves only when the labels say the model beats it (the paired
+    test, docs/quality.md); until they decide it is challenger, which the
+    nights can shadow-score (``RAYLINE_SHADOW_CHALLENGER``).
+
+    ``labelled``: train on the model's labelled photos (``rayline labels
+    import``), copied to ``<storage>/labelled/<model>/`` with lineage back to
+    each labels import, fine-tuning its champion (the ``retrain`` deployment
+    does it on ``rayline.labels.arrived``).
     """
+    if labelled:
+        model_name, source_uri, init_from = _on_labels(model_name, source_uri, init_from)
     if init_from is None:
         # an unknown name, or one that cannot take the squares prepare_data makes, fails before any cluster time
         check_input_size(arch, DIGITS_IMAGE_SIZE)
@@ -160,6 +197,7 @@ def train_model(
         floor=floor,
         promote_to=promote_to,
         parent=plan.parent_link() if plan else None,
+        labelled_root=root_uri() if labelled_win_required(require_labelled_win) else None,
     )
     create_table_artifact(
         key="train-model-summary",

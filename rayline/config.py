@@ -122,6 +122,22 @@ class Settings(BaseSettings):
         description="Expiry of the data leases (a night, an ingest or preprocess folder) after their last renewal: "
         "how long a run that died blocks the next run. Unset: 60 s for a night, 120 s for a folder.",
     )
+    shadow_challenger: bool = Field(
+        False,
+        description="Nightly inference also scores the model's challenger (alias), whenever it has one, in the same "
+        "pass as the champion: its rows go to shadow_predictions (nightly-inference --shadow names one instead).",
+    )
+    require_labelled_win: bool = Field(
+        False,
+        description="The champion moves only when the labels say the new version is better (the paired test "
+        "passed): train-model makes a candidate challenger until then, serve-rollout waits for it.",
+    )
+    retrain_min_new_labels: int = Field(
+        200,
+        ge=1,
+        description="Labels imported since a model last trained on its labels that make it worth fine-tuning on "
+        "them (rayline.labels.arrived, labelled rayline.retrain=true).",
+    )
     retrain_min_new_labelled: int = Field(
         100, ge=1, description="New labelled objects in one arrival that make it worth retraining."
     )
@@ -239,6 +255,11 @@ def _variable(loc: tuple[int | str, ...]) -> str:
 @lru_cache(maxsize=1)
 def _cached_settings(_key: tuple[tuple[str, str], ...]) -> Settings:
     return load_settings()
+
+
+def labelled_win_required(asked: bool | None) -> bool:
+    """Whether a promotion needs a labelled win: as ``asked`` by a flow's parameter, else by the settings."""
+    return get_settings().require_labelled_win if asked is None else asked
 
 
 def lease_ttl(default_s: float) -> float:

@@ -65,6 +65,10 @@ class RolloutRolledBack(RaylineError):
     """A rollout gate refused the candidate; it was taken out of serving."""
 
 
+class QualityGateFailed(RaylineError):
+    """The labels say the candidate is worse than the champion (the paired test failed): it is not promoted."""
+
+
 class NightCommittedElsewhere(RaylineError):
     """Another run committed the same (model, night) partition while this run was working."""
 

@@ -7,12 +7,15 @@ them (``deployments/catalog.py``).
 Prefect triggers match resource *labels* (strings, globs), not numbers, so
 an event that an automation must threshold carries the decision as a label:
 ``rayline.data.arrived`` has ``rayline.retrain = "true"`` when its new
-labelled objects reach ``RAYLINE_RETRAIN_MIN_NEW_LABELLED``.
+labelled objects reach ``RAYLINE_RETRAIN_MIN_NEW_LABELLED``, and ``rayline.labels.arrived`` when the labels
+imported since the model last trained on its labels reach ``RAYLINE_RETRAIN_MIN_NEW_LABELS``.
 """
 
 from __future__ import annotations
 
 DATA_ARRIVED = "rayline.data.arrived"
+# a labels import added labels for a model's predicted photos: labelled with the model and the retrain decision
+LABELS_ARRIVED = "rayline.labels.arrived"
 DRIFT_DETECTED = "rayline.drift.detected"
 HEALTH_DEGRADED = "rayline.serve.unhealthy"
 # the version with the most traffic is not the registry's champion, and no rollout holds the model's lease

@@ -7,15 +7,11 @@ task run): a retry repeats nothing.
 
 from __future__ import annotations
 
-import pyarrow.compute as pc
-
 from rayline import events, storage
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.monitoring import monitor as mon
-from rayline.ray_workloads.quality import metrics
-from rayline.ray_workloads.quality.paired import paired_test
+from rayline.ray_workloads.quality import metrics, reading
 from rayline.ray_workloads.serving.champion import serving_against_registry
-from rayline.tables.labels import read_labels
 from rayline.tables.prediction_reads import committed_nights
 from rayline.tasks.common import emit, idempotency_key, io_task
 
@@ -68,16 +64,8 @@ def night_drifts_task(
 def labelled_quality_task(
     root: str, model_name: str, classes: list[str], nights: int, champion: int, challenger: int | None
 ) -> metrics.QualityReading:
-    """Each version's labelled figures on each of the latest ``nights`` nights that have labels (oldest
-    first), and the paired test of ``challenger`` against ``champion`` on every labelled photo both predicted."""
-    joined = metrics.labelled_predictions(root, model_name, read_labels(root, model_name))
-    found = metrics.night_quality(joined, model_name, classes)
-    latest = sorted({q.dt for q in found}, reverse=True)[:nights]
-    test = None
-    if challenger is not None and challenger != champion:
-        rows = {v: joined.filter(pc.field("model_version") == v) for v in (champion, challenger)}
-        test = paired_test(rows[champion], rows[challenger], champion, challenger)
-    return metrics.QualityReading(nights=[q for q in found if q.dt in latest], paired=test)
+    """``quality.reading.labelled_reading``: each version's labelled nights and the challenger's paired test."""
+    return reading.labelled_reading(root, model_name, classes, nights, champion, challenger)
 
 
 @io_task("write-monitor-metrics")

@@ -33,6 +33,7 @@ def register_and_gate(
     floor: float = 0.9,
     promote_to: str = registry.CHAMPION,
     parent: ParentModel | None = None,
+    labelled_root: str | None = None,
 ) -> RegistrationResult:
     """Register the trained weights and gate them.
 
@@ -40,7 +41,8 @@ def register_and_gate(
     ``challenger`` when serving decides (a canary rollout moves the champion
     later). The first model that passes the floor is champion either way.
     ``parent``: the version a fine-tune started from (kept on the version and
-    named among the lineage record's inputs).
+    named among the lineage record's inputs). ``labelled_root``: the champion
+    moves only on a labelled win (``promotion.PromotionConfig.labelled_root``).
     """
     key = idempotency_key(name, trained.weights_uri, evaluation.data_manifest_uri)
     gated = promotion.run(
@@ -56,6 +58,7 @@ def register_and_gate(
             code_version=lineage.code_version(),
             flow_run_id=run_context().flow_run_id,
             idempotency_key=key,
+            labelled_root=labelled_root,
         )
     )
     version, decision, alias = gated.version, gated.decision, gated.alias

@@ -130,9 +130,13 @@ PAIRED_OUTCOME_VALUE = {"passed": 1.0, "inconclusive": 0.0, "failed": -1.0}
 
 
 def _quality_families(model: str, quality: Sequence[NightQuality]) -> list[Metric]:
-    """Each version's labelled figures per night; ``night`` counts back among the nights with labels."""
+    """Each version's labelled figures per night; ``night`` counts back among the nights with labels, ``role``
+    says whether the version served the night or was scored in its shadow."""
     back = {dt: i for i, dt in enumerate(sorted({q.dt for q in quality}, reverse=True))}
-    rows = [({"model": model, "model_version": str(q.model_version), "night": str(back[q.dt])}, q) for q in quality]
+    rows = [
+        ({"model": model, "model_version": str(q.model_version), "night": str(back[q.dt]), "role": q.role}, q)
+        for q in quality
+    ]
     recall = [({**labels, "class": name}, share) for labels, q in rows for name, share in q.recall.items()]
     return [
         _family(GaugeMetricFamily, "rayline_quality_night_timestamp_seconds", "The labelled night's date (UTC).",

@@ -27,12 +27,13 @@ from rayline.ray_workloads.nightly.compaction import check_rows, compact_checked
 from rayline.ray_workloads.nightly.contract import InferenceConfig as InferenceConfig  # callers import it from here
 from rayline.ray_workloads.nightly.contract import InferenceResult as InferenceResult
 from rayline.ray_workloads.nightly.contract import NightSkipped as NightSkipped
-from rayline.ray_workloads.nightly.contract import block_size
+from rayline.ray_workloads.nightly.contract import ShadowSummary, block_size
 from rayline.ray_workloads.nightly.pipeline import predict_and_write, run_constants, sum_reports
 from rayline.ray_workloads.nightly.predictor import PredictorUDF
+from rayline.ray_workloads.nightly.shadow import as_metadata, compare, from_commit_info
 from rayline.skipped import skipped_text
 from rayline.storage import leases
-from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
+from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, SHADOW_TABLE, table_uri
 from rayline.storage.listing import ListingStart, begin_listing, finish_listing
 from rayline.tables.delta_probe import require_delta_writes
 from rayline.tables.delta_tables import Night, NightCommit, attempt_run_id, commit_log_bytes, find_commit, open_table
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 # torch for the model; ray.data, and ray.util.state that unpickling Ray Data's
 # context imports, for the actor pool's worker; the UDF's own module.
 WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "rayline.ray_workloads.nightly.predictor")
-SCHEMAS = {"predictions": PREDICTIONS_SCHEMA, "errors": ERRORS_SCHEMA}
+SCHEMAS = {"predictions": PREDICTIONS_SCHEMA, "errors": ERRORS_SCHEMA, "shadow": PREDICTIONS_SCHEMA}
 
 
 def objects_per_task(cfg: InferenceConfig, count: int) -> int:
@@ -84,9 +85,11 @@ def blocks_key(cfg: InferenceConfig, listing: ListingStart) -> str:
     rerun reuses only blocks whose inputs are the same objects at the same
     versions (``blocks.reused_report``).
     """
+    shadow = cfg.shadow
     return night_key(
         {
             "model": [cfg.model.name, cfg.model.version, cfg.model.weights_uri],
+            **({"shadow": [shadow.name, shadow.version, shadow.weights_uri]} if shadow else {}),
             "dt": cfg.dt,
             "input": listing.prefix,
             "objects_per_task": objects_per_task(cfg, listing.estimated_count),
@@ -124,6 +127,21 @@ def new_run_id() -> str:
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
 
 
+def _shadow_table(cfg: InferenceConfig) -> str | None:
+    return table_uri(cfg.tables_root, SHADOW_TABLE) if cfg.shadow is not None else None
+
+
+def _committed_shadow(cfg: InferenceConfig, night: Night, run_id: str) -> ShadowSummary | None:
+    """The shadow's part of a run whose commits landed: committed before its predictions, so there."""
+    table = _shadow_table(cfg)
+    if table is None:
+        return None
+    commit = find_commit(table, open_table(table), night, run_id)
+    if commit is None:
+        raise StorageError(f"{table} has no commit of run {run_id}, though it shadowed the night")
+    return from_commit_info(dict(commit.info), commit.version)
+
+
 def _committed_result(
     cfg: InferenceConfig, tables: tuple[str, str], night: Night, landed: NightCommit, elapsed_s: float
 ) -> InferenceResult:
@@ -154,6 +172,7 @@ def _committed_result(
         model=f"{cfg.model.name} v{cfg.model.version}",
         data_files={"predictions": int(info["rayline.files"]), "errors": int(error_info["rayline.files"])},
         elapsed_s=elapsed_s,
+        shadow=_committed_shadow(cfg, night, landed.run_id),
     )
 
 
@@ -185,7 +204,7 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
         ray_work.stoppable(f"the night {night.model_name} {night.dt}") as stopper,
     ):
         lease.on_lost(stopper.stop)  # a run whose lease was taken over stops predicting: its actors are killed
-        expected = _night_as_held(tables, night, seen, attempt_id)
+        expected = _night_as_held(tables, night, seen, attempt_id, _shadow_table(cfg))
         fence = lease.fencing_token().generation
         staging = listing_staging_uri(cfg.tables_root, night, fence, uuid.uuid4().hex[:8])
         try:
@@ -210,17 +229,18 @@ def _lost_lease(exc: Exception, lease: leases.HeldLease) -> LeaseLost | None:
     return None if isinstance(exc, LeaseLost) else lease.lost()
 
 
-def _night_as_held(tables: tuple[str, str], night: Night, seen: int, run_id: str) -> dict[str, int]:
+def _night_as_held(tables: tuple[str, str], night: Night, seen: int, run_id: str, shadow: str | None) -> dict[str, int]:
     """The night's commit count per table that this run's commits expect, read once it holds the lease.
 
     The run it waited for may have committed the night: then there is nothing to predict
     (``NightCommittedElsewhere``). A holder that died between its errors commit and its predictions commit
     left the errors table a commit ahead: that night is not committed (the predictions commit is its done
-    marker), so this run completes it, its own errors commit replacing that one.
+    marker), so this run completes it, its own errors commit replacing that one. So with the shadow's table.
     """
     predictions, errors = tables
     check_night_unchanged(predictions, night, seen, run_id)
-    return {predictions: seen, errors: night_seq(errors, night)}
+    held = {predictions: seen, errors: night_seq(errors, night)}
+    return held if shadow is None else {**held, shadow: night_seq(shadow, night)}
 
 
 def _predict_night(
@@ -237,7 +257,7 @@ def _predict_night(
     source = storage.normalize(cfg.input_uri)
     begun = _begin_night(source, staging, cfg.listing_part_objects)
     phases.lap("list")  # the driver's own part of the listing: the rest is listed by the cutters as the night goes
-    output = NightOutput(tables[0], tables[1], night, run_id, blocks_key(cfg, begun))
+    output = NightOutput(tables[0], tables[1], night, run_id, blocks_key(cfg, begun), _shadow_table(cfg))
     with progress.stage(
         f"predict {night.model_name} {night.dt}", total=begun.estimated_count, unit="images", remote=True
     ) as shown:
@@ -248,9 +268,11 @@ def _predict_night(
     listing = begun.own if begun.complete else finish_listing(begun)
     check_rows(listing.uris, totals.uris, "the night's blocks")
     sizes = {"min_rows": cfg.min_file_rows, "min_bytes": cfg.min_file_bytes}
-    compacted = compact_checked(output, totals, listing.uris, SCHEMAS, run_constants(cfg), seen[tables[0]], **sizes)
+    constants = _constants_per_kind(cfg)
+    compacted = compact_checked(output, totals, listing.uris, SCHEMAS, constants, seen[tables[0]], **sizes)
     phases.lap("compact")
     files = {kind: [f.uri for f in compacted if f.kind == kind] for kind in SCHEMAS}
+    shadowed = _compare_shadow(cfg, output, files, listing.count)
     metadata: dict[str, str | int] = {
         "rayline.input_uri": source,
         "rayline.input_content_hash": listing.content_hash,
@@ -264,16 +286,20 @@ def _predict_night(
         "rayline.plans": json.dumps(sorted(totals.plans)),
     }
 
-    def commit(table: str, kind: str) -> CommitResult:
-        schema = SCHEMAS[kind]
-        return commit_night(table, files[kind], night, run_id, schema, expected_seq=seen[table], metadata=metadata)
+    def commit(kind: str, extra: dict[str, str] | None = None) -> CommitResult:
+        table = output.tables()[kind]
+        info = {**metadata, **(extra or {})}
+        return commit_night(table, files[kind], night, run_id, SCHEMAS[kind], expected_seq=seen[table], metadata=info)
 
-    # errors first: the predictions commit is the night's done marker (module docstring). A run that
-    # committed the night since this one started wins, also if this one started between its two commits.
+    # errors (and shadow) first: the predictions commit is the night's done marker (module docstring). A run
+    # that committed the night since this one started wins, also if this one started between its commits.
     check_night_unchanged(output.predictions_table, night, seen[output.predictions_table], run_id)
     lease.ensure_held()  # a run that lost the night's lease (paused past its ttl) commits nothing
-    errors_commit = commit(output.errors_table, "errors")
-    predictions_commit = commit(output.predictions_table, "predictions")
+    errors_commit = commit("errors")
+    if shadowed is not None:
+        shadow_commit = commit("shadow", as_metadata(shadowed))
+        shadowed = shadowed.model_copy(update={"table_version": shadow_commit.version})
+    predictions_commit = commit("predictions")
     phases.lap("commit")
     remove_blocks(output, [part.name for part in listing.parts])
     phases.lap("remove_blocks")
@@ -310,4 +336,21 @@ def _predict_night(
         phase_s=phases.seconds,
         ray_data_stats=ray_data_stats,
         plans=totals.plans,
+        shadow=shadowed,
     )
+
+
+def _constants_per_kind(cfg: InferenceConfig) -> dict[str, dict[str, object]]:
+    """Columns set to the committing run's, per kind of file: the shadow's rows name the shadow's version."""
+    constants = run_constants(cfg)
+    if cfg.shadow is None:
+        return {"predictions": constants}
+    return {"predictions": constants, "shadow": {**constants, "model_version": cfg.shadow.version}}
+
+
+def _compare_shadow(
+    cfg: InferenceConfig, output: NightOutput, files: dict[str, list[str]], inputs: int
+) -> ShadowSummary | None:
+    if cfg.shadow is None or output.shadow_table is None:
+        return None
+    return compare(files["predictions"], files["shadow"], cfg.shadow, output.shadow_table, inputs)

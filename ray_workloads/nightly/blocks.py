@@ -55,13 +55,19 @@ def night_key(parts: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class NightOutput:
-    """Where a run's actors write: the two tables' URIs, the night, the key of its blocks, and its run id."""
+    """Where a run's actors write: the tables' URIs, the night, the key of its blocks, and its run id."""
 
     predictions_table: str
     errors_table: str
     night: Night
     run_id: str
     key: str
+    shadow_table: str | None = None  # where a shadow version's rows go, on a night that scores one
+
+    def tables(self) -> dict[str, str]:
+        """Each kind of block file with its table: predictions, errors, and shadow on a shadowed night."""
+        kinds = {"predictions": self.predictions_table, "errors": self.errors_table}
+        return kinds if self.shadow_table is None else {**kinds, "shadow": self.shadow_table}
 
 
 def block_name(part: str, start: int) -> str:
@@ -98,6 +104,8 @@ class BlockReport:
     contents: SetDigest = SetDigest()
     # the record of the execution plan that predicted the block's rows (execution.plan.PlanChoice.record)
     plan: dict[str, Any] = field(default_factory=dict)
+    shadow: int = 0  # the shadow version's rows, on a shadowed night
+    shadow_bytes: int = 0
 
     @property
     def part(self) -> str:
@@ -118,6 +126,8 @@ class BlockReport:
             "reused": self.reused,
             "contents": self.contents.encode(),
             "plan": json.dumps(self.plan, sort_keys=True),
+            "shadow": self.shadow,
+            "shadow_bytes": self.shadow_bytes,
         }
 
     @classmethod
@@ -135,6 +145,8 @@ class BlockReport:
             # a report without it (written before it was kept) matches no block: that block is predicted again
             contents=SetDigest.decode(str(row["contents"])) if row.get("contents") else SetDigest(),
             plan=json.loads(row["plan"]) if row.get("plan") else {},
+            shadow=int(row.get("shadow", 0)),
+            shadow_bytes=int(row.get("shadow_bytes", 0)),
         )
 
 
@@ -173,16 +185,35 @@ def write_block_files(
     error_types: dict[str, int],
     contents: SetDigest,
     plan: dict[str, Any] | None = None,
+    shadow: pa.Table | None = None,
 ) -> BlockReport:
-    """Write a block's two files, errors first: the predictions file, with the report in its footer, marks it done.
+    """Write a block's files, errors (and shadow) first: the predictions file, with the report in its footer,
+    marks it done.
 
-    ``contents``: :func:`block_contents` of the block's inputs; ``plan``: the record of the plan that predicted.
+    ``contents``: :func:`block_contents` of the block's inputs; ``plan``: the record of the plan that predicted;
+    ``shadow``: the shadow version's rows, on a night whose output has a shadow table.
     """
     uris = SetDigest.of(predictions.column("uri").to_pylist()) + SetDigest.of(errors.column("uri").to_pylist())
     errors_bytes = _write_parquet(block_file_uri(output.errors_table, output.night, output.key, block), errors)
+    shadow_rows = shadow_bytes = 0
+    if output.shadow_table is not None:
+        shadow = shadow if shadow is not None else predictions.schema.empty_table()
+        shadow_rows = shadow.num_rows
+        shadow_bytes = _write_parquet(block_file_uri(output.shadow_table, output.night, output.key, block), shadow)
     # the report's own size is not known before writing it: the footer holds the errors file's, the driver both
     rows = (predictions.num_rows, errors.num_rows)
-    report = BlockReport(block, *rows, 0, errors_bytes, uris, error_types, contents=contents, plan=plan or {})
+    report = BlockReport(
+        block,
+        *rows,
+        0,
+        errors_bytes,
+        uris,
+        error_types,
+        contents=contents,
+        plan=plan or {},
+        shadow=shadow_rows,
+        shadow_bytes=shadow_bytes,
+    )
     uri = block_file_uri(output.predictions_table, output.night, output.key, block)
     predictions_bytes = _write_parquet(uri, predictions, report)
     return dataclasses.replace(report, predictions_bytes=predictions_bytes)
@@ -213,6 +244,8 @@ def written_report(output: NightOutput, block: str) -> BlockReport | None:
         stored.uris,
         stored.error_types,
         contents=stored.contents,
+        shadow=stored.shadow,
+        shadow_bytes=stored.shadow_bytes,
     )
 
 

@@ -53,7 +53,7 @@ from rayline.ray_workloads.nightly.blocks import (
 from rayline.storage.digests import SetDigest, combine
 from rayline.tables.predictions_table import check_night_unchanged, data_file_uri
 
-KINDS = ("predictions", "errors")
+KINDS = ("predictions", "errors", "shadow")  # shadow: a shadowed night's (blocks.NightOutput.tables)
 MIN_FILE_ROWS = 100_000
 MIN_FILE_BYTES = 64 * 2**20
 ROW_GROUP_ROWS = 131_072
@@ -93,7 +93,7 @@ class NightTotals:
         if report.plan.get("plan"):
             self.plans.setdefault(str(report.plan["plan"]), report.plan)
         self.uris = self.uris + report.uris
-        self.rows.update({"predictions": report.predictions, "errors": report.errors})
+        self.rows.update({"predictions": report.predictions, "errors": report.errors, "shadow": report.shadow})
         self.error_types.update(report.error_types)
         self.blocks += 1
         self.reused_blocks += report.reused
@@ -101,6 +101,7 @@ class NightTotals:
         for kind, rows, size in (
             ("predictions", report.predictions, report.predictions_bytes),
             ("errors", report.errors, report.errors_bytes),
+            ("shadow", report.shadow, report.shadow_bytes),
         ):
             sizes[kind][0] += rows
             sizes[kind][1] += size
@@ -185,7 +186,7 @@ def compact_group(
     run's: a block reused from an earlier attempt carries that attempt's
     flow run id, and the night's rows name the run that committed them.
     """
-    table = output.predictions_table if kind == "predictions" else output.errors_table
+    table = output.tables()[kind]
     uri = data_file_uri(table, output.night, output.run_id, f"c{index:05d}")
     fs, path = storage.arrow_filesystem(uri)
     digest, rows, buffered, buffered_rows = SetDigest(), 0, [], 0
@@ -216,25 +217,29 @@ def compact_night(
     output: NightOutput,
     totals: NightTotals,
     schemas: dict[str, pa.Schema],
-    constants: dict[str, Any],
+    constants: dict[str, dict[str, Any]],
     *,
     min_rows: int = MIN_FILE_ROWS,
     min_bytes: int = MIN_FILE_BYTES,
 ) -> list[CompactedFile]:
-    """Compact the night's block files (module docstring), in Ray tasks; one empty predictions file when none."""
+    """Compact the night's block files (module docstring), in Ray tasks; one empty predictions file when none.
+
+    ``constants``: per kind, the columns set to the committing run's (the predictions' and the shadow's).
+    """
     import ray
 
     work: list[tuple[Any, ...]] = []
-    for kind in KINDS:
+    kinds = output.tables()
+    for kind in kinds:
         groups = plan_groups(totals.sizes(kind), min_rows, min_bytes)
-        if kind == "predictions" and not groups:
+        if kind != "errors" and not groups:
             # every input failed: an empty file still marks the night in the predictions table's partitions,
             # so listings (monitor, rollouts) see the night, and the rerun replaces it like any other
             groups = [[]]
-        values = constants if kind == "predictions" else {}
+        values = constants.get(kind, {})
         for i, parts in enumerate(groups):
             work.append((output, kind, [totals.cut[part] for part in parts], i, schemas[kind], values))
-    if len(work) <= len(KINDS):
+    if len(work) <= len(kinds):
         # a night of at most one file per table (under min_rows): compacted here, without a task's worker
         return [compact_group(*args) for args in work]
     remote = ray.remote(num_cpus=0.25)(compact_group)
@@ -250,7 +255,7 @@ def compact_checked(
     totals: NightTotals,
     listed: SetDigest,
     schemas: dict[str, pa.Schema],
-    constants: dict[str, Any],
+    constants: dict[str, dict[str, Any]],
     seen_seq: int,
     **sizes: int,
 ) -> list[CompactedFile]:
@@ -263,7 +268,8 @@ def compact_checked(
     check_night_unchanged(output.predictions_table, output.night, seen_seq, output.run_id)
     try:
         compacted = compact_night(output, totals, schemas, constants, **sizes)
-        check_rows(listed, compacted_digest(compacted), "the compacted files")
+        # predictions plus errors name every input once; the shadow's rows are checked by count (shadow_summary)
+        check_rows(listed, compacted_digest([f for f in compacted if f.kind != "shadow"]), "the compacted files")
     except StorageError:
         check_night_unchanged(output.predictions_table, output.night, seen_seq, output.run_id)
         raise
@@ -274,7 +280,7 @@ PARTS_PER_REMOVAL = 16
 
 
 def _remove_parts(output: NightOutput, parts: list[str]) -> None:
-    for table in (output.predictions_table, output.errors_table):
+    for table in output.tables().values():
         for part in parts:
             storage.remove_tree(block_folder(table, output.night, output.key, part))
 
@@ -295,5 +301,5 @@ def remove_blocks(output: NightOutput, parts: list[str]) -> None:
     else:
         remote = ray.remote(num_cpus=0.25)(_remove_parts)
         ray_work.gather([remote.remote(output, group) for group in groups])
-    for table in (output.predictions_table, output.errors_table):
+    for table in output.tables().values():
         storage.remove_tree(blocks_root(table, output.night, output.key))

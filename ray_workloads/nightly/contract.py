@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from rayline.config import lease_ttl
+from rayline.errors import ConfigError
 from rayline.lineage import DatasetRef
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.execution.plan import PlanPolicy
@@ -38,6 +39,11 @@ class InferenceConfig(LeasedOutput):
     tables_root: str = Field(description="Where the predictions and prediction_errors tables live: the storage root.")
     dt: str = Field(description="The night, an ISO date: with the model's name, the partition the run replaces.")
     model: ModelVersion
+    shadow: ModelVersion | None = Field(
+        None,
+        description="A second version scored on the same decoded images, its rows in shadow_predictions; "
+        "the night's budget, rows and guarantees stay the champion's.",
+    )
     batch_size: int = Field(
         64, ge=1, description="Images per model call, at most (capped by pixels: 32 at 224 px; model_batch_size)."
     )
@@ -72,6 +78,58 @@ class InferenceConfig(LeasedOutput):
         gt=0,
         description="Lease expiry after the last renewal (renewed every ttl/3); default RAYLINE_LEASE_TTL_S or 60 s.",
     )
+
+    @model_validator(mode="after")
+    def _shadow_compares_with_the_model(self) -> InferenceConfig:
+        """A shadow is another version of the same model, taking the same input: its pixels are decoded once."""
+        shadow, model = self.shadow, self.model
+        if shadow is None:
+            return self
+        problems = []
+        if (shadow.name, shadow.version) == (model.name, model.version):
+            problems.append(f"it is the version the night predicts with ({model.name} v{model.version})")
+        if shadow.classes != model.classes:
+            problems.append(f"its classes {shadow.classes[:5]}… differ from {model.classes[:5]}…")
+        if shadow.image_spec != model.image_spec:
+            problems.append(f"its input {shadow.image_spec} differs from {model.image_spec}")
+        if problems:
+            raise ConfigError(
+                f"cannot shadow {model.name} v{model.version} with {shadow.name} v{shadow.version}: "
+                + "; ".join(problems)
+                + " (a shadow is another version of the same classes and input, scored on the same images)"
+            )
+        return self
+
+
+class ShadowSummary(BaseModel):
+    """How a shadow version's answers compared with the champion's on one night (same images, same pass)."""
+
+    model_version: int = Field(description="The shadow version.")
+    weights_uri: str
+    table: str = Field(description="The shadow_predictions table.")
+    table_version: int = Field(description="Its version holding this night's shadow rows.")
+    rows: int = Field(description="Images the shadow scored: those the champion predicted or could have.")
+    compared: int = Field(description="Images both versions predicted.")
+    agreement: float = Field(description="Share of compared images where both predicted the same class.")
+    mean_confidence: float = Field(description="The champion's mean top-1 confidence over the compared images.")
+    shadow_mean_confidence: float
+    class_shift: float = Field(
+        description="Total variation distance between the two versions' predicted-class distributions (0..1)."
+    )
+    class_counts: dict[str, int] = Field(default_factory=dict, description="The champion's predictions per class.")
+    shadow_class_counts: dict[str, int] = Field(default_factory=dict)
+
+    @property
+    def confidence_change(self) -> float:
+        return self.shadow_mean_confidence - self.mean_confidence
+
+    def line(self) -> str:
+        """The shadow's night in a line: its version, agreement, and how its confidence and classes moved."""
+        return (
+            f"v{self.model_version}: agreement {self.agreement:.1%} on {self.compared:,} images, mean confidence "
+            f"{self.mean_confidence:.3f} → {self.shadow_mean_confidence:.3f} ({self.confidence_change:+.3f}), "
+            f"class shift {self.class_shift:.3f} (total variation); {self.table} (Delta version {self.table_version})"
+        )
 
 
 class InferenceResult(BaseModel):
@@ -110,6 +168,7 @@ class InferenceResult(BaseModel):
         description="The execution plans the actors predicted with: each plan's name, with how it was chosen on "
         "which hardware (the first actor's record of it).",
     )
+    shadow: ShadowSummary | None = Field(None, description="The shadow version's night, when one was scored.")
 
     @property
     def error_fraction(self) -> float:
@@ -125,6 +184,7 @@ class InferenceResult(BaseModel):
         return [
             DatasetRef(uri=self.input_uri, content_hash=self.input_content_hash),
             DatasetRef(uri=self.weights_uri, facets={"model": self.model, "plans": self.plans}),
+            *([DatasetRef(uri=self.shadow.weights_uri, facets={"shadow": True})] if self.shadow else []),
         ]
 
     def lineage_outputs(self) -> list[DatasetRef]:
@@ -139,7 +199,14 @@ class InferenceResult(BaseModel):
                 uri=self.errors_table,
                 facets={**night, "version": self.errors_version, "data_files": self.data_files["errors"]},
             ),
+            *self._shadow_output(night),
         ]
+
+    def _shadow_output(self, night: dict[str, str]) -> list[DatasetRef]:
+        if self.shadow is None:
+            return []
+        facets = {**night, "version": self.shadow.table_version, "model_version": self.shadow.model_version}
+        return [DatasetRef(uri=self.shadow.table, facets=facets)]
 
 
 class NightSkipped(BaseModel):

@@ -131,6 +131,7 @@ def predict_and_write(
             output,
             run_constants(cfg),
             cfg.plan,
+            cfg.shadow,
         ),
         batch_size=1,  # one span per call: it writes one file of each kind per block
         batch_format="pyarrow",
@@ -139,8 +140,21 @@ def predict_and_write(
         num_gpus=cfg.gpus_per_actor,
         max_restarts=ACTOR_RESTARTS,
         max_task_retries=ACTOR_RESTARTS,
-        **remote_options(cfg.model.model_spec),  # a factory's code, shipped to the actors
+        **_actor_options(cfg),  # a factory's code, shipped to the actors
     )
+
+
+def _actor_options(cfg: InferenceConfig) -> dict[str, Any]:
+    """The predictor actors' Ray options: the model's factory code, which a shadow shares or does without."""
+    options = remote_options(cfg.model.model_spec)
+    shadow = remote_options(cfg.shadow.model_spec) if cfg.shadow is not None else {}
+    if shadow and shadow != options:
+        raise errors.ConfigError(
+            f"cannot shadow {cfg.model.name} v{cfg.model.version} with v{cfg.shadow.version if cfg.shadow else ''}: "
+            "the shadow's factory ships code of its own, which the champion's actors would lack; "
+            "shadow a version built by the same factory"
+        )
+    return options
 
 
 def _block_reports(reports: Dataset) -> Iterator[BlockReport]:

@@ -120,6 +120,7 @@ class PredictorUDF:
         output: NightOutput,
         constants: dict[str, Any],
         plan_policy: PlanPolicy | None = None,
+        shadow: ModelVersion | None = None,
     ) -> None:
         import torch  # here, not at module level: only the actors need it
 
@@ -136,8 +137,11 @@ class PredictorUDF:
         self.part_rows = PartRows()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.load_error: Exception | None = None
+        self.shadow, self.shadow_model = shadow, None
         try:
             self.model = _load_for_inference(model, self.device)
+            if shadow is not None:  # a second version scored on the same decoded pixels (shadow_rows)
+                self.shadow_model = _load_for_inference(shadow, self.device)
         except Exception as exc:
             # raised by each call instead: an actor whose __init__ fails tells the driver only that it
             # died (which reads as transient), not that the checkpoint is bad
@@ -163,20 +167,45 @@ class PredictorUDF:
         multi-megapixel JPEGs. Only the small prediction columns of the block
         are kept until it is written as one file.
         """
-        parts = []
+        parts, shadow_parts = [], []
         step = chunk_size(self.spec.size, self.batch_size)
         for start in range(0, len(uris), step):
             stop = start + step
             rows = fetch_and_decode(uris[start:stop], etags[start:stop], self.spec, self.io_concurrency)
             rows["uri"] = np.array(uris[start:stop], dtype=object)
             rows["etag"] = np.array(etags[start:stop], dtype=object)
+            shadow = self.shadow_rows(rows)  # before the champion's model calls turn failed rows into errors
             self.predict(rows)
+            if shadow is not None:
+                self.predict(shadow, shadowing=True)
+                del shadow["image"]
+                shadow_parts.append(shadow)
             del rows["image"]  # the pixels are done with: keep only the chunk's prediction columns
             parts.append(rows)
         plan = self.model.plan.record() if self.model.plan else {"plan": REFERENCE.name}
-        return write_block(block, concat_rows(parts), self.output, {**self.constants, "plan": plan["plan"]}, plan)
+        shadow_table = self._shadow_table(shadow_parts) if shadow_parts else None
+        constants = {**self.constants, "plan": plan["plan"]}
+        return write_block(block, concat_rows(parts), self.output, constants, plan, shadow_table)
 
-    def predict(self, rows: dict[str, np.ndarray]) -> None:
+    def shadow_rows(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """The chunk's decoded images for the shadow version: the same pixels, its own prediction columns."""
+        if self.shadow_model is None:
+            return None
+        n = len(rows["ok"])
+        shadow = {key: rows[key] for key in ("uri", "etag", "image")}
+        shadow["ok"] = rows["ok"].copy()
+        shadow.update({key: np.array([None] * n, dtype=object) for key in ("stage", "error_type", "error_message")})
+        return shadow
+
+    def _shadow_table(self, parts: list[dict[str, np.ndarray]]) -> pa.Table:
+        """The shadow's rows of the block: every image it scored (one its model call failed on has none)."""
+        assert self.shadow_model is not None and self.shadow is not None
+        plan = self.shadow_model.plan.record() if self.shadow_model.plan else {"plan": REFERENCE.name}
+        rows = concat_rows(parts)
+        constants = {**self.constants, "model_version": self.shadow.version, "plan": plan["plan"]}
+        return _prediction_table(rows, rows["ok"], constants)
+
+    def predict(self, rows: dict[str, np.ndarray], *, shadowing: bool = False) -> None:
         """Add top-k predictions to the decoded rows, ``batch_size`` images per model call.
 
         A model call that fails for its input turns its rows into ``predict``
@@ -184,7 +213,8 @@ class PredictorUDF:
         ``errors.model_call_fault``) raises instead: every sample would fail the
         same way on this machine and none of them is to blame, so the night
         fails uncommitted (``OutOfMemory`` not retried, ``DeviceError`` retried
-        by the task in a fresh actor pool).
+        by the task in a fresh actor pool). ``shadowing``: with the shadow
+        version, whose failed rows are left out of its table, never the night's.
         """
         n, ok = len(rows["ok"]), rows["ok"]
         rows["predicted_index"] = np.full(n, -1, dtype=np.int64)
@@ -196,7 +226,7 @@ class PredictorUDF:
         for start in range(0, len(decoded), self.batch_size):
             batch = decoded[start : start + self.batch_size]
             try:
-                self._predict_batch(rows, batch)
+                self._predict_batch(rows, batch, shadowing)
             except Exception as exc:  # the model call failed as a whole: each of its samples is an error row
                 fault = errors.model_call_fault(exc, f"a model call on {len(batch)} images")
                 if fault is not None:
@@ -211,15 +241,21 @@ class PredictorUDF:
         for i, row in enumerate(rows["top_k_index"]):  # one by one: numpy would broadcast equal-length lists
             rows["top_k_class"][i] = [str(self.names[j]) for j in row] if row[0] >= 0 else []
 
-    def _predict_batch(self, rows: dict[str, np.ndarray], batch: np.ndarray) -> None:
-        if self.model.plan is None:  # the version's samples and the night's first images: the plan's probe set
+    def _predict_batch(self, rows: dict[str, np.ndarray], batch: np.ndarray, shadowing: bool) -> None:
+        if shadowing:
+            assert self.shadow_model is not None and self.shadow is not None
+            model, uri = self.shadow_model, self.shadow.uri
+        else:
+            model, uri = self.model, self.version_uri
+        if model.plan is None:  # the version's samples and the night's first images: the plan's probe set
             probe = rows["image"][batch[:PROBE_IMAGES]]
             if self.plan_policy.mode != "off":  # off runs fp32 eager unmeasured: no samples to read
-                judged_on = probe_set(self.version, self.spec, probe)  # never None: the night's images are in it
+                version = self.shadow if shadowing and self.shadow else self.version
+                judged_on = probe_set(version, self.spec, probe)  # never None: the night's images are in it
                 probe = probe if judged_on is None else judged_on
-            plan_for(self.model, self.version_uri, probe, self.plan_policy)
+            plan_for(model, uri, probe, self.plan_policy)
         started = time.perf_counter()
-        probabilities = self.model.probabilities(rows["image"][batch])
+        probabilities = model.probabilities(rows["image"][batch])
         indices = top_k_indices(probabilities, self.top_k)
         rows["top_k_index"][batch] = indices
         rows["top_k_prob"][batch] = np.take_along_axis(probabilities, indices, axis=1)
@@ -293,11 +329,13 @@ def write_block(
     output: NightOutput,
     constants: dict[str, Any],
     plan: dict[str, Any] | None = None,
+    shadow: pa.Table | None = None,
 ) -> BlockReport:
-    """Write a block's predictions and errors, one file each, at the block's fixed names (nightly.blocks)."""
+    """Write a block's predictions and errors (and the shadow's rows), one file each, at the block's fixed
+    names (nightly.blocks)."""
     ok = rows["ok"]
     errors = _error_table(rows, ~ok)
     types = Counter(str(t) for t in errors.column("error_type").to_pylist())
     contents = block_contents(list(rows["uri"]), list(rows["etag"]))
     predictions = _prediction_table(rows, ok, constants)
-    return write_block_files(output, block, predictions, errors, dict(types), contents, plan)
+    return write_block_files(output, block, predictions, errors, dict(types), contents, plan, shadow)

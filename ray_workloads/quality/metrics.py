@@ -41,6 +41,11 @@ class NightQuality(Quality):
     dt: str
     table: str = Field(PREDICTIONS_TABLE, description="The table its predictions are in.")
 
+    @property
+    def role(self) -> str:
+        """``served``: the version predicted the night; ``shadow``: it was scored in the night's shadow."""
+        return "served" if self.table == PREDICTIONS_TABLE else "shadow"
+
 
 class QualityReading(BaseModel):
     """What the monitor learns from the labels: each version's nights, and the challenger's paired test."""

@@ -26,6 +26,8 @@ from rayline.models import registry
 from rayline.ray_workloads.architectures.build import ModelSpec, state_dict_from_bytes
 from rayline.ray_workloads.data import preprocess
 from rayline.ray_workloads.execution.plan import PROBE_IMAGES
+from rayline.ray_workloads.quality.paired import PairedTest
+from rayline.ray_workloads.quality.reading import labelled_gate
 from rayline.ray_workloads.training import evaluate
 from rayline.ray_workloads.training.train import TrainResult
 from rayline.specs import ParentModel
@@ -55,6 +57,11 @@ class PromotionConfig(BaseModel):
         600.0,
         description="How long a champion move waits for a running rollout of the model to end (then judges again).",
     )
+    labelled_root: str | None = Field(
+        None,
+        description="Where the labels and nights are: the champion then moves only on a labelled win (the paired "
+        "test passed); inconclusive makes the candidate challenger until labels decide, failed refuses it.",
+    )
 
 
 class PromotionResult(BaseModel):
@@ -69,6 +76,7 @@ class PromotionResult(BaseModel):
     data_manifest_uri: str = Field(description="The preprocessed data holding the test split it was judged on.")
     data_content_hash: str = Field(description="The version of the input that data was prepared from.")
     parent: ParentModel | None = None
+    labelled: PairedTest | None = Field(None, description="The labelled paired test, when the gate required one.")
 
     def lineage_inputs(self) -> list[DatasetRef]:
         """The checkpoint, the data it was judged on, and a fine-tune's parent version."""
@@ -121,7 +129,7 @@ def run(cfg: PromotionConfig) -> PromotionResult:
         idempotency_key=cfg.idempotency_key,
         samples=test_samples(prepared),
     )
-    decision, moves = gate_and_move(
+    decision, moves, labelled = gate_and_move(
         cfg.name,
         version,
         evaluation.accuracy,
@@ -129,6 +137,7 @@ def run(cfg: PromotionConfig) -> PromotionResult:
         floor=cfg.floor,
         promote_to=cfg.promote_to,
         champion_wait_s=cfg.champion_wait_s,
+        labelled_root=cfg.labelled_root,
     )
     alias = moves[0].alias if moves else None
     return PromotionResult(
@@ -141,7 +150,25 @@ def run(cfg: PromotionConfig) -> PromotionResult:
         data_manifest_uri=evaluation.data_manifest_uri,
         data_content_hash=prepared.input_content_hash,
         parent=cfg.parent,
+        labelled=labelled,
     )
+
+
+def _labelled_alias(
+    decision: registry.GateDecision, alias: str, labelled_root: str | None, name: str
+) -> tuple[registry.GateDecision, str | None, PairedTest | None]:
+    """The alias a candidate that passed the test split earns once the labels are asked too: the champion
+    only on a passed paired test, challenger while it is inconclusive, none when it failed."""
+    if labelled_root is None or alias != registry.CHAMPION or decision.champion is None:
+        return decision, alias, None
+    test = labelled_gate(labelled_root, name, decision.champion, decision.candidate)
+    if test.outcome == "passed":
+        return decision.model_copy(update={"reason": f"{decision.reason}; labels: {test.describe()}"}), alias, test
+    if test.outcome == "failed":
+        reason = f"{decision.reason}, but the labels say otherwise: {test.describe()}"
+        return decision.model_copy(update={"promoted": False, "reason": reason}), None, test
+    reason = f"{decision.reason}; challenger until the labels decide ({test.describe()})"
+    return decision.model_copy(update={"reason": reason}), registry.CHALLENGER, test
 
 
 def gate_and_move(
@@ -153,13 +180,15 @@ def gate_and_move(
     floor: float,
     promote_to: str = registry.CHAMPION,
     champion_wait_s: float = 0.0,
-) -> tuple[registry.GateDecision, list[registry.AliasMove]]:
+    labelled_root: str | None = None,
+) -> tuple[registry.GateDecision, list[registry.AliasMove], PairedTest | None]:
     """Gate ``version`` against the champion and move the alias it earned, on that same champion.
 
     The champion move is conditional on the champion the gate judged against;
     one moved meanwhile (a rollout promoted another version) means judging
     again, against the new one. A running rollout holding the champion is
     waited for up to ``champion_wait_s``, then its ``AliasConflict`` is raised.
+    ``labelled_root``: the champion moves only on a labelled win too (:func:`_labelled_alias`).
     """
     for attempt in range(REGATES):
         champion, champion_score = _champion_score(name, version)
@@ -173,8 +202,12 @@ def gate_and_move(
             floor=floor,
         )
         if not decision.promoted:
-            return decision, []
+            return decision, [], None
         alias = registry.CHAMPION if champion is None or promote_to == registry.CHAMPION else registry.CHALLENGER
+        decision, earned, labelled = _labelled_alias(decision, alias, labelled_root, name)
+        if earned is None:
+            return decision, [], labelled
+        alias = earned
         # a challenger is judged against the champion too, but moves no champion: any challenger may be replaced
         expected = decision.champion if alias == registry.CHAMPION else registry.Unchecked.ANY
         try:
@@ -188,7 +221,7 @@ def gate_and_move(
                 "%s's %s moved to v%s while v%d was gated: judging again", name, alias, exc.current, version.version
             )
             continue
-        return decision, [move]
+        return decision, [move], labelled
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 

@@ -13,7 +13,9 @@ from rayline.errors import RaylineError
 if TYPE_CHECKING:  # the flow and its stage load Prefect: only the command that runs them imports them
     from rayline.ray_workloads.quality.labels_import import LabelsImportResult
 
-labels_app = typer.Typer(help="Labels: import people's answers for predicted photos.", no_args_is_help=True)
+labels_app = typer.Typer(
+    help="Labels: import people's answers for predicted photos; queue photos to label.", no_args_is_help=True
+)
 
 
 @labels_app.command("import")
@@ -61,3 +63,37 @@ def _print_summary(result: LabelsImportResult) -> None:
         typer.echo(f"  refused            {count} {reason}")
     if result.rejected_uri:
         typer.echo(f"  refused rows       {result.rejected_uri}")
+
+
+@labels_app.command("queue")
+def queue_command(
+    night: Annotated[str, typer.Option("--night", help="The night to choose from, YYYY-MM-DD.")],
+    budget: Annotated[int, typer.Option(min=1, help="Photos to queue, at most.")] = 100,
+    model: Annotated[str, typer.Option("--model", help="The registered model whose night it is.")] = (
+        DEFAULT_MODEL_NAME
+    ),
+    as_json: JsonOption = False,
+) -> None:
+    """Queue the night's photos most worth labelling: unsure, disputed by its shadow version, or of classes
+    predicted far more often than the reference (docs/quality.md). Writes a Label Studio task file and a CSV
+    (fill its label column, then `rayline labels import` it); already-labelled photos are left out."""
+    apply_process_defaults()
+    from rayline.flows.queue_labels import queue_labels
+
+    try:
+        get_settings()
+        result = queue_labels(night=night, budget=budget, model_name=model)
+    except RaylineError as exc:
+        fail(exc)
+    if as_json:
+        echo_json(result)
+        return
+    typer.echo("")
+    typer.secho(f"label queue for {result.model_name} {result.dt}", bold=True)
+    shadow = "with its shadow's disagreements" if result.shadowed else "no shadow version that night"
+    typer.echo(f"  queued             {len(result.queued)} of {result.candidates} unlabelled photos ({shadow})")
+    typer.echo(f"  already labelled   {result.already_labelled}")
+    for q in result.queued[:5]:
+        typer.echo(f"  {q.priority:.3f}  {q.uri}  {q.predicted_class}: {q.why()}")
+    typer.echo(f"  Label Studio       {result.label_studio_uri}")
+    typer.echo(f"  CSV                {result.csv_uri}")

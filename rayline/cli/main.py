@@ -291,6 +291,14 @@ def nightly_inference_command(
     min_plan_agreement: Annotated[
         float, typer.Option(min=0.0, max=1.0, help="Top-1 agreement with fp32 a faster plan needs on the probe.")
     ] = 0.995,
+    shadow: Annotated[
+        str | None,
+        typer.Option(
+            help="Also score this version (v3, or an alias: challenger) on the same decoded images, into "
+            "shadow_predictions, with its agreement with the night's model; RAYLINE_SHADOW_CHALLENGER=1 does it "
+            "for the challenger whenever there is one."
+        ),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Run the nightly-inference flow once: predict a day of arrivals (or each night of --from..--to), commit it.
@@ -324,6 +332,7 @@ def nightly_inference_command(
             precision=precision.value if precision else None,
             backend=backend.value if backend else None,
             min_plan_agreement=min_plan_agreement,
+            shadow=shadow,
         )
     except night_ranges.NightsFailed as exc:
         echo_json(exc.result) if as_json else summaries.print_backfill_summary(exc.result)
@@ -368,7 +377,7 @@ def monitor_command(
         )
     for q in result.quality:
         typer.echo(
-            f"  dt={q.dt}  labelled: {q.model_name} v{q.model_version} right on {q.correct} of {q.labelled} "
+            f"  dt={q.dt}  labelled: {q.model_name} v{q.model_version} ({q.role}) right on {q.correct} of {q.labelled} "
             f"({q.accuracy:.1%}), calibration error {q.ece:.3f}"
         )
     if result.paired is not None:

@@ -100,6 +100,8 @@ def print_inference_summary(result: InferenceResult | NightSkipped) -> None:
     typer.echo(f"  night              {result.night}")
     typer.echo(f"  predictions        {result.predictions_table} (Delta version {result.predictions_version})")
     typer.echo(f"  errors             {result.errors_table} (Delta version {result.errors_version})")
+    if result.shadow is not None:
+        typer.echo(f"  shadow             {result.shadow.line()}")
 
 
 def print_nightly_summary(result: InferenceResult | NightSkipped | BackfillResult) -> None:

@@ -28,9 +28,15 @@ TRAINING_DIR = "training"
 TUNING_DIR = "tuning"
 PREDICTIONS_TABLE = "predictions"
 ERRORS_TABLE = "prediction_errors"
+# a shadow version's rows, scored in the same pass as the night's (rayline.ray_workloads.nightly.shadow)
+SHADOW_TABLE = "shadow_predictions"
 LABELS_TABLE = "labels"  # people's answers for predicted photos, partitioned by model_name (rayline.tables.labels)
 # each labels import's report: label_imports/<model>/<import id>/rejected.csv, the rows refused and why
 LABEL_IMPORTS_DIR = "label_imports"
+# the labelled photos as training input, labelled/<model>/<class>/<file> (rayline.ray_workloads.quality.training_set)
+LABELLED_DIR = "labelled"
+# what to label next: label_queues/<model>/dt=<night>/ (rayline.ray_workloads.quality.queue)
+LABEL_QUEUES_DIR = "label_queues"
 MONITORING_DIR = "monitoring"
 # Runs' scratch space (a night's listing parts, its lease): hidden from listings of the root.
 STAGING_DIR = "_staging"

@@ -117,6 +117,14 @@ def append_labels(root: str, model_name: str, import_id: str, rows: pa.Table, so
     return LabelsCommit(version=version if version is not None else open_table(uri).version(), already_imported=False)
 
 
+def current_version(root: str) -> int | None:
+    """The labels table's version now; None before its first import."""
+    uri = labels_uri(root)
+    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
+        return None
+    return open_table(uri).version()
+
+
 def read_labels(root: str, model_name: str, version: int | None = None) -> pa.Table:
     """``model_name``'s labels, the newest per ``(uri, etag)`` (by ``labelled_at``, then commit order)."""
     uri = labels_uri(root)

@@ -71,9 +71,10 @@ def assert_exactly_one_row_per_object(result: PreprocessResult, seeded: SeedResu
 
 
 def register_untrained(
-    name: str = "digits", seed: int = 0, broken: bool = False, class_prefix: str = ""
+    name: str = "digits", seed: int = 0, broken: bool = False, class_prefix: str = "", trained_here: bool = True
 ) -> registry.ModelVersion:
-    """An untrained SmallCNN (``seed`` fixes its weights); ``broken`` answers every input with NaNs.
+    """An untrained SmallCNN (``seed`` fixes its weights); ``broken`` answers every input with NaNs;
+    ``trained_here`` False registers it without training data (the monitor then judges against its first night).
 
     Enough to check delivery and serving guarantees (accuracy is tested elsewhere).
     """
@@ -92,8 +93,8 @@ def register_untrained(
         image_spec=ImageSpec(crop=32),
         classes=[f"{class_prefix}{i}" for i in range(10)],
         metrics={"test_accuracy": 0.1},
-        data_manifest_uri="-",
-        data_content_hash="-",
+        data_manifest_uri="-" if trained_here else None,
+        data_content_hash="-" if trained_here else None,
         code_version="test",
     )
 

@@ -165,7 +165,7 @@ def test_a_gate_whose_champion_moved_meanwhile_is_judged_again(
         return decision
 
     monkeypatch.setattr(registry, "gate", gate_then_a_rollout_promotes)
-    decision, moves = promotion.gate_and_move("digits", candidate, 0.97, margin=0.0, floor=0.9)
+    decision, moves, _ = promotion.gate_and_move("digits", candidate, 0.97, margin=0.0, floor=0.9)
     assert not decision.promoted and decision.champion == new and "does not beat champion v" in decision.reason
     assert moves == [] and registry.alias_version("digits", registry.CHAMPION) == new
 

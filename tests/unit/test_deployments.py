@@ -41,10 +41,14 @@ def test_retraining_and_rollout_are_event_triggered() -> None:
     retrain = built["retrain"]
     assert retrain.parameters == {"tune_samples": 4, "promote_to": "challenger"}
     by_event = {next(iter(t.expect)): t for t in retrain.triggers}
-    assert set(by_event) == {events.DATA_ARRIVED, events.DRIFT_DETECTED}
+    assert set(by_event) == {events.DATA_ARRIVED, events.LABELS_ARRIVED, events.DRIFT_DETECTED}
     arrived = by_event[events.DATA_ARRIVED]
     assert arrived.match.model_dump() == {events.RETRAIN_LABEL: "true"}, "only arrivals above the threshold"
     assert arrived.parameters == {"source_uri": "{{ event.payload.source_uri }}"}, "trains on the prefix that arrived"
+    labels = by_event[events.LABELS_ARRIVED]
+    assert labels.match.model_dump() == {events.RETRAIN_LABEL: "true"}, "only once enough labels came back"
+    assert labels.parameters == {"model_name": "{{ event.payload.model }}", "labelled": True}, "on its labelled photos"
+    assert labels.for_each == {"rayline.model"}, "one model's labels don't swallow another's"
     drift = by_event[events.DRIFT_DETECTED]
     assert drift.parameters == {"model_name": "{{ event.payload.model }}"}, "retrains the model that drifted"
     for trigger in retrain.triggers:  # debounced: the first event fires, the rest of the window is ignored

@@ -33,6 +33,7 @@ PUBLIC = {
         "monitor",
         "nightly_inference",
         "prepare_data",
+        "queue_labels",
         "register_model",
         "serve_rollout",
         "train_model",

@@ -25,19 +25,29 @@ CLASSES = ["cat", "dog", "fox"]
 MODEL = "pets"
 
 
-def _commit_night(root: str, dt: str, version: int, photos: list[tuple[str, str, int, float]]) -> None:
-    """A committed night of ``photos`` (uri, etag, predicted index, confidence) predicted by ``version``."""
+def commit_night(
+    root: str,
+    dt: str,
+    version: int,
+    photos: list[tuple[str, str, int, float]],
+    *,
+    table_name: str = layout.PREDICTIONS_TABLE,
+    model: str = MODEL,
+    classes: list[str] = CLASSES,
+) -> None:
+    """A committed night of ``photos`` (uri, etag, predicted index, confidence) predicted by ``version``, in
+    ``table_name`` (predictions, or shadow_predictions for a version scored in the night's shadow)."""
     n = len(photos)
     rows = pa.table(
         {
             "uri": [p[0] for p in photos],
             "etag": [p[1] for p in photos],
             "predicted_index": [p[2] for p in photos],
-            "predicted_class": [CLASSES[p[2]] for p in photos],
+            "predicted_class": [classes[p[2]] for p in photos],
             "confidence": pa.array([p[3] for p in photos], pa.float32()),
             "top_k_index": [[p[2]] for p in photos],
             "top_k_prob": [[p[3]] for p in photos],
-            "top_k_class": [[CLASSES[p[2]]] for p in photos],
+            "top_k_class": [[classes[p[2]]] for p in photos],
             "inference_ms": pa.array([1.0] * n, pa.float32()),
             "model_version": [version] * n,
             "code_version": ["test"] * n,
@@ -46,8 +56,8 @@ def _commit_night(root: str, dt: str, version: int, photos: list[tuple[str, str,
         },
         schema=predictions_table.PREDICTIONS_SCHEMA,
     )
-    table = layout.table_uri(root, layout.PREDICTIONS_TABLE)
-    night = delta_tables.Night(MODEL, dt)
+    table = layout.table_uri(root, table_name)
+    night = delta_tables.Night(model, dt)
     run_id = f"run-{dt}-v{version}"
     files = [predictions_table.write_data_file(table, night, run_id, 0, rows)]
     predictions_table.commit_night(table, files, night, run_id, predictions_table.PREDICTIONS_SCHEMA)
@@ -72,7 +82,7 @@ def _config(root: str, path: Path) -> labels_import.LabelsImportConfig:
 def night(tmp_path: Path) -> str:
     """A root with one night of 6 photos predicted by v1: img-000..005, ETag e<i>, class i % 3."""
     root = str(tmp_path / "storage")
-    _commit_night(root, "2026-12-01", 1, [(_photo(i), f"e{i}", i % 3, 0.9) for i in range(6)])
+    commit_night(root, "2026-12-01", 1, [(_photo(i), f"e{i}", i % 3, 0.9) for i in range(6)])
     return root
 
 
@@ -172,9 +182,9 @@ def test_quality_per_version_and_night_joins_labels_on_uri_and_etag(tmp_path: Pa
     root = str(tmp_path / "storage")
     # night 1 by v1: photos 0-9 all predicted class 0 at 0.9; night 2 by v2: photos 0-9 right at 0.6
     truth = [i % 3 for i in range(10)]
-    _commit_night(root, "2026-12-01", 1, [(_photo(i), f"e{i}", 0, 0.9) for i in range(10)])
-    _commit_night(root, "2026-12-02", 2, [(_photo(i), f"e{i}", truth[i], 0.6) for i in range(10)])
-    _commit_night(root, "2026-12-03", 2, [(_photo(i), f"new-e{i}", 0, 0.6) for i in range(10)])  # re-uploaded
+    commit_night(root, "2026-12-01", 1, [(_photo(i), f"e{i}", 0, 0.9) for i in range(10)])
+    commit_night(root, "2026-12-02", 2, [(_photo(i), f"e{i}", truth[i], 0.6) for i in range(10)])
+    commit_night(root, "2026-12-03", 2, [(_photo(i), f"new-e{i}", 0, 0.6) for i in range(10)])  # re-uploaded
     labels = tmp_path / "labels.csv"
     labels.write_text("uri,etag,label\n" + "".join(f"{_photo(i)},e{i},{truth[i]}\n" for i in range(10)))
     cfg = _config(root, labels)

@@ -1,0 +1,42 @@
+"""Flow ``queue-labels``: a night's photos most worth labelling next, as a Label Studio task file and a CSV.
+
+How each photo is scored: :mod:`rayline.ray_workloads.quality.queue`. Drift is judged against the
+champion's reference, as the monitor judges it.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.artifacts import create_table_artifact
+
+from rayline.models.registry import CHAMPION
+from rayline.ray_workloads.monitoring.monitor import DriftThresholds
+from rayline.ray_workloads.quality.queue import QueueConfig, QueueResult
+from rayline.storage.layout import model_name as checked_model_name
+from rayline.storage.layout import parse_day, root_uri
+from rayline.tasks.labels import label_queue_task
+from rayline.tasks.monitoring import reference_task
+from rayline.tasks.registry_lookups import resolve_version_task
+
+
+@flow(name="queue-labels")
+def queue_labels(night: str, budget: int = 100, model_name: str = "digits") -> QueueResult:
+    """Queue the ``budget`` photos of ``night`` (YYYY-MM-DD) whose labels would teach most: unsure, disputed
+    by the night's shadow version, or of classes the night predicted far more often than the reference."""
+    name = checked_model_name(model_name)
+    day = parse_day(night, "night").isoformat()
+    root = root_uri()
+    champion = resolve_version_task(name, CHAMPION)
+    reference = reference_task(champion, root, None, DriftThresholds().low_confidence)
+    cfg = QueueConfig(root=root, model_name=name, dt=day, budget=budget, reference_counts=reference.counts)
+    result = label_queue_task(cfg)
+    create_table_artifact(
+        key="label-queue",
+        table=[
+            {"uri": q.uri, "predicted": q.predicted_class, "priority": round(q.priority, 3), "why": q.why()}
+            for q in result.queued
+        ],
+        description=f"{name} {day}: {len(result.queued)} of {result.candidates} unlabelled photos; "
+        f"Label Studio tasks {result.label_studio_uri}, CSV {result.csv_uri}",
+    )
+    return result

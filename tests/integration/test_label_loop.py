@@ -1,0 +1,109 @@
+"""Choosing what to label, and training on what came back: the queue of a night, its labels imported from
+the queue's own CSV, rayline.labels.arrived asking for a retraining, and the champion fine-tuned on the
+labelled photos with lineage back to the import."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rayline import events, storage
+from rayline.flows.import_labels import import_labels
+from rayline.flows.queue_labels import queue_labels
+from rayline.flows.train_model import train_model
+from rayline.lineage.graph import LineageNode, build_graph
+from rayline.models import registry
+from rayline.ray_workloads.quality import training_set
+from rayline.seed import seed_incoming
+from rayline.storage import layout
+from rayline.tables import predictions_table
+from rayline.tables.delta_tables import Night
+from tests.integration.helpers import one_stored_event, register_untrained
+from tests.unit.test_quality import commit_night
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
+
+DAY = "2026-11-30"
+DIGITS = [str(i) for i in range(10)]
+
+
+def _planted_night(root: str) -> dict[str, tuple[str, int]]:
+    """A committed night of the digits, v1 right on 70 %, and v2 in its shadow disagreeing on every 5th photo;
+    each photo's (ETag, true class) by URI."""
+    incoming = storage.join(root, "incoming", f"dt={DAY}")
+    seed_incoming(incoming, corrupt=0)
+    digits = [o for o in storage.list_objects(incoming) if "/digit-" in o.key]
+    truth = {o.uri: (o.etag, int(o.key.split("/")[0])) for o in digits}
+    rng = np.random.default_rng(5)
+    served, shadow = [], []
+    for i, (uri, (etag, label)) in enumerate(sorted(truth.items())):
+        predicted = label if rng.random() < 0.7 else (label + 1) % 10
+        served.append((uri, etag, predicted, float(rng.uniform(0.3, 1.0))))
+        shadow.append((uri, etag, (predicted + 1) % 10 if i % 5 == 0 else predicted, 0.8))
+    commit_night(root, DAY, 1, served, model="digits", classes=DIGITS)
+    errors = layout.table_uri(root, layout.ERRORS_TABLE)  # none: every photo decoded
+    predictions_table.commit_night(errors, [], Night("digits", DAY), f"run-{DAY}-v1", predictions_table.ERRORS_SCHEMA)
+    commit_night(root, DAY, 2, shadow, table_name=layout.SHADOW_TABLE, model="digits", classes=DIGITS)
+    return truth
+
+
+def _stages(node: LineageNode) -> set[tuple[str | None, str]]:
+    found = {(node.stage, node.uri)}
+    for parent in node.upstream:
+        found |= _stages(parent)
+    return found
+
+
+def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_photos(
+    local_storage: str, prefect_api: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    champion = register_untrained(trained_here=False)
+    registry.set_alias("digits", registry.CHAMPION, champion.version, "test")
+    truth = _planted_night(local_storage)
+    monkeypatch.setenv("RAYLINE_RETRAIN_MIN_NEW_LABELS", "200")
+
+    queued = queue_labels(night=DAY, budget=40)
+    assert len(queued.queued) == 40 and queued.candidates == len(truth) and queued.shadowed
+    priorities = [q.priority for q in queued.queued]
+    assert priorities == sorted(priorities, reverse=True)
+    assert sum(q.disagreement for q in queued.queued) > 40 * 0.2, "disputed photos rank high"
+    tasks: list[dict[str, Any]] = json.loads(storage.read_bytes(queued.label_studio_uri))
+    assert [t["data"]["image"] for t in tasks] == [q.uri for q in queued.queued]
+    assert tasks[0]["predictions"][0]["result"][0]["value"]["choices"] == [queued.queued[0].predicted_class]
+
+    # the queue's CSV, its label column filled in, plus every 6th photo: labels for all ten classes
+    rows = list(csv.DictReader(io.StringIO(storage.read_bytes(queued.csv_uri).decode())))
+    for row in rows:
+        row["label"] = str(truth[row["uri"]][1])
+    extra = [u for i, u in enumerate(sorted(truth)) if i % 6 == 0 and u not in {r["uri"] for r in rows}]
+    rows += [{"uri": u, "etag": truth[u][0], "label": str(truth[u][1])} for u in extra]
+    labels_file = storage.join(local_storage, "labels-back.csv")
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=["uri", "etag", "label"], extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    storage.write_bytes_atomic(labels_file, out.getvalue().encode())
+    imported = import_labels(file=labels_file)
+    assert imported.imported == len(rows) > 200 and not imported.rejected
+
+    arrived = one_stored_event(prefect_api, events.LABELS_ARRIVED, "rayline.labels.digits")
+    assert arrived["resource"][events.RETRAIN_LABEL] == "true" and arrived["payload"]["pending"] == len(rows)
+    again = queue_labels(night=DAY, budget=40)
+    assert again.already_labelled == len(rows)
+    assert not {q.uri for q in again.queued} & {r["uri"] for r in rows}, "labelled photos are not queued again"
+
+    # what the retrain deployment runs on that event: the champion fine-tuned on the labelled photos
+    result = train_model(model_name="digits", labelled=True, epochs=1, num_workers=1, floor=0.0)
+    version = result.registration.version
+    folder = training_set.labelled_folder(local_storage, "digits")
+    assert version.parent is not None and version.parent.version == 1
+    assert result.data.ingest.source_uri == folder and result.data.ingest.object_count == len(rows)
+    assert training_set.pending_labels(local_storage, "digits") == 0
+    stages = _stages(build_graph(version.uri))
+    assert ("export-labelled", folder) in stages
+    assert ("import-labels", layout.table_uri(local_storage, layout.LABELS_TABLE)) in stages
