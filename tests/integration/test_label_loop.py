@@ -7,14 +7,17 @@ from __future__ import annotations
 import csv
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from rayline import events, storage
+from rayline.errors import QualityGateFailed
 from rayline.flows.import_labels import import_labels
 from rayline.flows.queue_labels import queue_labels
+from rayline.flows.serve_rollout import serve_rollout
 from rayline.flows.train_model import train_model
 from rayline.lineage.graph import LineageNode, build_graph
 from rayline.models import registry
@@ -25,6 +28,7 @@ from rayline.tables import predictions_table
 from rayline.tables.delta_tables import Night
 from tests.integration.helpers import one_stored_event, register_untrained
 from tests.unit.test_quality import commit_night
+from tests.unit.test_quality_gates import champion_right_answers, plant_paired_night, worse_but_alike
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 
@@ -107,3 +111,21 @@ def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_pho
     stages = _stages(build_graph(version.uri))
     assert ("export-labelled", folder) in stages
     assert ("import-labels", layout.table_uri(local_storage, layout.LABELS_TABLE)) in stages
+
+
+def test_a_rollout_that_requires_a_labelled_win_waits_for_labels_and_refuses_a_worse_candidate(
+    local_storage: str, tmp_path: Path
+) -> None:
+    champion = register_untrained(trained_here=False)
+    registry.set_alias("digits", registry.CHAMPION, champion.version, "test")
+    candidate = register_untrained(seed=1, trained_here=False)
+    waiting = serve_rollout(candidate=f"v{candidate.version}", require_labelled_win=True)
+    assert not waiting.promoted and not waiting.steps and "waits for more labels" in waiting.reason
+    assert waiting.labelled is not None and waiting.labelled.paired == 0
+    assert registry.alias_version("digits", registry.CHAMPION) == champion.version
+
+    champion_right = champion_right_answers()
+    plant_paired_night(local_storage, tmp_path, champion_right, worse_but_alike(champion_right))
+    with pytest.raises(QualityGateFailed, match=r"digits v2 is not rolled out: failed"):
+        serve_rollout(candidate=f"v{candidate.version}", require_labelled_win=True)
+    assert registry.alias_version("digits", registry.CHAMPION) == champion.version

@@ -30,7 +30,7 @@ def _photo(i: int) -> str:
     return f"s3://photos/incoming/dt={NIGHT}/img-{i:04d}.jpg"
 
 
-def _plant(root: str, tmp_path: Path, champion_right: np.ndarray, challenger_right: np.ndarray) -> None:
+def plant_paired_night(root: str, tmp_path: Path, champion_right: np.ndarray, challenger_right: np.ndarray) -> None:
     """v1 served the night, v2 was scored in its shadow; every photo labelled with its true class. Where both
     are wrong a challenger that is better says something else, one that is worse the champion's answer."""
     n = champion_right.size
@@ -52,7 +52,7 @@ def _plant(root: str, tmp_path: Path, champion_right: np.ndarray, challenger_rig
     assert labels_import.run(config).imported == n
 
 
-def _champion_right(n: int = 300) -> np.ndarray:
+def champion_right_answers(n: int = 300) -> np.ndarray:
     return np.random.default_rng(3).random(n) < 0.85
 
 
@@ -64,7 +64,7 @@ def _better(champion_right: np.ndarray) -> np.ndarray:
     return right
 
 
-def _worse_but_alike(champion_right: np.ndarray) -> np.ndarray:
+def worse_but_alike(champion_right: np.ndarray) -> np.ndarray:
     """The champion's answers on all but 12 photos it had right: agrees on 96 %, and is worse."""
     right = champion_right.copy()
     right[np.flatnonzero(champion_right)[:12]] = False
@@ -72,10 +72,10 @@ def _worse_but_alike(champion_right: np.ndarray) -> np.ndarray:
 
 
 def test_a_shadowed_challenger_is_judged_on_the_labels_both_versions_predicted(tmp_path: Path) -> None:
-    champion_right = _champion_right()
+    champion_right = champion_right_answers()
     better_root, worse_root = str(tmp_path / "better"), str(tmp_path / "worse")
-    _plant(better_root, tmp_path, champion_right, _better(champion_right))
-    _plant(worse_root, tmp_path, champion_right, _worse_but_alike(champion_right))
+    plant_paired_night(better_root, tmp_path, champion_right, _better(champion_right))
+    plant_paired_night(worse_root, tmp_path, champion_right, worse_but_alike(champion_right))
 
     better = reading.labelled_gate(better_root, "digits", 1, 2)
     worse = reading.labelled_gate(worse_root, "digits", 1, 2)
@@ -100,10 +100,10 @@ def test_the_train_model_gate_moves_the_champion_only_on_a_labelled_win(
     candidate = _register(weights, 0.97)
     assert candidate.version == 2  # the planted challenger's version
     registry.set_alias("digits", registry.CHAMPION, champion.version, "first")
-    champion_right = _champion_right()
+    champion_right = champion_right_answers()
     if planted != "none":
-        challenger_right = _better(champion_right) if planted == "better" else _worse_but_alike(champion_right)
-        _plant(local_storage, tmp_path, champion_right, challenger_right)
+        challenger_right = _better(champion_right) if planted == "better" else worse_but_alike(champion_right)
+        plant_paired_night(local_storage, tmp_path, champion_right, challenger_right)
 
     decision, moves, labelled = promotion.gate_and_move(
         "digits", candidate, 0.97, margin=0.0, floor=0.9, labelled_root=local_storage
