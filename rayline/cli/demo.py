@@ -95,7 +95,9 @@ def demo(
         arrivals = seed_incoming(incoming, corrupt=corrupt)
         typer.echo(f"dropped {arrivals.total} arrivals under {incoming}")
         with _stage("nightly inference", times):
-            predictions = nightly_inference(date=day.isoformat())
+            # the version that is not champion now is scored in the night's shadow: the quality loop's first look
+            shadow = _other_version(baseline.registration.version, result.registration.version)
+            predictions = nightly_inference(date=day.isoformat(), shadow=shadow)
         with _stage("labels and quality", times):
             checked = _label_and_measure(root, day.isoformat(), check_serving=serving is not None)
         with _stage("outside model", times):
@@ -207,11 +209,21 @@ def _label_and_measure(root: str, day: str, check_serving: bool) -> tuple[Labels
     return imported, monitor(model_name="digits", check_serving=check_serving)
 
 
+def _other_version(first: ModelVersion, second: ModelVersion) -> str | None:
+    """Of the demo's two versions, the one that is not the champion now (``v<N>``); None if that is unknown."""
+    from rayline.models import registry
+
+    champion = registry.alias_version(first.name, registry.CHAMPION)
+    others = [v.version for v in (first, second) if v.version != champion]
+    return f"v{others[0]}" if champion is not None and len(others) == 1 else None
+
+
 def _print_quality(imported: LabelsImportResult, checked: MonitorResult) -> None:
     typer.echo(f"  labels back        {imported.imported} labels imported into {imported.labels_table_uri}")
-    for q in checked.quality:
+    for q in sorted(checked.quality, key=lambda q: q.role != "served"):
+        what = "labelled accuracy" if q.role == "served" else "shadow's accuracy"
         typer.echo(
-            f"  labelled accuracy  dt={q.dt} digits v{q.model_version}: right on {q.correct} of {q.labelled} "
+            f"  {what:<17}  dt={q.dt} digits v{q.model_version}: right on {q.correct} of {q.labelled} "
             f"({q.accuracy:.1%}), calibration error {q.ece:.3f}"
         )
 

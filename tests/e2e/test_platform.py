@@ -97,11 +97,16 @@ def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
     assert sent > 50 and f"(200: {sent})" in load and load.endswith("connection errors: 0"), load
     assert "nightly-inference finished" in out
     assert "1803 inputs → 1799 predictions + 4 errors with digits v2" in out
+    # v1, no longer champion, scored in the night's shadow: the same images, decoded once
+    shadow = out.split("  shadow             ")[1].splitlines()[0]
+    assert shadow.startswith("v1: agreement ") and " on 1,799 images" in shadow, shadow
     # the quality loop's first turn: a quarter of the night's 1797 digits labelled, back, measured
     assert "  labels back        450 labels imported" in out, out
     quality = out.split("  labelled accuracy  ")[1].splitlines()[0]
     assert " digits v2: right on " in quality and " of 450 (" in quality, quality
     assert float(quality.split("(")[1].split("%")[0]) >= 90, quality
+    shadowed = out.split("  shadow's accuracy  ")[1].splitlines()[0]
+    assert " digits v1: right on " in shadowed and " of 450 (" in shadowed, shadowed
     assert len(list(data.glob("predictions/model_name=digits/dt=*/part-*.parquet"))) >= 1
     assert list(data.glob("predictions/_delta_log/*.json")) and list(data.glob("prediction_errors/_delta_log/*.json"))
     # the outside model's walk: the user's ResNet-18 registered, a night of photos, one photo served
