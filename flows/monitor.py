@@ -21,6 +21,7 @@ from rayline.models.registry import CHALLENGER, CHAMPION
 from rayline.ray_workloads.monitoring import monitor as mon
 from rayline.ray_workloads.quality.metrics import NightQuality
 from rayline.ray_workloads.quality.paired import PairedTest
+from rayline.ray_workloads.quality.shadow import ShadowSummary
 from rayline.ray_workloads.serving.config import config_from_settings
 from rayline.storage.layout import metrics_uri as metrics_file_uri
 from rayline.storage.layout import model_name as checked_model_name
@@ -33,6 +34,7 @@ from rayline.tasks.monitoring import (
     night_drifts_task,
     reference_task,
     serving_health_task,
+    shadow_nights_task,
     write_metrics_task,
 )
 from rayline.tasks.registry_lookups import alias_version_task, reconcile_mirror_task, resolve_version_task
@@ -45,6 +47,9 @@ class MonitorResult(BaseModel):
         default_factory=list, description="Each version's labelled figures on the latest nights with labels."
     )
     paired: PairedTest | None = Field(None, description="The challenger against the champion on labelled photos.")
+    shadows: dict[str, ShadowSummary] = Field(
+        default_factory=dict, description="By night: the version scored in its shadow, against the champion."
+    )
     metrics_uri: str
     files_vacuumed: int | None = Field(
         None, description="Files the vacuum of the night tables deleted; None: none ran."
@@ -140,9 +145,10 @@ def monitor(
     drifts = night_drifts_task(root, model_name, partitions, reference, thresholds)
     challenger = alias_version_task(champion.name, CHALLENGER)
     labelled = labelled_quality_task(root, model_name, champion.classes, quality_nights, champion.version, challenger)
+    shadows = shadow_nights_task(root, model_name, [d.dt for d in drifts])
     metrics_uri = metrics_file_uri(root, model_name)
     text = mon.prometheus_text(
-        serving, drifts, model_name, labelled.nights, paired=labelled.paired, thresholds=thresholds
+        serving, drifts, model_name, labelled.nights, paired=labelled.paired, thresholds=thresholds, shadows=shadows
     )
     write_metrics_task(metrics_uri, text)
     result = MonitorResult(
@@ -150,6 +156,7 @@ def monitor(
         partitions=drifts,
         quality=labelled.nights,
         paired=labelled.paired,
+        shadows=shadows,
         metrics_uri=metrics_uri,
         vacuum_retention_hours=vacuum_retention_hours,
     )

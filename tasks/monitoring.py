@@ -10,7 +10,7 @@ from __future__ import annotations
 from rayline import events, storage
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.monitoring import monitor as mon
-from rayline.ray_workloads.quality import metrics, reading
+from rayline.ray_workloads.quality import metrics, reading, shadow
 from rayline.ray_workloads.serving.champion import serving_against_registry
 from rayline.tables.prediction_reads import committed_nights
 from rayline.tasks.common import emit, idempotency_key, io_task
@@ -66,6 +66,12 @@ def labelled_quality_task(
 ) -> metrics.QualityReading:
     """``quality.reading.labelled_reading``: each version's labelled nights and the challenger's paired test."""
     return reading.labelled_reading(root, model_name, classes, nights, champion, challenger)
+
+
+@io_task("monitor-shadow-nights")
+def shadow_nights_task(root: str, model_name: str, nights: list[str]) -> dict[str, shadow.ShadowSummary]:
+    """``quality.shadow.night_summaries``: how the version in each night's shadow compared with the champion."""
+    return shadow.night_summaries(root, model_name, nights)
 
 
 @io_task("write-monitor-metrics")

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time as time_module
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, date, datetime, time
 from typing import TYPE_CHECKING
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from rayline.ray_workloads.monitoring.monitor import DriftThresholds, PartitionDrift, ServingHealth
     from rayline.ray_workloads.quality.metrics import NightQuality
     from rayline.ray_workloads.quality.paired import PairedTest
+    from rayline.ray_workloads.quality.shadow import ShadowSummary
 
 
 class _Snapshot:
@@ -49,6 +50,7 @@ def prometheus_text(
     paired: PairedTest | None = None,
     thresholds: DriftThresholds | None = None,
     now: float | None = None,
+    shadows: Mapping[str, ShadowSummary] | None = None,
 ) -> str:
     """The monitor's reading in Prometheus' text format, from ``prometheus_client`` (escaping, types, HELP).
 
@@ -60,7 +62,9 @@ def prometheus_text(
     quality counts its nights the same way, among the nights that have labels.
     ``rayline_monitor_last_run_timestamp_seconds`` (``now``) tells a stale file
     from a quiet model; ``thresholds`` are exported so alert rules compare
-    against the same limits the monitor judged by.
+    against the same limits the monitor judged by. ``shadows``: by night, the
+    version scored in its shadow against the champion (``rayline_shadow_*``,
+    the shadow's version in ``model_version``, ``night`` counted as above).
     """
     ran = {"model": model}
     families: list[Metric] = [
@@ -111,6 +115,7 @@ def prometheus_text(
         _family(GaugeMetricFamily, "rayline_predictions_drifted", "1 when the monitor judged the night drifted.",
                 [(labels, float(d.drifted)) for labels, d in batch]),
     ]  # fmt: skip
+    families += _shadow_families(model, [d.dt for _, d in batch], shadows or {})
     families += _quality_families(model, quality)
     if paired is not None:
         pair = {"model": model, "champion": str(paired.champion), "challenger": str(paired.challenger)}
@@ -124,6 +129,25 @@ def prometheus_text(
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(families))
     return generate_latest(registry).decode()
+
+
+def _shadow_families(model: str, nights: list[str], shadows: Mapping[str, ShadowSummary]) -> list[Metric]:
+    rows = [
+        ({"model": model, "model_version": str(shadows[dt].model_version), "night": str(back)}, shadows[dt])
+        for back, dt in enumerate(nights)
+        if dt in shadows
+    ]
+    return [
+        _family(GaugeMetricFamily, "rayline_shadow_agreement",
+                "Share of the night's images the shadow version predicted as the champion did.",
+                [(labels, s.agreement) for labels, s in rows]),
+        _family(GaugeMetricFamily, "rayline_shadow_confidence_change",
+                "The shadow's mean top-1 confidence minus the champion's, on the same images.",
+                [(labels, s.confidence_change) for labels, s in rows]),
+        _family(GaugeMetricFamily, "rayline_shadow_class_shift",
+                "Total variation distance between the two versions' predicted-class distributions.",
+                [(labels, s.class_shift) for labels, s in rows]),
+    ]  # fmt: skip
 
 
 PAIRED_OUTCOME_VALUE = {"passed": 1.0, "inconclusive": 0.0, "failed": -1.0}

@@ -2,5 +2,6 @@
 result and outcomes; ``pipeline`` the Ray Data pipeline; ``blocks`` the blocks cut from the listing and
 written once each; ``predictor`` the actors' model call; ``compaction`` the files the tables commit.
 
-Imports ``data`` and ``execution``.
+A shadowed night scores a second version in the same pass (``rayline.ray_workloads.quality.shadow``).
+Imports ``data``, ``execution`` and ``quality``.
 """

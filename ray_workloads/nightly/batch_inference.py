@@ -27,10 +27,10 @@ from rayline.ray_workloads.nightly.compaction import check_rows, compact_checked
 from rayline.ray_workloads.nightly.contract import InferenceConfig as InferenceConfig  # callers import it from here
 from rayline.ray_workloads.nightly.contract import InferenceResult as InferenceResult
 from rayline.ray_workloads.nightly.contract import NightSkipped as NightSkipped
-from rayline.ray_workloads.nightly.contract import ShadowSummary, block_size
+from rayline.ray_workloads.nightly.contract import block_size
 from rayline.ray_workloads.nightly.pipeline import predict_and_write, run_constants, sum_reports
 from rayline.ray_workloads.nightly.predictor import PredictorUDF
-from rayline.ray_workloads.nightly.shadow import as_metadata, compare, from_commit_info
+from rayline.ray_workloads.quality.shadow import ShadowSummary, as_metadata, compare, from_commit_info
 from rayline.skipped import skipped_text
 from rayline.storage import leases
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, SHADOW_TABLE, table_uri

@@ -16,6 +16,7 @@ from rayline.errors import ConfigError
 from rayline.lineage import DatasetRef
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.execution.plan import PlanPolicy
+from rayline.ray_workloads.quality.shadow import ShadowSummary
 from rayline.storage.folders import LeasedOutput
 
 SMALL_IMAGE_SIDE = 64
@@ -99,37 +100,6 @@ class InferenceConfig(LeasedOutput):
                 + " (a shadow is another version of the same classes and input, scored on the same images)"
             )
         return self
-
-
-class ShadowSummary(BaseModel):
-    """How a shadow version's answers compared with the champion's on one night (same images, same pass)."""
-
-    model_version: int = Field(description="The shadow version.")
-    weights_uri: str
-    table: str = Field(description="The shadow_predictions table.")
-    table_version: int = Field(description="Its version holding this night's shadow rows.")
-    rows: int = Field(description="Images the shadow scored: those the champion predicted or could have.")
-    compared: int = Field(description="Images both versions predicted.")
-    agreement: float = Field(description="Share of compared images where both predicted the same class.")
-    mean_confidence: float = Field(description="The champion's mean top-1 confidence over the compared images.")
-    shadow_mean_confidence: float
-    class_shift: float = Field(
-        description="Total variation distance between the two versions' predicted-class distributions (0..1)."
-    )
-    class_counts: dict[str, int] = Field(default_factory=dict, description="The champion's predictions per class.")
-    shadow_class_counts: dict[str, int] = Field(default_factory=dict)
-
-    @property
-    def confidence_change(self) -> float:
-        return self.shadow_mean_confidence - self.mean_confidence
-
-    def line(self) -> str:
-        """The shadow's night in a line: its version, agreement, and how its confidence and classes moved."""
-        return (
-            f"v{self.model_version}: agreement {self.agreement:.1%} on {self.compared:,} images, mean confidence "
-            f"{self.mean_confidence:.3f} → {self.shadow_mean_confidence:.3f} ({self.confidence_change:+.3f}), "
-            f"class shift {self.class_shift:.3f} (total variation); {self.table} (Delta version {self.table_version})"
-        )
 
 
 class InferenceResult(BaseModel):

@@ -380,6 +380,8 @@ def monitor_command(
             f"  dt={q.dt}  labelled: {q.model_name} v{q.model_version} ({q.role}) right on {q.correct} of {q.labelled} "
             f"({q.accuracy:.1%}), calibration error {q.ece:.3f}"
         )
+    for dt, shadow in result.shadows.items():
+        typer.echo(f"  dt={dt}  shadow {shadow.line()}")
     if result.paired is not None:
         pair = result.paired
         typer.echo(f"  challenger v{pair.challenger} vs champion v{pair.champion}: {pair.describe()}")

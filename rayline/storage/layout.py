@@ -28,7 +28,7 @@ TRAINING_DIR = "training"
 TUNING_DIR = "tuning"
 PREDICTIONS_TABLE = "predictions"
 ERRORS_TABLE = "prediction_errors"
-# a shadow version's rows, scored in the same pass as the night's (rayline.ray_workloads.nightly.shadow)
+# a shadow version's rows, scored in the same pass as the night's (rayline.ray_workloads.quality.shadow)
 SHADOW_TABLE = "shadow_predictions"
 LABELS_TABLE = "labels"  # people's answers for predicted photos, partitioned by model_name (rayline.tables.labels)
 # each labels import's report: label_imports/<model>/<import id>/rejected.csv, the rows refused and why

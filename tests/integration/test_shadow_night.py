@@ -19,6 +19,7 @@ from rayline.ray_workloads.data import images
 from rayline.ray_workloads.execution.plan import PlanPolicy
 from rayline.ray_workloads.nightly import batch_inference, predictor
 from rayline.ray_workloads.nightly.blocks import NightOutput
+from rayline.ray_workloads.quality import shadow as shadow_module
 from rayline.seed import seed_incoming
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, SHADOW_TABLE, table_uri
 from rayline.tables.delta_tables import Night
@@ -167,3 +168,8 @@ def test_a_shadowed_night_commits_the_shadow_with_the_night_and_its_rerun_comple
     )
     again = batch_inference.run(config, result.run_id)
     assert again.already_committed and again.shadow == summary
+    # the monitor's reading of the night's shadow, gone once the night is run again without one
+    assert shadow_module.night_summaries(local_storage, "digits", [DAY]) == {DAY: summary}
+    unshadowed = nightly_inference(date=DAY)
+    assert isinstance(unshadowed, batch_inference.InferenceResult) and unshadowed.shadow is None
+    assert shadow_module.night_summaries(local_storage, "digits", [DAY]) == {}

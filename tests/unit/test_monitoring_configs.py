@@ -12,6 +12,7 @@ from rayline.ray_workloads.monitoring.monitor import DriftThresholds, PartitionD
 from rayline.ray_workloads.monitoring.prometheus import prometheus_text
 from rayline.ray_workloads.quality.metrics import NightQuality
 from rayline.ray_workloads.quality.paired import paired_test
+from rayline.ray_workloads.quality.shadow import ShadowSummary
 from tests.monitoring_configs import (
     ALERT_TESTS,
     ALERTS,
@@ -35,7 +36,8 @@ def test_the_alert_rules_pass_promtools_check_and_their_unit_tests() -> None:
 
 
 def _everything_the_monitor_writes() -> set[str]:
-    """The series of a monitor file with every part present: serving, a night, labelled quality, a paired test."""
+    """The series of a monitor file with every part present: serving, a night and its shadow, labelled quality,
+    a paired test."""
     health = ServingHealth(url="http://router", reachable=True, healthy=True, champion=1,
                            versions=[VersionHealth(version=1, weight=1.0, requests=9, errors=0, error_rate=0,
                                                    p95_ms=3.0)])  # fmt: skip
@@ -45,8 +47,10 @@ def _everything_the_monitor_writes() -> set[str]:
     quality = NightQuality(model_name="digits", model_version=1, dt="2026-12-01", labelled=5, correct=4,
                            accuracy=0.8, ece=0.1, recall={"0": 0.8})  # fmt: skip
     rows = pa.table({"uri": ["u"], "etag": ["e"], "dt": ["2026-12-01"], "predicted_index": [0], "label_index": [0]})
+    shadow = ShadowSummary(model_version=2, weights_uri="w", table="t", table_version=1, rows=9, compared=9,
+                           agreement=0.9, mean_confidence=0.9, shadow_mean_confidence=0.8, class_shift=0.1)  # fmt: skip
     text = prometheus_text(health, [night], "digits", [quality], paired=paired_test(rows, rows, 1, 2),
-                           thresholds=DriftThresholds())  # fmt: skip
+                           thresholds=DriftThresholds(), shadows={night.dt: shadow})  # fmt: skip
     return scraped_series(text)
 
 

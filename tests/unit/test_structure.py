@@ -277,7 +277,7 @@ WORKLOAD_PACKAGES: dict[str, frozenset[str]] = {
         "quality": (),
         "execution": ("data", "architectures"),
         "training": ("data", "architectures", "execution", "quality"),
-        "nightly": ("data", "execution"),
+        "nightly": ("data", "execution", "quality"),
         "registration": ("data", "architectures", "execution"),
         "monitoring": ("data", "quality"),
         "serving": ("data", "execution", "monitoring", "quality"),

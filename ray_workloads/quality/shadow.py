@@ -16,11 +16,46 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from deltalake import DeltaTable
+from pydantic import BaseModel, Field
 
 from rayline import storage
 from rayline.errors import StorageError
 from rayline.models.registry import ModelVersion
-from rayline.ray_workloads.nightly.contract import ShadowSummary
+from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE, table_uri
+from rayline.tables.delta_tables import Night, find_commit, open_table, storage_options
+
+
+class ShadowSummary(BaseModel):
+    """How a shadow version's answers compared with the champion's on one night (same images, same pass)."""
+
+    model_version: int = Field(description="The shadow version.")
+    weights_uri: str
+    table: str = Field(description="The shadow_predictions table.")
+    table_version: int = Field(description="Its version holding this night's shadow rows.")
+    rows: int = Field(description="Images the shadow scored: those the champion predicted or could have.")
+    compared: int = Field(description="Images both versions predicted.")
+    agreement: float = Field(description="Share of compared images where both predicted the same class.")
+    mean_confidence: float = Field(description="The champion's mean top-1 confidence over the compared images.")
+    shadow_mean_confidence: float
+    class_shift: float = Field(
+        description="Total variation distance between the two versions' predicted-class distributions (0..1)."
+    )
+    class_counts: dict[str, int] = Field(default_factory=dict, description="The champion's predictions per class.")
+    shadow_class_counts: dict[str, int] = Field(default_factory=dict)
+
+    @property
+    def confidence_change(self) -> float:
+        return self.shadow_mean_confidence - self.mean_confidence
+
+    def line(self) -> str:
+        """The shadow's night in a line: its version, agreement, and how its confidence and classes moved."""
+        return (
+            f"v{self.model_version}: agreement {self.agreement:.1%} on {self.compared:,} images, mean confidence "
+            f"{self.mean_confidence:.3f} → {self.shadow_mean_confidence:.3f} ({self.confidence_change:+.3f}), "
+            f"class shift {self.class_shift:.3f} (total variation); {self.table} (Delta version {self.table_version})"
+        )
+
 
 SUMMARY_KEY = "rayline.shadow_summary"
 _COLUMNS = ["uri", "predicted_class", "confidence"]
@@ -84,3 +119,22 @@ def from_commit_info(info: dict[str, Any], version: int) -> ShadowSummary | None
     if text is None:
         return None
     return ShadowSummary.model_validate({**json.loads(str(text)), "table_version": version})
+
+
+def night_summaries(root: str, model_name: str, nights: list[str]) -> dict[str, ShadowSummary]:
+    """The shadow's comparison of each of ``nights`` whose committed run shadowed it (read from the shadow
+    commit's info; a night run again without a shadow has none, whatever an earlier run left)."""
+    uri, served_uri = table_uri(root, SHADOW_TABLE), table_uri(root, PREDICTIONS_TABLE)
+    if not nights or not DeltaTable.is_deltatable(uri, storage_options(uri)):
+        return {}
+    tbl, served = open_table(uri), open_table(served_uri)
+    found = {}
+    for dt in nights:
+        night = Night(model_name, dt)
+        commit, done = find_commit(uri, tbl, night), find_commit(served_uri, served, night)
+        if commit is None or done is None or commit.run_id != done.run_id:
+            continue
+        summary = from_commit_info(dict(commit.info), commit.version)
+        if summary is not None:
+            found[dt] = summary
+    return found
