@@ -5,7 +5,8 @@ Grouped by concern, each a package that imports only those below it::
     nightly/        a night's batch inference into the Delta tables
     serving/        Ray Serve: the router, model servers, rollouts and the champion's alias
     monitoring/     drift of the nights and serving health, as checks and Prometheus series
-    quality/        labels back, each version's labelled accuracy, the paired challenger test
+    quality/        labels back, each version's labelled accuracy, the paired challenger test, shadow
+                    comparisons, what to label next, labelled photos as training input
     training/       tuning, training, evaluation and the promotion gate
     registration/   outside models as versions, and versions as MLflow models
     data/           ingest, preprocessing and image decoding

@@ -8,7 +8,9 @@ failed job), predicts the decoded ones ``batch_size`` at a time and writes the
 block's predictions and errors as Parquet files inside the night's partition
 folder of the ``predictions`` and ``prediction_errors`` Delta tables, where
 they stay invisible to readers until the driver commits them. It returns only
-a report of the files it wrote: images never enter the object store.
+a report of the files it wrote: images never enter the object store. On a
+shadowed night the actor loads a second version and scores the same decoded
+pixels with it, writing its rows as a third file of the block.
 
 torch is imported inside the actors only; the driver imports this module
 without it.
