@@ -19,10 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.support, run as a script
 
 
 def _register(name: str, seed: int, arch: str) -> Any:
@@ -102,7 +105,7 @@ def _case(name: str, arch: str, source: Path, count: int, rounds: int, actors: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--digits", type=int, default=20_000, help="32 px images of the digits case")
-    parser.add_argument("--photos", type=int, default=600, help="camera-sized photos of the ResNet-18 case")
+    parser.add_argument("--photos", type=int, default=300, help="camera-sized photos of the ResNet-18 case")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--actors", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not the figures")
