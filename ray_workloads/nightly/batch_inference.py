@@ -271,7 +271,7 @@ def _predict_night(
     constants = _constants_per_kind(cfg)
     compacted = compact_checked(output, totals, listing.uris, SCHEMAS, constants, seen[tables[0]], **sizes)
     phases.lap("compact")
-    files = {kind: [f.uri for f in compacted if f.kind == kind] for kind in SCHEMAS}
+    files = {kind: [f.uri for f in compacted if f.kind == kind] for kind in output.tables()}
     shadowed = _compare_shadow(cfg, output, files, listing.count)
     metadata: dict[str, str | int] = {
         "rayline.input_uri": source,

@@ -146,6 +146,7 @@ def test_a_shadowed_night_commits_the_shadow_with_the_night_and_its_rerun_comple
     served, shadowed = _night_rows(local_storage, PREDICTIONS_TABLE), _night_rows(local_storage, SHADOW_TABLE)
     # the champion's night as ever: one row per input, its budget its own
     assert served.num_rows == result.predictions and result.predictions + result.errors == result.inputs
+    assert result.data_files == {"predictions": 1, "errors": 1, "shadow": 1}, "compacted: one file per table"
     assert set(served["model_version"].to_pylist()) == {1} and set(shadowed["model_version"].to_pylist()) == {2}
     assert sorted(shadowed["uri"].to_pylist()) == sorted(served["uri"].to_pylist())
     columns = ["uri", "predicted_class", "confidence"]
@@ -170,6 +171,13 @@ def test_a_shadowed_night_commits_the_shadow_with_the_night_and_its_rerun_comple
     assert again.already_committed and again.shadow == summary
     # the monitor's reading of the night's shadow, gone once the night is run again without one
     assert shadow_module.night_summaries(local_storage, "digits", [DAY]) == {DAY: summary}
+    # RAYLINE_SHADOW_CHALLENGER: the challenger, whenever there is one, without --shadow
+    registry.set_alias("digits", registry.CHALLENGER, shadow.version, "test")
+    monkeypatch.setenv("RAYLINE_SHADOW_CHALLENGER", "1")
+    by_setting = nightly_inference(date=DAY)
+    assert isinstance(by_setting, batch_inference.InferenceResult) and by_setting.shadow is not None
+    assert by_setting.shadow.model_version == shadow.version
+    monkeypatch.delenv("RAYLINE_SHADOW_CHALLENGER")
     unshadowed = nightly_inference(date=DAY)
     assert isinstance(unshadowed, batch_inference.InferenceResult) and unshadowed.shadow is None
     assert shadow_module.night_summaries(local_storage, "digits", [DAY]) == {}
