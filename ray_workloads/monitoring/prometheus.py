@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import time as time_module
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, date, datetime, time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from rayline.ray_workloads.quality.paired import PairedTest
     from rayline.ray_workloads.quality.shadow import ShadowSummary
 
+_Row = TypeVar("_Row")  # what one labelled row of gauges is read from: a night, a shadow, a version's quality
+
 
 class _Snapshot:
     """A prometheus_client collector that yields metric families built once (the monitor's one reading)."""
@@ -26,6 +28,16 @@ class _Snapshot:
 
     def collect(self) -> Iterator[Metric]:
         return iter(self.families)
+
+
+def _gauges(
+    rows: Sequence[tuple[dict[str, str], _Row]], specs: Sequence[tuple[str, str, Callable[[_Row], float]]]
+) -> list[Metric]:
+    """A gauge family per (name, help, value of a row), each over the same labelled rows."""
+    return [
+        _family(GaugeMetricFamily, name, help_text, [(labels, value(row)) for labels, row in rows])
+        for name, help_text, value in specs
+    ]
 
 
 def _family(
@@ -99,22 +111,17 @@ def prometheus_text(
         ({"model": model, "stage": "batch_inference", "model_version": d.model, "night": str(back)}, d)
         for back, d in enumerate(sorted(drifts, key=lambda d: d.dt, reverse=True))
     ]
-    families += [
-        _family(GaugeMetricFamily, "rayline_predictions_night_timestamp_seconds", "The night's date (UTC midnight).",
-                [(labels, _night_timestamp(d.dt)) for labels, d in batch]),
-        _family(GaugeMetricFamily, "rayline_predictions_rows", "Prediction rows of a committed night.",
-                [(labels, d.predictions) for labels, d in batch]),
-        _family(GaugeMetricFamily, "rayline_predictions_error_fraction", "Inputs of a night that got an error row.",
-                [(labels, d.error_fraction) for labels, d in batch]),
-        _family(GaugeMetricFamily, "rayline_predictions_class_psi",
-                "PSI of predicted classes vs the reference (training labels or a reference night).",
-                [(labels, d.psi) for labels, d in batch]),
-        _family(GaugeMetricFamily, "rayline_predictions_low_confidence_share",
-                "Share of predictions under the confidence floor.",
-                [(labels, d.low_confidence_share) for labels, d in batch]),
-        _family(GaugeMetricFamily, "rayline_predictions_drifted", "1 when the monitor judged the night drifted.",
-                [(labels, float(d.drifted)) for labels, d in batch]),
-    ]  # fmt: skip
+    families += _gauges(batch, [
+        ("rayline_predictions_night_timestamp_seconds", "The night's date (UTC midnight).",
+         lambda d: _night_timestamp(d.dt)),
+        ("rayline_predictions_rows", "Prediction rows of a committed night.", lambda d: d.predictions),
+        ("rayline_predictions_error_fraction", "Inputs of a night that got an error row.", lambda d: d.error_fraction),
+        ("rayline_predictions_class_psi", "PSI of predicted classes vs the reference (training labels or a reference "
+         "night).", lambda d: d.psi),
+        ("rayline_predictions_low_confidence_share", "Share of predictions under the confidence floor.",
+         lambda d: d.low_confidence_share),
+        ("rayline_predictions_drifted", "1 when the monitor judged the night drifted.", lambda d: float(d.drifted)),
+    ])  # fmt: skip
     families += _shadow_families(model, [d.dt for _, d in batch], shadows or {})
     families += _quality_families(model, quality)
     if paired is not None:
@@ -137,17 +144,14 @@ def _shadow_families(model: str, nights: list[str], shadows: Mapping[str, Shadow
         for back, dt in enumerate(nights)
         if dt in shadows
     ]
-    return [
-        _family(GaugeMetricFamily, "rayline_shadow_agreement",
-                "Share of the night's images the shadow version predicted as the champion did.",
-                [(labels, s.agreement) for labels, s in rows]),
-        _family(GaugeMetricFamily, "rayline_shadow_confidence_change",
-                "The shadow's mean top-1 confidence minus the champion's, on the same images.",
-                [(labels, s.confidence_change) for labels, s in rows]),
-        _family(GaugeMetricFamily, "rayline_shadow_class_shift",
-                "Total variation distance between the two versions' predicted-class distributions.",
-                [(labels, s.class_shift) for labels, s in rows]),
-    ]  # fmt: skip
+    return _gauges(rows, [
+        ("rayline_shadow_agreement", "Share of the night's images the shadow version predicted as the champion did.",
+         lambda s: s.agreement),
+        ("rayline_shadow_confidence_change", "The shadow's mean top-1 confidence minus the champion's, on the same "
+         "images.", lambda s: s.confidence_change),
+        ("rayline_shadow_class_shift", "Total variation distance between the two versions' predicted-class "
+         "distributions.", lambda s: s.class_shift),
+    ])  # fmt: skip
 
 
 PAIRED_OUTCOME_VALUE = {"passed": 1.0, "inconclusive": 0.0, "failed": -1.0}
@@ -163,14 +167,13 @@ def _quality_families(model: str, quality: Sequence[NightQuality]) -> list[Metri
     ]
     recall = [({**labels, "class": name}, share) for labels, q in rows for name, share in q.recall.items()]
     return [
-        _family(GaugeMetricFamily, "rayline_quality_night_timestamp_seconds", "The labelled night's date (UTC).",
-                [(labels, _night_timestamp(q.dt)) for labels, q in rows]),
-        _family(GaugeMetricFamily, "rayline_quality_labelled", "Labelled photos of the night the version predicted.",
-                [(labels, q.labelled) for labels, q in rows]),
-        _family(GaugeMetricFamily, "rayline_quality_accuracy", "Share of the labelled photos predicted right.",
-                [(labels, q.accuracy) for labels, q in rows]),
-        _family(GaugeMetricFamily, "rayline_quality_ece", "Expected calibration error on the labelled photos.",
-                [(labels, q.ece) for labels, q in rows]),
+        *_gauges(rows, [
+            ("rayline_quality_night_timestamp_seconds", "The labelled night's date (UTC).",
+             lambda q: _night_timestamp(q.dt)),
+            ("rayline_quality_labelled", "Labelled photos of the night the version predicted.", lambda q: q.labelled),
+            ("rayline_quality_accuracy", "Share of the labelled photos predicted right.", lambda q: q.accuracy),
+            ("rayline_quality_ece", "Expected calibration error on the labelled photos.", lambda q: q.ece),
+        ]),
         _family(GaugeMetricFamily, "rayline_quality_class_recall", "Per labelled class: the share predicted as it.",
                 recall),
     ]  # fmt: skip
