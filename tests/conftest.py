@@ -7,6 +7,7 @@ test shares them; each test writes under its own unique prefix.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,6 +187,12 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ):
         with prefect_test_harness(server_startup_timeout=180):
             yield str(prefect.settings.PREFECT_API_URL.value())
+
+
+@pytest.fixture
+def test_started() -> float:
+    """The unix time this test began: events and records older than it belong to earlier tests."""
+    return time.time()
 
 
 @pytest.fixture

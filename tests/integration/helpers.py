@@ -409,13 +409,15 @@ def stored_events(
         return list(answer.json()["events"])
 
 
-def one_stored_event(api: str, event: str, resource_id: str) -> dict[str, Any]:
-    """The event reached the server once (a retry's second emission, with the same id, was not kept): it."""
+def one_stored_event(api: str, event: str, resource_id: str, *, since: float) -> dict[str, Any]:
+    """The event reached the server once since the unix time ``since`` (a retry's second emission, with the
+    same id, was not kept): it. ``since`` is the calling test's start, as the server is shared by the session
+    and an earlier test may have announced the same resource."""
     deadline = time.monotonic() + 20
-    while not stored_events(api, event, resource_id):
+    while not stored_events(api, event, resource_id, since):
         assert time.monotonic() < deadline, f"{event} for {resource_id} never reached the server"
         time.sleep(0.5)
     time.sleep(1.0)  # a second copy, had there been one, was sent right after the first
-    stored = stored_events(api, event, resource_id)
+    stored = stored_events(api, event, resource_id, since)
     assert len(stored) == 1, stored
     return stored[0]

@@ -157,7 +157,7 @@ SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
 
 @pytest.mark.parametrize("side_effect", list(SIDE_EFFECTS))
 def test_register_and_gate_retried_after_a_side_effect_leaves_one_of_each(
-    side_effect: str, prepared: PreprocessResult, prefect_api: str, monkeypatch: pytest.MonkeyPatch
+    side_effect: str, prepared: PreprocessResult, prefect_api: str, monkeypatch: pytest.MonkeyPatch, test_started: float
 ) -> None:
     name = f"retry-{side_effect}"
     champion = _champion(name, prepared)
@@ -173,7 +173,9 @@ def test_register_and_gate_retried_after_a_side_effect_leaves_one_of_each(
     assert move is not None and move.version == result.version.version and move.previous is None
     records = [r for r in lineage.read_records("registry") if r.outputs[0].uri == result.version.uri]
     assert len(records) == 1, records
-    one_stored_event(prefect_api, events.ALIAS_MOVED, events.model_resource(name, result.version.version))
+    one_stored_event(
+        prefect_api, events.ALIAS_MOVED, events.model_resource(name, result.version.version), since=test_started
+    )
 
 
 INGEST_SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
@@ -185,7 +187,7 @@ INGEST_SIDE_EFFECTS: dict[str, tuple[ModuleType, str]] = {
 
 @pytest.mark.parametrize("side_effect", list(INGEST_SIDE_EFFECTS))
 def test_ingest_retried_after_a_side_effect_announces_the_arrival_once(
-    side_effect: str, prepared: PreprocessResult, prefect_api: str, monkeypatch: pytest.MonkeyPatch
+    side_effect: str, prepared: PreprocessResult, prefect_api: str, monkeypatch: pytest.MonkeyPatch, test_started: float
 ) -> None:
     root = storage.storage_root()
     source = storage.join(root, f"arrivals-{side_effect}")
@@ -205,7 +207,7 @@ def test_ingest_retried_after_a_side_effect_announces_the_arrival_once(
     assert result.object_count == 40
     records = [r for r in lineage.read_records("ingest") if r.inputs[0].uri == result.source_uri]
     assert len(records) == 1, records
-    one_stored_event(prefect_api, events.DATA_ARRIVED, f"rayline.data.{result.source_uri}")
+    one_stored_event(prefect_api, events.DATA_ARRIVED, f"rayline.data.{result.source_uri}", since=test_started)
 
 
 def test_a_retried_ingest_that_finds_an_older_runs_dataset_announces_nothing(

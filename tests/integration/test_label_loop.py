@@ -64,7 +64,7 @@ def _stages(node: LineageNode) -> set[tuple[str | None, str]]:
 
 
 def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_photos(
-    local_storage: str, prefect_api: str, monkeypatch: pytest.MonkeyPatch
+    local_storage: str, prefect_api: str, monkeypatch: pytest.MonkeyPatch, test_started: float
 ) -> None:
     champion = register_untrained(trained_here=False)
     registry.set_alias("digits", registry.CHAMPION, champion.version, "test")
@@ -95,7 +95,7 @@ def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_pho
     imported = import_labels(file=labels_file)
     assert imported.imported == len(rows) > 200 and not imported.rejected
 
-    arrived = one_stored_event(prefect_api, events.LABELS_ARRIVED, "rayline.labels.digits")
+    arrived = one_stored_event(prefect_api, events.LABELS_ARRIVED, "rayline.labels.digits", since=test_started)
     assert arrived["resource"][events.RETRAIN_LABEL] == "true" and arrived["payload"]["pending"] == len(rows)
     again = queue_labels(night=DAY, budget=40)
     assert again.already_labelled == len(rows)

@@ -37,7 +37,9 @@ def _register(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output + (str(result.exception) if result.exception else "")
 
 
-def test_register_a_resnet_from_a_file_then_again(tmp_path: Path, local_storage: str, prefect_api: str) -> None:
+def test_register_a_resnet_from_a_file_then_again(
+    tmp_path: Path, local_storage: str, prefect_api: str, test_started: float
+) -> None:
     weights = tmp_path / "resnet18.pt"
     weights.write_bytes(_state_dict_bytes("resnet18"))
     code, out = _register("--name", "photos", "--arch", "resnet18", "--weights", str(weights), "--alias", "champion")
@@ -54,7 +56,7 @@ def test_register_a_resnet_from_a_file_then_again(tmp_path: Path, local_storage:
     assert version.image_spec.draft  # reduced-scale JPEG decoding unless --full-decode
     stored = torch.load(io.BytesIO(storage.read_bytes(version.weights_uri)), weights_only=True)
     assert set(stored) == set(torchvision.models.resnet18().state_dict())
-    moved = one_stored_event(prefect_api, events.ALIAS_MOVED, events.model_resource("photos", 1))
+    moved = one_stored_event(prefect_api, events.ALIAS_MOVED, events.model_resource("photos", 1), since=test_started)
     assert moved["payload"] == {
         "model": "photos", "alias": "champion", "version": 1, "previous": None, "reason": f"registered from {weights}"
     }  # fmt: skip

@@ -113,7 +113,9 @@ def _probe_image() -> bytes:
     return next(iter(digit_objects(32)))[1]
 
 
-def test_rollout_under_load_promotes_with_no_failed_request(champion_serving: str, prefect_api: str) -> None:
+def test_rollout_under_load_promotes_with_no_failed_request(
+    champion_serving: str, prefect_api: str, test_started: float
+) -> None:
     incumbent = registry.resolve("digits", registry.CHAMPION)
     twin = _register(seed=0)  # same weights: agrees with the champion everywhere
     registry.set_alias("digits", registry.CHALLENGER, twin.version, "test")
@@ -131,7 +133,9 @@ def test_rollout_under_load_promotes_with_no_failed_request(champion_serving: st
     assert serve_control.live_versions(cfg) == [twin.version], "the old version's deployment is retired"
     (record,) = [r for r in lineage.read_records("serve_rollout") if r.outputs[0].uri == twin.uri]
     assert record.outputs[0].facets["outcome"] == "promoted"
-    moved = one_stored_event(prefect_api, events.ALIAS_MOVED, events.model_resource("digits", twin.version))
+    moved = one_stored_event(
+        prefect_api, events.ALIAS_MOVED, events.model_resource("digits", twin.version), since=test_started
+    )
     assert moved["payload"]["alias"] == "champion" and moved["payload"]["previous"] == incumbent.version
     assert moved["resource"]["rayline.alias"] == "champion"
 
