@@ -128,10 +128,12 @@ def test_two_ups_at_once_neither_orphans_the_other(tmp_path: Path) -> None:
             second_down = run_rayline(["down"], env, timeout=240)
             assert Path(f"/proc/{prefect_pid}").exists(), "the other commands stopped the first `up`'s Prefect"
         finally:
+            # then its user presses Ctrl-C: an interrupted `up` stops what it started, as a failed one does (even
+            # when it inherited SIGINT ignored, as the background job of a shell without job control does). Sent
+            # while it is frozen, so that it lands the moment it runs again: sent after SIGCONT, a test process
+            # the machine's load held back between the two let the `up` finish first and end 0.
+            os.kill(first.pid, signal.SIGINT)
             os.kill(first.pid, signal.SIGCONT)
-        # then its user presses Ctrl-C: an interrupted `up` stops what it started, as a failed one does (even
-        # when it inherited SIGINT ignored, as the background job of a shell without job control does)
-        os.kill(first.pid, signal.SIGINT)
         out, err = first.communicate(timeout=120)
         busy = f"another `rayline up` (pid {first.pid}) holds the state folder {state}"
         assert second.returncode != 0 and busy in second.stderr, second.stdout + second.stderr
