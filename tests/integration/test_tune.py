@@ -85,9 +85,6 @@ def test_asha_stops_weak_trials_and_restore_skips_finished_ones(local_storage: s
         "RAYLINE_STORAGE": local_storage,
         "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
         "RAY_AUTH_MODE": "token",
-        # the experiment state after every step, not every 10 s or more ("auto"): by the time a lagging state
-        # file named two trials finished, a loaded machine had finished all four and left nothing to restore
-        "TUNE_GLOBAL_CHECKPOINT_S": "0",
     }
     driver = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
     try:
