@@ -221,6 +221,27 @@ class _TrialProgress(tune.Callback):
         self.shown.add(1)
 
 
+def tune_config(cfg: TuneJobConfig) -> tune.TuneConfig:
+    """ASHA over ``cfg.num_samples`` seeded variants, at most ``cfg.max_concurrent_trials`` at a time.
+
+    The limit sits on the variant generator: beside a generator of one's own, Ray ignores TuneConfig's
+    ``max_concurrent_trials`` with only a log line, and every trial would run at once.
+    """
+    return tune.TuneConfig(
+        metric=SCORE,
+        mode="max",
+        scheduler=ASHAScheduler(
+            time_attr="training_iteration",
+            max_t=cfg.max_epochs,
+            grace_period=cfg.grace_period,
+            reduction_factor=cfg.reduction_factor,
+        ),
+        num_samples=cfg.num_samples,
+        # same seed, same trials
+        search_alg=BasicVariantGenerator(random_state=cfg.seed, max_concurrent=cfg.max_concurrent_trials or 0),
+    )
+
+
 def run(cfg: TuneJobConfig, base: TrainLoopConfig | None = None) -> TuneResult:
     """Search, or continue an interrupted search of the same name, and report the best config."""
     started = time.perf_counter()
@@ -242,19 +263,7 @@ def run(cfg: TuneJobConfig, base: TrainLoopConfig | None = None) -> TuneResult:
             tuner = tune.Tuner(
                 trainable,
                 param_space=_param_space(cfg.space),
-                tune_config=tune.TuneConfig(
-                    metric=SCORE,
-                    mode="max",
-                    scheduler=ASHAScheduler(
-                        time_attr="training_iteration",
-                        max_t=cfg.max_epochs,
-                        grace_period=cfg.grace_period,
-                        reduction_factor=cfg.reduction_factor,
-                    ),
-                    num_samples=cfg.num_samples,
-                    max_concurrent_trials=cfg.max_concurrent_trials,
-                    search_alg=BasicVariantGenerator(random_state=cfg.seed),  # same seed, same trials
-                ),
+                tune_config=tune_config(cfg),
                 run_config=tune.RunConfig(
                     name=cfg.experiment_name,
                     storage_path=storage_path,
