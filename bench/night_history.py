@@ -44,8 +44,7 @@ import pyarrow as pa  # noqa: E402
 from deltalake import DeltaTable  # noqa: E402
 
 from rayline.tables import delta_tables  # noqa: E402
-from rayline.tables.delta_tables import PARTITION_COLUMNS, Night  # noqa: E402
-from rayline.tables.predictions_table import TABLE_CONFIGURATION  # noqa: E402
+from rayline.tables.delta_tables import PARTITION_COLUMNS, TABLE_CONFIGURATION, Night  # noqa: E402
 
 MODEL = "digits"
 FIRST_NIGHT = date(2026, 1, 1)

@@ -18,7 +18,7 @@ from datetime import date
 from typing import Any
 
 import pyarrow as pa
-from deltalake import DeltaTable
+from deltalake import CommitProperties, DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
 
 from rayline import storage
@@ -112,6 +112,35 @@ def open_table(uri: str, version: int | None = None) -> DeltaTable:
         raise InputDataError(f"no Delta table at {uri}") from exc
     except (DeltaError, OSError) as exc:
         raise storage_error(exc, "open Delta table", uri) from exc
+
+
+# Delta deletes commit files older than 30 days at checkpoints by default; rayline finds which run
+# committed a night (and the errors commit of the same run, or which import wrote a label) in the commit
+# history, so a table not written for a month would lose that. Commit files are small: keep them all.
+TABLE_CONFIGURATION: dict[str, str | None] = {"delta.enableExpiredLogCleanup": "false"}
+
+
+def open_or_create(uri: str, schema: pa.Schema, partition_by: list[str]) -> DeltaTable:
+    """The table at ``uri``, created first when there is none; of writers creating it at once, one creates it
+    and the others open what it created."""
+    options = storage_options(uri)
+    if not DeltaTable.is_deltatable(uri, options):
+        try:
+            DeltaTable.create(
+                uri,
+                schema,
+                mode="ignore",
+                partition_by=partition_by,
+                configuration=TABLE_CONFIGURATION,
+                storage_options=options,
+                # no retry: delta-rs retries a lost version 0 as another CREATE TABLE at version 1, with a new
+                # table id that outside readers (a Spark stream) refuse
+                commit_properties=CommitProperties(max_commit_retries=0),
+            )
+        except DeltaError:
+            if not DeltaTable.is_deltatable(uri, options):
+                raise
+    return open_table(uri)
 
 
 def table_version(uri: str) -> int | None:

@@ -18,7 +18,14 @@ from deltalake.exceptions import DeltaError
 from rayline.errors import InputDataError
 from rayline.storage.layout import LABELS_TABLE, table_uri
 from rayline.tables import delta_log
-from rayline.tables.delta_tables import SAFE_NAME, commit_version, open_table, storage_error, storage_options
+from rayline.tables.delta_tables import (
+    SAFE_NAME,
+    commit_version,
+    open_or_create,
+    open_table,
+    storage_error,
+    storage_options,
+)
 
 LABELS_SCHEMA = pa.schema(
     [
@@ -33,8 +40,6 @@ LABELS_SCHEMA = pa.schema(
     ]
 )
 KEY = ("uri", "etag")
-# kept like the night tables' log: which import wrote what stays answerable however old
-TABLE_CONFIGURATION: dict[str, str | None] = {"delta.enableExpiredLogCleanup": "false"}
 
 
 @dataclass(frozen=True)
@@ -55,24 +60,6 @@ def _app_id(model_name: str, import_id: str) -> str:
     return f"rayline-labels/{model_name}/{import_id}"
 
 
-def _open_or_create(uri: str) -> DeltaTable:
-    options = storage_options(uri)
-    if not DeltaTable.is_deltatable(uri, options):
-        try:
-            DeltaTable.create(
-                uri,
-                LABELS_SCHEMA,
-                mode="ignore",
-                partition_by=["model_name"],
-                configuration=TABLE_CONFIGURATION,
-                storage_options=options,
-            )
-        except DeltaError:
-            if not DeltaTable.is_deltatable(uri, options):  # two imports creating it at once: one wins
-                raise
-    return open_table(uri)
-
-
 def imported_version(root: str, model_name: str, import_id: str) -> int | None:
     """The table version that committed ``import_id`` for ``model_name``; None when it never was."""
     uri = labels_uri(root)
@@ -89,7 +76,7 @@ def imported_version(root: str, model_name: str, import_id: str) -> int | None:
 def append_labels(root: str, model_name: str, import_id: str, rows: pa.Table, source_uri: str) -> LabelsCommit:
     """Append one import's rows (``LABELS_SCHEMA``) in one commit; a second call with the same id adds nothing."""
     uri = labels_uri(root)
-    tbl = _open_or_create(uri)
+    tbl = open_or_create(uri, LABELS_SCHEMA, ["model_name"])
     app_id = _app_id(model_name, import_id)
     if tbl.transaction_version(app_id) is not None:
         version = imported_version(root, model_name, import_id)

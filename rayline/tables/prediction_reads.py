@@ -17,7 +17,7 @@ Vacuum and time travel
     table's version that a night's current predictions pair with keeps its
     files however old (:func:`paired_errors_versions`; a run whose errors
     commit landed but whose predictions commit did not replaced them). The log itself keeps every commit (the tables are
-    created without expired-log cleanup: ``predictions_table.TABLE_CONFIGURATION``).
+    created without expired-log cleanup: ``delta_tables.TABLE_CONFIGURATION``).
     The retention also protects a night still being written
     (its files are not committed yet), hence at least 24 h. The ``monitor``
     flow vacuums both tables (``vacuum_retention_hours``), ``rayline vacuum``

@@ -34,6 +34,7 @@ from rayline.tables.delta_tables import (
     check_run_id,
     commit_version,
     find_commit,
+    open_or_create,
     open_table,
     storage_error,
     storage_options,
@@ -107,31 +108,10 @@ def table_schema(data_schema: pa.Schema) -> pa.Schema:
     return pa.schema([*data_schema, *(pa.field(name, pa.string()) for name in PARTITION_COLUMNS)])
 
 
-# Delta deletes commit files older than 30 days at checkpoints by default; rayline finds which run
-# committed a night (and the errors commit of the same run) in the commit history, so a night not rerun
-# for a month would lose that. Commit files are small (one per night and table): keep them all.
-TABLE_CONFIGURATION: dict[str, str | None] = {"delta.enableExpiredLogCleanup": "false"}
-
-
 def _open_or_create(uri: str, schema: pa.Schema) -> DeltaTable:
     if "AWS_S3_LOCKING_PROVIDER" not in os.environ:  # without a lock, delta-rs commits by put-if-absent
         conditional_probe.require_conditional_writes(uri)
-    options = storage_options(uri)
-    if not DeltaTable.is_deltatable(uri, options):
-        try:
-            DeltaTable.create(
-                uri,
-                schema,
-                mode="ignore",
-                partition_by=list(PARTITION_COLUMNS),
-                configuration=TABLE_CONFIGURATION,
-                storage_options=options,
-            )
-        except DeltaError:
-            # two runs creating it at once: one wins version 0, the other just opens it
-            if not DeltaTable.is_deltatable(uri, options):
-                raise
-    return open_table(uri)
+    return open_or_create(uri, schema, list(PARTITION_COLUMNS))
 
 
 def add_columns_if_missing(uri: str, schema: pa.Schema) -> list[str]:

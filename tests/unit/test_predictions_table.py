@@ -108,6 +108,27 @@ def test_concurrent_commits_of_different_nights_all_land(table: str) -> None:
     assert _everything(table).num_rows == 4 * len(nights)
 
 
+def test_concurrent_first_commits_of_different_nights_create_the_table_and_all_land(table: str) -> None:
+    nights = [delta_tables.Night(model, f"2026-11-{day:02d}") for model in ("resnet", "vit") for day in (1, 2, 3)]
+    files = {night: _write(table, night, f"run-{i}", parts=1) for i, night in enumerate(nights)}
+    assert not DeltaTable.is_deltatable(table)  # every writer finds no table and creates it
+    start = threading.Barrier(len(nights))
+
+    def commit(i: int, night: delta_tables.Night) -> predictions_table.CommitResult:
+        start.wait()
+        return predictions_table.commit_night(table, files[night], night, f"run-{i}", SCHEMA, max_attempts=5)
+
+    with ThreadPoolExecutor(len(nights)) as pool:
+        results = list(pool.map(commit, range(len(nights)), nights))
+    assert sorted(r.version for r in results) == list(range(1, len(nights) + 1)), "one creation, then the nights"
+    assert not any(r.replaced or r.already_committed for r in results)
+    for i, night in enumerate(nights):
+        assert _labels(prediction_reads.read_night(table, night.model_name, night.dt)) == {f"run-{i}"}
+    assert _everything(table).num_rows == 4 * len(nights)
+    creations = [c for c in DeltaTable(table).history() if c["operation"] == "CREATE TABLE"]
+    assert len(creations) == 1, f"a losing creation committed again (a new table id for outside readers): {creations}"
+
+
 @pytest.mark.parametrize("night_exists", [False, True], ids=["first-commit", "rerun"])
 def test_three_runs_of_the_same_night_one_wins_the_others_are_told(table: str, night_exists: bool) -> None:
     night = delta_tables.Night("resnet", DT)
