@@ -182,11 +182,23 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from prefect.testing.utilities import prefect_test_harness
 
     results = tmp_path_factory.mktemp("prefect-results")
-    with prefect.settings.temporary_settings(
-        updates={prefect.settings.PREFECT_RESULTS_LOCAL_STORAGE_PATH: str(results)}
-    ):
+    updates = {
+        prefect.settings.PREFECT_RESULTS_LOCAL_STORAGE_PATH: str(results),
+        # events are stored in batches of 20 or every 5 s by default: a test waiting for one event waited that long
+        prefect.settings.PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL: 0.5,
+    }
+    with prefect.settings.temporary_settings(updates=updates):
         with prefect_test_harness(server_startup_timeout=180):
             yield str(prefect.settings.PREFECT_API_URL.value())
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real ``mlflow server`` on loopback for the session; tests point MLFLOW_TRACKING_URI at it themselves."""
+    from tests.mlflow_support import mlflow_server
+
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
+        yield uri
 
 
 @pytest.fixture
