@@ -1,4 +1,4 @@
-"""The CLI against an external `ray start --head` cluster and S3: prepare-data, train-model, nightly-inference."""
+"""The CLI against an external `ray start --head` cluster and S3: train-model with its prepare, nightly-inference."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import ray
 
 from rayline import lineage, storage
 from rayline.ray_workloads.data import preprocess
-from rayline.seed import SeedResult, seed, seed_incoming
+from rayline.seed import SeedResult, seed
 from rayline.tables.prediction_reads import read_night_pair
 from tests.integration.helpers import assert_exactly_one_row_per_object, register_untrained_champion
 from tests.support import (
@@ -74,8 +74,8 @@ def external_cluster(s3_endpoint: str) -> Iterator[str]:
 
 
 @dataclass(frozen=True)
-class Prepared:
-    """The module's one `rayline prepare-data` on the external cluster: its storage root, what was seeded, its run."""
+class Trained:
+    """The module's one `rayline train-model` on the external cluster: its storage root, what was seeded, its run."""
 
     root: str
     seeded: SeedResult
@@ -83,60 +83,54 @@ class Prepared:
 
 
 @pytest.fixture(scope="module")
-def prepared(external_cluster: str, s3_endpoint: str, prefect_api: str) -> Iterator[Prepared]:
-    """300 digits (every class; few S3 requests) and 4 broken objects, prepared once in a bucket of the module's:
-    train-model then finds its data prepared (ingest and preprocess reused), as after a user's prepare-data,
-    and spends its time on the tune and train it is tested for."""
+def trained(external_cluster: str, s3_endpoint: str, prefect_api: str) -> Iterator[Trained]:
+    """300 digits (every class; few S3 requests) and 4 broken objects in a bucket of the module's, unprepared:
+    train-model prepares them itself on the cluster, then tunes and trains on them."""
     bucket = f"rayline-test-{uuid.uuid4().hex[:12]}"
     create_bucket(s3_endpoint, bucket)
     root = f"s3://{bucket}/root"
     try:
         seeded = seed(storage.join(root, "raw"), corrupt=4, digit_count=300)
         env = _driver_env(external_cluster, root, s3_endpoint, prefect_api)
+        args = ["train-model", "--epochs", "1", "--tune-samples", "2", "--tune-max-epochs", "1", "--floor", "0"]
         # run from outside the repo: workers must get rayline from runtime_env, not the cwd
         done = subprocess.run(
-            [str(BIN / "rayline"), "prepare-data"], env=env, cwd=tempfile.gettempdir(), capture_output=True,
-            text=True, timeout=600,
+            [str(BIN / "rayline"), *args], env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True,
+            timeout=900,
         )  # fmt: skip
-        yield Prepared(root, seeded, done)
+        yield Trained(root, seeded, done)
     finally:
         delete_bucket(s3_endpoint, bucket)
 
 
-def test_prepare_data_runs_on_an_external_cluster(
-    prepared: Prepared, external_cluster: str, monkeypatch: pytest.MonkeyPatch
+def test_train_model_prepares_its_data_on_an_external_cluster(
+    trained: Trained, external_cluster: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("RAYLINE_STORAGE", prepared.root)
-    done = prepared.done
+    monkeypatch.setenv("RAYLINE_STORAGE", trained.root)
+    done = trained.done
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "prepare-data finished" in done.stdout
 
-    # the prepare-data run's record (train-model's reuse of its data, when it ran first, records a cached one)
-    (record,) = [r for r in lineage.read_records("preprocess") if not r.cached]
-    assert record.run.ray_address == external_cluster
+    (record,) = lineage.read_records("preprocess")
+    assert not record.cached and record.run.ray_address == external_cluster
     result = preprocess.read_manifest(record.outputs[0].uri)
-    assert_exactly_one_row_per_object(result, prepared.seeded)
+    assert_exactly_one_row_per_object(result, trained.seeded)
     # the session's own embedded cluster was not disturbed
     assert ray.get(ray.put(41)) + 1 == 42
 
 
-def test_train_and_tune_run_on_an_external_cluster(
-    prepared: Prepared, external_cluster: str, s3_endpoint: str, prefect_api: str, monkeypatch: pytest.MonkeyPatch
+def test_train_model_tunes_and_trains_on_an_external_cluster(
+    trained: Trained, external_cluster: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = prepared.root  # where it runs is checked, not what it learns: the module's 300 prepared digits
+    root = trained.root  # where it runs is checked, not what it learns: the module's 300 digits
     monkeypatch.setenv("RAYLINE_STORAGE", root)
-    env = _driver_env(external_cluster, root, s3_endpoint, prefect_api)
-    args = ["train-model", "--epochs", "1", "--tune-samples", "2", "--tune-max-epochs", "1", "--floor", "0"]
-    done = subprocess.run(
-        [str(BIN / "rayline"), *args], env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=900
-    )
+    done = trained.done
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "train-model finished" in done.stdout and "2 trials" in done.stdout
 
-    (trained,) = lineage.read_records("train")
+    (trained_record,) = lineage.read_records("train")
     (tuned,) = lineage.read_records("tune")
-    assert trained.run.ray_address == tuned.run.ray_address == external_cluster
-    assert trained.outputs[0].uri.startswith(f"{root}/checkpoints/training/")  # checkpoints live in the bucket
+    assert trained_record.run.ray_address == tuned.run.ray_address == external_cluster
+    assert trained_record.outputs[0].uri.startswith(f"{root}/checkpoints/training/")  # checkpoints live in the bucket
     assert tuned.outputs[0].uri.startswith(f"{root}/checkpoints/tuning/")
     assert storage.list_objects(storage.join(root, "models", "digits", "v1"))
 
@@ -149,7 +143,8 @@ def test_nightly_inference_runs_on_an_external_cluster(
     test_prediction_tables and test_night_at_scale: a driver process of its own, joined by RAY_ADDRESS, as here."""
     day = "2026-11-28"
     register_untrained_champion()
-    arrivals = seed_incoming(storage.join(s3_storage, "incoming", f"dt={day}"), corrupt=4)
+    # a few hundred arrivals: where the night runs is checked, not its scale
+    arrivals = seed(storage.join(s3_storage, "incoming", f"dt={day}"), corrupt=4, digit_count=300)
     inputs = {storage.join(arrivals.uri, o.key) for o in storage.list_objects(arrivals.uri)}
     env = _driver_env(external_cluster, s3_storage, s3_endpoint, prefect_api)
     command = [str(BIN / "rayline"), "nightly-inference", "--date", day]

@@ -35,10 +35,9 @@ KINDS = ("predictions", "errors")
 
 @dataclass(frozen=True)
 class Inputs:
-    """The module's models and its one night of arrivals (digits and broken images)."""
+    """The module's model and its one night of arrivals (digits and broken images)."""
 
     digits: ModelVersion
-    other: ModelVersion  # a second model, for two models' nights of one day
     uri: str
     expected: frozenset[str]
 
@@ -52,13 +51,13 @@ def seed_inputs(uri: str, digits: int, corrupt: int) -> frozenset[str]:
 
 
 def make_inputs(tmp_path_factory: pytest.TempPathFactory) -> Inputs:
-    """The models and one night of arrivals, for a test module's ``inputs`` fixture (module scope)."""
+    """The model and one night of arrivals, for a test module's ``inputs`` fixture (module scope)."""
     root = tmp_path_factory.mktemp("prediction-tables")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAYLINE_STORAGE", str(root / "storage"))  # the registry's home; the versions carry their URIs
-        digits, other = register_untrained("digits"), register_untrained("digits-b", seed=1)
+        digits = register_untrained("digits")
     incoming = str(root / "incoming")
-    return Inputs(digits, other, incoming, seed_inputs(incoming, digits=36, corrupt=4))
+    return Inputs(digits, incoming, seed_inputs(incoming, digits=36, corrupt=4))
 
 
 def night_config(
@@ -191,8 +190,3 @@ def files_of(result: InferenceResult, kind: str) -> list[str]:
     version = result.predictions_version if kind == "predictions" else result.errors_version
     night = Night(result.model_name, result.dt)
     return [storage.normalize(u) for u in DeltaTable(uri, version=version).file_uris(night.filters)]
-
-
-def committed_files(root: str) -> dict[str, set[str]]:
-    """The data files the latest version of each table references."""
-    return {kind: set(DeltaTable(uri).file_uris()) for kind, uri in tables_of(root).items()}

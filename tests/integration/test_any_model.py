@@ -74,15 +74,6 @@ class Case:
     classes: list[str]
 
 
-def _state_dict(arch: str) -> Callable[[Path], list[str]]:
-    def save(folder: Path) -> list[str]:
-        path = folder / f"{arch}.pt"
-        torch.save(torchvision.models.get_model(arch, weights=None).state_dict(), path)
-        return ["--weights", str(path), "--arch", arch, "--crop", str(SIDE)]
-
-    return save
-
-
 def _vit(folder: Path) -> list[str]:
     path = folder / "vit_b_16.pt"
     torch.save(torchvision.models.vit_b_16(weights=None).state_dict(), path)
@@ -147,8 +138,6 @@ def _factory(folder: Path) -> list[str]:
 
 
 CASES = [
-    Case("efficientnet", _state_dict("efficientnet_b0"), imagenet_classes("efficientnet_b0")),
-    Case("convnext", _state_dict("convnext_tiny"), imagenet_classes("convnext_tiny")),
     Case("vit", _vit, imagenet_classes("vit_b_16")),
     Case("timm-mobilenet", _timm, imagenet_classes("resnet18")),
     Case("torchscript-resnet", _torchscript, imagenet_classes("resnet18")),
@@ -197,7 +186,7 @@ def registered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registered]
 def test_each_format_is_registered_with_what_it_is(registered: Registered) -> None:
     specs = {name: version.model_spec for name, version in registered.versions.items()}
     assert {name: spec.format for name, spec in specs.items()} == {
-        "efficientnet": "state_dict", "convnext": "state_dict", "vit": "state_dict",
+        "vit": "state_dict",
         "timm-mobilenet": "state_dict", "torchscript-resnet": "torchscript",
         "export-mobilenet": "torch_export", "onnx-resnet": "onnx", "own-net": "state_dict",
     }  # fmt: skip

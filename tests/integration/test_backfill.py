@@ -108,7 +108,12 @@ def test_a_bad_night_fails_alone_and_the_run_and_the_cli_say_so(local_storage: s
     single = nightly_inference(date=FIRST, actors=1, max_error_fraction=BUDGET)
     assert isinstance(single, InferenceResult) and single.dt == FIRST and single.inputs == len(inputs[FIRST])
     over = nightly_inference(date=LAST, actors=1, max_error_fraction=0.05, return_state=True)
-    assert over.is_failed() and isinstance(over.result(raise_on_failure=False), ErrorBudgetExceeded)
+    refused = over.result(raise_on_failure=False)
+    assert over.is_failed() and isinstance(refused, ErrorBudgetExceeded), refused
+    # the night's share against the budget, and where the committed error rows are
+    errors_version = read_night_pair(local_storage, "digits", LAST).errors_version
+    assert "1 of 13 inputs failed (7.7%, budget 5.0%); see the errors table: " in str(refused)
+    assert f"version {errors_version}, model_name = 'digits' AND dt = '{LAST}'" in str(refused)
 
 
 def test_nights_run_at_most_max_concurrent_at_once(local_storage: str, monkeypatch: pytest.MonkeyPatch) -> None:

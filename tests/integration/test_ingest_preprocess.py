@@ -1,4 +1,4 @@
-"""Ingest and preprocess workloads on a real Ray cluster, local and S3 storage."""
+"""Ingest and preprocess workloads on a real Ray cluster."""
 
 from __future__ import annotations
 
@@ -9,18 +9,11 @@ import pytest
 from rayline import storage
 from rayline.errors import InputDataError
 from rayline.ray_workloads.data import ingest, preprocess
-from rayline.seed import CORRUPT_KINDS, seed
+from rayline.seed import seed
 from rayline.storage import manifests
 from rayline.storage.manifests import IngestManifest
-from tests.integration.helpers import assert_exactly_one_row_per_object
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session")]
-
-
-@pytest.fixture(params=["local", "s3"])
-def root(request: pytest.FixtureRequest) -> str:
-    fixture = "local_storage" if request.param == "local" else "s3_storage"
-    return str(request.getfixturevalue(fixture))
 
 
 def _run(root: str, force: bool = False) -> tuple[ingest.IngestResult, preprocess.PreprocessResult]:
@@ -35,24 +28,6 @@ def _run(root: str, force: bool = False) -> tuple[ingest.IngestResult, preproces
         )
     )
     return ingested, prepared
-
-
-# a few hundred digits: every class, several shards, and a fraction of the full set's S3 requests
-DIGITS = 400
-
-
-def test_every_object_yields_exactly_one_row_and_bad_ones_are_errors(root: str) -> None:
-    corrupt = 2 * len(CORRUPT_KINDS)
-    seeded = seed(storage.join(root, "raw"), corrupt=corrupt, digit_count=DIGITS)
-    ingested, prepared = _run(root)
-    assert ingested.object_count == seeded.total == DIGITS + corrupt
-    assert prepared.error_count == corrupt
-    assert sum(prepared.counts.values()) == DIGITS
-    assert_exactly_one_row_per_object(prepared, seeded)
-    summary = storage.read_json(prepared.summary_uri)
-    assert summary["error_count"] == corrupt
-    assert summary["counts"] == prepared.counts
-    assert sum(summary["class_counts"]["train"].values()) == prepared.counts["train"]
 
 
 def test_rerun_on_unchanged_input_reuses_output_and_force_rewrites_same_files(local_storage: str) -> None:

@@ -1,4 +1,4 @@
-"""The predictions tables as outside readers and concurrent writers see them.
+"""The predictions tables as outside readers see them, through reruns, a killed driver and a wider schema.
 
 Real nights from ``batch_inference.run`` on the session's Ray cluster (a few
 dozen digits and broken images, one actor), read back the way people outside
@@ -6,8 +6,7 @@ rayline read a Delta table: ``deltalake`` to pyarrow and to pandas in a
 process of their own (``delta_reader``), ``ray.data.read_delta``, and
 rayline's own readers; after a rerun, at an older version (time travel); after
 a driver killed between its actors' writes and its commit (``night_driver``),
-and after the vacuum of that driver's orphans. Then writers at once (other
-nights and models; three runs of one night), a night and its rerun on the
+and after the vacuum of that driver's orphans. Then a night and its rerun on the
 S3-protocol server, an object overwritten there between the listing and its read,
 and a column that a later night's files add. Each checks
 rows and outcomes, never timing: exactly one row per input across
@@ -18,8 +17,6 @@ night.
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +25,8 @@ import pytest
 from deltalake import DeltaTable
 
 from rayline import storage
-from rayline.errors import NightCommittedElsewhere
 from rayline.ray_workloads.nightly import batch_inference
-from rayline.ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, new_run_id
+from rayline.ray_workloads.nightly.batch_inference import new_run_id
 from rayline.storage.layout import PREDICTIONS_TABLE
 from rayline.storage.listing import ListingStart
 from rayline.tables.delta_tables import PARTITION_COLUMNS, Night, night_commit, table_version
@@ -40,12 +36,10 @@ from tests.integration.night_driver import kill_once_written
 from tests.integration.prediction_tables_support import (
     Inputs,
     assert_readers_see,
-    committed_files,
     files_of,
     make_inputs,
     night_config,
     outside_reads,
-    part_files,
     ray_rows,
     seed_inputs,
     tables_of,
@@ -98,79 +92,9 @@ def test_outside_readers_see_exactly_the_committed_night_through_a_rerun_and_a_k
     assert_readers_see(root, "digits", D1, inputs.expected, "first", at=first)
 
 
-Outcome = InferenceResult | Exception
-
-
-def _run_together(configs: dict[str, InferenceConfig]) -> dict[str, Outcome]:
-    """Start ``batch_inference.run`` of each (run id → config) at once, in threads; each one's result or error."""
-    start = threading.Barrier(len(configs))
-
-    def run(run_id: str, config: InferenceConfig) -> Outcome:
-        start.wait()
-        try:
-            return batch_inference.run(config, run_id=run_id)
-        except Exception as exc:  # the test sorts expected refusals from the rest
-            return exc
-
-    with ThreadPoolExecutor(len(configs)) as pool:
-        futures = {run_id: pool.submit(run, run_id, config) for run_id, config in configs.items()}
-        return {run_id: future.result(timeout=600) for run_id, future in futures.items()}
-
-
-def _labels(root: str, model: str, dt: str) -> set[str]:
-    return set(read_night(tables_of(root)["predictions"], model, dt).column("flow_run_id").to_pylist())
-
-
-def test_concurrent_writers_commit_other_nights_and_serialise_one_night(inputs: Inputs, tmp_path: Path) -> None:
-    root = str(tmp_path / "tables")
-    independent = {
-        new_run_id(): night_config(inputs, root, D1, "digits-d1"),
-        new_run_id(): night_config(inputs, root, D2, "digits-d2"),
-        new_run_id(): night_config(inputs, root, D1, "other-d1", model=inputs.other),  # another model, same day
-    }
-    outcomes = _run_together(independent)
-    results = [o for o in outcomes.values() if isinstance(o, InferenceResult)]
-    assert len(results) == 3, outcomes
-    assert len({r.predictions_version for r in results}) == 3 and not any(r.replaced for r in results)
-    for result in results:
-        pair = read_night_pair(root, result.model_name, result.dt)
-        both = pair.predictions.column("uri").to_pylist() + pair.errors.column("uri").to_pylist()
-        assert sorted(both) == sorted(inputs.expected) and pair.commit.run_id == result.run_id
-
-    # three runs of one night at once: each ends committed or told who committed; the night holds one run
-    same = {new_run_id(): night_config(inputs, root, D2, f"same-{i}") for i in range(3)}
-    outcomes = _run_together(same)
-    unexpected = {r: o for r, o in outcomes.items() if not isinstance(o, InferenceResult | NightCommittedElsewhere)}
-    assert not unexpected, unexpected
-    committed = sorted(
-        (o for o in outcomes.values() if isinstance(o, InferenceResult)), key=lambda r: r.predictions_version
-    )
-    assert committed, outcomes
-    last = committed[-1]
-    for run_id, outcome in outcomes.items():
-        if isinstance(outcome, NightCommittedElsewhere):
-            # a clear message: what happened, who won, and that this run's files stay uncommitted
-            assert "another run committed that night" in str(outcome) and "stay uncommitted" in str(outcome)
-            assert outcome.winner_run_id in same and outcome.winner_run_id in str(outcome), outcome
-            assert run_id in str(outcome)
-    # runs that commit in turn each replace the night; either way the last commit is what every reader sees
-    assert [r.replaced for r in committed] == [True] * len(committed)  # D2 was committed by the first batch
-    night = night_commit(tables_of(root)["predictions"], "digits", D2)
-    assert night is not None and night.run_id == last.run_id
-    assert_readers_see(root, "digits", D2, inputs.expected, str(same[last.run_id].flow_run_id))
-    # only the last run's files are committed: a loser's compacted files (if it got that far) are not
-    files = committed_files(root)
-    assert all(part_files(root, Night("digits", D2), last.run_id).values())
-    for run_id in same:
-        for kind, paths in part_files(root, Night("digits", D2), run_id).items():
-            assert (files[kind] & set(paths)) == (set(paths) if run_id == last.run_id else set()), (run_id, kind)
-    # the other nights are untouched
-    assert _labels(root, "digits", D1) == {"digits-d1"} and _labels(root, "digits-b", D1) == {"other-d1"}
-
-
 def test_a_night_and_its_rerun_on_s3_read_back_through_deltalake(inputs: Inputs, s3_storage: str) -> None:
     incoming = storage.join(s3_storage, "incoming")
-    on_s3 = Inputs(inputs.digits, inputs.other, incoming, seed_inputs(incoming, digits=20, corrupt=4))
+    on_s3 = Inputs(inputs.digits, incoming, seed_inputs(incoming, digits=20, corrupt=4))
     first = batch_inference.run(night_config(on_s3, s3_storage, D1, "first"))
     second = batch_inference.run(night_config(on_s3, s3_storage, D1, "second"))
     assert second.replaced and first.predictions_table == storage.join(s3_storage, PREDICTIONS_TABLE)
@@ -195,7 +119,7 @@ def test_an_object_overwritten_between_the_listing_and_its_read_is_an_error_row_
         storage.write_bytes_atomic(changed, storage.read_bytes(uris[-1]))  # a PUT to the S3-protocol server
         return listing
 
-    config = night_config(Inputs(inputs.digits, inputs.other, incoming, frozenset(uris)), s3_storage, D1, "first")
+    config = night_config(Inputs(inputs.digits, incoming, frozenset(uris)), s3_storage, D1, "first")
     with monkeypatch.context() as patch:
         patch.setattr(batch_inference, "_begin_night", overwritten_once_listed)
         first = batch_inference.run(config)

@@ -1,4 +1,5 @@
-"""The prepare-data flow against a real Prefect API, on local and S3 storage."""
+"""The prepare-data flow against a real Prefect API: from the command line on local storage, then on S3, GCS and
+Azure."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import boto3
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from typer.testing import CliRunner
 
 from rayline import lineage, storage
+from rayline.cli import app
 from rayline.flows.prepare_data import prepare_data
+from rayline.ray_workloads.data import ingest, preprocess
 from rayline.seed import seed
 from tests.integration.helpers import assert_exactly_one_row_per_object
 
@@ -25,22 +29,43 @@ async def _artifact_keys() -> set[str]:
     return {a.key for a in artifacts if a.key}
 
 
-def test_flow_on_local_storage_records_lineage_and_artifacts(local_storage: str) -> None:
+def _printed(output: str, label: str) -> str:
+    """The value on the line ``label`` of the command's summary."""
+    (line,) = [line for line in output.splitlines() if line.startswith(f"  {label} ")]
+    return line.removeprefix(f"  {label}").strip()
+
+
+def test_command_on_local_storage_prints_its_summary_and_records_lineage_and_artifacts(local_storage: str) -> None:
     seeded = seed(storage.join(local_storage, "raw"), corrupt=4)
-    result = prepare_data()
-    assert_exactly_one_row_per_object(result.preprocess, seeded)
+    done = CliRunner().invoke(app, ["prepare-data"])
+    assert done.exit_code == 0, done.output
+    assert "prepare-data finished" in done.output
+    assert f"objects ingested   {seeded.total} from {seeded.uri}" in done.output
     assert asyncio.run(_artifact_keys()) == {"prepare-data-counts", "prepare-data-errors"}
 
     (ingest_record,) = lineage.read_records("ingest")
     (pre_record,) = lineage.read_records("preprocess")
+    # the records name what the command printed
+    ingest_manifest, content_hash = _printed(done.output, "ingest manifest"), _printed(done.output, "content hash")
     assert ingest_record.inputs[0].uri == seeded.uri
-    assert ingest_record.inputs[0].content_hash == result.ingest.content_hash
-    assert ingest_record.outputs[0].uri == result.ingest.manifest_uri
-    shard_uris = result.ingest.read_shard_uris()  # listed by the manifest, the record's output: counted there
+    assert ingest_record.inputs[0].content_hash == content_hash
+    assert ingest_record.outputs[0].uri == ingest_manifest
+    assert pre_record.inputs[0].uri == ingest_manifest
+    assert pre_record.inputs[0].content_hash == content_hash
+    ingested = ingest.read_manifest(ingest_manifest)
+    prepared = preprocess.read_manifest(pre_record.outputs[0].uri)
+    assert prepared.output_uri == _printed(done.output, "preprocessed")
+    assert prepared.summary_uri == _printed(done.output, "summary")
+
+    assert ingested.object_count == seeded.total == seeded.digits + 4
+    assert prepared.error_count == 4 and sum(prepared.counts.values()) == seeded.digits
+    assert_exactly_one_row_per_object(prepared, seeded)
+    summary = storage.read_json(prepared.summary_uri)
+    assert summary["error_count"] == 4 and summary["counts"] == prepared.counts
+    assert sum(summary["class_counts"]["train"].values()) == prepared.counts["train"]
+
+    shard_uris = ingested.read_shard_uris()  # listed by the manifest, the record's output: counted there
     assert shard_uris and ingest_record.outputs[0].facets == {"shard_count": len(shard_uris)}
-    assert pre_record.inputs[0].uri == result.ingest.manifest_uri
-    assert pre_record.inputs[0].content_hash == result.ingest.content_hash
-    assert pre_record.outputs[0].uri == result.preprocess.manifest_uri
     for record in (ingest_record, pre_record):
         assert record.code_version.startswith(("git:", "pkg:"))
         assert record.run.flow_name == "prepare-data"

@@ -1,18 +1,23 @@
-"""train-model end to end on a real Ray cluster and Prefect API: accuracy, fault recovery, gate."""
+"""train-model end to end on a real Ray cluster, Prefect API and MLflow server: accuracy, fault recovery, gate,
+and what it tracks in MLflow (a server that is down fails nothing)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
+from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from rayline import lineage, storage
-from rayline.flows.train_model import train_model
-from rayline.models import registry
+from rayline.flows.train_model import TrainModelResult, train_model
+from rayline.models import mlflow_mirror, registry
+from rayline.ray_workloads.registration import mlflow_models
 from rayline.seed import seed
+from tests.mlflow_support import assert_mirror_equals_registry, dead_uri, runs_of, steps_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 
@@ -26,12 +31,49 @@ async def _artifact_keys() -> set[str]:
     return {a.key for a in found if a.key}
 
 
-def test_train_recovers_from_a_worker_failure_and_the_gate_keeps_the_best(local_storage: str) -> None:
+def _assert_tracked_search_and_run(tracking: MlflowClient, weak: TrainModelResult) -> None:
+    """Tune: one run per trial (sampled config as params, each epoch's report) under the search's parent run;
+    train: params, per-epoch metrics, the curves and the evaluation in one run."""
+    searched = weak.tuned
+    assert searched is not None
+    (parent,) = runs_of(tracking, "digits", "tune")
+    trials = runs_of(tracking, "digits", "tune-trial")
+    assert len(trials) == 2
+    for run in trials:
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert {"lr", "batch_size", "width", "arch", "weight_decay"} <= set(run.data.params)
+        (summary,) = [t for t in searched.trials if run.info.run_name.endswith(t.trial_id)]
+        assert steps_of(tracking, run.info.run_id, "val_accuracy") == list(range(1, summary.epochs + 1))
+    (trained,) = runs_of(tracking, "digits", "train")
+    assert trained.data.params["loop.lr"] == str(searched.best_config.lr)
+    assert steps_of(tracking, trained.info.run_id, "val_accuracy") == [0]
+    assert steps_of(tracking, trained.info.run_id, "train_loss") == [0]
+    ended = [m.timestamp / 1000 for m in tracking.get_metric_history(trained.info.run_id, "val_accuracy")]
+    assert all(abs(t - time.time()) < 3600 for t in ended), f"points stamped when their epoch ended: {ended}"
+    assert "epoch_ended_at" not in trained.data.metrics  # a time, not a metric
+    assert trained.data.metrics["test_accuracy"] == pytest.approx(weak.evaluation.accuracy)
+    assert "test_recall.7" in trained.data.metrics
+    assert "curves.png" in {f.path for f in tracking.list_artifacts(trained.info.run_id)}
+    assert {f.path for f in tracking.list_artifacts(trained.info.run_id, "evaluation")} == {
+        "evaluation/evaluation.json",
+        "evaluation/confusion.png",
+    }
+
+
+def test_train_recovers_from_a_worker_failure_the_gate_keeps_the_best_and_mlflow_tracks_it(
+    local_storage: str, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    tracking = MlflowClient(mlflow_uri)
     seed(storage.join(local_storage, "raw"), corrupt=2)
 
-    # anything passes a zero floor: first champion (one worker: what is claimed of it needs no data parallelism)
-    weak = train_model(epochs=1, floor=0.0, num_workers=1)
+    # anything passes a zero floor: first champion (one worker: what is claimed of it needs no data parallelism),
+    # trained with the best of a two-trial search
+    weak_params = {"epochs": 1, "floor": 0.0, "num_workers": 1, "tune_samples": 2, "tune_max_epochs": 1}
+    weak = train_model(**weak_params)  # type: ignore[arg-type]
     assert weak.registration.version.version == 1 and weak.registration.decision.promoted
+    _assert_tracked_search_and_run(tracking, weak)
+    assert_mirror_equals_registry(tracking, "digits")
 
     # one failure after the epoch-1 checkpoint, one resume; 8 epochs are enough for the accuracy (12 gave
     # 0.994 on the test split, 6 only 0.971: the cosine decay ends sooner, yet too close to the bar)
@@ -48,14 +90,25 @@ def test_train_recovers_from_a_worker_failure_and_the_gate_keeps_the_best(local_
     assert strong.registration.decision.promoted
     assert registry.alias_version("digits", registry.CHAMPION) == 2
 
-    # same data and parameters as `weak`: the finished run is reused, not retrained, and loses the gate
-    again = train_model(epochs=1, floor=0.0, num_workers=1)
+    (_, strong_run) = sorted(runs_of(tracking, "digits", "train"), key=lambda run: run.info.start_time)
+    assert steps_of(tracking, strong_run.info.run_id, "val_accuracy") == list(range(8)), "each epoch logged once"
+
+    # same data and parameters as `weak`, MLflow down: the finished search and run are reused, not retrained,
+    # the candidate loses the gate, and the flow completes with the mirror behind …
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", dead_uri())
+    again = train_model(**weak_params)  # type: ignore[arg-type]
     assert again.trained.checkpoint_uri == weak.trained.checkpoint_uri
     assert again.trained.reused, "the finished run's result, no worker group started for it"
     assert not again.registration.decision.promoted
     assert "does not beat champion v2" in again.registration.decision.reason
     assert registry.alias_version("digits", registry.CHAMPION) == 2
     assert registry.alias_version("digits", registry.CHALLENGER) is None, "a losing candidate gets no alias"
+    assert sorted(mlflow_mirror.mirrored_versions(tracking, "digits")) == [1, 2]
+    # … which the next reconcile (any registration, alias move, train or monitor run) catches up
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    report = mlflow_models.reconcile("digits")
+    assert report is not None and report.created == [again.registration.version.version]
+    assert_mirror_equals_registry(tracking, "digits")
 
     assert asyncio.run(_artifact_keys()) == set(ARTIFACTS)
     assert storage.exists(strong.evaluation.confusion_png_uri or "")

@@ -116,6 +116,8 @@ def test_the_flow_plans_a_fine_tune_from_init_from_or_from_the_champions_parent(
     assert name == "photos-ft" and plan is not None
     assert plan.parent.version == outside.version and plan.parent.image_spec == crop
     assert plan.init().model == outside_spec and plan.init().freeze_backbone
+    fresh = plan_training(None, "photos@champion", None)[1]
+    assert fresh is not None and not fresh.freeze_backbone, "a fine-tune trains the whole net unless told otherwise"
     assert plan_training("flowers", "photos@v1", None)[0] == "flowers"
 
     link = plan.parent_link()
