@@ -373,12 +373,6 @@ class PlantMissingRow(_PlantingPredictor):
         storage.write_parquet_atomic(predictions, table.slice(1))
 
 
-class PlantDuplicatedRow(_PlantingPredictor):
-    def plant(self, predictions: str, errors: str) -> None:
-        table = storage.read_parquet([predictions])
-        storage.write_parquet_atomic(predictions, pa.concat_tables([table, table.slice(0, 1)]))
-
-
 class PlantExtraRow(_PlantingPredictor):
     def plant(self, predictions: str, errors: str) -> None:
         table = storage.read_parquet([errors])

@@ -1,5 +1,5 @@
 """What the predictions-table tests share: the inputs (digits and broken images), a small night's
-config, the outside readers of a night, and the files a run left on disk.
+config, the outside readers of a night, a night that dies before its commit, and the files a run left on disk.
 
 Used by ``test_prediction_tables.py`` (readers and writers) and ``test_night_at_scale.py`` (nights at
 scale, on a small night). Each test module makes its own ``inputs`` fixture from :func:`make_inputs`.
@@ -22,6 +22,7 @@ from deltalake import DeltaTable
 
 from rayline import storage
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.nightly import batch_inference
 from rayline.ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult
 from rayline.seed import corrupt_objects, digit_objects
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
@@ -164,6 +165,26 @@ def assert_readers_see(
 
 
 # ---------------------------------------------------------------- files on disk
+
+
+class DiedBeforeCompaction(Exception):
+    pass
+
+
+def _die_before_compaction(*args: object, **kwargs: object) -> None:
+    raise DiedBeforeCompaction("every block written, nothing compacted or committed")
+
+
+def run_dying_before_compaction(config: InferenceConfig, run_id: str | None = None) -> None:
+    """Run a night in this process that dies once its actors wrote every block, before it compacts them.
+
+    On disk, what a driver killed between its blocks and its commit leaves; its lease is released, though.
+    A driver process to kill (``night_driver``) costs ~20 s more, for a cluster of its own.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batch_inference, "compact_checked", _die_before_compaction)
+        with pytest.raises(DiedBeforeCompaction):
+            batch_inference.run(config, run_id)
 
 
 def part_files(root: str, night: Night, run_id: str) -> dict[str, list[str]]:

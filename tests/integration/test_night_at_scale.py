@@ -23,13 +23,14 @@ from rayline.ray_workloads.nightly.blocks import night_listings
 from rayline.storage import listing
 from rayline.tables.delta_tables import Night, table_version
 from rayline.tables.prediction_reads import read_night_pair, vacuum
-from tests.integration.helpers import PlantDuplicatedRow, PlantExtraRow, PlantMissingRow
+from tests.integration.helpers import PlantExtraRow, PlantMissingRow
 from tests.integration.night_driver import kill_once_written
 from tests.integration.prediction_tables_support import (
     Inputs,
     assert_readers_see,
     make_inputs,
     night_config,
+    run_dying_before_compaction,
     seed_inputs,
     tables_of,
     written_files,
@@ -72,42 +73,30 @@ def test_a_night_killed_at_60_percent_resumes_predicting_only_the_blocks_it_had_
     assert night_listings(root, Night("digits", D1)) == {}
 
 
-class _DiedBeforeCompaction(Exception):
-    pass
-
-
-def _die_before_compaction(*args: object, **kwargs: object) -> None:
-    raise _DiedBeforeCompaction("every block written, nothing compacted or committed")
-
-
-def test_a_block_an_earlier_attempt_left_past_a_shorter_listing_is_not_read_and_every_rerun_commits(
-    inputs: Inputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_block_an_earlier_attempt_left_past_a_shorter_listing_is_not_read_and_the_rerun_commits(
+    inputs: Inputs, tmp_path: Path
 ) -> None:
     """An attempt that died between its blocks and its commit leaves a tail block under the night's key that
-    no block of a shorter listing overwrites: each rerun reads only its own blocks, commits, and removes it.
+    no block of a shorter listing overwrites: the rerun reads only its own blocks, commits, and removes it.
 
     The attempt dies in this process (what a killed driver leaves on disk, less the lease that
-    ``test_a_night_killed_at_60_percent…`` lets expire): a driver process to kill costs ~20 s more here.
+    ``test_a_night_killed_at_60_percent…`` lets expire).
     """
     incoming = str(tmp_path / "incoming")
     uris = seed_inputs(incoming, digits=12, corrupt=2)  # 14 inputs in blocks of 13: b0 (13 rows), b13 (1 row)
     config = night_config(replace(inputs, uri=incoming, expected=uris), str(tmp_path / "tables"), D1, "", per_task=13)
-    with monkeypatch.context() as patch:
-        patch.setattr(batch_inference, "compact_checked", _die_before_compaction)
-        with pytest.raises(_DiedBeforeCompaction):
-            batch_inference.run(config.model_copy(update={"flow_run_id": "died"}))
+    run_dying_before_compaction(config.model_copy(update={"flow_run_id": "died"}))
     stray = written_files(config.tables_root, Night("digits", D1), "died")["predictions"][-1]
     assert stray.endswith("/b000000013.parquet"), stray
     first = min(uris)
     Path(first).unlink()  # the listing shifts by one: b0 holds the 13 left, and b13 is no block of it
-    for label in ("rerun-1", "rerun-2"):
-        result = batch_inference.run(config.model_copy(update={"flow_run_id": label}))
-        assert (result.inputs, result.blocks, result.predictions + result.errors) == (13, 1, 13)
-        pair = read_night_pair(config.tables_root, "digits", D1)
-        rows = pair.predictions.column("uri").to_pylist() + pair.errors.column("uri").to_pylist()
-        assert sorted(rows) == sorted(uris - {first}), label  # one row per remaining input
-        assert set(pair.predictions.column("flow_run_id").to_pylist()) == {label}
-        assert not os.path.exists(stray), "the stray block outlived the commit"
+    result = batch_inference.run(config.model_copy(update={"flow_run_id": "rerun"}))
+    assert (result.inputs, result.blocks, result.predictions + result.errors) == (13, 1, 13)
+    pair = read_night_pair(config.tables_root, "digits", D1)
+    rows = pair.predictions.column("uri").to_pylist() + pair.errors.column("uri").to_pylist()
+    assert sorted(rows) == sorted(uris - {first})  # one row per remaining input
+    assert set(pair.predictions.column("flow_run_id").to_pylist()) == {"rerun"}
+    assert not os.path.exists(stray), "the stray block outlived the commit"
 
 
 def test_a_night_predicts_while_its_cutters_list_the_sub_prefixes_the_driver_left(
@@ -146,8 +135,9 @@ def test_the_result_of_a_night_stays_small_however_many_parts_and_blocks_it_has(
     assert not [name for name, value in fields.items() if isinstance(value, list)]
 
 
-@pytest.mark.parametrize("planted", [PlantMissingRow, PlantDuplicatedRow, PlantExtraRow])
-def test_a_row_missing_duplicated_or_extra_in_the_written_files_refuses_the_commit(
+# a duplicated row is refused by the same digest check (tests/unit/test_streamed_listing.py)
+@pytest.mark.parametrize("planted", [PlantMissingRow, PlantExtraRow])
+def test_a_row_missing_or_extra_in_the_written_files_refuses_the_commit(
     inputs: Inputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: type
 ) -> None:
     root = str(tmp_path / "tables")

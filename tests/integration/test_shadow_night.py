@@ -20,7 +20,7 @@ from rayline.ray_workloads.execution.plan import PlanPolicy
 from rayline.ray_workloads.nightly import batch_inference, predictor
 from rayline.ray_workloads.nightly.blocks import NightOutput
 from rayline.ray_workloads.quality import shadow as shadow_module
-from rayline.seed import seed_incoming
+from rayline.seed import seed, seed_incoming
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, SHADOW_TABLE, table_uri
 from rayline.tables.delta_tables import Night
 from rayline.tables.predictions_table import night_seq
@@ -124,7 +124,9 @@ def test_a_shadowed_night_commits_the_shadow_with_the_night_and_its_rerun_comple
     local_storage: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, shadow = _versions()
-    seed_incoming(storage.join(local_storage, "incoming", f"dt={DAY}"), corrupt=4)
+    # a small night (2 broken of 62, within the budget) in blocks of 16: still compacted from several blocks
+    seed(storage.join(local_storage, "incoming", f"dt={DAY}"), corrupt=2, digit_count=60)
+    monkeypatch.setattr(batch_inference, "objects_per_task", lambda cfg, count: 16)
     real_commit = batch_inference.commit_night
 
     def dies_before_the_predictions_commit(table: str, *args: Any, **kwargs: Any) -> Any:
@@ -134,13 +136,18 @@ def test_a_shadowed_night_commits_the_shadow_with_the_night_and_its_rerun_comple
 
     monkeypatch.setattr(batch_inference, "commit_night", dies_before_the_predictions_commit)
     with pytest.raises(_Died):
-        nightly_inference(date=DAY, shadow="v2")
+        nightly_inference(date=DAY, actors=1, shadow="v2")
     night = Night("digits", DAY)
     assert night_seq(table_uri(local_storage, SHADOW_TABLE), night) == 1, "the shadow committed, the night not"
     assert night_seq(table_uri(local_storage, PREDICTIONS_TABLE), night) == 0
+    assert set(_night_rows(local_storage, SHADOW_TABLE)["model_version"].to_pylist()) == {shadow.version}
     monkeypatch.setattr(batch_inference, "commit_night", real_commit)
 
-    result = nightly_inference(date=DAY, shadow="v2", max_error_fraction=0.05)
+    # the rerun shadows by RAYLINE_SHADOW_CHALLENGER: the challenger, whenever there is one, without --shadow
+    registry.set_alias("digits", registry.CHALLENGER, shadow.version, "test")
+    monkeypatch.setenv("RAYLINE_SHADOW_CHALLENGER", "1")
+    result = nightly_inference(date=DAY, actors=1, max_error_fraction=0.05)
+    monkeypatch.delenv("RAYLINE_SHADOW_CHALLENGER")
     assert isinstance(result, batch_inference.InferenceResult) and result.shadow is not None
     assert night_seq(table_uri(local_storage, SHADOW_TABLE), night) == 2, "the rerun replaced the shadow's rows"
     served, shadowed = _night_rows(local_storage, PREDICTIONS_TABLE), _night_rows(local_storage, SHADOW_TABLE)
@@ -171,13 +178,7 @@ def test_a_shadowed_night_commits_the_shadow_with_the_night_and_its_rerun_comple
     assert again.already_committed and again.shadow == summary
     # the monitor's reading of the night's shadow, gone once the night is run again without one
     assert shadow_module.night_summaries(local_storage, "digits", [DAY]) == {DAY: summary}
-    # RAYLINE_SHADOW_CHALLENGER: the challenger, whenever there is one, without --shadow
-    registry.set_alias("digits", registry.CHALLENGER, shadow.version, "test")
-    monkeypatch.setenv("RAYLINE_SHADOW_CHALLENGER", "1")
-    by_setting = nightly_inference(date=DAY)
-    assert isinstance(by_setting, batch_inference.InferenceResult) and by_setting.shadow is not None
-    assert by_setting.shadow.model_version == shadow.version
-    monkeypatch.delenv("RAYLINE_SHADOW_CHALLENGER")
-    unshadowed = nightly_inference(date=DAY)
+    # the challenger alias stays, the setting is off: no shadow
+    unshadowed = nightly_inference(date=DAY, actors=1)
     assert isinstance(unshadowed, batch_inference.InferenceResult) and unshadowed.shadow is None
     assert shadow_module.night_summaries(local_storage, "digits", [DAY]) == {}

@@ -1,7 +1,7 @@
 """Results of bounded size: what a run returns to Prefect holds counts, digests and versions, whatever N.
 
 An ingest's and a preprocess's result here, from manifests of 10 M objects
-(a night's own result: tests/integration/test_prediction_tables.py, which
+(a night's own result: tests/integration/test_night_at_scale.py, which
 runs one). The lists of shards and files stay in the manifests, on storage.
 """
 
