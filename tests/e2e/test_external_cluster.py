@@ -1,4 +1,11 @@
-"""The CLI against an external `ray start --head` cluster and S3: train-model with its prepare, nightly-inference."""
+"""The CLI against an external cluster and S3: train-model with its prepare, nightly-inference.
+
+The cluster is the Ray head of the package's `rayline up` (conftest.platform), a `ray start --head` with token
+auth, shared with test_platform and test_work_pool: one head start fewer. Its environment has S3 credentials but
+not the endpoint, so the driver must forward it, and a RAYLINE_STORAGE of its own, which the driver's must
+override. The drivers keep the session's Prefect API: the platform's runs, logs and event triggers stay
+test_platform's, and the lineage checked here names the cluster by RAY_ADDRESS whichever API records the run.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,18 +24,18 @@ import ray
 from rayline import lineage, storage
 from rayline.ray_workloads.data import preprocess
 from rayline.seed import SeedResult, seed
+from rayline.storage.layout import (
+    CHECKPOINTS_DIR,
+    ERRORS_TABLE,
+    LINEAGE_DIR,
+    MODELS_DIR,
+    PREDICTIONS_TABLE,
+    PREPROCESSED_DIR,
+    STAGING_DIR,
+)
 from rayline.tables.prediction_reads import read_night_pair
 from tests.integration.helpers import assert_exactly_one_row_per_object, register_untrained_champion
-from tests.support import (
-    create_bucket,
-    delete_bucket,
-    free_port,
-    node_port_flags,
-    pids_mentioning,
-    start_ray_head,
-    stop_process,
-    wait_for_port,
-)
+from tests.support import create_bucket, delete_bucket
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("ray_session")]
 
@@ -49,28 +55,18 @@ def _driver_env(cluster: str, root: str, endpoint: str, prefect_api: str) -> dic
 
 
 @pytest.fixture(scope="module")
-def external_cluster(s3_endpoint: str) -> Iterator[str]:
-    """A head node of our own: loopback, free ports, its own temp dir; stopped by PID."""
-    temp_dir = tempfile.mkdtemp(prefix="rl-ext-", dir="/tmp")  # short: unix socket paths are limited
-    port = free_port()
-    # The head gets credentials but NOT the endpoint: the driver must forward it.
-    env = {k: v for k, v in os.environ.items() if k not in ("AWS_ENDPOINT_URL", "RAY_ADDRESS")}
-    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "2"  # nothing to drain in a test
-    args = [
-        str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
-        "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
-        f"--temp-dir={temp_dir}", "--min-worker-port=20000", "--max-worker-port=20999",
-    ]  # fmt: skip
-    head = start_ray_head(lambda: [*args, *node_port_flags()], env, Path(temp_dir))
-    try:
-        wait_for_port(port)
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop_process(head, timeout_s=60)
-        deadline = time.monotonic() + 30
-        while pids_mentioning(temp_dir) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert pids_mentioning(temp_dir) == [], "processes of the external cluster survived its stop"
+def external_cluster(platform: dict[str, str]) -> str:
+    """The platform's Ray head; stopped, and checked to leave no process behind, by the platform's teardown."""
+    assert "AWS_ENDPOINT_URL" not in platform, "the head must not know the endpoint: the driver forwards it"
+    return platform["RAY_ADDRESS"]
+
+
+def _assert_platform_root_untouched(platform: dict[str, str]) -> None:
+    """The head's workers see the platform's RAYLINE_STORAGE: none of the drivers' data may land there (the
+    platform's registry is test_platform's and test_work_pool's)."""
+    written = {p.name for p in Path(platform["RAYLINE_STORAGE"]).iterdir()}
+    ours = {MODELS_DIR, LINEAGE_DIR, CHECKPOINTS_DIR, STAGING_DIR, PREPROCESSED_DIR, PREDICTIONS_TABLE, ERRORS_TABLE}
+    assert not written & ours, sorted(written)
 
 
 @dataclass(frozen=True)
@@ -104,7 +100,7 @@ def trained(external_cluster: str, s3_endpoint: str, prefect_api: str) -> Iterat
 
 
 def test_train_model_prepares_its_data_on_an_external_cluster(
-    trained: Trained, external_cluster: str, monkeypatch: pytest.MonkeyPatch
+    trained: Trained, external_cluster: str, platform: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("RAYLINE_STORAGE", trained.root)
     done = trained.done
@@ -116,10 +112,11 @@ def test_train_model_prepares_its_data_on_an_external_cluster(
     assert_exactly_one_row_per_object(result, trained.seeded)
     # the session's own embedded cluster was not disturbed
     assert ray.get(ray.put(41)) + 1 == 42
+    _assert_platform_root_untouched(platform)
 
 
 def test_train_model_tunes_and_trains_on_an_external_cluster(
-    trained: Trained, external_cluster: str, monkeypatch: pytest.MonkeyPatch
+    trained: Trained, external_cluster: str, platform: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = trained.root  # where it runs is checked, not what it learns: the module's 300 digits
     monkeypatch.setenv("RAYLINE_STORAGE", root)
@@ -133,14 +130,15 @@ def test_train_model_tunes_and_trains_on_an_external_cluster(
     assert trained_record.outputs[0].uri.startswith(f"{root}/checkpoints/training/")  # checkpoints live in the bucket
     assert tuned.outputs[0].uri.startswith(f"{root}/checkpoints/tuning/")
     assert storage.list_objects(storage.join(root, "models", "digits", "v1"))
+    _assert_platform_root_untouched(platform)
 
 
 def test_nightly_inference_runs_on_an_external_cluster(
-    external_cluster: str, s3_storage: str, s3_endpoint: str, prefect_api: str
+    external_cluster: str, platform: dict[str, str], s3_storage: str, s3_endpoint: str, prefect_api: str
 ) -> None:
     """The CLI's night on the user's own cluster and bucket, each input once. A driver killed before its commit,
-    and the rerun that takes its lease over and reuses its blocks, are drilled on the session's cluster by
-    test_prediction_tables and test_night_at_scale: a driver process of its own, joined by RAY_ADDRESS, as here."""
+    and the rerun that takes its lease over and reuses its blocks, are drilled by test_night_at_scale: the
+    killed driver a process with a Ray cluster of its own, the rerun on the session's cluster."""
     day = "2026-11-28"
     register_untrained_champion()
     # a few hundred arrivals: where the night runs is checked, not its scale
@@ -157,3 +155,4 @@ def test_nightly_inference_runs_on_an_external_cluster(
     assert sorted(uris) == sorted(inputs) and pair.errors.num_rows == 4
     (record,) = lineage.read_records("batch_inference")
     assert record.run.ray_address == external_cluster
+    _assert_platform_root_untouched(platform)
