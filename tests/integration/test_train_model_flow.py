@@ -60,6 +60,11 @@ def _assert_tracked_search_and_run(tracking: MlflowClient, weak: TrainModelResul
     }
 
 
+def _weak_champion() -> TrainModelResult:
+    """One epoch of a two-trial search's best on one worker: a first champion that anything passes."""
+    return train_model(epochs=1, floor=0.0, num_workers=1, tune_samples=2, tune_max_epochs=1)
+
+
 def test_train_recovers_from_a_worker_failure_the_gate_keeps_the_best_and_mlflow_tracks_it(
     local_storage: str, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -69,8 +74,7 @@ def test_train_recovers_from_a_worker_failure_the_gate_keeps_the_best_and_mlflow
 
     # anything passes a zero floor: first champion (one worker: what is claimed of it needs no data parallelism),
     # trained with the best of a two-trial search
-    weak_params = {"epochs": 1, "floor": 0.0, "num_workers": 1, "tune_samples": 2, "tune_max_epochs": 1}
-    weak = train_model(**weak_params)  # type: ignore[arg-type]
+    weak = _weak_champion()
     assert weak.registration.version.version == 1 and weak.registration.decision.promoted
     _assert_tracked_search_and_run(tracking, weak)
     assert_mirror_equals_registry(tracking, "digits")
@@ -96,7 +100,7 @@ def test_train_recovers_from_a_worker_failure_the_gate_keeps_the_best_and_mlflow
     # same data and parameters as `weak`, MLflow down: the finished search and run are reused, not retrained,
     # the candidate loses the gate, and the flow completes with the mirror behind …
     monkeypatch.setenv("MLFLOW_TRACKING_URI", dead_uri())
-    again = train_model(**weak_params)  # type: ignore[arg-type]
+    again = _weak_champion()
     assert again.trained.checkpoint_uri == weak.trained.checkpoint_uri
     assert again.trained.reused, "the finished run's result, no worker group started for it"
     assert not again.registration.decision.promoted
