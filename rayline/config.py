@@ -83,6 +83,9 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("RAYLINE_RAY_ADDRESS", "RAY_ADDRESS"),
         description="Ray cluster to join; unset starts an embedded local cluster.",
     )
+    ray_connect_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="How long joining RAY_ADDRESS may wait for its head to accept a connection."
+    )
     ray_cpu_oversubscription: float = Field(
         2.0,
         gt=0,

@@ -14,7 +14,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import socket
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -112,9 +114,34 @@ def _preload_config(preload: Sequence[str], num_cpus: int) -> dict[str, Any]:
     return {"preload_python_modules": list(preload), "worker_maximum_startup_concurrency": num_cpus}
 
 
+def _wait_until_reachable(address: str, timeout_s: float) -> None:
+    """Fail fast on an address where nothing listens: Ray's own connect retries a dead head for ~14 minutes.
+
+    Only ``host:port`` and ``ray://host:port`` are checked; other forms (``auto``) are Ray's to resolve.
+    """
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout_s)).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"could not connect to Ray: nothing accepted a connection at {address} (RAY_ADDRESS) within "
+                    f"{timeout_s:g} s ({exc}); is the cluster up? (`rayline up` starts one; unset RAY_ADDRESS for "
+                    "an embedded one)"
+                ) from exc
+            time.sleep(min(1.0, timeout_s))
+
+
 def _start(settings: Settings, preload: Sequence[str]) -> bool:
     import ray
 
+    if settings.ray_address:
+        _wait_until_reachable(settings.ray_address, settings.ray_connect_timeout_s)
     try:
         if settings.ray_address:
             ray.init(

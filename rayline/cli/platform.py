@@ -26,17 +26,15 @@ nothing else.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,18 +47,24 @@ from rayline.cli.service_records import (
     leader_runs,
     pid_file,
     read_records,
-    record_of,
     state_lock,
     stop,
-    write_record,
+)
+from rayline.cli.service_starts import (
+    Readiness,
+    Started,
+    free_port,
+    http_ok,
+    port_open,
+    readiness,
+    start_service,
+    until,
+    wait_ready,
 )
 from rayline.config import Settings, get_settings
-from rayline.errors import ClusterError, ConfigError
+from rayline.errors import ConfigError
 from rayline.ray_cluster import RAY_ENV_DEFAULTS
 from rayline.storage.layout import MLFLOW_ARTIFACTS_DIR
-
-# what one `up` started, oldest first: a failed `up` stops these and nothing else
-Started = list[tuple[ServiceRecord, subprocess.Popen[bytes]]]
 
 
 @dataclass(frozen=True)
@@ -94,53 +98,6 @@ def endpoints(settings: Settings) -> Endpoints:
         # a tracking server the user runs already (MLflow's own variable) takes the place of ours
         mlflow_ui=os.environ.get("MLFLOW_TRACKING_URI") or f"http://{host}:{settings.mlflow_port}",
     )
-
-
-def _start(
-    state: Path, started: Started, name: str, command: list[str], env: dict[str, str], url: str
-) -> tuple[ServiceRecord, subprocess.Popen[bytes]]:
-    log = state / "logs" / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as out, uninterrupted():
-        proc = subprocess.Popen(
-            command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-        record = record_of(name, proc.pid, command, url, log)
-        started.append((record, proc))  # before its PID file: if writing that fails, the failed `up` still stops it
-    write_record(state, record)
-    return record, proc
-
-
-def _wait(check: str, ready: bool, record: ServiceRecord, timeout_s: float) -> None:
-    if not ready:
-        tail = Path(record.log).read_text(errors="replace")[-2000:] if Path(record.log).exists() else ""
-        raise ClusterError(
-            f"{record.name} did not come up within {timeout_s:.0f} s ({check}); log {record.log}:\n{tail}"
-        )
-
-
-def _http_ok(url: str, headers: dict[str, str]) -> bool:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2):
-            return True
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _until(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        if proc.poll() is not None:  # it exited: its log says why
-            return False
-        time.sleep(0.5)
-    return False
 
 
 def _auth_headers() -> dict[str, str]:
@@ -182,18 +139,12 @@ def _ray_command(state: Path, settings: Settings) -> list[str]:
         "--include-dashboard=true", f"--dashboard-host={settings.dashboard_host}",
         f"--dashboard-port={settings.dashboard_port}", f"--temp-dir={ray_temp_dir(state)}",
         # internal ports: free ones, so that up never clashes with another local cluster
-        f"--ray-client-server-port={_free_port()}", f"--node-manager-port={_free_port()}",
-        f"--object-manager-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+        f"--ray-client-server-port={free_port()}", f"--node-manager-port={free_port()}",
+        f"--object-manager-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
         # a fixed metrics port: Prometheus needs a stable target for Ray's and Serve's own metrics
         f"--metrics-export-port={settings.ray_metrics_port}", "--min-worker-port=20000", "--max-worker-port=29999",
     ]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def up(settings: Settings | None = None, timeout_s: float = 180.0) -> tuple[Endpoints, dict[str, str]]:
@@ -215,10 +166,6 @@ def up(settings: Settings | None = None, timeout_s: float = 180.0) -> tuple[Endp
                 stop(record, timeout_s=30, reap=proc.poll)
                 pid_file(state, record.name).unlink(missing_ok=True)
             raise
-
-
-# a service started and not ready yet: returns once it answers, raises ClusterError if it does not in time
-Readiness = Callable[[], None]
 
 
 def _up(
@@ -270,12 +217,6 @@ def _check_ports_free(settings: Settings, starting: list[str]) -> None:
         check_port_free(settings.mlflow_port, "the MLflow server (RAYLINE_MLFLOW_PORT)")
 
 
-def _readiness(
-    check: str, predicate: Callable[[], bool], record: ServiceRecord, proc: subprocess.Popen[bytes], timeout_s: float
-) -> Readiness:
-    return lambda: _wait(check, _until(predicate, proc, timeout_s), record, timeout_s)
-
-
 def _start_prefect(settings: Settings, state: Path, started: Started, ends: Endpoints, timeout_s: float) -> Readiness:
     command = [
         str(Path(sys.executable).parent / "prefect"),
@@ -286,9 +227,9 @@ def _start_prefect(settings: Settings, state: Path, started: Started, ends: Endp
         "--port",
         str(settings.prefect_port),
     ]
-    record, proc = _start(state, started, "prefect", command, _prefect_env(state, settings), ends.prefect_ui)
+    record, proc = start_service(state, started, "prefect", command, _prefect_env(state, settings), ends.prefect_ui)
     health = f"{ends.prefect_api}/health"
-    return _readiness(health, lambda: _http_ok(health, _auth_headers()), record, proc, timeout_s)
+    return readiness(health, lambda: http_ok(health, _auth_headers()), record, proc, timeout_s)
 
 
 def _start_ray(settings: Settings, state: Path, started: Started, ends: Endpoints, timeout_s: float) -> Readiness:
@@ -297,9 +238,38 @@ def _start_ray(settings: Settings, state: Path, started: Started, ends: Endpoint
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "5")
     for key, value in RAY_ENV_DEFAULTS.items():  # the head's own processes (Serve's controller, proxy) too
         env.setdefault(key, value)
-    record, proc = _start(state, started, "ray", _ray_command(state, settings), env, ends.dashboard)
-    port = settings.ray_port
-    return _readiness(f"port {port}", lambda: _port_open(port), record, proc, timeout_s)
+
+    def start() -> tuple[ServiceRecord, subprocess.Popen[bytes], int]:
+        log = state / "logs" / "ray.log"
+        offset = log.stat().st_size if log.exists() else 0
+        record, proc = start_service(state, started, "ray", _ray_command(state, settings), env, ends.dashboard)
+        return record, proc, offset
+
+    first = start()
+
+    def ready() -> None:
+        record, proc, offset = first
+        for attempt in range(1, _RAY_HEAD_STARTS + 1):
+            up = until(functools.partial(_head_started, record, offset), proc, timeout_s)
+            if up or proc.poll() is None or attempt == _RAY_HEAD_STARTS:  # started, stuck, or out of starts
+                break
+            record, proc, offset = start()  # it exited while starting (and _until reaped it)
+        wait_ready("the head saying the Ray runtime started", up, record, timeout_s)
+
+    return ready
+
+
+# `ray start --head` on a loaded machine can open its GCS port and then exit ("The current node timed out during
+# startup": its raylet took over the 30 s Ray allows to register): a transient start-up failure, so started again,
+# with fresh internal ports; a head is started once it says so, not when its port opens.
+_RAY_HEAD_STARTS = 3
+_HEAD_STARTED = b"Ray runtime started."
+
+
+def _head_started(record: ServiceRecord, offset: int) -> bool:
+    with open(record.log, "rb") as log:
+        log.seek(offset)
+        return _HEAD_STARTED in log.read()
 
 
 def _worker_setup_env(state: Path, settings: Settings, ends: Endpoints) -> dict[str, str]:
@@ -320,10 +290,10 @@ def _start_worker(
     pool = settings.work_pool
     work_pool.create_pool(pool, env)
     worker_env = work_pool.worker_env(env, ends.ray_address, ray_temp_dir(state))
-    record, proc = _start(state, started, "worker", work_pool.worker_command(pool), worker_env, ends.prefect_ui)
+    record, proc = start_service(state, started, "worker", work_pool.worker_command(pool), worker_env, ends.prefect_ui)
     work_pool.deploy_all(pool, env, state, rendering.result())
     work_pool.install_zombie_automation(ends.prefect_api, env.get("PREFECT_API_AUTH_STRING"))
-    return _readiness(f"a worker polling work pool {pool}", lambda: _worker_online(ends, pool), record, proc, timeout_s)
+    return readiness(f"a worker polling work pool {pool}", lambda: _worker_online(ends, pool), record, proc, timeout_s)
 
 
 def mlflow_command(state: Path, settings: Settings) -> list[str]:
@@ -369,9 +339,9 @@ def _start_mlflow(settings: Settings, state: Path, started: Started, timeout_s: 
     # MLflow's job runner (GenAI jobs) is not used here; without it the server starts and stops faster
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     ui = endpoints(settings).mlflow_ui
-    record, proc = _start(state, started, "mlflow", mlflow_command(state, settings), env, ui)
+    record, proc = start_service(state, started, "mlflow", mlflow_command(state, settings), env, ui)
     health = f"{ui}/health"
-    return "started", _readiness(health, lambda: _http_ok(health, {}), record, proc, timeout_s)
+    return "started", readiness(health, lambda: http_ok(health, {}), record, proc, timeout_s)
 
 
 def _worker_online(ends: Endpoints, pool: str) -> bool:
@@ -409,5 +379,5 @@ def down(settings: Settings | None = None, timeout_s: float = 60.0) -> dict[str,
 
 
 def check_port_free(port: int, what: str) -> None:
-    if _port_open(port):
+    if port_open(port):
         raise ConfigError(f"port {port} for {what} is taken by another process; set it in the environment")

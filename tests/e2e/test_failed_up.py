@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,3 +162,62 @@ def _kill_leftovers(root: Path) -> None:
             group = os.getpgid(pid)
             if group != os.getpgrp():
                 os.killpg(group, signal.SIGKILL)
+
+
+# What `ray start --head --block` shows at its boundary when its node times out during start-up on a loaded
+# machine: the GCS port opens, then the command exits (leaving nothing behind) instead of saying it started.
+# Run in place of `ray`: the first start fails that way (as often as the count file in argv[2] says), the next
+# one starts and blocks, as a started head does.
+_HEAD_STAND_IN = """
+import socket, sys, time
+from pathlib import Path
+port, failures = int(sys.argv[1]), Path(sys.argv[2])
+gcs = socket.socket()
+gcs.bind(("127.0.0.1", port))
+gcs.listen()
+left = int(failures.read_text())
+if left:
+    failures.write_text(str(left - 1))
+    time.sleep(1.0)
+    print("Exception: The current node timed out during startup.", flush=True)
+    sys.exit(1)
+print("Ray runtime started.", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(("failures", "starts"), [(1, 2), (3, 3)], ids=["once", "every-time"])
+def test_a_head_dying_during_its_start_up_is_started_again_and_up_never_takes_it_for_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failures: int, starts: int
+) -> None:
+    """The GCS port open is not a started head: `up` waits for the head to say it started, and starts one that
+    exited on the way again (three starts at most), else fails naming its log."""
+    from rayline.cli import platform
+    from rayline.cli.service_records import read_records, stop
+    from rayline.cli.service_starts import Started
+    from rayline.config import Settings
+    from rayline.errors import ClusterError
+
+    for key, value in platform_env(tmp_path / "root").items():
+        monkeypatch.setenv(key, value)
+    settings = Settings()
+    count = tmp_path / "failures"
+    count.write_text(str(failures))
+    stand_in = [sys.executable, "-c", _HEAD_STAND_IN, str(settings.ray_port), str(count)]
+    monkeypatch.setattr(platform, "_ray_command", lambda state, settings: stand_in)
+    state = platform.state_dir(settings)
+    started: Started = []
+    try:
+        ready = platform._start_ray(settings, state, started, platform.endpoints(settings), timeout_s=30)
+        if failures < starts:
+            ready()
+            *failed, (head, proc) = started
+            assert proc.poll() is None and read_records(state)["ray"] == head
+        else:
+            with pytest.raises(ClusterError, match="ray did not come up"):
+                ready()
+            failed = started
+        assert len(started) == starts and all(p.poll() is not None for _, p in failed)
+    finally:
+        for record, proc in started:
+            stop(record, timeout_s=10, reap=proc.poll)

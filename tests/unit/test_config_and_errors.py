@@ -189,3 +189,25 @@ def test_a_settings_file_is_read_under_the_environment(tmp_path: Path, monkeypat
     monkeypatch.setenv("RAYLINE_CONFIG", str(tmp_path / "missing.toml"))
     with pytest.raises(ConfigError, match="RAYLINE_CONFIG=.*missing.toml: no such file"):
         get_settings()
+
+
+def test_joining_an_address_where_nothing_answers_fails_at_once_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stale RAY_ADDRESS (a head that is down) is refused within RAYLINE_RAY_CONNECT_TIMEOUT_S: Ray's own
+    connect retries for about 14 minutes before it gives up."""
+    import socket
+    import time
+
+    import ray
+
+    from rayline import ray_cluster
+
+    with socket.socket() as sock:  # a port nothing listens on: bound, never listening
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        monkeypatch.setenv("RAYLINE_RAY_CONNECT_TIMEOUT_S", "1")
+        started = time.monotonic()
+        with pytest.raises(ClusterError, match=f"nothing accepted a connection at {address} .RAY_ADDRESS."):
+            ray_cluster.connect(load_settings())
+    assert time.monotonic() - started < 20
+    assert not ray.is_initialized()
