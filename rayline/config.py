@@ -219,10 +219,13 @@ class Settings(BaseSettings):
 PROCESS_DEFAULTS = {
     # Prefect's ephemeral API can miss its 20 s start-up on a fresh database.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
-    # No phoning home: these machines only talk to loopback, and the
-    # telemetry writer also contends for the SQLite lock.
+    # No phoning home (docs/configuration.md, "What rayline sends"): each tool's own switch for its usage
+    # telemetry. The Prefect server's telemetry writer also contends for the SQLite lock.
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "RAY_USAGE_STATS_ENABLED": "0",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    # the convention Prefect's and MLflow's client-side telemetry both honour ("true": MLflow's only spelling)
+    "DO_NOT_TRACK": "true",
     # Flow runs send a heartbeat every 30 s (Prefect's minimum; its default is 180 s), so that a killed
     # run is marked Crashed by `rayline up`'s zombie automation within about two minutes.
     "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",

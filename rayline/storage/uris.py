@@ -142,6 +142,11 @@ def delta_options(uri: str) -> dict[str, str] | None:
     return store_for(normalize(uri)).delta_options()
 
 
+def delta_write_refusal(uri: str) -> str | None:
+    """Why delta-rs must not write a table at ``uri``, decided without a request; None: it may try."""
+    return store_for(normalize(uri)).delta_write_refusal()
+
+
 def storage_error(exc: Exception, action: str, uri: str) -> Exception:
     """The rayline error to raise ``from exc`` when ``action`` on ``uri`` failed."""
     if isinstance(exc, FileNotFoundError):

@@ -2,13 +2,14 @@
 
 delta-rs talks to cloud stores through its own client (``object_store``),
 not through rayline's. A store whose endpoint serves rayline's requests but
-not delta-rs's (a GCS emulator: object_store writes with GCS's XML API, which
-neither fake-gcs-server nor gcp-storage-emulator serves) would let a night
-list, fetch and predict every input and then fail at its commit. So before a
-night's first work on a store, :func:`require_delta_writes` commits a
-one-row table under ``<root>/_staging`` with the night's storage options,
-reads it back, and removes it; the answer is kept for the process, per
-bucket and endpoint. Local disk needs no probe.
+not delta-rs's would let a night list, fetch and predict every input and then
+fail at its commit. So before a night's first work on a store,
+:func:`require_delta_writes` first asks the store whether it already knows
+delta-rs cannot write there (a GCS emulator: refused before delta-rs sends
+anything, since it would ask the cloud's metadata address for a token), then
+commits a one-row table under ``<root>/_staging`` with the night's storage
+options, reads it back, and removes it; the answer is kept for the process,
+per bucket and endpoint. Local disk needs no probe.
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ def require_delta_writes(tables_root: str) -> None:
 
 
 def _probe(root: str) -> DeltaWritesUnsupported | None:
-    """The store's answer; a transient failure (the store's trouble of the moment, not what it can do) is tried
-    again a few times, then raised as :class:`TransientStorageError`, never kept as the answer."""
+    """The store's answer: its own refusal, made without a request, or the probe's. A transient failure (the
+    store's trouble of the moment, not what it can do) is tried again a few times, then raised as
+    :class:`TransientStorageError`, never kept as the answer."""
+    refusal = storage.delta_write_refusal(root)
+    if refusal is not None:
+        return DeltaWritesUnsupported(f"{refusal}. The night's predictions are Delta tables, so nothing was predicted.")
     for attempt in range(_TRANSIENT_ATTEMPTS):
         try:
             return _probe_once(root)
@@ -72,9 +77,8 @@ def _probe_once(root: str) -> DeltaWritesUnsupported | None:
         endpoint = storage.endpoint_of(root) or "the cloud's own"
         return DeltaWritesUnsupported(
             f"delta-rs could not write a Delta table at {root} (endpoint {endpoint}): {type(exc).__name__}: "
-            f"{first[:300]}. The night's predictions are Delta tables, so nothing was predicted. A GCS emulator "
-            "does not serve the XML API delta-rs writes with (docs/storage.md); against a cloud, check the "
-            "credentials delta-rs reads and the endpoint."
+            f"{first[:300]}. The night's predictions are Delta tables, so nothing was predicted. Check the "
+            "credentials delta-rs reads and the endpoint (docs/storage.md)."
         )
     finally:
         _remove(probe)

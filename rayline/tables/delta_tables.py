@@ -22,7 +22,7 @@ from deltalake import CommitProperties, DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
 
 from rayline import storage
-from rayline.errors import InputDataError, StorageError, TransientStorageError, is_transient
+from rayline.errors import DeltaWritesUnsupported, InputDataError, StorageError, TransientStorageError, is_transient
 from rayline.tables import delta_log
 
 PARTITION_COLUMNS = ("model_name", "dt")
@@ -123,6 +123,9 @@ TABLE_CONFIGURATION: dict[str, str | None] = {"delta.enableExpiredLogCleanup": "
 def open_or_create(uri: str, schema: pa.Schema, partition_by: list[str]) -> DeltaTable:
     """The table at ``uri``, created first when there is none; of writers creating it at once, one creates it
     and the others open what it created."""
+    refusal = storage.delta_write_refusal(uri)
+    if refusal is not None:
+        raise DeltaWritesUnsupported(f"not writing the Delta table {uri}: {refusal}")
     options = storage_options(uri)
     if not DeltaTable.is_deltatable(uri, options):
         try:

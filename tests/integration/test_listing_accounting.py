@@ -79,7 +79,7 @@ def test_ingest_and_a_night_account_for_every_listed_object(root: str, capsys: p
     reused = ingest.run(config)
     assert reused.cached and reused.skipped == skipped
     if root.startswith("gs://"):  # the night's Delta commits: refused before any work (module docstring)
-        with pytest.raises(DeltaWritesUnsupported, match="does not serve the XML API"):
+        with pytest.raises(DeltaWritesUnsupported, match="which no GCS emulator serves"):
             batch_inference.run(
                 batch_inference.InferenceConfig(
                     input_uri=source, tables_root=root, dt=DAY, model=register_untrained(), actors=1

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -149,23 +150,72 @@ def test_a_body_cut_short_is_transient(exc: BaseException) -> None:
 def test_gcs_without_credentials_is_refused_at_once_naming_the_ways_to_give_them(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Not gcsfs's default: 16 s of metadata-server probes, then anonymous requests that a private bucket
-    refuses later. The metadata server is pointed at a closed loopback port, gcloud at an empty folder."""
-    import time
+    """Not gcsfs's default (16 s of metadata-server probes, then anonymous requests that a private bucket refuses
+    later), and no request at all: a machine that is not Google's is never asked for a metadata server
+    (tests/integration/test_no_metadata_requests.py watches the address itself)."""
+    from rayline.storage.backends import gcs, store_for
 
-    from rayline.storage.backends import store_for
-
-    for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))
-    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")
-    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
-    started = time.monotonic()
+    _no_google_credentials(monkeypatch, tmp_path)
     with pytest.raises(ConfigError, match="no Google credentials: set GOOGLE_APPLICATION_CREDENTIALS") as raised:
         store_for("gs://a-private-bucket/photos")
     assert "gcloud auth application-default login" in str(raised.value)
-    assert "STORAGE_EMULATOR_HOST" in str(raised.value)
-    assert time.monotonic() - started < 10
+    assert "STORAGE_EMULATOR_HOST" in str(raised.value) and "No request was made" in str(raised.value)
+    with pytest.raises(ConfigError, match="no Google credentials"):
+        gcs.google_credentials()
+
+
+def _no_google_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from rayline.storage.backends import gcs
+
+    for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "GCE_METADATA_HOST", "GCE_METADATA_IP",
+                 *gcs._SERVERLESS_MARKERS):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+    monkeypatch.setattr(gcs, "_DMI_PRODUCT", tmp_path / "product_name")  # a machine that is not Google's
+
+
+def _service_account_key() -> dict[str, str]:
+    """A service account key file's fields, with a key of its own (never used for a request here)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return {"type": "service_account", "project_id": "p", "private_key_id": "k", "private_key": key.decode(),
+            "client_email": "rayline@p.iam.gserviceaccount.com", "client_id": "1",
+            "token_uri": "https://oauth2.googleapis.com/token"}  # fmt: skip
+
+
+def test_gcs_credentials_are_decided_before_any_request_and_delta_rs_is_given_the_same(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from rayline.storage.backends import gcs, store_for
+
+    _no_google_credentials(monkeypatch, tmp_path)
+    adc = tmp_path / "gcloud" / "application_default_credentials.json"
+    adc.parent.mkdir()
+    adc.write_text("{}")
+    assert gcs.google_credentials() == gcs.GoogleCredentials("file", str(adc))
+    named = tmp_path / "key.json"
+    named.write_text("{}")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(named))
+    assert gcs.google_credentials() == gcs.GoogleCredentials("file", str(named))
+    named.write_text(json.dumps(_service_account_key()))
+    store = store_for("gs://a-private-bucket/photos")
+    assert (store.delta_options() or {})["google_application_credentials"] == str(named)  # delta-rs: the same file
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="missing.json, which is not a file"):
+        gcs.google_credentials()
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS")
+    adc.unlink()
+    (tmp_path / "product_name").write_text("Google Compute Engine\n")
+    assert gcs.google_credentials() == gcs.GoogleCredentials("metadata")
+    (tmp_path / "product_name").write_text("Standard PC\n")
+    monkeypatch.setenv("K_SERVICE", "predictor")  # Cloud Run
+    assert gcs.google_credentials().source == "metadata"
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")
+    assert gcs.google_credentials().source == "emulator"
 
 
 def test_a_settings_file_is_read_under_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -133,6 +133,10 @@ class ObjectStore(ABC):
     def delta_options(self) -> dict[str, str] | None:
         """delta-rs's storage options for tables in this store."""
 
+    def delta_write_refusal(self) -> str | None:
+        """Why delta-rs must not write tables in this store, known before it makes a request; None: it may try."""
+        return None
+
 
 class ModifiedTimeHandler(pafs.FSSpecHandler):  # type: ignore[misc]
     """pyarrow's fsspec handler, with each cloud's modification time as the files' ``mtime``.

@@ -4,9 +4,16 @@ The JSON API is what GCS's emulators serve (``STORAGE_EMULATOR_HOST``), so
 the same requests are proven here and made against GCS. An object's version
 is its *generation*; a conditional write sends ``ifGenerationMatch`` (``0``:
 only if there is no object) on a multipart upload, the form whose condition
-every server checks. Credentials are Application Default Credentials
-(``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's, a metadata server), and
-their absence a ``ConfigError`` at once; none against an emulator.
+every server checks.
+
+Credentials are decided before any request (:func:`google_credentials`), for
+rayline's client and delta-rs's alike: a file the user named
+(``GOOGLE_APPLICATION_CREDENTIALS``) or gcloud's application-default file,
+else the metadata server only where the machine says it runs on Google Cloud;
+otherwise a ``ConfigError`` at once. Nothing is ever asked of the cloud's
+metadata address on a machine that is not Google's, and against an emulator
+nothing is asked for a token at all (delta-rs, which would, is refused
+writes there before it makes a request: :meth:`GCSStore.delta_write_refusal`).
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ import json
 import os
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote
 
 import fsspec.asyn
@@ -44,6 +53,60 @@ def emulator_host() -> str | None:
     return host if host.startswith(("http://", "https://")) else f"http://{host}"
 
 
+# Set by Google's serverless runtimes (Cloud Run services and jobs, Cloud Functions), whose DMI is not GCE's.
+_SERVERLESS_MARKERS = ("K_SERVICE", "CLOUD_RUN_JOB", "FUNCTION_TARGET")
+_DMI_PRODUCT = Path("/sys/class/dmi/id/product_name")
+
+
+@dataclass(frozen=True)
+class GoogleCredentials:
+    """Where a GCS client's credentials come from: none (an emulator), a credentials file, or the metadata server."""
+
+    source: Literal["emulator", "file", "metadata"]
+    path: str | None = None
+
+
+def on_google_cloud() -> bool:
+    """Whether the machine says, without a request, that it runs on Google Cloud: its DMI product name (GCE and
+    GKE nodes, as google-auth reads it), a serverless runtime's variables, or a metadata host the user named."""
+    if os.environ.get("GCE_METADATA_HOST") or os.environ.get("GCE_METADATA_IP"):
+        return True
+    if any(os.environ.get(name) for name in _SERVERLESS_MARKERS):
+        return True
+    try:
+        return _DMI_PRODUCT.read_text().strip().startswith("Google")
+    except OSError:
+        return False
+
+
+def gcloud_credentials_file() -> Path:
+    """gcloud's application-default credentials file (``gcloud auth application-default login`` writes it)."""
+    config = os.environ.get("CLOUDSDK_CONFIG") or str(Path.home() / ".config" / "gcloud")
+    return Path(config) / "application_default_credentials.json"
+
+
+def google_credentials() -> GoogleCredentials:
+    """The credentials a GCS client uses here, decided without a request (the module docstring's order)."""
+    if emulator_host():
+        return GoogleCredentials("emulator")
+    named = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "").strip()
+    if named:
+        if not os.path.isfile(named):
+            raise ConfigError(f"GOOGLE_APPLICATION_CREDENTIALS names {named}, which is not a file")
+        return GoogleCredentials("file", named)
+    gcloud = gcloud_credentials_file()
+    if gcloud.is_file():
+        return GoogleCredentials("file", str(gcloud))
+    if on_google_cloud():
+        return GoogleCredentials("metadata")
+    raise ConfigError(
+        "gs:// storage found no Google credentials: set GOOGLE_APPLICATION_CREDENTIALS to a service account key "
+        "file, run `gcloud auth application-default login`, run on GCP with a service account (or set "
+        "GCE_METADATA_HOST to its metadata server), or point STORAGE_EMULATOR_HOST at an emulator. No request "
+        "was made: rayline never asks the cloud's metadata address from a machine that is not Google's"
+    )
+
+
 def http_status(exc: BaseException) -> int | None:
     from gcsfs.retry import HttpError
 
@@ -63,15 +126,18 @@ class PolicyGCSFileSystem(GCSFileSystem):  # type: ignore[misc]
         return await request(self, *args, **kwargs)
 
 
+_GCSFS_TOKEN = {"emulator": "anon", "metadata": "cloud"}
+
+
 @lru_cache(maxsize=8)
-def _filesystem(emulator: str | None, policy: StoragePolicy) -> AbstractFileSystem:
+def _filesystem(emulator: str | None, credentials: GoogleCredentials, policy: StoragePolicy) -> AbstractFileSystem:
     # A class of this module's, so that the filesystem pickles by reference to Ray's workers (pyarrow's
     # wrapper of it travels with Ray Data's reads and Train's checkpoints).
     return PolicyGCSFileSystem(
         attempts=policy.max_attempts,
-        # Application Default Credentials or nothing: gcsfs's own default would go on to probe the metadata
-        # server for 16 s and then fall back to anonymous requests, which a private bucket refuses much later.
-        token="anon" if emulator else "google_default",
+        # never gcsfs's own default: it probes the metadata server for 16 s, then falls back to anonymous
+        # requests, which a private bucket refuses much later
+        token=credentials.path or _GCSFS_TOKEN[credentials.source],
         endpoint_url=emulator,
         requests_timeout=policy.timeout_s,
         session_kwargs={"conn_timeout": policy.connect_timeout_s},
@@ -86,18 +152,11 @@ class GCSStore(ObjectStore):
     def __init__(self, policy: StoragePolicy) -> None:
         self.policy, self.emulator = policy, emulator_host()
         self.endpoint = self.emulator
+        self.credentials = google_credentials()
         try:
-            self.fs = _filesystem(self.emulator, policy)
-        except Exception as exc:
-            from google.auth.exceptions import DefaultCredentialsError
-
-            if first_cause(exc, DefaultCredentialsError) is None:
-                raise
-            raise ConfigError(
-                "gs:// storage found no Google credentials: set GOOGLE_APPLICATION_CREDENTIALS to a service "
-                "account key file, run `gcloud auth application-default login`, run on GCP with a service "
-                f"account, or point STORAGE_EMULATOR_HOST at an emulator ({exc})"
-            ) from exc
+            self.fs = _filesystem(self.emulator, self.credentials, policy)
+        except (ValueError, OSError) as exc:  # gcsfs's words for a credentials file it cannot use
+            raise ConfigError(f"gs:// storage cannot use the credentials file {self.credentials.path}: {exc}") from exc
 
     def _call(self, method: str, path: str, *args: str, **kwargs: Any) -> Any:
         return fsspec.asyn.sync(self.fs.loop, self.fs._call, method, path, *args, **kwargs)
@@ -179,7 +238,20 @@ class GCSStore(ObjectStore):
         options = self.policy.delta_options()
         if self.emulator:
             options.update({"google_base_url": self.emulator, "google_skip_signature": "true", "allow_http": "true"})
+        elif self.credentials.path:
+            options["google_application_credentials"] = self.credentials.path
         return options
+
+    def delta_write_refusal(self) -> str | None:
+        if not self.emulator:
+            return None
+        # delta-rs uploads a table's files with a token from the metadata server even when told to skip signing,
+        # and writes through GCS's XML API, which no GCS emulator serves: refused before it sends anything
+        return (
+            f"delta-rs cannot write Delta tables on the GCS emulator at {self.emulator}: it writes through GCS's "
+            "XML API, which no GCS emulator serves, and would ask the cloud's metadata address for a token first "
+            "(docs/storage.md)"
+        )
 
 
 def _stat(item: dict[str, Any], base: str) -> Stat:
