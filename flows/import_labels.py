@@ -6,6 +6,8 @@ checked against what the model predicted (``rayline.ray_workloads.quality.labels
 
 from __future__ import annotations
 
+from typing import Literal
+
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
@@ -35,11 +37,17 @@ def _markdown(result: LabelsImportResult) -> str:
 
 @flow(name="import-labels")
 def import_labels(
-    file: str, model_name: str = "digits", key_base: str | None = None, source: str | None = None
+    file: str,
+    model_name: str = "digits",
+    key_base: str | None = None,
+    source: str | None = None,
+    selection: Literal["random"] | None = None,
 ) -> LabelsImportResult:
     """Import ``file`` (CSV, Parquet or JSON Lines: ``uri`` or ``key``, ``label``, optionally ``etag``,
     ``source``, ``labelled_at``) as labels of ``model_name``; ``key`` is relative to ``key_base``
-    (default ``<storage>/incoming``). Refused rows are counted by reason and listed in a report."""
+    (default ``<storage>/incoming``). Refused rows are counted by reason and listed in a report.
+    ``selection="random"``: the file's photos were chosen uniformly at random, whatever the models answered,
+    so its labels may judge a challenger (docs/quality.md)."""
     name = checked_model_name(model_name)
     champion = resolve_version_task(name, CHAMPION)
     cfg = LabelsImportConfig(
@@ -49,6 +57,7 @@ def import_labels(
         classes=champion.classes,
         key_base=key_base or under_root(INCOMING_DIR),
         source=source,
+        selection=selection,
     )
     result = import_labels_task(cfg)
     logger = get_run_logger()

@@ -20,23 +20,32 @@ from rayline.tasks.registry_lookups import resolve_version_task
 
 
 @flow(name="queue-labels")
-def queue_labels(night: str, budget: int = 100, model_name: str = "digits") -> QueueResult:
-    """Queue the ``budget`` photos of ``night`` (YYYY-MM-DD) whose labels would teach most: unsure, disputed
-    by the night's shadow version, or of classes the night predicted far more often than the reference."""
+def queue_labels(night: str, budget: int = 100, model_name: str = "digits", random_share: float = 0.2) -> QueueResult:
+    """Queue ``budget`` photos of ``night`` (YYYY-MM-DD): ``random_share`` of them drawn at random (the labels
+    that may judge a challenger), the rest those whose labels would teach most: unsure, disputed by the
+    night's shadow version, or of classes the night predicted far more often than the reference."""
     name = checked_model_name(model_name)
     day = parse_day(night, "night").isoformat()
     root = root_uri()
     champion = resolve_version_task(name, CHAMPION)
     reference = reference_task(champion, root, None, DriftThresholds().low_confidence)
-    cfg = QueueConfig(root=root, model_name=name, dt=day, budget=budget, reference_counts=reference.counts)
+    cfg = QueueConfig(
+        root=root, model_name=name, dt=day, budget=budget, reference_counts=reference.counts, random_share=random_share
+    )
     result = label_queue_task(cfg)
     create_table_artifact(
         key="label-queue",
         table=[
-            {"uri": q.uri, "predicted": q.predicted_class, "priority": round(q.priority, 3), "why": q.why()}
+            {
+                "uri": q.uri,
+                "predicted": q.predicted_class,
+                "selection": q.selection,
+                "priority": round(q.priority, 3),
+                "why": q.why(),
+            }
             for q in result.queued
-        ],
-        description=f"{name} {day}: {len(result.queued)} of {result.candidates} unlabelled photos; "
-        f"Label Studio tasks {result.label_studio_uri}, CSV {result.csv_uri}",
+        ],  # fmt: skip
+        description=f"{name} {day}: {len(result.queued)} of {result.candidates} unlabelled photos, {result.drawn} "
+        f"drawn at random; Label Studio tasks {result.label_studio_uri}, CSV {result.csv_uri}",
     )
     return result

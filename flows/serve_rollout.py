@@ -67,52 +67,59 @@ def serve_rollout(
     died is taken over ``lease_ttl_s`` after its last renewal; a second rollout waits up to
     ``lease_wait_s`` for it.
 
-    ``require_labelled_win`` (default ``RAYLINE_REQUIRE_LABELLED_WIN``): first the labels must say the
-    candidate beats the champion (the paired test, docs/quality.md). Inconclusive moves no traffic and
-    ends the run waiting for more labels (``promoted`` false); failed fails it (``QualityGateFailed``).
+    ``require_labelled_win`` (default ``RAYLINE_REQUIRE_LABELLED_WIN``): first, under the rollout lease, the
+    labels must say the candidate beats the champion it would replace, the one its promotion is fenced on
+    (the paired test, docs/quality.md). Inconclusive moves no traffic and ends the run waiting for more
+    labels (``promoted`` false); failed fails it (``QualityGateFailed``).
     """
     serve = serve_config()
     version = resolve_version_task(model_name, candidate)
-    labelled = _labelled_win(version, require_labelled_win)
-    if labelled is not None and labelled.outcome != "passed":
-        return RolloutResult(
-            model=model_name,
-            candidate=version.version,
-            incumbent=labelled.champion,
-            promoted=False,
-            reason=f"v{version.version} waits for more labels before its rollout: {labelled.describe()}",
-            steps=[],
-            labelled=labelled,
-        )
-    cfg = RolloutConfig(
-        steps=steps or [10.0, 50.0, 100.0],
-        soak_s=soak_s,
-        probe_rps=probe_rps,
-        probe_uri=probe_uri or probe_source_task(version),
-        probe_images=probe_images,
-        gates=GateConfig(
-            max_error_rate=max_error_rate,
-            max_p95_ratio=max_p95_ratio,
-            min_agreement=min_agreement,
-            min_requests=min_requests,
-        ),
-        serve=serve,
-    )
-    # held across every task of the rollout, not in one
+    # held across every task of the rollout, not in one; the labels judge the candidate inside it, against the
+    # champion its promotion will move from (no other writer moves the champion while the lease is held)
     with rollout_lease(model_name, lease_wait_s, lease_ttl_s) as lease:
-        result = _roll_out(cfg, version, serve, lease)
+        labelled = _labelled_win(version, require_labelled_win)
+        if labelled is not None and labelled.outcome != "passed":
+            return _waits_for_labels(version, labelled)
+        cfg = RolloutConfig(
+            steps=steps or [10.0, 50.0, 100.0],
+            soak_s=soak_s,
+            probe_rps=probe_rps,
+            probe_uri=probe_uri or probe_source_task(version),
+            probe_images=probe_images,
+            gates=GateConfig(
+                max_error_rate=max_error_rate,
+                max_p95_ratio=max_p95_ratio,
+                min_agreement=min_agreement,
+                min_requests=min_requests,
+            ),
+            serve=serve,
+        )
+        result = _roll_out(cfg, version, serve, lease, labelled)
     if not result.steps and lease.waited_s > 1.0:  # say why there was nothing to do
         result.reason += f" (another rollout promoted it while this one waited {lease.waited_s:.0f} s for the lease)"
-    result.labelled = labelled
     return result
 
 
-def _labelled_win(version: ModelVersion, asked: bool | None) -> PairedTest | None:
-    """The labelled paired test of ``version`` against the champion, when a win is required (and there is a
-    champion other than it); raises ``QualityGateFailed`` when the labels say it is worse."""
+def _waits_for_labels(version: ModelVersion, labelled: PairedTest) -> RolloutResult:
+    return RolloutResult(
+        model=version.name,
+        candidate=version.version,
+        incumbent=labelled.champion,
+        promoted=False,
+        reason=f"v{version.version} waits for more labels before its rollout: {labelled.describe()}",
+        steps=[],
+        labelled=labelled,
+    )
+
+
+def _labelled_win(version: ModelVersion, asked: bool | None, champion: int | None = None) -> PairedTest | None:
+    """The labelled paired test of ``version`` against the champion (``champion``, else the one now), when a win
+    is required (and there is a champion other than it); raises ``QualityGateFailed`` when the labels say it
+    is worse. Asked under the rollout lease."""
     if not labelled_win_required(asked):
         return None
-    champion = alias_version_task(version.name, CHAMPION)
+    if champion is None:
+        champion = alias_version_task(version.name, CHAMPION)
     if champion is None or champion == version.version:
         return None
     test = labelled_gate_task(root_uri(), version.name, champion, version.version)
@@ -121,14 +128,35 @@ def _labelled_win(version: ModelVersion, asked: bool | None) -> PairedTest | Non
     return test
 
 
-def _roll_out(cfg: RolloutConfig, version: ModelVersion, serve: ServeConfig, lease: HeldLease) -> RolloutResult:
+def _roll_out(
+    cfg: RolloutConfig, version: ModelVersion, serve: ServeConfig, lease: HeldLease, labelled: PairedTest | None
+) -> RolloutResult:
     # every traffic move carries the lease's fencing token: one paused past the lease's ttl (after its
     # ensure_held) is refused by the control actor once the rollout that took over has moved traffic
     prepared = prepare_rollout_task(version, serve, lease.fencing_token())
+    if labelled is not None and prepared.champion != labelled.champion:
+        # the promotion moves from the champion prepare read: the labels must have judged against that one
+        labelled = _judged_again(prepared, serve)
+        if labelled is not None and labelled.outcome != "passed":
+            return _waits_for_labels(version, labelled)
     result = _roll_out_prepared(cfg, prepared, serve, lease)
+    result.labelled = labelled
     if prepared.reconciled is not None:
         result.reconciled = prepared.reconciled.describe()
     return result
+
+
+def _judged_again(prepared: PreparedRollout, serve: ServeConfig) -> PairedTest | None:
+    """The labels' test against the champion the rollout prepared against; the candidate's deployment goes
+    again unless it passes."""
+    try:
+        test = _labelled_win(prepared.candidate, True, prepared.champion)
+    except QualityGateFailed:
+        roll_back_task(prepared, [], "the labels say it is worse than the champion it would replace", serve)
+        raise
+    if test is not None and test.outcome != "passed":
+        roll_back_task(prepared, [], "it waits for more labels against the champion it would replace", serve)
+    return test
 
 
 def _roll_out_prepared(

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from rayline.config import labelled_win_required
 from rayline.errors import ConfigError
 from rayline.flows.prepare_data import DIGITS_IMAGE_SIZE, PrepareDataResult, prepare_data
-from rayline.models.registry import CHAMPION
+from rayline.models.registry import CHAMPION, TrainingLabels
 from rayline.ray_workloads.architectures.build import ModelSpec, check_input_size
 from rayline.ray_workloads.quality.training_set import ExportConfig
 from rayline.ray_workloads.training.evaluate import EvaluationResult
@@ -56,9 +56,11 @@ def run_name(model_name: str, data_hash: str, loop: TrainLoopConfig) -> str:
     return f"{model_name}-{data_hash[:10]}-{params[:8]}"
 
 
-def _on_labels(model_name: str | None, source_uri: str | None, init_from: str | None) -> tuple[str, str, str | None]:
-    """(model, training source, fine-tune start) of a training on the model's labelled photos: its champion
-    fine-tuned on them (trained anew when it has none)."""
+def _on_labels(
+    model_name: str | None, source_uri: str | None, init_from: str | None
+) -> tuple[str, str, str | None, TrainingLabels]:
+    """(model, training source, fine-tune start, the labels it learns) of a training on the model's labelled
+    photos: its champion fine-tuned on them (trained anew when it has none)."""
     if source_uri is not None or init_from is not None:
         raise ConfigError(
             "labelled=True trains the model's champion on its labelled photos: give no source_uri or init_from"
@@ -67,7 +69,8 @@ def _on_labels(model_name: str | None, source_uri: str | None, init_from: str | 
     champion = alias_version_task(name, CHAMPION)
     classes = resolve_version_task(name, champion).classes if champion is not None else []
     exported = export_labelled_task(ExportConfig(root=root_uri(), model_name=name, classes=classes))
-    return name, exported.folder, (f"{name}@{CHAMPION}" if champion is not None else None)
+    learned = TrainingLabels(labels_version=exported.labels_version, import_ids=exported.import_ids)
+    return name, exported.folder, (f"{name}@{CHAMPION}" if champion is not None else None), learned
 
 
 @flow(name="train-model")
@@ -117,8 +120,9 @@ def train_model(
     each labels import, fine-tuning its champion (the ``retrain`` deployment
     does it on ``rayline.labels.arrived``).
     """
+    learned: TrainingLabels | None = None
     if labelled:
-        model_name, source_uri, init_from = _on_labels(model_name, source_uri, init_from)
+        model_name, source_uri, init_from, learned = _on_labels(model_name, source_uri, init_from)
     if init_from is None:
         # an unknown name, or one that cannot take the squares prepare_data makes, fails before any cluster time
         check_input_size(arch, DIGITS_IMAGE_SIZE)
@@ -198,6 +202,7 @@ def train_model(
         promote_to=promote_to,
         parent=plan.parent_link() if plan else None,
         labelled_root=root_uri() if labelled_win_required(require_labelled_win) else None,
+        trained_on_labels=learned,
     )
     create_table_artifact(
         key="train-model-summary",

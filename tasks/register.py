@@ -34,6 +34,7 @@ def register_and_gate(
     promote_to: str = registry.CHAMPION,
     parent: ParentModel | None = None,
     labelled_root: str | None = None,
+    trained_on_labels: registry.TrainingLabels | None = None,
 ) -> RegistrationResult:
     """Register the trained weights and gate them.
 
@@ -42,7 +43,8 @@ def register_and_gate(
     later). The first model that passes the floor is champion either way.
     ``parent``: the version a fine-tune started from (kept on the version and
     named among the lineage record's inputs). ``labelled_root``: the champion
-    moves only on a labelled win (``promotion.PromotionConfig.labelled_root``).
+    moves only on a labelled win (``promotion.PromotionConfig.labelled_root``). ``trained_on_labels``: the
+    labels imports a training on the labels learned from (they never judge the version).
     """
     key = idempotency_key(name, trained.weights_uri, evaluation.data_manifest_uri)
     gated = promotion.run(
@@ -59,6 +61,7 @@ def register_and_gate(
             flow_run_id=run_context().flow_run_id,
             idempotency_key=key,
             labelled_root=labelled_root,
+            trained_on_labels=trained_on_labels,
         )
     )
     version, decision, alias = gated.version, gated.decision, gated.alias

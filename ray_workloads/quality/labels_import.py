@@ -48,6 +48,11 @@ class LabelsImportConfig(BaseModel):
     classes: list[str] = Field(description="The model's class list: a label is one of these, or its index.")
     key_base: str = Field(description="What a ``key`` column is relative to (default <storage>/incoming).")
     source: str | None = Field(None, description="Who labelled, for rows without a ``source`` column.")
+    selection: Literal["random"] | None = Field(
+        None,
+        description="random: the file's photos were chosen uniformly at random, whatever the models answered, so "
+        "its labels may judge a challenger (docs/quality.md); a queue's random draw needs no saying.",
+    )
 
     @field_validator("file_uri", "root", "key_base")
     @classmethod
@@ -272,6 +277,7 @@ def _labels_rows(rows: list[dict[str, Any]], cfg: LabelsImportConfig, import_id:
             "source": [r["source"] or cfg.source for r in rows],
             "labelled_at": [r["labelled_at"] or now for r in rows],
             "import_id": [import_id] * len(rows),
+            "selection": [cfg.selection] * len(rows),
             "model_name": [cfg.model_name] * len(rows),
         },
         schema=labels_table.LABELS_SCHEMA,

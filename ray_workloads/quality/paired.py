@@ -12,16 +12,19 @@ Wald's sequential probability ratio test adds each pair's log-likelihood ratio a
 * **inconclusive** in between: too few discordant labels yet. The gate waits for more labels.
 
 The test is re-run on all the labels so far whenever it is asked, as labels arrive. The likelihood
-ratio is a martingale under "no better", so the chance that it ever reaches the pass boundary for a
-challenger that is no better, however often it is looked at, is at most alpha/(1-beta) (Ville's
-inequality): 6.25 % by default, where a fixed-sample test looked at every night would pass a coin flip
-sooner or later. Agreement between the versions is not evidence: two versions that agree on 99 % of
-photos are judged on the other 1 %.
+ratio is a supermartingale under "no better" (a discordant photo is the challenger's with probability at
+most 1/2), so the chance that it ever reaches the pass boundary for a challenger that is no better,
+however often it is looked at, is at most alpha/(1-beta) (Ville's inequality): 6.25 % by default, where a
+fixed-sample test looked at every night would pass a coin flip sooner or later. That holds only for photos
+chosen whatever the two versions answered: :class:`Evidence` names the labels that may count (drawn at
+random, never trained on by either version), and the rest are left out and counted. Agreement between the
+versions is not evidence: two versions that agree on 99 % of photos are judged on the other 1 %.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -30,6 +33,16 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, Field
 
 Outcome = Literal["passed", "failed", "inconclusive"]
+Photo = tuple[str, str]  # (URI, ETag)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Which labelled photos may judge two versions: those chosen whatever their answers (``random``: a
+    queue's random draw, or an import declared random) and trained on by neither (``trained_on``)."""
+
+    random: frozenset[Photo]
+    trained_on: frozenset[Photo] = field(default_factory=frozenset)
 
 
 class PairedTestPolicy(BaseModel):
@@ -56,6 +69,8 @@ class PairedTest(BaseModel):
     champion_accuracy: float | None
     challenger_accuracy: float | None
     agreement: float | None = Field(description="Share of the paired photos both predicted alike (not evidence).")
+    targeted: int = Field(0, description="Paired photos left out: chosen by their answers, not at random.")
+    trained_on: int = Field(0, description="Paired photos left out: a version (or its parent) trained on them.")
     log_likelihood_ratio: float
     upper: float
     lower: float
@@ -64,14 +79,20 @@ class PairedTest(BaseModel):
     def describe(self) -> str:
         acc = (
             f"accuracy v{self.challenger} {self.challenger_accuracy:.1%} vs v{self.champion} "
-            f"{self.champion_accuracy:.1%} on {self.paired} labelled photos"
+            f"{self.champion_accuracy:.1%} on {self.paired} labels chosen at random"
             if self.paired
-            else "no labelled photo both versions predicted"
+            else f"0 labels chosen at random that both versions predicted{self._left_out()}"
         )
         return (
             f"{self.outcome}: {acc}; discordant {self.challenger_wins} won / {self.champion_wins} lost "
             f"(LLR {self.log_likelihood_ratio:+.2f}, pass at {self.upper:+.2f}, fail at {self.lower:+.2f})"
+            f"{self._left_out() if self.paired else ''}"
         )
+
+    def _left_out(self) -> str:
+        parts = [f"{self.targeted} targeted"] if self.targeted else []
+        parts += [f"{self.trained_on} trained on"] if self.trained_on else []
+        return f" ({' and '.join(parts)} labels left out: not evidence, docs/quality.md)" if parts else ""
 
 
 def sprt(challenger_wins: int, champion_wins: int, policy: PairedTestPolicy) -> tuple[Outcome, float]:
@@ -90,8 +111,9 @@ def paired_test(
     champion: int,
     challenger: int,
     policy: PairedTestPolicy | None = None,
+    evidence: Evidence | None = None,
 ) -> PairedTest:
-    """The test over the labelled photos both versions predicted.
+    """The test over the labelled photos both versions predicted that ``evidence`` counts (all: None).
 
     Each table holds one version's labelled predictions (``uri``, ``etag``, ``predicted_index``,
     ``label_index``, and ``dt``: a photo predicted on several nights counts once, at its newest night).
@@ -99,6 +121,13 @@ def paired_test(
     policy = policy or PairedTestPolicy()
     a, b = _newest_per_photo(champion_rows), _newest_per_photo(challenger_rows)
     both = a.join(b, keys=["uri", "etag"], join_type="inner", left_suffix="_champion", right_suffix="_challenger")
+    targeted = trained_on = 0
+    if evidence is not None:
+        random = _holds(both, evidence.random)
+        counted = pc.and_(random, pc.invert(_holds(both, evidence.trained_on)))
+        targeted = both.num_rows - int(pc.sum(random).as_py() or 0)
+        trained_on = both.num_rows - targeted - int(pc.sum(counted).as_py() or 0)
+        both = both.filter(counted)
     truth = both["label_index_champion"].to_numpy() if both.num_rows else np.array([], dtype=np.int64)
     right_a = both["predicted_index_champion"].to_numpy() == truth if both.num_rows else truth.astype(bool)
     right_b = both["predicted_index_challenger"].to_numpy() == truth if both.num_rows else truth.astype(bool)
@@ -116,11 +145,20 @@ def paired_test(
         champion_accuracy=float(right_a.mean()) if n else None,
         challenger_accuracy=float(right_b.mean()) if n else None,
         agreement=float(same.mean()) if same is not None else None,
+        targeted=targeted,
+        trained_on=trained_on,
         log_likelihood_ratio=llr,
         upper=policy.upper,
         lower=policy.lower,
         policy=policy,
     )
+
+
+def _holds(rows: pa.Table, photos: frozenset[Photo]) -> pa.ChunkedArray | pa.Array:
+    """Whether each row's (uri, etag) is one of ``photos``."""
+    keys = pc.binary_join_element_wise(rows["uri"], rows["etag"], "\t")
+    wanted = pa.array(sorted(f"{uri}\t{etag}" for uri, etag in photos), pa.string())
+    return pc.is_in(keys, value_set=wanted)
 
 
 def _newest_per_photo(rows: pa.Table) -> pa.Table:

@@ -3,7 +3,7 @@
 A version's rows come from ``predictions`` (the nights it served) and ``shadow_predictions`` (the nights it
 was scored beside the champion); a night whose shadow rows are some version's and whose served rows another's
 gives each its figures. The paired test takes every labelled photo both versions predicted, in either table,
-at its newest night.
+at its newest night, that the evidence rule counts (:mod:`rayline.ray_workloads.quality.evidence`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rayline.ray_workloads.quality import metrics
-from rayline.ray_workloads.quality.paired import PairedTest, PairedTestPolicy, paired_test
+from rayline.ray_workloads.quality.evidence import gate_evidence
+from rayline.ray_workloads.quality.paired import Evidence, PairedTest, PairedTestPolicy, paired_test
 from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE
 from rayline.tables.labels import read_labels
 
@@ -31,16 +32,24 @@ def version_rows(rows: dict[str, pa.Table], version: int) -> pa.Table:
 
 
 def compare_versions(
-    rows: dict[str, pa.Table], champion: int, challenger: int, policy: PairedTestPolicy | None = None
+    rows: dict[str, pa.Table],
+    champion: int,
+    challenger: int,
+    evidence: Evidence,
+    policy: PairedTestPolicy | None = None,
 ) -> PairedTest:
-    """The paired test of ``challenger`` against ``champion`` on every labelled photo both predicted."""
-    return paired_test(version_rows(rows, champion), version_rows(rows, challenger), champion, challenger, policy)
+    """The paired test of ``challenger`` against ``champion`` on the labelled photos both predicted that
+    ``evidence`` counts."""
+    return paired_test(
+        version_rows(rows, champion), version_rows(rows, challenger), champion, challenger, policy, evidence
+    )
 
 
 def labelled_gate(root: str, model_name: str, champion: int, challenger: int) -> PairedTest:
-    """The promotion gates' question: does ``challenger`` beat ``champion`` on the labels (served and shadow
-    nights alike)? Passed, failed, or inconclusive: then it waits for more labels."""
-    return compare_versions(labelled_rows(root, model_name), champion, challenger)
+    """The promotion gates' question: does ``challenger`` beat ``champion`` on the labels chosen at random that
+    neither learned (served and shadow nights alike)? Passed, failed, or inconclusive: it waits for more."""
+    evidence = gate_evidence(root, model_name, [champion, challenger])
+    return compare_versions(labelled_rows(root, model_name), champion, challenger, evidence)
 
 
 def labelled_reading(
@@ -54,5 +63,5 @@ def labelled_reading(
     latest = sorted({q.dt for q in found}, reverse=True)[:nights]
     test = None
     if challenger is not None and challenger != champion:
-        test = compare_versions(rows, champion, challenger)
+        test = compare_versions(rows, champion, challenger, gate_evidence(root, model_name, [champion, challenger]))
     return metrics.QualityReading(nights=[q for q in found if q.dt in latest], paired=test)

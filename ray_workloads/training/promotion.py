@@ -50,6 +50,9 @@ class PromotionConfig(BaseModel):
     floor: float = 0.9
     promote_to: str = registry.CHAMPION
     parent: ParentModel | None = Field(None, description="The version a fine-tune started from.")
+    trained_on_labels: registry.TrainingLabels | None = Field(
+        None, description="The labels imports its training photos came from (a training on the labels)."
+    )
     code_version: str = "unknown"
     flow_run_id: str | None = None
     idempotency_key: str | None = Field(None, description="The same in every attempt: a retry registers nothing new.")
@@ -126,6 +129,7 @@ def run(cfg: PromotionConfig) -> PromotionResult:
         training_run_uri=trained.run_uri,
         flow_run_id=cfg.flow_run_id,
         parent=cfg.parent,
+        trained_on_labels=cfg.trained_on_labels,
         idempotency_key=cfg.idempotency_key,
         samples=test_samples(prepared),
     )

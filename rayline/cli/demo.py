@@ -187,7 +187,8 @@ def _roll_out_under_load(
     return result
 
 
-# Every fourth digit of the night comes back labelled: people label a sample, not the whole night.
+# Every fourth digit of the night (in key order) comes back labelled: people label a sample, not the whole
+# night, chosen whatever the models answered, so the import says it is random and it may judge a challenger.
 _LABELLED_EVERY = 4
 _DIGIT_KEY = re.compile(r"(?P<label>\d)/digit-\d+\.png")
 
@@ -205,7 +206,7 @@ def _label_and_measure(root: str, day: str, check_serving: bool) -> tuple[Labels
     labels_uri = storage.join(root, LABEL_IMPORTS_DIR, "digits", f"demo-labels-{day}.csv")
     rows = "".join(f"{night}/{key},{label},demo\n" for key, label in digits)
     storage.write_bytes_atomic(labels_uri, f"key,label,source\n{rows}".encode())
-    imported = import_labels(file=labels_uri, model_name="digits")
+    imported = import_labels(file=labels_uri, model_name="digits", selection="random")
     return imported, monitor(model_name="digits", check_serving=check_serving)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -12,6 +13,11 @@ from rayline.errors import RaylineError
 
 if TYPE_CHECKING:  # the flow and its stage load Prefect: only the command that runs them imports them
     from rayline.ray_workloads.quality.labels_import import LabelsImportResult
+
+
+class Selection(StrEnum):
+    random = "random"
+
 
 labels_app = typer.Typer(
     help="Labels: import people's answers for predicted photos; queue photos to label.", no_args_is_help=True
@@ -28,6 +34,13 @@ def import_command(
         str | None, typer.Option(help="What a 'key' column is relative to; default <storage>/incoming.")
     ] = None,
     source: Annotated[str | None, typer.Option(help="Who labelled, for rows without a 'source' column.")] = None,
+    selection: Annotated[
+        Selection | None,
+        typer.Option(
+            help="random: the file's photos were chosen uniformly at random, whatever the models answered, so its "
+            "labels may judge a challenger (a queue's random draw needs no saying; docs/quality.md)."
+        ),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Import a labels file: columns uri (or key) and label (a class name or index), optionally etag, source,
@@ -39,7 +52,13 @@ def import_command(
 
     try:
         get_settings()
-        result = import_labels(file=file, model_name=model, key_base=key_base, source=source)
+        result = import_labels(
+            file=file,
+            model_name=model,
+            key_base=key_base,
+            source=source,
+            selection=selection.value if selection else None,
+        )
     except RaylineError as exc:
         fail(exc)
     if as_json:
@@ -72,17 +91,26 @@ def queue_command(
     model: Annotated[str, typer.Option("--model", help="The registered model whose night it is.")] = (
         DEFAULT_MODEL_NAME
     ),
+    random_share: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Share of the budget drawn at random from the night: the only labels that may judge a challenger.",
+        ),
+    ] = 0.2,
     as_json: JsonOption = False,
 ) -> None:
-    """Queue the night's photos most worth labelling: unsure, disputed by its shadow version, or of classes
-    predicted far more often than the reference (docs/quality.md). Writes a Label Studio task file and a CSV
-    (fill its label column, then `rayline labels import` it); already-labelled photos are left out."""
+    """Queue the night's photos to label: a share drawn at random (the labels that judge a challenger), the rest
+    those most worth labelling: unsure, disputed by its shadow version, or of classes predicted far more often
+    than the reference (docs/quality.md). Writes a Label Studio task file and a CSV (fill its label column,
+    then `rayline labels import` it); already-labelled photos are left out."""
     apply_process_defaults()
     from rayline.flows.queue_labels import queue_labels
 
     try:
         get_settings()
-        result = queue_labels(night=night, budget=budget, model_name=model)
+        result = queue_labels(night=night, budget=budget, model_name=model, random_share=random_share)
     except RaylineError as exc:
         fail(exc)
     if as_json:
@@ -92,6 +120,7 @@ def queue_command(
     typer.secho(f"label queue for {result.model_name} {result.dt}", bold=True)
     shadow = "with its shadow's disagreements" if result.shadowed else "no shadow version that night"
     typer.echo(f"  queued             {len(result.queued)} of {result.candidates} unlabelled photos ({shadow})")
+    typer.echo(f"  drawn at random    {result.drawn} (label them all: they are what judges a challenger)")
     typer.echo(f"  already labelled   {result.already_labelled}")
     for q in result.queued[:5]:
         typer.echo(f"  {q.priority:.3f}  {q.uri}  {q.predicted_class}: {q.why()}")

@@ -64,6 +64,14 @@ CHAMPION_MOVE_TTL_S = 60.0
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
+class TrainingLabels(BaseModel):
+    """The people's labels a version was trained on: the labels imports its training photos were exported from
+    (a photo it learned must never judge it: ``rayline.ray_workloads.quality.evidence``)."""
+
+    labels_version: int | None = Field(description="The labels table version the training photos were exported at.")
+    import_ids: list[str] = Field(description="The labels imports (files' SHA-256) that export held.")
+
+
 class ModelVersion(BaseModel):
     """Everything needed to load, judge and trace one registered model."""
 
@@ -83,6 +91,7 @@ class ModelVersion(BaseModel):
     flow_run_id: str | None = None
     weights_source: WeightsSource | None = None
     parent: ParentModel | None = None
+    trained_on_labels: TrainingLabels | None = None
     samples_uri: str | None = Field(
         None, description="Its sample images, decoded as it decodes its inputs: the probe set of its execution plans."
     )
@@ -179,6 +188,7 @@ def register(
     flow_run_id: str | None = None,
     weights_source: WeightsSource | None = None,
     parent: ParentModel | None = None,
+    trained_on_labels: TrainingLabels | None = None,
     idempotency_key: str | None = None,
     samples: np.ndarray | None = None,
 ) -> ModelVersion:
@@ -220,6 +230,7 @@ def register(
         flow_run_id=flow_run_id,
         weights_source=weights_source,
         parent=parent,
+        trained_on_labels=trained_on_labels,
         samples_uri=samples_uri,
     )
     storage.write_json_atomic(storage.join(uri, VERSION_FILE), version.model_dump(mode="json"))
@@ -255,6 +266,11 @@ def get_version(name: str, version: int) -> ModelVersion:
     if not storage.exists(uri):
         raise InputDataError(f"model {name} has no registered version {version}")
     return ModelVersion.model_validate(storage.read_json(uri))
+
+
+def version_at(version_uri: str) -> ModelVersion:
+    """The version registered at ``version_uri`` (a version's folder, as a ``ParentModel`` names it)."""
+    return ModelVersion.model_validate(storage.read_json(storage.join(version_uri, VERSION_FILE)))
 
 
 def list_versions(name: str) -> list[ModelVersion]:

@@ -1,7 +1,9 @@
 """The ``labels`` Delta table: people's answers for photos a model predicted, keyed like its predictions.
 
 A row names a photo as it was predicted, ``(uri, etag)``, and its class (``label``, ``label_index`` in
-the model's class list), partitioned by ``model_name``. Each import appends once: its id (the file's
+the model's class list), partitioned by ``model_name``. ``selection`` is ``random`` when the import said its
+photos were chosen uniformly at random, whatever the models answered (empty otherwise: a queue's random draw
+is recorded with the queue). Each import appends once: its id (the file's
 SHA-256) is a Delta app transaction, so importing the same file again commits nothing, and two imports
 never interleave rows. A photo labelled twice keeps its newest label (:func:`read_labels`).
 """
@@ -36,9 +38,11 @@ LABELS_SCHEMA = pa.schema(
         ("source", pa.string()),
         ("labelled_at", pa.timestamp("us", tz="UTC")),
         ("import_id", pa.string()),
+        ("selection", pa.string()),
         ("model_name", pa.string()),
     ]
 )
+RANDOM = "random"
 KEY = ("uri", "etag")
 
 
@@ -94,6 +98,7 @@ def append_labels(root: str, model_name: str, import_id: str, rows: pa.Table, so
             tbl,
             rows.select(LABELS_SCHEMA.names).cast(LABELS_SCHEMA),
             mode="append",
+            schema_mode="merge",  # a table made before a column was added takes it with this import
             partition_by=["model_name"],
             commit_properties=properties,
             post_commithook_properties=PostCommitHookProperties(cleanup_expired_logs=False),
@@ -124,7 +129,35 @@ def read_labels(root: str, model_name: str, version: int | None = None) -> pa.Ta
         )
     except (DeltaError, OSError) as exc:
         raise storage_error(exc, "read", uri) from exc
-    return newest_per_photo(rows.select(LABELS_SCHEMA.names).cast(LABELS_SCHEMA))
+    return newest_per_photo(with_schema(rows))
+
+
+def with_schema(rows: pa.Table) -> pa.Table:
+    """``rows`` as ``LABELS_SCHEMA``; a column that files written before it lack is null."""
+    missing = [f for f in LABELS_SCHEMA if f.name not in rows.column_names]
+    for missing_field in missing:
+        rows = rows.append_column(missing_field, pa.nulls(rows.num_rows, missing_field.type))
+    return rows.select(LABELS_SCHEMA.names).cast(LABELS_SCHEMA)
+
+
+def photos_of_imports(root: str, model_name: str, import_ids: list[str]) -> frozenset[tuple[str, str]]:
+    """The (uri, etag) of every photo the imports ``import_ids`` labelled (whatever labels came later)."""
+    uri = labels_uri(root)
+    if not import_ids or not DeltaTable.is_deltatable(uri, storage_options(uri)):
+        return frozenset()
+    try:
+        rows = (
+            open_table(uri)
+            .to_pyarrow_dataset(file_pruning_predicate=[("model_name", "=", model_name)])
+            .to_table(
+                columns=["uri", "etag"],
+                filter=(pc.field("model_name") == model_name) & pc.field("import_id").isin(import_ids),
+                use_threads=False,
+            )
+        )
+    except (DeltaError, OSError) as exc:
+        raise storage_error(exc, "read", uri) from exc
+    return frozenset(zip(rows["uri"].to_pylist(), rows["etag"].to_pylist(), strict=True))
 
 
 def newest_per_photo(rows: pa.Table) -> pa.Table:

@@ -73,7 +73,8 @@ def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_pho
 
     queued = queue_labels(night=DAY, budget=40)
     assert len(queued.queued) == 40 and queued.candidates == len(truth) and queued.shadowed
-    priorities = [q.priority for q in queued.queued]
+    assert queued.drawn == 8 and sum(q.selection == "random" for q in queued.queued) == 8  # the default 20 %
+    priorities = [q.priority for q in queued.queued if q.selection == "targeted"]
     assert priorities == sorted(priorities, reverse=True)
     assert sum(q.disagreement for q in queued.queued) > 40 * 0.2, "disputed photos rank high"
     tasks: list[dict[str, Any]] = json.loads(storage.read_bytes(queued.label_studio_uri))
@@ -106,6 +107,7 @@ def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_pho
     version = result.registration.version
     folder = training_set.labelled_folder(local_storage, "digits")
     assert version.parent is not None and version.parent.version == 1
+    assert version.trained_on_labels is not None and version.trained_on_labels.import_ids == [imported.import_id]
     assert result.data.ingest.source_uri == folder and result.data.ingest.object_count == len(rows)
     assert training_set.pending_labels(local_storage, "digits") == 0
     stages = _stages(build_graph(version.uri))
