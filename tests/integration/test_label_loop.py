@@ -23,7 +23,7 @@ from rayline.lineage.graph import LineageNode, build_graph
 from rayline.models import registry
 from rayline.ray_workloads.quality import training_set
 from rayline.seed import seed_incoming
-from rayline.storage import layout
+from rayline.storage import layout, manifests
 from rayline.tables import predictions_table
 from rayline.tables.delta_tables import Night
 from tests.integration.helpers import one_stored_event, register_untrained
@@ -104,7 +104,11 @@ def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_pho
     # what the retrain deployment runs on that event: the champion fine-tuned on the labelled photos
     result = train_model(model_name="digits", labelled=True, epochs=1, num_workers=1, floor=0.0)
     version = result.registration.version
-    folder = training_set.labelled_folder(local_storage, "digits")
+    exported = training_set.committed_export(local_storage, "digits")
+    assert exported is not None and len(exported.copies) == len(rows)
+    folder = manifests.files_folder(
+        manifests.manifest_uri(training_set.labelled_folder(local_storage, "digits")), exported
+    )
     assert version.parent is not None and version.parent.version == 1
     assert result.data.ingest.source_uri == folder and result.data.ingest.object_count == len(rows)
     assert training_set.pending_labels(local_storage, "digits") == 0
