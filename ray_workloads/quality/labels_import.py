@@ -260,7 +260,8 @@ def check_rows(rows: pa.Table, uris: list[str], predicted: dict[str, str], class
         if reason is not None:
             rejected.append({"row": line, "uri": uri, "label": raw_label, "reason": reason, "detail": detail})
             continue
-        index = index_of[raw_label] if raw_label in index_of else int(raw_label)
+        index = class_index(raw_label, index_of, len(classes))
+        assert index is not None  # _refusal refused every label without one
         row = {
             "row": line,
             "uri": uri,
@@ -293,12 +294,25 @@ def _refusal(
         return "stale_etag", f"labelled ETag {etag}, but the newest prediction is of ETag {predicted[uri]}"
     if not label:
         return "missing_label", "the row has no label"
-    if label not in index_of and not (label.isdigit() and int(label) < len(classes)):
+    if class_index(label, index_of, len(classes)) is None:
         return (
             "unknown_class",
             f"not one of the model's {len(classes)} classes (a name, or an index 0-{len(classes) - 1})",
         )
     return None, ""
+
+
+def class_index(label: str, index_of: dict[str, int], count: int) -> int | None:
+    """The class ``label`` names: a class name, or an ASCII decimal index below ``count``; None for anything else.
+
+    ``str.isdigit`` also holds for superscripts and other scripts' digits, which ``int`` refuses or reads
+    as numbers nobody typed as an index (``"²"``, full-width ``"１"``).
+    """
+    if label in index_of:
+        return index_of[label]
+    if label.isascii() and label.isdecimal() and int(label) < count:
+        return int(label)
+    return None
 
 
 def _held(existing: pa.Table) -> set[tuple[str, str, int]]:

@@ -161,6 +161,24 @@ def test_a_retry_in_the_same_run_reports_what_its_first_attempt_committed_and_a_
     assert read_labels(night, MODEL).num_rows == 2
 
 
+def test_a_label_that_is_neither_a_class_name_nor_an_ascii_index_is_refused_naming_its_row(
+    night: str, tmp_path: Path
+) -> None:
+    """``"²".isdigit()`` is True and ``int("²")`` raises; ``int("１")`` (full width) is 1: none is an index."""
+    path = tmp_path / "labels.csv"
+    path.write_text(f"uri,label\n{_photo(0)},²\n{_photo(1)},１\n{_photo(2)},٢\n{_photo(3)},0\n", encoding="utf-8")
+    result = labels_import.run(_config(night, path))
+    assert result.imported == 1 and result.rejected == {"unknown_class": 3}
+    refused = list(csv.DictReader(io.StringIO(storage.read_bytes(str(result.rejected_uri)).decode())))
+    assert [(r["row"], r["label"], r["reason"]) for r in refused] == [
+        ("1", "²", "unknown_class"),
+        ("2", "１", "unknown_class"),
+        ("3", "٢", "unknown_class"),
+    ]
+    assert "an index 0-2" in refused[0]["detail"]
+    assert read_labels(night, MODEL).select(["uri", "label"]).to_pylist() == [{"uri": _photo(3), "label": "cat"}]
+
+
 def test_keys_parquet_and_json_lines_are_read_and_a_relabel_wins(night: str, tmp_path: Path) -> None:
     parquet = tmp_path / "first.parquet"
     pq.write_table(pa.table({"key": ["dt=2026-12-01/img-000.jpg"], "label": [1]}), parquet)  # an index, as a number
