@@ -36,7 +36,9 @@ from rayline.storage.layout import LABELLED_DIR
 from rayline.storage.manifests import LabelledCopy, LabelledExportManifest
 from rayline.tables import labels as labels_table
 
-LEGACY_EXPORT_MANIFEST = "_export.json"  # what exports wrote before the folder was leased, in its root
+# the manifest of a folder laid out without generations (<class>/ beside it): its imports count until the
+# first generation's commit removes it
+LEGACY_EXPORT_MANIFEST = "_export.json"
 FETCH_BATCH = 256
 
 

@@ -3,6 +3,7 @@ labelled, under exactly one class, by one export at a time."""
 
 from __future__ import annotations
 
+import json
 import posixpath
 import threading
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from rayline import storage
 from rayline.ray_workloads.quality import labels_import, training_set
 from rayline.storage import fetching, leases
+from rayline.tables import labels as labels_table
 from tests.unit.test_quality import CLASSES, MODEL, commit_night
 
 pytestmark = pytest.mark.unit
@@ -145,3 +147,39 @@ def test_two_exports_racing_around_a_relabel_leave_each_photo_under_exactly_one_
     listed = {n for n in storage.list_names(training_set.labelled_folder(root, MODEL)) if not n.startswith(".")}
     assert listed == {"manifest.json", posixpath.basename(a.folder), posixpath.basename(b.folder)}
     assert storage.read_bytes(storage.join(third.folder, training_set.copy_name(x, "fox"))) == b"photo 0"
+
+
+def test_a_folder_laid_out_without_generations_counts_its_imports_until_the_first_export_replaces_it(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path / "storage")
+    (x,) = _photos_predicted(root, 1)
+    _label(root, tmp_path, {x: "cat"}, "labels.csv")
+    folder = training_set.labelled_folder(root, MODEL)
+    imports = sorted(set(labels_table.read_labels(root, MODEL)["import_id"].to_pylist()))
+    storage.write_bytes_atomic(storage.join(folder, "dog", "stale.jpg"), b"a copy under a class no label gives it")
+    storage.write_bytes_atomic(storage.join(folder, "_export.json"), json.dumps({"import_ids": imports}).encode())
+    assert training_set.pending_labels(root, MODEL) == 0
+
+    exported = training_set.run(training_set.ExportConfig(root=root, model_name=MODEL))
+
+    listed = {n for n in storage.list_names(folder) if not n.startswith(".")}
+    assert listed == {"manifest.json", posixpath.basename(exported.folder)}
+    assert _copies(exported.folder) == {"cat": [training_set.copy_name(x, "cat").split("/")[1]]}
+    assert training_set.pending_labels(root, MODEL) == 0
+
+
+def test_a_copy_made_by_an_earlier_export_is_carried_over_when_its_photo_is_gone_from_the_source(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path / "storage")
+    x, y = _photos_predicted(root, 2)
+    _label(root, tmp_path, {x: "cat"}, "first.csv")
+    first = training_set.run(training_set.ExportConfig(root=root, model_name=MODEL))
+    storage.remove_tree(x)  # the producers' retention removed it; its label and copy stay good
+    _label(root, tmp_path, {y: "dog"}, "second.csv")
+
+    second = training_set.run(training_set.ExportConfig(root=root, model_name=MODEL))
+
+    assert (second.photos, second.copied, second.changed) == (2, 1, 0) and second.folder != first.folder
+    assert storage.read_bytes(storage.join(second.folder, training_set.copy_name(x, "cat"))) == b"photo 0"
