@@ -2,7 +2,8 @@
 the labelled paired test the promotion gates ask.
 
 A retry of an import repeats nothing: the table holds each file's rows once (its SHA-256 is the commit's
-app id), and the refused rows' report is replaced whole.
+app id), and the refused rows' report is replaced whole. The flow run's id goes into that commit, so a
+retry after the commit landed reports what it added, and the flow announces it and records its lineage.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from rayline.config import get_settings
 from rayline.ray_workloads.quality import labels_import, queue, training_set
 from rayline.ray_workloads.quality.paired import PairedTest
 from rayline.ray_workloads.quality.reading import labelled_gate
-from rayline.tasks.common import emit, io_task, record_lineage
+from rayline.tasks.common import emit, io_task, lease_holder, record_lineage, run_context
 
 
 @io_task("import-labels")
 def import_labels_task(cfg: labels_import.LabelsImportConfig) -> labels_import.LabelsImportResult:
-    """``labels_import.run``; lineage from the file (and the predictions it was checked against) to the table."""
-    result = labels_import.run(cfg)
+    """``labels_import.run`` as this flow run; lineage from the file (and the predictions it was checked
+    against) to the table."""
+    result = labels_import.run(cfg.model_copy(update={"run_id": cfg.run_id or run_context().flow_run_id}))
     if result.imported:
         record_lineage("import-labels", result, parameters={"model_name": cfg.model_name, "source": cfg.source})
     return result
@@ -50,8 +52,10 @@ def announce_labels_task(root: str, result: labels_import.LabelsImportResult) ->
 
 @io_task("export-labelled-photos")
 def export_labelled_task(cfg: training_set.ExportConfig) -> training_set.ExportResult:
-    """``training_set.run``: the labelled photos as a training source, with lineage from the labels imports."""
-    result = training_set.run(cfg)
+    """``training_set.run``: the labelled photos as a training source, with lineage from the labels imports.
+
+    The flow run holds the folder's lease: a retried attempt re-enters it, another run's export waits."""
+    result = training_set.run(cfg.model_copy(update={"holder": cfg.holder or lease_holder()}))
     record_lineage("export-labelled", result, parameters={"model_name": cfg.model_name})
     return result
 

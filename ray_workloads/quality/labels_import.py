@@ -9,6 +9,10 @@ is not one of the model's (``unknown_class``), when it has no label (``missing_l
 twice differently (``conflicting``). Refused rows go to a CSV beside the import,
 with their line and reason: nothing is dropped unreported. Rows the table already holds (same photo,
 same class) count as ``already_labelled`` and are not appended again.
+
+The answer comes from the commit (:class:`rayline.tables.labels.ImportOutcome` in its info): a retry of
+the run that committed the file (``run_id``) reports what that commit added; any other run, "imported
+before", nothing added.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ class LabelsImportConfig(BaseModel):
         description="random: the file's photos were chosen uniformly at random, whatever the models answered, so "
         "its labels may judge a challenger (docs/quality.md); a queue's random draw needs no saying.",
     )
+    run_id: str | None = Field(
+        None,
+        description="The run importing (a Prefect flow run id): a retry within it reports what its first attempt "
+        "committed; None: every call is a run of its own.",
+    )
 
     @field_validator("file_uri", "root", "key_base")
     @classmethod
@@ -93,44 +102,80 @@ class LabelsImportResult(BaseModel):
 
 
 def run(cfg: LabelsImportConfig) -> LabelsImportResult:
-    """Read, check and append one labels file (see the module docstring for what is refused)."""
+    """Read, check and append one labels file (see the module docstring for what is refused).
+
+    A file the table holds already is reported from its commit: as this import's when the same run
+    committed it (a retry after the commit landed), else as imported before, nothing added.
+    """
     body = storage.read_bytes(cfg.file_uri)
     import_id = hashlib.sha256(body).hexdigest()
-    table_uri_ = labels_table.labels_uri(cfg.root)
     rows = read_label_file(cfg.file_uri, body)
-    done = labels_table.imported_version(cfg.root, cfg.model_name, import_id)
+    done = labels_table.committed_import(cfg.root, cfg.model_name, import_id)
     if done is not None:
-        return LabelsImportResult(
-            model_name=cfg.model_name,
-            file_uri=cfg.file_uri,
-            import_id=import_id,
-            rows_read=rows.num_rows,
-            imported=0,
-            already_imported=True,
-            labels_table_uri=table_uri_,
-            labels_version=done,
-        )
+        return _reported(cfg, import_id, rows.num_rows, done)
     uris = _uris(rows, cfg.key_base)
     predicted, predictions_version = newest_predicted_etags(cfg.root, cfg.model_name, sorted(set(uris)))
     checked = check_rows(rows, uris, predicted, cfg.classes)
     held = _held(labels_table.read_labels(cfg.root, cfg.model_name))
     fresh = [r for r in checked.accepted if (r["uri"], r["etag"], r["label_index"]) not in held]
-    rejected_uri = _write_rejected(cfg, import_id, checked.rejected) if checked.rejected else None
+    outcome = labels_table.ImportOutcome(
+        run_id=cfg.run_id,
+        imported=len(fresh),
+        already_labelled=len(checked.accepted) - len(fresh),
+        rejected=dict(sorted(Counter(r["reason"] for r in checked.rejected).items())),
+        rejected_uri=_write_rejected(cfg, import_id, checked.rejected) if checked.rejected else None,
+        predictions_version=predictions_version,
+    )
+    if not fresh:
+        return _answer(cfg, import_id, rows.num_rows, outcome, labels_version=None)
     labelled = _labels_rows(fresh, cfg, import_id, datetime.now(UTC))
-    commit = labels_table.append_labels(cfg.root, cfg.model_name, import_id, labelled, cfg.file_uri) if fresh else None
+    commit = labels_table.append_labels(cfg.root, cfg.model_name, import_id, labelled, cfg.file_uri, outcome)
+    return _reported(cfg, import_id, rows.num_rows, commit)
+
+
+def _reported(
+    cfg: LabelsImportConfig, import_id: str, rows_read: int, commit: labels_table.LabelsCommit
+) -> LabelsImportResult:
+    """The answer a commit gives: its outcome when this run made it (in this attempt, or in one before this
+    retry), else "imported before", nothing added."""
+    outcome = commit.outcome
+    if outcome is not None and (not commit.already_imported or _same_run(cfg.run_id, outcome.run_id)):
+        return _answer(cfg, import_id, rows_read, outcome, labels_version=commit.version)
     return LabelsImportResult(
         model_name=cfg.model_name,
         file_uri=cfg.file_uri,
         import_id=import_id,
-        rows_read=rows.num_rows,
-        imported=0 if commit is None or commit.already_imported else len(fresh),
-        already_labelled=len(checked.accepted) - len(fresh),
-        rejected=dict(sorted(Counter(r["reason"] for r in checked.rejected).items())),
-        rejected_uri=rejected_uri,
-        already_imported=commit is not None and commit.already_imported,
-        labels_table_uri=table_uri_,
-        labels_version=commit.version if commit else None,
-        predictions_version=predictions_version,
+        rows_read=rows_read,
+        imported=0,
+        already_imported=True,
+        labels_table_uri=labels_table.labels_uri(cfg.root),
+        labels_version=commit.version,
+    )
+
+
+def _same_run(this: str | None, committing: str | None) -> bool:
+    return this is not None and this == committing  # outside a run, every call is one of its own
+
+
+def _answer(
+    cfg: LabelsImportConfig,
+    import_id: str,
+    rows_read: int,
+    outcome: labels_table.ImportOutcome,
+    labels_version: int | None,
+) -> LabelsImportResult:
+    return LabelsImportResult(
+        model_name=cfg.model_name,
+        file_uri=cfg.file_uri,
+        import_id=import_id,
+        rows_read=rows_read,
+        imported=outcome.imported,
+        already_labelled=outcome.already_labelled,
+        rejected=outcome.rejected,
+        rejected_uri=outcome.rejected_uri,
+        labels_table_uri=labels_table.labels_uri(cfg.root),
+        labels_version=labels_version,
+        predictions_version=outcome.predictions_version,
     )
 
 
@@ -220,7 +265,8 @@ def check_rows(rows: pa.Table, uris: list[str], predicted: dict[str, str], class
         if reason is not None:
             rejected.append({"row": line, "uri": uri, "label": raw_label, "reason": reason, "detail": detail})
             continue
-        index = index_of[raw_label] if raw_label in index_of else int(raw_label)
+        index = class_index(raw_label, index_of, len(classes))
+        assert index is not None  # _refusal refused every label without one
         row = {
             "row": line,
             "uri": uri,
@@ -253,12 +299,25 @@ def _refusal(
         return "stale_etag", f"labelled ETag {etag}, but the newest prediction is of ETag {predicted[uri]}"
     if not label:
         return "missing_label", "the row has no label"
-    if label not in index_of and not (label.isdigit() and int(label) < len(classes)):
+    if class_index(label, index_of, len(classes)) is None:
         return (
             "unknown_class",
             f"not one of the model's {len(classes)} classes (a name, or an index 0-{len(classes) - 1})",
         )
     return None, ""
+
+
+def class_index(label: str, index_of: dict[str, int], count: int) -> int | None:
+    """The class ``label`` names: a class name, or an ASCII decimal index below ``count``; None for anything else.
+
+    ``str.isdigit`` also holds for superscripts and other scripts' digits, which ``int`` refuses or reads
+    as numbers nobody typed as an index (``"²"``, full-width ``"１"``).
+    """
+    if label in index_of:
+        return index_of[label]
+    if label.isascii() and label.isdecimal() and int(label) < count:
+        return int(label)
+    return None
 
 
 def _held(existing: pa.Table) -> set[tuple[str, str, int]]:

@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 
 from rayline import storage
 from rayline.errors import AliasConflict, ConfigError, InputDataError, LeaseBusy, LeaseLost, StorageError
-from rayline.models import aliases
+from rayline.models import aliases, class_lists
 from rayline.models.aliases import AliasMove as AliasMove
 from rayline.models.aliases import Unchecked as Unchecked
 from rayline.specs import NAME_PATTERN, ImageSpec, ModelSpec, ParentModel, WeightsSource, check_model_name
@@ -203,6 +203,7 @@ def register(
     """
     if samples is not None:  # refused before a version number is claimed
         _check_samples(samples, ImageSpec.model_validate(image_spec))
+    class_lists.check_kept(name, classes, {v.version: v.classes for v in list_versions(name)})
     number = _version_claimed_with(name, idempotency_key) if idempotency_key else None
     if number is not None:
         done = storage.join(model_root(name), f"v{number}", VERSION_FILE)

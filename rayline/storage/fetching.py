@@ -25,6 +25,7 @@ from rayline.errors import (
     is_transient,
 )
 from rayline.storage.backends import ObjectStore, scheme_of, store_for
+from rayline.storage.backends.local import read_as_listed
 from rayline.storage.uris import is_remote, normalize
 
 
@@ -40,9 +41,10 @@ class Fetched:
 def as_listed(fetched: Fetched, listed_etag: str) -> Fetched:
     """``fetched``, or an :class:`ObjectChangedError` when it read another version than the listing's.
 
-    A read without an ETag (local files) is taken as the listed version.
+    Every read names its version (a local file's too: its listing version, :func:`_fetch_local`), so a read
+    without one is no proof of the listed version either.
     """
-    if fetched.error is not None or fetched.etag is None or fetched.etag == listed_etag:
+    if fetched.error is not None or fetched.etag == listed_etag:
         return fetched
     changed = ObjectChangedError(f"etag changed from {listed_etag} (listed) to {fetched.etag} (read)")
     return Fetched(data=None, etag=fetched.etag, error=changed)
@@ -59,12 +61,19 @@ def _fetch_remote(uri: str, store: ObjectStore) -> Fetched:
 
 
 def _fetch_local(uri: str) -> Fetched:
+    """The file's bytes with the version a listing gives it (size and modification time, from the handle read).
+
+    A file written in place while it was read has no one version: an :class:`ObjectChangedError`.
+    """
     path = uri if uri.startswith("/") else normalize(uri)  # listed URIs are absolute already
     try:
-        with open(path, "rb") as handle:
-            return Fetched(data=handle.read())
+        data, before, after = read_as_listed(path)
     except Exception as exc:
         return Fetched(data=None, error=exc)
+    if before != after:
+        changed = ObjectChangedError(f"{path} was written while read: version {before} before, {after} after")
+        return Fetched(data=None, etag=after, error=changed)
+    return Fetched(data=data, etag=before)
 
 
 def _fetch_pass(uris: list[str], concurrency: int) -> list[Fetched]:

@@ -5,7 +5,8 @@ folder (``<folder>.lease``, beside it: removing what is in the folder must
 never remove the lease that guards it) before it writes there.
 
 :func:`fill_once` is the whole sequence, shared by every stage that commits a
-folder (ingest, preprocess): reuse what is committed, else take the lease,
+folder (ingest, preprocess, the export of labelled photos): reuse what is
+committed, else take the lease,
 read the manifest with its token, fill a generation of its own, and switch the
 manifest to it by a compare-and-swap on that token
 (:func:`rayline.storage.manifests.commit`). A run paused past its lease's ttl

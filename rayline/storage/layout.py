@@ -33,7 +33,8 @@ SHADOW_TABLE = "shadow_predictions"
 LABELS_TABLE = "labels"  # people's answers for predicted photos, partitioned by model_name (rayline.tables.labels)
 # each labels import's report: label_imports/<model>/<import id>/rejected.csv, the rows refused and why
 LABEL_IMPORTS_DIR = "label_imports"
-# the labelled photos as training input, labelled/<model>/<class>/<file> (rayline.ray_workloads.quality.training_set)
+# the labelled photos as training input, labelled/<model>/gen-<fence>-<id>/<class>/<file>
+# (rayline.ray_workloads.quality.training_set)
 LABELLED_DIR = "labelled"
 # what to label next: label_queues/<model>/dt=<night>/ (rayline.ray_workloads.quality.queue)
 LABEL_QUEUES_DIR = "label_queues"

@@ -1,9 +1,10 @@
 """Manifests: the commit point of a stage's output folder, as typed models.
 
-A stage that fills a folder (ingest, preprocess) writes its files first and
-``manifest.json`` last. The manifest names every file the run wrote, so a
-reader trusts a folder only when its manifest is there: a run that died half
-way left files nobody reads, and the next run clears them.
+A stage that fills a folder (ingest, preprocess, the export of labelled
+photos) writes its files first and ``manifest.json`` last. The manifest
+names every file the run wrote, so a reader trusts a folder only when its
+manifest is there: a run that died half way left files nobody reads, and
+the next run clears them.
 
 Each kind of manifest is a model here, so writers and readers (the stages,
 the task finding new arrivals, the lineage graph) agree on one shape instead
@@ -127,6 +128,31 @@ class PreprocessManifest(Manifest):
     output_uri: str
     parameters: PreprocessParameters
     summary: PreprocessSummary
+
+
+class LabelledCopy(BaseModel):
+    """One labelled photo as an export copied it: the photo, the version that was labelled, its class."""
+
+    uri: str
+    etag: str
+    label: str
+
+
+class LabelledExportManifest(Manifest):
+    """A model's labelled photos as training input: the labels table version exported and each copy's photo.
+
+    ``copies`` names every file of the generation (``<class>/<file>``): a photo is under one class.
+    """
+
+    WHAT: ClassVar[str] = "a labelled-photos export manifest"
+
+    kind: Literal["rayline.labelled-export"] = "rayline.labelled-export"
+    model_name: str
+    labels_version: int | None = Field(description="The labels table version exported (None: no labels yet).")
+    import_ids: list[str] = Field(description="The labels imports that version holds for the model.")
+    copies: dict[str, LabelledCopy] = Field(description="Copy name (<class>/<file>) → the photo it is a copy of.")
+    changed: int = Field(0, description="Labelled photos left out: replaced (another version) or gone since.")
+    committed_by: str | None = Field(None, description="The lease holder (a flow run) whose run committed it.")
 
 
 Kind = TypeVar("Kind", bound=Manifest)

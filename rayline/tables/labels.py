@@ -5,17 +5,22 @@ the model's class list), partitioned by ``model_name``. ``selection`` is ``rando
 photos were chosen uniformly at random, whatever the models answered (empty otherwise: a queue's random draw
 is recorded with the queue). Each import appends once: its id (the file's
 SHA-256) is a Delta app transaction, so importing the same file again commits nothing, and two imports
-never interleave rows. A photo labelled twice keeps its newest label (:func:`read_labels`).
+never interleave rows. The commit's info keeps what the import added and refused, and the run that made
+it (:class:`ImportOutcome`): a retry of that run finds its answer there. A photo labelled twice keeps its
+newest label (:func:`read_labels`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, Transaction, write_deltalake
 from deltalake.exceptions import DeltaError
+from pydantic import BaseModel
 
 from rayline.errors import InputDataError
 from rayline.storage.layout import LABELS_TABLE, table_uri
@@ -46,12 +51,40 @@ RANDOM = "random"
 KEY = ("uri", "etag")
 
 
+class ImportOutcome(BaseModel):
+    """What one labels import added and refused, and the run that imported it: kept in its commit's info.
+
+    ``run_id`` (a Prefect flow run id; None outside one) tells a retry of the importing run, which reports
+    this outcome as its own, from a later run importing the same file, which added nothing.
+    """
+
+    METADATA_KEY: ClassVar[str] = "rayline.labels_outcome"
+
+    run_id: str | None
+    imported: int
+    already_labelled: int
+    rejected: dict[str, int]
+    rejected_uri: str | None
+    predictions_version: int | None
+
+    def to_metadata(self) -> dict[str, str]:
+        return {self.METADATA_KEY: self.model_dump_json()}
+
+    @classmethod
+    def from_metadata(cls, info: Mapping[str, Any]) -> ImportOutcome | None:
+        """The outcome a commit info holds; None for commits made before outcomes were kept."""
+        raw = info.get(cls.METADATA_KEY)
+        return None if raw is None else cls.model_validate_json(raw)
+
+
 @dataclass(frozen=True)
 class LabelsCommit:
-    """The table version holding an import, and whether an earlier run had committed it already."""
+    """The table version holding an import, whether an earlier attempt or run had committed it already, and
+    what the commit recorded of it (None when its info is gone or predates outcomes)."""
 
     version: int
     already_imported: bool
+    outcome: ImportOutcome | None = None
 
 
 def labels_uri(root: str) -> str:
@@ -77,19 +110,33 @@ def imported_version(root: str, model_name: str, import_id: str) -> int | None:
     return setting if setting is not None else commit_version(uri, app_id, -1, tbl.version())
 
 
-def append_labels(root: str, model_name: str, import_id: str, rows: pa.Table, source_uri: str) -> LabelsCommit:
-    """Append one import's rows (``LABELS_SCHEMA``) in one commit; a second call with the same id adds nothing."""
+def committed_import(root: str, model_name: str, import_id: str) -> LabelsCommit | None:
+    """The commit of ``import_id`` for ``model_name``, with the outcome its info recorded; None when none."""
+    version = imported_version(root, model_name, import_id)
+    if version is None:
+        return None
+    info = delta_log.commit_info(labels_uri(root), version)
+    outcome = ImportOutcome.from_metadata(info) if info is not None else None
+    return LabelsCommit(version=version, already_imported=True, outcome=outcome)
+
+
+def append_labels(
+    root: str, model_name: str, import_id: str, rows: pa.Table, source_uri: str, outcome: ImportOutcome
+) -> LabelsCommit:
+    """Append one import's rows (``LABELS_SCHEMA``) in one commit, its ``outcome`` in the commit's info;
+    a second call with the same id adds nothing and returns the first's commit."""
     uri = labels_uri(root)
     tbl = open_or_create(uri, LABELS_SCHEMA, ["model_name"])
     app_id = _app_id(model_name, import_id)
     if tbl.transaction_version(app_id) is not None:
-        version = imported_version(root, model_name, import_id)
-        return LabelsCommit(version=version if version is not None else tbl.version(), already_imported=True)
+        found = committed_import(root, model_name, import_id)
+        return found if found is not None else LabelsCommit(version=tbl.version(), already_imported=True)
     properties = CommitProperties(
         custom_metadata={
             "rayline.labels_import": app_id,
             "rayline.source": source_uri,
             "rayline.rows": rows.num_rows,
+            **outcome.to_metadata(),
         },
         app_transactions=[Transaction(app_id, 1)],
     )
@@ -105,8 +152,9 @@ def append_labels(root: str, model_name: str, import_id: str, rows: pa.Table, so
         )
     except (DeltaError, OSError) as exc:
         raise storage_error(exc, "append labels to", uri) from exc
-    version = imported_version(root, model_name, import_id)
-    return LabelsCommit(version=version if version is not None else open_table(uri).version(), already_imported=False)
+    version = imported_version(root, model_name, import_id)  # the read after the append
+    version = version if version is not None else open_table(uri).version()
+    return LabelsCommit(version=version, already_imported=False, outcome=outcome)
 
 
 def current_version(root: str) -> int | None:

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rayline import events, storage
-from rayline.errors import QualityGateFailed
+import rayline.flows.import_labels as import_labels_flow
+from rayline import events, lineage, storage
+from rayline.errors import QualityGateFailed, TransientStorageError
 from rayline.flows.import_labels import import_labels
 from rayline.flows.queue_labels import queue_labels
 from rayline.flows.serve_rollout import serve_rollout
@@ -23,9 +24,11 @@ from rayline.lineage.graph import LineageNode, build_graph
 from rayline.models import registry
 from rayline.ray_workloads.quality import training_set
 from rayline.seed import seed_incoming
-from rayline.storage import layout
+from rayline.storage import layout, manifests
+from rayline.tables import labels as labels_table
 from rayline.tables import predictions_table
 from rayline.tables.delta_tables import Night
+from rayline.tasks.labels import import_labels_task
 from tests.integration.helpers import one_stored_event, register_untrained
 from tests.unit.test_quality import commit_night
 from tests.unit.test_quality_gates import champion_right_answers, plant_paired_night, worse_but_alike
@@ -54,6 +57,24 @@ def _planted_night(root: str) -> dict[str, tuple[str, int]]:
     predictions_table.commit_night(errors, [], Night("digits", DAY), f"run-{DAY}-v1", predictions_table.ERRORS_SCHEMA)
     commit_night(root, DAY, 2, shadow, table_name=layout.SHADOW_TABLE, model="digits", classes=DIGITS)
     return truth
+
+
+def _read_after_the_append_fails_once(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The labels table's read back of an import, right after its append, fails transiently once; the import
+    task retries at once. Returns the version that read found, once it failed."""
+    read_back, failed = labels_table.imported_version, []
+
+    def fails_once_committed(*args: Any) -> int | None:
+        found = read_back(*args)
+        if found is not None and not failed:
+            failed.append(found)
+            raise TransientStorageError("injected: the read after the append was reset")
+        return found
+
+    monkeypatch.setattr(labels_table, "imported_version", fails_once_committed)
+    at_once = import_labels_task.with_options(retry_delay_seconds=0, retry_jitter_factor=None)
+    monkeypatch.setattr(import_labels_flow, "import_labels_task", at_once)
+    return failed
 
 
 def _stages(node: LineageNode) -> set[tuple[str | None, str]]:
@@ -93,11 +114,16 @@ def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_pho
     writer.writeheader()
     writer.writerows(rows)
     storage.write_bytes_atomic(labels_file, out.getvalue().encode())
-    imported = import_labels(file=labels_file)
-    assert imported.imported == len(rows) > 200 and not imported.rejected
+    read_back_failed = _read_after_the_append_fails_once(monkeypatch)
+    imported = import_labels(file=labels_file)  # its first attempt commits, then its read back fails: retried
+    assert read_back_failed and imported.imported == len(rows) > 200 and not imported.rejected
+    assert imported.labels_version == read_back_failed[0] and not imported.already_imported
+    later = import_labels(file=labels_file)  # a run of its own: nothing added, nothing announced
+    assert later.already_imported and later.imported == 0
 
     arrived = one_stored_event(prefect_api, events.LABELS_ARRIVED, "rayline.labels.digits", since=test_started)
     assert arrived["resource"][events.RETRAIN_LABEL] == "true" and arrived["payload"]["pending"] == len(rows)
+    assert [r.outputs[0].facets["rows"] for r in lineage.read_records("import-labels")] == [len(rows)]
     again = queue_labels(night=DAY, budget=40)
     assert again.already_labelled == len(rows)
     assert not {q.uri for q in again.queued} & {r["uri"] for r in rows}, "labelled photos are not queued again"
@@ -105,7 +131,11 @@ def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_pho
     # what the retrain deployment runs on that event: the champion fine-tuned on the labelled photos
     result = train_model(model_name="digits", labelled=True, epochs=1, num_workers=1, floor=0.0)
     version = result.registration.version
-    folder = training_set.labelled_folder(local_storage, "digits")
+    exported = training_set.committed_export(local_storage, "digits")
+    assert exported is not None and len(exported.copies) == len(rows)
+    folder = manifests.files_folder(
+        manifests.manifest_uri(training_set.labelled_folder(local_storage, "digits")), exported
+    )
     assert version.parent is not None and version.parent.version == 1
     assert version.trained_on_labels is not None and version.trained_on_labels.import_ids == [imported.import_id]
     assert result.data.ingest.source_uri == folder and result.data.ingest.object_count == len(rows)

@@ -100,7 +100,7 @@ def test_a_read_of_another_version_than_the_listed_one_is_an_object_changed_erro
     assert isinstance(changed.error, ObjectChangedError) and changed.data is None
     assert "e1" in str(changed.error) and "e2" in str(changed.error)  # both versions named in the error row
     assert fetching.as_listed(read, "e2") is read
-    local = Fetched(data=b"bytes")  # a local file's read has no ETag: taken as the listed version
-    assert fetching.as_listed(local, "size-mtime") is local
+    unversioned = Fetched(data=b"bytes")  # a read that names no version proves none
+    assert isinstance(fetching.as_listed(unversioned, "size-mtime").error, ObjectChangedError)
     failed = Fetched(data=None, error=FileNotFoundError("gone"))
     assert fetching.as_listed(failed, "e1") is failed  # its own error stays

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -13,10 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from rayline import storage
-from rayline.errors import InputDataError
+from rayline.errors import InputDataError, TransientStorageError
 from rayline.ray_workloads.quality import labels_import, metrics, paired
 from rayline.storage import layout
 from rayline.tables import delta_tables, predictions_table
+from rayline.tables import labels as labels_table
 from rayline.tables.labels import read_labels
 
 pytestmark = pytest.mark.unit
@@ -127,6 +129,54 @@ def test_a_labels_file_is_appended_once_and_every_refusal_is_reported_by_reason(
     again = labels_import.run(_config(night, path))
     assert again.already_imported and again.imported == 0 and again.labels_version == result.labels_version
     assert read_labels(night, MODEL).num_rows == 2
+
+
+def test_a_retry_in_the_same_run_reports_what_its_first_attempt_committed_and_a_later_run_reports_nothing_added(
+    night: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "labels.csv"
+    path.write_text(f"uri,label\n{_photo(0)},cat\n{_photo(1)},dog\n{_photo(2)},wolf\n")
+    read_back, failed = labels_table.imported_version, []
+
+    def fails_once_once_committed(*args: Any) -> int | None:
+        found = read_back(*args)
+        if found is not None and not failed:  # the read after the append: the table holds the import now
+            failed.append(found)
+            raise TransientStorageError("injected: the read after the append was reset")
+        return found
+
+    monkeypatch.setattr(labels_table, "imported_version", fails_once_once_committed)
+    in_run = _config(night, path).model_copy(update={"run_id": "flow-run-1"})
+    with pytest.raises(TransientStorageError):
+        labels_import.run(in_run)
+    assert failed, "the append landed before its read back failed"
+
+    retried = labels_import.run(in_run)
+    assert (retried.imported, retried.already_imported, retried.rejected) == (2, False, {"unknown_class": 1})
+    assert retried.labels_version == failed[0] and retried.rejected_uri is not None
+    assert [d.uri for d in retried.lineage_outputs()] == [retried.labels_table_uri]
+
+    later = labels_import.run(_config(night, path).model_copy(update={"run_id": "flow-run-2"}))
+    assert (later.imported, later.already_imported, later.labels_version) == (0, True, failed[0])
+    assert read_labels(night, MODEL).num_rows == 2
+
+
+def test_a_label_that_is_neither_a_class_name_nor_an_ascii_index_is_refused_naming_its_row(
+    night: str, tmp_path: Path
+) -> None:
+    """``"²".isdigit()`` is True and ``int("²")`` raises; ``int("１")`` (full width) is 1: none is an index."""
+    path = tmp_path / "labels.csv"
+    path.write_text(f"uri,label\n{_photo(0)},²\n{_photo(1)},１\n{_photo(2)},٢\n{_photo(3)},0\n", encoding="utf-8")
+    result = labels_import.run(_config(night, path))
+    assert result.imported == 1 and result.rejected == {"unknown_class": 3}
+    refused = list(csv.DictReader(io.StringIO(storage.read_bytes(str(result.rejected_uri)).decode())))
+    assert [(r["row"], r["label"], r["reason"]) for r in refused] == [
+        ("1", "²", "unknown_class"),
+        ("2", "１", "unknown_class"),
+        ("3", "٢", "unknown_class"),
+    ]
+    assert "an index 0-2" in refused[0]["detail"]
+    assert read_labels(night, MODEL).select(["uri", "label"]).to_pylist() == [{"uri": _photo(3), "label": "cat"}]
 
 
 def test_keys_parquet_and_json_lines_are_read_and_a_relabel_wins(night: str, tmp_path: Path) -> None:

@@ -205,3 +205,25 @@ def test_moving_an_alias_where_it_already_is_keeps_the_move_that_put_it_there(lo
     moved = registry.set_alias("digits", registry.CHAMPION, two.version, "better")
     again = registry.set_alias("digits", registry.CHAMPION, two.version, "a retry")
     assert again == moved and again.previous == one.version and again.reason == "better"
+
+
+def _register_classes(classes: list[str]) -> registry.ModelVersion:
+    return registry.register(
+        "pets", b"w", model_spec=ModelSpec(), image_spec=ImageSpec(), classes=classes, metrics={}, code_version="t"
+    )
+
+
+def test_a_new_version_may_add_classes_but_never_move_or_drop_one_and_a_refusal_names_both_lists(
+    local_storage: str,
+) -> None:
+    """Labels and predictions are compared by class index: an index must mean one class in every version."""
+    _register_classes(["cat", "dog"])
+    _register_classes(["cat", "dog", "fox"])
+    with pytest.raises(InputDataError) as moved:
+        _register_classes(["dog", "cat", "fox"])
+    message = str(moved.value)
+    assert "['cat', 'dog']" in message and "['dog', 'cat', 'fox']" in message and "index 0" in message
+    with pytest.raises(InputDataError, match=r"index 2 \('fox' in pets v2, none in the new version\)"):
+        _register_classes(["cat", "dog"])
+    assert [v.classes for v in registry.list_versions("pets")] == [["cat", "dog"], ["cat", "dog", "fox"]]
+    assert not storage.exists(storage.join(registry.model_root("pets"), "v3", layout.CLAIM_FILE)), "no number claimed"

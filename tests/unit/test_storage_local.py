@@ -7,9 +7,10 @@ import pyarrow as pa
 import pytest
 
 from rayline import storage
-from rayline.errors import InputDataError
+from rayline.errors import InputDataError, ObjectChangedError
 from rayline.skipped import skipped_text
 from rayline.storage import fetching
+from rayline.storage.backends import local
 
 pytestmark = pytest.mark.unit
 
@@ -98,6 +99,45 @@ def test_fetch_many_reads_local_files_in_order_in_this_thread(tmp_path: Path, mo
     fetched = fetching.fetch_many([str(tmp_path / "b"), str(tmp_path / "missing"), str(tmp_path / "a")], 64)
     assert [f.data for f in fetched] == [b"b", None, b"a"]
     assert isinstance(fetched[1].error, FileNotFoundError)
+
+
+def test_a_local_read_names_the_version_its_listing_gives_and_a_replaced_file_reads_as_changed(
+    tmp_path: Path,
+) -> None:
+    photo = tmp_path / "x.jpg"
+    photo.write_bytes(b"the photo that was labelled")
+    (listed,) = storage.list_objects(str(tmp_path))
+    (read,) = fetching.fetch_many([listed.uri], 4)
+    assert read.etag == listed.etag and fetching.as_listed(read, listed.etag) is read
+
+    photo.write_bytes(b"another photo under the same name")
+    (again,) = fetching.fetch_many([listed.uri], 4)
+    changed = fetching.as_listed(again, listed.etag)
+    assert isinstance(changed.error, ObjectChangedError) and changed.data is None
+    assert again.etag == storage.list_objects(str(tmp_path))[0].etag != listed.etag
+
+
+def test_a_local_file_written_while_it_is_read_is_an_object_changed_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    photo = tmp_path / "x.jpg"
+    photo.write_bytes(b"first bytes")
+    real_fstat = os.fstat
+    calls = 0
+
+    def written_after_the_first_look(fd: int) -> os.stat_result:
+        nonlocal calls
+        calls += 1
+        found = real_fstat(fd)
+        if calls == 1:  # a writer appends between the handle's first stat and its read
+            with open(photo, "ab") as writer:
+                writer.write(b" and more")
+        return found
+
+    monkeypatch.setattr(local.os, "fstat", written_after_the_first_look)
+    (read,) = fetching.fetch_many([str(photo)], 4)
+    assert isinstance(read.error, ObjectChangedError) and read.data is None
+    assert "written while read" in str(read.error)
 
 
 def test_a_prefix_of_only_skipped_objects_is_an_error_that_says_what_was_skipped(tmp_path: Path) -> None:

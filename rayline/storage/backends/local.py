@@ -10,10 +10,11 @@ Conditional writes need no server here:
   nothing here deletes, so a name that exists when the lock is taken keeps
   existing, and nobody changes it while the lock is held.
 
-A file's version for reads and conditional writes is the SHA-256 of its
-bytes (a swap must therefore write different bytes); a listing's is its size
-and modification time, which identify a version without reading it, as HTTP
-servers do.
+A file's version for conditional writes is the SHA-256 of its bytes (a swap
+must therefore write different bytes); a listing's is its size and
+modification time, which identify a version without reading it, as HTTP
+servers do. A read checked against a listing (:func:`read_as_listed`) takes
+that same version from the handle it reads through.
 """
 
 from __future__ import annotations
@@ -40,6 +41,24 @@ def digest(data: bytes) -> str:
 
 def listed_version(size: int, mtime: float) -> str:
     return f"{size:x}-{int(mtime * 1e9):x}"
+
+
+def stat_version(st: os.stat_result) -> str:
+    """A file's listing version from its stat: the formula of every local ETag already stored in tables."""
+    return listed_version(st.st_size, st.st_mtime)
+
+
+def read_as_listed(path: str) -> tuple[bytes, str, str]:
+    """The file's bytes, and its listing version before and after reading them, both from the open handle.
+
+    The handle keeps reading the file it opened even if the name is replaced, so the version is the one
+    of the bytes read; the two differ only when the file was written in place during the read.
+    """
+    with open(path, "rb") as handle:
+        before = stat_version(os.fstat(handle.fileno()))
+        data = handle.read()
+        after = stat_version(os.fstat(handle.fileno()))
+    return data, before, after
 
 
 @contextmanager
@@ -167,7 +186,7 @@ def _level(root: str, rel: str) -> Iterator[Stat | str]:
         elif entry.is_file():
             st = entry.stat()
             modified = datetime.fromtimestamp(st.st_mtime, UTC).isoformat()
-            yield Stat(key, st.st_size, listed_version(st.st_size, st.st_mtime), modified)
+            yield Stat(key, st.st_size, stat_version(st), modified)
 
 
 def _below(root: str, rel: str, after: str) -> Iterator[Stat]:
