@@ -6,6 +6,8 @@ must be this user's alone (owned by this uid, mode 0700, not a link): one that
 another user could have made or filled is refused, not used. The zip is hashed
 again on every use, so what is imported is the registered bytes; a copy that
 differs (a disk error, a half-written file) is replaced from the registry.
+Python reads the zip again as it imports: between the check and the import
+only this user (or root) can change a file in that folder.
 
 Why a zip rather than an unpacked folder: hashing the zip is one read (a
 quarter of walking and hashing the same files unpacked), and nothing writes
