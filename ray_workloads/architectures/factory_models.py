@@ -4,10 +4,12 @@ The factory is called with ``--factory-kwargs`` (and ``num_classes`` when it
 takes one and the kwargs do not say), then the weights are loaded into what
 it returns. Its code comes either from a package installed on the cluster,
 or from a folder given with ``--code``: that folder is zipped into the
-registry (content-addressed, so the version pins it) and shipped to every
-Ray worker that loads the model with ``runtime_env={"py_modules": [...]}``.
-A process outside Ray (an MLflow pyfunc, a notebook) puts the same folder
-on ``sys.path`` instead.
+registry (content-addressed, so the version pins it). Every process that
+builds the version (a driver, a Ray worker, an MLflow pyfunc) imports it
+from that zip, verified (:mod:`~rayline.ray_workloads.architectures.shipped_code`)
+and put first on ``sys.path`` for the load, so a same-named package elsewhere
+(the driver's working folder, which Ray puts first on its workers' path; a
+user's own package; another version's code) never builds it.
 
 Fine-tuning a factory model needs its classifier: timm's ``reset_classifier``
 when the module has one, else the last ``nn.Linear`` (or 1×1 convolution)
@@ -19,18 +21,18 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.metadata
-import importlib.util
 import inspect
 import io
 import os
 import sys
-import tempfile
+import threading
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rayline import storage
 from rayline.errors import ConfigError, InputDataError
+from rayline.ray_workloads.architectures import shipped_code
 from rayline.specs import FactoryRef
 from rayline.storage.layout import CODE_DIR
 
@@ -45,17 +47,25 @@ def parse_target(target: str) -> tuple[str, str]:
     return module, attr
 
 
+# One load at a time puts its code on the path and imports it: two versions' code of one package in one
+# process (a Serve replica's threads, a notebook) must not interleave.
+_loading = threading.RLock()
+
+
 def import_factory(ref: FactoryRef) -> Any:
-    """The callable ``ref`` names; its code is put on ``sys.path`` first when the version ships it."""
-    ensure_importable(ref)
+    """The callable ``ref`` names, imported from the version's registered code when it ships its code."""
     module_name, attr = parse_target(ref.target)
-    try:
-        found: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        raise InputDataError(
-            f"factory {ref.target}: module {module_name} cannot be imported ({type(exc).__name__}: {exc}); install "
-            "its package on the cluster or ship its folder with --code"
-        ) from exc
+    with _loading:
+        archive = ensure_importable(ref)
+        try:
+            found: Any = importlib.import_module(module_name)
+        except Exception as exc:
+            raise InputDataError(
+                f"factory {ref.target}: module {module_name} cannot be imported ({type(exc).__name__}: {exc}); "
+                "install its package on the cluster or ship its folder with --code"
+            ) from exc
+        if archive is not None:
+            _check_imported_from(ref, archive)
     for part in attr.split("."):
         found = getattr(found, part, None)
         if found is None:
@@ -182,73 +192,65 @@ def store_code(model_root: str, code: bytes) -> tuple[str, str]:
     return uri, digest
 
 
-def local_code_folder(ref: FactoryRef) -> str | None:
-    """The shipped code, unzipped into a local cache keyed by its hash; the folder holding the package."""
-    if ref.code_uri is None or ref.code_sha256 is None:
-        return None
-    base = Path(tempfile.gettempdir()) / "rayline-code" / ref.code_sha256
-    if not (base / ref.top_level).is_dir():
-        data = storage.read_bytes(ref.code_uri)
-        if hashlib.sha256(data).hexdigest() != ref.code_sha256:
-            raise InputDataError(f"factory code {ref.code_uri} changed since registration (SHA-256 differs)")
-        base.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{ref.code_sha256[:12]}-", dir=base.parent))
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            archive.extractall(staging)
-        try:
-            os.replace(staging, base)
-        except OSError:
-            pass  # another process unpacked the same code first
-    return str(base)
+# Names the version's code in the runtime env of the Ray workers that load it: Ray starts worker processes per
+# runtime env, so two versions' code of one package never share a process, whose imports (and what they did to
+# other modules) a later version's cannot undo. The workers read the code from the registry themselves.
+CODE_ENV_VAR = "RAYLINE_FACTORY_CODE_SHA256"
 
 
 def runtime_env(ref: FactoryRef | None) -> dict[str, Any] | None:
-    """``runtime_env`` shipping a version's factory code to Ray workers (None: nothing to ship).
+    """``runtime_env`` for the Ray workers that load a version shipping its code (None: nothing shipped).
 
-    Call it on a driver connected to Ray. A task's or actor's ``py_modules``
-    must be URIs (a local folder is taken at ``ray.init`` only), and they
-    replace the job's own rather than add to them: the job's (rayline's
-    packages, on a remote cluster) are kept beside the factory's.
+    Only an environment variable, which Ray merges into the job's own runtime env
+    (its ``py_modules`` too): each worker imports the code through :func:`ensure_importable`.
     """
-    if ref is None or ref.code_uri is None:
+    if ref is None or ref.code_sha256 is None:
         return None
-    return {"py_modules": [*_job_py_modules(), _code_package(ref)]}
+    return {"env_vars": {CODE_ENV_VAR: ref.code_sha256}}
 
 
-def _job_py_modules() -> list[str]:
-    import ray
+def ensure_importable(ref: FactoryRef) -> str | None:
+    """Make the next import of ``ref``'s module read the version's registered code; that zip, or None.
 
-    return list(ray.get_runtime_context().runtime_env.get("py_modules") or [])
-
-
-def _code_package(ref: FactoryRef) -> str:
-    """The stored zip, pushed to the cluster's GCS as a Ray package (its layout: the package at the root).
-
-    Named by the code's hash, pushed once while the cluster keeps it, and
-    pinned so that it outlives the gap until the task or actor using it
-    starts; every node unpacks it from there, whatever storage the registry is on.
+    None for a factory installed on the cluster: its import is the
+    environment's. Otherwise the verified zip goes first on ``sys.path`` (the
+    only one of rayline's cached zips there), and modules of the same
+    top-level package imported from anywhere else (another version's code, a
+    same-named package) leave ``sys.modules``: models already built keep
+    theirs, the next import reads the zip.
     """
-    from ray._private.runtime_env.packaging import package_exists, pin_runtime_env_uri, upload_package_to_gcs
+    if ref.code_uri is None:
+        return None
+    with _loading:
+        archive = str(shipped_code.verified_zip(ref))
+        cache = str(shipped_code.code_cache_path()) + os.sep
+        sys.path[:] = [archive, *(e for e in sys.path if not (isinstance(e, str) and e.startswith(cache)))]
+        for name in _package_modules(ref.top_level):
+            if not _imported_from(sys.modules[name], archive):
+                del sys.modules[name]
+        return archive
 
-    assert ref.code_sha256 is not None  # recorded with code_uri
-    uri = f"gcs://_ray_pkg_{ref.code_sha256[:32]}.zip"
-    if not package_exists(uri):
-        data = storage.read_bytes(str(ref.code_uri))
-        if hashlib.sha256(data).hexdigest() != ref.code_sha256:
-            raise InputDataError(f"factory code {ref.code_uri} changed since registration (SHA-256 differs)")
-        upload_package_to_gcs(uri, data)
-    pin_runtime_env_uri(uri)
-    return uri
+
+def _package_modules(top_level: str) -> list[str]:
+    return [name for name in list(sys.modules) if name == top_level or name.startswith(top_level + ".")]
 
 
-def ensure_importable(ref: FactoryRef) -> None:
-    """Outside a runtime_env (a driver, an MLflow pyfunc): put the shipped code on ``sys.path``."""
-    if importlib.util.find_spec(ref.top_level) is not None:
-        return
-    folder = local_code_folder(ref)
-    if folder is not None and folder not in sys.path:
-        sys.path.insert(0, folder)
-        importlib.invalidate_caches()
+def _imported_from(module: Any, archive: str) -> bool:
+    spec = getattr(module, "__spec__", None)
+    origin = getattr(spec, "origin", None) or getattr(module, "__file__", None)
+    return isinstance(origin, str) and origin.startswith(archive + os.sep)
+
+
+def _check_imported_from(ref: FactoryRef, archive: str) -> None:
+    """Refuse a load whose package came from elsewhere than the version's zip (an import hook ahead of sys.path)."""
+    for name in _package_modules(ref.top_level):
+        module = sys.modules[name]
+        if not _imported_from(module, archive):
+            where = getattr(module, "__file__", None) or "an import hook"
+            raise InputDataError(
+                f"factory {ref.target}: {name} was imported from {where}, not from the version's registered code "
+                f"({archive}); something ahead of sys.path serves package {ref.top_level}: remove it"
+            )
 
 
 def declared_version(folder: str) -> str | None:
@@ -260,11 +262,11 @@ def declared_version(folder: str) -> str | None:
     return found.group(1) if found else None
 
 
-def _import_error(target: str) -> str | None:
-    """Run on a node: None when ``target``'s module imports there, else the error (no sys.path fallback)."""
-    module_name, _ = parse_target(target)
+def _import_error(ref_json: str) -> str | None:
+    """Run on a node: None when the factory imports there (its shipped code, when it has some), else the error."""
+    ref = FactoryRef.model_validate_json(ref_json)
     try:
-        importlib.import_module(module_name)
+        import_factory(ref)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -315,7 +317,7 @@ def check_on_cluster(spec: Any, state: bytes, side: int, uri: str) -> None:
         [
             importer.options(
                 **options, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-            ).remote(ref.target)
+            ).remote(ref.model_dump_json())
             for node in nodes
         ]
     )

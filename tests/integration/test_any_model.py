@@ -4,8 +4,8 @@ Every model is built with ``weights=None`` (nothing can be downloaded) and
 saved the way its owner would: a torchvision or timm state dict, a TorchScript
 trace, a ``torch.export`` program, an ONNX export, and a state dict of the
 user's own class whose package the test writes to a temporary folder and
-ships with ``--code`` (so Ray's workers and replicas import it only through
-``runtime_env``). Small inputs (64 px where the family allows it; the ViT's
+ships with ``--code`` (so Ray's workers and replicas import it only from the
+version's stored zip). Small inputs (64 px where the family allows it; the ViT's
 224 px is fixed) and six photos a night: these check that each format runs
 end to end, not accuracy. One module fixture registers them all; the nights
 share the day's photos and the serving test one Serve instance.

@@ -5,8 +5,8 @@ one-epoch Ray Train fit per test): these check the wiring — weights, head,
 image spec, lineage, gate — not accuracy. The fine-tune of a ResNet-18 made
 from the command line is the champion that the retraining test retrains: the
 module prepares the photos and fine-tunes it once. The user's own class (its
-package shipped by ``--code``, so Train's workers get it through
-``runtime_env``) is fine-tuned on the same photos with the same image spec,
+package shipped by ``--code``, so Train's workers import it from the
+version's stored zip) is fine-tuned on the same photos with the same image spec,
 so it reuses the prepared data; an ONNX parent is refused before any cluster
 time. A timm model's new head is tests/unit/test_fine_tune.py's.
 """
@@ -243,7 +243,7 @@ def test_a_factory_shipped_with_code_fine_tunes_from_the_command_line(fine_tuned
     assert factory.package_version == "0.3.1", "the version --code's __init__ declares"
     assert factory.code_uri is not None and storage.exists(factory.code_uri)
 
-    # Train's worker imports the package only from the stored zip, through runtime_env
+    # Train's worker imports the package only from the version's stored zip
     child = _fine_tune(fine_tuned, "own-net", "--freeze-backbone")
     assert child.model_spec.factory == factory and child.model_spec.num_classes == 2
     assert child.parent == ParentModel(name="own-net", version=1, uri=parent.uri, freeze_backbone=True)
