@@ -9,10 +9,12 @@ real images, it is faster than the reference and its answers agree with the
 reference's: every output finite (fp16 ends at 65504: an overflow is inf, and
 NaN after it), top-1 agreement at least :attr:`PlanPolicy.min_agreement` and
 the top class's probability never further than :attr:`PlanPolicy.max_prob_diff`.
-A model whose own fp32 outputs on the probe are not finite runs fp32: nothing
-can be judged against them. Otherwise the reference runs and :attr:`PlanChoice.reason` says why in one
-line. A user may pin the precision or backend (still gated) or turn the
-choice off (the reference, unmeasured).
+Otherwise the reference runs and :attr:`PlanChoice.reason` says why in one
+line; so does a model whose own fp32 outputs on the probe are not finite,
+since nothing can be judged against them. A user may pin the precision or
+backend (still gated) or turn the choice off (the reference, unmeasured).
+A night's batch that a chosen plan cannot answer in finite numbers is
+predicted again in fp32 (:mod:`~rayline.ray_workloads.execution.fallback`).
 
 torch is imported only inside the functions that run a model.
 """
