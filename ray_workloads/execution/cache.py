@@ -12,6 +12,10 @@ each actor's timing happened to favour. A claim whose actor died is taken
 over once it is older than ``MEASURE_WAIT_S``; a waiter that sees no plan by
 then measures itself, so a lost claimant costs time, never the night.
 
+A night whose plan fell back to fp32 too often (execution.fallback) replaces
+the plan file, conditionally, by an fp32 eager record naming the plan it
+replaced and why (:func:`demote`): the only change a plan file sees.
+
 The cache is an optimisation: a store that cannot be written is logged and
 the measured plan is used; a record that cannot be read is named in the log
 and measured again.
@@ -26,6 +30,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +41,8 @@ from rayline.errors import ConfigError, StorageError
 from rayline.hardware import Hardware, detect
 from rayline.models.registry import ModelVersion, read_samples
 from rayline.ray_workloads.data.images import decode_image
-from rayline.ray_workloads.execution.plan import PROBE_IMAGES, PlanChoice, PlanPolicy
+from rayline.ray_workloads.execution.fallback import PlanUse, demotion_reason
+from rayline.ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanChoice, PlanPolicy
 from rayline.specs import ImageSpec
 from rayline.storage import conditional
 from rayline.storage.layout import PLANS_DIR
@@ -114,7 +120,7 @@ def plan_for(model: LoadedModel, version_uri: str, probe: np.ndarray, policy: Pl
         if claim is None:
             found = _await_plan(uri, claim_uri(version_uri, key))
     if found is not None:
-        adopted = model.adopt(found, _artifact_uri(version_uri, found))
+        adopted = model.adopt(replace(found, key=key), _artifact_uri(version_uri, found))
         logger.info("execution plan of %s (cached at %s): %s", model.spec.describe(), uri, adopted.reason)
         return adopted
     try:
@@ -134,14 +140,58 @@ def _measure_and_store(
 ) -> PlanChoice:
     """Measure the plan on ``probe`` and cache it at ``where`` (its key and URI), with its converted model."""
     (key, uri), (hardware, versions) = where, machine
-    measured = model.choose_plan(probe, policy, hardware)
+    measured = model.plan = replace(model.choose_plan(probe, policy, hardware), key=key)
     logger.info("execution plan of %s: %s", model.spec.describe(), measured.reason)
     if model.converted is not None and measured.plan.backend == "openvino":
         measured = _store_converted(model, version_uri, key, measured)
         if measured.artifact is None:  # a plan whose model is not stored would fail every other actor: not cached
             return measured
     stored = store_plan(uri, measured, {"libraries": versions, "policy": policy.model_dump(mode="json")})
-    return measured if stored is measured else model.adopt(stored, _artifact_uri(version_uri, stored))
+    if stored is measured:
+        return measured
+    return model.adopt(replace(stored, key=key), _artifact_uri(version_uri, stored))
+
+
+def demote(version_uri: str, key: str, reason: str) -> PlanChoice | None:
+    """Replace the plan cached under ``key`` by fp32 eager, saying why: every actor, night and replica of
+    that version on that machine then runs the reference. The fp32 record keeps the plan it replaced.
+
+    None where nothing was replaced: no plan cached there, the reference
+    already, or a store that refused (logged): the night's own rows are
+    fp32's wherever they had to be either way (execution.fallback).
+    """
+    uri = plan_uri(version_uri, key)
+    try:
+        found = conditional.read_versioned(uri)
+        if found is None:
+            return None
+        record = json.loads(found.data)
+        current = PlanChoice.from_record(record)
+        if current.plan == REFERENCE:
+            return None
+        demoted = PlanChoice(REFERENCE, current.hardware, reason, key=key)
+        kept = {name: record[name] for name in ("libraries", "policy") if name in record}
+        replaced = {"plan": current.plan.name, "reason": current.reason}
+        data = json.dumps({**demoted.record(), **kept, "replaced": replaced}, indent=2, sort_keys=True).encode()
+        if conditional.replace_if_match(uri, data, found.token) is None:
+            return None  # replaced since it was read: by another night's demotion
+    except (OSError, StorageError, ValueError) as exc:
+        logger.warning("could not demote the execution plan at %s to fp32 eager (%s): %s", uri, exc, reason)
+        return None
+    logger.warning("execution plan at %s: %s", uri, reason)
+    return demoted
+
+
+def demote_overflowing(version_uri: str, uses: Mapping[tuple[str, str], PlanUse], night: str) -> dict[str, str]:
+    """Demote each cached plan of ``version_uri`` that fell back to fp32 too often on ``night``
+    (:meth:`PlanUse.demoted`); ``uses``: (plan name, cache key) -> its night. Plan name -> the reason cached."""
+    demoted = {}
+    for (name, key), use in sorted(uses.items()):
+        if key and use.demoted():
+            choice = demote(version_uri, key, demotion_reason(name, use, night))
+            if choice is not None:
+                demoted[name] = choice.reason
+    return demoted
 
 
 def claim_uri(version_uri: str, key: str) -> str:

@@ -28,6 +28,7 @@ from rayline.hardware import Hardware, detect
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.architectures import factory_models
 from rayline.ray_workloads.execution import openvino_backend
+from rayline.ray_workloads.execution.fallback import PlanUse
 from rayline.ray_workloads.execution.plan import (
     REFERENCE,
     Backend,
@@ -36,6 +37,7 @@ from rayline.ray_workloads.execution.plan import (
     PlanChoice,
     PlanPolicy,
     choose,
+    finite_rows,
     softmax,
     torch_run,
 )
@@ -61,13 +63,28 @@ class LoadedModel:
         self.module = module  # the torch module, for formats rayline builds (None for a code-free file)
         self.plan: PlanChoice | None = None  # how it runs, once chosen (choose_plan); fp32 until then
         self.converted: openvino_backend.OpenVinoModel | None = None  # the module as OpenVINO runs it, if chosen
+        self._fp32: Logits | None = None  # the reference, while another plan runs: for batches it cannot answer
+        self.use = PlanUse()  # the calls so far, and those the reference answered (execution.fallback)
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
-        """Raw scores (N, classes) for a float32 batch (N, 3, S, S)."""
+        """Raw scores (N, classes) for a float32 batch (N, 3, S, S).
+
+        Under a plan other than fp32 eager, a batch whose scores are not all
+        finite (an fp16 overflow) is predicted again by fp32 eager, whose
+        scores it returns; :attr:`use` counts it (execution.fallback).
+        """
         batch = np.asarray(batch, dtype=np.float32)
         if not batch.flags.writeable:  # Ray Data's read-only views: torch.from_numpy warns on them
             batch = batch.copy()
-        out = self._logits(batch)
+        out = self._shaped(self._logits(batch), batch)
+        fell_back = False
+        if self._fp32 is not None and not finite_rows(out).all():
+            out, fell_back = self._shaped(self._fp32(batch), batch), True
+        self.use = self.use.called(len(batch), fell_back)
+        return out
+
+    def _shaped(self, out: np.ndarray, batch: np.ndarray) -> np.ndarray:
+        """``out``, once it is one row of scores per image of ``batch``."""
         if out.ndim != 2 or out.shape[0] != len(batch):
             raise InputDataError(
                 f"{self.spec.describe()} returned scores of shape {tuple(out.shape)} for a batch of shape "
@@ -131,6 +148,7 @@ class LoadedModel:
                 choice = PlanChoice(REFERENCE, choice.hardware, reason[:500])
         if choice.plan.backend != "openvino":
             self._logits = torch_run(self.module, choice.plan)
+        self._fp32 = None if choice.plan == REFERENCE else torch_run(self.module, REFERENCE)
         self.plan = choice
         return choice
 

@@ -6,11 +6,15 @@ or AMX: bf16; a GPU: fp16, and bf16 where it supports it), a candidate plan
 runs under ``torch.autocast`` and can be several times faster (bench/README.md),
 but its outputs differ. So a candidate is used only when, on a probe set of
 real images, it is faster than the reference and its answers agree with the
-reference's: top-1 agreement at least :attr:`PlanPolicy.min_agreement` and the
-top class's probability never further than :attr:`PlanPolicy.max_prob_diff`.
+reference's: every output finite (fp16 ends at 65504: an overflow is inf, and
+NaN after it), top-1 agreement at least :attr:`PlanPolicy.min_agreement` and
+the top class's probability never further than :attr:`PlanPolicy.max_prob_diff`.
 Otherwise the reference runs and :attr:`PlanChoice.reason` says why in one
-line. A user may pin the precision or backend (still gated) or turn the
-choice off (the reference, unmeasured).
+line; so does a model whose own fp32 outputs on the probe are not finite,
+since nothing can be judged against them. A user may pin the precision or
+backend (still gated) or turn the choice off (the reference, unmeasured).
+A night's batch that a chosen plan cannot answer in finite numbers is
+predicted again in fp32 (:mod:`~rayline.ray_workloads.execution.fallback`).
 
 torch is imported only inside the functions that run a model.
 """
@@ -26,6 +30,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayline.hardware import Hardware
+from rayline.ray_workloads.execution.fallback import PlanUse
 
 if TYPE_CHECKING:
     from torch import nn
@@ -80,9 +85,12 @@ class Gate:
     agreement: float
     max_prob_diff: float
     images: int
+    non_finite: int = 0  # probe images on which the candidate's outputs are not all finite (inf or NaN)
 
     def refusal(self, policy: PlanPolicy) -> str | None:
         """Why the candidate may not be used, or None."""
+        if self.non_finite:
+            return f"outputs not finite (inf or NaN) on {self.non_finite} of {self.images} probe images"
         if self.agreement < policy.min_agreement:
             return f"top-1 agreement {self.agreement:.4f} < {policy.min_agreement} on {self.images} probe images"
         if self.max_prob_diff > policy.max_prob_diff:
@@ -94,19 +102,36 @@ class Gate:
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
-    exp = np.exp(shifted)
-    return exp / exp.sum(axis=1, keepdims=True)  # type: ignore[no-any-return]
+    """Probabilities of each row; a row holding inf or NaN comes out NaN (no warning: its caller decides)."""
+    with np.errstate(invalid="ignore"):  # inf - inf: an overflowed row, which the callers look for
+        shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+        exp = np.exp(shifted)
+        return exp / exp.sum(axis=1, keepdims=True)  # type: ignore[no-any-return]
+
+
+def finite_rows(logits: np.ndarray) -> np.ndarray:
+    """Which rows hold only finite numbers."""
+    return np.isfinite(logits).all(axis=1)  # type: ignore[no-any-return]
 
 
 def gate(reference_logits: np.ndarray, candidate_logits: np.ndarray) -> Gate:
-    """Top-1 agreement and the largest change of the reference's top-class probability."""
-    reference, candidate = softmax(reference_logits), softmax(candidate_logits)
+    """Top-1 agreement and the largest change of the reference's top-class probability.
+
+    A probe image on which the candidate's outputs are not all finite counts,
+    besides in :attr:`Gate.non_finite`, as a disagreement of the whole
+    probability: a NaN row's argmax is class 0 and NaN compares false with
+    any bound, so left as NaN it would pass both checks.
+    """
+    finite = finite_rows(candidate_logits)
+    reference = softmax(reference_logits)
+    candidate = softmax(np.where(finite[:, None], candidate_logits, 0.0))
     top = reference.argmax(axis=1)
     rows = np.arange(len(top))
-    agreement = float((candidate.argmax(axis=1) == top).mean()) if len(top) else 1.0
-    diff = float(np.abs(reference[rows, top] - candidate[rows, top]).max()) if len(top) else 0.0
-    return Gate(agreement, diff, len(top))
+    agrees = (candidate.argmax(axis=1) == top) & finite
+    diffs = np.where(finite, np.abs(reference[rows, top] - candidate[rows, top]), 1.0)
+    agreement = float(agrees.mean()) if len(top) else 1.0
+    diff = float(diffs.max()) if len(top) else 0.0
+    return Gate(agreement, diff, len(top), int((~finite).sum()))
 
 
 @dataclass(frozen=True)
@@ -120,6 +145,7 @@ class PlanChoice:
     speeds: dict[str, float] = field(default_factory=dict)  # images/s of each plan measured
     artifact: str | None = None  # where its converted model is, relative to the version (openvino)
     prepare_s: float | None = None  # converting, or loading and compiling, the backend's model
+    key: str | None = None  # the cache's key of the version's plan on this machine (execution.cache), once cached
 
     def record(self) -> dict[str, Any]:
         return {
@@ -135,6 +161,7 @@ class PlanChoice:
             "images_per_s": {name: round(speed, 2) for name, speed in self.speeds.items()},
             "artifact": self.artifact,
             "prepare_s": None if self.prepare_s is None else round(self.prepare_s, 2),
+            "key": self.key,
         }
 
     @classmethod
@@ -154,8 +181,16 @@ class PlanChoice:
             if agreement is not None:
                 result = Gate(float(agreement), float(record["max_prob_diff"]), int(record["probe_images"]))
             speeds = {str(k): float(v) for k, v in record.get("images_per_s", {}).items()}
-            artifact = record.get("artifact")
-            return cls(plan, hardware, str(record["reason"]), result, speeds, str(artifact) if artifact else None)
+            artifact, key = record.get("artifact"), record.get("key")
+            return cls(
+                plan,
+                hardware,
+                str(record["reason"]),
+                result,
+                speeds,
+                str(artifact) if artifact else None,
+                key=str(key) if key else None,
+            )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a plan record ({type(exc).__name__}: {exc}): {record!r:.200}") from exc
 
@@ -164,12 +199,20 @@ def plans_text(plans: dict[str, dict[str, Any]]) -> str:
     """What predicted a night, one clause per plan its actors ran: for summaries and artifacts."""
     if not plans:
         return "none recorded"
-    return "; ".join(
-        f"{record.get('reason', name)} on {Hardware.from_record(record['hardware']).describe()}"
-        if "hardware" in record
-        else str(record.get("reason", name))
-        for name, record in sorted(plans.items())
-    )
+    return "; ".join(_plan_text(name, record) for name, record in sorted(plans.items()))
+
+
+def _plan_text(name: str, record: dict[str, Any]) -> str:
+    """How a plan was chosen, where, and what the night made of it (fallbacks to fp32, a demotion)."""
+    text = str(record.get("reason", name))
+    if "hardware" in record:
+        text += f" on {Hardware.from_record(record['hardware']).describe()}"
+    fallbacks = PlanUse.from_record(record).text()
+    if fallbacks:
+        text += f" ({fallbacks})"
+    if record.get("demoted"):
+        text += f"; later nights: {record['demoted']}"
+    return text
 
 
 def candidates(
@@ -245,6 +288,13 @@ def choose(
     timed = timing_slice(probe, device)
     reference_logits, reference_speed = measure(make_run(REFERENCE), probe, timed)
     speeds = {REFERENCE.name: reference_speed}
+    unjudgeable = int((~finite_rows(reference_logits)).sum())
+    if unjudgeable:  # the model's own answers, in the precision it was validated in: nothing to compare with
+        reason = (
+            f"fp32 eager: the model's own fp32 outputs are not finite (inf or NaN) on {unjudgeable} of "
+            f"{len(probe)} probe images, so no other plan can be judged against them"
+        )
+        return PlanChoice(REFERENCE, hardware, reason, speeds=speeds)
     accepted: list[tuple[float, Plan, Gate]] = []
     refusals = []
     for plan in plans:

@@ -12,10 +12,12 @@ import json
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rayline import progress, ray_work, storage
 from rayline.errors import InputDataError, LeaseLost, NightCommittedElsewhere, StorageError
+from rayline.ray_workloads.execution.cache import demote_overflowing
+from rayline.ray_workloads.execution.fallback import PlanUse
 from rayline.ray_workloads.nightly.blocks import (
     NightOutput,
     held_night,
@@ -23,7 +25,7 @@ from rayline.ray_workloads.nightly.blocks import (
     night_key,
     remove_earlier_listings,
 )
-from rayline.ray_workloads.nightly.compaction import check_rows, compact_checked, remove_blocks
+from rayline.ray_workloads.nightly.compaction import NightTotals, check_rows, compact_checked, remove_blocks
 from rayline.ray_workloads.nightly.contract import InferenceConfig as InferenceConfig  # callers import it from here
 from rayline.ray_workloads.nightly.contract import InferenceResult as InferenceResult
 from rayline.ray_workloads.nightly.contract import NightSkipped as NightSkipped
@@ -273,6 +275,7 @@ def _predict_night(
     phases.lap("compact")
     files = {kind: [f.uri for f in compacted if f.kind == kind] for kind in output.tables()}
     shadowed = _compare_shadow(cfg, output, files, listing.count)
+    plans = totals.plan_records(_demote_overflowing(cfg, totals))
     metadata: dict[str, str | int] = {
         "rayline.input_uri": source,
         "rayline.input_content_hash": listing.content_hash,
@@ -284,6 +287,7 @@ def _predict_night(
         "rayline.flow_run_id": cfg.flow_run_id or "",
         "rayline.error_types": json.dumps(dict(sorted(totals.error_types.items()))),
         "rayline.plans": json.dumps(sorted(totals.plans)),
+        "rayline.plan_use": json.dumps(_plan_use(plans), sort_keys=True),
     }
 
     def commit(kind: str, extra: dict[str, str] | None = None) -> CommitResult:
@@ -335,9 +339,20 @@ def _predict_night(
         elapsed_s=time.perf_counter() - started,
         phase_s=phases.seconds,
         ray_data_stats=ray_data_stats,
-        plans=totals.plans,
+        plans=plans,
         shadow=shadowed,
     )
+
+
+def _demote_overflowing(cfg: InferenceConfig, totals: NightTotals) -> dict[str, str]:
+    """Demote each cached plan of the night's version that fell back to fp32 too often (execution.fallback)."""
+    return demote_overflowing(cfg.model.uri, totals.plan_use, f"the night {cfg.model.name} dt={cfg.dt}")
+
+
+def _plan_use(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per plan, the night's model calls, those fp32 answered, and a demotion: for the commit's metadata."""
+    kept = (*PlanUse().record(), "demoted")
+    return {name: {key: record[key] for key in kept if key in record} for name, record in plans.items()}
 
 
 def _constants_per_kind(cfg: InferenceConfig) -> dict[str, dict[str, object]]:

@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 
 from rayline import ray_work, storage
 from rayline.errors import StorageError
+from rayline.ray_workloads.execution.fallback import PlanUse
 from rayline.ray_workloads.nightly.blocks import (
     BlockReport,
     NightOutput,
@@ -88,10 +89,15 @@ class NightTotals:
     per_part: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     cut: dict[str, PartBlocks] = field(default_factory=dict)
     plans: dict[str, dict[str, Any]] = field(default_factory=dict)  # plan name -> the first record of it
+    # (plan name, its cache key) -> the night's model calls under it, and those fp32 answered (execution.fallback)
+    plan_use: dict[tuple[str, str], PlanUse] = field(default_factory=dict)
 
     def add(self, report: BlockReport) -> None:
         if report.plan.get("plan"):
-            self.plans.setdefault(str(report.plan["plan"]), report.plan)
+            name = str(report.plan["plan"])
+            self.plans.setdefault(name, report.plan)
+            used = (name, str(report.plan.get("key") or ""))
+            self.plan_use[used] = self.plan_use.get(used, PlanUse()) + PlanUse.from_record(report.plan)
         self.uris = self.uris + report.uris
         self.rows.update({"predictions": report.predictions, "errors": report.errors, "shadow": report.shadow})
         self.error_types.update(report.error_types)
@@ -107,6 +113,15 @@ class NightTotals:
             sizes[kind][1] += size
         cut = self.cut.get(report.part, PartBlocks(report.part, 0, 0))
         self.cut[report.part] = cut.add(report.predictions + report.errors)
+
+    def plan_records(self, demoted: dict[str, str]) -> dict[str, dict[str, Any]]:
+        """Each plan's first record with the night's model calls under it (over every block, actor and
+        machine) and, for a plan demoted after the night, the fp32 reason now cached in its place."""
+        records = {}
+        for name, first in self.plans.items():
+            use = sum((u for (plan, _), u in self.plan_use.items() if plan == name), PlanUse())
+            records[name] = {**first, **use.record(), **({"demoted": demoted[name]} if name in demoted else {})}
+        return records
 
     def sizes(self, kind: str) -> list[tuple[str, int, int]]:
         """(part, rows, bytes) of one kind, in part order."""

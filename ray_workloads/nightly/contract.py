@@ -136,7 +136,9 @@ class InferenceResult(BaseModel):
     plans: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="The execution plans the actors predicted with: each plan's name, with how it was chosen on "
-        "which hardware (the first actor's record of it).",
+        "which hardware (the first actor's record of it), the night's model calls under it (batches), those "
+        "predicted again in fp32 for outputs that were not finite (fallback_batches, fallback_images) and, when "
+        "that demoted it for later nights, the fp32 reason cached in its place (demoted).",
     )
     shadow: ShadowSummary | None = Field(None, description="The shadow version's night, when one was scored.")
 

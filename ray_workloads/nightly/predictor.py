@@ -170,6 +170,7 @@ class PredictorUDF:
         are kept until it is written as one file.
         """
         parts, shadow_parts = [], []
+        used_before = self.model.use
         step = chunk_size(self.spec.size, self.batch_size)
         for start in range(0, len(uris), step):
             stop = start + step
@@ -184,7 +185,8 @@ class PredictorUDF:
                 shadow_parts.append(shadow)
             del rows["image"]  # the pixels are done with: keep only the chunk's prediction columns
             parts.append(rows)
-        plan = self.model.plan.record() if self.model.plan else {"plan": REFERENCE.name}
+        plan: dict[str, Any] = self.model.plan.record() if self.model.plan else {"plan": REFERENCE.name}
+        plan.update((self.model.use - used_before).record())  # the block's calls, and those fp32 answered
         shadow_table = self._shadow_table(shadow_parts) if shadow_parts else None
         constants = {**self.constants, "plan": plan["plan"]}
         return write_block(block, concat_rows(parts), self.output, constants, plan, shadow_table)
@@ -236,6 +238,7 @@ class PredictorUDF:
                 ok[batch] = False
                 rows["stage"][batch], rows["error_type"][batch] = "predict", type(exc).__name__
                 rows["error_message"][batch] = str(exc)[:500]
+        _non_finite_as_errors(rows)
         names = [self.names[p] if p >= 0 else None for p in rows["predicted_index"]]
         rows["predicted_class"] = np.array(names, dtype=object)
         # a list per row (not a 2-D array): a failed row has no classes, only -1 indices
@@ -264,6 +267,23 @@ class PredictorUDF:
         rows["predicted_index"][batch] = rows["top_k_index"][batch, 0]
         rows["confidence"][batch] = rows["top_k_prob"][batch, 0]
         rows["inference_ms"][batch] = (time.perf_counter() - started) * 1000 / len(batch)
+
+
+def _non_finite_as_errors(rows: dict[str, np.ndarray]) -> None:
+    """Predicted rows whose probabilities are not numbers become ``predict`` errors (``NonFiniteOutput``).
+
+    They are the model's own fp32 answers (a reduced-precision plan's are
+    predicted again in fp32: execution.fallback): a NaN row's argmax would
+    name class 0 with a NaN confidence, a prediction nothing downstream can
+    tell from a real one.
+    """
+    bad = rows["ok"] & ~np.isfinite(rows["top_k_prob"]).all(axis=1)
+    if not bad.any():
+        return
+    rows["ok"][bad] = False
+    rows["stage"][bad], rows["error_type"][bad] = "predict", "NonFiniteOutput"
+    rows["error_message"][bad] = "the model's fp32 scores for this image are not finite (inf or NaN)"
+    rows["predicted_index"][bad], rows["top_k_index"][bad] = -1, -1
 
 
 def top_k_indices(probabilities: np.ndarray, k: int) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 
@@ -13,12 +14,16 @@ from rayline import storage
 from rayline.errors import OutOfMemory, RetriesExhausted, is_transient
 from rayline.flows.nightly_inference import nightly_inference
 from rayline.models import registry
+from rayline.ray_workloads.execution.cache import cached_plan, plan_for, plan_uri
+from rayline.ray_workloads.execution.interface import load_version
+from rayline.ray_workloads.execution.plan import REFERENCE, Plan, PlanPolicy, softmax, torch_run
 from rayline.ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
 from rayline.ray_workloads.nightly.blocks import night_lease_uri
 from rayline.seed import digit_objects, seed_incoming, synthetic_objects
 from rayline.storage import leases
 from rayline.tables.delta_tables import Night
 from rayline.tables.prediction_reads import committed_nights, read_night_pair
+from tests.fp16_overflow import BRIGHT_PEAK, DIM_PEAK, decoded, digit_pngs, register_overflowing
 from tests.integration.helpers import (
     POISON,
     CrashingPredictor,
@@ -169,3 +174,49 @@ def test_a_model_call_out_of_memory_fails_the_night_once_and_commits_nothing(
         state.result()
     assert attempts == 1 and not is_transient(failed.value)
     assert committed_nights(local_storage, "digits") == [], "nothing committed"
+
+
+def test_a_night_whose_fp16_plan_overflows_on_some_images_writes_fp32s_rows_for_them_and_demotes_the_plan(
+    local_storage: str,
+) -> None:
+    """An fp16 plan an earlier night cached on dim images meets bright ones (tests/fp16_overflow.py): their
+    batches are predicted again in fp32, the night counts them, and the next night runs fp32."""
+    version = register_overflowing("overflow")
+    incoming = storage.join(local_storage, "incoming", "overflow", f"dt={DAY}")
+    bright, dim = digit_pngs(range(8), BRIGHT_PEAK), digit_pngs(range(8, 32), DIM_PEAK)  # listed dim first
+    for key, data in bright + dim:
+        storage.write_bytes_atomic(storage.join(incoming, key), data)
+    fp16 = Plan(precision="fp16")
+    loaded = load_version(version, device="cpu")
+    cached = plan_for(loaded, version.uri, decoded(dim[:8]), PlanPolicy(precision="fp16"))
+    assert cached.plan == fp16 and cached.key is not None, cached.reason
+
+    result = nightly_inference(
+        date=DAY, model_name="overflow", input_uri=incoming, actors=1, batch_size=4, precision="fp16"
+    )
+    assert isinstance(result, InferenceResult) and (result.predictions, result.errors) == (32, 0)
+    night = read_night_pair(local_storage, "overflow", DAY)
+    rows = {r["uri"]: r for r in night.predictions.to_pylist()}
+    assert {r["plan"] for r in rows.values()} == {fp16.name}
+    assert loaded.module is not None
+    fp32 = torch_run(loaded.module, REFERENCE)
+    for (key, _), probabilities in zip(bright, softmax(fp32(decoded(bright))), strict=True):  # fp32's rows
+        row, top = rows[storage.join(incoming, key)], np.argsort(-probabilities, kind="stable")[:3]
+        assert row["top_k_index"] == top.tolist(), key
+        assert row["top_k_prob"] == pytest.approx(probabilities[top].tolist(), abs=1e-6), key
+    for (key, _), probabilities in zip(dim, softmax(fp32(decoded(dim))), strict=True):  # fp16's, within the gate
+        row = rows[storage.join(incoming, key)]
+        assert (row["predicted_index"], row["confidence"]) == (
+            probabilities.argmax(),
+            pytest.approx(probabilities.max(), abs=0.05),
+        ), key
+
+    # 8 batches of 4, the bright images in the last 2: over 1 % of the night's batches, so fp32 from the next night
+    use = {"batches": 8, "fallback_batches": 2, "fallback_images": 8}
+    demoted = f"fp32 eager: eager/fp16/channels-last demoted on the night overflow dt={DAY}, 2 of 8 batches"
+    assert {k: result.plans[fp16.name][k] for k in use} == use
+    reason = result.plans[fp16.name]["demoted"]
+    assert reason.startswith(demoted)
+    assert json.loads(str(night.commit.info["rayline.plan_use"]))[fp16.name] == {**use, "demoted": reason}
+    again = cached_plan(plan_uri(version.uri, cached.key))
+    assert again is not None and (again.plan, again.reason) == (REFERENCE, reason)
