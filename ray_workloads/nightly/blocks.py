@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from rayline import storage
 from rayline.errors import StorageError
+from rayline.ray_workloads.quality.shadow import ShadowCounts, block_counts
 from rayline.storage import leases
 from rayline.storage.digests import SetDigest
 from rayline.storage.folders import LeasedOutput
@@ -106,6 +107,7 @@ class BlockReport:
     plan: dict[str, Any] = field(default_factory=dict)
     shadow: int = 0  # the shadow version's rows, on a shadowed night
     shadow_bytes: int = 0
+    shadow_counts: ShadowCounts | None = None  # its comparison with the block's predictions, on a shadowed night
 
     @property
     def part(self) -> str:
@@ -128,6 +130,7 @@ class BlockReport:
             "plan": json.dumps(self.plan, sort_keys=True),
             "shadow": self.shadow,
             "shadow_bytes": self.shadow_bytes,
+            "shadow_counts": self.shadow_counts.to_json() if self.shadow_counts is not None else "",
         }
 
     @classmethod
@@ -147,6 +150,7 @@ class BlockReport:
             plan=json.loads(row["plan"]) if row.get("plan") else {},
             shadow=int(row.get("shadow", 0)),
             shadow_bytes=int(row.get("shadow_bytes", 0)),
+            shadow_counts=ShadowCounts.from_json(str(row["shadow_counts"])) if row.get("shadow_counts") else None,
         )
 
 
@@ -196,9 +200,10 @@ def write_block_files(
     uris = SetDigest.of(predictions.column("uri").to_pylist()) + SetDigest.of(errors.column("uri").to_pylist())
     errors_bytes = _write_parquet(block_file_uri(output.errors_table, output.night, output.key, block), errors)
     shadow_rows = shadow_bytes = 0
+    counts = None
     if output.shadow_table is not None:
         shadow = shadow if shadow is not None else predictions.schema.empty_table()
-        shadow_rows = shadow.num_rows
+        shadow_rows, counts = shadow.num_rows, block_counts(predictions, shadow)
         shadow_bytes = _write_parquet(block_file_uri(output.shadow_table, output.night, output.key, block), shadow)
     # the report's own size is not known before writing it: the footer holds the errors file's, the driver both
     rows = (predictions.num_rows, errors.num_rows)
@@ -213,6 +218,7 @@ def write_block_files(
         plan=plan or {},
         shadow=shadow_rows,
         shadow_bytes=shadow_bytes,
+        shadow_counts=counts,
     )
     uri = block_file_uri(output.predictions_table, output.night, output.key, block)
     predictions_bytes = _write_parquet(uri, predictions, report)
@@ -246,6 +252,7 @@ def written_report(output: NightOutput, block: str) -> BlockReport | None:
         contents=stored.contents,
         shadow=stored.shadow,
         shadow_bytes=stored.shadow_bytes,
+        shadow_counts=stored.shadow_counts,
     )
 
 
@@ -344,6 +351,8 @@ def reused_report(output: NightOutput, block: str, uris: list[str], etags: list[
     previous = written_report(output, block)
     if previous is None or previous.uris != SetDigest.of(uris) or previous.contents != block_contents(uris, etags):
         return None
+    if output.shadow_table is not None and previous.shadow_counts is None:
+        return None  # its shadow rows were never compared: predicted again
     return dataclasses.replace(previous, reused=True)
 
 

@@ -9,6 +9,7 @@ that predicted it; a photo predicted on several nights counts on each.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -83,15 +84,25 @@ def score(predicted: np.ndarray, labels: np.ndarray, confidence: np.ndarray, cla
     )
 
 
-def labelled_predictions(root: str, model_name: str, labels: pa.Table, table: str = PREDICTIONS_TABLE) -> pa.Table:
-    """``table``'s rows of ``model_name`` for labelled photos, each with its ``label_index``."""
+def labelled_predictions(
+    root: str, model_name: str, labels: pa.Table, table: str = PREDICTIONS_TABLE, nights: Sequence[str] | None = None
+) -> pa.Table:
+    """``table``'s rows of ``model_name`` for labelled photos, each with its ``label_index``.
+
+    ``nights`` (``dt`` values) confines the read to those nights' partitions: the files of other nights are
+    never opened. None reads every night.
+    """
     uri = table_uri(root, table)
-    if labels.num_rows == 0 or not DeltaTable.is_deltatable(uri, storage_options(uri)):
+    nothing = labels.num_rows == 0 or (nights is not None and not nights)
+    if nothing or not DeltaTable.is_deltatable(uri, storage_options(uri)):
         return _empty_joined()
+    partitions: list[tuple[str, str, Any]] = [("model_name", "=", model_name)]
+    if nights is not None:
+        partitions.append(("dt", "in", sorted(set(nights))))
     try:
         rows = (
             open_table(uri)
-            .to_pyarrow_dataset(file_pruning_predicate=[("model_name", "=", model_name)])
+            .to_pyarrow_dataset(file_pruning_predicate=partitions)
             .to_table(
                 columns=list(JOINED_COLUMNS),
                 filter=(pc.field("model_name") == model_name) & pc.field("uri").isin(labels["uri"].unique()),

@@ -3,10 +3,12 @@
 A version's rows come from ``predictions`` (the nights it served) and ``shadow_predictions`` (the nights it
 was scored beside the champion); a night whose shadow rows are some version's and whose served rows another's
 gives each its figures. The paired test takes every labelled photo both versions predicted, in either table,
-at its newest night.
+at its newest night: of every night for the promotion gates, of the nights it reports for the monitor.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -15,14 +17,16 @@ from rayline.ray_workloads.quality import metrics
 from rayline.ray_workloads.quality.paired import PairedTest, PairedTestPolicy, paired_test
 from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE
 from rayline.tables.labels import read_labels
+from rayline.tables.prediction_reads import committed_nights
 
 TABLES = (PREDICTIONS_TABLE, SHADOW_TABLE)
 
 
-def labelled_rows(root: str, model_name: str) -> dict[str, pa.Table]:
-    """Each table's labelled predictions of ``model_name`` (:func:`metrics.labelled_predictions`)."""
+def labelled_rows(root: str, model_name: str, nights: Sequence[str] | None = None) -> dict[str, pa.Table]:
+    """Each table's labelled predictions of ``model_name`` (:func:`metrics.labelled_predictions`), of ``nights``
+    only when given."""
     labels = read_labels(root, model_name)
-    return {table: metrics.labelled_predictions(root, model_name, labels, table) for table in TABLES}
+    return {table: metrics.labelled_predictions(root, model_name, labels, table, nights) for table in TABLES}
 
 
 def version_rows(rows: dict[str, pa.Table], version: int) -> pa.Table:
@@ -46,13 +50,15 @@ def labelled_gate(root: str, model_name: str, champion: int, challenger: int) ->
 def labelled_reading(
     root: str, model_name: str, classes: list[str], nights: int, champion: int, challenger: int | None
 ) -> metrics.QualityReading:
-    """Each version's labelled figures on each of the latest ``nights`` nights that have labels (oldest
-    first, served and shadowed), and the paired test of ``challenger`` against ``champion``."""
-    rows = labelled_rows(root, model_name)
+    """Each version's labelled figures on those of the latest ``nights`` committed nights that have labels
+    (oldest first, served and shadowed), and the paired test of ``challenger`` against ``champion`` on them.
+
+    Only those nights' partitions are read: what a monitor run reads stays the same as nights accumulate.
+    """
+    rows = labelled_rows(root, model_name, committed_nights(root, model_name, latest=nights))
     found = [q for table, joined in rows.items() for q in metrics.night_quality(joined, model_name, classes, table)]
     found.sort(key=lambda q: (q.dt, q.model_version, q.table))
-    latest = sorted({q.dt for q in found}, reverse=True)[:nights]
     test = None
     if challenger is not None and challenger != champion:
         test = compare_versions(rows, champion, challenger)
-    return metrics.QualityReading(nights=[q for q in found if q.dt in latest], paired=test)
+    return metrics.QualityReading(nights=found, paired=test)
