@@ -16,13 +16,7 @@ from typing import TYPE_CHECKING
 
 from rayline import progress, ray_work, storage
 from rayline.errors import InputDataError, LeaseLost, NightCommittedElsewhere, StorageError
-from rayline.ray_workloads.nightly.blocks import (
-    NightOutput,
-    held_night,
-    listing_staging_uri,
-    night_key,
-    remove_earlier_listings,
-)
+from rayline.ray_workloads.nightly.blocks import NightOutput, night_key
 from rayline.ray_workloads.nightly.compaction import (
     CompactedFile,
     NightTotals,
@@ -35,6 +29,7 @@ from rayline.ray_workloads.nightly.contract import InferenceConfig as InferenceC
 from rayline.ray_workloads.nightly.contract import InferenceResult as InferenceResult
 from rayline.ray_workloads.nightly.contract import NightSkipped as NightSkipped
 from rayline.ray_workloads.nightly.contract import block_size
+from rayline.ray_workloads.nightly.holding import held_night, listing_staging_uri, remove_earlier_listings
 from rayline.ray_workloads.nightly.pipeline import predict_and_write, run_constants, sum_reports
 from rayline.ray_workloads.nightly.predictor import PredictorUDF
 from rayline.ray_workloads.quality.shadow import ShadowSummary, as_metadata, from_commit_info, summarize

@@ -14,7 +14,7 @@ from rayline.errors import OutOfMemory, RetriesExhausted, is_transient
 from rayline.flows.nightly_inference import nightly_inference
 from rayline.models import registry
 from rayline.ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
-from rayline.ray_workloads.nightly.blocks import night_lease_uri
+from rayline.ray_workloads.nightly.holding import night_lease_uri
 from rayline.seed import digit_objects, seed_incoming, synthetic_objects
 from rayline.storage import leases
 from rayline.tables.delta_tables import Night
