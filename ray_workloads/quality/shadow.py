@@ -197,7 +197,7 @@ def summarize(
     """
     if counts.rows > inputs:
         raise StorageError(
-            f"refusing to commit: the shadow's files hold {counts.rows} rows, more than the night's "
+            f"refusing to commit: the shadow's blocks hold {counts.rows} rows, more than the night's "
             f"{inputs} inputs; nothing was committed"
         )
     if counts.uris != committed:
