@@ -44,7 +44,7 @@ class MonitorResult(BaseModel):
     serving: mon.ServingHealth | None
     partitions: list[mon.PartitionDrift]
     quality: list[NightQuality] = Field(
-        default_factory=list, description="Each version's labelled figures on the latest nights with labels."
+        default_factory=list, description="Each version's labelled figures on those of the latest nights with labels."
     )
     paired: PairedTest | None = Field(None, description="The challenger against the champion on labelled photos.")
     shadows: dict[str, ShadowSummary] = Field(
@@ -94,10 +94,16 @@ def _markdown(result: MonitorResult, vacuum_error: Exception | None = None) -> s
 
 def _quality_lines(quality: list[NightQuality]) -> list[str]:
     if not quality:
-        return ["", "**Labelled quality**: no labels yet (`rayline labels import`)"]
-    lines = ["", "**Labelled quality**", "", "| night | version | labelled | accuracy | ECE |", "|---|---|---|---|---|"]
+        return [
+            "",
+            "**Labelled quality**: no labels chosen at random on these nights yet (`rayline labels queue`, then "
+            "`rayline labels import`)",
+        ]
+    lines = ["", "**Labelled quality** (labels chosen at random: an estimate of each version's accuracy on the night)"]
+    lines += ["", "| night | version | labelled | accuracy | ECE | not counted |", "|---|---|---|---|---|---|"]
     return lines + [
-        f"| dt={q.dt} | v{q.model_version} | {q.labelled} | {q.accuracy:.1%} | {q.ece:.3f} |" for q in quality
+        f"| dt={q.dt} | v{q.model_version} | {q.labelled} | {q.accuracy:.1%} | {q.ece:.3f} | {q.left_out} |"
+        for q in quality
     ]
 
 
@@ -127,7 +133,8 @@ def monitor(
     with its first committed night. Then vacuums both night tables, for real,
     keeping every file a version current within ``vacuum_retention_hours``
     needs (None: no vacuum). A failed vacuum fails the run after the checks are published.
-    Each version's labelled quality covers the latest ``quality_nights`` nights that have labels.
+    Each version's labelled quality covers those of the latest ``quality_nights`` committed nights that have
+    labels, and only their partitions are read.
     """
     if vacuum_retention_hours is not None:
         check_retention(vacuum_retention_hours)  # a bad parameter fails before any work

@@ -1,6 +1,7 @@
 """A night's batch inference: ``batch_inference.run`` is the stage; ``contract`` its typed config,
 result and outcomes; ``pipeline`` the Ray Data pipeline; ``blocks`` the blocks cut from the listing and
-written once each; ``predictor`` the actors' model call; ``compaction`` the files the tables commit.
+written once each; ``holding`` the night's lease and each holder's listing; ``predictor`` the actors'
+model call; ``compaction`` the files the tables commit.
 
 A shadowed night scores a second version in the same pass (``rayline.ray_workloads.quality.shadow``).
 Imports ``data``, ``execution`` and ``quality``.

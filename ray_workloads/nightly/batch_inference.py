@@ -18,21 +18,23 @@ from rayline import progress, ray_work, storage
 from rayline.errors import InputDataError, LeaseLost, NightCommittedElsewhere, StorageError
 from rayline.ray_workloads.execution.cache import demote_overflowing
 from rayline.ray_workloads.execution.fallback import PlanUse
-from rayline.ray_workloads.nightly.blocks import (
-    NightOutput,
-    held_night,
-    listing_staging_uri,
-    night_key,
-    remove_earlier_listings,
+from rayline.ray_workloads.nightly.blocks import NightOutput, night_key
+from rayline.ray_workloads.nightly.compaction import (
+    CompactedFile,
+    NightTotals,
+    check_rows,
+    compact_checked,
+    compacted_digest,
+    remove_blocks,
 )
-from rayline.ray_workloads.nightly.compaction import NightTotals, check_rows, compact_checked, remove_blocks
 from rayline.ray_workloads.nightly.contract import InferenceConfig as InferenceConfig  # callers import it from here
 from rayline.ray_workloads.nightly.contract import InferenceResult as InferenceResult
 from rayline.ray_workloads.nightly.contract import NightSkipped as NightSkipped
 from rayline.ray_workloads.nightly.contract import block_size
+from rayline.ray_workloads.nightly.holding import held_night, listing_staging_uri, remove_earlier_listings
 from rayline.ray_workloads.nightly.pipeline import predict_and_write, run_constants, sum_reports
 from rayline.ray_workloads.nightly.predictor import PredictorUDF
-from rayline.ray_workloads.quality.shadow import ShadowSummary, as_metadata, compare, from_commit_info
+from rayline.ray_workloads.quality.shadow import ShadowSummary, as_metadata, from_commit_info, summarize
 from rayline.skipped import skipped_text
 from rayline.storage import leases
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, SHADOW_TABLE, table_uri
@@ -274,7 +276,7 @@ def _predict_night(
     compacted = compact_checked(output, totals, listing.uris, SCHEMAS, constants, seen[tables[0]], **sizes)
     phases.lap("compact")
     files = {kind: [f.uri for f in compacted if f.kind == kind] for kind in output.tables()}
-    shadowed = _compare_shadow(cfg, output, files, listing.count)
+    shadowed = _compare_shadow(cfg, output, totals, compacted, listing.count)
     plans = totals.plan_records(_demote_overflowing(cfg, totals))
     metadata: dict[str, str | int] = {
         "rayline.input_uri": source,
@@ -364,8 +366,10 @@ def _constants_per_kind(cfg: InferenceConfig) -> dict[str, dict[str, object]]:
 
 
 def _compare_shadow(
-    cfg: InferenceConfig, output: NightOutput, files: dict[str, list[str]], inputs: int
+    cfg: InferenceConfig, output: NightOutput, totals: NightTotals, compacted: list[CompactedFile], inputs: int
 ) -> ShadowSummary | None:
+    """The shadow's night from its blocks' summed counts, checked against the shadow files to be committed."""
     if cfg.shadow is None or output.shadow_table is None:
         return None
-    return compare(files["predictions"], files["shadow"], cfg.shadow, output.shadow_table, inputs)
+    committed = compacted_digest([f for f in compacted if f.kind == "shadow"])
+    return summarize(totals.shadow, committed, cfg.shadow, output.shadow_table, inputs)

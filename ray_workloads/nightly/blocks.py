@@ -12,11 +12,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
-import re
 from collections import OrderedDict
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rayline import storage
-from rayline.errors import StorageError
-from rayline.storage import leases
+from rayline.ray_workloads.quality.shadow import ShadowCounts, block_counts
 from rayline.storage.digests import SetDigest
-from rayline.storage.folders import LeasedOutput
-from rayline.storage.layout import staging_uri
 from rayline.storage.listing import ListingStart, decode_prefixes, list_group_parts
 from rayline.tables.delta_tables import Night
 
@@ -44,7 +38,6 @@ SPANS_PER_ACTOR = 16
 # and a call whose rows were each a block waited on the executor's loop once per block (~0.5 s a span).
 REPORT_COLUMN = "reports"
 _REPORT_KEY = b"rayline.block"
-log = logging.getLogger(__name__)
 
 
 def night_key(parts: dict[str, Any]) -> str:
@@ -106,6 +99,7 @@ class BlockReport:
     plan: dict[str, Any] = field(default_factory=dict)
     shadow: int = 0  # the shadow version's rows, on a shadowed night
     shadow_bytes: int = 0
+    shadow_counts: ShadowCounts | None = None  # its comparison with the block's predictions, on a shadowed night
 
     @property
     def part(self) -> str:
@@ -128,6 +122,7 @@ class BlockReport:
             "plan": json.dumps(self.plan, sort_keys=True),
             "shadow": self.shadow,
             "shadow_bytes": self.shadow_bytes,
+            "shadow_counts": self.shadow_counts.to_json() if self.shadow_counts is not None else "",
         }
 
     @classmethod
@@ -147,6 +142,7 @@ class BlockReport:
             plan=json.loads(row["plan"]) if row.get("plan") else {},
             shadow=int(row.get("shadow", 0)),
             shadow_bytes=int(row.get("shadow_bytes", 0)),
+            shadow_counts=ShadowCounts.from_json(str(row["shadow_counts"])) if row.get("shadow_counts") else None,
         )
 
 
@@ -196,9 +192,10 @@ def write_block_files(
     uris = SetDigest.of(predictions.column("uri").to_pylist()) + SetDigest.of(errors.column("uri").to_pylist())
     errors_bytes = _write_parquet(block_file_uri(output.errors_table, output.night, output.key, block), errors)
     shadow_rows = shadow_bytes = 0
+    counts = None
     if output.shadow_table is not None:
         shadow = shadow if shadow is not None else predictions.schema.empty_table()
-        shadow_rows = shadow.num_rows
+        shadow_rows, counts = shadow.num_rows, block_counts(predictions, shadow)
         shadow_bytes = _write_parquet(block_file_uri(output.shadow_table, output.night, output.key, block), shadow)
     # the report's own size is not known before writing it: the footer holds the errors file's, the driver both
     rows = (predictions.num_rows, errors.num_rows)
@@ -213,6 +210,7 @@ def write_block_files(
         plan=plan or {},
         shadow=shadow_rows,
         shadow_bytes=shadow_bytes,
+        shadow_counts=counts,
     )
     uri = block_file_uri(output.predictions_table, output.night, output.key, block)
     predictions_bytes = _write_parquet(uri, predictions, report)
@@ -246,6 +244,7 @@ def written_report(output: NightOutput, block: str) -> BlockReport | None:
         contents=stored.contents,
         shadow=stored.shadow,
         shadow_bytes=stored.shadow_bytes,
+        shadow_counts=stored.shadow_counts,
     )
 
 
@@ -344,64 +343,11 @@ def reused_report(output: NightOutput, block: str, uris: list[str], etags: list[
     previous = written_report(output, block)
     if previous is None or previous.uris != SetDigest.of(uris) or previous.contents != block_contents(uris, etags):
         return None
+    if output.shadow_table is not None and previous.shadow_counts is None:
+        return None  # its shadow rows were never compared: predicted again
     return dataclasses.replace(previous, reused=True)
 
 
 def any_block_written(output: NightOutput) -> bool:
     """Whether any attempt under the night's key wrote a block (then a rerun looks for each one)."""
     return bool(storage.list_folders(blocks_root(output.predictions_table, output.night, output.key)))
-
-
-def listing_staging_uri(root: str, night: Night, fence: int, holding: str) -> str:
-    """``<root>/_staging/nights/<model>/dt=<day>.listing-<fence>-<holding>``: the night's listing parts, as
-    listed by the holder of the night's lease of generation ``fence`` (``holding`` tells apart two holders
-    of one generation, a lease removed by hand restarting its generations).
-
-    Each holder lists into a folder of its own: a holder that lost the lease (paused past its ttl) and still
-    runs neither removes nor writes into the listing of the run that took the night over.
-    """
-    return staging_uri(root, "nights", night.model_name, f"dt={night.dt}.listing-{fence}-{holding}")
-
-
-def night_listings(root: str, night: Night) -> dict[str, int]:
-    """The listing folders of the night's holders, each with its lease generation (leftovers of holders that
-    died, and the live holder's)."""
-    folder = staging_uri(root, "nights", night.model_name)
-    pattern = re.compile(rf"^dt={re.escape(night.dt)}\.listing-(\d+)-[0-9a-z]+$")
-    found = ((name, pattern.match(name)) for name in storage.list_folders(folder))
-    return {storage.join(folder, name): int(match.group(1)) for name, match in found if match}
-
-
-def remove_earlier_listings(root: str, night: Night, fence: int, own: str) -> None:
-    """Remove the listings of the night's earlier holders (generation up to ``fence``, ``own`` excepted):
-    they died, or lost the lease while paused, and their work is void.
-
-    Called once the night is committed, so a storage error fails nothing: it is logged, and the next
-    holder removes what is left.
-    """
-    try:
-        for uri, generation in night_listings(root, night).items():
-            if generation <= fence and uri != own:
-                storage.remove_tree(uri)
-    except StorageError as exc:
-        log.warning("listings of earlier runs of %s %s stay for the next run: %s", night.model_name, night.dt, exc)
-
-
-def night_lease_uri(root: str, night: Night) -> str:
-    """``<root>/_staging/nights/<model>/dt=<day>.lease``: the lease of one night."""
-    return staging_uri(root, "nights", night.model_name, f"dt={night.dt}.lease")
-
-
-@contextmanager
-def held_night(root: str, night: Night, cfg: LeasedOutput) -> Iterator[leases.HeldLease]:
-    """The night's lease: one live run predicts a night; the others wait, then find it committed or take over.
-
-    A holder that died stops renewing: its lease expires after ``lease_ttl_s``
-    and the next run takes it, and with it the blocks the dead run wrote
-    (same night key).
-    """
-    holder = cfg.holder or leases.run_holder()
-    describe = f"the night {night.model_name} {night.dt}"
-    uri = night_lease_uri(root, night)
-    with leases.held(uri, holder, ttl_s=cfg.lease_ttl_s, wait_s=cfg.lease_wait_s, describe=describe) as lease:
-        yield lease

@@ -3,7 +3,9 @@
 What the driver keeps while the block reports stream in is a
 :class:`NightTotals`: counts, the sum of the blocks' URI digests
 (:class:`~rayline.storage.digests.SetDigest`) and, per listing part, the rows and
-bytes of each kind; never a list of blocks or URIs. :func:`check_rows`
+bytes of each kind, and on a shadowed night the shadow's comparison as counts
+(:class:`~rayline.ray_workloads.quality.shadow.ShadowCounts`); never a list of
+blocks or URIs. :func:`check_rows`
 compares counts and digests with the listing's: predictions plus errors must
 name every listed input exactly once (the bound on a false match is in
 :mod:`rayline.storage.digests`).
@@ -51,6 +53,7 @@ from rayline.ray_workloads.nightly.blocks import (
     block_name,
     blocks_root,
 )
+from rayline.ray_workloads.quality.shadow import ShadowCounts
 from rayline.storage.digests import SetDigest, combine
 from rayline.tables.predictions_table import check_night_unchanged, data_file_uri
 
@@ -78,7 +81,11 @@ class PartBlocks:
 
 @dataclass
 class NightTotals:
-    """The sum of a night's block reports, kept as they stream in (bounded by the number of listing parts)."""
+    """The sum of a night's block reports, kept as they stream in (bounded by the number of listing parts).
+
+    A report summed twice, or missed, changes ``uris``, which :func:`check_rows` refuses: so the shadow's
+    counts summed beside it hold each block once (and its own digest is checked against the compacted files).
+    """
 
     uris: SetDigest = SetDigest()
     rows: Counter[str] = field(default_factory=Counter)
@@ -91,6 +98,7 @@ class NightTotals:
     plans: dict[str, dict[str, Any]] = field(default_factory=dict)  # plan name -> the first record of it
     # (plan name, its cache key) -> the night's model calls under it, and those fp32 answered (execution.fallback)
     plan_use: dict[tuple[str, str], PlanUse] = field(default_factory=dict)
+    shadow: ShadowCounts = field(default_factory=ShadowCounts)  # a shadowed night's comparison, summed
 
     def add(self, report: BlockReport) -> None:
         if report.plan.get("plan"):
@@ -101,6 +109,8 @@ class NightTotals:
         self.uris = self.uris + report.uris
         self.rows.update({"predictions": report.predictions, "errors": report.errors, "shadow": report.shadow})
         self.error_types.update(report.error_types)
+        if report.shadow_counts is not None:
+            self.shadow.add(report.shadow_counts)
         self.blocks += 1
         self.reused_blocks += report.reused
         sizes = self.per_part.setdefault(report.part, {kind: [0, 0] for kind in KINDS})
@@ -283,7 +293,7 @@ def compact_checked(
     check_night_unchanged(output.predictions_table, output.night, seen_seq, output.run_id)
     try:
         compacted = compact_night(output, totals, schemas, constants, **sizes)
-        # predictions plus errors name every input once; the shadow's rows are checked by count (shadow_summary)
+        # predictions plus errors name every input once; the shadow's rows by their own digest (shadow.summarize)
         check_rows(listed, compacted_digest([f for f in compacted if f.kind != "shadow"]), "the compacted files")
     except StorageError:
         check_night_unchanged(output.predictions_table, output.night, seen_seq, output.run_id)

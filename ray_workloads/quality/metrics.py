@@ -8,7 +8,8 @@ that predicted it; a photo predicted on several nights counts on each.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +41,9 @@ class NightQuality(Quality):
     model_version: int
     dt: str
     table: str = Field(PREDICTIONS_TABLE, description="The table its predictions are in.")
+    left_out: int = Field(
+        0, description="Labelled photos of the night not counted: chosen by their answers, or trained on (evidence)."
+    )
 
     @property
     def role(self) -> str:
@@ -83,15 +87,25 @@ def score(predicted: np.ndarray, labels: np.ndarray, confidence: np.ndarray, cla
     )
 
 
-def labelled_predictions(root: str, model_name: str, labels: pa.Table, table: str = PREDICTIONS_TABLE) -> pa.Table:
-    """``table``'s rows of ``model_name`` for labelled photos, each with its ``label_index``."""
+def labelled_predictions(
+    root: str, model_name: str, labels: pa.Table, table: str = PREDICTIONS_TABLE, nights: Sequence[str] | None = None
+) -> pa.Table:
+    """``table``'s rows of ``model_name`` for labelled photos, each with its ``label_index``.
+
+    ``nights`` (``dt`` values) confines the read to those nights' partitions: the files of other nights are
+    never opened. None reads every night.
+    """
     uri = table_uri(root, table)
-    if labels.num_rows == 0 or not DeltaTable.is_deltatable(uri, storage_options(uri)):
+    nothing = labels.num_rows == 0 or (nights is not None and not nights)
+    if nothing or not DeltaTable.is_deltatable(uri, storage_options(uri)):
         return _empty_joined()
+    partitions: list[tuple[str, str, Any]] = [("model_name", "=", model_name)]
+    if nights is not None:
+        partitions.append(("dt", "in", sorted(set(nights))))
     try:
         rows = (
             open_table(uri)
-            .to_pyarrow_dataset(file_pruning_predicate=[("model_name", "=", model_name)])
+            .to_pyarrow_dataset(file_pruning_predicate=partitions)
             .to_table(
                 columns=list(JOINED_COLUMNS),
                 filter=(pc.field("model_name") == model_name) & pc.field("uri").isin(labels["uri"].unique()),
@@ -118,9 +132,14 @@ def _score_part(part: pa.Table, classes: Sequence[str]) -> Quality:
 
 
 def night_quality(
-    joined: pa.Table, model_name: str, classes: Sequence[str], table: str = PREDICTIONS_TABLE
+    joined: pa.Table,
+    model_name: str,
+    classes: Sequence[str],
+    table: str = PREDICTIONS_TABLE,
+    left_out: Mapping[tuple[int, str], int] | None = None,
 ) -> list[NightQuality]:
-    """Each (version, night) of ``joined`` (:func:`labelled_predictions`), oldest night first."""
+    """Each (version, night) of ``joined`` (:func:`labelled_predictions`), oldest night first; ``left_out``:
+    the labelled photos of each (version, night) that were not counted."""
     keys = set(zip(joined["model_version"].to_pylist(), joined["dt"].to_pylist(), strict=True))
     return [
         NightQuality(
@@ -128,6 +147,7 @@ def night_quality(
             model_version=version,
             dt=dt,
             table=table,
+            left_out=(left_out or {}).get((version, dt), 0),
             **_score_part(
                 joined.filter((pc.field("model_version") == version) & (pc.field("dt") == dt)), classes
             ).model_dump(),

@@ -123,8 +123,8 @@ def paired_test(
     both = a.join(b, keys=["uri", "etag"], join_type="inner", left_suffix="_champion", right_suffix="_challenger")
     targeted = trained_on = 0
     if evidence is not None:
-        random = _holds(both, evidence.random)
-        counted = pc.and_(random, pc.invert(_holds(both, evidence.trained_on)))
+        random = holds(both, evidence.random)
+        counted = pc.and_(random, pc.invert(holds(both, evidence.trained_on)))
         targeted = both.num_rows - int(pc.sum(random).as_py() or 0)
         trained_on = both.num_rows - targeted - int(pc.sum(counted).as_py() or 0)
         both = both.filter(counted)
@@ -154,7 +154,7 @@ def paired_test(
     )
 
 
-def _holds(rows: pa.Table, photos: frozenset[Photo]) -> pa.ChunkedArray | pa.Array:
+def holds(rows: pa.Table, photos: frozenset[Photo]) -> pa.ChunkedArray | pa.Array:
     """Whether each row's (uri, etag) is one of ``photos``."""
     keys = pc.binary_join_element_wise(rows["uri"], rows["etag"], "\t")
     wanted = pa.array(sorted(f"{uri}\t{etag}" for uri, etag in photos), pa.string())

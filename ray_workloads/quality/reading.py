@@ -3,27 +3,33 @@
 A version's rows come from ``predictions`` (the nights it served) and ``shadow_predictions`` (the nights it
 was scored beside the champion); a night whose shadow rows are some version's and whose served rows another's
 gives each its figures. The paired test takes every labelled photo both versions predicted, in either table,
-at its newest night, that the evidence rule counts (:mod:`rayline.ray_workloads.quality.evidence`).
+at its newest night, that the evidence rule counts (:mod:`rayline.ray_workloads.quality.evidence`), of the
+nights the challenger predicted: the gates and the monitor ask the one test.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from rayline.ray_workloads.quality import metrics
-from rayline.ray_workloads.quality.evidence import gate_evidence
-from rayline.ray_workloads.quality.paired import Evidence, PairedTest, PairedTestPolicy, paired_test
-from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE
-from rayline.tables.labels import read_labels
+from rayline.ray_workloads.quality.evidence import gate_evidence, learned_imports
+from rayline.ray_workloads.quality.paired import Evidence, PairedTest, PairedTestPolicy, Photo, holds, paired_test
+from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE, table_uri
+from rayline.tables.labels import photos_of_imports, read_labels
+from rayline.tables.prediction_reads import committed_nights, nights_of_version
 
 TABLES = (PREDICTIONS_TABLE, SHADOW_TABLE)
 
 
-def labelled_rows(root: str, model_name: str) -> dict[str, pa.Table]:
-    """Each table's labelled predictions of ``model_name`` (:func:`metrics.labelled_predictions`)."""
+def labelled_rows(root: str, model_name: str, nights: Sequence[str] | None = None) -> dict[str, pa.Table]:
+    """Each table's labelled predictions of ``model_name`` (:func:`metrics.labelled_predictions`), of ``nights``
+    only when given."""
     labels = read_labels(root, model_name)
-    return {table: metrics.labelled_predictions(root, model_name, labels, table) for table in TABLES}
+    return {table: metrics.labelled_predictions(root, model_name, labels, table, nights) for table in TABLES}
 
 
 def version_rows(rows: dict[str, pa.Table], version: int) -> pa.Table:
@@ -48,20 +54,62 @@ def compare_versions(
 def labelled_gate(root: str, model_name: str, champion: int, challenger: int) -> PairedTest:
     """The promotion gates' question: does ``challenger`` beat ``champion`` on the labels chosen at random that
     neither learned (served and shadow nights alike)? Passed, failed, or inconclusive: it waits for more."""
-    evidence = gate_evidence(root, model_name, [champion, challenger])
-    return compare_versions(labelled_rows(root, model_name), champion, challenger, evidence)
+    nights = challenger_nights(root, model_name, challenger)
+    return _gate(root, model_name, labelled_rows(root, model_name, nights), champion, challenger)
+
+
+def challenger_nights(root: str, model_name: str, challenger: int) -> list[str]:
+    """The nights ``challenger`` predicted, served or shadowed: where every photo it can be judged on is."""
+    return sorted({dt for table in TABLES for dt in nights_of_version(table_uri(root, table), model_name, challenger)})
+
+
+def _gate(root: str, model_name: str, rows: dict[str, pa.Table], champion: int, challenger: int) -> PairedTest:
+    return compare_versions(rows, champion, challenger, gate_evidence(root, model_name, [champion, challenger]))
+
+
+def _of_nights(rows: dict[str, pa.Table], nights: list[str]) -> dict[str, pa.Table]:
+    wanted = pa.array(nights, pa.string())
+    return {table: joined.filter(pc.is_in(joined["dt"], value_set=wanted)) for table, joined in rows.items()}
 
 
 def labelled_reading(
     root: str, model_name: str, classes: list[str], nights: int, champion: int, challenger: int | None
 ) -> metrics.QualityReading:
-    """Each version's labelled figures on each of the latest ``nights`` nights that have labels (oldest
-    first, served and shadowed), and the paired test of ``challenger`` against ``champion``."""
-    rows = labelled_rows(root, model_name)
-    found = [q for table, joined in rows.items() for q in metrics.night_quality(joined, model_name, classes, table)]
+    """Each version's labelled figures on those of the latest ``nights`` committed nights that have labels
+    chosen at random (oldest first, served and shadowed), and the promotion gate's test of ``challenger``
+    against ``champion`` (:func:`labelled_gate`: the nights the challenger predicted).
+
+    A version's figures count what the gate counts: photos drawn at random that it did not train on, so that
+    its accuracy is an estimate of its accuracy on the night, not on the photos it was unsure of (those are
+    counted in ``left_out``). Only those nights' partitions are read: what a monitor run reads stays the same
+    as nights accumulate.
+    """
+    reported = committed_nights(root, model_name, latest=nights)
+    judged = challenger_nights(root, model_name, challenger) if challenger not in (None, champion) else []
+    both = labelled_rows(root, model_name, sorted(set(reported) | set(judged)))  # each night read once
+    random = gate_evidence(root, model_name, []).random
+    found = []
+    for table, joined in _of_nights(both, reported).items():
+        counted = _counted_rows(root, model_name, joined, random)
+        left_out = Counter(_night_keys(joined)) - Counter(_night_keys(counted))
+        found += metrics.night_quality(counted, model_name, classes, table, left_out)
     found.sort(key=lambda q: (q.dt, q.model_version, q.table))
-    latest = sorted({q.dt for q in found}, reverse=True)[:nights]
     test = None
     if challenger is not None and challenger != champion:
-        test = compare_versions(rows, champion, challenger, gate_evidence(root, model_name, [champion, challenger]))
-    return metrics.QualityReading(nights=[q for q in found if q.dt in latest], paired=test)
+        test = _gate(root, model_name, _of_nights(both, judged), champion, challenger)
+    return metrics.QualityReading(nights=found, paired=test)
+
+
+def _counted_rows(root: str, model_name: str, joined: pa.Table, random: frozenset[Photo]) -> pa.Table:
+    """``joined``'s rows the gate would count for the version that predicted each: drawn at random, and not
+    a photo that version learned."""
+    parts = []
+    for version in sorted(set(joined["model_version"].to_pylist())):
+        own = joined.filter(pc.field("model_version") == version)
+        learned = photos_of_imports(root, model_name, sorted(learned_imports(model_name, version)))
+        parts.append(own.filter(pc.and_(holds(own, random), pc.invert(holds(own, learned)))))
+    return pa.concat_tables(parts) if parts else joined
+
+
+def _night_keys(rows: pa.Table) -> list[tuple[int, str]]:
+    return list(zip(rows["model_version"].to_pylist(), rows["dt"].to_pylist(), strict=True))

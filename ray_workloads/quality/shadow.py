@@ -4,24 +4,35 @@ The predictor decodes each image once and scores it with both versions; the shad
 ``shadow_predictions`` table, keyed like ``predictions`` (model_name, dt; rows by URI and ETag, the
 shadow's version in ``model_version``). It is committed after the errors and before the predictions, whose
 commit stays the night's done marker: a run that dies between them left no committed night, and its rerun
-replaces the shadow's rows with its own. The comparison (:func:`compare`) is read from the compacted files
-before the commits and kept in the shadow commit's info, so a retry after the commit returns it too.
+replaces the shadow's rows with its own.
+
+The comparison is summed block by block, so the driver holds counts, never the night's rows: each actor
+counts the block it wrote (:func:`block_counts`; a block's predictions and shadow rows are of the same
+images) and returns the counts with its block report; the driver adds them up (:class:`ShadowCounts`),
+checks them against the compacted shadow files and keeps the summary in the shadow commit's info
+(:func:`summarize`), so a retry after the commit returns it too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 from pydantic import BaseModel, Field
 
-from rayline import storage
 from rayline.errors import StorageError
 from rayline.models.registry import ModelVersion
+from rayline.storage.digests import SetDigest
 from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE, table_uri
 from rayline.tables.delta_tables import Night, find_commit, open_table, storage_options
 
@@ -59,10 +70,9 @@ class ShadowSummary(BaseModel):
 
 SUMMARY_KEY = "rayline.shadow_summary"
 _COLUMNS = ["uri", "predicted_class", "confidence"]
-
-
-def _read(files: list[str]) -> pa.Table:
-    return storage.read_parquet(files, columns=_COLUMNS) if files else pa.table({c: [] for c in _COLUMNS})
+# A float32 value is a whole multiple of 2**-149 (its smallest step): confidences summed as such integers add
+# up exactly, so the night's figures are the same whatever the order its blocks are summed in.
+_UNIT_BITS = 149
 
 
 def class_shift(first: Counter[str], second: Counter[str]) -> float:
@@ -70,42 +80,148 @@ def class_shift(first: Counter[str], second: Counter[str]) -> float:
     n1, n2 = sum(first.values()), sum(second.values())
     if not n1 or not n2:
         return 0.0
-    return 0.5 * sum(abs(first[c] / n1 - second[c] / n2) for c in set(first) | set(second))
+    return 0.5 * sum(abs(first[c] / n1 - second[c] / n2) for c in sorted(set(first) | set(second)))
 
 
-def compare(
-    predictions: list[str], shadow: list[str], shadow_version: ModelVersion, table: str, inputs: int
+@dataclass
+class ShadowCounts:
+    """A shadowed night's comparison in sums that add up block by block: what the driver holds of it.
+
+    A block's predictions and its shadow rows are of the same images, so the night's join on URI is the
+    sum of its blocks' joins. Confidences are summed exactly (``_UNIT_BITS``), and ``uris`` digests the
+    shadow's rows, checked against the compacted files that are committed (:func:`summarize`).
+    """
+
+    rows: int = 0  # the shadow's rows
+    compared: int = 0  # images both versions predicted
+    same: int = 0  # of those, predicted as the same class
+    confidence_units: int = 0  # the champion's confidences over the compared images, in 2**-149
+    shadow_confidence_units: int = 0
+    finite: bool = True  # False once a confidence was NaN or infinite: the means are NaN then
+    class_counts: dict[str, int] = field(default_factory=dict)  # over the compared images
+    shadow_class_counts: dict[str, int] = field(default_factory=dict)
+    uris: SetDigest = SetDigest()
+
+    def add(self, other: ShadowCounts) -> None:
+        """Add ``other``'s counts to these, in place: a night's total grows by a block at a time, and its class
+        counts stay one dict of at most the model's classes."""
+        self.rows += other.rows
+        self.compared += other.compared
+        self.same += other.same
+        self.confidence_units += other.confidence_units
+        self.shadow_confidence_units += other.shadow_confidence_units
+        self.finite = self.finite and other.finite
+        for mine, theirs in (
+            (self.class_counts, other.class_counts),
+            (self.shadow_class_counts, other.shadow_class_counts),
+        ):
+            for name, count in theirs.items():
+                mine[name] = mine.get(name, 0) + count
+        self.uris = self.uris + other.uris
+
+    @classmethod
+    def total(cls, parts: Iterable[ShadowCounts]) -> ShadowCounts:
+        summed = cls()
+        for part in parts:
+            summed.add(part)
+        return summed
+
+    def to_json(self) -> str:
+        """How a block's counts travel in its report (integers of any size: JSON keeps them exact)."""
+        return json.dumps({**dataclasses.asdict(self), "uris": self.uris.encode()}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ShadowCounts:
+        fields = json.loads(text)
+        return cls(**{**fields, "uris": SetDigest.decode(fields["uris"])})
+
+    def mean_confidence(self, shadow: bool = False) -> float:
+        """The mean over the compared images, rounded once from the exact sum."""
+        if not self.compared:
+            return 0.0
+        if not self.finite:
+            return math.nan
+        units = self.shadow_confidence_units if shadow else self.confidence_units
+        return float(Fraction(units, self.compared << _UNIT_BITS))
+
+
+def exact_units(values: np.ndarray) -> tuple[int, bool]:
+    """The exact sum of float32 ``values`` in units of 2**-149, and whether every value was finite (the
+    non-finite ones are left out of the sum)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    exponent = (bits >> 23) & 0xFF
+    finite = exponent != 0xFF
+    # value = significand * 2**(max(exponent, 1) - 150) = significand << (max(exponent, 1) - 1) units
+    significand = np.where(exponent > 0, (bits & 0x7FFFFF) | 0x800000, bits & 0x7FFFFF).astype(np.int64)
+    signed = np.where(bits >> 31 == 1, -significand, significand)
+    shift = np.maximum(exponent.astype(np.int64), 1) - 1
+    total = 0
+    for step in np.unique(shift[finite]):  # at most 254 exponents: one integer sum per exponent
+        total += int(signed[finite & (shift == step)].sum()) << int(step)
+    return total, bool(finite.all())
+
+
+def _class_counts(column: pa.ChunkedArray) -> dict[str, int]:
+    counts = pc.value_counts(column) if len(column) else []
+    return {str(entry["values"]): int(entry["counts"]) for entry in (c.as_py() for c in counts)}
+
+
+def block_counts(predictions: pa.Table, shadow: pa.Table) -> ShadowCounts:
+    """One block's :class:`ShadowCounts`: its predictions joined with its shadow rows on URI (an image one
+    version failed on is in one table only, and compared by neither)."""
+    champion, shadowed = predictions.select(_COLUMNS), shadow.select(_COLUMNS)
+    joined = champion.join(shadowed, "uri", right_suffix="_shadow", join_type="inner")
+    same = pc.sum(pc.equal(joined["predicted_class"], joined["predicted_class_shadow"])).as_py() or 0
+    units, finite = exact_units(joined["confidence"].to_numpy())
+    shadow_units, shadow_finite = exact_units(joined["confidence_shadow"].to_numpy())
+    return ShadowCounts(
+        rows=shadowed.num_rows,
+        compared=joined.num_rows,
+        same=int(same),
+        confidence_units=units,
+        shadow_confidence_units=shadow_units,
+        finite=finite and shadow_finite,
+        class_counts=_class_counts(joined["predicted_class"]),
+        shadow_class_counts=_class_counts(joined["predicted_class_shadow"]),
+        uris=SetDigest.of(shadowed.column("uri").to_pylist()),
+    )
+
+
+def summarize(
+    counts: ShadowCounts, committed: SetDigest, shadow_version: ModelVersion, table: str, inputs: int
 ) -> ShadowSummary:
-    """The shadow's night against the champion's, from their files (``table_version`` is set at the commit)."""
-    champion, shadowed = _read(predictions), _read(shadow)
-    if shadowed.num_rows > inputs:
+    """The night's summary from its blocks' summed counts (``table_version`` is set at the commit).
+
+    ``committed`` is the digest of the shadow rows in the files to be committed: the counts must describe
+    exactly those rows, and never more rows than the night has inputs.
+    """
+    if counts.rows > inputs:
         raise StorageError(
-            f"refusing to commit: the shadow's files hold {shadowed.num_rows} rows, more than the night's "
+            f"refusing to commit: the shadow's blocks hold {counts.rows} rows, more than the night's "
             f"{inputs} inputs; nothing was committed"
         )
-    joined = champion.join(shadowed, "uri", right_suffix="_shadow", join_type="inner")
-    compared = joined.num_rows
-    same = pc.sum(pc.equal(joined["predicted_class"], joined["predicted_class_shadow"])).as_py() or 0
-    counts = Counter(str(c) for c in joined["predicted_class"].to_pylist())
-    shadow_counts = Counter(str(c) for c in joined["predicted_class_shadow"].to_pylist())
+    if counts.uris != committed:
+        raise StorageError(
+            f"refusing to commit: the shadow's block reports name {counts.uris.count} rows (digest "
+            f"{counts.uris.hex[:12]}…), its compacted files {committed.count} ({committed.hex[:12]}…); "
+            "nothing was committed"
+        )
+    compared = counts.compared
+    champion, shadowed = Counter(counts.class_counts), Counter(counts.shadow_class_counts)
     return ShadowSummary(
         model_version=shadow_version.version,
         weights_uri=shadow_version.weights_uri,
         table=table,
         table_version=-1,
-        rows=shadowed.num_rows,
+        rows=counts.rows,
         compared=compared,
-        agreement=same / compared if compared else 0.0,
-        mean_confidence=_mean(joined["confidence"]),
-        shadow_mean_confidence=_mean(joined["confidence_shadow"]),
-        class_shift=class_shift(counts, shadow_counts),
-        class_counts=dict(sorted(counts.items())),
-        shadow_class_counts=dict(sorted(shadow_counts.items())),
+        agreement=counts.same / compared if compared else 0.0,
+        mean_confidence=counts.mean_confidence(),
+        shadow_mean_confidence=counts.mean_confidence(shadow=True),
+        class_shift=class_shift(champion, shadowed),
+        class_counts=dict(sorted(champion.items())),
+        shadow_class_counts=dict(sorted(shadowed.items())),
     )
-
-
-def _mean(column: Any) -> float:
-    return float(pc.mean(column).as_py() or 0.0) if len(column) else 0.0
 
 
 def as_metadata(summary: ShadowSummary) -> dict[str, str]:

@@ -378,7 +378,8 @@ def monitor_command(
     for q in result.quality:
         typer.echo(
             f"  dt={q.dt}  labelled: {q.model_name} v{q.model_version} ({q.role}) right on {q.correct} of {q.labelled} "
-            f"({q.accuracy:.1%}), calibration error {q.ece:.3f}"
+            f"chosen at random ({q.accuracy:.1%}), calibration error {q.ece:.3f}"
+            + (f"; {q.left_out} targeted or trained-on labels not counted" if q.left_out else "")
         )
     for dt, shadow in result.shadows.items():
         typer.echo(f"  dt={dt}  shadow {shadow.line()}")

@@ -87,6 +87,25 @@ def committed_nights(root: str, model_name: str, latest: int | None = None) -> l
     return sorted({p["dt"] for p in partitions}, reverse=True)[:latest]
 
 
+def nights_of_version(uri: str, model_name: str, version: int) -> list[str]:
+    """The ``dt`` of the nights of ``model_name`` in the table at ``uri`` whose rows may be ``version``'s, from the
+    files' statistics in the Delta log (no data file is opened); a file without them counts (it may be)."""
+    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
+        return []
+    try:
+        actions = pa.table(open_table(uri).get_add_actions(flatten=True)).to_pylist()
+    except (DeltaError, OSError) as exc:
+        raise storage_error(exc, "read the file statistics of", uri) from exc
+    found = set()
+    for action in actions:
+        if action.get("partition.model_name") != model_name:
+            continue
+        low, high = action.get("min.model_version"), action.get("max.model_version")
+        if low is None or high is None or low <= version <= high:
+            found.add(str(action["partition.dt"]))
+    return sorted(found)
+
+
 def latest_night_commit(root: str, model_name: str) -> NightCommit | None:
     """The commit of ``model_name``'s newest committed night (its info names the inputs), None before any."""
     nights = committed_nights(root, model_name, latest=1)

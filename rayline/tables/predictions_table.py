@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -169,9 +170,34 @@ def _add_action(uri: str, file_uri: str, night: Night, columns: pa.Schema) -> tu
     ]
     if stray:
         raise InputDataError(f"{file_uri} has columns {stray} that the table does not store in data files")
-    stats = json.dumps({"numRecords": meta.num_rows})
+    stats = json.dumps({"numRecords": meta.num_rows, **_column_stats(meta)})
     modified_ms = int(info.mtime.timestamp() * 1000)
     return AddAction(relative, info.size, night.values, modified_ms, True, stats), meta.num_rows
+
+
+def _column_stats(meta: pq.FileMetaData) -> dict[str, dict[str, Any]]:
+    """Delta's per-file ``minValues``/``maxValues``/``nullCount`` of every top-level column of a plain type, from
+    the Parquet footer (list columns have none, as delta-rs writes them). Readers then skip files by them: the
+    labelled gate reads only the nights a version predicted. All of those columns or none: delta-rs's reader
+    drops every row of a file whose statistics name some columns but not the one a filter is on."""
+    plain = {
+        meta.schema.column(i).path: i
+        for i in range(meta.num_columns)
+        if "." not in meta.schema.column(i).path  # a list column's leaf is "<name>.list.element"
+    }
+    found: dict[str, dict[str, Any]] = {"minValues": {}, "maxValues": {}, "nullCount": {}}
+    for name, index in plain.items():
+        groups = [meta.row_group(g).column(index).statistics for g in range(meta.num_row_groups)]
+        if meta.num_rows == 0 or any(g is None or not g.has_min_max or not g.has_null_count for g in groups):
+            return {}
+        found["minValues"][name] = _json_value(min(g.min for g in groups))
+        found["maxValues"][name] = _json_value(max(g.max for g in groups))
+        found["nullCount"][name] = sum(g.null_count for g in groups)
+    return found
+
+
+def _json_value(value: Any) -> Any:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 def _night_seq(tbl: DeltaTable, night: Night) -> int:

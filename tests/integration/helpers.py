@@ -25,7 +25,8 @@ from rayline import storage
 from rayline.models import registry
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model, imagenet_image_spec, state_dict_bytes
 from rayline.ray_workloads.data.preprocess import ERRORS, SPLITS, PreprocessResult
-from rayline.ray_workloads.nightly.blocks import BlockReport, block_file_uri, night_lease_uri
+from rayline.ray_workloads.nightly.blocks import BlockReport, block_file_uri
+from rayline.ray_workloads.nightly.holding import night_lease_uri
 from rayline.ray_workloads.nightly.predictor import PredictorUDF
 from rayline.seed import EXPECTED_ERROR_TYPE, SeedResult
 from rayline.specs import ImageSpec, WeightsSource

@@ -19,7 +19,7 @@ import pytest
 from rayline.errors import StorageError
 from rayline.ray_workloads.nightly import batch_inference
 from rayline.ray_workloads.nightly.batch_inference import new_run_id
-from rayline.ray_workloads.nightly.blocks import night_listings
+from rayline.ray_workloads.nightly.holding import night_listings
 from rayline.storage import listing
 from rayline.tables.delta_tables import Night, table_version
 from rayline.tables.prediction_reads import read_night_pair, vacuum

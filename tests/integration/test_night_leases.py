@@ -21,7 +21,7 @@ import pytest
 
 from rayline.ray_workloads.nightly import batch_inference
 from rayline.ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, new_run_id
-from rayline.ray_workloads.nightly.blocks import night_lease_uri, night_listings
+from rayline.ray_workloads.nightly.holding import night_lease_uri, night_listings
 from rayline.storage import leases
 from rayline.tables.delta_tables import Night
 from rayline.tables.prediction_reads import read_night_pair

@@ -18,7 +18,7 @@ from rayline.ray_workloads.execution.cache import cached_plan, plan_for, plan_ur
 from rayline.ray_workloads.execution.interface import load_version
 from rayline.ray_workloads.execution.plan import REFERENCE, Plan, PlanPolicy, softmax, torch_run
 from rayline.ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
-from rayline.ray_workloads.nightly.blocks import night_lease_uri
+from rayline.ray_workloads.nightly.holding import night_lease_uri
 from rayline.seed import digit_objects, seed_incoming, synthetic_objects
 from rayline.storage import leases
 from rayline.tables.delta_tables import Night

@@ -23,6 +23,7 @@ from rayline.ray_workloads.architectures.build import ModelSpec, build_model, st
 from rayline.ray_workloads.quality import labels_import, queue, reading, training_set
 from rayline.ray_workloads.quality.paired import PairedTestPolicy
 from rayline.storage import layout
+from rayline.tables import prediction_reads
 from tests.unit.label_loop_simulation import Loop, passes_within
 from tests.unit.test_quality import commit_night
 
@@ -145,3 +146,20 @@ def test_the_queue_draws_its_random_share_reproducibly_and_records_how_each_phot
     assert [r["selection"] for r in rows] == [q.selection for q in large.queued]
     tasks = json.loads(storage.read_bytes(large.label_studio_uri))
     assert tasks[positions[0]]["data"]["selection"] == "random"
+
+
+def test_the_gate_reads_only_the_nights_the_challenger_predicted_found_from_the_files_statistics(
+    local_storage: str,
+) -> None:
+    """Every night's file records its version's range in the Delta log, so the nights of a version are known
+    without opening a data file, by the gate and by any reader that skips files by statistics."""
+    photos = [(f"s3://photos/{i}.jpg", f"e{i}", 0, 0.9) for i in range(4)]
+    for day, served, shadowed in (("2026-12-01", 1, None), ("2026-12-02", 1, 2), ("2026-12-03", 2, 3)):
+        commit_night(local_storage, day, served, photos, classes=["cat"])
+        if shadowed is not None:
+            commit_night(local_storage, day, shadowed, photos, table_name=layout.SHADOW_TABLE, classes=["cat"])
+    predictions, shadow = (layout.table_uri(local_storage, t) for t in (layout.PREDICTIONS_TABLE, layout.SHADOW_TABLE))
+    assert prediction_reads.nights_of_version(shadow, "pets", 2) == ["2026-12-02"]
+    assert prediction_reads.nights_of_version(predictions, "pets", 2) == ["2026-12-03"]
+    assert prediction_reads.nights_of_version(predictions, "pets", 1) == ["2026-12-01", "2026-12-02"]
+    assert prediction_reads.nights_of_version(predictions, "other", 1) == []

@@ -1,0 +1,78 @@
+"""Who holds a night: its lease (one live run predicts a night) and each holder's own listing folder.
+
+A run takes the night's lease (:func:`held_night`) before it lists or predicts; each holder lists into a
+folder named by its lease generation (:func:`listing_staging_uri`), and the one that commits removes the
+folders its predecessors left (:func:`remove_earlier_listings`). The blocks a dead holder wrote are the
+next holder's to reuse (:mod:`rayline.ray_workloads.nightly.blocks`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rayline import storage
+from rayline.errors import StorageError
+from rayline.storage import leases
+from rayline.storage.folders import LeasedOutput
+from rayline.storage.layout import staging_uri
+from rayline.tables.delta_tables import Night
+
+log = logging.getLogger(__name__)
+
+
+def listing_staging_uri(root: str, night: Night, fence: int, holding: str) -> str:
+    """``<root>/_staging/nights/<model>/dt=<day>.listing-<fence>-<holding>``: the night's listing parts, as
+    listed by the holder of the night's lease of generation ``fence`` (``holding`` tells apart two holders
+    of one generation, a lease removed by hand restarting its generations).
+
+    Each holder lists into a folder of its own: a holder that lost the lease (paused past its ttl) and still
+    runs neither removes nor writes into the listing of the run that took the night over.
+    """
+    return staging_uri(root, "nights", night.model_name, f"dt={night.dt}.listing-{fence}-{holding}")
+
+
+def night_listings(root: str, night: Night) -> dict[str, int]:
+    """The listing folders of the night's holders, each with its lease generation (leftovers of holders that
+    died, and the live holder's)."""
+    folder = staging_uri(root, "nights", night.model_name)
+    pattern = re.compile(rf"^dt={re.escape(night.dt)}\.listing-(\d+)-[0-9a-z]+$")
+    found = ((name, pattern.match(name)) for name in storage.list_folders(folder))
+    return {storage.join(folder, name): int(match.group(1)) for name, match in found if match}
+
+
+def remove_earlier_listings(root: str, night: Night, fence: int, own: str) -> None:
+    """Remove the listings of the night's earlier holders (generation up to ``fence``, ``own`` excepted):
+    they died, or lost the lease while paused, and their work is void.
+
+    Called once the night is committed, so a storage error fails nothing: it is logged, and the next
+    holder removes what is left.
+    """
+    try:
+        for uri, generation in night_listings(root, night).items():
+            if generation <= fence and uri != own:
+                storage.remove_tree(uri)
+    except StorageError as exc:
+        log.warning("listings of earlier runs of %s %s stay for the next run: %s", night.model_name, night.dt, exc)
+
+
+def night_lease_uri(root: str, night: Night) -> str:
+    """``<root>/_staging/nights/<model>/dt=<day>.lease``: the lease of one night."""
+    return staging_uri(root, "nights", night.model_name, f"dt={night.dt}.lease")
+
+
+@contextmanager
+def held_night(root: str, night: Night, cfg: LeasedOutput) -> Iterator[leases.HeldLease]:
+    """The night's lease: one live run predicts a night; the others wait, then find it committed or take over.
+
+    A holder that died stops renewing: its lease expires after ``lease_ttl_s``
+    and the next run takes it, and with it the blocks the dead run wrote
+    (same night key).
+    """
+    holder = cfg.holder or leases.run_holder()
+    describe = f"the night {night.model_name} {night.dt}"
+    uri = night_lease_uri(root, night)
+    with leases.held(uri, holder, ttl_s=cfg.lease_ttl_s, wait_s=cfg.lease_wait_s, describe=describe) as lease:
+        yield lease
