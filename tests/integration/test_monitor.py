@@ -65,7 +65,8 @@ def _drop(root: str, day: str, objects: list[tuple[str, bytes]]) -> None:
 
 def _label_familiar_night(root: str, day: str) -> Path:
     """People's labels for the night's digits (the folder a digit was seeded under is its class), keyed
-    under the incoming prefix, plus one row with a class the model lacks."""
+    under the incoming prefix, plus one row with a class the model lacks: every photo of the night labelled,
+    a census, imported as random."""
     path = Path(root).parent / "labels.csv"
     rows = [f"dt={day}/{key},{key.split('/')[0]}" for key, _ in list(digit_objects(32))[::3]]
     path.write_text("key,label\n" + "\n".join([*rows, f"dt={day}/0/digit-00000.png,eleven"]) + "\n")
@@ -99,7 +100,7 @@ def test_drift_is_detected_on_unfamiliar_images_only(local_storage: str, prefect
         nightly_inference(date=day, max_error_fraction=0.0)
 
     labels_file = _label_familiar_night(local_storage, "2026-11-27")
-    answer = CliRunner().invoke(app, ["labels", "import", str(labels_file), "--json"])
+    answer = CliRunner().invoke(app, ["labels", "import", str(labels_file), "--selection", "random", "--json"])
     assert answer.exit_code == ExitCode.REFUSED, answer.output  # a row was refused: the others are in
     imported = LabelsImportResult.model_validate_json(answer.stdout)
     assert (imported.imported, imported.rejected) == (len(list(digit_objects(32))[::3]), {"unknown_class": 1})
