@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from rayline.config import labelled_win_required
 from rayline.errors import ConfigError
 from rayline.flows.prepare_data import DIGITS_IMAGE_SIZE, PrepareDataResult, prepare_data
-from rayline.models.registry import CHAMPION, TrainingLabels
+from rayline.models.registry import CHAMPION, GATE_ALPHA, TrainingLabels
 from rayline.ray_workloads.architectures.build import ModelSpec, check_input_size
 from rayline.ray_workloads.quality.training_set import ExportConfig
 from rayline.ray_workloads.training.evaluate import EvaluationResult
@@ -87,6 +87,7 @@ def train_model(
     cpus_per_worker: float = 0.5,
     margin: float = 0.0,
     floor: float = 0.9,
+    alpha: float = GATE_ALPHA,
     fail_once_at_epoch: int | None = None,
     tune_samples: int = 0,
     tune_max_epochs: int = 4,
@@ -101,7 +102,10 @@ def train_model(
     With ``tune_samples > 0`` an ASHA search runs first and its best
     hyper-parameters are trained to completion for ``epochs`` epochs. A model
     that passes the gate becomes ``promote_to``: ``champion``, or
-    ``challenger`` when a serve rollout is to promote it.
+    ``challenger`` when a serve rollout is to promote it. The first champion
+    passes ``floor``; a later model must beat the champion on the same test
+    images by ``margin`` in accuracy and by an exact McNemar test at
+    ``alpha`` (the most often one no better than the champion passes).
 
     Fine-tuning (``init_from="NAME@champion"``, or retraining a model whose
     champion is a fine-tune: see :func:`rayline.tasks.training_plan.plan_training`) starts from the
@@ -199,6 +203,7 @@ def train_model(
         evaluation,
         margin=margin,
         floor=floor,
+        alpha=alpha,
         promote_to=promote_to,
         parent=plan.parent_link() if plan else None,
         labelled_root=root_uri() if labelled_win_required(require_labelled_win) else None,

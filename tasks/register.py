@@ -31,6 +31,7 @@ def register_and_gate(
     evaluation: evaluate.EvaluationResult,
     margin: float = 0.0,
     floor: float = 0.9,
+    alpha: float = registry.GATE_ALPHA,
     promote_to: str = registry.CHAMPION,
     parent: ParentModel | None = None,
     labelled_root: str | None = None,
@@ -38,6 +39,8 @@ def register_and_gate(
 ) -> RegistrationResult:
     """Register the trained weights and gate them.
 
+    A later candidate passes when it beats the champion on the same test images by ``margin`` in accuracy
+    and by an exact McNemar test at ``alpha`` (:func:`rayline.models.registry.gate`).
     A candidate that passes becomes ``promote_to``: ``champion`` directly, or
     ``challenger`` when serving decides (a canary rollout moves the champion
     later). The first model that passes the floor is champion either way.
@@ -55,6 +58,7 @@ def register_and_gate(
             evaluation=evaluation,
             margin=margin,
             floor=floor,
+            alpha=alpha,
             promote_to=promote_to,
             parent=parent,
             code_version=lineage.code_version(),
@@ -77,6 +81,14 @@ def register_and_gate(
         ),
     )
     record_lineage(
-        "registry", gated, parameters={"name": name, "margin": margin, "floor": floor, "metric": promotion.GATE_METRIC}
+        "registry",
+        gated,
+        parameters={
+            "name": name,
+            "margin": margin,
+            "floor": floor,
+            "alpha": alpha,
+            "metric": promotion.GATE_METRIC,
+        },
     )
     return RegistrationResult(version=version, decision=decision, champion=gated.champion, alias=alias)

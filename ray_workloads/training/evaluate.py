@@ -1,4 +1,5 @@
-"""Evaluation on a held-out split: accuracy, per-class precision/recall, confusion matrix, plots.
+"""Evaluation on a held-out split: accuracy, per-class precision/recall, confusion matrix, plots, and the
+answers image by image (``rayline.models.split_answers``) that the promotion gate pairs with the champion's.
 
 Predictions stream from the preprocessed shards through Ray Data; the
 metrics themselves are plain numpy so they can be checked in isolation.
@@ -11,11 +12,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from rayline import storage
 from rayline.lineage import DatasetRef
+from rayline.models import split_answers
 from rayline.ray_workloads.architectures.build import ModelSpec
 from rayline.ray_workloads.data import preprocess
 from rayline.ray_workloads.execution.interface import LoadedModel, load
@@ -39,14 +42,19 @@ class EvaluationResult(BaseModel):
     confusion: list[list[int]]
     report_uri: str | None = None
     confusion_png_uri: str | None = None
+    answers_uri: str | None = Field(
+        None, description="Its answers on the split, image by image (key, etag, truth, prediction): a Parquet file."
+    )
 
     def lineage_inputs(self) -> list[DatasetRef]:
         """The weights evaluated and the preprocessed data holding the split."""
         return [DatasetRef(uri=self.weights_uri), DatasetRef(uri=self.data_manifest_uri)]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """The report, with the accuracy; none when no report was written."""
-        return [DatasetRef(uri=self.report_uri, facets={"accuracy": self.accuracy})] if self.report_uri else []
+        """The report, with the accuracy, and the answers image by image; none when they were not written."""
+        report = [DatasetRef(uri=self.report_uri, facets={"accuracy": self.accuracy})] if self.report_uri else []
+        answers = [DatasetRef(uri=self.answers_uri, facets={"images": self.samples})] if self.answers_uri else []
+        return report + answers
 
 
 def classification_metrics(
@@ -72,15 +80,25 @@ def classification_metrics(
     return accuracy, per_class, confusion
 
 
-def predict_split(
-    model: LoadedModel, prepared: preprocess.PreprocessResult, split: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """(truth, prediction) arrays for every row of ``split``, through the one model interface."""
-    truths, preds = [], []
-    for batch in dataset_for_split(prepared, split).iter_batches(batch_size=512, batch_format="numpy"):
-        preds.append(model.logits(np.asarray(batch["image"], dtype=np.float32)).argmax(axis=1))
-        truths.append(np.asarray(batch["label_index"]))
-    return np.concatenate(truths), np.concatenate(preds)
+def predict_split(model: LoadedModel, prepared: preprocess.PreprocessResult, split: str) -> pa.Table:
+    """The answers on every row of ``split``, through the one model interface: each row keeps its image's
+    (key, etag), so two versions' answers are matched image by image whatever order Ray Data read them in."""
+    columns = ("key", "etag", "image", "label_index")
+    parts = []
+    for batch in dataset_for_split(prepared, split, columns).iter_batches(batch_size=512, batch_format="numpy"):
+        predicted = model.logits(np.asarray(batch["image"], dtype=np.float32)).argmax(axis=1)
+        parts.append(split_answers.answers_table(batch["key"], batch["etag"], batch["label_index"], predicted))
+    return pa.concat_tables(parts)
+
+
+def split_answers_of(spec: ModelSpec, weights_uri: str, data_manifest_uri: str, split: str = "test") -> pa.Table:
+    """The answers of saved weights on ``split``, image by image."""
+    prepared = preprocess.read_manifest(data_manifest_uri)
+    return predict_split(_loaded(spec, weights_uri, prepared), prepared, split)
+
+
+def _loaded(spec: ModelSpec, weights_uri: str, prepared: preprocess.PreprocessResult) -> LoadedModel:
+    return load(spec.model_copy(update={"num_classes": len(prepared.classes)}), weights_uri, device=torch.device("cpu"))
 
 
 def confusion_png(confusion: np.ndarray, classes: Sequence[str], title: str) -> bytes:
@@ -138,12 +156,10 @@ def _png(fig: Any) -> bytes:
 def run(
     spec: ModelSpec, weights_uri: str, data_manifest_uri: str, output_uri: str | None = None, split: str = "test"
 ) -> EvaluationResult:
-    """Evaluate saved weights on ``split``; with ``output_uri``, also write JSON and a PNG there."""
+    """Evaluate saved weights on ``split``; with ``output_uri``, also write JSON, a PNG and the answers there."""
     prepared = preprocess.read_manifest(data_manifest_uri)
-    model = load(
-        spec.model_copy(update={"num_classes": len(prepared.classes)}), weights_uri, device=torch.device("cpu")
-    )
-    y_true, y_pred = predict_split(model, prepared, split)
+    answers = predict_split(_loaded(spec, weights_uri, prepared), prepared, split)
+    y_true, y_pred = answers.column("label_index").to_numpy(), answers.column("predicted_index").to_numpy()
     accuracy, per_class, confusion = classification_metrics(y_true, y_pred, prepared.classes)
     result = EvaluationResult(
         split=split,
@@ -157,6 +173,8 @@ def run(
     if output_uri:
         result.report_uri = storage.join(output_uri, f"evaluation-{split}.json")
         result.confusion_png_uri = storage.join(output_uri, f"confusion-{split}.png")
+        result.answers_uri = storage.join(output_uri, f"answers-{split}.parquet")
+        storage.write_parquet_atomic(result.answers_uri, answers)
         png = confusion_png(confusion, prepared.classes, f"{split}: accuracy {accuracy:.3f}")
         storage.write_bytes_atomic(result.confusion_png_uri, png)
         storage.write_json_atomic(result.report_uri, result.model_dump(mode="json"))

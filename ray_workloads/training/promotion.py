@@ -1,11 +1,15 @@
 """The promotion gate: register trained weights as a new version, judge it against the champion, move an alias.
 
-The candidate is judged on its own test split. A champion trained on the same
-data is judged by the score it was registered with; one trained on other data
-is evaluated again on the candidate's split (:func:`rayline.ray_workloads.training.evaluate.run`,
-on Ray). A candidate that passes becomes ``promote_to``: ``champion``
-directly, or ``challenger`` when serving decides (a canary rollout moves the
-champion later); the first model that passes the floor is champion either way.
+The candidate is judged on its own test split, image by image against the
+champion (:func:`rayline.models.registry.gate`: an exact McNemar test at
+``alpha`` and the accuracy ``margin``). The champion's answers on that split
+are those kept with it when it answered the same images before (its own
+registration, or an earlier candidate's gate); else it is evaluated on the
+candidate's split (:func:`rayline.ray_workloads.training.evaluate.split_answers_of`,
+on Ray) and its answers kept. A candidate that passes becomes ``promote_to``:
+``champion`` directly, or ``challenger`` when serving decides (a canary
+rollout moves the champion later); the first model that passes the floor is
+champion either way.
 
 Every step is safe to repeat: a retry with the same ``idempotency_key`` gets
 the version its first attempt registered, and judges it against the version
@@ -17,12 +21,13 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pyarrow as pa
 from pydantic import BaseModel, Field
 
 from rayline import storage
 from rayline.errors import AliasConflict, ConfigError
 from rayline.lineage import DatasetRef
-from rayline.models import registry
+from rayline.models import registry, split_answers
 from rayline.ray_workloads.architectures.build import ModelSpec, state_dict_from_bytes
 from rayline.ray_workloads.data import preprocess
 from rayline.ray_workloads.execution.plan import PROBE_IMAGES
@@ -48,6 +53,12 @@ class PromotionConfig(BaseModel):
     evaluation: evaluate.EvaluationResult
     margin: float = 0.0
     floor: float = 0.9
+    alpha: float = Field(
+        registry.GATE_ALPHA,
+        gt=0,
+        lt=0.5,
+        description="The most often a candidate no better than the champion on the test split passes the gate.",
+    )
     promote_to: str = registry.CHAMPION
     parent: ParentModel | None = Field(None, description="The version a fine-tune started from.")
     trained_on_labels: registry.TrainingLabels | None = Field(
@@ -116,6 +127,7 @@ def run(cfg: PromotionConfig) -> PromotionResult:
     weights = storage.read_bytes(trained.weights_uri)
     state_dict_from_bytes(weights, trained.weights_uri)  # refuse anything but tensors before registering
     _check_same_classes(cfg.name, prepared.classes)
+    answers = _candidate_answers(cfg)
     version = registry.register(
         cfg.name,
         weights,
@@ -132,13 +144,15 @@ def run(cfg: PromotionConfig) -> PromotionResult:
         trained_on_labels=cfg.trained_on_labels,
         idempotency_key=cfg.idempotency_key,
         samples=test_samples(prepared),
+        answers=answers,
     )
     decision, moves, labelled = gate_and_move(
         cfg.name,
         version,
-        evaluation.accuracy,
+        answers,
         margin=cfg.margin,
         floor=cfg.floor,
+        alpha=cfg.alpha,
         promote_to=cfg.promote_to,
         champion_wait_s=cfg.champion_wait_s,
         labelled_root=cfg.labelled_root,
@@ -156,6 +170,15 @@ def run(cfg: PromotionConfig) -> PromotionResult:
         parent=cfg.parent,
         labelled=labelled,
     )
+
+
+def _candidate_answers(cfg: PromotionConfig) -> pa.Table:
+    """The candidate's answers on its test split, image by image: those its evaluation wrote, or evaluated
+    now when it wrote none."""
+    evaluation = cfg.evaluation
+    if evaluation.answers_uri is not None:
+        return storage.read_parquet([evaluation.answers_uri], columns=split_answers.SCHEMA.names)
+    return evaluate.split_answers_of(cfg.spec, cfg.trained.weights_uri, evaluation.data_manifest_uri, evaluation.split)
 
 
 def _labelled_alias(
@@ -178,15 +201,18 @@ def _labelled_alias(
 def gate_and_move(
     name: str,
     version: registry.ModelVersion,
-    score: float,
+    answers: pa.Table,
     *,
     margin: float,
     floor: float,
+    alpha: float = registry.GATE_ALPHA,
     promote_to: str = registry.CHAMPION,
     champion_wait_s: float = 0.0,
     labelled_root: str | None = None,
 ) -> tuple[registry.GateDecision, list[registry.AliasMove], PairedTest | None]:
     """Gate ``version`` against the champion and move the alias it earned, on that same champion.
+
+    ``answers``: the candidate's on its test split, image by image; the champion is paired with it there.
 
     The champion move is conditional on the champion the gate judged against;
     one moved meanwhile (a rollout promoted another version) means judging
@@ -195,15 +221,16 @@ def gate_and_move(
     ``labelled_root``: the champion moves only on a labelled win too (:func:`_labelled_alias`).
     """
     for attempt in range(REGATES):
-        champion, champion_score = _champion_score(name, version)
+        champion = _champion_against(name, version)
         decision = registry.gate(
             version,
             champion,
             metric=GATE_METRIC,
-            candidate_score=score,
-            champion_score=champion_score,
+            candidate_score=split_answers.accuracy(answers),
+            paired=_paired(champion, version, answers) if champion is not None else None,
             margin=margin,
             floor=floor,
+            alpha=alpha,
         )
         if not decision.promoted:
             return decision, [], None
@@ -229,21 +256,31 @@ def gate_and_move(
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def _champion_score(name: str, candidate: registry.ModelVersion) -> tuple[registry.ModelVersion | None, float | None]:
-    """The champion's score on the candidate's test split (re-evaluated if it was trained on other data)."""
+def _champion_against(name: str, candidate: registry.ModelVersion) -> registry.ModelVersion | None:
+    """The champion the candidate is judged against (None: there is none yet)."""
     number = registry.alias_version(name, registry.CHAMPION)
     if number is not None and number == candidate.version:
         # a retried attempt: the first one already promoted it; judge it against the version it replaced
         move = registry.alias_move(name, registry.CHAMPION)
         number = move.previous if move is not None else None
-    if number is None:
-        return None, None
-    champion = registry.get_version(name, number)
-    if champion.data_content_hash == candidate.data_content_hash and GATE_METRIC in champion.metrics:
-        return champion, champion.metrics[GATE_METRIC]
-    if candidate.data_manifest_uri is None:
-        raise ConfigError(f"{name} v{candidate.version} has no test split to judge it on")
-    return champion, evaluate.run(champion.model_spec, champion.weights_uri, candidate.data_manifest_uri).accuracy
+    return registry.get_version(name, number) if number is not None else None
+
+
+def _paired(
+    champion: registry.ModelVersion, candidate: registry.ModelVersion, answers: pa.Table
+) -> split_answers.PairedCounts:
+    """Both versions' answers on the candidate's test split, image by image.
+
+    The champion's are those kept with it for these images (its own test split, or an earlier gate's);
+    else it answers them now, on Ray, and they are kept for the next candidate on the same images.
+    """
+    theirs = split_answers.read(champion.uri, split_answers.split_digest(answers))
+    if theirs is None:
+        if candidate.data_manifest_uri is None:
+            raise ConfigError(f"{candidate.name} v{candidate.version} has no test split to judge it on")
+        theirs = evaluate.split_answers_of(champion.model_spec, champion.weights_uri, candidate.data_manifest_uri)
+        split_answers.store(champion.uri, theirs)
+    return split_answers.paired_counts(answers, theirs)
 
 
 def _check_same_classes(name: str, classes: list[str]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,12 +112,14 @@ class TrainResult(BaseModel):
 SMALL_SPLIT_ROWS = 50_000
 
 
-def dataset_for_split(prepared: preprocess.PreprocessResult, split: str) -> ray.data.Dataset:
-    """The preprocessed rows of one split as a Ray Dataset (image, label_index): reads the manifest's list of files."""
+def dataset_for_split(
+    prepared: preprocess.PreprocessResult, split: str, columns: Sequence[str] = ("image", "label_index")
+) -> ray.data.Dataset:
+    """The preprocessed rows of one split as a Ray Dataset (``columns``): reads the manifest's list of files."""
     uris = prepared.read_files().get(split, []) if prepared.file_counts.get(split) else []
     if not uris:
         raise InputDataError(f"preprocessed data {prepared.output_uri} has no {split!r} split")
-    columns = ["image", "label_index"]
+    columns = list(columns)
     if prepared.counts.get(split, 0) <= SMALL_SPLIT_ROWS:
         return ray.data.from_arrow(storage.read_parquet(uris).select(columns))
     fs, _ = storage.arrow_filesystem(uris[0])

@@ -194,6 +194,13 @@ def train_model_command(
     tune_samples: Annotated[int, typer.Option(min=0, help="ASHA trials first (0: no search).")] = 0,
     tune_max_epochs: Annotated[int, typer.Option(min=1)] = 4,
     margin: Annotated[float, typer.Option(help="Accuracy a candidate must gain over the champion.")] = 0.0,
+    alpha: Annotated[
+        float,
+        typer.Option(
+            help="The most often a candidate no better than the champion passes the gate (exact McNemar test "
+            "on the test images where exactly one of them is right).",
+        ),
+    ] = 0.05,
     floor: Annotated[float, typer.Option(help="Accuracy the first champion needs.")] = 0.9,
     fail_once_at_epoch: Annotated[
         int | None, typer.Option(help="Fault drill: a worker raises once at this epoch, then training resumes.")
@@ -212,6 +219,8 @@ def train_model_command(
         get_settings()
         if promote_to not in ("champion", "challenger"):
             raise ConfigError(f"--promote-to must be champion or challenger, got {promote_to!r}")
+        if not 0 < alpha < 0.5:
+            raise ConfigError(f"--alpha must be between 0 and 0.5, got {alpha:g}")
         _check_fine_tune_options(init_from, arch, tune_samples)
         target: Literal["champion", "challenger"] = "champion" if promote_to == "champion" else "challenger"
         result = train_model(
@@ -225,6 +234,7 @@ def train_model_command(
             tune_samples=tune_samples,
             tune_max_epochs=tune_max_epochs,
             margin=margin,
+            alpha=alpha,
             floor=floor,
             fail_once_at_epoch=fail_once_at_epoch,
             promote_to=target,

@@ -5,6 +5,9 @@ Layout under ``<storage>/models/<name>/``::
     v<N>/weights.pt      state dict (tensors only)
     v<N>/samples.npy     a few of its own inputs, decoded as it decodes them: the
                          probe set its execution plans are judged on
+    v<N>/predictions/    its answers on test splits, image by image, one file a split
+                         (``rayline.models.split_answers``): its own, written before
+                         version.json, and each candidate's split it was judged on
     v<N>/version.json    model spec, classes, metrics, data hash, code version,
                          producing run ids — written last: the version's commit
     aliases/<alias>.json the move that put the alias there ({"version": N,
@@ -30,13 +33,15 @@ from contextlib import ExitStack
 from datetime import UTC, datetime
 
 import numpy as np
+import pyarrow as pa
 from pydantic import BaseModel, Field
 
 from rayline import storage
 from rayline.errors import AliasConflict, ConfigError, InputDataError, LeaseBusy, LeaseLost, StorageError
-from rayline.models import aliases, class_lists
+from rayline.models import aliases, class_lists, split_answers
 from rayline.models.aliases import AliasMove as AliasMove
 from rayline.models.aliases import Unchecked as Unchecked
+from rayline.models.split_answers import PairedCounts
 from rayline.specs import NAME_PATTERN, ImageSpec, ModelSpec, ParentModel, WeightsSource, check_model_name
 from rayline.storage import conditional, leases
 from rayline.storage.layout import (
@@ -61,6 +66,8 @@ CHAMPION = "champion"
 CHALLENGER = "challenger"
 # a champion move outside a rollout holds the rollout lease for one compare-and-swap
 CHAMPION_MOVE_TTL_S = 60.0
+# the most often the gate promotes a candidate that is no better than its champion on the test split's population
+GATE_ALPHA = 0.05
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
@@ -106,6 +113,11 @@ class GateDecision(BaseModel):
     metric: str
     candidate_score: float
     champion_score: float | None
+    images: int | None = Field(None, description="Test images both versions answered (none: no champion).")
+    wins: int | None = Field(None, description="Of those, the candidate right and the champion wrong.")
+    losses: int | None = Field(None, description="Of those, the champion right and the candidate wrong.")
+    p_value: float | None = Field(None, description="Exact one-sided McNemar p-value of the wins and losses.")
+    alpha: float | None = Field(None, description="The p-value the candidate had to reach.")
 
 
 def model_root(name: str) -> str:
@@ -191,11 +203,14 @@ def register(
     trained_on_labels: TrainingLabels | None = None,
     idempotency_key: str | None = None,
     samples: np.ndarray | None = None,
+    answers: pa.Table | None = None,
 ) -> ModelVersion:
     """Store a new immutable version; ``version.json`` is written last.
 
     ``samples``: a few of its inputs as it decodes them (N×3×S×S float32, at
     most ``MAX_SAMPLES``), kept with it to judge execution plans on.
+    ``answers``: its answers on its test split, image by image
+    (``split_answers``): what a later candidate on the same images is paired with.
 
     ``idempotency_key``: a retry of the same registration (same key) gets the
     version its earlier attempt claimed — committed already, or finished now —
@@ -215,6 +230,8 @@ def register(
     weights_uri = storage.join(uri, MODEL_FILES[ModelSpec.model_validate(model_spec).format])
     storage.write_bytes_atomic(weights_uri, weights)
     samples_uri = _store_samples(uri, samples) if samples is not None else None
+    if answers is not None:
+        split_answers.store(uri, answers)
     version = ModelVersion(
         name=name,
         version=number,
@@ -432,35 +449,70 @@ def gate(
     *,
     metric: str,
     candidate_score: float,
-    champion_score: float | None,
+    paired: PairedCounts | None,
     margin: float,
     floor: float,
+    alpha: float = GATE_ALPHA,
 ) -> GateDecision:
-    """Decide promotion: beat the champion by ``margin`` on the same split, or pass ``floor`` if none."""
+    """Decide promotion: the first champion passes ``floor``; a later candidate must beat the champion on the
+    same test images, by ``margin`` in accuracy and by an exact one-sided McNemar test at ``alpha``.
 
-    def decide(promoted: bool, reason: str) -> GateDecision:
+    ``candidate_score``: its accuracy on its test split, judged against the floor. ``paired``: both
+    versions' answers on that split, image by image (needed with a champion). A point comparison of two
+    accuracies promotes a candidate that is no better about half the time; the test promotes one at most
+    ``alpha`` of the time.
+    """
+    if champion is None:
+        passed = candidate_score >= floor
+        reason = (
+            f"first champion: {metric} {candidate_score:.4f} >= floor {floor:.4f}"
+            if passed
+            else f"{metric} {candidate_score:.4f} is below the floor {floor:.4f}"
+        )
         return GateDecision(
-            promoted=promoted,
+            promoted=passed,
             reason=reason,
             candidate=candidate.version,
-            champion=champion.version if champion else None,
+            champion=None,
             metric=metric,
             candidate_score=candidate_score,
-            champion_score=champion_score,
+            champion_score=None,
         )
-
-    if champion is None or champion_score is None:
-        if candidate_score >= floor:
-            return decide(True, f"first champion: {metric} {candidate_score:.4f} >= floor {floor:.4f}")
-        return decide(False, f"{metric} {candidate_score:.4f} is below the floor {floor:.4f}")
-    if candidate_score >= champion_score + margin:
-        return decide(
-            True,
-            f"{metric} {candidate_score:.4f} beats champion v{champion.version} "
-            f"({champion_score:.4f}) by >= {margin:.4f}",
-        )
-    return decide(
-        False,
-        f"{metric} {candidate_score:.4f} does not beat champion v{champion.version} "
-        f"({champion_score:.4f}) by {margin:.4f}",
+    if paired is None:
+        raise ConfigError(f"v{candidate.version} is judged against champion v{champion.version} image by image")
+    p_value = paired.p_value
+    significant = p_value <= alpha
+    by_margin = paired.candidate_accuracy >= paired.champion_accuracy + margin
+    evidence = (
+        f"on {paired.images} test images: {_count(paired.wins, 'win')}, {_count(paired.losses, 'loss')}, exact McNemar "
+        f"p = {_p_text(p_value)} {'≤' if significant else '>'} {alpha:g}; {metric} {paired.candidate_accuracy:.4f} "
+        f"vs {paired.champion_accuracy:.4f}"
     )
+    if significant and by_margin:
+        reason = f"v{candidate.version} beats champion v{champion.version} {evidence}"
+    elif significant:
+        reason = f"v{candidate.version} does not beat champion v{champion.version} by the margin {margin:g} {evidence}"
+    else:
+        reason = f"v{candidate.version} does not beat champion v{champion.version} {evidence}"
+    return GateDecision(
+        promoted=significant and by_margin,
+        reason=reason,
+        candidate=candidate.version,
+        champion=champion.version,
+        metric=metric,
+        candidate_score=paired.candidate_accuracy,
+        champion_score=paired.champion_accuracy,
+        images=paired.images,
+        wins=paired.wins,
+        losses=paired.losses,
+        p_value=p_value,
+        alpha=alpha,
+    )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun if n == 1 else noun + ('es' if noun.endswith('s') else 's')}"
+
+
+def _p_text(p_value: float) -> str:
+    return f"{p_value:.4f}" if p_value >= 1e-4 else f"{p_value:.1e}"

@@ -48,8 +48,8 @@ PREPROCESSED_DIR = "preprocessed"
 # the result of the fit that finished there.
 TRAIN_STATE_FILE = "train_state.pt"
 TRAIN_RESULT_FILE = "train_result.json"
-# The registry: models/<name>/v<N>/ (version.json written last; weights, samples, plans/, code/, _claim),
-# models/<name>/aliases/<alias>.json and models/<name>/rollout.lease (rayline.models.registry).
+# The registry: models/<name>/v<N>/ (version.json written last; weights, samples, predictions/, plans/,
+# code/, _claim), models/<name>/aliases/<alias>.json and models/<name>/rollout.lease (rayline.models.registry).
 MODELS_DIR = "models"
 VERSION_FILE = "version.json"
 WEIGHTS_FILE = "weights.pt"  # a tensors-only state dict: a version's, and a training checkpoint's
@@ -59,6 +59,7 @@ ALIASES_DIR = "aliases"
 ROLLOUT_LEASE = "rollout.lease"
 PLANS_DIR = "plans"  # a version's execution plans, one per machine (rayline.ray_workloads.execution.cache)
 CODE_DIR = "code"  # a factory model's package, stored with its version
+PREDICTIONS_DIR = "predictions"  # a version's answers on test splits, image by image (rayline.models.split_answers)
 # lineage/<stage>/ records, and lineage/openlineage/ events of the default transport
 LINEAGE_DIR = "lineage"
 OPENLINEAGE_DIR = "openlineage"

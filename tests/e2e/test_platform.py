@@ -83,7 +83,10 @@ def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
     accuracy = float(out.split("test accuracy")[1].split()[0])
     assert accuracy >= 0.95, out
     assert "baseline: first champion" in out
-    assert "registered         digits v2: test_accuracy" in out and "alias              challenger" in out
+    # the tuned model beats the first champion on the same 175 test images, image by image, beyond chance
+    registered = out.split("registered         digits v2: ")[1].splitlines()[0]
+    assert registered.startswith("v2 beats champion v1 on 175 test images: ") and " ≤ 0.05; " in registered, registered
+    assert "alias              challenger" in out
     data = Path(platform["RAYLINE_STORAGE"])
     assert (data / "models" / "digits" / "v2" / "weights.pt").is_file()
     assert f"serving v1 at http://127.0.0.1:{platform['RAYLINE_SERVE_PORT']}" in out

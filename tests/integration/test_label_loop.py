@@ -21,7 +21,7 @@ from rayline.flows.queue_labels import queue_labels
 from rayline.flows.serve_rollout import serve_rollout
 from rayline.flows.train_model import train_model
 from rayline.lineage.graph import LineageNode, build_graph
-from rayline.models import registry
+from rayline.models import registry, split_answers
 from rayline.ray_workloads.quality import training_set
 from rayline.seed import seed_incoming
 from rayline.storage import layout, manifests
@@ -140,6 +140,14 @@ def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_pho
     assert version.trained_on_labels is not None and version.trained_on_labels.import_ids == [imported.import_id]
     assert result.data.ingest.source_uri == folder and result.data.ingest.object_count == len(rows)
     assert training_set.pending_labels(local_storage, "digits") == 0
+    # judged image by image against the champion, which had never answered these photos: evaluated on them
+    # once, its answers kept with it for the next candidate on the same split
+    decision, answers_uri = result.registration.decision, result.evaluation.answers_uri
+    assert decision.champion == champion.version and decision.images == result.evaluation.samples
+    assert answers_uri is not None
+    digest = split_answers.split_digest(storage.read_parquet([answers_uri]))
+    kept = split_answers.read(champion.uri, digest)
+    assert kept is not None and kept.num_rows == result.evaluation.samples
     stages = _stages(build_graph(version.uri))
     assert ("export-labelled", folder) in stages
     assert ("import-labels", layout.table_uri(local_storage, layout.LABELS_TABLE)) in stages

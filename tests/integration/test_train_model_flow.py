@@ -4,7 +4,9 @@ and what it tracks in MLflow (a server that is down fails nothing)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,6 +62,23 @@ def _assert_tracked_search_and_run(tracking: MlflowClient, weak: TrainModelResul
     }
 
 
+def _assert_paired_figures(
+    decision: registry.GateDecision, outcome: str, candidate: float, champion: float, images: int
+) -> None:
+    """The gate's reason names the paired figures, and they are the two versions' on the same test images: wins
+    minus losses is the difference of their right answers, as their own evaluations counted them."""
+    assert decision.images == images and decision.wins is not None and decision.losses is not None
+    said = re.match(
+        rf"v(\d+) {outcome} champion v(\d+) on (\d+) test images: (\d+) wins?, (\d+) loss(?:es)?, ", decision.reason
+    )
+    assert said is not None, decision.reason
+    figures = (decision.candidate, decision.champion, images, decision.wins, decision.losses)
+    assert tuple(int(n) for n in said.groups()) == figures, decision.reason
+    assert "exact McNemar p = " in decision.reason, decision.reason
+    assert decision.wins - decision.losses == round((candidate - champion) * images), decision
+    assert decision.p_value is not None and (decision.p_value <= 0.05) is decision.promoted
+
+
 def _weak_champion() -> TrainModelResult:
     """One epoch of a two-trial search's best on one worker: a first champion that anything passes."""
     return train_model(epochs=1, floor=0.0, num_workers=1, tune_samples=2, tune_max_epochs=1)
@@ -93,6 +112,10 @@ def test_train_recovers_from_a_worker_failure_the_gate_keeps_the_best_and_mlflow
     assert strong.evaluation.samples == sum(strong.data.preprocess.class_counts["test"].values())
     assert strong.registration.decision.promoted
     assert registry.alias_version("digits", registry.CHAMPION) == 2
+    images = strong.evaluation.samples
+    _assert_paired_figures(
+        strong.registration.decision, "beats", strong.evaluation.accuracy, weak.evaluation.accuracy, images
+    )
 
     (_, strong_run) = sorted(runs_of(tracking, "digits", "train"), key=lambda run: run.info.start_time)
     assert steps_of(tracking, strong_run.info.run_id, "val_accuracy") == list(range(8)), "each epoch logged once"
@@ -105,6 +128,12 @@ def test_train_recovers_from_a_worker_failure_the_gate_keeps_the_best_and_mlflow
     assert again.trained.reused, "the finished run's result, no worker group started for it"
     assert not again.registration.decision.promoted
     assert "does not beat champion v2" in again.registration.decision.reason
+    _assert_paired_figures(
+        again.registration.decision, "does not beat", again.evaluation.accuracy, strong.evaluation.accuracy, images
+    )
+    # one test split: each champion was judged by the answers kept at its registration, never evaluated again
+    kept = sorted(Path(local_storage).glob("models/digits/v*/predictions/*.parquet"))
+    assert [p.parent.parent.name for p in kept] == ["v1", "v2", "v3"] and len({p.name for p in kept}) == 1, kept
     assert registry.alias_version("digits", registry.CHAMPION) == 2
     assert registry.alias_version("digits", registry.CHALLENGER) is None, "a losing candidate gets no alias"
     assert sorted(mlflow_mirror.mirrored_versions(tracking, "digits")) == [1, 2]

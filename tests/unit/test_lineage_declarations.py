@@ -157,7 +157,7 @@ def test_a_training_run_declares_its_data_a_fine_tunes_start_and_its_best_checkp
     ]
 
 
-def test_an_evaluation_declares_the_weights_the_data_and_its_report() -> None:
+def test_an_evaluation_declares_the_weights_the_data_its_report_and_its_answers() -> None:
     result = EvaluationResult(
         split="test",
         data_manifest_uri="s3://b/prepared/y/manifest.json",
@@ -167,15 +167,17 @@ def test_an_evaluation_declares_the_weights_the_data_and_its_report() -> None:
         per_class=[],
         confusion=[],
         report_uri="s3://b/training/digits-1/evaluation-test.json",
+        answers_uri="s3://b/training/digits-1/answers-test.parquet",
     )
     assert result.lineage_inputs() == [
         DatasetRef(uri="s3://b/training/digits-1/checkpoint_000002/weights.pt"),
         DatasetRef(uri="s3://b/prepared/y/manifest.json"),
     ]
     assert result.lineage_outputs() == [
-        DatasetRef(uri="s3://b/training/digits-1/evaluation-test.json", facets={"accuracy": 0.8})
+        DatasetRef(uri="s3://b/training/digits-1/evaluation-test.json", facets={"accuracy": 0.8}),
+        DatasetRef(uri="s3://b/training/digits-1/answers-test.parquet", facets={"images": 10}),
     ]
-    assert result.model_copy(update={"report_uri": None}).lineage_outputs() == []
+    assert result.model_copy(update={"report_uri": None, "answers_uri": None}).lineage_outputs() == []
 
 
 def test_a_search_declares_its_data_and_its_experiment_with_the_best_config() -> None:

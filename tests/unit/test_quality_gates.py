@@ -26,7 +26,7 @@ from rayline.storage import layout, leases
 from rayline.tasks import rollouts as tasks_rollouts
 from rayline.tasks.serve import PreparedRollout
 from tests.unit.test_quality import commit_night
-from tests.unit.test_registry_and_models import _register
+from tests.unit.test_registry_and_models import _register, answers_at
 
 pytestmark = pytest.mark.unit
 
@@ -119,7 +119,7 @@ def test_the_train_model_gate_moves_the_champion_only_on_a_labelled_win(
         plant_paired_night(local_storage, tmp_path, champion_right, challenger_right)
 
     decision, moves, labelled = promotion.gate_and_move(
-        "digits", candidate, 0.97, margin=0.0, floor=0.9, labelled_root=local_storage
+        "digits", candidate, answers_at(0.97), margin=0.0, floor=0.9, labelled_root=local_storage
     )
     outcome = {"better": "passed", "worse": "failed"}.get(planted, "inconclusive")
     assert labelled is not None and labelled.outcome == outcome

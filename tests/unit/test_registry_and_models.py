@@ -5,12 +5,14 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
 from rayline import storage
 from rayline.errors import ConfigError, InputDataError
-from rayline.models import registry
+from rayline.models import registry, split_answers
 from rayline.ray_workloads.architectures.build import (
     ModelSpec,
     UnsafeCheckpointError,
@@ -29,7 +31,26 @@ class _Payload:
         return (os.system, ("echo this must never run",))
 
 
-def _register(weights: bytes, accuracy: float) -> registry.ModelVersion:
+TEST_IMAGES = 400
+
+
+def answers_right_on(right: np.ndarray) -> pa.Table:
+    """Answers on one test split of ``right.size`` images: the truth where ``right``, another class elsewhere."""
+    truth = np.arange(right.size) % 10
+    predicted = np.where(right, truth, (truth + 1) % 10)
+    keys = np.array([f"digits/{i % 10}/img-{i:04d}.png" for i in range(right.size)], dtype=object)
+    etags = np.array([f"etag-{i}" for i in range(right.size)], dtype=object)
+    return split_answers.answers_table(keys, etags, truth, predicted)
+
+
+def answers_at(accuracy: float) -> pa.Table:
+    """Answers right on the first ``accuracy`` share of the split's images: of two such versions, the more
+    accurate one is right wherever the other is (wins only, no losses)."""
+    return answers_right_on(np.arange(TEST_IMAGES) < round(accuracy * TEST_IMAGES))
+
+
+def _register(weights: bytes, accuracy: float, answers: pa.Table | None = None) -> registry.ModelVersion:
+    """A version judged on the one test split of these tests (same data hash), its answers kept with it."""
     return registry.register(
         "digits",
         weights,
@@ -40,7 +61,12 @@ def _register(weights: bytes, accuracy: float) -> registry.ModelVersion:
         data_manifest_uri="/data/manifest.json",
         data_content_hash="abc",
         code_version="git:deadbeef",
+        answers=answers if answers is not None else answers_at(accuracy),
     )
+
+
+def _paired(candidate: pa.Table, champion: pa.Table) -> split_answers.PairedCounts:
+    return split_answers.paired_counts(candidate, champion)
 
 
 @pytest.mark.parametrize("arch", ["small_cnn", "resnet18", "mobilenet_v3_small", "resnet152"])
@@ -92,20 +118,18 @@ def test_versions_are_unique_under_concurrent_registration(local_storage: str) -
 def test_gate_and_aliases(local_storage: str) -> None:
     weights = state_dict_bytes(build_model(ModelSpec(width=4)))
     first, worse, better = _register(weights, 0.95), _register(weights, 0.90), _register(weights, 0.97)
-    assert not registry.gate(
-        first, None, metric="m", candidate_score=0.8, champion_score=None, margin=0, floor=0.9
-    ).promoted
-    assert registry.gate(
-        first, None, metric="m", candidate_score=0.95, champion_score=None, margin=0, floor=0.9
-    ).promoted
+    assert not registry.gate(first, None, metric="m", candidate_score=0.8, paired=None, margin=0, floor=0.9).promoted
+    assert registry.gate(first, None, metric="m", candidate_score=0.95, paired=None, margin=0, floor=0.9).promoted
     registry.set_alias("digits", registry.CHAMPION, first.version, "first")
-    decision = registry.gate(worse, first, metric="m", candidate_score=0.90, champion_score=0.95, margin=0, floor=0.9)
+    worse_paired = _paired(answers_at(0.90), answers_at(0.95))
+    decision = registry.gate(worse, first, metric="m", candidate_score=0.90, paired=worse_paired, margin=0, floor=0.9)
     assert not decision.promoted and "does not beat champion v1" in decision.reason
+    better_paired = _paired(answers_at(0.97), answers_at(0.95))  # 8 wins, no loss: p = 1/256
     assert not registry.gate(
-        better, first, metric="m", candidate_score=0.97, champion_score=0.95, margin=0.05, floor=0.9
+        better, first, metric="m", candidate_score=0.97, paired=better_paired, margin=0.05, floor=0.9
     ).promoted
     assert registry.gate(
-        better, first, metric="m", candidate_score=0.97, champion_score=0.95, margin=0.01, floor=0.9
+        better, first, metric="m", candidate_score=0.97, paired=better_paired, margin=0.01, floor=0.9
     ).promoted
     move = registry.set_alias("digits", registry.CHAMPION, better.version, "beat v1")
     assert move.previous == first.version
