@@ -223,6 +223,9 @@ PROCESS_DEFAULTS = {
     # telemetry. The Prefect server's telemetry writer also contends for the SQLite lock.
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # with usage stats off, a cluster started by `ray start` (rayline up's) still posts a "disabled" report
+    # to usage-stats.ray.io; Ray reads its address from this variable: a closed port on the loopback
+    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     # the convention Prefect's and MLflow's client-side telemetry both honour ("true": MLflow's only spelling)
     "DO_NOT_TRACK": "true",

@@ -19,8 +19,10 @@ import json
 from mlflow.telemetry.utils import is_telemetry_disabled
 from prefect._internal.analytics.enabled import is_telemetry_enabled
 from prefect.settings import get_current_settings
-from ray._common.usage.usage_lib import usage_stats_enabled
+from ray._common.usage.usage_lib import _usage_stats_report_url, usage_stats_enabled
+from urllib.parse import urlsplit
 print(json.dumps({
+    "ray_disabled_report_leaves_the_loopback": urlsplit(_usage_stats_report_url()).hostname != "127.0.0.1",
     "mlflow": not is_telemetry_disabled(),
     "prefect_client": is_telemetry_enabled(),
     "prefect_server": get_current_settings().server.analytics_enabled,
