@@ -103,8 +103,7 @@ def new_run_id() -> str:
 
 def _tables(cfg: InferenceConfig) -> dict[str, str]:
     """Each kind of rows with its table: predictions, errors, and the shadow's on a shadowed night."""
-    kinds = [kind for kind in TABLES if kind != "shadow" or cfg.shadow is not None]
-    return {kind: table_uri(cfg.tables_root, TABLES[kind]) for kind in kinds}
+    return {kind: table_uri(cfg.tables_root, name) for kind, name in TABLES.items() if kind != "shadow" or cfg.shadow}
 
 
 def _commit_of(table: str, landed: NightCommit) -> NightCommit:
@@ -155,7 +154,7 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
 
 
 def _night_as_held(tables: dict[str, str], night: Night, seen: int, run_id: str) -> dict[str, int]:
-    """The night's commit count per table that this run's commits expect, read once it holds the lease.
+    """The night's commit count per kind of table that this run's commits expect, read once it holds the lease.
 
     The run it waited for may have committed the night: then there is nothing to predict
     (``NightCommittedElsewhere``). A holder that died between its errors commit and its predictions commit
@@ -163,7 +162,7 @@ def _night_as_held(tables: dict[str, str], night: Night, seen: int, run_id: str)
     marker), so this run completes it, its own errors commit replacing that one. So with the shadow's table.
     """
     check_night_unchanged(tables["predictions"], night, seen, run_id)
-    return {table: seen if kind == "predictions" else night_seq(table, night) for kind, table in tables.items()}
+    return {kind: seen if kind == "predictions" else night_seq(table, night) for kind, table in tables.items()}
 
 
 @dataclass
@@ -176,7 +175,7 @@ class NightRun:
     run_id: str
     tables: dict[str, str]  # per kind of rows (_tables)
     lease: leases.HeldLease
-    seen: dict[str, int]  # per table, the night's commit count this run's commits expect (_night_as_held)
+    seen: dict[str, int]  # per kind, the night's commit count this run's commits expect (_night_as_held)
     started: float
     phases: dict[str, float] = field(default_factory=dict)  # wall-clock seconds per step: where the time goes
     lapped: float = field(default_factory=time.perf_counter)
@@ -237,9 +236,10 @@ class NightRun:
 
     def compact(self) -> Sequence[CompactedFile]:
         sizes = {"min_rows": self.cfg.min_file_rows, "min_bytes": self.cfg.min_file_bytes}
-        expected = self.seen[self.tables["predictions"]]
+        # columns set to the committing run's, in the files of predictions and the shadow's (compact_group)
+        constants = {kind: run_constants(self.cfg, kind) for kind in self.tables if kind != "errors"}
         compacted = compact_checked(
-            self.output, self.totals, self.listing.uris, _constants_per_kind(self.cfg), expected, **sizes
+            self.output, self.totals, self.listing.uris, constants, self.seen["predictions"], **sizes
         )
         self.lap("compact")
         return compacted
@@ -260,8 +260,7 @@ class NightRun:
             {} if shadowed is None else {"shadow": record.model_copy(update={"shadow_summary": as_record(shadowed)})}
         )
         records = {"errors": record, **shadow, "predictions": record}
-        predictions = self.tables["predictions"]
-        check_night_unchanged(predictions, self.night, self.seen[predictions], self.run_id)
+        check_night_unchanged(self.tables["predictions"], self.night, self.seen["predictions"], self.run_id)
         self.lease.ensure_held()
         commits = {kind: self._commit(kind, compacted, described) for kind, described in records.items()}
         self.lap("commit")
@@ -272,7 +271,7 @@ class NightRun:
     def _commit(self, kind: str, compacted: Sequence[CompactedFile], record: NightCommit) -> NightCommit:
         table, files = self.tables[kind], [f.uri for f in compacted if f.kind == kind]
         return commit_night(
-            table, files, self.night, self.run_id, SCHEMAS[kind], expected_seq=self.seen[table], record=record
+            table, files, self.night, self.run_id, SCHEMAS[kind], expected_seq=self.seen[kind], record=record
         )
 
     def _record(self, plans: dict[str, dict[str, Any]]) -> NightCommit:
@@ -325,11 +324,3 @@ def _plan_use(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per plan, the night's model calls, those fp32 answered, and a demotion: for the commit's record."""
     kept = (*PlanUse().record(), "demoted")
     return {name: {key: record[key] for key in kept if key in record} for name, record in plans.items()}
-
-
-def _constants_per_kind(cfg: InferenceConfig) -> dict[str, dict[str, object]]:
-    """Columns set to the committing run's, per kind of file: the shadow's rows name the shadow's version."""
-    constants = run_constants(cfg)
-    if cfg.shadow is None:
-        return {"predictions": constants}
-    return {"predictions": constants, "shadow": {**constants, "model_version": cfg.shadow.version}}

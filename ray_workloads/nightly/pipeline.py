@@ -54,13 +54,10 @@ if TYPE_CHECKING:
 ACTOR_RESTARTS = 3
 
 
-def run_constants(cfg: InferenceConfig) -> dict[str, Any]:
-    """Columns with one value per run, added to every prediction row."""
-    return {
-        "model_version": cfg.model.version,
-        "code_version": cfg.code_version,
-        "flow_run_id": cfg.flow_run_id or "",
-    }
+def run_constants(cfg: InferenceConfig, kind: str = "predictions") -> dict[str, Any]:
+    """Columns with one value per run, added to every row of ``kind``: the shadow's name the shadow's version."""
+    version = cfg.shadow.version if kind == "shadow" and cfg.shadow else cfg.model.version
+    return {"model_version": version, "code_version": cfg.code_version, "flow_run_id": cfg.flow_run_id or ""}
 
 
 def _counting(predictor: type[PredictorUDF]) -> type[PredictorUDF]:

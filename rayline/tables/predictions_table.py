@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -265,13 +265,8 @@ def commit_night(
     if add_columns_if_missing(uri, wanted):
         tbl = open_table(uri)
     seen_seq = _night_seq(tbl, night) if expected_seq is None else expected_seq
-    actions: list[AddAction] = []
-    rows = 0
-    for file_uri in files:
-        action, num_rows = _add_action(uri, file_uri, night, wanted)
-        actions.append(action)
-        rows += num_rows
-    own = {"run_id": run_id, **night.values, "files": len(actions), "rows": rows}
+    added = [_add_action(uri, file_uri, night, wanted) for file_uri in files]
+    own = {"run_id": run_id, **night.values, "files": len(added), "rows": sum(rows for _, rows in added)}
     described = (record or NightCommit(run_id=run_id, model_name=night.model_name, dt=night.dt)).model_copy(update=own)
     for attempt in range(1, max_attempts + 1):
         if attempt > 1:
@@ -282,35 +277,40 @@ def commit_night(
         if seq != seen_seq:
             raise _taken_by_another(uri, tbl, night, seen_seq, run_id)
         commit = described.model_copy(update={"night_seq": seq + 1})
-        properties = CommitProperties(
-            custom_metadata=commit.to_metadata(),
-            # the run's transaction carries the night's count too: its current run, without the history
-            app_transactions=[Transaction(night.app_id, seq + 1), Transaction(night.run_app_id(run_id), seq + 1)],
-        )
-        try:
-            tbl.create_write_transaction(
-                list(actions),
-                "overwrite",
-                arrow_schema(tbl),
-                partition_by=list(PARTITION_COLUMNS),
-                partition_filters=night.filters,
-                commit_properties=properties,
-                # also for tables created elsewhere without TABLE_CONFIGURATION
-                post_commithook_properties=PostCommitHookProperties(cleanup_expired_logs=False),
-            )
-        except CommitFailedError as exc:
-            # a conflict: the loop re-reads the table and tells a lost race from an unrelated one
-            if attempt == max_attempts:
-                raise TransientStorageError(f"commit {night.relative_dir} to {uri}: {exc}") from exc
-            continue
-        except (DeltaError, OSError) as exc:
-            raise storage_error(exc, f"commit {night.relative_dir} to", uri) from exc
-        # the handle does not follow its own commit: the version lies between its snapshot and now
-        version = commit_version(
-            uri, night.run_app_id(run_id), tbl.version() + 1, open_table(uri).version(), tbl.version()
-        )
-        return commit.model_copy(update={"version": version})
+        if _try_commit(uri, tbl, night, [action for action, _ in added], commit, last=attempt == max_attempts):
+            # the handle does not follow its own commit: the version lies between its snapshot and now
+            latest = open_table(uri).version()
+            version = commit_version(uri, night.run_app_id(run_id), tbl.version() + 1, latest, tbl.version())
+            return commit.model_copy(update={"version": version})
     raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _try_commit(
+    uri: str, tbl: DeltaTable, night: Night, actions: Sequence[AddAction], commit: NightCommit, last: bool
+) -> bool:
+    """One attempt at the night's overwrite; False on a conflict, for the caller to tell a lost race from an
+    unrelated one by reading the table again (on the ``last`` attempt, the conflict is raised)."""
+    # the run's transaction carries the night's count too: its current run, without the history
+    seq = commit.night_seq
+    transactions = [Transaction(night.app_id, seq), Transaction(night.run_app_id(commit.run_id), seq)]
+    try:
+        tbl.create_write_transaction(
+            list(actions),
+            "overwrite",
+            arrow_schema(tbl),
+            partition_by=list(PARTITION_COLUMNS),
+            partition_filters=night.filters,
+            commit_properties=CommitProperties(custom_metadata=commit.to_metadata(), app_transactions=transactions),
+            # also for tables created elsewhere without TABLE_CONFIGURATION
+            post_commithook_properties=PostCommitHookProperties(cleanup_expired_logs=False),
+        )
+    except CommitFailedError as exc:
+        if last:
+            raise TransientStorageError(f"commit {night.relative_dir} to {uri}: {exc}") from exc
+        return False
+    except (DeltaError, OSError) as exc:
+        raise storage_error(exc, f"commit {night.relative_dir} to", uri) from exc
+    return True
 
 
 def _already(uri: str, tbl: DeltaTable, night: Night, run_id: str) -> NightCommit:
