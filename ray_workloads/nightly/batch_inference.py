@@ -256,10 +256,8 @@ class NightRun:
         )
         plans = self.totals.plan_records(demoted)
         record = self._record(plans)
-        shadow = (
-            {} if shadowed is None else {"shadow": record.model_copy(update={"shadow_summary": as_record(shadowed)})}
-        )
-        records = {"errors": record, **shadow, "predictions": record}
+        shadow = None if shadowed is None else record.model_copy(update={"shadow_summary": as_record(shadowed)})
+        records = {"errors": record, **({"shadow": shadow} if shadow else {}), "predictions": record}
         check_night_unchanged(self.tables["predictions"], self.night, self.seen["predictions"], self.run_id)
         self.lease.ensure_held()
         commits = {kind: self._commit(kind, compacted, described) for kind, described in records.items()}
