@@ -44,7 +44,7 @@ import pyarrow as pa  # noqa: E402
 from deltalake import DeltaTable  # noqa: E402
 
 from rayline.tables import delta_tables  # noqa: E402
-from rayline.tables.delta_tables import PARTITION_COLUMNS, TABLE_CONFIGURATION, Night  # noqa: E402
+from rayline.tables.delta_tables import PARTITION_COLUMNS, TABLE_CONFIGURATION, Night, NightCommit  # noqa: E402
 
 MODEL = "digits"
 FIRST_NIGHT = date(2026, 1, 1)
@@ -67,12 +67,9 @@ def _commit_lines(version: int, night: Night, seq: int, previous_run: str | None
         "timestamp": now,
         "operation": "WRITE",
         "operationParameters": {"mode": "Overwrite", "partitionBy": json.dumps(list(PARTITION_COLUMNS))},
-        "rayline.run_id": run_id,
-        "rayline.model_name": night.model_name,
-        "rayline.dt": night.dt,
-        "rayline.night_seq": seq,
-        "rayline.files": 1,
-        "rayline.rows": 4,
+        **NightCommit(
+            run_id=run_id, model_name=night.model_name, dt=night.dt, night_seq=seq, files=1, rows=4
+        ).to_metadata(),
     }
     add = {**_file(night, run_id), "modificationTime": now, "dataChange": True, "stats": '{"numRecords": 4}'}
     lines: list[dict[str, Any]] = [{"commitInfo": info}, {"add": add}]
@@ -118,9 +115,9 @@ def history_scan(uri: str) -> dict[Night, str]:
     tbl = delta_tables.open_table(uri)
     runs: dict[Night, str] = {}
     for entry in tbl.history():
-        night = Night(str(entry.get("rayline.model_name", MODEL)), str(entry.get("rayline.dt", "2026-01-01")))
-        if "rayline.run_id" in entry and night not in runs:
-            runs[night] = str(entry["rayline.run_id"])
+        commit = NightCommit.from_metadata(entry)
+        if commit is not None and (night := Night(commit.model_name, commit.dt)) not in runs:
+            runs[night] = commit.run_id
     return runs
 
 

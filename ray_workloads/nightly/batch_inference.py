@@ -8,11 +8,12 @@ table once. How and why, step by step, with the layout: docs/nights.md.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rayline import progress, ray_work, storage
 from rayline.errors import InputDataError, LeaseLost, NightCommittedElsewhere, StorageError
@@ -20,6 +21,7 @@ from rayline.ray_workloads.execution.cache import demote_overflowing
 from rayline.ray_workloads.execution.fallback import PlanUse
 from rayline.ray_workloads.nightly.blocks import NightOutput, night_key
 from rayline.ray_workloads.nightly.compaction import (
+    SCHEMAS,
     CompactedFile,
     NightTotals,
     check_rows,
@@ -34,24 +36,14 @@ from rayline.ray_workloads.nightly.contract import block_size
 from rayline.ray_workloads.nightly.holding import held_night, listing_staging_uri, remove_earlier_listings
 from rayline.ray_workloads.nightly.pipeline import predict_and_write, run_constants, sum_reports
 from rayline.ray_workloads.nightly.predictor import PredictorUDF
-from rayline.ray_workloads.quality.shadow import ShadowSummary, as_metadata, from_commit_info, summarize
+from rayline.ray_workloads.quality.shadow import ShadowSummary, as_record, summarize
 from rayline.skipped import skipped_text
 from rayline.storage import leases
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, SHADOW_TABLE, table_uri
-from rayline.storage.listing import ListingStart, begin_listing, finish_listing
+from rayline.storage.listing import ListingStart, StreamedListing, begin_listing, finish_listing
 from rayline.tables.delta_probe import require_delta_writes
 from rayline.tables.delta_tables import Night, NightCommit, attempt_run_id, commit_log_bytes, find_commit, open_table
-from rayline.tables.predictions_table import (
-    ERRORS_SCHEMA,
-    PREDICTIONS_SCHEMA,
-    CommitResult,
-    check_night_unchanged,
-    commit_night,
-    night_seq,
-)
-
-if TYPE_CHECKING:
-    from ray.data import Dataset
+from rayline.tables.predictions_table import check_night_unchanged, commit_night, night_seq
 
 # What a process that runs batch inference asks its embedded Ray cluster to
 # import in every worker at start (``ray_cluster.connect(preload=...)``), so
@@ -59,7 +51,7 @@ if TYPE_CHECKING:
 # torch for the model; ray.data, and ray.util.state that unpickling Ray Data's
 # context imports, for the actor pool's worker; the UDF's own module.
 WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "rayline.ray_workloads.nightly.predictor")
-SCHEMAS = {"predictions": PREDICTIONS_SCHEMA, "errors": ERRORS_SCHEMA, "shadow": PREDICTIONS_SCHEMA}
+TABLES = {"predictions": PREDICTIONS_TABLE, "errors": ERRORS_TABLE, "shadow": SHADOW_TABLE}
 
 
 def objects_per_task(cfg: InferenceConfig, count: int) -> int:
@@ -80,8 +72,8 @@ def objects_per_task(cfg: InferenceConfig, count: int) -> int:
     return block_size(cfg.model.image_spec.size, count, cfg.objects_per_task)
 
 
-def blocks_key(cfg: InferenceConfig, listing: ListingStart) -> str:
-    """The key of the night's blocks: what decides their rows (blocks.night_key).
+def blocks_key(cfg: InferenceConfig, listing: ListingStart, size: int) -> str:
+    """The key of the night's blocks of ``size`` objects: what decides their rows (blocks.night_key).
 
     Not the listing's content hash: that is known only once the whole prefix
     is listed, and the first blocks are predicted before (``listing.groups``).
@@ -96,7 +88,7 @@ def blocks_key(cfg: InferenceConfig, listing: ListingStart) -> str:
             **({"shadow": [shadow.name, shadow.version, shadow.weights_uri]} if shadow else {}),
             "dt": cfg.dt,
             "input": listing.prefix,
-            "objects_per_task": objects_per_task(cfg, listing.estimated_count),
+            "objects_per_task": size,
             "top_k": cfg.top_k,
             "code_version": cfg.code_version,
             "parts": cfg.listing_part_objects,
@@ -104,80 +96,30 @@ def blocks_key(cfg: InferenceConfig, listing: ListingStart) -> str:
     )
 
 
-def _predict_and_write(
-    cfg: InferenceConfig, listing: ListingStart, output: NightOutput, shown: progress.Stage
-) -> Dataset:
-    """The night's Ray Data pipeline with this module's ``PredictorUDF``, looked up when called (a test's
-    stand-in predictor, one that crashes on a poison input, is the one that runs)."""
-    size = objects_per_task(cfg, listing.estimated_count)
-    return predict_and_write(cfg, listing, output, shown, size=size, predictor=PredictorUDF)
-
-
-class _Phases:
-    """Wall-clock seconds per named phase (where a run's time goes)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[name] = round(now - self._last, 3)
-        self._last = now
-
-
 def new_run_id() -> str:
     """A run's id: sortable by start time, unique across runs started together."""
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
 
 
-def _shadow_table(cfg: InferenceConfig) -> str | None:
-    return table_uri(cfg.tables_root, SHADOW_TABLE) if cfg.shadow is not None else None
+def _tables(cfg: InferenceConfig) -> dict[str, str]:
+    """Each kind of rows with its table: predictions, errors, and the shadow's on a shadowed night."""
+    return {kind: table_uri(cfg.tables_root, name) for kind, name in TABLES.items() if kind != "shadow" or cfg.shadow}
 
 
-def _committed_shadow(cfg: InferenceConfig, night: Night, run_id: str) -> ShadowSummary | None:
-    """The shadow's part of a run whose commits landed: committed before its predictions, so there."""
-    table = _shadow_table(cfg)
-    if table is None:
-        return None
-    commit = find_commit(table, open_table(table), night, run_id)
-    if commit is None:
-        raise StorageError(f"{table} has no commit of run {run_id}, though it shadowed the night")
-    return from_commit_info(dict(commit.info), commit.version)
+def _commit_of(table: str, landed: NightCommit) -> NightCommit:
+    """The commit of ``landed``'s run in another of its tables: made before its predictions commit, so there."""
+    commit = find_commit(table, open_table(table), Night(landed.model_name, landed.dt), landed.run_id)
+    if commit is None:  # a predictions commit without it is not rayline's
+        raise StorageError(f"{table} has no commit of run {landed.run_id}, though its predictions commit landed")
+    return commit
 
 
-def _committed_result(
-    cfg: InferenceConfig, tables: tuple[str, str], night: Night, landed: NightCommit, elapsed_s: float
+def _landed_result(
+    cfg: InferenceConfig, tables: dict[str, str], landed: NightCommit, started: float
 ) -> InferenceResult:
-    """What a run whose commits landed committed, read back from the two tables' commit infos."""
-    predictions_table, errors_table = tables
-    errors_commit = find_commit(errors_table, open_table(errors_table), night, landed.run_id)
-    if errors_commit is None:  # the errors commit comes first: a predictions commit without it is not rayline's
-        raise StorageError(f"{errors_table} has no commit of run {landed.run_id}, {predictions_table} has one")
-    info, error_info = landed.info, errors_commit.info
-    return InferenceResult(
-        input_uri=cfg.input_uri,
-        weights_uri=cfg.model.weights_uri,
-        predictions_table=predictions_table,
-        errors_table=errors_table,
-        model_name=night.model_name,
-        dt=night.dt,
-        run_id=landed.run_id,
-        predictions_version=landed.version,
-        errors_version=errors_commit.version,
-        replaced=landed.night_seq > 1,
-        already_committed=True,
-        inputs=int(info["rayline.inputs"]),
-        predictions=int(info["rayline.rows"]),
-        errors=int(error_info["rayline.rows"]),
-        error_types=json.loads(str(error_info.get("rayline.error_types", "{}"))),
-        input_content_hash=str(info["rayline.input_content_hash"]),
-        input_digest=str(info.get("rayline.input_digest", "")),
-        model=f"{cfg.model.name} v{cfg.model.version}",
-        data_files={"predictions": int(info["rayline.files"]), "errors": int(error_info["rayline.files"])},
-        elapsed_s=elapsed_s,
-        shadow=_committed_shadow(cfg, night, landed.run_id),
-    )
+    """What a run whose commits landed committed, read back from its tables' commits."""
+    commits = {kind: landed if kind == "predictions" else _commit_of(table, landed) for kind, table in tables.items()}
+    return InferenceResult.from_commit(cfg, commits, elapsed_s=time.perf_counter() - started)
 
 
 def _begin_night(source: str, staging: str, part_objects: int) -> ListingStart:
@@ -195,181 +137,188 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
     of a run whose commit landed returns that commit, predicting nothing.
     """
     started = time.perf_counter()
-    night = Night(cfg.model.name, cfg.dt)
-    tables = (table_uri(cfg.tables_root, PREDICTIONS_TABLE), table_uri(cfg.tables_root, ERRORS_TABLE))
-    attempt_id, landed = attempt_run_id(*tables, night, run_id or new_run_id())
+    night, tables = Night(cfg.model.name, cfg.dt), _tables(cfg)
+    attempt_id, landed = attempt_run_id(tables["predictions"], tables["errors"], night, run_id or new_run_id())
     if landed is not None:  # a retry of a run whose commit landed: that commit is the result
-        return _committed_result(cfg, tables, night, landed, time.perf_counter() - started)
+        return _landed_result(cfg, tables, landed, started)
     require_delta_writes(cfg.tables_root)  # refused here, not after predicting every input
     # what the night looked like when this run started: a predictions commit after this is another run's
-    seen = night_seq(tables[0], night)
+    seen = night_seq(tables["predictions"], night)
     with (
         held_night(cfg.tables_root, night, cfg) as lease,
         ray_work.stoppable(f"the night {night.model_name} {night.dt}") as stopper,
     ):
         lease.on_lost(stopper.stop)  # a run whose lease was taken over stops predicting: its actors are killed
-        expected = _night_as_held(tables, night, seen, attempt_id, _shadow_table(cfg))
-        fence = lease.fencing_token().generation
-        staging = listing_staging_uri(cfg.tables_root, night, fence, uuid.uuid4().hex[:8])
-        try:
-            result = _predict_night(cfg, night, tables, attempt_id, staging, started, expected, lease)
-        except NightCommittedElsewhere:
-            raise
-        except Exception as exc:
-            lost = _lost_lease(exc, lease)
-            if lost is None:
-                raise
-            raise lost from exc
-        finally:
-            storage.remove_tree(staging)
-        # once this run committed the night: never while an earlier holder that lost the lease might read its own
-        remove_earlier_listings(cfg.tables_root, night, fence, staging)
-        return result
+        held = _night_as_held(tables, night, seen, attempt_id)
+        return NightRun(cfg, night, attempt_id, tables, lease, held, started).run()
 
 
-def _lost_lease(exc: Exception, lease: leases.HeldLease) -> LeaseLost | None:
-    """Why a failed run lost the night's lease, if it did and ``exc`` does not say so already: whatever failed
-    first (its stopped Ray Data run, a storage read), the run then fails saying that it lost the lease."""
-    return None if isinstance(exc, LeaseLost) else lease.lost()
-
-
-def _night_as_held(tables: tuple[str, str], night: Night, seen: int, run_id: str, shadow: str | None) -> dict[str, int]:
-    """The night's commit count per table that this run's commits expect, read once it holds the lease.
+def _night_as_held(tables: dict[str, str], night: Night, seen: int, run_id: str) -> dict[str, int]:
+    """The night's commit count per kind of table that this run's commits expect, read once it holds the lease.
 
     The run it waited for may have committed the night: then there is nothing to predict
     (``NightCommittedElsewhere``). A holder that died between its errors commit and its predictions commit
     left the errors table a commit ahead: that night is not committed (the predictions commit is its done
     marker), so this run completes it, its own errors commit replacing that one. So with the shadow's table.
     """
-    predictions, errors = tables
-    check_night_unchanged(predictions, night, seen, run_id)
-    held = {predictions: seen, errors: night_seq(errors, night)}
-    return held if shadow is None else {**held, shadow: night_seq(shadow, night)}
+    check_night_unchanged(tables["predictions"], night, seen, run_id)
+    return {kind: seen if kind == "predictions" else night_seq(table, night) for kind, table in tables.items()}
 
 
-def _predict_night(
-    cfg: InferenceConfig,
-    night: Night,
-    tables: tuple[str, str],
-    run_id: str,
-    staging: str,
-    started: float,
-    seen: dict[str, int],
-    lease: leases.HeldLease,
-) -> InferenceResult:
-    phases = _Phases()
-    source = storage.normalize(cfg.input_uri)
-    begun = _begin_night(source, staging, cfg.listing_part_objects)
-    phases.lap("list")  # the driver's own part of the listing: the rest is listed by the cutters as the night goes
-    output = NightOutput(tables[0], tables[1], night, run_id, blocks_key(cfg, begun), _shadow_table(cfg))
-    with progress.stage(
-        f"predict {night.model_name} {night.dt}", total=begun.estimated_count, unit="images", remote=True
-    ) as shown:
-        reports = _predict_and_write(cfg, begun, output, shown)
-        totals = sum_reports(reports)
-    ray_data_stats = reports.stats()
-    phases.lap("predict_and_write")
-    listing = begun.own if begun.complete else finish_listing(begun)
-    check_rows(listing.uris, totals.uris, "the night's blocks")
-    sizes = {"min_rows": cfg.min_file_rows, "min_bytes": cfg.min_file_bytes}
-    constants = _constants_per_kind(cfg)
-    compacted = compact_checked(output, totals, listing.uris, SCHEMAS, constants, seen[tables[0]], **sizes)
-    phases.lap("compact")
-    files = {kind: [f.uri for f in compacted if f.kind == kind] for kind in output.tables()}
-    shadowed = _compare_shadow(cfg, output, totals, compacted, listing.count)
-    plans = totals.plan_records(_demote_overflowing(cfg, totals))
-    metadata: dict[str, str | int] = {
-        "rayline.input_uri": source,
-        "rayline.input_content_hash": listing.content_hash,
-        "rayline.input_digest": listing.uris.encode(),
-        "rayline.inputs": listing.count,
-        "rayline.model_version": cfg.model.version,
-        "rayline.weights_uri": cfg.model.weights_uri,
-        "rayline.code_version": cfg.code_version,
-        "rayline.flow_run_id": cfg.flow_run_id or "",
-        "rayline.error_types": json.dumps(dict(sorted(totals.error_types.items()))),
-        "rayline.plans": json.dumps(sorted(totals.plans)),
-        "rayline.plan_use": json.dumps(_plan_use(plans), sort_keys=True),
-    }
+@dataclass
+class NightRun:
+    """A run of one night that holds its lease: what its steps share. :meth:`run` lists the night, predicts
+    it, compacts its block files and commits them; what a step found, the next ones read here."""
 
-    def commit(kind: str, extra: dict[str, str] | None = None) -> CommitResult:
-        table = output.tables()[kind]
-        info = {**metadata, **(extra or {})}
-        return commit_night(table, files[kind], night, run_id, SCHEMAS[kind], expected_seq=seen[table], metadata=info)
+    cfg: InferenceConfig
+    night: Night
+    run_id: str
+    tables: dict[str, str]  # per kind of rows (_tables)
+    lease: leases.HeldLease
+    seen: dict[str, int]  # per kind, the night's commit count this run's commits expect (_night_as_held)
+    started: float
+    phases: dict[str, float] = field(default_factory=dict)  # wall-clock seconds per step: where the time goes
+    lapped: float = field(default_factory=time.perf_counter)
+    # set by the steps: the fence and staging folder of this holding, then what predict found
+    fence: int = field(init=False)
+    staging: str = field(init=False)
+    output: NightOutput = field(init=False)
+    totals: NightTotals = field(init=False)
+    listing: StreamedListing = field(init=False)
+    ray_data_stats: str = field(init=False)
 
-    # errors (and shadow) first: the predictions commit is the night's done marker (module docstring). A run
-    # that committed the night since this one started wins, also if this one started between its commits.
-    check_night_unchanged(output.predictions_table, night, seen[output.predictions_table], run_id)
-    lease.ensure_held()  # a run that lost the night's lease (paused past its ttl) commits nothing
-    errors_commit = commit("errors")
-    if shadowed is not None:
-        shadow_commit = commit("shadow", as_metadata(shadowed))
-        shadowed = shadowed.model_copy(update={"table_version": shadow_commit.version})
-    predictions_commit = commit("predictions")
-    phases.lap("commit")
-    remove_blocks(output, [part.name for part in listing.parts])
-    phases.lap("remove_blocks")
-    return InferenceResult(
-        input_uri=cfg.input_uri,
-        weights_uri=cfg.model.weights_uri,
-        predictions_table=output.predictions_table,
-        errors_table=output.errors_table,
-        model_name=night.model_name,
-        dt=night.dt,
-        run_id=run_id,
-        predictions_version=predictions_commit.version,
-        errors_version=errors_commit.version,
-        replaced=predictions_commit.replaced,
-        already_committed=predictions_commit.already_committed,
-        inputs=listing.count,
-        predictions=totals.rows["predictions"],
-        errors=totals.rows["errors"],
-        error_types=dict(sorted(totals.error_types.items())),
-        skipped=listing.skipped,
-        skipped_examples=listing.skipped_examples,
-        input_content_hash=listing.content_hash,
-        input_digest=listing.uris.encode(),
-        model=f"{cfg.model.name} v{cfg.model.version}",
-        data_files={kind: len(uris) for kind, uris in files.items()},
-        listing_parts=len(listing.parts),
-        blocks=totals.blocks,
-        reused_blocks=totals.reused_blocks,
-        delta_log_bytes={
-            "predictions": commit_log_bytes(output.predictions_table, predictions_commit.version),
-            "errors": commit_log_bytes(output.errors_table, errors_commit.version),
-        },
-        elapsed_s=time.perf_counter() - started,
-        phase_s=phases.seconds,
-        ray_data_stats=ray_data_stats,
-        plans=plans,
-        shadow=shadowed,
-    )
+    def __post_init__(self) -> None:
+        self.fence = self.lease.fencing_token().generation
+        self.staging = listing_staging_uri(self.cfg.tables_root, self.night, self.fence, uuid.uuid4().hex[:8])
 
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase], self.lapped = round(now - self.lapped, 3), now
 
-def _demote_overflowing(cfg: InferenceConfig, totals: NightTotals) -> dict[str, str]:
-    """Demote each cached plan of the night's version that fell back to fp32 too often (execution.fallback)."""
-    return demote_overflowing(cfg.model.uri, totals.plan_use, f"the night {cfg.model.name} dt={cfg.dt}")
+    def run(self) -> InferenceResult:
+        try:
+            self.predict(self.list())
+            result = self.commit(self.compact())
+        except NightCommittedElsewhere:
+            raise
+        except Exception as exc:  # whatever failed first (a stopped Ray Data run, a read), a lost lease is why
+            lost = None if isinstance(exc, LeaseLost) else self.lease.lost()
+            if lost is None:
+                raise
+            raise lost from exc
+        finally:
+            storage.remove_tree(self.staging)
+        # once this run committed the night: never while an earlier holder that lost the lease might read its own
+        remove_earlier_listings(self.cfg.tables_root, self.night, self.fence, self.staging)
+        return result
+
+    def list(self) -> ListingStart:
+        """The driver's part of the listing: the rest is listed by the cutters as the night goes."""
+        begun = _begin_night(storage.normalize(self.cfg.input_uri), self.staging, self.cfg.listing_part_objects)
+        self.lap("list")
+        return begun
+
+    def predict(self, begun: ListingStart) -> None:
+        """Predict and write every block; then the listing, finished, must name every block's inputs once."""
+        size = objects_per_task(self.cfg, begun.estimated_count)
+        key = blocks_key(self.cfg, begun, size)
+        self.output = NightOutput(
+            self.tables["predictions"], self.tables["errors"], self.night, self.run_id, key, self.tables.get("shadow")
+        )
+        label = f"predict {self.night.model_name} {self.night.dt}"
+        with progress.stage(label, total=begun.estimated_count, unit="images", remote=True) as shown:
+            reports = predict_and_write(self.cfg, begun, self.output, shown, size=size, predictor=PredictorUDF)
+            self.totals = sum_reports(reports)
+        self.ray_data_stats = reports.stats()
+        self.lap("predict_and_write")
+        self.listing = begun.own if begun.complete else finish_listing(begun)
+        check_rows(self.listing.uris, self.totals.uris, "the night's blocks")
+
+    def compact(self) -> Sequence[CompactedFile]:
+        sizes = {"min_rows": self.cfg.min_file_rows, "min_bytes": self.cfg.min_file_bytes}
+        # columns set to the committing run's, in the files of predictions and the shadow's (compact_group)
+        constants = {kind: run_constants(self.cfg, kind) for kind in self.tables if kind != "errors"}
+        compacted = compact_checked(
+            self.output, self.totals, self.listing.uris, constants, self.seen["predictions"], **sizes
+        )
+        self.lap("compact")
+        return compacted
+
+    def commit(self, compacted: Sequence[CompactedFile]) -> InferenceResult:
+        """Each table's commit of the night, errors (and shadow) first: the predictions commit is the night's
+        done marker (module docstring). A run that committed the night since this one started wins, also if
+        this one started between its commits; a run that lost the night's lease (paused past its ttl)
+        commits nothing."""
+        shadowed = self._shadow_summary(compacted)
+        # each cached plan of the night's version that fell back to fp32 too often is demoted (execution.fallback)
+        demoted = demote_overflowing(
+            self.cfg.model.uri, self.totals.plan_use, f"the night {self.cfg.model.name} dt={self.cfg.dt}"
+        )
+        plans = self.totals.plan_records(demoted)
+        record = self._record(plans)
+        shadow = None if shadowed is None else record.model_copy(update={"shadow_summary": as_record(shadowed)})
+        records = {"errors": record, **({"shadow": shadow} if shadow else {}), "predictions": record}
+        check_night_unchanged(self.tables["predictions"], self.night, self.seen["predictions"], self.run_id)
+        self.lease.ensure_held()
+        commits = {kind: self._commit(kind, compacted, described) for kind, described in records.items()}
+        self.lap("commit")
+        remove_blocks(self.output, [part.name for part in self.listing.parts])
+        self.lap("remove_blocks")
+        return InferenceResult.from_commit(self.cfg, commits, **self._observed(commits, plans))
+
+    def _commit(self, kind: str, compacted: Sequence[CompactedFile], record: NightCommit) -> NightCommit:
+        table, files = self.tables[kind], [f.uri for f in compacted if f.kind == kind]
+        return commit_night(
+            table, files, self.night, self.run_id, SCHEMAS[kind], expected_seq=self.seen[kind], record=record
+        )
+
+    def _record(self, plans: dict[str, dict[str, Any]]) -> NightCommit:
+        """What this run records in each of its commits: its input, model, code, errors and plans."""
+        cfg, listing = self.cfg, self.listing
+        return NightCommit(
+            run_id=self.run_id,
+            model_name=self.night.model_name,
+            dt=self.night.dt,
+            input_uri=storage.normalize(cfg.input_uri),
+            input_content_hash=listing.content_hash,
+            input_digest=listing.uris.encode(),
+            inputs=listing.count,
+            model_version=cfg.model.version,
+            weights_uri=cfg.model.weights_uri,
+            code_version=cfg.code_version,
+            flow_run_id=cfg.flow_run_id or "",
+            error_types=dict(sorted(self.totals.error_types.items())),
+            plans=sorted(self.totals.plans),
+            plan_use=_plan_use(plans),
+        )
+
+    def _observed(self, commits: dict[str, NightCommit], plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """What only the run that made the commits saw, for its result (InferenceResult.from_commit)."""
+        log_bytes = {
+            kind: commit_log_bytes(self.tables[kind], commits[kind].version) for kind in ("predictions", "errors")
+        }
+        return {
+            "skipped": self.listing.skipped,
+            "skipped_examples": self.listing.skipped_examples,
+            "listing_parts": len(self.listing.parts),
+            "blocks": self.totals.blocks,
+            "reused_blocks": self.totals.reused_blocks,
+            "delta_log_bytes": log_bytes,
+            "elapsed_s": time.perf_counter() - self.started,
+            "phase_s": self.phases,
+            "ray_data_stats": self.ray_data_stats,
+            "plans": plans,
+        }
+
+    def _shadow_summary(self, compacted: Sequence[CompactedFile]) -> ShadowSummary | None:
+        """The shadow's night from its blocks' summed counts, checked against the shadow files to be committed."""
+        if self.cfg.shadow is None:
+            return None
+        committed = compacted_digest([f for f in compacted if f.kind == "shadow"])
+        return summarize(self.totals.shadow, committed, self.cfg.shadow, self.tables["shadow"], self.listing.count)
 
 
 def _plan_use(plans: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per plan, the night's model calls, those fp32 answered, and a demotion: for the commit's metadata."""
+    """Per plan, the night's model calls, those fp32 answered, and a demotion: for the commit's record."""
     kept = (*PlanUse().record(), "demoted")
     return {name: {key: record[key] for key in kept if key in record} for name, record in plans.items()}
-
-
-def _constants_per_kind(cfg: InferenceConfig) -> dict[str, dict[str, object]]:
-    """Columns set to the committing run's, per kind of file: the shadow's rows name the shadow's version."""
-    constants = run_constants(cfg)
-    if cfg.shadow is None:
-        return {"predictions": constants}
-    return {"predictions": constants, "shadow": {**constants, "model_version": cfg.shadow.version}}
-
-
-def _compare_shadow(
-    cfg: InferenceConfig, output: NightOutput, totals: NightTotals, compacted: list[CompactedFile], inputs: int
-) -> ShadowSummary | None:
-    """The shadow's night from its blocks' summed counts, checked against the shadow files to be committed."""
-    if cfg.shadow is None or output.shadow_table is None:
-        return None
-    committed = compacted_digest([f for f in compacted if f.kind == "shadow"])
-    return summarize(totals.shadow, committed, cfg.shadow, output.shadow_table, inputs)

@@ -110,40 +110,27 @@ class BlockReport:
 
     def row(self) -> dict[str, Any]:
         return {
-            "block": self.block,
-            "predictions": self.predictions,
-            "errors": self.errors,
-            "predictions_bytes": self.predictions_bytes,
-            "errors_bytes": self.errors_bytes,
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
             "uris": self.uris.encode(),
             "error_types": json.dumps(self.error_types, sort_keys=True),
-            "reused": self.reused,
             "contents": self.contents.encode(),
             "plan": json.dumps(self.plan, sort_keys=True),
-            "shadow": self.shadow,
-            "shadow_bytes": self.shadow_bytes,
             "shadow_counts": self.shadow_counts.to_json() if self.shadow_counts is not None else "",
         }
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> BlockReport:
-        types = row["error_types"]
-        return cls(
-            block=str(row["block"]),
-            predictions=int(row["predictions"]),
-            errors=int(row["errors"]),
-            predictions_bytes=int(row["predictions_bytes"]),
-            errors_bytes=int(row["errors_bytes"]),
-            uris=SetDigest.decode(str(row["uris"])),
-            error_types=json.loads(types) if isinstance(types, str) else dict(types),
-            reused=bool(row.get("reused", False)),
+        """A report as :meth:`row` wrote it (a JSON object); fields it lacks keep their defaults."""
+        types, counts = row["error_types"], row.get("shadow_counts")
+        decoded = {
+            "uris": SetDigest.decode(str(row["uris"])),
+            "error_types": json.loads(types) if isinstance(types, str) else dict(types),
             # a report without it (written before it was kept) matches no block: that block is predicted again
-            contents=SetDigest.decode(str(row["contents"])) if row.get("contents") else SetDigest(),
-            plan=json.loads(row["plan"]) if row.get("plan") else {},
-            shadow=int(row.get("shadow", 0)),
-            shadow_bytes=int(row.get("shadow_bytes", 0)),
-            shadow_counts=ShadowCounts.from_json(str(row["shadow_counts"])) if row.get("shadow_counts") else None,
-        )
+            "contents": SetDigest.decode(str(row["contents"])) if row.get("contents") else SetDigest(),
+            "plan": json.loads(row["plan"]) if row.get("plan") else {},
+            "shadow_counts": ShadowCounts.from_json(str(counts)) if counts else None,
+        }
+        return cls(**{**{f.name: row[f.name] for f in dataclasses.fields(cls) if f.name in row}, **decoded})
 
 
 def reports_batch(reports: list[BlockReport]) -> dict[str, np.ndarray]:
@@ -233,19 +220,8 @@ def written_report(output: NightOutput, block: str) -> BlockReport | None:
     if _REPORT_KEY not in metadata:
         return None
     stored = BlockReport.from_row(json.loads(metadata[_REPORT_KEY]))
-    return BlockReport(
-        block,
-        stored.predictions,
-        stored.errors,
-        int(info.size),
-        stored.errors_bytes,
-        stored.uris,
-        stored.error_types,
-        contents=stored.contents,
-        shadow=stored.shadow,
-        shadow_bytes=stored.shadow_bytes,
-        shadow_counts=stored.shadow_counts,
-    )
+    # its model calls were an earlier attempt's: no plan use of this run's
+    return dataclasses.replace(stored, block=block, predictions_bytes=int(info.size), reused=False, plan={})
 
 
 def blocks_per_span(blocks: int, actors: int) -> int:

@@ -55,9 +55,10 @@ from rayline.ray_workloads.nightly.blocks import (
 )
 from rayline.ray_workloads.quality.shadow import ShadowCounts
 from rayline.storage.digests import SetDigest, combine
-from rayline.tables.predictions_table import check_night_unchanged, data_file_uri
+from rayline.tables.predictions_table import ERRORS_SCHEMA, PREDICTIONS_SCHEMA, check_night_unchanged, data_file_uri
 
-KINDS = ("predictions", "errors", "shadow")  # shadow: a shadowed night's (blocks.NightOutput.tables)
+# Each kind of rows with its data schema; shadow: a shadowed night's (blocks.NightOutput.tables)
+SCHEMAS = {"predictions": PREDICTIONS_SCHEMA, "errors": ERRORS_SCHEMA, "shadow": PREDICTIONS_SCHEMA}
 MIN_FILE_ROWS = 100_000
 MIN_FILE_BYTES = 64 * 2**20
 ROW_GROUP_ROWS = 131_072
@@ -113,7 +114,7 @@ class NightTotals:
             self.shadow.add(report.shadow_counts)
         self.blocks += 1
         self.reused_blocks += report.reused
-        sizes = self.per_part.setdefault(report.part, {kind: [0, 0] for kind in KINDS})
+        sizes = self.per_part.setdefault(report.part, {kind: [0, 0] for kind in SCHEMAS})
         for kind, rows, size in (
             ("predictions", report.predictions, report.predictions_bytes),
             ("errors", report.errors, report.errors_bytes),
@@ -241,7 +242,6 @@ def compact_group(
 def compact_night(
     output: NightOutput,
     totals: NightTotals,
-    schemas: dict[str, pa.Schema],
     constants: dict[str, dict[str, Any]],
     *,
     min_rows: int = MIN_FILE_ROWS,
@@ -263,7 +263,7 @@ def compact_night(
             groups = [[]]
         values = constants.get(kind, {})
         for i, parts in enumerate(groups):
-            work.append((output, kind, [totals.cut[part] for part in parts], i, schemas[kind], values))
+            work.append((output, kind, [totals.cut[part] for part in parts], i, SCHEMAS[kind], values))
     if len(work) <= len(kinds):
         # a night of at most one file per table (under min_rows): compacted here, without a task's worker
         return [compact_group(*args) for args in work]
@@ -279,7 +279,6 @@ def compact_checked(
     output: NightOutput,
     totals: NightTotals,
     listed: SetDigest,
-    schemas: dict[str, pa.Schema],
     constants: dict[str, dict[str, Any]],
     seen_seq: int,
     **sizes: int,
@@ -292,7 +291,7 @@ def compact_checked(
     """
     check_night_unchanged(output.predictions_table, output.night, seen_seq, output.run_id)
     try:
-        compacted = compact_night(output, totals, schemas, constants, **sizes)
+        compacted = compact_night(output, totals, constants, **sizes)
         # predictions plus errors name every input once; the shadow's rows by their own digest (shadow.summarize)
         check_rows(listed, compacted_digest([f for f in compacted if f.kind != "shadow"]), "the compacted files")
     except StorageError:

@@ -16,8 +16,10 @@ from rayline.errors import ConfigError
 from rayline.lineage import DatasetRef
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.execution.plan import PlanPolicy
-from rayline.ray_workloads.quality.shadow import ShadowSummary
+from rayline.ray_workloads.quality.shadow import ShadowSummary, committed_summary
 from rayline.storage.folders import LeasedOutput
+from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
+from rayline.tables.delta_tables import NightCommit
 
 SMALL_IMAGE_SIDE = 64
 COMPUTE_BOUND_OBJECTS_PER_TASK = 32
@@ -142,6 +144,37 @@ class InferenceResult(BaseModel):
     )
     shadow: ShadowSummary | None = Field(None, description="The shadow version's night, when one was scored.")
 
+    @classmethod
+    def from_commit(cls, cfg: InferenceConfig, commits: dict[str, NightCommit], **run: Any) -> InferenceResult:
+        """The result a night's commits (per kind of rows: predictions, errors, the shadow's) describe, alike
+        for the run that just made them and for a retry that finds them made; ``run`` adds ``elapsed_s`` and
+        what only the run that made them saw (its listing's parts and skipped objects, blocks, phases, plans)."""
+        predictions, errors, shadow = commits["predictions"], commits["errors"], commits.get("shadow")
+        shared = predictions.model_dump(include={"run_id", "model_name", "dt", "inputs", "input_content_hash"})
+        return cls.model_validate(
+            {
+                **shared,
+                "input_uri": cfg.input_uri,
+                "weights_uri": cfg.model.weights_uri,
+                "predictions_table": table_uri(cfg.tables_root, PREDICTIONS_TABLE),
+                "errors_table": table_uri(cfg.tables_root, ERRORS_TABLE),
+                "predictions_version": predictions.version,
+                "errors_version": errors.version,
+                "replaced": predictions.replaced,
+                "already_committed": predictions.already_committed,
+                "predictions": predictions.rows,
+                "errors": errors.rows,
+                "error_types": errors.error_types or {},
+                "input_digest": predictions.input_digest or "",
+                "model": f"{cfg.model.name} v{cfg.model.version}",
+                "data_files": {
+                    kind: commits[kind].files for kind in ("predictions", "errors", "shadow") if kind in commits
+                },
+                "shadow": None if shadow is None else committed_summary(shadow),
+                **run,
+            }
+        )
+
     @property
     def error_fraction(self) -> float:
         return self.errors / self.inputs if self.inputs else 0.0
@@ -161,24 +194,19 @@ class InferenceResult(BaseModel):
 
     def lineage_outputs(self) -> list[DatasetRef]:
         """Both tables, at the versions holding this run's commit of the night, with how many files it has."""
-        night = {"model_name": self.model_name, "dt": self.dt, "run_id": self.run_id}
-        return [
-            DatasetRef(
-                uri=self.predictions_table,
-                facets={**night, "version": self.predictions_version, "data_files": self.data_files["predictions"]},
-            ),
-            DatasetRef(
-                uri=self.errors_table,
-                facets={**night, "version": self.errors_version, "data_files": self.data_files["errors"]},
-            ),
-            *self._shadow_output(night),
+        night: dict[str, Any] = {"model_name": self.model_name, "dt": self.dt, "run_id": self.run_id}
+        tables = {
+            "predictions": (self.predictions_table, self.predictions_version),
+            "errors": (self.errors_table, self.errors_version),
+        }
+        refs = [
+            DatasetRef(uri=uri, facets={**night, "version": version, "data_files": self.data_files[kind]})
+            for kind, (uri, version) in tables.items()
         ]
-
-    def _shadow_output(self, night: dict[str, str]) -> list[DatasetRef]:
-        if self.shadow is None:
-            return []
-        facets = {**night, "version": self.shadow.table_version, "model_version": self.shadow.model_version}
-        return [DatasetRef(uri=self.shadow.table, facets=facets)]
+        if self.shadow is not None:
+            facets = {**night, "version": self.shadow.table_version, "model_version": self.shadow.model_version}
+            refs.append(DatasetRef(uri=self.shadow.table, facets=facets))
+        return refs
 
 
 class NightSkipped(BaseModel):

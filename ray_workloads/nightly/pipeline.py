@@ -54,13 +54,10 @@ if TYPE_CHECKING:
 ACTOR_RESTARTS = 3
 
 
-def run_constants(cfg: InferenceConfig) -> dict[str, Any]:
-    """Columns with one value per run, added to every prediction row."""
-    return {
-        "model_version": cfg.model.version,
-        "code_version": cfg.code_version,
-        "flow_run_id": cfg.flow_run_id or "",
-    }
+def run_constants(cfg: InferenceConfig, kind: str = "predictions") -> dict[str, Any]:
+    """Columns with one value per run, added to every row of ``kind``: the shadow's name the shadow's version."""
+    version = cfg.shadow.version if kind == "shadow" and cfg.shadow else cfg.model.version
+    return {"model_version": version, "code_version": cfg.code_version, "flow_run_id": cfg.flow_run_id or ""}
 
 
 def _counting(predictor: type[PredictorUDF]) -> type[PredictorUDF]:
@@ -92,35 +89,12 @@ def predict_and_write(
     sub-prefixes the driver left being listed as the night goes (lazy: iterating the dataset runs them)."""
     import ray.data  # here: the driver process needs it only while it runs inference
 
-    blocks = math.ceil(listing.estimated_count / size)  # arithmetic, not a list of blocks
-    per_span = blocks_per_span(blocks, cfg.actors)
-    cutting = Cutting(size, per_span, any_block_written(output), listing.prefix, listing.staging, listing.rows_per_part)
+    per_span = blocks_per_span(math.ceil(listing.estimated_count / size), cfg.actors)  # arithmetic, not a list
     # a small night, listed by the driver whole, needs no more actors than it has spans: each costs a
     # process and a model load; a larger one has spans for all of them
     spans = sum(math.ceil(part.rows / (size * per_span)) for part in listing.own.parts)
     actors = min(cfg.actors, spans) if listing.complete else cfg.actors
-    rows = cutter_rows(listing)
-    dataset = ray.data.from_items(rows, override_num_blocks=len(rows))  # one Ray Data block per row
-    context = dataset.context  # this dataset's own copy: the process-wide settings stay as they are
-    context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
-    context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
-    ray_work.stop_with_scope(context)  # a timed-out night stops its own actors, not its siblings' (a backfill)
-    # every span its own Ray Data block: flat_map would otherwise put a part's spans into one Ray Data
-    # block, which one actor would take whole; one each, every actor of the pool takes spans as it is free
-    # (a streaming repartition does the same as one more operator, ~7 s slower to the first block here)
-    context.target_max_block_size = 1
-    cut_spans = partial(cut_part, cutting=cutting)
-    # On the driver's node, as from_items puts them: the blocks' rows then outlive a lost worker node (a row
-    # on a lost node needs its part's task run again, which Ray Data waited for in vain). Hard affinity, and
-    # no CPU asked: a soft one fell back to the worker node whenever the actors held the head's CPUs, and any
-    # CPU asked could wait behind them. The node lives as long as the driver; as many tasks at a time as the
-    # listing cut its groups for (no more than there are rows: Ray Data warns of a cap it cannot reach), as
-    # they only name the spans of a listing part, or list a group of sub-prefixes (I/O, streamed: no
-    # further ahead of the actors than Ray Data's buffer of a task's output lets them).
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    cutters = ray.data.TaskPoolStrategy(size=min(listing.listers, len(rows)))
-    cut = dataset.flat_map(cut_spans, compute=cutters, num_cpus=0, scheduling_strategy=here)
-    return cut.map_batches(
+    return _spans(listing, output, size, per_span).map_batches(
         _counting(predictor),
         fn_constructor_args=(
             shown,
@@ -142,6 +116,34 @@ def predict_and_write(
         max_task_retries=ACTOR_RESTARTS,
         **_actor_options(cfg),  # a factory's code, shipped to the actors
     )
+
+
+def _spans(listing: ListingStart, output: NightOutput, size: int, per_span: int) -> Dataset:
+    """The listing's parts cut into spans of ``per_span`` blocks, each span its own Ray Data block (lazy)."""
+    import ray.data
+
+    written = any_block_written(output)
+    cutting = Cutting(size, per_span, written, listing.prefix, listing.staging, listing.rows_per_part)
+    rows = cutter_rows(listing)
+    dataset = ray.data.from_items(rows, override_num_blocks=len(rows))  # one Ray Data block per row
+    context = dataset.context  # this dataset's own copy: the process-wide settings stay as they are
+    context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
+    context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
+    ray_work.stop_with_scope(context)  # a timed-out night stops its own actors, not its siblings' (a backfill)
+    # every span its own Ray Data block: flat_map would otherwise put a part's spans into one Ray Data
+    # block, which one actor would take whole; one each, every actor of the pool takes spans as it is free
+    # (a streaming repartition does the same as one more operator, ~7 s slower to the first block here)
+    context.target_max_block_size = 1
+    # On the driver's node, as from_items puts them: the blocks' rows then outlive a lost worker node (a row
+    # on a lost node needs its part's task run again, which Ray Data waited for in vain). Hard affinity, and
+    # no CPU asked: a soft one fell back to the worker node whenever the actors held the head's CPUs, and any
+    # CPU asked could wait behind them. The node lives as long as the driver; as many tasks at a time as the
+    # listing cut its groups for (no more than there are rows: Ray Data warns of a cap it cannot reach), as
+    # they only name the spans of a listing part, or list a group of sub-prefixes (I/O, streamed: no
+    # further ahead of the actors than Ray Data's buffer of a task's output lets them).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    cutters = ray.data.TaskPoolStrategy(size=min(listing.listers, len(rows)))
+    return dataset.flat_map(partial(cut_part, cutting=cutting), compute=cutters, num_cpus=0, scheduling_strategy=here)
 
 
 def _actor_options(cfg: InferenceConfig) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from rayline.errors import StorageError
 from rayline.models.registry import ModelVersion
 from rayline.storage.digests import SetDigest
 from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE, table_uri
-from rayline.tables.delta_tables import Night, find_commit, open_table, storage_options
+from rayline.tables.delta_tables import Night, NightCommit, find_commit, open_table, storage_options
 
 
 class ShadowSummary(BaseModel):
@@ -68,7 +68,6 @@ class ShadowSummary(BaseModel):
         )
 
 
-SUMMARY_KEY = "rayline.shadow_summary"
 _COLUMNS = ["uri", "predicted_class", "confidence"]
 # A float32 value is a whole multiple of 2**-149 (its smallest step): confidences summed as such integers add
 # up exactly, so the night's figures are the same whatever the order its blocks are summed in.
@@ -224,17 +223,16 @@ def summarize(
     )
 
 
-def as_metadata(summary: ShadowSummary) -> dict[str, str]:
-    """The summary for the shadow commit's info (its table version is the commit's own)."""
-    return {SUMMARY_KEY: summary.model_dump_json(exclude={"table_version"})}
+def as_record(summary: ShadowSummary) -> dict[str, Any]:
+    """The summary as the shadow commit records it (``NightCommit.shadow_summary``; its version is the commit's)."""
+    return summary.model_dump(exclude={"table_version"})
 
 
-def from_commit_info(info: dict[str, Any], version: int) -> ShadowSummary | None:
-    """The summary a shadow commit holds (:func:`as_metadata`), at the commit's ``version``."""
-    text = info.get(SUMMARY_KEY)
-    if text is None:
+def committed_summary(commit: NightCommit) -> ShadowSummary | None:
+    """The summary a shadow commit holds (:func:`as_record`), at the commit's version."""
+    if commit.shadow_summary is None:
         return None
-    return ShadowSummary.model_validate({**json.loads(str(text)), "table_version": version})
+    return ShadowSummary.model_validate({**commit.shadow_summary, "table_version": commit.version})
 
 
 def night_summaries(root: str, model_name: str, nights: list[str]) -> dict[str, ShadowSummary]:
@@ -250,7 +248,7 @@ def night_summaries(root: str, model_name: str, nights: list[str]) -> dict[str, 
         commit, done = find_commit(uri, tbl, night), find_commit(served_uri, served, night)
         if commit is None or done is None or commit.run_id != done.run_id:
             continue
-        summary = from_commit_info(dict(commit.info), commit.version)
+        summary = committed_summary(commit)
         if summary is not None:
             found[dt] = summary
     return found

@@ -136,8 +136,8 @@ def default_probe_source(version: ModelVersion, root: str) -> str:
             return preprocess.source_of(version.data_manifest_uri)
         return storage.join(root, RAW_DIR)
     latest = latest_night_commit(root, version.name)
-    if latest is not None:
-        return str(latest.info["rayline.input_uri"])
+    if latest is not None and latest.input_uri is not None:
+        return latest.input_uri
     raise ConfigError(
         f"{version.name} v{version.version} was not trained here and has no committed night to take probe "
         "images from: pass probe_uri (a prefix of images like the ones it serves)"

@@ -1,6 +1,7 @@
 """The night tables: nightly predictions and their errors as Delta Lake tables, partitioned by model and day.
 
-- ``delta_tables``: opening a table, a night's partition, finding a run's commit;
+- ``delta_tables``: opening a table, a night's partition, a night's commit as one type (``NightCommit``, its
+  info's keys spelled there alone), finding a run's commit;
 - ``delta_log``: the ``_delta_log`` read directly (every app transaction from the newest checkpoint, one
   commit's info, the version that set a transaction), so a lookup never reads the whole history;
 - ``predictions_table``: the writer (the driver's one commit per table per night) and the schemas;

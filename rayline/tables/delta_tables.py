@@ -11,15 +11,17 @@ records.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import date
 from typing import Any
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from rayline import storage
 from rayline.errors import DeltaWritesUnsupported, InputDataError, StorageError, TransientStorageError, is_transient
@@ -78,15 +80,70 @@ class Night:
         return f"rayline-run/{run_id}/{self.model_name}/{self.dt}"
 
 
-@dataclass(frozen=True)
-class NightCommit:
-    """The commit that last wrote a night: for readers pairing the two tables."""
+KEY_PREFIX = "rayline."  # of rayline's keys in a commit's info, beside Delta's own
+# Commit-info values that are JSON text: Delta keeps a commit's info as flat keys of plain values.
+_JSON_TEXT = ("error_types", "plans", "plan_use", "shadow_summary")
+
+
+class NightCommit(BaseModel):
+    """One table's commit of a night: the only place the keys of its info are spelled (``rayline.<field>``).
+
+    ``commit_night`` sets the night's own fields (run id, night, count, files, rows); the rest is the run's
+    record (None on a commit made without one). ``version`` (the table version holding it) and
+    ``already_committed`` (found, not made by this call) say where it is, not what it holds."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=lambda name: KEY_PREFIX + name, populate_by_name=True)
 
     run_id: str
-    version: int
-    night_seq: int
-    # the commit's info: rayline's keys (input URI and content hash, model version, rows, flow run) and Delta's
-    info: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    model_name: str
+    dt: str
+    night_seq: int = Field(0, description="The night's commit count with this commit: 1 for its first.")
+    files: int = 0
+    rows: int = 0
+    input_uri: str | None = None
+    input_content_hash: str | None = None
+    input_digest: str | None = None
+    inputs: int | None = None
+    model_version: int | None = None
+    weights_uri: str | None = None
+    code_version: str | None = None
+    flow_run_id: str | None = None
+    error_types: dict[str, int] | None = None
+    plans: list[str] | None = None
+    plan_use: dict[str, dict[str, Any]] | None = None
+    shadow_summary: dict[str, Any] | None = None
+    version: int = Field(-1, exclude=True)
+    already_committed: bool = Field(False, exclude=True)
+
+    @field_validator(*_JSON_TEXT, mode="before")
+    @classmethod
+    def _parsed(cls, value: Any) -> Any:
+        return json.loads(value) if isinstance(value, str) else value
+
+    @field_serializer(*_JSON_TEXT)
+    def _as_text(self, value: Any) -> str | None:
+        return None if value is None else json.dumps(value, sort_keys=True)
+
+    @property
+    def replaced(self) -> bool:
+        """Whether this commit replaced an earlier run's night."""
+        return self.night_seq > 1
+
+    def to_metadata(self) -> dict[str, Any]:
+        """The commit's info as Delta stores it."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+    @classmethod
+    def from_metadata(cls, info: Mapping[str, Any], version: int = -1) -> NightCommit | None:
+        """The commit an info describes (Delta's own keys ignored), at ``version``; None when it is no
+        night's commit (the table's creation, a schema change)."""
+        ours = {key: value for key, value in info.items() if key.startswith(KEY_PREFIX)}
+        if any(KEY_PREFIX + name not in ours for name, field in cls.model_fields.items() if field.is_required()):
+            return None
+        return cls.model_validate({**ours, "version": version})
+
+    def is_of(self, night: Night, run_id: str | None = None) -> bool:
+        return (self.model_name, self.dt) == (night.model_name, night.dt) and run_id in (None, self.run_id)
 
 
 def storage_options(uri: str) -> dict[str, str] | None:
@@ -189,43 +246,34 @@ def find_commit(uri: str, tbl: DeltaTable, night: Night, run_id: str | None = No
     the version is checked against the run's app transaction instead.
     """
     seq = tbl.transaction_version(night.app_id)
-    if seq is None or (run_id is not None and tbl.transaction_version(night.run_app_id(run_id)) is None):
+    if seq is None or (run_id is not None and not _run_committed(tbl, night, run_id)):
         return None
     for entry in tbl.history(RECENT_COMMITS):
-        if (
-            _is_commit_of(entry, night, run_id)
-            and tbl.transaction_version(night.run_app_id(_run_of(entry))) is not None
-        ):
-            version = _version_of_commit(uri, entry, night, tbl.version())
-            return NightCommit(_run_of(entry), version, night_seq=int(entry["rayline.night_seq"]), info=entry)
+        found = NightCommit.from_metadata(entry)
+        if found is not None and found.is_of(night, run_id) and _run_committed(tbl, night, found.run_id):
+            version = _version_of_commit(uri, night, found.run_id, int(entry["version"]), tbl.version())
+            return found.model_copy(update={"version": version})
     app_id, at_least = (night.app_id, seq) if run_id is None else (night.run_app_id(run_id), 1)
     setting = delta_log.version_setting(uri, app_id, at_least, tbl.version())
     # None: a log laid out otherwise; then the table is loaded at each version of a binary search
     version = commit_version(uri, app_id, -1, tbl.version(), at_least=at_least) if setting is None else setting
-    info = delta_log.commit_info(uri, version)
-    if info is None or not _is_commit_of(info, night, run_id):
+    found = NightCommit.from_metadata(delta_log.commit_info(uri, version) or {}, version)
+    if found is None or not found.is_of(night, run_id):
         raise StorageError(f"the commit info of version {version} of {uri} is gone or is not {night.relative_dir}'s")
-    return NightCommit(run_id=_run_of(info), version=version, night_seq=int(info["rayline.night_seq"]), info=info)
+    return found
 
 
-def _version_of_commit(uri: str, entry: Mapping[str, Any], night: Night, latest: int) -> int:
-    """The version of a history entry: its positional number when that commit file is the run's (a run
-    commits a night once), else found by the run's app transaction."""
-    hint = int(entry["version"])
-    at_hint = delta_log.commit_info(uri, hint) if 0 <= hint <= latest else None
-    if at_hint is not None and _is_commit_of(at_hint, night, _run_of(entry)):
+def _run_committed(tbl: DeltaTable, night: Night, run_id: str) -> bool:
+    return tbl.transaction_version(night.run_app_id(run_id)) is not None
+
+
+def _version_of_commit(uri: str, night: Night, run_id: str, hint: int, latest: int) -> int:
+    """The version of a history entry: its positional number (``hint``) when that commit file is the run's
+    (a run commits a night once), else found by the run's app transaction."""
+    at_hint = NightCommit.from_metadata(delta_log.commit_info(uri, hint) or {}) if 0 <= hint <= latest else None
+    if at_hint is not None and at_hint.is_of(night, run_id):
         return hint
-    return commit_version(uri, night.run_app_id(_run_of(entry)), hint, latest)
-
-
-def _is_commit_of(entry: Mapping[str, Any], night: Night, run_id: str | None) -> bool:
-    if entry.get("rayline.model_name") != night.model_name or entry.get("rayline.dt") != night.dt:
-        return False
-    return run_id is None or entry.get("rayline.run_id") == run_id
-
-
-def _run_of(entry: Mapping[str, Any]) -> str:
-    return str(entry["rayline.run_id"])
+    return commit_version(uri, night.run_app_id(run_id), hint, latest)
 
 
 _NIGHT_APP = re.compile(r"^rayline-night/(?P<model>[^/]+)/(?P<dt>[^/]+)$")
@@ -272,14 +320,14 @@ def _runs_from_history(tbl: DeltaTable, nights: set[Night] | None) -> dict[Night
     """The current run of ``nights`` (None: every night) from the commit infos, newest first, until all are found."""
     runs: dict[Night, str] = {}
     for entry in tbl.history():
-        model_name, dt, run_id = (entry.get(f"rayline.{key}") for key in ("model_name", "dt", "run_id"))
-        if model_name is None or dt is None or run_id is None:
+        commit = NightCommit.from_metadata(entry)
+        if commit is None:
             continue  # not a night's commit (the table's creation, a schema change)
-        night = Night(str(model_name), str(dt))
+        night = Night(commit.model_name, commit.dt)
         if nights is not None and night not in nights:
             continue
-        if night not in runs and tbl.transaction_version(night.run_app_id(str(run_id))) is not None:
-            runs[night] = str(run_id)
+        if night not in runs and _run_committed(tbl, night, commit.run_id):
+            runs[night] = commit.run_id
             if nights is not None and len(runs) == len(nights):
                 break
     return runs
@@ -316,9 +364,7 @@ def night_commit(uri: str, model_name: str, dt: str, version: int | None = None)
 
 def run_committed(table: str, night: Night, run_id: str) -> bool:
     """Whether ``run_id`` committed the night to ``table`` (its app transaction: no history scan)."""
-    if table_version(table) is None:
-        return False
-    return open_table(table).transaction_version(night.run_app_id(run_id)) is not None
+    return table_version(table) is not None and _run_committed(open_table(table), night, run_id)
 
 
 def attempt_run_id(predictions: str, errors_table: str, night: Night, run_id: str) -> tuple[str, NightCommit | None]:
@@ -333,7 +379,8 @@ def attempt_run_id(predictions: str, errors_table: str, night: Night, run_id: st
     for attempt in range(1, 10):
         candidate = run_id if attempt == 1 else f"{run_id}.{attempt}"
         if run_committed(predictions, night, candidate):
-            return candidate, find_commit(predictions, open_table(predictions), night, candidate)
+            landed = find_commit(predictions, open_table(predictions), night, candidate)
+            return candidate, landed.model_copy(update={"already_committed": True}) if landed else None
         if not run_committed(errors_table, night, candidate):
             return candidate, None
     raise StorageError(f"run {run_id} committed {night.relative_dir}'s errors 9 times without its predictions")

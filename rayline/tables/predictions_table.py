@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -31,6 +30,7 @@ from rayline.tables.delta_tables import (
     PARTITION_COLUMNS,
     SAFE_NAME,
     Night,
+    NightCommit,
     arrow_schema,
     check_run_id,
     commit_version,
@@ -65,15 +65,6 @@ PREDICTIONS_SCHEMA = pa.schema(
     ]
 )
 ERRORS_SCHEMA = pa.schema([(name, pa.string()) for name in ("uri", "stage", "error_type", "error_message")])
-
-
-@dataclass(frozen=True)
-class CommitResult:
-    """What :func:`commit_night` did: the version holding this run's commit."""
-
-    version: int
-    replaced: bool
-    already_committed: bool
 
 
 def data_file_uri(table: str, night: Night, run_id: str, part: str | int) -> str:
@@ -249,19 +240,20 @@ def commit_night(
     schema: pa.Schema,
     *,
     expected_seq: int | None = None,
-    metadata: Mapping[str, str | int] | None = None,
+    record: NightCommit | None = None,
     max_attempts: int = 3,
-) -> CommitResult:
-    """Commit a night's Parquet files as one transaction replacing that (model_name, dt).
+) -> NightCommit:
+    """Commit a night's Parquet files as one transaction replacing that (model_name, dt); the commit made.
 
     ``files`` are already written under the night's folder in the table
     (:func:`data_file_uri`); ``schema`` is the data schema (partition columns
     optional). The table is created on first use and missing columns are added
-    first. A second call with the same ``run_id`` is a no-op. Raises
-    :class:`NightCommittedElsewhere` when another run committed the night
-    while this one was working: after the run read :func:`night_seq` as
-    ``expected_seq`` when given, else between this call's snapshot and its
-    commit. ``metadata`` goes into the commit info next to rayline's own keys.
+    first. A second call with the same ``run_id`` is a no-op that returns the
+    commit found. Raises :class:`NightCommittedElsewhere` when another run
+    committed the night while this one was working: after the run read
+    :func:`night_seq` as ``expected_seq`` when given, else between this call's
+    snapshot and its commit. ``record`` is the run's record for the commit's
+    info; this function sets the night's own fields of it.
     """
     uri = storage.normalize(uri)
     night = Night.of(partition)
@@ -273,12 +265,9 @@ def commit_night(
     if add_columns_if_missing(uri, wanted):
         tbl = open_table(uri)
     seen_seq = _night_seq(tbl, night) if expected_seq is None else expected_seq
-    actions: list[AddAction] = []
-    rows = 0
-    for file_uri in files:
-        action, num_rows = _add_action(uri, file_uri, night, wanted)
-        actions.append(action)
-        rows += num_rows
+    added = [_add_action(uri, file_uri, night, wanted) for file_uri in files]
+    own = {"run_id": run_id, **night.values, "files": len(added), "rows": sum(rows for _, rows in added)}
+    described = (record or NightCommit(run_id=run_id, model_name=night.model_name, dt=night.dt)).model_copy(update=own)
     for attempt in range(1, max_attempts + 1):
         if attempt > 1:
             tbl = open_table(uri)
@@ -287,47 +276,46 @@ def commit_night(
         seq = _night_seq(tbl, night)
         if seq != seen_seq:
             raise _taken_by_another(uri, tbl, night, seen_seq, run_id)
-        properties = CommitProperties(
-            custom_metadata={
-                **(metadata or {}),
-                "rayline.run_id": run_id,
-                "rayline.model_name": night.model_name,
-                "rayline.dt": night.dt,
-                "rayline.night_seq": seq + 1,
-                "rayline.files": len(actions),
-                "rayline.rows": rows,
-            },
-            # the run's transaction carries the night's count too: its current run, without the history
-            app_transactions=[Transaction(night.app_id, seq + 1), Transaction(night.run_app_id(run_id), seq + 1)],
-        )
-        try:
-            tbl.create_write_transaction(
-                list(actions),
-                "overwrite",
-                arrow_schema(tbl),
-                partition_by=list(PARTITION_COLUMNS),
-                partition_filters=night.filters,
-                commit_properties=properties,
-                # also for tables created elsewhere without TABLE_CONFIGURATION
-                post_commithook_properties=PostCommitHookProperties(cleanup_expired_logs=False),
-            )
-        except CommitFailedError as exc:
-            # a conflict: the loop re-reads the table and tells a lost race from an unrelated one
-            if attempt == max_attempts:
-                raise TransientStorageError(f"commit {night.relative_dir} to {uri}: {exc}") from exc
-            continue
-        except (DeltaError, OSError) as exc:
-            raise storage_error(exc, f"commit {night.relative_dir} to", uri) from exc
-        # the handle does not follow its own commit: the version lies between its snapshot and now
-        version = commit_version(
-            uri, night.run_app_id(run_id), tbl.version() + 1, open_table(uri).version(), tbl.version()
-        )
-        return CommitResult(version=version, replaced=seq > 0, already_committed=False)
+        commit = described.model_copy(update={"night_seq": seq + 1})
+        if _try_commit(uri, tbl, night, [action for action, _ in added], commit, last=attempt == max_attempts):
+            # the handle does not follow its own commit: the version lies between its snapshot and now
+            latest = open_table(uri).version()
+            version = commit_version(uri, night.run_app_id(run_id), tbl.version() + 1, latest, tbl.version())
+            return commit.model_copy(update={"version": version})
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def _already(uri: str, tbl: DeltaTable, night: Night, run_id: str) -> CommitResult:
+def _try_commit(
+    uri: str, tbl: DeltaTable, night: Night, actions: Sequence[AddAction], commit: NightCommit, last: bool
+) -> bool:
+    """One attempt at the night's overwrite; False on a conflict, for the caller to tell a lost race from an
+    unrelated one by reading the table again (on the ``last`` attempt, the conflict is raised)."""
+    # the run's transaction carries the night's count too: its current run, without the history
+    seq = commit.night_seq
+    transactions = [Transaction(night.app_id, seq), Transaction(night.run_app_id(commit.run_id), seq)]
+    try:
+        tbl.create_write_transaction(
+            list(actions),
+            "overwrite",
+            arrow_schema(tbl),
+            partition_by=list(PARTITION_COLUMNS),
+            partition_filters=night.filters,
+            commit_properties=CommitProperties(custom_metadata=commit.to_metadata(), app_transactions=transactions),
+            # also for tables created elsewhere without TABLE_CONFIGURATION
+            post_commithook_properties=PostCommitHookProperties(cleanup_expired_logs=False),
+        )
+    except CommitFailedError as exc:
+        if last:
+            raise TransientStorageError(f"commit {night.relative_dir} to {uri}: {exc}") from exc
+        return False
+    except (DeltaError, OSError) as exc:
+        raise storage_error(exc, f"commit {night.relative_dir} to", uri) from exc
+    return True
+
+
+def _already(uri: str, tbl: DeltaTable, night: Night, run_id: str) -> NightCommit:
     committed = find_commit(uri, tbl, night, run_id)
-    version = committed.version if committed else commit_version(uri, night.run_app_id(run_id), -1, tbl.version())
-    replaced = committed is not None and committed.night_seq > 1
-    return CommitResult(version=version, replaced=replaced, already_committed=True)
+    if committed is None:  # its info unread: only where it is
+        version = commit_version(uri, night.run_app_id(run_id), -1, tbl.version())
+        committed = NightCommit(run_id=run_id, model_name=night.model_name, dt=night.dt, version=version)
+    return committed.model_copy(update={"already_committed": True})

@@ -64,7 +64,7 @@ def test_commits_on_the_s3_protocol_server_smoke(s3_storage: str) -> None:
     files["run-o1"] = _write(table, other[1], "run-o1", parts=1)
     start = threading.Barrier(len(files))
 
-    def commit(run: str) -> predictions_table.CommitResult | NightCommittedElsewhere:
+    def commit(run: str) -> delta_tables.NightCommit | NightCommittedElsewhere:
         start.wait()
         target = other[1] if run == "run-o1" else night
         try:
@@ -74,8 +74,8 @@ def test_commits_on_the_s3_protocol_server_smoke(s3_storage: str) -> None:
 
     with ThreadPoolExecutor(len(files)) as pool:
         outcomes = dict(zip(files, pool.map(commit, files), strict=True))
-    assert isinstance(outcomes.pop("run-o1"), predictions_table.CommitResult), "another night commits on its own"
-    assert all(isinstance(o, predictions_table.CommitResult | NightCommittedElsewhere) for o in outcomes.values())
+    assert isinstance(outcomes.pop("run-o1"), delta_tables.NightCommit), "another night commits on its own"
+    assert all(isinstance(o, delta_tables.NightCommit | NightCommittedElsewhere) for o in outcomes.values())
     rows = prediction_reads.read_night(table, "resnet", DT)
     assert rows.num_rows == 8 and len(_labels(rows)) == 1, "one run's rows, once"
     for dt, run in (("2026-11-01", "run-o0"), ("2026-11-02", "run-o1")):

@@ -264,12 +264,12 @@ def test_nightly_inference_retried_after_its_commit_returns_it_without_predictin
         storage.write_bytes_atomic(storage.join(incoming, key), data)
     config = batch_inference.InferenceConfig(input_uri=incoming, tables_root=root, dt="2026-11-28", model=model)
     calls = _fail_once_after(batch_inference, "run", monkeypatch)  # both Delta commits landed, then a fault
-    predicted = _calls_of(batch_inference, "_predict_and_write", monkeypatch)
+    predicted = _calls_of(batch_inference, "predict_and_write", monkeypatch)
 
     state, attempts = run_task_once(batch_inference_task, config)
     result = state.result()
 
-    assert attempts == 2 and len(calls) == 2 and predicted == ["_predict_and_write"], (attempts, calls, predicted)
+    assert attempts == 2 and len(calls) == 2 and predicted == ["predict_and_write"], (attempts, calls, predicted)
     assert isinstance(result, batch_inference.InferenceResult) and result.already_committed
     assert (result.inputs, result.predictions + result.errors) == (8, 8)
     assert night_seq(result.predictions_table, Night("retry-night", "2026-11-28")) == 1, "one commit of the night"

@@ -30,10 +30,11 @@ from rayline.models import registry
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
 from rayline.ray_workloads.nightly.batch_inference import InferenceResult
 from rayline.seed import digit_objects
-from rayline.tables.delta_tables import NightCommit, night_commit
+from rayline.tables.delta_tables import night_commit
 from rayline.tasks.common import openlineage_run, record_lineage
 from tests.unit.test_lineage_graph import DAY, _record
 from tests.unit.test_openlineage import Declared, validate
+from tests.unit.test_predictions_table import found
 
 pytestmark = pytest.mark.integration
 
@@ -88,7 +89,7 @@ def test_a_night_names_its_delta_version_and_leads_back_to_raw_objects_with_etag
     graph = build_graph(partition)
     assert (graph.kind, graph.uri, graph.stage) == ("predictions", partition, "batch_inference")
     assert (graph.details["delta_version"], graph.details["run_id"]) == (night.predictions_version, night.run_id)
-    assert night_commit(table, "digits", DAY) == NightCommit(night.run_id, night.predictions_version, 1)
+    assert found(night_commit(table, "digits", DAY)) == (night.run_id, night.predictions_version, 1)
     kinds = [n.kind for n in _walk(graph)]
     for kind in ("model version", "training run", "preprocessed shards", "ingested shards", "raw objects"):
         assert kind in kinds, (kind, render_text(graph))

@@ -9,13 +9,14 @@ from deltalake import DeltaTable
 from rayline.storage import layout
 from rayline.tables import delta_tables, predictions_table
 from rayline.tables.delta_tables import Night, storage_options
+from tests.unit.test_predictions_table import found
 
 pytestmark = pytest.mark.integration
 
 SCHEMA = pa.schema([("image_id", pa.string()), ("label", pa.string())])
 
 
-def _commit(table: str, night: Night, run_id: str) -> predictions_table.CommitResult:
+def _commit(table: str, night: Night, run_id: str) -> delta_tables.NightCommit:
     rows = pa.table({"image_id": ["img-0"], "label": [run_id]}, schema=SCHEMA)
     files = [predictions_table.write_data_file(table, night, run_id, 0, rows)]
     return predictions_table.commit_night(table, files, night, run_id, SCHEMA)
@@ -32,4 +33,4 @@ def test_checkpoints_and_commit_files_answer_the_lookups_on_s3(
     _commit(table, other, "other")
     tbl = delta_tables.open_table(table)
     assert delta_tables.current_runs(table, tbl) == {old: "first", other: "other"}
-    assert delta_tables.find_commit(table, tbl, old) == delta_tables.NightCommit("first", first.version, 1)
+    assert found(delta_tables.find_commit(table, tbl, old)) == ("first", first.version, 1)

@@ -217,6 +217,6 @@ def test_a_night_whose_fp16_plan_overflows_on_some_images_writes_fp32s_rows_for_
     assert {k: result.plans[fp16.name][k] for k in use} == use
     reason = result.plans[fp16.name]["demoted"]
     assert reason.startswith(demoted)
-    assert json.loads(str(night.commit.info["rayline.plan_use"]))[fp16.name] == {**use, "demoted": reason}
+    assert json.loads(night.commit.to_metadata()["rayline.plan_use"])[fp16.name] == {**use, "demoted": reason}
     again = cached_plan(plan_uri(version.uri, cached.key))
     assert again is not None and (again.plan, again.reason) == (REFERENCE, reason)

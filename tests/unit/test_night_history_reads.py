@@ -12,13 +12,14 @@ from deltalake import DeltaTable, Transaction
 from rayline.storage import layout
 from rayline.tables import delta_tables, prediction_reads, predictions_table
 from rayline.tables.delta_tables import Night
+from tests.unit.test_predictions_table import found
 
 pytestmark = pytest.mark.unit
 
 SCHEMA = pa.schema([("image_id", pa.string()), ("label", pa.string())])
 
 
-def _commit(table: str, night: Night, run_id: str) -> predictions_table.CommitResult:
+def _commit(table: str, night: Night, run_id: str) -> delta_tables.NightCommit:
     rows = pa.table({"image_id": ["img-0"], "label": [run_id]}, schema=SCHEMA)
     files = [predictions_table.write_data_file(table, night, run_id, 0, rows)]
     return predictions_table.commit_night(table, files, night, run_id, SCHEMA)
@@ -45,7 +46,7 @@ def test_every_nights_current_run_comes_from_the_checkpoint_not_every_commit(tmp
         late: "late",
     }
     tbl = delta_tables.open_table(predictions)
-    assert delta_tables.find_commit(predictions, tbl, late) == delta_tables.NightCommit("late", checkpoint + 1, 1)
+    assert found(delta_tables.find_commit(predictions, tbl, late)) == ("late", checkpoint + 1, 1)
     assert delta_tables.find_commit(predictions, tbl, Night("digits", "2026-10-01")) is None, "no night, no read"
 
 
@@ -61,12 +62,12 @@ def test_an_old_night_is_found_by_its_transaction_past_the_recent_commits(
         _commit(table, other, f"other-{i}")
     tbl = delta_tables.open_table(table)
     newest = delta_tables.find_commit(table, tbl, old)
-    assert newest == delta_tables.NightCommit("again", again.version, 2)
-    assert newest is not None and newest.info["rayline.run_id"] == "again"
-    assert delta_tables.find_commit(table, tbl, old, "first") == delta_tables.NightCommit("first", first.version, 1)
+    assert found(newest) == ("again", again.version, 2)
+    assert newest is not None and newest.to_metadata()["rayline.run_id"] == "again"
+    assert found(delta_tables.find_commit(table, tbl, old, "first")) == ("first", first.version, 1)
     assert delta_tables.find_commit(table, tbl, old, "other-0") is None, "that run never committed this night"
     as_of_first = delta_tables.open_table(table, first.version)
-    assert delta_tables.find_commit(table, as_of_first, old) == delta_tables.NightCommit("first", first.version, 1)
+    assert found(delta_tables.find_commit(table, as_of_first, old)) == ("first", first.version, 1)
 
 
 def test_nights_an_earlier_release_committed_twice_are_found_in_the_history(

@@ -40,9 +40,34 @@ def _labels(rows: pa.Table) -> set[str]:
     return set(rows.column("label").to_pylist())
 
 
+def found(commit: delta_tables.NightCommit | None) -> tuple[str, int, int] | None:
+    """A commit found, as a reader tells it: which run's, at which table version, the night's how-manieth."""
+    return None if commit is None else (commit.run_id, commit.version, commit.night_seq)
+
+
 @pytest.fixture
 def table(tmp_path: Path) -> str:
     return layout.table_uri(str(tmp_path), layout.PREDICTIONS_TABLE)
+
+
+def test_a_nights_commit_reads_back_as_its_run_recorded_it(table: str) -> None:
+    night = delta_tables.Night("resnet", DT)
+    record = delta_tables.NightCommit(
+        run_id="run-a",
+        model_name="resnet",
+        dt=DT,
+        inputs=8,
+        flow_run_id="",
+        error_types={"DecodeError": 1},
+        plans=["eager/fp32"],
+        plan_use={"eager/fp32": {"batches": 2}},
+    )
+    made = predictions_table.commit_night(table, _write(table, night, "run-a"), night, "run-a", SCHEMA, record=record)
+    assert delta_tables.night_commit(table, "resnet", DT) == made
+    assert (made.files, made.rows, made.night_seq, made.inputs, made.error_types) == (2, 8, 1, 8, {"DecodeError": 1})
+    (info,) = DeltaTable(table).history(1)  # as any Delta reader sees it: flat keys, JSON text, none left empty
+    assert (info["rayline.error_types"], info["rayline.flow_run_id"]) == ('{"DecodeError": 1}', "")
+    assert "rayline.shadow_summary" not in info and "rayline.version" not in info
 
 
 def test_commit_then_recommit_same_run_is_a_no_op(table: str) -> None:
@@ -56,7 +81,7 @@ def test_commit_then_recommit_same_run_is_a_no_op(table: str) -> None:
     rows = prediction_reads.read_night(table, "resnet", DT)
     assert rows.num_rows == 8 and _labels(rows) == {"run-a"}
     assert set(rows.column("model_name").to_pylist()) == {"resnet"}
-    assert delta_tables.night_commit(table, "resnet", DT) == delta_tables.NightCommit("run-a", first.version, 1)
+    assert found(delta_tables.night_commit(table, "resnet", DT)) == ("run-a", first.version, 1)
 
 
 def test_rerun_replaces_the_night_and_time_travel_keeps_the_old_one(table: str) -> None:
@@ -75,7 +100,7 @@ def test_the_night_as_of_an_older_version_is_the_run_committed_by_then(table: st
     predictions_table.commit_night(table, _write(table, night, "run-b", parts=1), night, "run-b", SCHEMA)
     # a table loaded at an older version still lists the later commits in its history
     as_of_first = delta_tables.night_commit(table, "resnet", DT, first.version)
-    assert as_of_first == delta_tables.NightCommit("run-a", first.version, 1)
+    assert found(as_of_first) == ("run-a", first.version, 1)
 
 
 def test_two_models_on_one_date_are_independent(table: str) -> None:
@@ -97,7 +122,7 @@ def test_concurrent_commits_of_different_nights_all_land(table: str, table_exist
     files = {night: _write(table, night, f"run-{i}", parts=1) for i, night in enumerate(nights)}
     start = threading.Barrier(len(nights))
 
-    def commit(i: int, night: delta_tables.Night) -> predictions_table.CommitResult:
+    def commit(i: int, night: delta_tables.Night) -> delta_tables.NightCommit:
         start.wait()
         return predictions_table.commit_night(table, files[night], night, f"run-{i}", SCHEMA, max_attempts=5)
 
@@ -125,7 +150,7 @@ def test_three_runs_of_the_same_night_one_wins_the_others_are_told(table: str, n
     files = {run: _write(table, night, run) for run in runs}
     start = threading.Barrier(len(runs))
 
-    def commit(run: str) -> predictions_table.CommitResult | NightCommittedElsewhere:
+    def commit(run: str) -> delta_tables.NightCommit | NightCommittedElsewhere:
         start.wait()
         try:
             return predictions_table.commit_night(table, files[run], night, run, SCHEMA, expected_seq=seen)
@@ -134,7 +159,7 @@ def test_three_runs_of_the_same_night_one_wins_the_others_are_told(table: str, n
 
     with ThreadPoolExecutor(len(runs)) as pool:
         outcomes = dict(zip(runs, pool.map(commit, runs), strict=True))
-    winners = [run for run, out in outcomes.items() if isinstance(out, predictions_table.CommitResult)]
+    winners = [run for run, out in outcomes.items() if isinstance(out, delta_tables.NightCommit)]
     assert len(winners) == 1, outcomes
     rows = prediction_reads.read_night(table, "resnet", DT)
     assert _labels(rows) == set(winners) and rows.num_rows == 8  # one row per input, once
@@ -156,7 +181,7 @@ def test_same_night_without_expected_seq_still_ends_with_one_run(table: str) -> 
     files = {run: _write(table, night, run) for run in runs}
     start = threading.Barrier(len(runs))
 
-    def commit(run: str) -> predictions_table.CommitResult | NightCommittedElsewhere:
+    def commit(run: str) -> delta_tables.NightCommit | NightCommittedElsewhere:
         start.wait()
         try:
             return predictions_table.commit_night(table, files[run], night, run, SCHEMA)
@@ -168,7 +193,7 @@ def test_same_night_without_expected_seq_still_ends_with_one_run(table: str) -> 
     rows = prediction_reads.read_night(table, "resnet", DT)
     last = delta_tables.night_commit(table, "resnet", DT)
     assert last is not None and _labels(rows) == {last.run_id} and rows.num_rows == 8
-    committed = sorted(o.version for o in outcomes if isinstance(o, predictions_table.CommitResult))
+    committed = sorted(o.version for o in outcomes if isinstance(o, delta_tables.NightCommit))
     assert committed and last.version == committed[-1] and last.night_seq == len(committed)
 
 
@@ -246,7 +271,7 @@ def test_storage_options_for_s3_come_from_settings(monkeypatch: pytest.MonkeyPat
     assert delta_tables.storage_options("/tmp/x") is None
 
 
-def _commit_run(root: str, night: delta_tables.Night, run: str, kind: str) -> predictions_table.CommitResult:
+def _commit_run(root: str, night: delta_tables.Night, run: str, kind: str) -> delta_tables.NightCommit:
     """One of a nightly run's two commits (``kind``: errors or predictions), as the run makes it."""
     table = layout.table_uri(root, layout.ERRORS_TABLE if kind == "errors" else layout.PREDICTIONS_TABLE)
     seq = predictions_table.night_seq(table, night)
