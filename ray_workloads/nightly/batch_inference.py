@@ -215,7 +215,7 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
             result = _predict_night(cfg, night, tables, attempt_id, staging, started, expected, lease)
         except NightCommittedElsewhere:
             raise
-        except Exception as exc:
+        except Exception as exc:  # a lost lease explains any failure (its stopped Ray run, a read); else re-raised
             lost = _lost_lease(exc, lease)
             if lost is None:
                 raise
