@@ -8,7 +8,7 @@ submits one ``batch-inference`` task per night, at most
 ``max_concurrent_nights`` at a time: each night is its own Delta commit and
 its own task run, and a night that fails (any exception, or over its error
 budget) leaves the others running. The run ends with one table artifact row
-per night, then raises :class:`~rayline.tables.night_ranges.NightsFailed` if any night
+per night, then raises :class:`~rayline.errors.NightsFailed` if any night
 failed, so the flow run ends Failed naming them.
 """
 
@@ -24,14 +24,14 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
 from rayline.config import get_settings
-from rayline.errors import ErrorBudgetExceeded
+from rayline.errors import ErrorBudgetExceeded, NightsFailed
 from rayline.lineage import code_version
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.execution.plan import PlanPolicy
 from rayline.ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, NightSkipped
 from rayline.storage.layout import root_uri
 from rayline.tables import night_ranges
-from rayline.tables.night_ranges import BackfillResult, NightOutcome, NightsFailed
+from rayline.tables.night_ranges import BackfillResult, NightOutcome
 from rayline.tasks.batch_inference import batch_inference_task, cluster_cpus
 
 BACKFILL_ARTIFACT = "nightly-inference-backfill"

@@ -197,7 +197,7 @@ def _roll_out_prepared(
             raise  # that rollout owns serving now: nothing here to take back
         _roll_back_after_error(prepared, reports, "lost its lease", serve, promoting)
         raise
-    except Exception as exc:
+    except Exception as exc:  # whatever raised, serving must not be left half-rolled
         # Not a failed gate: a step or the promotion raised. Left alone, the candidate would keep
         # its weight, the next rollout would take it for the incumbent, and serving and the
         # registry's champion would disagree.

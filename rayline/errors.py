@@ -1,16 +1,20 @@
 """rayline's exception tree: every error it raises on purpose, chained ``from exc`` to its cause::
 
     RaylineError
-    ├── ConfigError             (ConditionalWritesUnsupported, DeltaWritesUnsupported)
-    ├── InputDataError          (ErrorBudgetExceeded)
+    ├── ConfigError             (ConditionalWritesUnsupported, DeltaWritesUnsupported, InferenceOnlyFormat)
+    ├── InputDataError          (ErrorBudgetExceeded, NoLineageError, UnsafeCheckpointError, UnsafeModelFileError,
+    │                            WeightsMismatchError, ImageDecodeError → EmptyImageError, UnsupportedFormatError,
+    │                            CorruptImageError, ImageTooLargeError)
     ├── StorageError            (StorageAccessDenied)
     ├── LeaseError              (LeaseBusy, LeaseLost → StaleFence)
-    ├── ObjectChangedError, OutOfMemory, RolloutRolledBack, NightCommittedElsewhere, RetriesExhausted,
-    │   WorkTimedOut, AliasConflict, PlatformBusy, NightsFailed (``rayline.tables.night_ranges``)
-    └── TransientError          (TransientStorageError, ClusterError, DeviceError)
+    ├── ObjectChangedError, OutOfMemory, RolloutRolledBack, QualityGateFailed, NightCommittedElsewhere,
+    │   NightsFailed, RetriesExhausted, WorkTimedOut, AliasConflict, PlatformBusy, HttpError, ModelOutputError,
+    │   InjectedFailure
+    └── TransientError          (TransientStorageError, ClusterError, DeviceError, ModelTimeoutError)
 
-Each class says when it is raised; :func:`is_transient` says which are worth a retry. Per-sample
-problems (an undecodable image, a model call its input broke) are error rows, not exceptions; a
+Every class lives here (a stage with errors of its own would keep them in its package's ``errors.py``,
+named in this tree). Each class says when it is raised; :func:`is_transient` says which are worth a retry.
+Per-sample problems (an undecodable image, a model call its input broke) are error rows, not exceptions; a
 failure of the machine or of the run's rights is never per-sample (:func:`model_call_fault`,
 :func:`is_access_denied`), and fails the stage uncommitted.
 """
@@ -18,6 +22,7 @@ failure of the machine or of the run's rights is never per-sample (:func:`model_
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 
 class RaylineError(Exception):
@@ -40,12 +45,52 @@ class DeltaWritesUnsupported(ConfigError):
     and then fail to commit. Not retried."""
 
 
+class InferenceOnlyFormat(ConfigError):
+    """A code-free model file (TorchScript, .pt2, ONNX) asked to be trained: rayline cannot rebuild its module."""
+
+
 class InputDataError(RaylineError):
     """The input data (prefix, manifest, URI) is unusable as given."""
 
 
 class ErrorBudgetExceeded(InputDataError):
     """More inputs failed than the configured fraction allows: upstream data needs a look."""
+
+
+class NoLineageError(InputDataError):
+    """No lineage record (nor model version) produced the URI asked about."""
+
+
+class UnsafeCheckpointError(InputDataError):
+    """A checkpoint that is not plain tensors (pickled code/objects) was refused."""
+
+
+class UnsafeModelFileError(InputDataError):
+    """A model file that would need arbitrary unpickling (or native code) to load was refused."""
+
+
+class WeightsMismatchError(InputDataError):
+    """A state dict whose keys or shapes don't fit the architecture it is registered as."""
+
+
+class ImageDecodeError(InputDataError):
+    """The bytes are not a decodable image: one sample's error row (or an HTTP answer), never a failed stage."""
+
+
+class EmptyImageError(ImageDecodeError):
+    """Zero bytes where an image was expected."""
+
+
+class UnsupportedFormatError(ImageDecodeError):
+    """The bytes are not in any image format PIL recognises."""
+
+
+class CorruptImageError(ImageDecodeError):
+    """A recognised format whose data is truncated or damaged."""
+
+
+class ImageTooLargeError(ImageDecodeError):
+    """The image declares more pixels than the configured limit."""
 
 
 class StorageError(RaylineError):
@@ -75,6 +120,21 @@ class NightCommittedElsewhere(RaylineError):
     def __init__(self, message: str, *, winner_run_id: str | None = None) -> None:
         super().__init__(message)
         self.winner_run_id = winner_run_id
+
+
+class NightsFailed(RaylineError):
+    """Some nights of a range failed (the others committed): the run ends Failed, naming them.
+
+    ``result`` holds every night's outcome (the backfill's ``BackfillResult``), for a caller that reports them.
+    """
+
+    def __init__(self, message: str, result: Any) -> None:
+        super().__init__(message)
+        self.result = result
+
+    def __reduce__(self) -> tuple[type[NightsFailed], tuple[str, Any]]:
+        # Exception pickles only ``args``: keep the outcomes when Prefect copies the exception
+        return (type(self), (str(self), self.result))
 
 
 class RetriesExhausted(RaylineError):
@@ -132,6 +192,22 @@ class PlatformBusy(RaylineError):
     processes."""
 
 
+class HttpError(RaylineError):
+    """A request the router answers with a 4xx/5xx JSON error (and ``headers``, e.g. a 429's ``Retry-After``)."""
+
+    def __init__(self, status: int, error: str, detail: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.status, self.error, self.detail, self.headers = status, error, detail, headers
+
+
+class ModelOutputError(RaylineError):
+    """A served model produced scores that are not finite (NaN/inf): the version is broken."""
+
+
+class InjectedFailure(RaylineError):
+    """Raised by the training loop's fault drill, to exercise recovery from checkpoints."""
+
+
 class StorageAccessDenied(StorageError):
     """S3 or the filesystem refused a read for want of permission (AccessDenied, 403).
 
@@ -171,6 +247,10 @@ class DeviceError(TransientError):
     actor pool, which clears a faulty context or a failing device. A bug that
     raises one every time costs the task's bounded retries.
     """
+
+
+class ModelTimeoutError(TransientError):
+    """A served version did not answer within ``ServeConfig.request_timeout_s`` (HTTP 504)."""
 
 
 _TRANSIENT_BUILTINS: tuple[type[BaseException], ...] = (

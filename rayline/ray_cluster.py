@@ -165,7 +165,7 @@ def _start(settings: Settings, preload: Sequence[str]) -> bool:
             _system_config=_preload_config(preload, settings.embedded_num_cpus) if preload else None,
         )
         return True
-    except Exception as exc:
+    except Exception as exc:  # ray.init fails in many classes (ConnectionError, RuntimeError, auth…): no cluster
         target = settings.ray_address or "an embedded local cluster"
         raise ClusterError(f"could not connect to Ray at {target}: {type(exc).__name__}: {exc}") from exc
 

@@ -273,7 +273,7 @@ def cancel_on_abort(what: str, timeout_s: float | None = None) -> Iterator[None]
         watchdog.start()
     try:
         yield
-    except BaseException as exc:
+    except BaseException as exc:  # interrupts and cancellations too: they must stop the Ray work; always re-raised
         if _is_interrupt(exc):
             _stop(scope, exc)
         elif scope.timed_out:

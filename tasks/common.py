@@ -103,7 +103,7 @@ def retry_if_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any
     """Prefect retry condition: retry only errors that a retry can fix."""
     try:
         state.result()
-    except Exception as exc:
+    except Exception as exc:  # the task's own error, of any class: is_transient decides
         return is_transient(exc)
     return False
 
@@ -159,7 +159,7 @@ def openlineage_run(job_name: str) -> Iterator[_StageRun]:
     openlineage_events.emit("START", run.identity)
     try:
         yield run
-    except Exception as exc:
+    except Exception as exc:  # any failure of the stage is a FAIL event; re-raised
         openlineage_events.emit("FAIL", run.identity, run.inputs, run.outputs, error=exc)
         raise
     except BaseException as exc:  # cancelled or interrupted: not the stage's own failure

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from rayline.errors import ConfigError
+from rayline.errors import ConfigError, InferenceOnlyFormat
 from rayline.models import registry
 from rayline.models.registry import ModelVersion
-from rayline.ray_workloads.architectures.build import InferenceOnlyFormat
 from rayline.ray_workloads.architectures.model_files import described
 from rayline.ray_workloads.data import preprocess
 from rayline.ray_workloads.training.loop import InitFrom

@@ -45,7 +45,7 @@ def plain_loop(objects: list[Any], read: Callable[[str], bytes], version: Any, o
             try:
                 images.append(decode_image(read(obj.uri), spec))
                 good.append(obj)
-            except Exception as exc:
+            except Exception as exc:  # per-sample error capture, as rayline's actors do
                 errors.append((obj.uri, "decode", type(exc).__name__, str(exc)[:500]))
         probs, millis = [], []
         for b in range(0, len(images), BATCH_SIZE):

@@ -54,7 +54,7 @@ class PhotoDataset:
             return index, None, ("fetch", type(exc).__name__, str(exc)[:500])
         try:
             return index, decode_image(data, self.image_spec), None
-        except Exception as exc:
+        except Exception as exc:  # per-sample error capture, as rayline's actors do
             return index, None, ("decode", type(exc).__name__, str(exc)[:500])
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from rayline import storage
-from rayline.errors import ConfigError, InputDataError
+from rayline.errors import InferenceOnlyFormat, InputDataError, UnsafeCheckpointError, WeightsMismatchError
 from rayline.ray_workloads.architectures import factory_models, timm_models
 from rayline.ray_workloads.architectures.model_files import described
 from rayline.ray_workloads.architectures.torchvision_families import (
@@ -40,10 +40,7 @@ from rayline.specs import SMALL_CNN, ModelSpec
 
 __all__ = [
     "SMALL_CNN",
-    "InferenceOnlyFormat",
     "ModelSpec",
-    "UnsafeCheckpointError",
-    "WeightsMismatchError",
     "build_model",
     "check_input_size",
     "classifier_head",
@@ -55,18 +52,6 @@ __all__ = [
     "load_model",
 ]
 _EXPORT_HINT = "Export the weights alone and register that file: torch.save(model.state_dict(), 'weights.pt')"
-
-
-class UnsafeCheckpointError(InputDataError):
-    """A checkpoint that is not plain tensors (pickled code/objects) was refused."""
-
-
-class WeightsMismatchError(InputDataError):
-    """A state dict whose keys or shapes don't fit the architecture it is registered as."""
-
-
-class InferenceOnlyFormat(ConfigError):
-    """A code-free model file (TorchScript, .pt2, ONNX) asked to be trained: rayline cannot rebuild its module."""
 
 
 class SmallCNN(nn.Module):
@@ -209,7 +194,7 @@ def state_dict_from_bytes(data: bytes, uri: str) -> dict[str, Any]:
             f"refusing checkpoint {uri}: it holds pickled objects (a whole pickled model?), not just tensors. "
             f"{detail} {_EXPORT_HINT}".replace("  ", " ")
         ) from exc
-    except Exception as exc:
+    except Exception as exc:  # torch.load fails in many classes on bytes that are no checkpoint
         raise InputDataError(f"checkpoint {uri} is unreadable: {type(exc).__name__}: {exc}") from exc
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]  # the common {"state_dict": ..., "epoch": ...} wrapper of training scripts

@@ -59,7 +59,7 @@ def import_factory(ref: FactoryRef) -> Any:
         archive = ensure_importable(ref)
         try:
             found: Any = importlib.import_module(module_name)
-        except Exception as exc:
+        except Exception as exc:  # importing runs the user's module: it may raise anything
             raise InputDataError(
                 f"factory {ref.target}: module {module_name} cannot be imported ({type(exc).__name__}: {exc}); "
                 "install its package on the cluster or ship its folder with --code"
@@ -85,7 +85,7 @@ def build(ref: FactoryRef, num_classes: int) -> nn.Module:
         kwargs["num_classes"] = num_classes
     try:
         model = factory(**kwargs)
-    except Exception as exc:
+    except Exception as exc:  # the user's factory may raise anything
         raise InputDataError(f"factory {ref.target}(**{kwargs}) failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):
         raise InputDataError(f"factory {ref.target} returned a {type(model).__name__}; expected a torch nn.Module")
@@ -267,7 +267,7 @@ def _import_error(ref_json: str) -> str | None:
     ref = FactoryRef.model_validate_json(ref_json)
     try:
         import_factory(ref)
-    except Exception as exc:
+    except Exception as exc:  # importing runs the user's module: it may raise anything
         return f"{type(exc).__name__}: {exc}"
     return None
 
@@ -289,7 +289,7 @@ def _build_and_probe(spec_json: str, state: bytes, side: int, uri: str) -> str |
         batch = torch.from_numpy(np.random.default_rng(0).standard_normal((2, 3, side, side)).astype(np.float32))
         with torch.no_grad():
             out = model.eval()(batch)
-    except Exception as exc:
+    except Exception as exc:  # the user's module may raise anything: it is the answer
         return f"{type(exc).__name__}: {exc}"
     if tuple(out.shape) != (2, spec.num_classes):
         return (

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from rayline.errors import ConfigError, InputDataError
+from rayline.errors import ConfigError, InputDataError, UnsafeModelFileError
 from rayline.specs import ONNX, TORCH_EXPORT, TORCHSCRIPT
 
 FORMAT_NAMES = {TORCHSCRIPT: "TorchScript", TORCH_EXPORT: "torch.export program (.pt2)", ONNX: "ONNX"}
@@ -53,10 +53,6 @@ def _unpickling_refused(exc: Exception) -> str:
     text = str(exc)
     found = re.search(r"(Unsupported global: GLOBAL \S+|Unsupported operand \d+)", text)
     return found.group(1) if found else f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
-
-
-class UnsafeModelFileError(InputDataError):
-    """A model file that would need arbitrary unpickling (or native code) to load was refused."""
 
 
 def detect_format(data: bytes, uri: str) -> str:
@@ -120,7 +116,7 @@ def check_export_archive(data: bytes, uri: str) -> None:
         for name in pickled:
             try:
                 torch.load(io.BytesIO(archive.read(name)), map_location="cpu", weights_only=True)
-            except Exception as exc:
+            except Exception as exc:  # any failure to load plain tensors refuses it
                 raise UnsafeModelFileError(
                     f"refusing {uri}: its payload {name} holds pickled objects, not just tensors "
                     f"({_unpickling_refused(exc)}); save the program with {SAVE_HINTS[TORCH_EXPORT]}"
@@ -158,7 +154,7 @@ def load_file_model(fmt: str, data: bytes, uri: str, threads: int | None = None)
             return _onnx(data, threads)
     except (UnsafeModelFileError, ConfigError):
         raise
-    except Exception as exc:
+    except Exception as exc:  # each format's loader has its own classes: any is a file that does not load
         raise InputDataError(
             f"{uri} does not load as {FORMAT_NAMES.get(fmt, fmt)}: {type(exc).__name__}: {str(exc)[:300]}"
         ) from exc

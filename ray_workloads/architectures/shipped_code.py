@@ -74,7 +74,7 @@ def _not_private(folder: Path) -> str | None:
 def verified_zip(ref: FactoryRef) -> Path:
     """The version's code zip in :func:`private_cache`, its SHA-256 checked now; fetched from the registry if needed."""
     if ref.code_uri is None or ref.code_sha256 is None:
-        raise ValueError(f"factory {ref.target} ships no code")
+        raise InputDataError(f"factory {ref.target}: its version names no code or no SHA-256; register it with --code")
     path = private_cache() / f"{ref.code_sha256}.zip"
     problem = _cached_problem(path, ref.code_sha256)
     if problem is None:

@@ -40,6 +40,13 @@ from typing import NamedTuple
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from rayline.errors import (
+    CorruptImageError,
+    EmptyImageError,
+    ImageDecodeError,
+    ImageTooLargeError,
+    UnsupportedFormatError,
+)
 from rayline.specs import DEFAULT_MAX_PIXELS, RESIZE_CROP, ImageSpec
 
 __all__ = ["DEFAULT_MAX_PIXELS", "ImageSpec", "Reduced", "decode_image", "decode_rgb", "to_model_input"]
@@ -52,26 +59,6 @@ IMAGENET_MAX_ABS_DIFF = 1e-5
 # photos, about what one more JPEG save at quality 90 changes (bench/README.md)
 DRAFT_MAX_MEAN_ABS_DIFF = 0.015
 BACKGROUND = (255, 255, 255)
-
-
-class ImageDecodeError(ValueError):
-    """The bytes are not a decodable image."""
-
-
-class EmptyImageError(ImageDecodeError):
-    """Zero bytes where an image was expected."""
-
-
-class UnsupportedFormatError(ImageDecodeError):
-    """The bytes are not in any image format PIL recognises."""
-
-
-class CorruptImageError(ImageDecodeError):
-    """A recognised format whose data is truncated or damaged."""
-
-
-class ImageTooLargeError(ImageDecodeError):
-    """The image declares more pixels than the configured limit."""
 
 
 class Reduced(NamedTuple):

@@ -41,10 +41,10 @@ from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink, WriteResult
 
 from rayline import progress, ray_work, storage
-from rayline.errors import StorageError
+from rayline.errors import ImageDecodeError, StorageError
 from rayline.lineage import DatasetRef
 from rayline.ray_workloads.data import ingest
-from rayline.ray_workloads.data.images import ImageDecodeError, ImageSpec, decode_image
+from rayline.ray_workloads.data.images import ImageSpec, decode_image
 from rayline.specs import SplitFractions
 from rayline.storage import folders, leases, manifests
 from rayline.storage.manifests import PreprocessCounts, PreprocessManifest, PreprocessParameters, PreprocessSummary

@@ -185,7 +185,7 @@ def _surfacing_errors(execute: Callable[[], NightTotals]) -> NightTotals:
     """
     try:
         return execute()
-    except Exception as exc:
+    except Exception as exc:  # Ray wraps an actor's error in classes of its own: the causes decide
         causes = list(errors.causes(exc))
         # the remote exception itself, not Ray's RayTaskError(...) subclass that wraps it
         ours = [e for e in causes if isinstance(e, RaylineError) and not isinstance(e, ray.exceptions.RayTaskError)]

@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from rayline import errors
 from rayline.models.registry import ModelVersion
-from rayline.ray_workloads.data.images import ImageDecodeError, ImageSpec, decode_image
+from rayline.ray_workloads.data.images import ImageSpec, decode_image
 from rayline.ray_workloads.execution.cache import plan_for, probe_set
 from rayline.ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanPolicy
 from rayline.ray_workloads.nightly.blocks import (
@@ -74,7 +74,7 @@ def fetch_and_decode(uris: list[str], etags: list[str], spec: ImageSpec, concurr
             continue
         try:
             images[i] = decode_image(item.data, spec)
-        except ImageDecodeError as exc:
+        except errors.ImageDecodeError as exc:
             stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
         except Exception as exc:  # one bad sample, whatever the decoder raised
             stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
@@ -144,7 +144,7 @@ class PredictorUDF:
             self.model = _load_for_inference(model, self.device)
             if shadow is not None:  # a second version scored on the same decoded pixels (shadow_rows)
                 self.shadow_model = _load_for_inference(shadow, self.device)
-        except Exception as exc:
+        except Exception as exc:  # whatever the load raised is kept for each call to raise
             # raised by each call instead: an actor whose __init__ fails tells the driver only that it
             # died (which reads as transient), not that the checkpoint is bad
             self.load_error = exc

@@ -25,9 +25,9 @@ import pandas as pd
 from mlflow.models import set_model
 from mlflow.pyfunc.model import PythonModel, PythonModelContext
 
-from rayline.errors import InputDataError
+from rayline.errors import ImageDecodeError, InputDataError
 from rayline.models.registry import ModelVersion
-from rayline.ray_workloads.data.images import ImageDecodeError, decode_image
+from rayline.ray_workloads.data.images import decode_image
 from rayline.ray_workloads.execution.interface import LoadedModel, load_version
 
 # names of the logged artifacts (``context.artifacts`` keys)

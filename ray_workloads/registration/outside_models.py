@@ -42,7 +42,7 @@ import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
 from rayline import storage
-from rayline.errors import ConfigError, InputDataError, StorageError
+from rayline.errors import ConfigError, ImageDecodeError, InputDataError, StorageError
 from rayline.lineage import DatasetRef
 from rayline.models import registry
 from rayline.ray_workloads.architectures import factory_models, timm_models
@@ -65,7 +65,7 @@ from rayline.ray_workloads.architectures.torchvision_families import (
     imagenet_classes,
     imagenet_image_spec,
 )
-from rayline.ray_workloads.data.images import ImageDecodeError, decode_image
+from rayline.ray_workloads.data.images import decode_image
 from rayline.specs import (
     FACTORY,
     FILE_FORMATS,
@@ -293,7 +293,7 @@ def probe(loaded: Any, spec: ModelSpec, side: int, uri: str, declared: list[Any]
     expects = f" (the file declares input {declared})" if declared else ""
     try:
         out = np.asarray(loaded(batch))
-    except Exception as exc:
+    except Exception as exc:  # the file's own program may raise anything on a wrong input
         raise InputDataError(
             f"{what}: a probe forward pass on input (2, 3, {side}, {side}) failed{expects}: "
             f"{type(exc).__name__}: {str(exc)[:300]}; the image spec's crop (--crop, or the sidecar's image) "

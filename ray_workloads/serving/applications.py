@@ -35,7 +35,7 @@ def start_serve(cfg: ServeConfig) -> None:
             if attempt == 2:  # the controller someone else created should be reachable by now
                 raise ClusterError(f"could not connect to Ray Serve's controller: {exc}") from exc
             time.sleep(1.0)  # lost the race to create Serve's controller: connect to theirs
-        except Exception as exc:
+        except Exception as exc:  # Serve's API fails in many classes: each is a cluster we cannot use
             raise ClusterError(
                 f"could not start Ray Serve on {cfg.host}:{cfg.port}: {type(exc).__name__}: {exc}"
             ) from exc
@@ -83,7 +83,7 @@ def run_and_wait(targets: Sequence[DeployTarget], timeout_s: float) -> dict[str,
     try:
         if submit:
             serve.run_many(submit, wait_for_applications_running=False)
-    except Exception as exc:
+    except Exception as exc:  # Serve's API fails in many classes: each is a cluster we cannot use
         raise ClusterError(f"could not submit Serve applications: {type(exc).__name__}: {exc}") from exc
     deadline = time.monotonic() + timeout_s
     settled = (ApplicationStatus.RUNNING, ApplicationStatus.DEPLOY_FAILED)
@@ -134,7 +134,7 @@ def delete_apps(apps: Sequence[str], timeout_s: float = 120.0) -> None:
     try:
         for app in doomed:
             serve.delete(app, _blocking=False)
-    except Exception as exc:
+    except Exception as exc:  # Serve's API fails in many classes: each is a cluster we cannot use
         raise ClusterError(f"could not delete Serve applications {doomed}: {type(exc).__name__}: {exc}") from exc
     deadline = time.monotonic() + timeout_s
     while any(app in serve.status().applications for app in doomed):

@@ -132,7 +132,7 @@ def router_replicas(cfg: ServeConfig) -> dict[str, int | None]:
         # the raw dict: the public status() has no replica ids, and building ServeInstanceDetails pickles
         # Serve's request-router class with process-global settings (racing a deploy in another thread)
         details = client.get_serve_details() if client is not None else {}
-    except Exception as exc:
+    except Exception as exc:  # Serve's private client fails in many classes: all mean no answer
         raise ClusterError(f"could not read the router's replicas from Serve: {type(exc).__name__}: {exc}") from exc
     app = details.get("applications", {}).get(cfg.name)
     deployment = app["deployments"].get(ROUTER_DEPLOYMENT) if app else None

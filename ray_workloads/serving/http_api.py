@@ -15,9 +15,10 @@ from email.parser import HeaderParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from rayline.ray_workloads.data.images import (
+from rayline.errors import (
     CorruptImageError,
     EmptyImageError,
+    HttpError,
     ImageDecodeError,
     ImageTooLargeError,
     UnsupportedFormatError,
@@ -44,14 +45,6 @@ DECODE_STATUS: dict[type[ImageDecodeError], int] = {
     CorruptImageError: 422,
     ImageTooLargeError: 422,
 }
-
-
-class HttpError(Exception):
-    """A request answered with a 4xx/5xx JSON error (and ``headers``, e.g. a 429's ``Retry-After``)."""
-
-    def __init__(self, status: int, error: str, detail: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(detail)
-        self.status, self.error, self.detail, self.headers = status, error, detail, headers
 
 
 class RateLimit:

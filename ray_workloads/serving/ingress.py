@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from rayline.errors import HttpError, ModelTimeoutError
 from rayline.ray_cluster import NAMESPACE
 from rayline.ray_workloads.serving.config import ServeConfig
 from rayline.ray_workloads.serving.http_api import (
@@ -33,7 +34,6 @@ from rayline.ray_workloads.serving.http_api import (
     MODEL_HEADER,
     ROUTES,
     VERSION_HEADER,
-    HttpError,
     RateLimit,
     error_response,
     multipart_image,
@@ -53,10 +53,6 @@ MAX_PENDING_SAMPLES = 100_000
 # the replica died under the request: worth one retry on another (or the replacement) replica;
 # a prediction has no side effect, so asking twice is safe
 _REPLICA_LOST: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ReplicaUnavailableError)
-
-
-class ModelTimeoutError(TimeoutError):
-    """A version did not answer within ``ServeConfig.request_timeout_s``."""
 
 
 async def _awaited(response: Any) -> Any:
@@ -205,7 +201,7 @@ class Router:
         version, routed = self._pick(name, routes, request)
         try:
             result = await self._call_model(routes.apps[version], version, image)
-        except Exception as exc:
+        except Exception as exc:  # every failure of the call is an answer: 503/504/500 by its cause
             cause = getattr(exc, "cause", None) or exc
             status = 503 if isinstance(exc, _REPLICA_LOST) else 504 if isinstance(exc, ModelTimeoutError) else 500
             self._record(name, version, started, ERROR, routed)

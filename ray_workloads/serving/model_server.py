@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 from ray import serve
 
+from rayline.errors import ImageDecodeError, ModelOutputError
 from rayline.models.registry import ModelVersion
-from rayline.ray_workloads.data.images import ImageDecodeError, decode_image
+from rayline.ray_workloads.data.images import decode_image
 from rayline.ray_workloads.execution.cache import plan_for, probe_set
 from rayline.ray_workloads.execution.interface import remote_options
 from rayline.ray_workloads.execution.plan import PlanPolicy
@@ -25,10 +26,6 @@ from rayline.ray_workloads.serving.http_api import DECODE_STATUS
 
 MODEL_DEPLOYMENT = "ModelServer"
 HEALTH_PROBE_IDLE_S = 30.0  # a model replica idle this long proves itself with a forward pass
-
-
-class ModelOutputError(RuntimeError):
-    """The model produced scores that are not finite (NaN/inf): the version is broken."""
 
 
 class ModelServer:

@@ -37,9 +37,9 @@ import httpx
 from pydantic import BaseModel, Field, field_validator
 
 from rayline import storage
-from rayline.errors import ConfigError, InputDataError
+from rayline.errors import ConfigError, ImageDecodeError, InputDataError
 from rayline.models.registry import ModelVersion
-from rayline.ray_workloads.data.images import ImageDecodeError, ImageSpec, decode_image
+from rayline.ray_workloads.data.images import ImageSpec, decode_image
 from rayline.ray_workloads.serving import control
 from rayline.ray_workloads.serving.config import ServeConfig
 from rayline.ray_workloads.serving.control import VersionStats

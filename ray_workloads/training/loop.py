@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from torch import nn
 
 from rayline import storage
-from rayline.errors import ConfigError
+from rayline.errors import ConfigError, InjectedFailure
 from rayline.ray_workloads.architectures.build import (
     ModelSpec,
     build_model,
@@ -60,10 +60,6 @@ class TrainLoopConfig(BaseModel):
     fail_marker_uri: str | None = None
     # Fault drill: raise at the start of this epoch in every attempt (a failure no restart fixes).
     fail_always_at_epoch: int | None = None
-
-
-class InjectedFailure(RuntimeError):
-    """Raised by the fault drill to exercise recovery from checkpoints."""
 
 
 @dataclass

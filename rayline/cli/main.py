@@ -24,7 +24,7 @@ from rayline.cli.common import (
 from rayline.cli.common import fail as _fail
 from rayline.cli.common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
-from rayline.errors import ConfigError, RaylineError
+from rayline.errors import ConfigError, NightsFailed, RaylineError
 from rayline.tables import night_ranges
 
 # Each command imports its flow when it runs: the flows load Prefect, Ray and torch (seconds),
@@ -344,7 +344,7 @@ def nightly_inference_command(
             min_plan_agreement=min_plan_agreement,
             shadow=shadow,
         )
-    except night_ranges.NightsFailed as exc:
+    except NightsFailed as exc:
         echo_json(exc.result) if as_json else summaries.print_backfill_summary(exc.result)
         raise typer.Exit(code=ExitCode.FAILED) from exc
     except RaylineError as exc:

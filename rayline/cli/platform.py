@@ -161,7 +161,7 @@ def up(settings: Settings | None = None, timeout_s: float = 180.0) -> tuple[Endp
         started: Started = []
         try:
             return _up(settings, state, existing, started, timeout_s)
-        except BaseException:
+        except BaseException:  # interrupts too (Ctrl-C mid-start): stop what was started, re-raise
             for record, proc in reversed(started):
                 stop(record, timeout_s=30, reap=proc.poll)
                 pid_file(state, record.name).unlink(missing_ok=True)

@@ -74,7 +74,7 @@ def write_record(state: Path, record: ServiceRecord) -> None:
         with os.fdopen(fd, "w") as out:
             out.write(record.model_dump_json())
         os.replace(temp, path)
-    except BaseException:
+    except BaseException:  # an interrupt too must not leave the temp file behind; re-raised
         Path(temp).unlink(missing_ok=True)
         raise
 

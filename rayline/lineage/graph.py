@@ -45,8 +45,8 @@ from typing import Any, TypeGuard
 from pydantic import BaseModel, Field
 
 from rayline import lineage, storage
-from rayline.errors import ConfigError, InputDataError
-from rayline.lineage import DatasetRef, LineageRecord, NoLineageError, is_storage_uri, normalize_uri
+from rayline.errors import ConfigError, InputDataError, NoLineageError
+from rayline.lineage import DatasetRef, LineageRecord, is_storage_uri, normalize_uri
 from rayline.lineage.nights import night_details, night_kind, night_of, pick_nights, ref_uri
 from rayline.models import registry
 from rayline.storage import fetching, layout, manifests

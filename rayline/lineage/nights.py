@@ -20,14 +20,8 @@ from typing import Any
 from deltalake import DeltaTable
 
 from rayline import storage
-from rayline.errors import InputDataError
-from rayline.lineage import (
-    DatasetRef,
-    NoLineageError,
-    is_storage_uri,
-    lineage_dir,
-    normalize_uri,
-)
+from rayline.errors import InputDataError, NoLineageError
+from rayline.lineage import DatasetRef, is_storage_uri, lineage_dir, normalize_uri
 from rayline.storage.layout import ERRORS_TABLE
 from rayline.tables.delta_tables import PARTITION_COLUMNS, Night, open_table, storage_options
 
@@ -78,7 +72,7 @@ def pick_nights(
     (of ``model_name`` only, when given), sorted.
 
     Raises :class:`InputDataError` when no candidate is a table of nights and
-    :class:`~rayline.lineage.NoLineageError` when no recorded output is such a night.
+    :class:`~rayline.errors.NoLineageError` when no recorded output is such a night.
     """
     table = _night_table(candidates, outputs)
     if model_name is not None:

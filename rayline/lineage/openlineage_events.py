@@ -270,7 +270,7 @@ def emit(
     """Build and deliver an event; never raises (a failure is logged as a warning and dropped)."""
     try:
         return send(build_event(state, run, inputs, outputs, error))
-    except Exception as exc:
+    except Exception as exc:  # emission never fails a stage: any transport or encoding error is logged
         log.warning(
             "OpenLineage %s event of %s (run %s) not sent: %s: %s",
             state,

@@ -22,10 +22,6 @@ from rayline.errors import InputDataError
 from rayline.storage.layout import LINEAGE_DIR as LINEAGE_DIR
 
 
-class NoLineageError(InputDataError):
-    """No lineage record (nor model version) produced the URI asked about."""
-
-
 class DatasetRef(BaseModel):
     """A dataset a stage read or wrote, pinned to a version."""
 

@@ -51,10 +51,8 @@ def create_exclusive(uri: str, data: bytes) -> str | None:
 def read_versioned(uri: str) -> Versioned | None:
     """The object's bytes and token; None when there is no object."""
     uri = storage.normalize(uri)
-    try:
+    with storage.storage_errors("reading", uri):
         found = storage.store(uri).get(uri)
-    except Exception as exc:
-        raise storage.storage_error(exc, "reading", uri) from exc
     return None if found is None else Versioned(found.data, found.version)
 
 
@@ -87,10 +85,8 @@ def _settle(
     condition still holds was a conflict with a write in flight, worth a retry.
     """
     for attempt in range(_CONFLICT_ATTEMPTS):
-        try:
+        with storage.storage_errors("writing", uri):
             token = write()
-        except Exception as exc:
-            raise storage.storage_error(exc, "writing", uri) from exc
         if token is not None:
             return token
         current = read_versioned(uri)

@@ -66,14 +66,13 @@ def _probe(uri: str, scheme: str, bucket: str, folder: str) -> ConditionalWrites
     create, swap = _CONDITIONS[scheme]
     lacks = []
     try:
-        first = store.put_if_absent(probe, b"first")
-        if store.put_if_absent(probe, b"second") is not None:
-            lacks.append(f"{create} (a second exclusive create of one key landed)")
-        store.put(probe, b"third")
-        if first is not None and store.put_if_match(probe, b"stale", first) is not None:
-            lacks.append(f"{swap} (a write with a stale version landed)")
-    except Exception as exc:
-        raise storage.storage_error(exc, "probing conditional writes with", probe) from exc
+        with storage.storage_errors("probing conditional writes with", probe):
+            first = store.put_if_absent(probe, b"first")
+            if store.put_if_absent(probe, b"second") is not None:
+                lacks.append(f"{create} (a second exclusive create of one key landed)")
+            store.put(probe, b"third")
+            if first is not None and store.put_if_match(probe, b"stale", first) is not None:
+                lacks.append(f"{swap} (a write with a stale version landed)")
     finally:
         _delete(store, probe)
     if not lacks:

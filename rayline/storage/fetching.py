@@ -53,7 +53,7 @@ def as_listed(fetched: Fetched, listed_etag: str) -> Fetched:
 def _fetch_remote(uri: str, store: ObjectStore) -> Fetched:
     try:
         found = store.get(uri)
-    except Exception as exc:
+    except Exception as exc:  # whatever the client raised is this object's error; the caller sorts out the run's
         return Fetched(data=None, error=exc)
     if found is None:
         return Fetched(data=None, error=FileNotFoundError(f"no object at {uri}"))
@@ -68,7 +68,7 @@ def _fetch_local(uri: str) -> Fetched:
     path = uri if uri.startswith("/") else normalize(uri)  # listed URIs are absolute already
     try:
         data, before, after = read_as_listed(path)
-    except Exception as exc:
+    except Exception as exc:  # whatever the read raised is this object's error; the caller sorts out the run's
         return Fetched(data=None, error=exc)
     if before != after:
         changed = ObjectChangedError(f"{path} was written while read: version {before} before, {after} after")

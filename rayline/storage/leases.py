@@ -201,7 +201,7 @@ class HeldLease:
             self.ensure_held()
         except LeaseLost as exc:
             return exc
-        except Exception as exc:
+        except Exception as exc:  # any failure to look (storage, a bad record) says nothing either way
             log.warning("checking the lease on %s failed (%s)", self._lease.guards, exc)
         return None
 

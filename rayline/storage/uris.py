@@ -16,7 +16,8 @@ import io
 import json
 import os
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -156,21 +157,26 @@ def storage_error(exc: Exception, action: str, uri: str) -> Exception:
     return StorageError(f"{action} {uri}: {type(exc).__name__}: {exc}")
 
 
+@contextmanager
+def storage_errors(action: str, uri: str) -> Iterator[None]:
+    """Run the body; what ``action`` on ``uri`` raised comes out as :func:`storage_error`'s rayline error."""
+    try:
+        yield
+    except Exception as exc:  # each store's client raises its own classes (botocore, aiohttp, gcsfs, Azure, OSError)
+        raise storage_error(exc, action, uri) from exc
+
+
 def exists(uri: str) -> bool:
     fs, path = filesystem(uri)
-    try:
+    with storage_errors("checking", uri):
         return bool(fs.exists(path))
-    except Exception as exc:
-        raise storage_error(exc, "checking", uri) from exc
 
 
 def read_bytes(uri: str) -> bytes:
     """The bytes of the object at ``uri``, exactly that key (a cloud key's trailing slash is part of it)."""
     uri = uri if is_remote(uri) and malformed_store_uri(uri) is None else normalize(uri)
-    try:
+    with storage_errors("reading", uri):
         found = store_for(uri).get(uri)
-    except Exception as exc:
-        raise storage_error(exc, "reading", uri) from exc
     if found is None:
         raise InputDataError(f"reading {uri}: not found")
     return found.data
@@ -184,13 +190,11 @@ def write_bytes_atomic(uri: str, data: bytes, *, durable: bool = True) -> None:
     ``os.replace``. A cloud store: a single PUT is already atomic for readers.
     """
     uri = normalize(uri)
-    try:
+    with storage_errors("writing", uri):
         if is_remote(uri):
             store_for(uri).put(uri, data)
         else:
             write_atomic(uri, data, durable=durable)
-    except Exception as exc:
-        raise storage_error(exc, "writing", uri) from exc
 
 
 def write_json_atomic(uri: str, payload: Any) -> None:
@@ -220,23 +224,17 @@ def read_parquet(uris: Iterable[str], columns: list[str] | None = None) -> pa.Ta
     tables = []
     for uri in uris:
         fs, path = arrow_filesystem(uri)
-        try:
+        with storage_errors("reading", uri):
             tables.append(pq.read_table(path, filesystem=fs, columns=columns))
-        except Exception as exc:
-            raise storage_error(exc, "reading", uri) from exc
     return pa.concat_tables(tables) if tables else pa.table({})
 
 
 def remove_tree(uri: str) -> None:
     """Delete everything under ``uri``; a missing prefix is not an error."""
     fs, path = filesystem(uri)
-    try:
+    with storage_errors("deleting", uri), suppress(FileNotFoundError):
         if fs.exists(path):
             fs.rm(path, recursive=True)
-    except FileNotFoundError:
-        return
-    except Exception as exc:
-        raise storage_error(exc, "deleting", uri) from exc
 
 
 def list_folders(uri: str) -> list[str]:
@@ -256,13 +254,11 @@ def list_names(uri: str) -> list[str]:
 def _one_level(uri: str) -> list[tuple[str, str]]:
     """(name, type) of each entry directly under ``uri``; none when it is missing."""
     uri = normalize(uri)
-    try:
-        entries: list[tuple[str, str]] = []
+    entries: list[tuple[str, str]] = []
+    with storage_errors("listing", uri):
         for page in store_for(uri).list_pages(uri, level=True):
             entries += [(stat.key, "file") for stat in page.objects]
             entries += [(prefix.rstrip("/"), "directory") for prefix in page.prefixes]
-    except Exception as exc:
-        raise storage_error(exc, "listing", uri) from exc
     return [(name, kind) for name, kind in entries if name]
 
 
@@ -304,7 +300,7 @@ def list_inputs(prefix_uri: str) -> Listing:
     prefix_uri = normalize(prefix_uri)
     objects = []
     skipped: dict[str, list[str]] = {}
-    try:
+    with storage_errors("listing", prefix_uri):
         for page in store_for(prefix_uri).list_pages(prefix_uri):
             for stat in page.objects:
                 reason = skip_reason(stat.key, stat.size)
@@ -314,8 +310,6 @@ def list_inputs(prefix_uri: str) -> Listing:
                 objects.append(
                     ObjectInfo(object_uri(prefix_uri, stat.key), stat.key, stat.size, stat.version, stat.modified)
                 )
-    except Exception as exc:
-        raise storage_error(exc, "listing", prefix_uri) from exc
     return Listing(
         objects=objects,  # sorted by key: every store lists in key order
         skipped={reason: len(keys) for reason, keys in sorted(skipped.items())},

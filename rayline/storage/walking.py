@@ -36,14 +36,12 @@ def _level(root: str, rel: str) -> Iterator[Entry | str]:
     Keys are opaque: ``a//`` is a sub-prefix of its own below ``a/``, never ``a``
     again, so a key with doubled slashes is listed once, under its own key.
     """
-    try:
+    with storage.storage_errors("listing", _prefix(root, rel)):
         for page in storage.store(root).list_pages(_prefix(root, rel), level=True):
             for stat in page.objects:
                 yield Entry(rel + stat.key, stat.size, stat.version, stat.modified)
             for sub in page.prefixes:
                 yield rel + sub
-    except Exception as exc:
-        raise storage.storage_error(exc, "listing", _prefix(root, rel)) from exc
 
 
 def _below(root: str, rel: str, after: str = "") -> Iterator[Entry]:
@@ -52,13 +50,11 @@ def _below(root: str, rel: str, after: str = "") -> Iterator[Entry]:
         if after > rel:
             return  # every key below ``rel`` sorts before ``after``
         after = ""
-    try:
+    with storage.storage_errors("listing", _prefix(root, rel)):
         pages = storage.store(root).list_pages(_prefix(root, rel), after=after[len(rel) :])
         for page in pages:
             for stat in page.objects:
                 yield Entry(rel + stat.key, stat.size, stat.version, stat.modified)
-    except Exception as exc:
-        raise storage.storage_error(exc, "listing", _prefix(root, rel)) from exc
 
 
 LevelWalker = Callable[[str, str], Iterator[Entry | str]]

@@ -70,7 +70,7 @@ def _probe_once(root: str) -> DeltaWritesUnsupported | None:
     try:
         write_deltalake(probe, pa.table({"probe": [1]}), storage_options=options)
         rows = DeltaTable(probe, storage_options=options).to_pyarrow_table().num_rows
-    except Exception as exc:
+    except Exception as exc:  # delta-rs raises its own, pyarrow's and OSError: is_transient sorts them
         if is_transient(exc):
             raise TransientStorageError(f"probing Delta writes at {probe}: {type(exc).__name__}: {exc}") from exc
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

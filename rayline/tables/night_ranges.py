@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple
 from pydantic import BaseModel, Field
 
 from rayline import storage
-from rayline.errors import ConfigError, RaylineError
+from rayline.errors import ConfigError
 from rayline.storage.layout import INCOMING_DIR, parse_day, partition_for
 
 # A year of nights (a leap year's included): longer ranges are more likely a typo than a backfill.
@@ -131,21 +131,6 @@ class BackfillResult(BaseModel):
     @property
     def failed(self) -> list[NightOutcome]:
         return self.in_state("failed")
-
-
-class NightsFailed(RaylineError):
-    """Some nights of a range failed (the others committed): the run ends Failed, naming them.
-
-    ``result`` holds every night's outcome, for a caller that reports them.
-    """
-
-    def __init__(self, message: str, result: BackfillResult) -> None:
-        super().__init__(message)
-        self.result = result
-
-    def __reduce__(self) -> tuple[type[NightsFailed], tuple[str, BackfillResult]]:
-        # Exception pickles only ``args``: keep the outcomes when Prefect copies the exception
-        return (type(self), (str(self), self.result))
 
 
 def failure_message(result: BackfillResult) -> str:

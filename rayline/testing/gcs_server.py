@@ -131,7 +131,7 @@ def _serving(argv: list[str], log: Path, endpoint: str, buckets: list[str], pid_
     try:
         try:
             wait_for_http(f"{endpoint}/storage/v1/b?project={PROJECT}")
-        except Exception as exc:
+        except Exception as exc:  # whatever the last try raised: the server's log says why
             tail = log.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"{argv[0]} did not answer at {endpoint} (exit {proc.poll()}):\n{tail}") from exc
         for bucket in buckets:

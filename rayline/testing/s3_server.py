@@ -56,7 +56,7 @@ def wait_for_http(url: str, timeout_s: float = 30.0) -> None:
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
-        except Exception:
+        except Exception:  # refused, reset, 5xx, timed out: anything means not up yet
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)

@@ -20,7 +20,7 @@ import ray
 from prefect.futures import PrefectFuture
 
 from rayline import ray_work, storage
-from rayline.errors import WorkTimedOut
+from rayline.errors import NightsFailed, WorkTimedOut
 from rayline.flows import nightly_backfill
 from rayline.flows.nightly_inference import nightly_inference
 from rayline.ray_workloads.data import ingest
@@ -29,7 +29,6 @@ from rayline.ray_workloads.nightly.batch_inference import InferenceConfig
 from rayline.seed import digit_objects
 from rayline.storage import manifests
 from rayline.storage.manifests import IngestManifest
-from rayline.tables.night_ranges import NightsFailed
 from rayline.tasks.batch_inference import batch_inference_task
 from rayline.testing.fault_proxy_control import FaultProxy
 from tests.integration.helpers import (

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import ray
 
-from rayline.errors import ClusterError, ConfigError
+from rayline.errors import ClusterError, ConfigError, HttpError
 from rayline.ray_cluster import NAMESPACE
 from rayline.ray_workloads.serving import control as serve_control
-from rayline.ray_workloads.serving.http_api import ANSWER_HEADER, KEY_HEADER, VERSION_HEADER, HttpError, multipart_image
+from rayline.ray_workloads.serving.http_api import ANSWER_HEADER, KEY_HEADER, VERSION_HEADER, multipart_image
 from rayline.ray_workloads.serving.rollout import GateConfig, judge
 from rayline.ray_workloads.serving.routing import choose_version
 from tests.integration.helpers import ClientThreads

@@ -15,10 +15,9 @@ import torchvision
 from torch import nn
 
 from rayline import storage
-from rayline.errors import ConfigError
+from rayline.errors import ConfigError, WeightsMismatchError
 from rayline.ray_workloads.architectures.build import (
     ModelSpec,
-    WeightsMismatchError,
     build_model,
     check_input_size,
     fine_tune_model,

@@ -13,10 +13,9 @@ import torch
 from typer.testing import CliRunner
 
 from rayline.cli import app
-from rayline.errors import ConfigError, InputDataError
+from rayline.errors import ConfigError, InferenceOnlyFormat, InputDataError
 from rayline.models import registry
 from rayline.ray_workloads.architectures.build import (
-    InferenceOnlyFormat,
     ModelSpec,
     build_model,
     fine_tune_model,

@@ -7,14 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rayline.ray_workloads.data.images import (
-    CorruptImageError,
-    EmptyImageError,
-    ImageSpec,
-    ImageTooLargeError,
-    UnsupportedFormatError,
-    decode_image,
-)
+from rayline.errors import CorruptImageError, EmptyImageError, ImageTooLargeError, UnsupportedFormatError
+from rayline.ray_workloads.data.images import ImageSpec, decode_image
 from rayline.ray_workloads.data.ingest import IngestConfig, content_hash, cut_shards, label_from_key, objects_per_shard
 from rayline.ray_workloads.data.preprocess import SplitFractions, decode_batch, ordered_classes, split_for_key
 from rayline.storage import ObjectInfo

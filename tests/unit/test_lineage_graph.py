@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from rayline import lineage, storage
 from rayline.cli import app
-from rayline.errors import InputDataError
+from rayline.errors import InputDataError, NoLineageError
 from rayline.lineage import DatasetRef, LineageRecord
-from rayline.lineage.graph import NoLineageError, build_graph, render_text
+from rayline.lineage.graph import build_graph, render_text
 from rayline.models import registry
 
 pytestmark = pytest.mark.unit

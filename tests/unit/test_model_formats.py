@@ -21,9 +21,8 @@ import torch
 from typer.testing import CliRunner
 
 from rayline.cli import app
-from rayline.errors import ConfigError, InputDataError
+from rayline.errors import ConfigError, InputDataError, UnsafeModelFileError
 from rayline.ray_workloads.architectures import factory_models
-from rayline.ray_workloads.architectures.model_files import UnsafeModelFileError
 from rayline.ray_workloads.execution.interface import load_version
 from rayline.ray_workloads.registration.outside_models import RegisterModelConfig, RegisterModelResult, run
 

@@ -8,9 +8,9 @@ from datetime import date
 import pytest
 from typer.testing import CliRunner
 
-from rayline.errors import ConfigError, InputDataError
+from rayline.errors import ConfigError, InputDataError, NightsFailed
 from rayline.tables import night_ranges
-from rayline.tables.night_ranges import BackfillResult, NightOutcome, NightsFailed, RangeLabels
+from rayline.tables.night_ranges import BackfillResult, NightOutcome, RangeLabels
 
 pytestmark = pytest.mark.unit
 

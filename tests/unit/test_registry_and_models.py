@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from rayline import storage
-from rayline.errors import ConfigError, InputDataError
+from rayline.errors import ConfigError, InputDataError, UnsafeCheckpointError
 from rayline.models import registry, split_answers
 from rayline.ray_workloads.architectures.build import (
     ModelSpec,
-    UnsafeCheckpointError,
     build_model,
     load_model,
     state_dict_bytes,

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
+from rayline.errors import HttpError
 from rayline.ray_workloads.serving.http_api import (
     MAX_MULTIPART_PARTS,
-    HttpError,
     RateLimit,
     multipart_image,
     parse_since,

@@ -135,7 +135,7 @@ class AzureStore(ObjectStore):
     def _put_conditional(self, uri: str, data: bytes, **condition: Any) -> str | None:
         try:
             return self._upload(uri, data, **condition)
-        except Exception as exc:
+        except Exception as exc:  # the SDK's refusal may hide in any cause (http_status): the rest is re-raised
             if http_status(exc) in _REFUSED or http_status(exc) == 404:
                 return None
             raise

@@ -194,7 +194,7 @@ class GCSStore(ObjectStore):
             return self._upload(uri, data, ifGenerationMatch=generation)
         except (FileExistsError, FileNotFoundError):
             return None  # gcsfs's words for 412 (the condition failed) and 404 (a swap of an object that is gone)
-        except Exception as exc:
+        except Exception as exc:  # the client's refusal may hide in any cause (http_status): the rest is re-raised
             if http_status(exc) in _REFUSED:
                 return None
             raise

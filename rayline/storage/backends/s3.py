@@ -85,7 +85,7 @@ class S3Store(ObjectStore):
         bucket, key = split(uri)
         try:
             response = self._run(bucket, "get_object", Key=key)
-        except Exception as exc:
+        except Exception as exc:  # the code may hide in any cause (error_code): the rest is re-raised
             if error_code(exc) in _MISSING:
                 return None
             raise
@@ -99,7 +99,7 @@ class S3Store(ObjectStore):
         bucket, key = split(uri)
         try:
             return str(self._run(bucket, "put_object", Key=key, Body=data, **condition)["ETag"]).strip('"')
-        except Exception as exc:
+        except Exception as exc:  # the code may hide in any cause (error_code): the rest is re-raised
             if error_code(exc) in REFUSED or (error_code(exc) in _MISSING and "IfMatch" in condition):
                 return None
             raise
@@ -123,7 +123,7 @@ class S3Store(ObjectStore):
         while True:
             try:
                 page = self._run(bucket, "list_objects_v2", **kwargs)
-            except Exception as exc:
+            except Exception as exc:  # the code may hide in any cause (error_code): the rest is re-raised
                 if error_code(exc) == "NoSuchBucket":
                     return  # like a missing folder: nothing listed
                 raise
