@@ -170,7 +170,8 @@ CHROMIUM_LOOPBACK_ONLY = [
     "--no-pings",
     "--dns-prefetch-disable",
     "--disable-features=AsyncDns,DnsOverHttps,OptimizationHints,MediaRouter,AutofillServerCommunication,Translate",
-    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost",  # no name is looked up: the UI is at 127.0.0.1
+    # no name is looked up; Chromium maps IP literals too unless excluded, and the UI is at 127.0.0.1
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost, EXCLUDE 127.0.0.1",
 ]
 
 
