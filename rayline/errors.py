@@ -6,7 +6,7 @@
     ├── StorageError            (StorageAccessDenied)
     ├── LeaseError              (LeaseBusy, LeaseLost → StaleFence)
     ├── ObjectChangedError, OutOfMemory, RolloutRolledBack, NightCommittedElsewhere, RetriesExhausted,
-    │   WorkTimedOut, AliasConflict, PlatformBusy, NightsFailed (``rayline.tables.night_ranges``)
+    │   WorkTimedOut, AliasConflict, PlatformBusy, NightsFailed (``rayline.ray_workloads.nightly.errors``)
     └── TransientError          (TransientStorageError, ClusterError, DeviceError)
 
 Each class says when it is raised; :func:`is_transient` says which are worth a retry. Per-sample
