@@ -18,11 +18,10 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
 from rayline.config import get_settings
-from rayline.errors import ErrorBudgetExceeded
+from rayline.errors import ErrorBudgetExceeded, NightsFailed
 from rayline.lineage import code_version
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, NightSkipped
-from rayline.ray_workloads.nightly.errors import NightsFailed
 from rayline.ray_workloads.nightly.request import BackfillResult, NightOutcome, NightRequest
 from rayline.storage.layout import root_uri
 from rayline.tasks.batch_inference import batch_inference_task, cluster_cpus_task
@@ -123,5 +122,5 @@ def run_range(request: NightRequest, version: ModelVersion, shadow: ModelVersion
         description=f"{result.model}, {result.date_from} to {result.date_to}, {width} nights at a time",
     )
     if result.failed:
-        raise NightsFailed(result)
+        raise NightsFailed(result.failure_message(), result)
     return result

@@ -6,7 +6,7 @@
     ├── StorageError            (StorageAccessDenied)
     ├── LeaseError              (LeaseBusy, LeaseLost → StaleFence)
     ├── ObjectChangedError, OutOfMemory, RolloutRolledBack, NightCommittedElsewhere, RetriesExhausted,
-    │   WorkTimedOut, AliasConflict, PlatformBusy, NightsFailed (``rayline.ray_workloads.nightly.errors``)
+    │   WorkTimedOut, AliasConflict, PlatformBusy, NightsFailed
     └── TransientError          (TransientStorageError, ClusterError, DeviceError)
 
 Each class says when it is raised; :func:`is_transient` says which are worth a retry. Per-sample
@@ -18,6 +18,7 @@ failure of the machine or of the run's rights is never per-sample (:func:`model_
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 
 class RaylineError(Exception):
@@ -75,6 +76,21 @@ class NightCommittedElsewhere(RaylineError):
     def __init__(self, message: str, *, winner_run_id: str | None = None) -> None:
         super().__init__(message)
         self.winner_run_id = winner_run_id
+
+
+class NightsFailed(RaylineError):
+    """Some nights of a range failed (the others committed): the run ends Failed, naming them.
+
+    ``result`` holds every night's outcome (the backfill's ``BackfillResult``), for a caller that reports them.
+    """
+
+    def __init__(self, message: str, result: Any) -> None:
+        super().__init__(message)
+        self.result = result
+
+    def __reduce__(self) -> tuple[type[NightsFailed], tuple[str, Any]]:
+        # Exception pickles only ``args``: keep the outcomes when Prefect copies the exception
+        return (type(self), (str(self), self.result))
 
 
 class RetriesExhausted(RaylineError):

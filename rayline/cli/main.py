@@ -12,9 +12,9 @@ from rayline.cli import console, demo, labels, ops, platform, register, summarie
 from rayline.cli.common import DEFAULT_MODEL_NAME, ExitCode, JsonOption, echo_json, exit_code, reserve_stdout_for_json
 from rayline.cli.common import fail as _fail
 from rayline.cli.common import quiet_ray as _quiet_ray
-from rayline.cli.requests import request_options
+from rayline.cli.request_options import request_options
 from rayline.config import apply_process_defaults, get_settings
-from rayline.errors import ConfigError, RaylineError
+from rayline.errors import ConfigError, NightsFailed, RaylineError
 from rayline.ray_workloads.nightly.request import NightRequest
 
 # Each command imports its flow when it runs: the flows load Prefect, Ray and torch (seconds),
@@ -270,7 +270,6 @@ def nightly_inference_command(request: NightRequest, as_json: JsonOption = False
     apply_process_defaults()
     _quiet_ray()
     from rayline.flows.nightly_inference import nightly_inference
-    from rayline.ray_workloads.nightly.errors import NightsFailed
 
     try:
         get_settings()

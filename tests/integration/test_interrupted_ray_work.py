@@ -20,13 +20,12 @@ import ray
 from prefect.futures import PrefectFuture
 
 from rayline import ray_work, storage
-from rayline.errors import WorkTimedOut
+from rayline.errors import NightsFailed, WorkTimedOut
 from rayline.flows import nightly_backfill
 from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.ray_workloads.data import ingest
 from rayline.ray_workloads.nightly import batch_inference as bi
 from rayline.ray_workloads.nightly.batch_inference import InferenceConfig
-from rayline.ray_workloads.nightly.errors import NightsFailed
 from rayline.ray_workloads.nightly.request import NightShape
 from rayline.seed import digit_objects
 from rayline.storage import manifests

@@ -9,8 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rayline.cli.main import NIGHT_OPTIONS
-from rayline.errors import ConfigError, InputDataError
-from rayline.ray_workloads.nightly.errors import NightsFailed
+from rayline.errors import ConfigError, InputDataError, NightsFailed
 from rayline.ray_workloads.nightly.request import MAX_NIGHTS, BackfillResult, NightOutcome, NightRequest, NightShape
 
 pytestmark = pytest.mark.unit
@@ -135,10 +134,9 @@ def test_failure_message_names_each_failed_night() -> None:
 
 
 def test_nights_failed_keeps_its_outcomes_when_copied() -> None:
-    error = NightsFailed(_result())
+    error = NightsFailed("1 of 3 nights failed", _result())
     copied = pickle.loads(pickle.dumps(error))
-    assert str(copied) == "1 of 3 nights of digits failed (2026-11-27: InputDataError: no input objects under /x)"
-    assert copied.result == error.result
+    assert str(copied) == "1 of 3 nights failed" and copied.result == error.result
 
 
 def test_backfill_summary_prints_a_line_per_night() -> None:
