@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rayline import events
+from rayline.config import get_settings
 from rayline.deployments.catalog import RETRAIN_DEBOUNCE, build_deployments, deployment_table
 from rayline.errors import ConfigError
 
@@ -53,6 +54,7 @@ def test_a_scheduled_deployment_s_request_is_set_in_rayline_toml(
         '[deployments.nightly-inference]\nmodel = "photos@champion"\nshape = { actors = 4 }\n'
     )
     monkeypatch.chdir(tmp_path)
+    get_settings()  # the file's deployment tables are no settings: not refused as unknown ones
     (nightly,) = [d for d in render_dict()["deployments"] if d["name"] == "nightly-inference"]
     request = nightly["parameters"]["request"]
     assert (request["model_name"], request["model"], request["shape"]["actors"]) == ("photos", "champion", 4)
