@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from rayline.cli.main import NIGHT_OPTIONS
 from rayline.errors import ConfigError, InputDataError, NightsFailed
+from rayline.ray_workloads.execution.plan import PlanPolicy
 from rayline.ray_workloads.nightly.request import MAX_NIGHTS, BackfillResult, NightOutcome, NightRequest, NightShape
 
 pytestmark = pytest.mark.unit
@@ -199,7 +200,6 @@ def test_the_cli_passes_the_flow_one_request_of_its_options(
     """Each option is a field of the request (a nested model's too), parsed and checked once, by the model."""
     from rayline.cli import app
     from rayline.flows import nightly_inference as flow_module
-    from rayline.ray_workloads.execution.plan import PlanPolicy
     from rayline.ray_workloads.nightly.batch_inference import NightSkipped
 
     asked: list[NightRequest] = []
@@ -224,3 +224,14 @@ def test_the_cli_passes_the_flow_one_request_of_its_options(
             plan=PlanPolicy(mode="off", min_agreement=0.9),
         )
     ]
+
+
+def test_every_field_of_the_request_is_an_option_of_the_command() -> None:
+    """A night option is written once, on the model: the command's options are its fields, nested ones too."""
+    import typer
+
+    from rayline.cli import app
+
+    command = typer.main.get_group(app).commands["nightly-inference"]
+    fields = {*NightRequest.model_fields, *NightShape.model_fields, *PlanPolicy.model_fields} - {"shape", "plan"}
+    assert {p.name for p in command.params} == fields | {"as_json"}
