@@ -7,8 +7,10 @@ pool and a worker); ``build_deployments()`` turns it into Prefect
 
 How the lifecycle runs itself:
 
-* ``nightly-inference`` on a cron (02:00 UTC), yesterday's partition; run by
-  hand with ``date_from``/``date_to`` it backfills a range of nights;
+* ``nightly-inference`` on a cron (02:00 UTC), yesterday's partition, asked by
+  the ``NightRequest`` that ``[deployments.nightly-inference]`` of ``rayline.toml``
+  sets (or ``prefect.yaml``, which shows each of its fields); run by hand with a
+  ``date_from``/``date_to`` it backfills a range of nights;
 * ``prepare-data`` hourly: an ingest that finds new objects emits
   ``rayline.data.arrived`` (labelled ``rayline.retrain=true`` when enough of them
   are labelled);
@@ -39,6 +41,7 @@ from prefect.events.schemas.automations import Posture
 from prefect.schedules import Cron, Interval, Schedule
 
 from rayline import events
+from rayline.config import deployment_request
 from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS
 
 RETRAIN_DEBOUNCE = timedelta(minutes=30)
@@ -90,7 +93,7 @@ def _on(
 
 def deployment_table() -> list[DeploymentSpec]:
     from rayline.flows.monitor import monitor
-    from rayline.flows.nightly_inference import nightly_inference
+    from rayline.flows.nightly_inference import NightRequest, nightly_inference
     from rayline.flows.prepare_data import prepare_data
     from rayline.flows.serve_rollout import serve_rollout
     from rayline.flows.train_model import train_model
@@ -100,12 +103,12 @@ def deployment_table() -> list[DeploymentSpec]:
             name="nightly-inference",
             flow=nightly_inference,
             cron="0 2 * * *",
-            # the schedule leaves date_from/date_to/max_concurrent_nights unset; a manual run of this
-            # deployment with them set is a backfill (one commit per night)
+            # the schedule's request names no night (yesterday's); a manual run given a range is a backfill
+            parameters={"request": deployment_request("nightly-inference", NightRequest)},
             description=(
                 "Yesterday's arrivals (UTC) through the champion, committed as its night (model_name, dt) "
-                "of the predictions tables; date_from/date_to (and max_concurrent_nights) run a range of "
-                "nights: a backfill"
+                "of the predictions tables; a request's date_from/date_to (and max_concurrent_nights) run a "
+                "range of nights: a backfill"
             ),
         ),
         DeploymentSpec(

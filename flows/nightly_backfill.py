@@ -1,22 +1,16 @@
 """The per-night pieces of ``nightly-inference``, and its run of a range of nights (a backfill).
 
-Not a flow: a helper module of the flows layer, which ``flows/nightly_inference.py``
-imports (a flow imports no other flow, but a module that defines none it may).
-
-Both paths build a night's config and judge its error budget here. A range
-submits one ``batch-inference`` task per night, at most
-``max_concurrent_nights`` at a time: each night is its own Delta commit and
-its own task run, and a night that fails (any exception, or over its error
-budget) leaves the others running. The run ends with one table artifact row
-per night, then raises :class:`~rayline.errors.NightsFailed` if any night
-failed, so the flow run ends Failed naming them.
+Not a flow: a helper module of the flows layer (a flow imports no other flow, but a module that defines
+none it may). A range submits one ``batch-inference`` task per night, at most ``max_concurrent_nights``
+at a time: each night is its own Delta commit and task run, and a night that fails (any exception, or
+over its error budget) leaves the others running. The run ends with one table artifact row per night,
+then raises :class:`~rayline.errors.NightsFailed` if any night failed, so the flow run ends Failed naming them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import date
-from typing import Any
 
 from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
@@ -27,47 +21,31 @@ from rayline.config import get_settings
 from rayline.errors import ErrorBudgetExceeded, NightsFailed
 from rayline.lineage import code_version
 from rayline.models.registry import ModelVersion
-from rayline.ray_workloads.execution.plan import PlanPolicy
 from rayline.ray_workloads.nightly.batch_inference import InferenceConfig, InferenceResult, NightSkipped
+from rayline.ray_workloads.nightly.request import BackfillResult, NightOutcome, NightRequest
 from rayline.storage.layout import root_uri
-from rayline.tables import night_ranges
-from rayline.tables.night_ranges import BackfillResult, NightOutcome
-from rayline.tasks.batch_inference import batch_inference_task, cluster_cpus
+from rayline.tasks.batch_inference import batch_inference_task, cluster_cpus_task
 
 BACKFILL_ARTIFACT = "nightly-inference-backfill"
 
 NightValue = InferenceResult | NightSkipped
 
 
-def flow_run_id() -> str | None:
+def night_config(request: NightRequest, day: date, model: ModelVersion, shadow: ModelVersion | None) -> InferenceConfig:
+    """One night's workload config: the night's arrivals through ``model`` (and ``shadow``, scored beside it), in
+    the request's shape, committed under the storage root."""
     run_id = flow_run.get_id()
-    return str(run_id) if run_id else None
-
-
-def night_config(
-    day: date,
-    version: ModelVersion,
-    input_uri: str | None,
-    actors: int,
-    batch_size: int,
-    plan: PlanPolicy | None = None,
-    shadow: ModelVersion | None = None,
-) -> InferenceConfig:
-    """One night's workload config: the night's arrivals through ``version`` (and ``shadow``, scored beside it),
-    committed under the storage root."""
-    root = root_uri()
     return InferenceConfig(
-        input_uri=night_ranges.night_input_uri(input_uri, root, day),
-        tables_root=root,
+        input_uri=request.input_for(day, root_uri()),
+        tables_root=root_uri(),
         dt=day.isoformat(),
-        model=version,
+        model=model,
         shadow=shadow,
-        actors=actors,
-        batch_size=batch_size,
+        plan=request.plan,
         io_concurrency=get_settings().io_concurrency,
         code_version=code_version(),
-        flow_run_id=flow_run_id(),
-        plan=plan or PlanPolicy(),
+        flow_run_id=str(run_id) if run_id else None,
+        **request.shape.model_dump(),
     )
 
 
@@ -87,14 +65,8 @@ def night_outcome(dt: str, value: NightValue | Exception, max_error_fraction: fl
         return NightOutcome(dt=dt, state="failed", message=f"{type(value).__name__}: {value}")
     if isinstance(value, NightSkipped):
         return NightOutcome(dt=dt, state="skipped", message=value.message)
-    counts: dict[str, Any] = {
-        "inputs": value.inputs,
-        "predictions": value.predictions,
-        "errors": value.errors,
-        "skipped_objects": value.skipped,
-        "predictions_version": value.predictions_version,
-        "errors_version": value.errors_version,
-    }
+    counts = value.model_dump(include={"inputs", "predictions", "errors", "predictions_version", "errors_version"})
+    counts["skipped_objects"] = value.skipped
     try:
         check_error_budget(value, max_error_fraction)
     except ErrorBudgetExceeded as exc:  # committed, yet failed: the budget is judged per night
@@ -102,13 +74,6 @@ def night_outcome(dt: str, value: NightValue | Exception, max_error_fraction: fl
     return NightOutcome(
         dt=dt, state="committed", message="replaced an earlier commit" if value.replaced else "", **counts
     )
-
-
-def _settle(future: PrefectFuture[NightValue]) -> NightValue | Exception:
-    try:
-        return future.result()
-    except Exception as exc:  # one night's failure is that night's outcome, not the run's
-        return exc
 
 
 def _run_nights(configs: Sequence[InferenceConfig], width: int) -> dict[str, NightValue | Exception]:
@@ -122,7 +87,10 @@ def _run_nights(configs: Sequence[InferenceConfig], width: int) -> dict[str, Nig
         future = next(done)
         done.close()
         dt = running.pop(future)
-        settled[dt] = _settle(future)
+        try:
+            settled[dt] = future.result()
+        except Exception as exc:  # one night's failure is that night's outcome, not the run's
+            settled[dt] = exc
         logger.info("night %s: %s", dt, type(settled[dt]).__name__)
 
     for config in configs:
@@ -134,32 +102,19 @@ def _run_nights(configs: Sequence[InferenceConfig], width: int) -> dict[str, Nig
     return settled
 
 
-def run_range(
-    days: Sequence[date],
-    version: ModelVersion,
-    *,
-    input_uri: str | None,
-    actors: int,
-    batch_size: int,
-    max_error_fraction: float,
-    max_concurrent_nights: int | None,
-    plan: PlanPolicy | None = None,
-    shadow: ModelVersion | None = None,
-) -> BackfillResult:
-    """Run every night of ``days``; a table artifact row per night; raise NightsFailed if any failed."""
-    configs = [night_config(day, version, input_uri, actors, batch_size, plan, shadow) for day in days]
-    width = max_concurrent_nights or night_ranges.nights_at_once(
-        cluster_cpus(), actors, configs[0].cpus_per_actor, len(configs)
-    )
+def run_range(request: NightRequest, version: ModelVersion, shadow: ModelVersion | None) -> BackfillResult:
+    """Run every night of the request's range; a table artifact row per night; raise NightsFailed if any failed."""
+    configs = [night_config(request, day, version, shadow) for day in request.nights()]
+    width = request.max_concurrent_nights or request.shape.nights_at_once(cluster_cpus_task(), len(configs))
     get_run_logger().info("%d nights of %s v%d, %d at a time", len(configs), version.name, version.version, width)
     settled = _run_nights(configs, width)
     result = BackfillResult(
         model_name=version.name,
         model=f"{version.name} v{version.version}",
-        date_from=days[0].isoformat(),
-        date_to=days[-1].isoformat(),
+        date_from=configs[0].dt,
+        date_to=configs[-1].dt,
         max_concurrent_nights=width,
-        nights=[night_outcome(c.dt, settled[c.dt], max_error_fraction) for c in configs],
+        nights=[night_outcome(c.dt, settled[c.dt], request.max_error_fraction) for c in configs],
     )
     create_table_artifact(
         key=BACKFILL_ARTIFACT,
@@ -167,5 +122,5 @@ def run_range(
         description=f"{result.model}, {result.date_from} to {result.date_to}, {width} nights at a time",
     )
     if result.failed:
-        raise NightsFailed(night_ranges.failure_message(result), result)
+        raise NightsFailed(result.failure_message(), result)
     return result

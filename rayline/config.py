@@ -15,9 +15,9 @@ import re
 import tomllib
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rayline.errors import ConfigError
@@ -278,6 +278,8 @@ def lease_ttl(default_s: float) -> float:
 
 CONFIG_FILE_ENV = "RAYLINE_CONFIG"
 DEFAULT_CONFIG_FILE = "rayline.toml"
+# The file's table of what each scheduled deployment's runs are asked: [deployments.<name>], a request's fields.
+DEPLOYMENTS_TABLE = "deployments"
 
 
 def config_file() -> Path | None:
@@ -298,24 +300,38 @@ def apply_config_file() -> None:
     from the variables the driver forwards (``rayline.ray_cluster``), and a worker node has no such file.
 
     The file holds the settings' names in lowercase (``storage = "s3://bucket/rayline"``); a name that is
-    no setting is refused, naming the file.
+    no setting is refused, naming the file. Its ``[deployments.<name>]`` tables are no settings:
+    :func:`deployment_request`.
     """
+    for name, value in _file_values().items():
+        if name != DEPLOYMENTS_TABLE:
+            os.environ.setdefault(f"RAYLINE_{name.upper()}", _as_variable(value))
+
+
+def deployment_request(deployment: str, model: type[BaseModel]) -> dict[str, Any]:
+    """The request a deployment's runs take: ``model``'s defaults under what the settings file's
+    ``[deployments.<deployment>]`` sets, every field written out (prefect.yaml and Prefect's UI show each)."""
+    try:
+        request = model.model_validate(_file_values().get(DEPLOYMENTS_TABLE, {}).get(deployment, {}))
+    except ValidationError as exc:
+        raise ConfigError(f"[{DEPLOYMENTS_TABLE}.{deployment}] of {config_file()}: {exc}") from exc
+    return request.model_dump(mode="json")
+
+
+def _file_values() -> dict[str, Any]:
     path = config_file()
-    if path is None:
-        return
-    for name, value in _file_values(str(path.resolve()), path.stat().st_mtime_ns).items():
-        os.environ.setdefault(f"RAYLINE_{name.upper()}", _as_variable(value))
+    return {} if path is None else _read_file(str(path.resolve()), path.stat().st_mtime_ns)
 
 
 @lru_cache(maxsize=4)
-def _file_values(path: str, _mtime_ns: int) -> dict[str, object]:
+def _read_file(path: str, _mtime_ns: int) -> dict[str, Any]:
     """The file's checked values, read once per version of the file: get_settings runs on every storage call."""
     try:
         values = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: not a readable TOML file of rayline settings: {exc}") from exc
     known = {name for name, field in Settings.model_fields.items() if field.validation_alias is None}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(set(values) - known - {DEPLOYMENTS_TABLE})
     if unknown:
         raise ConfigError(f"{path}: {', '.join(unknown)} is no rayline setting; known: {', '.join(sorted(known))}")
     return values

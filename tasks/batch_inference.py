@@ -8,7 +8,7 @@ from rayline import ray_cluster
 from rayline.errors import NightCommittedElsewhere
 from rayline.ray_workloads.nightly import batch_inference
 from rayline.skipped import skipped_text
-from rayline.tasks.common import idempotency_key, lease_holder, ray_task, record_lineage
+from rayline.tasks.common import idempotency_key, io_task, lease_holder, ray_task, record_lineage
 
 
 @ray_task("batch-inference", preload=batch_inference.WORKER_PRELOAD)
@@ -47,6 +47,7 @@ def batch_inference_task(
     return result
 
 
-def cluster_cpus() -> float:
-    """The cluster's logical CPUs, for sizing a backfill; connects as the task does, so the preload applies."""
+@io_task("cluster-cpus")
+def cluster_cpus_task() -> float:
+    """The cluster's logical CPUs, for sizing a backfill; connects as a night does, so the preload applies."""
     return ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD).num_cpus

@@ -1,4 +1,5 @@
-"""A night's batch inference: ``batch_inference.run`` is the stage; ``contract`` its typed config,
+"""A night's batch inference: ``batch_inference.run`` is the stage; ``request`` what a run is asked (a night
+or a range, in a shape) and what a range answers; ``contract`` its typed config,
 result and outcomes; ``pipeline`` the Ray Data pipeline; ``blocks`` the blocks cut from the listing and
 written once each; ``holding`` the night's lease and each holder's listing; ``predictor`` the actors'
 model call; ``compaction`` the files the tables commit.

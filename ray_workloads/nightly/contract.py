@@ -16,6 +16,7 @@ from rayline.errors import ConfigError
 from rayline.lineage import DatasetRef
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.execution.plan import PlanPolicy
+from rayline.ray_workloads.nightly.request import NightShape
 from rayline.ray_workloads.quality.shadow import ShadowSummary, committed_summary
 from rayline.storage.folders import LeasedOutput
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, table_uri
@@ -35,8 +36,9 @@ def block_size(image_side: int, count: int, chosen: int | None = None) -> int:
     return max(base, -(-count // MAX_BLOCKS_PER_NIGHT))
 
 
-class InferenceConfig(LeasedOutput):
-    """A night of batch inference; the lease fields are the night's (one live run predicts a night at a time)."""
+class InferenceConfig(LeasedOutput, NightShape):
+    """A night of batch inference in the shape its request asked for; the lease fields are the night's (one live run
+    predicts a night at a time)."""
 
     input_uri: str
     tables_root: str = Field(description="Where the predictions and prediction_errors tables live: the storage root.")
@@ -47,11 +49,6 @@ class InferenceConfig(LeasedOutput):
         description="A second version scored on the same decoded images, its rows in shadow_predictions; "
         "the night's budget, rows and guarantees stay the champion's.",
     )
-    batch_size: int = Field(
-        64, ge=1, description="Images per model call, at most (capped by pixels: 32 at 224 px; model_batch_size)."
-    )
-    actors: int = Field(2, ge=1)
-    cpus_per_actor: float = Field(0.5, gt=0)
     gpus_per_actor: float = Field(0.0, ge=0)
     objects_per_task: int | None = Field(
         None,

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from enum import IntEnum, StrEnum
+from enum import IntEnum
 from typing import Annotated, Any, NoReturn, TextIO
 
 import typer
@@ -80,23 +80,6 @@ def exit_code(exc: BaseException) -> ExitCode:
 
 
 DEFAULT_MODEL_NAME = "digits"
-
-
-# typer takes a fixed set of values as an Enum; these mirror rayline.ray_workloads.execution.plan's Literals
-class PlanMode(StrEnum):
-    auto = "auto"
-    off = "off"
-
-
-class PrecisionChoice(StrEnum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class BackendChoice(StrEnum):
-    eager = "eager"
-    openvino = "openvino"
 
 
 def quiet_ray() -> None:

@@ -57,7 +57,7 @@ def demo(
     started = time.perf_counter()
     apply_process_defaults()
     _quiet_ray()
-    from rayline.flows.nightly_inference import nightly_inference
+    from rayline.flows.nightly_inference import NightRequest, nightly_inference
     from rayline.flows.train_model import train_model
     from rayline.lineage import lineage_dir
     from rayline.seed import seed as write_seed
@@ -98,7 +98,7 @@ def demo(
         with _stage("nightly inference", times):
             # the version that is not champion now is scored in the night's shadow: the quality loop's first look
             shadow = _other_version(baseline.registration.version, result.registration.version)
-            predictions = nightly_inference(date=day.isoformat(), shadow=shadow)
+            predictions = nightly_inference(NightRequest(date=day, shadow=shadow))
         with _stage("labels and quality", times):
             checked = _label_and_measure(root, day.isoformat(), check_serving=serving is not None)
         with _stage("outside model", times):

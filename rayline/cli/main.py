@@ -9,23 +9,13 @@ from typing import Annotated, Literal
 import typer
 
 from rayline.cli import console, demo, labels, ops, platform, register, summaries, tables
-from rayline.cli.common import (
-    DEFAULT_MODEL_NAME,
-    BackendChoice,
-    ExitCode,
-    JsonOption,
-    PlanMode,
-    PrecisionChoice,
-    echo_json,
-    exit_code,
-    model_ref,
-    reserve_stdout_for_json,
-)
+from rayline.cli.common import DEFAULT_MODEL_NAME, ExitCode, JsonOption, echo_json, exit_code, reserve_stdout_for_json
 from rayline.cli.common import fail as _fail
 from rayline.cli.common import quiet_ray as _quiet_ray
+from rayline.cli.request_options import request_options
 from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import ConfigError, NightsFailed, RaylineError
-from rayline.tables import night_ranges
+from rayline.ray_workloads.nightly.request import NightRequest
 
 # Each command imports its flow when it runs: the flows load Prefect, Ray and torch (seconds),
 # which `rayline --help` and the commands that start no flow do without.
@@ -259,58 +249,20 @@ def _check_fine_tune_options(init_from: str | None, arch: str | None, tune: int)
         )
 
 
+# the night's options are NightRequest's fields (a nested model's too), each named after its field but these
+NIGHT_OPTIONS = {
+    "date_from": "--from",
+    "date_to": "--to",
+    "input_uri": "--source",
+    "max_concurrent_nights": "--max-concurrent",
+    "mode": "--plan",
+    "min_agreement": "--min-plan-agreement",
+}
+
+
 @app.command("nightly-inference")
-def nightly_inference_command(
-    date: Annotated[str | None, typer.Option(help="Day to predict, YYYY-MM-DD; default yesterday (UTC).")] = None,
-    model: Annotated[
-        str,
-        typer.Option(help="NAME@champion, NAME@v3, or an alias (champion) / version (v3) of --model-name."),
-    ] = "champion",
-    model_name: Annotated[
-        str | None, typer.Option(help="Registry name when --model has no NAME@ (default digits).")
-    ] = None,
-    source: Annotated[
-        str | None,
-        typer.Option(help="Input prefix; default <storage>/incoming/dt=<date>. With --from/--to: {dt} marks the day."),
-    ] = None,
-    max_error_fraction: Annotated[float, typer.Option(min=0.0, max=1.0, help="Error budget (of each night).")] = 0.05,
-    actors: Annotated[int, typer.Option(min=1, help="Predictor actors (of each night).")] = 2,
-    batch_size: Annotated[
-        int, typer.Option(min=1, help="Images per model call (at most 32 at 224 px: memory is bounded by pixels).")
-    ] = 64,
-    date_from: Annotated[
-        str | None, typer.Option("--from", help="Backfill: first night, YYYY-MM-DD (with --to; not with --date).")
-    ] = None,
-    date_to: Annotated[str | None, typer.Option("--to", help="Backfill: last night, YYYY-MM-DD (inclusive).")] = None,
-    max_concurrent: Annotated[
-        int | None,
-        typer.Option(
-            min=1, help="Backfill: nights at once; default the cluster's CPUs / one night's (--actors × 0.5)."
-        ),
-    ] = None,
-    plan: Annotated[
-        PlanMode,
-        typer.Option(help="auto: measure the plans the hardware offers, keep the fastest that agrees with fp32; off."),
-    ] = PlanMode.auto,
-    precision: Annotated[
-        PrecisionChoice | None, typer.Option(help="Pin the precision (still gated against fp32's answers).")
-    ] = None,
-    backend: Annotated[
-        BackendChoice | None, typer.Option(help="Pin the backend (openvino: CPUs, with rayline[openvino]).")
-    ] = None,
-    min_plan_agreement: Annotated[
-        float, typer.Option(min=0.0, max=1.0, help="Top-1 agreement with fp32 a faster plan needs on the probe.")
-    ] = 0.995,
-    shadow: Annotated[
-        str | None,
-        typer.Option(
-            help="Also score this version (v3, or an alias: challenger) on the same decoded images, into "
-            "shadow_predictions, with its agreement with the night's model; RAYLINE_SHADOW_CHALLENGER=1 does it "
-            "for the challenger whenever there is one."
-        ),
-    ] = None,
-    as_json: JsonOption = False,
-) -> None:
+@request_options(NightRequest, NIGHT_OPTIONS)
+def nightly_inference_command(request: NightRequest, as_json: JsonOption = False) -> None:
     """Run the nightly-inference flow once: predict a day of arrivals (or each night of --from..--to), commit it.
 
     A range prints one line per night and exits 1 if any night failed (the others are committed).
@@ -320,30 +272,8 @@ def nightly_inference_command(
     from rayline.flows.nightly_inference import nightly_inference
 
     try:
-        name, ref = model_ref(model, model_name)
-        labels = night_ranges.RangeLabels(date="--date", start="--from", end="--to", input_uri="--source")
-        if (
-            night_ranges.night_range(date, date_from, date_to, labels) is not None
-        ):  # checked before Prefect and Ray start
-            night_ranges.check_range_input(source, labels)
         get_settings()
-        result = nightly_inference(
-            date=date,
-            model=ref,
-            model_name=name,
-            input_uri=source,
-            max_error_fraction=max_error_fraction,
-            actors=actors,
-            batch_size=batch_size,
-            date_from=date_from,
-            date_to=date_to,
-            max_concurrent_nights=max_concurrent,
-            plan=plan.value,
-            precision=precision.value if precision else None,
-            backend=backend.value if backend else None,
-            min_plan_agreement=min_plan_agreement,
-            shadow=shadow,
-        )
+        result = nightly_inference(request)
     except NightsFailed as exc:
         echo_json(exc.result) if as_json else summaries.print_backfill_summary(exc.result)
         raise typer.Exit(code=ExitCode.FAILED) from exc

@@ -54,7 +54,7 @@ def save_user_weights(root: str) -> str:
 
 def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
     from rayline import ray_cluster
-    from rayline.flows.nightly_inference import nightly_inference
+    from rayline.flows.nightly_inference import NightRequest, nightly_inference
     from rayline.flows.register_model import register_model
     from rayline.flows.serve_rollout import serve_config
     from rayline.models import registry
@@ -70,7 +70,7 @@ def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
     incoming = storage.join(root, PHOTOS_INCOMING, partition_for(day))
     seeded = write_seed(incoming, photos=photos, corrupt=corrupt, digits=False)
     typer.echo(f"dropped {seeded.total} photos under {incoming}")
-    night = nightly_inference(date=day.isoformat(), model_name=OUTSIDE_MODEL, input_uri=incoming)
+    night = nightly_inference(NightRequest(date=day, model_name=OUTSIDE_MODEL, input_uri=incoming))
     if not isinstance(night, InferenceResult):  # one date: a night, unless another run committed it meanwhile
         raise RaylineError(f"the night of photos was not committed by this walk: {night}")
     ray_cluster.connect()

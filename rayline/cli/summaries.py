@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from rayline.ray_workloads.nightly.request import BackfillResult, NightOutcome
 from rayline.skipped import skipped_text
-from rayline.tables.night_ranges import BackfillResult, NightOutcome
 
 if TYPE_CHECKING:  # for the types only: importing the flows at run time loads Prefect, Ray and torch
     from rayline.flows.prepare_data import PrepareDataResult

@@ -24,7 +24,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from rayline.config import get_settings
+from rayline.config import CONFIG_FILE_ENV, config_file, get_settings
 from rayline.errors import ClusterError, ConfigError
 
 POOL_TYPE = "process"
@@ -67,6 +67,9 @@ class PrefectYamlRendering:
     flow (Prefect, Ray, torch) and needs no service, so its seconds overlap their start-ups."""
 
     def __init__(self, env: dict[str, str]) -> None:
+        # it renders in the checkout: the deployments' requests come from this process's settings file
+        if (settings_file := config_file()) is not None:
+            env = {**env, CONFIG_FILE_ENV: str(settings_file.resolve())}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "rayline.deployments.prefect_yaml"],
             env=env,

@@ -6,8 +6,7 @@
   commit's info, the version that set a transaction), so a lookup never reads the whole history;
 - ``predictions_table``: the writer (the driver's one commit per table per night) and the schemas;
 - ``prediction_reads``: the readers (a night, both tables paired by run, committed nights) and vacuum
-  (the face users call: ``rayline.tables.read_night_pair(...)``);
-- ``nights``: which nights a nightly run covers and what became of each.
+  (the face users call: ``rayline.tables.read_night_pair(...)``).
 
 It imports ``rayline.storage`` and the cross-cutting modules only: never ``rayline.models`` or
 ``rayline.lineage`` (the lineage graph reads the tables, so a migration's lineage writer is passed in).

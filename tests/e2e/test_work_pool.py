@@ -146,7 +146,7 @@ def test_nightly_inference_runs_through_the_worker(platform: dict[str, str]) -> 
     day = "2026-01-05"
     _drop_night(platform, day, count=40)
     with _api(platform) as client:
-        run_id = _run_deployment(client, "nightly-inference/nightly-inference", {"date": day})
+        run_id = _run_deployment(client, "nightly-inference/nightly-inference", {"request": {"date": day}})
         _wait_for(lambda: _state(client, run_id) in {"COMPLETED", "FAILED", "CRASHED"}, 420, "the run ending")
         run = _flow_run(client, run_id)
     assert run["state"]["type"] == "COMPLETED", run["state"]
@@ -323,7 +323,7 @@ def test_killed_flow_runs_end_crashed_and_their_ray_actors_go(platform: dict[str
             cli.wait(timeout=60)
         _assert_ray_job_ended(platform, cli_job)
 
-        night = {"date": "2026-01-07", "actors": 1, "batch_size": 4}
+        night = {"request": {"date": "2026-01-07", "shape": {"actors": 1, "batch_size": 4}}}
         worker_run = _run_deployment(client, "nightly-inference/nightly-inference", night)
         worker_said = lambda: _worker_log(platform)  # noqa: E731
         pid = _started_process(worker_run, worker_said)

@@ -16,10 +16,10 @@ from rayline.cli import app
 from rayline.cli.common import ExitCode
 from rayline.errors import ErrorBudgetExceeded
 from rayline.flows.nightly_backfill import BACKFILL_ARTIFACT
-from rayline.flows.nightly_inference import nightly_inference
+from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.ray_workloads.nightly.batch_inference import InferenceConfig, NightSkipped
+from rayline.ray_workloads.nightly.request import BackfillResult, NightOutcome, NightShape
 from rayline.seed import digit_objects
-from rayline.tables.night_ranges import BackfillResult, NightOutcome
 from rayline.tables.prediction_reads import read_night_pair
 from tests.integration.helpers import register_untrained_champion
 
@@ -66,7 +66,9 @@ def test_a_bad_night_fails_alone_and_the_run_and_the_cli_say_so(local_storage: s
     # BAD has no incoming prefix at all: an outage that lost the night's arrivals
 
     # one night keeps its own path, through the same per-night config and budget: committed, then refused
-    over = nightly_inference(date=LAST, actors=1, max_error_fraction=0.05, return_state=True)
+    over = nightly_inference(
+        NightRequest(date=LAST, shape=NightShape(actors=1), max_error_fraction=0.05), return_state=True
+    )
     refused = over.result(raise_on_failure=False)
     assert over.is_failed() and isinstance(refused, ErrorBudgetExceeded), refused
     # the night's share against the budget, and where the committed error rows are
@@ -130,12 +132,12 @@ def test_nights_run_at_most_max_concurrent_at_once(local_storage: str, monkeypat
 
     register_untrained_champion()
     monkeypatch.setattr(nightly_backfill, "batch_inference_task", fake_night)
-    result = nightly_inference(date_from="2026-11-01", date_to="2026-11-05", max_concurrent_nights=2)
+    result = nightly_inference(NightRequest(date_from="2026-11-01", date_to="2026-11-05", max_concurrent_nights=2))
     assert isinstance(result, BackfillResult) and [n.state for n in result.nights] == ["skipped"] * 5
     assert peak[0] == 2 and sorted(started) == [n.dt for n in result.nights]
 
     # the default: the cluster's CPUs over one night's actors × CPUs each, at most the number of nights
-    monkeypatch.setattr(nightly_backfill, "cluster_cpus", lambda: 2.0)
+    monkeypatch.setattr(nightly_backfill, "cluster_cpus_task", lambda: 2.0)
     peak[0] = 0
-    result = nightly_inference(date_from="2026-11-01", date_to="2026-11-05", actors=2)
+    result = nightly_inference(NightRequest(date_from="2026-11-01", date_to="2026-11-05", shape=NightShape(actors=2)))
     assert isinstance(result, BackfillResult) and result.max_concurrent_nights == 2 and peak[0] == 2

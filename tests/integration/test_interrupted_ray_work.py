@@ -22,10 +22,11 @@ from prefect.futures import PrefectFuture
 from rayline import ray_work, storage
 from rayline.errors import NightsFailed, WorkTimedOut
 from rayline.flows import nightly_backfill
-from rayline.flows.nightly_inference import nightly_inference
+from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.ray_workloads.data import ingest
 from rayline.ray_workloads.nightly import batch_inference as bi
 from rayline.ray_workloads.nightly.batch_inference import InferenceConfig
+from rayline.ray_workloads.nightly.request import NightShape
 from rayline.seed import digit_objects
 from rayline.storage import manifests
 from rayline.storage.manifests import IngestManifest
@@ -117,7 +118,8 @@ def test_a_backfill_night_timed_out_stops_its_own_actors_while_its_sibling_finis
     monkeypatch.setattr(bi, "PredictorUDF", HangsOneNight)
     monkeypatch.setattr(nightly_backfill, "batch_inference_task", _HungNightTimesOut())
 
-    state = nightly_inference(date_from=HUNG, date_to=SIBLING, actors=1, max_concurrent_nights=2, return_state=True)
+    request = NightRequest(date_from=HUNG, date_to=SIBLING, shape=NightShape(actors=1), max_concurrent_nights=2)
+    state = nightly_inference(request, return_state=True)
 
     error = state.result(raise_on_failure=False)
     assert isinstance(error, NightsFailed), error

@@ -22,13 +22,14 @@ from typer.testing import CliRunner
 
 from rayline import lineage, storage
 from rayline.cli import app
-from rayline.flows.nightly_inference import nightly_inference
+from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.flows.prepare_data import prepare_data
 from rayline.lineage import DatasetRef
 from rayline.lineage.graph import LineageNode, build_graph, render_text
 from rayline.models import registry
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
 from rayline.ray_workloads.nightly.batch_inference import InferenceResult
+from rayline.ray_workloads.nightly.request import NightShape
 from rayline.seed import digit_objects
 from rayline.tables.delta_tables import night_commit
 from rayline.tasks.common import openlineage_run, record_lineage
@@ -80,7 +81,7 @@ def test_a_night_names_its_delta_version_and_leads_back_to_raw_objects_with_etag
     )
     registry.set_alias("digits", registry.CHAMPION, version.version, "test")
     _write_images(storage.join(local_storage, "incoming", f"dt={DAY}"), 12)
-    night = nightly_inference(date=DAY, actors=1)
+    night = nightly_inference(NightRequest(date=DAY, shape=NightShape(actors=1)))
     assert isinstance(night, InferenceResult), night
     table = night.predictions_table
     partition = storage.join(table, f"model_name={night.model_name}", f"dt={night.dt}")

@@ -18,7 +18,7 @@ from rayline.cli import app
 from rayline.cli.common import ExitCode
 from rayline.flows.import_labels import import_labels
 from rayline.flows.monitor import monitor
-from rayline.flows.nightly_inference import nightly_inference
+from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.flows.prepare_data import prepare_data
 from rayline.models import registry
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
@@ -97,7 +97,7 @@ def test_drift_is_detected_on_unfamiliar_images_only(local_storage: str, prefect
     _drop(local_storage, "2026-11-27", list(digit_objects(32))[::3])  # like training
     _drop(local_storage, "2026-11-28", list(synthetic_objects(600, 32, np.random.default_rng(5))))  # unlike it
     for day in ("2026-11-27", "2026-11-28"):
-        nightly_inference(date=day, max_error_fraction=0.0)
+        nightly_inference(NightRequest(date=day, max_error_fraction=0.0))
 
     labels_file = _label_familiar_night(local_storage, "2026-11-27")
     answer = CliRunner().invoke(app, ["labels", "import", str(labels_file), "--selection", "random", "--json"])

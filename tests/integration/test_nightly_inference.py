@@ -12,13 +12,14 @@ from deltalake import DeltaTable
 
 from rayline import storage
 from rayline.errors import OutOfMemory, RetriesExhausted, is_transient
-from rayline.flows.nightly_inference import nightly_inference
+from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.models import registry
 from rayline.ray_workloads.execution.cache import cached_plan, plan_for, plan_uri
 from rayline.ray_workloads.execution.interface import load_version
 from rayline.ray_workloads.execution.plan import REFERENCE, Plan, PlanPolicy, softmax, torch_run
 from rayline.ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
 from rayline.ray_workloads.nightly.holding import night_lease_uri
+from rayline.ray_workloads.nightly.request import NightShape
 from rayline.seed import digit_objects, seed_incoming, synthetic_objects
 from rayline.storage import leases
 from rayline.tables.delta_tables import Night
@@ -57,7 +58,7 @@ def _rows(root: str, model: str = "digits") -> tuple[list[str], list[str], Count
 def test_every_input_once_and_reruns_replace_the_partition(local_storage: str) -> None:
     register_untrained_champion()
     _, inputs = _incoming(local_storage, corrupt=8)
-    result = nightly_inference(date=DAY, max_error_fraction=0.05)
+    result = nightly_inference(NightRequest(date=DAY, max_error_fraction=0.05))
     assert isinstance(result, InferenceResult)
     predicted, errored, error_types = _rows(local_storage)
     assert len(predicted) + len(errored) == len(inputs) == 1797 + 2 + 8
@@ -81,7 +82,7 @@ def test_every_input_once_and_reruns_replace_the_partition(local_storage: str) -
     storage.write_bytes_atomic(storage.join(night_folder, "part-crashed-0.parquet"), b"half a file")
     assert _rows(local_storage)[0] == predicted
 
-    again = nightly_inference(date=DAY)
+    again = nightly_inference(NightRequest(date=DAY))
     assert isinstance(again, InferenceResult) and again.replaced
     assert again.predictions_version == result.predictions_version + 1, "one commit per run"
     predicted_again, errored_again, _ = _rows(local_storage)
@@ -105,7 +106,10 @@ def test_three_runs_of_one_night_started_together_all_end_completed(local_storag
     lease_uri = night_lease_uri(local_storage, Night("digits", DAY))
     with LeaseWaiters() as waiters, ThreadPoolExecutor(3) as pool:
         with leases.held(lease_uri, "the-test", ttl_s=300, wait_s=0):
-            runs = [pool.submit(nightly_inference, date=DAY, actors=1, return_state=True) for _ in range(3)]
+            runs = [
+                pool.submit(nightly_inference, NightRequest(date=DAY, shape=NightShape(actors=1)), return_state=True)
+                for _ in range(3)
+            ]
             waiters.wait_for(3, timeout_s=240)
         states = [run.result() for run in runs]
     assert all(state.is_completed() for state in states), [state.message for state in states]
@@ -191,8 +195,9 @@ def test_a_night_whose_fp16_plan_overflows_on_some_images_writes_fp32s_rows_for_
     cached = plan_for(loaded, version.uri, decoded(dim[:8]), PlanPolicy(precision="fp16"))
     assert cached.plan == fp16 and cached.key is not None, cached.reason
 
+    shape, plan = NightShape(actors=1, batch_size=4), PlanPolicy(precision="fp16")
     result = nightly_inference(
-        date=DAY, model_name="overflow", input_uri=incoming, actors=1, batch_size=4, precision="fp16"
+        NightRequest(date=DAY, model_name="overflow", input_uri=incoming, shape=shape, plan=plan)
     )
     assert isinstance(result, InferenceResult) and (result.predictions, result.errors) == (32, 0)
     night = read_night_pair(local_storage, "overflow", DAY)

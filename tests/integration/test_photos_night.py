@@ -16,11 +16,12 @@ from typer.testing import CliRunner
 from rayline import storage
 from rayline.cli import app
 from rayline.flows.monitor import monitor
-from rayline.flows.nightly_inference import nightly_inference
+from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.lineage.graph import build_graph, render_text
 from rayline.ray_workloads.architectures.build import imagenet_classes
 from rayline.ray_workloads.nightly.batch_inference import InferenceResult
 from rayline.ray_workloads.nightly.blocks import NightOutput, block_file_uri
+from rayline.ray_workloads.nightly.request import NightShape
 from rayline.seed import EXPECTED_ERROR_TYPE, digit_objects, photo_variant, seed, source_photos
 from rayline.tables.delta_tables import Night
 from rayline.tables.prediction_reads import read_night_pair
@@ -74,7 +75,9 @@ def test_a_photos_night_on_s3_is_keyed_by_model_next_to_a_digits_night_of_the_sa
     digits_in = storage.join(s3_storage, "incoming", f"dt={DAY}")
     for key, data in list(digit_objects(32))[:12]:
         storage.write_bytes_atomic(storage.join(digits_in, key), data)
-    digits = nightly_inference(date=DAY, model="champion", model_name="digits", actors=1)
+    digits = nightly_inference(
+        NightRequest(date=DAY, model="champion", model_name="digits", shape=NightShape(actors=1))
+    )
     assert isinstance(digits, InferenceResult)
     assert digits.predictions_table == storage.join(s3_storage, "predictions") and digits.night == f"digits/dt={DAY}"
     assert read_night_pair(s3_storage, "digits", DAY).predictions.num_rows == 12
@@ -88,7 +91,7 @@ def test_monitor_and_lineage_of_an_outside_champions_nights(local_storage: str) 
     version = register_outside()
     for day in (DAY, NEXT_DAY):
         incoming, _, _ = _photos_day(local_storage, day, photos=10, corrupt=0, large=0)
-        nightly_inference(date=day, model_name="photos", input_uri=incoming, actors=1)
+        nightly_inference(NightRequest(date=day, model_name="photos", input_uri=incoming, shape=NightShape(actors=1)))
 
     # no training labels: the first committed night is the reference (judged against itself: no drift)
     result = monitor(model_name="photos", partitions=2, check_serving=False)

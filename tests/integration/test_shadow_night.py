@@ -14,12 +14,13 @@ from deltalake import DeltaTable
 
 from rayline import storage
 from rayline.errors import ConfigError
-from rayline.flows.nightly_inference import nightly_inference
+from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.models import registry
 from rayline.ray_workloads.data import images
 from rayline.ray_workloads.execution.plan import PlanPolicy
 from rayline.ray_workloads.nightly import batch_inference, predictor
 from rayline.ray_workloads.nightly.blocks import NightOutput
+from rayline.ray_workloads.nightly.request import NightShape
 from rayline.ray_workloads.quality import shadow as shadow_module
 from rayline.seed import seed, seed_incoming
 from rayline.storage.layout import ERRORS_TABLE, PREDICTIONS_TABLE, SHADOW_TABLE, table_uri
@@ -141,7 +142,7 @@ def test_a_shadowed_night_commits_the_shadow_with_the_night_and_its_rerun_comple
 
     monkeypatch.setattr(batch_inference, "commit_night", dies_before_the_predictions_commit)
     with pytest.raises(_Died):
-        nightly_inference(date=DAY, actors=1, shadow="v2")
+        nightly_inference(NightRequest(date=DAY, shape=NightShape(actors=1), shadow="v2"))
     night = Night("digits", DAY)
     assert night_seq(table_uri(local_storage, SHADOW_TABLE), night) == 1, "the shadow committed, the night not"
     assert night_seq(table_uri(local_storage, PREDICTIONS_TABLE), night) == 0
@@ -151,7 +152,7 @@ def test_a_shadowed_night_commits_the_shadow_with_the_night_and_its_rerun_comple
     # the rerun shadows by RAYLINE_SHADOW_CHALLENGER: the challenger, whenever there is one, without --shadow
     registry.set_alias("digits", registry.CHALLENGER, shadow.version, "test")
     monkeypatch.setenv("RAYLINE_SHADOW_CHALLENGER", "1")
-    result = nightly_inference(date=DAY, actors=1, max_error_fraction=0.05)
+    result = nightly_inference(NightRequest(date=DAY, shape=NightShape(actors=1), max_error_fraction=0.05))
     monkeypatch.delenv("RAYLINE_SHADOW_CHALLENGER")
     assert isinstance(result, batch_inference.InferenceResult) and result.shadow is not None
     assert night_seq(table_uri(local_storage, SHADOW_TABLE), night) == 2, "the rerun replaced the shadow's rows"
@@ -186,6 +187,6 @@ def test_a_shadowed_night_commits_the_shadow_with_the_night_and_its_rerun_comple
     # the monitor's reading of the night's shadow, gone once the night is run again without one
     assert shadow_module.night_summaries(local_storage, "digits", [DAY]) == {DAY: summary}
     # the challenger alias stays, the setting is off: no shadow
-    unshadowed = nightly_inference(date=DAY, actors=1)
+    unshadowed = nightly_inference(NightRequest(date=DAY, shape=NightShape(actors=1)))
     assert isinstance(unshadowed, batch_inference.InferenceResult) and unshadowed.shadow is None
     assert shadow_module.night_summaries(local_storage, "digits", [DAY]) == {}

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
 from rayline import events
+from rayline.config import get_settings
 from rayline.deployments.catalog import RETRAIN_DEBOUNCE, build_deployments, deployment_table
+from rayline.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -28,12 +31,38 @@ def test_every_deployment_builds_with_its_schedule() -> None:
 def test_nightly_inference_accepts_a_range_the_schedule_leaves_unset() -> None:
     from prefect.utilities.callables import parameter_schema
 
+    from rayline.ray_workloads.nightly.request import NightRequest
+
     built = {d.name: d for d in build_deployments()}
-    assert built["nightly-inference"].parameters == {}, "the scheduled run predicts yesterday: no range"
+    (parameter,) = built["nightly-inference"].parameters
+    scheduled = NightRequest.model_validate(built["nightly-inference"].parameters[parameter])
+    assert scheduled == NightRequest() and not scheduled.is_range, "the scheduled run predicts yesterday: no range"
     (spec,) = [s for s in deployment_table() if s.name == "nightly-inference"]
     schema = parameter_schema(spec.flow)  # what the deployment registers as its parameter schema
-    assert {"date", "date_from", "date_to", "max_concurrent_nights"} <= set(schema.properties)
-    assert not schema.required, "every parameter has a default: the schedule sets none"
+    request = schema.definitions["NightRequest"]  # one form: the request's fields
+    assert {"date", "date_from", "date_to", "max_concurrent_nights"} <= set(request["properties"])
+    assert not schema.required and not request.get("required"), "every parameter has a default: the schedule sets none"
+
+
+def test_a_scheduled_deployment_s_request_is_set_in_rayline_toml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``[deployments.nightly-inference]`` of the settings file: the scheduled runs' request, in prefect.yaml too."""
+    from rayline.deployments.prefect_yaml import render_dict
+
+    (tmp_path / "rayline.toml").write_text(
+        '[deployments.nightly-inference]\nmodel = "photos@champion"\nshape = { actors = 4 }\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    get_settings()  # the file's deployment tables are no settings: not refused as unknown ones
+    (nightly,) = [d for d in render_dict()["deployments"] if d["name"] == "nightly-inference"]
+    request = nightly["parameters"]["request"]
+    assert (request["model_name"], request["model"], request["shape"]["actors"]) == ("photos", "champion", 4)
+    assert request["shape"]["batch_size"] == 64 and request["date"] is None, "the rest: the request's defaults"
+    (tmp_path / "misnamed.toml").write_text("[deployments.nightly-inference]\nactors = 4\n")  # actors: a shape's
+    monkeypatch.setenv("RAYLINE_CONFIG", str(tmp_path / "misnamed.toml"))
+    with pytest.raises(ConfigError, match=r"\[deployments.nightly-inference\] of .*misnamed.toml"):
+        build_deployments()
 
 
 def test_retraining_and_rollout_are_event_triggered() -> None:

@@ -14,14 +14,14 @@ from prefect import flow, get_run_logger
 from tasks.counting import count_classes
 
 from rayline import storage
-from rayline.flows.nightly_inference import nightly_inference
+from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.tables import read_night_pair
 
 
 @flow(name="nightly-report")
 def nightly_report(day: str, model_name: str = "digits") -> dict[str, int]:
     """rayline's nightly-inference as a subflow, then the night's predicted classes counted by a task of ours."""
-    nightly_inference(date=day, model_name=model_name)
+    nightly_inference(NightRequest(date=day, model_name=model_name))
     rows = read_night_pair(storage.storage_root(), model_name, day)
     get_run_logger().info("%s: %d predictions, %d errors", day, rows.predictions.num_rows, rows.errors.num_rows)
     counts = count_classes(rows.predictions.column("predicted_class").to_pylist())
