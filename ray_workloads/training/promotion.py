@@ -34,8 +34,9 @@ from rayline.ray_workloads.execution.plan import PROBE_IMAGES
 from rayline.ray_workloads.quality.paired import PairedTest
 from rayline.ray_workloads.quality.reading import labelled_gate
 from rayline.ray_workloads.training import evaluate
+from rayline.ray_workloads.training.request import GateOptions
 from rayline.ray_workloads.training.train import TrainResult
-from rayline.specs import ParentModel
+from rayline.specs import GATE_ALPHA, ParentModel
 
 GATE_METRIC = "test_accuracy"
 # how often a candidate is judged again when the champion moved between its gate and its promotion
@@ -44,22 +45,13 @@ REGATES = 3
 log = logging.getLogger(__name__)
 
 
-class PromotionConfig(BaseModel):
+class PromotionConfig(GateOptions):
     """A trained model to register under ``name`` and gate."""
 
     name: str
     spec: ModelSpec
     trained: TrainResult
     evaluation: evaluate.EvaluationResult
-    margin: float = 0.0
-    floor: float = 0.9
-    alpha: float = Field(
-        registry.GATE_ALPHA,
-        gt=0,
-        lt=0.5,
-        description="The most often a candidate no better than the champion on the test split passes the gate.",
-    )
-    promote_to: str = registry.CHAMPION
     parent: ParentModel | None = Field(None, description="The version a fine-tune started from.")
     trained_on_labels: registry.TrainingLabels | None = Field(
         None, description="The labels imports its training photos came from (a training on the labels)."
@@ -120,8 +112,6 @@ def test_samples(prepared: preprocess.PreprocessResult, count: int = PROBE_IMAGE
 
 def run(cfg: PromotionConfig) -> PromotionResult:
     """Register the trained weights, gate them against the champion, and move the alias they earned."""
-    if cfg.promote_to not in (registry.CHAMPION, registry.CHALLENGER):
-        raise ConfigError(f"promote_to must be champion or challenger, got {cfg.promote_to!r}")
     trained, evaluation = cfg.trained, cfg.evaluation
     prepared = preprocess.read_manifest(evaluation.data_manifest_uri)
     weights = storage.read_bytes(trained.weights_uri)
@@ -205,7 +195,7 @@ def gate_and_move(
     *,
     margin: float,
     floor: float,
-    alpha: float = registry.GATE_ALPHA,
+    alpha: float = GATE_ALPHA,
     promote_to: str = registry.CHAMPION,
     champion_wait_s: float = 0.0,
     labelled_root: str | None = None,

@@ -44,20 +44,19 @@ from rayline.ray_workloads.training.loop import (
     run_epoch,
     set_epoch_lr,
 )
+from rayline.ray_workloads.training.request import TrainShape
 from rayline.storage.layout import TRAIN_RESULT_FILE, TRAIN_STATE_FILE, WEIGHTS_FILE
 
 SCORE = "val_accuracy"  # the EpochMetrics field that ranks checkpoints
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(TrainShape):
     """A training run: data, hyper-parameters and compute shape."""
 
     data_manifest_uri: str
     output_root: str
     run_name: str
     loop: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
-    num_workers: int = Field(2, ge=1)
-    cpus_per_worker: float = Field(0.5, gt=0)
     use_gpu: bool | None = Field(None, description="None: use GPUs when the cluster has them.")
     max_failures: int = Field(2, ge=0)
     keep_checkpoints: int = Field(2, ge=1)

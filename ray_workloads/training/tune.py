@@ -142,6 +142,12 @@ class TuneResult(BaseModel):
     def lineage_inputs(self) -> list[DatasetRef]:
         return [DatasetRef(uri=self.data_manifest_uri)]
 
+    def tuned(self, loop: TrainLoopConfig) -> TrainLoopConfig:
+        """``loop`` with what the search found: the best trial's model (arch, width), lr, batch size and weight
+        decay; its epochs and the rest stay ``loop``'s."""
+        searched = ("model", "lr", "batch_size", "weight_decay")
+        return loop.model_copy(update={field: getattr(self.best_config, field) for field in searched})
+
     def lineage_outputs(self) -> list[DatasetRef]:
         """The experiment's folder, with the best configuration found."""
         return [DatasetRef(uri=self.experiment_uri, facets={"best": self.best_config.model_dump(mode="json")})]

@@ -110,7 +110,10 @@ def _register_with_retries(name: str, prepared: PreprocessResult) -> tuple[Regis
 
     @flow(name="register-retry-probe")
     def probe() -> tuple[RegistrationResult, UUID | None]:
-        state = fast(name, spec, trained, evaluation, promote_to=registry.CHALLENGER, return_state=True)
+        cfg = promotion.PromotionConfig(
+            name=name, spec=spec, trained=trained, evaluation=evaluation, promote_to=registry.CHALLENGER
+        )
+        state = fast(cfg, return_state=True)
         return state.result(), state.state_details.task_run_id
 
     result, task_run_id = probe()
