@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
@@ -66,6 +66,7 @@ from rayline.ray_workloads.architectures.torchvision_families import (
     imagenet_image_spec,
 )
 from rayline.ray_workloads.data.images import ImageDecodeError, decode_image
+from rayline.ray_workloads.registration.request import IMAGENET, RegisterRequest
 from rayline.specs import (
     FACTORY,
     FILE_FORMATS,
@@ -78,40 +79,17 @@ from rayline.specs import (
     ImageSpec,
     ModelSpec,
     WeightsSource,
-    check_model_name,
 )
 
-IMAGENET = "imagenet"
 # the usual ImageNet evaluation transform, for a model rayline has no weights entry or config for
 GENERIC_IMAGENET = ImageSpec(
     mode=RESIZE_CROP, resize=256, crop=224, interpolation="bilinear", mean=IMAGENET_MEAN, std=IMAGENET_STD
 )
 
 
-class RegisterModelConfig(BaseModel):
-    name: str
-    arch: str | None = Field(None, description="torchvision name or timm:<name>, for a state dict.")
-    weights_uri: str = Field(description="The model file: a state dict, TorchScript, .pt2 or ONNX; a path or URI.")
-    format: Literal["state_dict", "torchscript", "torch_export", "onnx"] | None = Field(
-        None, description="The file's format; detected from its content when not given."
-    )
-    factory: str | None = Field(None, description="'package.module:callable' building the user's nn.Module.")
-    factory_kwargs: dict[str, Any] = Field(default_factory=dict)
-    code: str | None = Field(None, description="A local package folder holding the factory, shipped to Ray.")
-    sidecar: str | None = Field(None, description="JSON file/URI with 'classes' and/or 'image' (an image spec).")
-    classes: str = Field(IMAGENET, description="'imagenet', or a file or storage URI with one class name a line.")
-    preprocess: Literal["imagenet", "squash"] = "imagenet"
-    resize: int | None = Field(None, ge=4, le=4096, description="Override the shorter side before cropping.")
-    crop: int | None = Field(None, ge=4, le=1024, description="Override the square side the model sees.")
-    draft: bool = Field(
-        True, description="Decode large JPEGs at a reduced scale (faster, close to full decoding; False: exact)."
-    )
-    samples: str | None = Field(
-        None,
-        description="A folder or prefix of a few of the model's own images (the first 32 by key are kept): the "
-        "probe set its execution plans are judged on.",
-    )
-    alias: str | None = None
+class RegisterModelConfig(RegisterRequest):
+    """A registration as this run makes it: the request, and the code and flow run that registered it."""
+
     code_version: str = "unknown"
     flow_run_id: str | None = None
 
@@ -334,7 +312,6 @@ def _with_code(cfg: RegisterModelConfig, spec: ModelSpec) -> ModelSpec:
 
 
 def run(cfg: RegisterModelConfig) -> RegisterModelResult:
-    check_model_name(cfg.name)
     # --arch/--factory say "a state dict": what they and the sizes imply is checked before anything is read
     implied = cfg.format or ("state_dict" if cfg.arch or cfg.factory else None)
     if implied is not None:

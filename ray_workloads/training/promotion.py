@@ -36,7 +36,7 @@ from rayline.ray_workloads.quality.reading import labelled_gate
 from rayline.ray_workloads.training import evaluate
 from rayline.ray_workloads.training.request import GateOptions
 from rayline.ray_workloads.training.train import TrainResult
-from rayline.specs import GATE_ALPHA, ParentModel
+from rayline.specs import ParentModel
 
 GATE_METRIC = "test_accuracy"
 # how often a candidate is judged again when the champion moved between its gate and its promotion
@@ -137,15 +137,7 @@ def run(cfg: PromotionConfig) -> PromotionResult:
         answers=answers,
     )
     decision, moves, labelled = gate_and_move(
-        cfg.name,
-        version,
-        answers,
-        margin=cfg.margin,
-        floor=cfg.floor,
-        alpha=cfg.alpha,
-        promote_to=cfg.promote_to,
-        champion_wait_s=cfg.champion_wait_s,
-        labelled_root=cfg.labelled_root,
+        cfg.name, version, answers, cfg, champion_wait_s=cfg.champion_wait_s, labelled_root=cfg.labelled_root
     )
     alias = moves[0].alias if moves else None
     return PromotionResult(
@@ -192,15 +184,13 @@ def gate_and_move(
     name: str,
     version: registry.ModelVersion,
     answers: pa.Table,
+    gate: GateOptions,
     *,
-    margin: float,
-    floor: float,
-    alpha: float = GATE_ALPHA,
-    promote_to: str = registry.CHAMPION,
     champion_wait_s: float = 0.0,
     labelled_root: str | None = None,
 ) -> tuple[registry.GateDecision, list[registry.AliasMove], PairedTest | None]:
-    """Gate ``version`` against the champion and move the alias it earned, on that same champion.
+    """Gate ``version`` against the champion and move the alias it earned (``gate.promote_to``), on that same
+    champion.
 
     ``answers``: the candidate's on its test split, image by image; the champion is paired with it there.
 
@@ -218,13 +208,13 @@ def gate_and_move(
             metric=GATE_METRIC,
             candidate_score=split_answers.accuracy(answers),
             paired=_paired(champion, version, answers) if champion is not None else None,
-            margin=margin,
-            floor=floor,
-            alpha=alpha,
+            margin=gate.margin,
+            floor=gate.floor,
+            alpha=gate.alpha,
         )
         if not decision.promoted:
             return decision, [], None
-        alias = registry.CHAMPION if champion is None or promote_to == registry.CHAMPION else registry.CHALLENGER
+        alias = registry.CHAMPION if champion is None or gate.promote_to == registry.CHAMPION else registry.CHALLENGER
         decision, earned, labelled = _labelled_alias(decision, alias, labelled_root, name)
         if earned is None:
             return decision, [], labelled

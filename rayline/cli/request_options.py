@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import typing
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -20,7 +21,6 @@ from pydantic.fields import FieldInfo
 from rayline.cli.common import fail
 from rayline.errors import ConfigError, RaylineError
 
-Request = TypeVar("Request", bound=BaseModel)
 Command = Callable[..., None]
 
 
@@ -32,23 +32,19 @@ def request_options(model: type[BaseModel], flags: Mapping[str, str] | None = No
     spelled = dict(flags or {})
 
     def decorate(command: Command) -> Command:
-        own = [
-            p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-            for p in inspect.signature(command, eval_str=True).parameters.values()
-            if p.name != "request"
-        ]
+        own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "request"]
         options = [_option(name, field, spelled.get(name)) for name, field in model.model_fields.items()]
 
         @functools.wraps(command)
         def run(**values: Any) -> None:
-            fields = {name: values.pop(name) for name in model.model_fields}
+            given = {name: values.pop(name) for name in model.model_fields}
             try:
-                request = checked(model, fields, spelled)
+                request = _request(model, given, spelled)
             except RaylineError as exc:
                 fail(exc)
             command(request=request, **values)
 
-        parameters = [*options, *own]
+        parameters = [*options, *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own)]
         run.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]  # what typer reads
         run.__annotations__ = {p.name: p.annotation for p in parameters}
         return run
@@ -56,25 +52,38 @@ def request_options(model: type[BaseModel], flags: Mapping[str, str] | None = No
     return decorate
 
 
-def checked(model: type[Request], values: dict[str, Any], flags: Mapping[str, str] | None = None) -> Request:
-    """``model`` of ``values``; what its fields' bounds refuse is a :class:`ConfigError` naming the options."""
+def _request(model: type[BaseModel], given: dict[str, Any], flags: Mapping[str, str]) -> BaseModel:
+    """``model`` of the options given (an option left out is the field's default); what it refuses is a
+    :class:`ConfigError` naming the options."""
+    for name, field in model.model_fields.items():
+        if typing.get_origin(field.annotation) is dict and given[name] is not None:
+            given[name] = _json_object(_flag(name, flags), given[name])
     try:
-        return model(**values)
+        return model(**{name: value for name, value in given.items() if value is not None})
     except ValidationError as exc:
-        problems = "; ".join(f"{_flag(e['loc'], flags)}: {e['msg']} (got {e['input']!r})" for e in exc.errors())
-        raise ConfigError(problems) from exc
+        problems = [f"{_flag(str(e['loc'][0]) if e['loc'] else '', flags)}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError("; ".join(problems)) from exc
 
 
-def _flag(loc: tuple[int | str, ...], flags: Mapping[str, str] | None) -> str:
-    """The option a field's error is about, as the command line spells it."""
-    name = str(loc[0]) if loc else "request"
-    return (flags or {}).get(name, "--" + name.replace("_", "-")).split("/")[0]
+def _flag(name: str, flags: Mapping[str, str]) -> str:
+    """The option of a field, as the command line spells it."""
+    return flags.get(name, "--" + name.replace("_", "-")).split("/")[0]
+
+
+def _json_object(flag: str, text: str) -> dict[str, Any]:
+    """A JSON object given on the command line, or a ConfigError naming the option."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{flag} must be a JSON object, e.g. '{{\"width\": 64}}': {exc}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _option(name: str, field: FieldInfo, flags: str | None) -> inspect.Parameter:
-    # typer takes no Literal: its values go as text, and the model refuses any other
-    kind = str if typing.get_origin(field.annotation) is Literal else field.annotation
+    """The option of a field: typer takes no dict, so a JSON object goes as text."""
+    kind = str if typing.get_origin(field.annotation) is dict else field.annotation
+    default = inspect.Parameter.empty if field.is_required() else field.get_default(call_default_factory=False)
     option = typer.Option(*([flags] if flags else []), help=field.description)
-    return inspect.Parameter(
-        name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=Annotated[kind, option]
-    )
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, option])
