@@ -8,10 +8,11 @@ from pydantic import BaseModel
 
 from rayline.flows.prepare_data import PrepareDataResult, prepare_data
 from rayline.ray_workloads.training.evaluate import EvaluationResult
+from rayline.ray_workloads.training.promotion import PromotionResult
 from rayline.ray_workloads.training.request import TrainRequest
 from rayline.ray_workloads.training.train import TrainResult
 from rayline.ray_workloads.training.tune import TuneResult
-from rayline.tasks.register import RegistrationResult, register_and_gate
+from rayline.tasks.register import register_and_gate
 from rayline.tasks.registry_lookups import reconcile_mirror_task
 from rayline.tasks.train import evaluate_task, train_model_task
 from rayline.tasks.training_plan import plan_training_task
@@ -23,7 +24,7 @@ class TrainModelResult(BaseModel):
     tuned: TuneResult | None = None
     trained: TrainResult
     evaluation: EvaluationResult
-    registration: RegistrationResult
+    registration: PromotionResult
 
 
 @flow(name="train-model")
@@ -46,14 +47,12 @@ def train_model(request: TrainRequest = TrainRequest()) -> TrainModelResult:  # 
     trained = train_model_task(training, tracking_experiment=plan.name)
     spec, manifest = training.loop.model, training.data_manifest_uri
     evaluation = evaluate_task(spec, trained.weights_uri, manifest, trained.run_uri, tracking_experiment=plan.name)
-    registration = register_and_gate(plan.promotion(spec, trained, evaluation))
-    _publish_summary(trained, evaluation, registration)
-    return TrainModelResult(
-        data=data, tuned=searched, trained=trained, evaluation=evaluation, registration=registration
-    )
+    gated = register_and_gate(plan.promotion(spec, trained, evaluation))
+    _publish_summary(trained, evaluation, gated)
+    return TrainModelResult(data=data, tuned=searched, trained=trained, evaluation=evaluation, registration=gated)
 
 
-def _publish_summary(trained: TrainResult, evaluation: EvaluationResult, registration: RegistrationResult) -> None:
+def _publish_summary(trained: TrainResult, evaluation: EvaluationResult, registration: PromotionResult) -> None:
     version, parent = registration.version, registration.version.parent
     started = f"{parent.name} v{parent.version}{' (head only)' if parent.freeze_backbone else ''}" if parent else "-"
     rows = {

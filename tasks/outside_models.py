@@ -22,7 +22,8 @@ def register_outside_model(request: RegisterRequest) -> RegisterModelResult:
     if request.factory is not None:
         ray_cluster.connect()
     run = {"code_version": lineage.code_version(), "flow_run_id": run_context().flow_run_id}
-    result = outside_models.run(RegisterModelConfig(**request.model_dump(), **run))
+    cfg = RegisterModelConfig.model_validate({**request.model_dump(), **run})  # this run's marks over any given
+    result = outside_models.run(cfg)
     version, move, source = result.version, result.alias_move, result.weights_source
     if move is not None:  # a challenger is canaried: serve-rollout listens
         emit_alias_move(move)
@@ -39,5 +40,5 @@ def register_outside_model(request: RegisterRequest) -> RegisterModelResult:
             f"weights from `{source.uri}` (sha256 `{source.sha256[:16]}…`), stored at `{version.weights_uri}`"
         ),
     )
-    record_lineage("registry", result, parameters=request.model_dump())
+    record_lineage("registry", result, parameters=cfg.model_dump(exclude={"code_version", "flow_run_id"}))
     return result

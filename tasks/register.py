@@ -4,24 +4,15 @@ from __future__ import annotations
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel
 
 from rayline import lineage
-from rayline.models import registry
 from rayline.ray_workloads.registration import mlflow_models
 from rayline.ray_workloads.training import promotion
 from rayline.tasks.common import emit_alias_move, idempotency_key, ray_task, record_lineage, run_context
 
 
-class RegistrationResult(BaseModel):
-    version: registry.ModelVersion
-    decision: registry.GateDecision
-    champion: int | None
-    alias: str | None = None  # the alias the candidate got, if it passed the gate
-
-
 @ray_task("register-and-gate")
-def register_and_gate(cfg: promotion.PromotionConfig) -> RegistrationResult:
+def register_and_gate(cfg: promotion.PromotionConfig) -> promotion.PromotionResult:
     """Register the trained weights and gate them (:func:`promotion.run`) as this flow run's: every attempt
     has the same idempotency key, so a retry registers nothing new."""
     key = idempotency_key(cfg.name, cfg.trained.weights_uri, cfg.evaluation.data_manifest_uri)
@@ -41,4 +32,4 @@ def register_and_gate(cfg: promotion.PromotionConfig) -> RegistrationResult:
     )
     gate = cfg.model_dump(include={"name", "margin", "floor", "alpha"})
     record_lineage("registry", gated, parameters={**gate, "metric": promotion.GATE_METRIC})
-    return RegistrationResult(version=version, decision=decision, champion=gated.champion, alias=alias)
+    return gated

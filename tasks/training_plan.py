@@ -16,18 +16,17 @@ from rayline.tasks.common import io_task, lease_holder, record_lineage
 
 @io_task("plan-training")
 def plan_training_task(request: TrainRequest) -> TrainingPlan:
-    """:func:`plan_training` as this flow run: its reads get the retry policy, its skipped search is logged."""
-    exported = _export_labelled(labelled_export(request)) if request.labelled else None
+    """:func:`plan_training` as this flow run: its reads get the retry policy, its skipped search is logged.
+
+    A training on the labels exports them first, with lineage from the labels imports; the flow run holds the
+    folder's lease: a retried attempt re-enters it, another run's export waits.
+    """
+    exported = None
+    if request.labelled:
+        cfg = labelled_export(request)
+        exported = training_set.run(cfg.model_copy(update={"holder": lease_holder()}))
+        record_lineage("export-labelled", exported, parameters={"model_name": cfg.model_name})
     plan = plan_training(request, exported)
     if plan.note:
         get_run_logger().info(plan.note)
     return plan
-
-
-def _export_labelled(cfg: training_set.ExportConfig) -> training_set.ExportResult:
-    """``training_set.run``: the labelled photos as a training source, with lineage from the labels imports.
-
-    The flow run holds the folder's lease: a retried attempt re-enters it, another run's export waits."""
-    result = training_set.run(cfg.model_copy(update={"holder": cfg.holder or lease_holder()}))
-    record_lineage("export-labelled", result, parameters={"model_name": cfg.model_name})
-    return result

@@ -50,7 +50,7 @@ class RegisterRequest(BaseModel):
         IMAGENET, description="'imagenet' (torchvision's 1,000 names) or a file or storage URI with one name a line."
     )
     preprocess: Literal["imagenet", "squash"] = Field(
-        IMAGENET,
+        "imagenet",
         description="imagenet: the model's own evaluation transform (torchvision weights entry, timm config, or "
         "resize 256 / crop 224); squash: resize to a square.",
     )

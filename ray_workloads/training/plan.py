@@ -50,19 +50,12 @@ class FineTunePlan(BaseModel):
     data_source: str | None = None  # retraining: the prefix the champion was fine-tuned on
 
     def parent_link(self) -> ParentModel:
-        return ParentModel(
-            name=self.parent.name,
-            version=self.parent.version,
-            uri=self.parent.uri,
-            freeze_backbone=self.freeze_backbone,
-        )
+        parent, frozen = self.parent, self.freeze_backbone
+        return ParentModel(name=parent.name, version=parent.version, uri=parent.uri, freeze_backbone=frozen)
 
     def init(self) -> InitFrom:
-        return InitFrom(
-            weights_uri=self.parent.weights_uri,
-            model=self.parent.model_spec,
-            freeze_backbone=self.freeze_backbone,
-        )
+        parent, frozen = self.parent, self.freeze_backbone
+        return InitFrom(weights_uri=parent.weights_uri, model=parent.model_spec, freeze_backbone=frozen)
 
 
 def run_name(model_name: str, data_hash: str, loop: TrainLoopConfig) -> str:
@@ -84,11 +77,22 @@ class TrainingPlan(BaseModel):
     fine_tune: FineTunePlan | None = None
     trained_on_labels: TrainingLabels | None = None
     labelled_root: str | None = None  # the champion moves only on a labelled win
-    note: str | None = None  # for the run's log: a search the request asked for and the plan skips
 
     @property
     def searches(self) -> bool:
         return self.request.tune_samples > 0 and self.fine_tune is None
+
+    @property
+    def note(self) -> str | None:
+        """For the run's log, the search asked for and not run: each ASHA trial would be a whole fine-tune of a
+        torchvision model at the parent's resolution (224 px for ImageNet weights), too much for a small cluster."""
+        if self.fine_tune is None or not self.request.tune_samples:
+            return None
+        parent, asked = self.fine_tune.parent, self.request.tune_samples
+        return (
+            f"fine-tuning {self.name} from {parent.name} v{parent.version} ({self.fine_tune.why}): "
+            f"no hyper-parameter search, tune_samples={asked} ignored"
+        )
 
     def search(self, data: preprocess.PreprocessResult) -> TuneJobConfig:
         samples = self.request.tune_samples
@@ -168,7 +172,6 @@ def plan_training(request: TrainRequest, exported: ExportResult | None = None) -
             else None
         ),
         labelled_root=root_uri() if labelled_win_required(request.require_labelled_win) else None,
-        note=_skipped_search(request, name, fine_tune),
     )
 
 
@@ -178,18 +181,6 @@ def _source(request: TrainRequest, fine_tune: FineTunePlan | None, exported: Exp
     if exported is not None:
         return exported.folder
     return request.source_uri or (fine_tune.data_source if fine_tune else None) or under_root(RAW_DIR)
-
-
-def _skipped_search(request: TrainRequest, name: str, fine_tune: FineTunePlan | None) -> str | None:
-    """Each ASHA trial would be a whole fine-tune of a torchvision model at the parent's resolution (224 px for
-    ImageNet weights): more than a small CPU cluster can take."""
-    if fine_tune is None or request.tune_samples == 0:
-        return None
-    parent = fine_tune.parent
-    return (
-        f"fine-tuning {name} from {parent.name} v{parent.version} ({fine_tune.why}): no hyper-parameter search, "
-        f"tune_samples={request.tune_samples} ignored"
-    )
 
 
 def refuse_inference_only(parent: ModelVersion) -> None:

@@ -64,13 +64,10 @@ class TrainTarget(BaseModel):
         "classes, its image preprocessing; no search.",
     )
     freeze_backbone: bool | None = Field(
-        None,
-        description="Fine-tuning: train only the new head (default: as the champion's fine-tune did, else the whole "
-        "net).",
+        None, description="Fine-tuning: train only the new head (default: as the champion's fine-tune did, else all)."
     )
     labelled: bool = Field(
-        False,
-        description="Train on the model's labelled photos (rayline labels import), fine-tuning its champion.",
+        False, description="Train on the model's labelled photos (rayline labels import), fine-tuning its champion."
     )
     tune_samples: int = Field(0, ge=0, description="ASHA trials first (0: no search).")
     tune_max_epochs: int = Field(4, ge=1, description="Epochs of the longest trial.")
