@@ -45,9 +45,8 @@ def train_model(request: TrainRequest = TrainRequest()) -> TrainModelResult:  # 
     searched = tune_task(plan.search(data.preprocess), plan.loop) if plan.searches else None
     training = plan.training(data.preprocess, searched)
     trained = train_model_task(training, tracking_experiment=plan.name)
-    spec, manifest = training.loop.model, training.data_manifest_uri
-    evaluation = evaluate_task(spec, trained.weights_uri, manifest, trained.run_uri, tracking_experiment=plan.name)
-    gated = register_and_gate(plan.promotion(spec, trained, evaluation))
+    evaluation = evaluate_task(training, trained, tracking_experiment=plan.name)
+    gated = register_and_gate(plan.promotion(training, trained, evaluation))
     _publish_summary(trained, evaluation, gated)
     return TrainModelResult(data=data, tuned=searched, trained=trained, evaluation=evaluation, registration=gated)
 

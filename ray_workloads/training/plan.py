@@ -116,10 +116,10 @@ class TrainingPlan(BaseModel):
             **_fields_of(TrainShape, self.request),
         )
 
-    def promotion(self, spec: ModelSpec, trained: TrainResult, evaluation: EvaluationResult) -> PromotionConfig:
+    def promotion(self, training: TrainConfig, trained: TrainResult, evaluation: EvaluationResult) -> PromotionConfig:
         return PromotionConfig(
             name=self.name,
-            spec=spec,
+            spec=training.loop.model,
             trained=trained,
             evaluation=evaluation,
             parent=self.fine_tune.parent_link() if self.fine_tune else None,
