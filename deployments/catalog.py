@@ -21,7 +21,7 @@ How the lifecycle runs itself:
   events within ``RETRAIN_DEBOUNCE`` starts one run. It searches with 4 ASHA
   trials first (the digits); a model whose champion is a fine-tune of another
   (an outside ResNet, say) is fine-tuned again from that parent with no search
-  — the flow decides (``rayline.tasks.training_plan.plan_training``), since a trial per
+  — the plan decides (``rayline.ray_workloads.training.plan.plan_training``), since a trial per
   fine-tune of a torchvision model at 224 px doesn't fit a small CPU cluster;
 * ``serve-rollout`` when a challenger is registered (or by hand);
 * ``monitor`` every 15 minutes, which also vacuums the predictions tables
@@ -42,6 +42,7 @@ from prefect.schedules import Cron, Interval, Schedule
 
 from rayline import events
 from rayline.config import deployment_request
+from rayline.ray_workloads.training.request import TrainRequest
 from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS
 
 RETRAIN_DEBOUNCE = timedelta(minutes=30)
@@ -91,6 +92,13 @@ def _on(
     )
 
 
+def _retrain(**fields: Any) -> dict[str, Any]:
+    """The retrain deployment's request: 4 ASHA trials first, a winner made challenger, and ``fields`` (event
+    templates). A trigger's parameters replace the deployment's whole request: each trigger carries all of it."""
+    retrain = TrainRequest(tune_samples=4, promote_to="challenger")
+    return {"request": {**retrain.model_dump(exclude_unset=True), **fields}}
+
+
 def deployment_table() -> list[DeploymentSpec]:
     from rayline.flows.monitor import monitor
     from rayline.flows.nightly_inference import NightRequest, nightly_inference
@@ -121,14 +129,14 @@ def deployment_table() -> list[DeploymentSpec]:
         DeploymentSpec(
             name="retrain",
             flow=train_model,
-            parameters={"tune_samples": 4, "promote_to": "challenger"},
+            parameters=_retrain(),
             triggers=[
                 _on(
                     events.DATA_ARRIVED,
                     "retrain-on-labelled-data",
                     RETRAIN_DEBOUNCE,
                     {events.RETRAIN_LABEL: "true"},
-                    source_uri="{{ event.payload.source_uri }}",  # train on what arrived
+                    **_retrain(source_uri="{{ event.payload.source_uri }}"),  # train on what arrived
                 ),
                 _on(
                     events.LABELS_ARRIVED,
@@ -136,15 +144,15 @@ def deployment_table() -> list[DeploymentSpec]:
                     RETRAIN_DEBOUNCE,
                     {events.RETRAIN_LABEL: "true"},
                     for_each={"rayline.model"},
-                    model_name="{{ event.payload.model }}",
-                    labelled=True,  # the champion fine-tuned on its labelled photos
+                    # the champion fine-tuned on its labelled photos
+                    **_retrain(model_name="{{ event.payload.model }}", labelled=True),
                 ),
                 _on(
                     events.DRIFT_DETECTED,
                     "retrain-on-drift",
                     RETRAIN_DEBOUNCE,
                     for_each={"rayline.model"},
-                    model_name="{{ event.payload.model }}",  # retrain the model that drifted
+                    **_retrain(model_name="{{ event.payload.model }}"),  # retrain the model that drifted
                 ),
             ],
             description=(

@@ -10,12 +10,10 @@ from rayline.config import get_settings
 from rayline.ray_workloads.data.images import ImageSpec
 from rayline.ray_workloads.data.ingest import IngestConfig, IngestResult
 from rayline.ray_workloads.data.preprocess import PreprocessConfig, PreprocessResult, error_sample
-from rayline.specs import squash
+from rayline.specs import DIGITS_IMAGE_SIZE, squash
 from rayline.storage.layout import INGESTED_DIR, PREPROCESSED_DIR, RAW_DIR, under_root
 from rayline.tasks.ingest import ingest_objects
 from rayline.tasks.preprocess import preprocess_images
-
-DIGITS_IMAGE_SIZE = 32  # the side images are squashed to when no image spec is given
 
 
 class PrepareDataResult(BaseModel):

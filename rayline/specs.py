@@ -34,6 +34,9 @@ SQUASH = "squash"
 RESIZE_CROP = "resize_crop"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+DIGITS_IMAGE_SIZE = 32  # the side images are squashed to when no image spec is given
+# the most often the train gate promotes a candidate that is no better than its champion on the test split's population
+GATE_ALPHA = 0.05
 
 
 # a registered model's name, and an alias's: one path segment and one Delta partition value

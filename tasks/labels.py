@@ -13,7 +13,7 @@ from rayline.config import get_settings
 from rayline.ray_workloads.quality import labels_import, queue, training_set
 from rayline.ray_workloads.quality.paired import PairedTest
 from rayline.ray_workloads.quality.reading import labelled_gate
-from rayline.tasks.common import emit, io_task, lease_holder, record_lineage, run_context
+from rayline.tasks.common import emit, io_task, record_lineage, run_context
 
 
 @io_task("import-labels")
@@ -48,16 +48,6 @@ def announce_labels_task(root: str, result: labels_import.LabelsImportResult) ->
         idempotency_key=f"{result.model_name}/{result.import_id}",
     )  # fmt: skip
     return pending
-
-
-@io_task("export-labelled-photos")
-def export_labelled_task(cfg: training_set.ExportConfig) -> training_set.ExportResult:
-    """``training_set.run``: the labelled photos as a training source, with lineage from the labels imports.
-
-    The flow run holds the folder's lease: a retried attempt re-enters it, another run's export waits."""
-    result = training_set.run(cfg.model_copy(update={"holder": cfg.holder or lease_holder()}))
-    record_lineage("export-labelled", result, parameters={"model_name": cfg.model_name})
-    return result
 
 
 @io_task("queue-labels")

@@ -8,21 +8,22 @@ from prefect.artifacts import create_markdown_artifact
 from rayline import lineage, ray_cluster
 from rayline.ray_workloads.registration import mlflow_models, outside_models
 from rayline.ray_workloads.registration.outside_models import RegisterModelConfig, RegisterModelResult
+from rayline.ray_workloads.registration.request import RegisterRequest
 from rayline.tasks.common import emit_alias_move, ray_task, record_lineage, run_context
 
 
 @ray_task("register-model", timeout_s=900, connects=False)
-def register_outside_model(cfg: RegisterModelConfig) -> RegisterModelResult:
-    """Check and store the model; the version's lineage input is the file and its hash.
+def register_outside_model(request: RegisterRequest) -> RegisterModelResult:
+    """Check and store the model as this flow run's; the version's lineage input is the file and its hash.
 
     Only a factory needs the cluster (its import is checked on every node), so
     only then does the task connect to Ray.
     """
-    if cfg.factory is not None:
+    if request.factory is not None:
         ray_cluster.connect()
-    result = outside_models.run(
-        cfg.model_copy(update={"code_version": lineage.code_version(), "flow_run_id": run_context().flow_run_id})
-    )
+    run = {"code_version": lineage.code_version(), "flow_run_id": run_context().flow_run_id}
+    cfg = RegisterModelConfig.model_validate({**request.model_dump(), **run})  # this run's marks over any given
+    result = outside_models.run(cfg)
     version, move, source = result.version, result.alias_move, result.weights_source
     if move is not None:  # a challenger is canaried: serve-rollout listens
         emit_alias_move(move)

@@ -9,7 +9,6 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from rayline import storage
 from rayline.models import tracking
-from rayline.ray_workloads.architectures.build import ModelSpec
 from rayline.ray_workloads.training import evaluate, train
 from rayline.tasks.common import png_markdown, ray_task, record_lineage
 
@@ -61,30 +60,23 @@ def train_model_task(config: train.TrainConfig, tracking_experiment: str | None 
 
 @ray_task("evaluate")
 def evaluate_task(
-    spec: ModelSpec,
-    weights_uri: str,
-    data_manifest_uri: str,
-    output_uri: str,
-    artifact_prefix: str = "evaluation",
-    tracking_experiment: str | None = None,
+    config: train.TrainConfig, trained: train.TrainResult, tracking_experiment: str
 ) -> evaluate.EvaluationResult:
-    """Evaluate on the test split; with ``tracking_experiment`` (and tracking on), into the MLflow run of
-    the Train run whose folder is ``output_uri``."""
-    result = evaluate.run(spec, weights_uri, data_manifest_uri, output_uri)
+    """Evaluate the trained weights on the test split; with tracking on, into the MLflow run of the Train run."""
+    spec = config.loop.model
+    result = evaluate.run(spec, trained.weights_uri, config.data_manifest_uri, trained.run_uri)
     get_run_logger().info("test accuracy %.4f on %d samples", result.accuracy, result.samples)
     create_table_artifact(
-        key=f"{artifact_prefix}-per-class",
+        key="evaluation-per-class",
         table=[c.model_dump() for c in result.per_class],
         description=f"Accuracy {result.accuracy:.4f} on {result.samples} {result.split} images",
     )
     if result.confusion_png_uri:
         png = storage.read_bytes(result.confusion_png_uri)
         create_markdown_artifact(
-            key=f"{artifact_prefix}-confusion",
-            markdown=png_markdown("Confusion matrix", png, result.confusion_png_uri),
+            key="evaluation-confusion", markdown=png_markdown("Confusion matrix", png, result.confusion_png_uri)
         )
-    if tracking_experiment is not None:
-        _track_evaluation(tracking_experiment, output_uri, result)
+    _track_evaluation(tracking_experiment, trained.run_uri, result)
     record_lineage("evaluate", result, parameters={"split": result.split, "model": spec.model_dump()})
     return result
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
@@ -66,6 +66,7 @@ from rayline.ray_workloads.architectures.torchvision_families import (
     imagenet_image_spec,
 )
 from rayline.ray_workloads.data.images import decode_image
+from rayline.ray_workloads.registration.request import IMAGENET, RegisterRequest
 from rayline.specs import (
     FACTORY,
     FILE_FORMATS,
@@ -78,40 +79,17 @@ from rayline.specs import (
     ImageSpec,
     ModelSpec,
     WeightsSource,
-    check_model_name,
 )
 
-IMAGENET = "imagenet"
 # the usual ImageNet evaluation transform, for a model rayline has no weights entry or config for
 GENERIC_IMAGENET = ImageSpec(
     mode=RESIZE_CROP, resize=256, crop=224, interpolation="bilinear", mean=IMAGENET_MEAN, std=IMAGENET_STD
 )
 
 
-class RegisterModelConfig(BaseModel):
-    name: str
-    arch: str | None = Field(None, description="torchvision name or timm:<name>, for a state dict.")
-    weights_uri: str = Field(description="The model file: a state dict, TorchScript, .pt2 or ONNX; a path or URI.")
-    format: Literal["state_dict", "torchscript", "torch_export", "onnx"] | None = Field(
-        None, description="The file's format; detected from its content when not given."
-    )
-    factory: str | None = Field(None, description="'package.module:callable' building the user's nn.Module.")
-    factory_kwargs: dict[str, Any] = Field(default_factory=dict)
-    code: str | None = Field(None, description="A local package folder holding the factory, shipped to Ray.")
-    sidecar: str | None = Field(None, description="JSON file/URI with 'classes' and/or 'image' (an image spec).")
-    classes: str = Field(IMAGENET, description="'imagenet', or a file or storage URI with one class name a line.")
-    preprocess: Literal["imagenet", "squash"] = "imagenet"
-    resize: int | None = Field(None, ge=4, le=4096, description="Override the shorter side before cropping.")
-    crop: int | None = Field(None, ge=4, le=1024, description="Override the square side the model sees.")
-    draft: bool = Field(
-        True, description="Decode large JPEGs at a reduced scale (faster, close to full decoding; False: exact)."
-    )
-    samples: str | None = Field(
-        None,
-        description="A folder or prefix of a few of the model's own images (the first 32 by key are kept): the "
-        "probe set its execution plans are judged on.",
-    )
-    alias: str | None = None
+class RegisterModelConfig(RegisterRequest):
+    """A registration as this run makes it: the request, and the code and flow run that registered it."""
+
     code_version: str = "unknown"
     flow_run_id: str | None = None
 
@@ -334,31 +312,19 @@ def _with_code(cfg: RegisterModelConfig, spec: ModelSpec) -> ModelSpec:
 
 
 def run(cfg: RegisterModelConfig) -> RegisterModelResult:
-    check_model_name(cfg.name)
-    # --arch/--factory say "a state dict": what they and the sizes imply is checked before anything is read
-    implied = cfg.format or ("state_dict" if cfg.arch or cfg.factory else None)
-    if implied is not None:
-        image_spec_for(cfg, model_spec_for(cfg, implied, 2))
+    """Check the file against what the request says of it, then register it (or find the version it already
+    is) and point the alias at it."""
+    implied = _implied_format(cfg)
     data = storage.read_bytes(cfg.weights_uri)
-    fmt = detect_format(data, cfg.weights_uri)
-    if implied is not None and fmt != implied and (fmt in FILE_FORMATS or implied in FILE_FORMATS):
-        raise ConfigError(
-            f"{cfg.weights_uri} is {described(fmt)}, but "
-            f"{'--format ' + cfg.format if cfg.format else '--arch/--factory'} says "
-            f"{described(implied)}: "
-            + (
-                f"give --format {fmt} or none (it is read from the content)"
-                if cfg.format
-                else "drop --arch/--factory, the file is the whole model"
-            )
-        )
+    fmt = _format_of(cfg, data, implied)
     sidecar = read_sidecar(cfg.sidecar) if cfg.sidecar else None
-    source_classes = sidecar.classes if sidecar and sidecar.classes is not None else cfg.classes
     provisional = model_spec_for(cfg, fmt, 2)  # refuses contradictions before the classes are read
-    if isinstance(source_classes, list):
-        classes = _names_from(source_classes, f"sidecar {cfg.sidecar}")
-    else:
-        classes = read_classes(source_classes, provisional.arch)
+    named = sidecar.classes if sidecar and sidecar.classes is not None else cfg.classes
+    classes = (
+        _names_from(named, f"sidecar {cfg.sidecar}")
+        if isinstance(named, list)
+        else read_classes(named, provisional.arch)
+    )
     spec = provisional.model_copy(update={"num_classes": len(classes)})
     image = image_spec_for(cfg, spec, sidecar)
     spec = _with_code(cfg, spec)
@@ -368,12 +334,9 @@ def run(cfg: RegisterModelConfig) -> RegisterModelResult:
     source = WeightsSource(
         uri=storage.normalize(cfg.weights_uri), sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data)
     )
-    existing = _same_registration(cfg.name, spec, image, classes, source)
-    if existing is not None and samples is not None and existing.samples_uri is None:
-        existing = None  # the same model given its sample images now: a version that has them
-    if existing is not None:
-        version, reused = existing, True
-    else:
+    version = _same_registration(cfg.name, spec, image, classes, source)
+    reused = version is not None and (samples is None or version.samples_uri is not None)
+    if version is None or not reused:  # new, or the same model given its sample images now: a version that has them
         version = registry.register(
             cfg.name,
             stored,
@@ -386,17 +349,45 @@ def run(cfg: RegisterModelConfig) -> RegisterModelResult:
             weights_source=source,
             samples=samples,
         )
-        reused = False
+    move, note = _point_alias(cfg, version, source)
+    return RegisterModelResult(version=version, reused=reused, alias_move=move, note=note)
+
+
+def _implied_format(cfg: RegisterModelConfig) -> str | None:
+    """The format ``--format`` or ``--arch``/``--factory`` (a state dict) say; what they and the sizes imply is
+    checked before anything is read."""
+    implied = cfg.format or ("state_dict" if cfg.arch or cfg.factory else None)
+    if implied is not None:
+        image_spec_for(cfg, model_spec_for(cfg, implied, 2))
+    return implied
+
+
+def _format_of(cfg: RegisterModelConfig, data: bytes, implied: str | None) -> str:
+    """The file's format, read from its content; refused where the request said another."""
+    fmt = detect_format(data, cfg.weights_uri)
+    if implied is None or fmt == implied or (fmt not in FILE_FORMATS and implied not in FILE_FORMATS):
+        return fmt
+    said, fix = f"--format {cfg.format}", f"give --format {fmt} or none (it is read from the content)"
+    if not cfg.format:
+        said, fix = "--arch/--factory", "drop --arch/--factory, the file is the whole model"
+    raise ConfigError(f"{cfg.weights_uri} is {described(fmt)}, but {said} says {described(implied)}: {fix}")
+
+
+def _point_alias(
+    cfg: RegisterModelConfig, version: registry.ModelVersion, source: WeightsSource
+) -> tuple[registry.AliasMove | None, str | None]:
+    """``--alias`` moved to the version (unless it is there already), and why it is another alias, if it is."""
     alias, note = cfg.alias, None
     expected: int | None | registry.Unchecked = registry.Unchecked.ANY  # an operator's --alias: wherever it is now
     if alias == registry.CHALLENGER and registry.alias_version(cfg.name, registry.CHAMPION) is None:
         # a challenger is canaried against the champion it serves next to: with none, it is the champion
         alias, note = registry.CHAMPION, f"{cfg.name} had no champion: v{version.version} is champion, not challenger"
         expected = None  # only while there still is none (AliasConflict if another run made one meanwhile)
-    move = None
-    if alias and registry.alias_version(cfg.name, alias) != version.version:
-        move = registry.set_alias(cfg.name, alias, version.version, f"registered from {source.uri}", expected=expected)
-    return RegisterModelResult(version=version, reused=reused, alias_move=move, note=note)
+    if not alias or registry.alias_version(cfg.name, alias) == version.version:
+        return None, note
+    return registry.set_alias(
+        cfg.name, alias, version.version, f"registered from {source.uri}", expected=expected
+    ), note
 
 
 def read_sample_images(prefix_uri: str, image: ImageSpec) -> np.ndarray:

@@ -26,6 +26,7 @@ from rayline.ray_workloads.architectures.build import (
     load_state_dict,
     trainable_parameters,
 )
+from rayline.ray_workloads.training.request import Hyperparameters
 
 Batch = dict[str, torch.Tensor]
 
@@ -38,15 +39,11 @@ class InitFrom(BaseModel):
     freeze_backbone: bool = Field(False, description="Train only the new head.")
 
 
-class TrainLoopConfig(BaseModel):
-    """Hyper-parameters of one training run (what Tune searches over)."""
+class TrainLoopConfig(Hyperparameters):
+    """One training run's loop: the model, where it starts, its hyper-parameters (what Tune searches over)."""
 
     model: ModelSpec = Field(default_factory=ModelSpec)
     init: InitFrom | None = None
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(1e-4, ge=0)
-    batch_size: int = Field(32, ge=1, description="Per worker.")
-    epochs: int = Field(12, ge=1)
     seed: int = 0
     # Shards are sorted by key (i.e. by class): batches must be shuffled.
     shuffle_buffer_rows: int = Field(4096, ge=1)

@@ -34,6 +34,7 @@ from rayline.ray_workloads.execution.plan import PROBE_IMAGES
 from rayline.ray_workloads.quality.paired import PairedTest
 from rayline.ray_workloads.quality.reading import labelled_gate
 from rayline.ray_workloads.training import evaluate
+from rayline.ray_workloads.training.request import GateOptions
 from rayline.ray_workloads.training.train import TrainResult
 from rayline.specs import ParentModel
 
@@ -44,22 +45,13 @@ REGATES = 3
 log = logging.getLogger(__name__)
 
 
-class PromotionConfig(BaseModel):
+class PromotionConfig(GateOptions):
     """A trained model to register under ``name`` and gate."""
 
     name: str
     spec: ModelSpec
     trained: TrainResult
     evaluation: evaluate.EvaluationResult
-    margin: float = 0.0
-    floor: float = 0.9
-    alpha: float = Field(
-        registry.GATE_ALPHA,
-        gt=0,
-        lt=0.5,
-        description="The most often a candidate no better than the champion on the test split passes the gate.",
-    )
-    promote_to: str = registry.CHAMPION
     parent: ParentModel | None = Field(None, description="The version a fine-tune started from.")
     trained_on_labels: registry.TrainingLabels | None = Field(
         None, description="The labels imports its training photos came from (a training on the labels)."
@@ -120,8 +112,6 @@ def test_samples(prepared: preprocess.PreprocessResult, count: int = PROBE_IMAGE
 
 def run(cfg: PromotionConfig) -> PromotionResult:
     """Register the trained weights, gate them against the champion, and move the alias they earned."""
-    if cfg.promote_to not in (registry.CHAMPION, registry.CHALLENGER):
-        raise ConfigError(f"promote_to must be champion or challenger, got {cfg.promote_to!r}")
     trained, evaluation = cfg.trained, cfg.evaluation
     prepared = preprocess.read_manifest(evaluation.data_manifest_uri)
     weights = storage.read_bytes(trained.weights_uri)
@@ -147,15 +137,7 @@ def run(cfg: PromotionConfig) -> PromotionResult:
         answers=answers,
     )
     decision, moves, labelled = gate_and_move(
-        cfg.name,
-        version,
-        answers,
-        margin=cfg.margin,
-        floor=cfg.floor,
-        alpha=cfg.alpha,
-        promote_to=cfg.promote_to,
-        champion_wait_s=cfg.champion_wait_s,
-        labelled_root=cfg.labelled_root,
+        cfg.name, version, answers, cfg, champion_wait_s=cfg.champion_wait_s, labelled_root=cfg.labelled_root
     )
     alias = moves[0].alias if moves else None
     return PromotionResult(
@@ -202,15 +184,13 @@ def gate_and_move(
     name: str,
     version: registry.ModelVersion,
     answers: pa.Table,
+    gate: GateOptions,
     *,
-    margin: float,
-    floor: float,
-    alpha: float = registry.GATE_ALPHA,
-    promote_to: str = registry.CHAMPION,
     champion_wait_s: float = 0.0,
     labelled_root: str | None = None,
 ) -> tuple[registry.GateDecision, list[registry.AliasMove], PairedTest | None]:
-    """Gate ``version`` against the champion and move the alias it earned, on that same champion.
+    """Gate ``version`` against the champion and move the alias it earned (``gate.promote_to``), on that same
+    champion.
 
     ``answers``: the candidate's on its test split, image by image; the champion is paired with it there.
 
@@ -228,13 +208,13 @@ def gate_and_move(
             metric=GATE_METRIC,
             candidate_score=split_answers.accuracy(answers),
             paired=_paired(champion, version, answers) if champion is not None else None,
-            margin=margin,
-            floor=floor,
-            alpha=alpha,
+            margin=gate.margin,
+            floor=gate.floor,
+            alpha=gate.alpha,
         )
         if not decision.promoted:
             return decision, [], None
-        alias = registry.CHAMPION if champion is None or promote_to == registry.CHAMPION else registry.CHALLENGER
+        alias = registry.CHAMPION if champion is None or gate.promote_to == registry.CHAMPION else registry.CHALLENGER
         decision, earned, labelled = _labelled_alias(decision, alias, labelled_root, name)
         if earned is None:
             return decision, [], labelled

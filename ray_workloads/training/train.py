@@ -44,20 +44,19 @@ from rayline.ray_workloads.training.loop import (
     run_epoch,
     set_epoch_lr,
 )
+from rayline.ray_workloads.training.request import TrainShape
 from rayline.storage.layout import TRAIN_RESULT_FILE, TRAIN_STATE_FILE, WEIGHTS_FILE
 
 SCORE = "val_accuracy"  # the EpochMetrics field that ranks checkpoints
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(TrainShape):
     """A training run: data, hyper-parameters and compute shape."""
 
     data_manifest_uri: str
     output_root: str
     run_name: str
     loop: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
-    num_workers: int = Field(2, ge=1)
-    cpus_per_worker: float = Field(0.5, gt=0)
     use_gpu: bool | None = Field(None, description="None: use GPUs when the cluster has them.")
     max_failures: int = Field(2, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
@@ -282,61 +281,26 @@ def _fit(cfg: TrainConfig) -> TrainResult:
     """Fit with Ray Train, resuming from this run name's checkpoints if any exist."""
     started = time.perf_counter()
     prepared = preprocess.read_manifest(cfg.data_manifest_uri)
-    loop = cfg.loop.model_copy(
-        update={"model": cfg.loop.model.model_copy(update={"num_classes": len(prepared.classes)})}
-    )
-    output_root = storage.normalize(cfg.output_root)
-    run_uri = run_folder(cfg)
-    # A small validation split is not sharded: every worker validates on all of it
-    # (the same figures everywhere), which spares starting a split coordinator.
-    loop = loop.model_copy(update={"val_on_every_worker": prepared.counts.get("val", 0) <= SMALL_SPLIT_ROWS})
-    if loop.fail_once_at_epoch is not None and loop.fail_marker_uri is None:
-        loop = loop.model_copy(update={"fail_marker_uri": storage.join(run_uri, "_fault_drill_done")})
-    fs, storage_path = storage.arrow_filesystem(output_root)
-    use_gpu = _use_gpu(cfg)
+    loop = _workers_loop(cfg, prepared)
     with progress.stage("train", total=loop.epochs, unit="epochs", remote=True) as shown:
-        trainer = TorchTrainer(
-            train_loop_per_worker,
-            train_loop_config=loop.model_dump(mode="json"),
-            scaling_config=ScalingConfig(
-                num_workers=cfg.num_workers,
-                use_gpu=use_gpu,
-                resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
-            ),
-            run_config=RunConfig(
-                name=cfg.run_name,
-                storage_path=storage_path,
-                storage_filesystem=fs,
-                failure_config=FailureConfig(max_failures=cfg.max_failures),
-                worker_runtime_env=runtime_env(loop.model) or {},  # type: ignore[call-arg]  # Train v2 has it; the stub is v1
-                callbacks=[_EpochProgress(shown)],  # type: ignore[list-item]  # a UserCallback; the stub says Callback
-                checkpoint_config=CheckpointConfig(
-                    num_to_keep=cfg.keep_checkpoints,
-                    checkpoint_score_attribute=SCORE,
-                    checkpoint_score_order="max",
-                ),
-            ),
-            datasets={"train": dataset_for_split(prepared, "train"), "val": dataset_for_split(prepared, "val")},
-            dataset_config=DataConfig(datasets_to_split=["train"] if loop.val_on_every_worker else "all"),
-        )
         try:
-            result = trainer.fit()
+            fitted = _trainer(cfg, loop, prepared, shown).fit()
         except ray.train.TrainingFailedError as exc:
             # Ray Train already restarted the workers max_failures times: Prefect must not run it all again
             raise RetriesExhausted(f"training run {cfg.run_name}", cfg.max_failures + 1, _first_failure(exc)) from exc
-    best = result.get_best_checkpoint(metric=SCORE, mode="max")
-    if best is None or result.checkpoint is None:
+    best = fitted.get_best_checkpoint(metric=SCORE, mode="max")
+    if best is None or fitted.checkpoint is None:
         raise InputDataError(f"training run {cfg.run_name} produced no checkpoint")
-    with result.checkpoint.as_directory() as folder:
+    with fitted.checkpoint.as_directory() as folder:
         saved = torch.load(Path(folder) / TRAIN_STATE_FILE, weights_only=True)["history"]
     history = [EpochMetrics.model_validate(h) for h in saved]
-    best_uri = _checkpoint_uri(best.path, output_root)
+    best_uri = _checkpoint_uri(best.path, storage.normalize(cfg.output_root))
     samples = sum(h.train_samples for h in history)
     seconds = sum(h.train_seconds for h in history)
     best_metrics = max(history, key=lambda h: h.val_accuracy)  # the first of equal epochs
     return TrainResult(
         run_name=cfg.run_name,
-        run_uri=run_uri,
+        run_uri=run_folder(cfg),
         checkpoint_uri=best_uri,
         weights_uri=storage.join(best_uri, WEIGHTS_FILE),
         metrics={k: float(v) for k, v in best_metrics.model_dump().items()},
@@ -346,4 +310,50 @@ def _fit(cfg: TrainConfig) -> TrainResult:
         samples_per_s=samples / seconds if seconds else 0.0,
         data_manifest_uri=cfg.data_manifest_uri,
         init_weights_uri=cfg.loop.init.weights_uri if cfg.loop.init else None,
+    )
+
+
+def _workers_loop(cfg: TrainConfig, prepared: preprocess.PreprocessResult) -> TrainLoopConfig:
+    """The loop the workers run: a head for the data's classes, and the fault drill's marker in the run's folder.
+
+    A small validation split is not sharded: every worker validates on all of it (the same figures
+    everywhere), which spares starting a split coordinator.
+    """
+    model = cfg.loop.model.model_copy(update={"num_classes": len(prepared.classes)})
+    whole_split = prepared.counts.get("val", 0) <= SMALL_SPLIT_ROWS
+    loop = cfg.loop.model_copy(update={"model": model, "val_on_every_worker": whole_split})
+    if loop.fail_once_at_epoch is not None and loop.fail_marker_uri is None:
+        loop = loop.model_copy(update={"fail_marker_uri": storage.join(run_folder(cfg), "_fault_drill_done")})
+    return loop
+
+
+def _trainer(
+    cfg: TrainConfig, loop: TrainLoopConfig, prepared: preprocess.PreprocessResult, shown: progress.Stage
+) -> TorchTrainer:
+    """The run's TorchTrainer: its workers, its checkpoints (the best kept) and its datasets."""
+    fs, storage_path = storage.arrow_filesystem(storage.normalize(cfg.output_root))
+    use_gpu = _use_gpu(cfg)
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop.model_dump(mode="json"),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.num_workers,
+            use_gpu=use_gpu,
+            resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+        ),
+        run_config=RunConfig(
+            name=cfg.run_name,
+            storage_path=storage_path,
+            storage_filesystem=fs,
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            worker_runtime_env=runtime_env(loop.model) or {},  # type: ignore[call-arg]  # Train v2 has it; the stub is v1
+            callbacks=[_EpochProgress(shown)],  # type: ignore[list-item]  # a UserCallback; the stub says Callback
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=cfg.keep_checkpoints,
+                checkpoint_score_attribute=SCORE,
+                checkpoint_score_order="max",
+            ),
+        ),
+        datasets={"train": dataset_for_split(prepared, "train"), "val": dataset_for_split(prepared, "val")},
+        dataset_config=DataConfig(datasets_to_split=["train"] if loop.val_on_every_worker else "all"),
     )

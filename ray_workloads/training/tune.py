@@ -142,6 +142,12 @@ class TuneResult(BaseModel):
     def lineage_inputs(self) -> list[DatasetRef]:
         return [DatasetRef(uri=self.data_manifest_uri)]
 
+    def tuned(self, loop: TrainLoopConfig) -> TrainLoopConfig:
+        """``loop`` with what the search found: the best trial's model (arch, width), lr, batch size and weight
+        decay; its epochs and the rest stay ``loop``'s."""
+        searched = ("model", "lr", "batch_size", "weight_decay")
+        return loop.model_copy(update={field: getattr(self.best_config, field) for field in searched})
+
     def lineage_outputs(self) -> list[DatasetRef]:
         """The experiment's folder, with the best configuration found."""
         return [DatasetRef(uri=self.experiment_uri, facets={"best": self.best_config.model_dump(mode="json")})]
@@ -246,47 +252,14 @@ def run(cfg: TuneJobConfig, base: TrainLoopConfig | None = None) -> TuneResult:
     """Search, or continue an interrupted search of the same name, and report the best config."""
     started = time.perf_counter()
     prepared = preprocess.read_manifest(cfg.data_manifest_uri)
-    num_classes = len(prepared.classes)
-    base = (base or TrainLoopConfig()).model_copy(
-        update={"epochs": cfg.max_epochs, "seed": cfg.seed, "model": ModelSpec(num_classes=num_classes)}
-    )
-    output_root = storage.normalize(cfg.output_root)
-    fs, storage_path = storage.arrow_filesystem(output_root)
-    experiment_uri = storage.join(output_root, cfg.experiment_name)
-    experiment_path = storage.join(storage_path, cfg.experiment_name)
+    model = ModelSpec(num_classes=len(prepared.classes))
+    base = (base or TrainLoopConfig()).model_copy(update={"epochs": cfg.max_epochs, "seed": cfg.seed, "model": model})
+    experiment_uri = storage.join(storage.normalize(cfg.output_root), cfg.experiment_name)
     trainable = _trainable(cfg, prepared, base)
-    restored = bool(tune.Tuner.can_restore(experiment_path, storage_filesystem=fs))
     with progress.stage("tune", total=cfg.num_samples, unit="trials") as shown:
-        if restored:
-            tuner = tune.Tuner.restore(experiment_path, trainable=trainable, resume_errored=True, storage_filesystem=fs)
-        else:
-            tuner = tune.Tuner(
-                trainable,
-                param_space=_param_space(cfg.space),
-                tune_config=tune_config(cfg),
-                run_config=tune.RunConfig(
-                    name=cfg.experiment_name,
-                    storage_path=storage_path,
-                    storage_filesystem=fs,
-                    checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
-                    verbose=0,
-                    # a restored search keeps its first run's callbacks: shown without counts
-                    callbacks=[_TrialProgress(shown), *mlflow_callbacks(cfg, experiment_uri)],
-                ),
-            )
+        tuner, restored = _tuner(cfg, trainable, experiment_uri, shown)
         grid = tuner.fit()
-    results = [grid[i] for i in range(len(grid))]
-    trials = [
-        TrialSummary(
-            trial_id=str(r.metrics.get("trial_id", "")) if r.metrics else "",
-            config=dict(r.config or {}),
-            epochs=int(r.metrics.get("training_iteration", 0)) if r.metrics else 0,
-            val_accuracy=float(r.metrics.get(SCORE, 0.0)) if r.metrics else 0.0,
-            status="ERROR" if r.error else "TERMINATED",
-            curve=_curve(r),
-        )
-        for r in results
-    ]
+    trials = [_trial_summary(grid[i]) for i in range(len(grid))]
     ok = [t for t in trials if t.status != "ERROR" and t.epochs > 0]
     if not ok:
         # Tune ran every trial to its own failure limit: a search run again fails the same way
@@ -305,4 +278,40 @@ def run(cfg: TuneJobConfig, base: TrainLoopConfig | None = None) -> TuneResult:
         restored=restored,
         elapsed_s=time.perf_counter() - started,
         data_manifest_uri=cfg.data_manifest_uri,
+    )
+
+
+def _tuner(cfg: TuneJobConfig, trainable: Any, experiment_uri: str, shown: progress.Stage) -> tuple[tune.Tuner, bool]:
+    """The search's Tuner, restored when an interrupted search of the same name left its state (True)."""
+    fs, storage_path = storage.arrow_filesystem(storage.normalize(cfg.output_root))
+    experiment_path = storage.join(storage_path, cfg.experiment_name)
+    if tune.Tuner.can_restore(experiment_path, storage_filesystem=fs):
+        return tune.Tuner.restore(
+            experiment_path, trainable=trainable, resume_errored=True, storage_filesystem=fs
+        ), True
+    run_config = tune.RunConfig(
+        name=cfg.experiment_name,
+        storage_path=storage_path,
+        storage_filesystem=fs,
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+        verbose=0,
+        # a restored search keeps its first run's callbacks: shown without counts
+        callbacks=[_TrialProgress(shown), *mlflow_callbacks(cfg, experiment_uri)],
+    )
+    tuner = tune.Tuner(
+        trainable, param_space=_param_space(cfg.space), tune_config=tune_config(cfg), run_config=run_config
+    )
+    return tuner, False
+
+
+def _trial_summary(result: Any) -> TrialSummary:
+    """What one trial ran, from its Tune result."""
+    metrics = result.metrics or {}
+    return TrialSummary(
+        trial_id=str(metrics.get("trial_id", "")),
+        config=dict(result.config or {}),
+        epochs=int(metrics.get("training_iteration", 0)),
+        val_accuracy=float(metrics.get(SCORE, 0.0)),
+        status="ERROR" if result.error else "TERMINATED",
+        curve=_curve(result),
     )

@@ -20,6 +20,7 @@ from rayline.cli.common import fail as _fail
 from rayline.cli.common import quiet_ray as _quiet_ray
 from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import RaylineError
+from rayline.ray_workloads.training.request import TrainRequest
 
 if TYPE_CHECKING:  # for the types only: the flows load Prefect, Ray and torch, which `rayline --help` does without
     from rayline.flows.monitor import MonitorResult
@@ -80,7 +81,8 @@ def demo(
         # the demo's story (0.88 against 0.98 gave 19 wins, 1 loss, p = 2e-05). Its floor is low for
         # the same reason: a first champion under it would end the story too.
         with _stage("baseline champion", times):
-            baseline = train_model(source_uri=raw, epochs=baseline_epochs, width=baseline_width, floor=0.6)
+            first = TrainRequest(source_uri=raw, epochs=baseline_epochs, width=baseline_width, floor=0.6)
+            baseline = train_model(first)
         typer.echo(f"baseline: {baseline.registration.decision.reason}")
         # The champion serves before the challenger trains, so that the demo's rollout starts the moment the
         # challenger is registered: before the serve-rollout deployment that registering it triggers (the
@@ -88,7 +90,9 @@ def demo(
         with _stage("serve the champion", times):
             serving = _serve_champion(baseline.registration.version.name)
         with _stage("tuned challenger", times):
-            result = train_model(source_uri=raw, tune_samples=tune_samples, epochs=epochs, promote_to="challenger")
+            result = train_model(
+                TrainRequest(source_uri=raw, tune_samples=tune_samples, epochs=epochs, promote_to="challenger")
+            )
         with _stage("roll out", times):
             rollout = _roll_out_under_load(result, serving, raw, soak_s)
         day = yesterday_utc()

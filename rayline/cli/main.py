@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import typer
 
@@ -14,8 +14,9 @@ from rayline.cli.common import fail as _fail
 from rayline.cli.common import quiet_ray as _quiet_ray
 from rayline.cli.request_options import request_options
 from rayline.config import apply_process_defaults, get_settings
-from rayline.errors import ConfigError, NightsFailed, RaylineError
+from rayline.errors import NightsFailed, RaylineError
 from rayline.ray_workloads.nightly.request import NightRequest
+from rayline.ray_workloads.training.request import TrainRequest
 
 # Each command imports its flow when it runs: the flows load Prefect, Ray and torch (seconds),
 # which `rayline --help` and the commands that start no flow do without.
@@ -156,50 +157,8 @@ def prepare_data_command(
 
 
 @app.command("train-model")
-def train_model_command(
-    source: Annotated[str | None, typer.Option(help="Prefix of labelled images; default <storage>/raw.")] = None,
-    model_name: Annotated[
-        str | None, typer.Option(help="Registry name; default digits, or <parent>-ft with --init-from.")
-    ] = None,
-    arch: Annotated[
-        str | None,
-        typer.Option(help="small_cnn (default) or any torchvision classifier (resnet18, …); not with --init-from."),
-    ] = None,
-    init_from: Annotated[
-        str | None,
-        typer.Option(
-            help="Fine-tune a registered model (NAME@champion, NAME@v3): its weights, a new head for the data's "
-            "classes, its image preprocessing; no search."
-        ),
-    ] = None,
-    freeze_backbone: Annotated[
-        bool | None,
-        typer.Option(
-            "--freeze-backbone/--train-backbone",
-            help="Fine-tuning: train only the new head (default: as the champion's fine-tune did, else the whole net).",
-        ),
-    ] = None,
-    epochs: Annotated[int, typer.Option(min=1)] = 12,
-    num_workers: Annotated[int, typer.Option(min=1, help="Ray Train workers.")] = 2,
-    tune_samples: Annotated[int, typer.Option(min=0, help="ASHA trials first (0: no search).")] = 0,
-    tune_max_epochs: Annotated[int, typer.Option(min=1)] = 4,
-    margin: Annotated[float, typer.Option(help="Accuracy a candidate must gain over the champion.")] = 0.0,
-    alpha: Annotated[
-        float,
-        typer.Option(
-            help="The most often a candidate no better than the champion passes the gate (exact McNemar test "
-            "on the test images where exactly one of them is right).",
-        ),
-    ] = 0.05,
-    floor: Annotated[float, typer.Option(help="Accuracy the first champion needs.")] = 0.9,
-    fail_once_at_epoch: Annotated[
-        int | None, typer.Option(help="Fault drill: a worker raises once at this epoch, then training resumes.")
-    ] = None,
-    promote_to: Annotated[
-        str, typer.Option(help="Alias a model that passes the gate gets: champion, or challenger for a rollout.")
-    ] = "champion",
-    as_json: JsonOption = False,
-) -> None:
+@request_options(TrainRequest, {"source_uri": "--source", "freeze_backbone": "--freeze-backbone/--train-backbone"})
+def train_model_command(request: TrainRequest, as_json: JsonOption = False) -> None:
     """Run the train-model flow: prepare data, (tune,) train, evaluate, register, gate."""
     apply_process_defaults()
     _quiet_ray()
@@ -207,46 +166,10 @@ def train_model_command(
 
     try:
         get_settings()
-        if promote_to not in ("champion", "challenger"):
-            raise ConfigError(f"--promote-to must be champion or challenger, got {promote_to!r}")
-        if not 0 < alpha < 0.5:
-            raise ConfigError(f"--alpha must be between 0 and 0.5, got {alpha:g}")
-        _check_fine_tune_options(init_from, arch, tune_samples)
-        target: Literal["champion", "challenger"] = "champion" if promote_to == "champion" else "challenger"
-        result = train_model(
-            model_name=model_name,
-            source_uri=source,
-            arch=arch or "small_cnn",
-            init_from=init_from,
-            freeze_backbone=freeze_backbone,
-            epochs=epochs,
-            num_workers=num_workers,
-            tune_samples=tune_samples,
-            tune_max_epochs=tune_max_epochs,
-            margin=margin,
-            alpha=alpha,
-            floor=floor,
-            fail_once_at_epoch=fail_once_at_epoch,
-            promote_to=target,
-        )
+        result = train_model(request)
     except RaylineError as exc:
         _fail(exc)
     echo_json(result) if as_json else summaries.print_model_summary(result)
-
-
-def _check_fine_tune_options(init_from: str | None, arch: str | None, tune: int) -> None:
-    """Refuse what a fine-tune cannot honour, before anything starts."""
-    if init_from is None:
-        return
-    from rayline.models.registry import parse_named_ref
-
-    parse_named_ref(init_from)  # a malformed reference fails here, naming itself
-    if arch is not None:
-        raise ConfigError(f"--arch {arch}: a fine-tune keeps the architecture of --init-from {init_from}")
-    if tune > 0:
-        raise ConfigError(
-            f"--tune-samples {tune}: fine-tuning runs no search (each trial would be a whole fine-tune); drop it"
-        )
 
 
 # the night's options are NightRequest's fields (a nested model's too), each named after its field but these

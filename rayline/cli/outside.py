@@ -19,6 +19,7 @@ import typer
 
 from rayline import storage
 from rayline.errors import RaylineError
+from rayline.ray_workloads.registration.request import RegisterRequest
 
 if TYPE_CHECKING:  # for the types only: the workloads load Ray and torch, which `rayline --help` does without
     from rayline.ray_workloads.nightly.batch_inference import InferenceResult
@@ -66,7 +67,8 @@ def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
 
     weights = save_user_weights(root)
     typer.echo(f"saved a ResNet-18 (weights=None) as the user's weights: {weights}")
-    registration = register_model(name=OUTSIDE_MODEL, arch=OUTSIDE_ARCH, weights_uri=weights, alias=registry.CHAMPION)
+    asked = RegisterRequest(name=OUTSIDE_MODEL, arch=OUTSIDE_ARCH, weights_uri=weights, alias=registry.CHAMPION)
+    registration = register_model(asked)
     incoming = storage.join(root, PHOTOS_INCOMING, partition_for(day))
     seeded = write_seed(incoming, photos=photos, corrupt=corrupt, digits=False)
     typer.echo(f"dropped {seeded.total} photos under {incoming}")

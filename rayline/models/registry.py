@@ -42,7 +42,7 @@ from rayline.models import aliases, class_lists, split_answers
 from rayline.models.aliases import AliasMove as AliasMove
 from rayline.models.aliases import Unchecked as Unchecked
 from rayline.models.split_answers import PairedCounts
-from rayline.specs import NAME_PATTERN, ImageSpec, ModelSpec, ParentModel, WeightsSource, check_model_name
+from rayline.specs import GATE_ALPHA, NAME_PATTERN, ImageSpec, ModelSpec, ParentModel, WeightsSource, check_model_name
 from rayline.storage import conditional, leases
 from rayline.storage.layout import (
     ALIASES_DIR,
@@ -66,8 +66,6 @@ CHAMPION = "champion"
 CHALLENGER = "challenger"
 # a champion move outside a rollout holds the rollout lease for one compare-and-swap
 CHAMPION_MOVE_TTL_S = 60.0
-# the most often the gate promotes a candidate that is no better than its champion on the test split's population
-GATE_ALPHA = 0.05
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 

@@ -39,6 +39,7 @@ from rayline.flows.train_model import train_model
 from rayline.models import registry
 from rayline.ray_workloads.architectures.build import load_state_dict
 from rayline.ray_workloads.execution.interface import load_version
+from rayline.ray_workloads.training.request import TrainRequest
 from rayline.seed import seed
 from rayline.specs import FACTORY, ParentModel
 from rayline.storage.layout import RAW_DIR
@@ -111,7 +112,10 @@ def test_fine_tune_from_the_command_line_registers_a_child_of_the_parent(fine_tu
 def _render(parameters: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
     """A trigger's parameter templates with ``{{ event.payload.X }}`` filled in, as Prefect renders them."""
     pattern = re.compile(r"\{\{\s*event\.payload\.(\w+)\s*\}\}")
-    return {k: pattern.sub(lambda m: str(payload[m.group(1)]), v) for k, v in parameters.items()}
+    return {
+        k: pattern.sub(lambda m: str(payload[m.group(1)]), v) if isinstance(v, str) else v
+        for k, v in parameters.items()
+    }
 
 
 def _flow_run_logs(flow_run_id: str) -> list[str]:
@@ -137,12 +141,12 @@ def test_retraining_a_fine_tuned_model_fine_tunes_from_its_parent_without_a_sear
     # the monitor's drift event for this model, through the retrain deployment's trigger
     retrain = next(spec for spec in deployment_table() if spec.name == "retrain")
     (on_drift,) = [t for t in retrain.triggers if t.name == "retrain-on-drift"]
-    parameters = {**retrain.parameters, **_render(on_drift.parameters or {}, {"model": CHILD})}
+    parameters = _render({**retrain.parameters, **(on_drift.parameters or {})}["request"], {"model": CHILD})
     assert parameters["tune_samples"] == 4 and parameters["model_name"] == CHILD
     # the flow's default number of epochs is not what is claimed here; not the command line's one epoch
     # either, which would be the same run as the champion's, its result reused rather than trained again
     assert "epochs" not in parameters
-    result = train_model(**parameters, epochs=2)
+    result = train_model(TrainRequest(**parameters, epochs=2))
 
     assert result.tuned is None and not lineage.read_records("tune"), "no search for a fine-tune"
     version = result.registration.version
@@ -161,7 +165,7 @@ def test_retraining_a_fine_tuned_model_fine_tunes_from_its_parent_without_a_sear
 def test_an_outside_champion_is_not_retrained_from_scratch(local_storage: str) -> None:
     register_outside("photos", crop=64)
     with pytest.raises(ConfigError, match="outside model .* init_from=photos@champion"):
-        train_model(model_name="photos", tune_samples=4, promote_to="challenger")
+        train_model(TrainRequest(model_name="photos", tune_samples=4, promote_to="challenger"))
     assert [v.version for v in registry.list_versions("photos")] == [1]
 
 

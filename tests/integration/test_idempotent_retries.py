@@ -42,7 +42,7 @@ from rayline.tables.predictions_table import night_seq
 from rayline.tasks.batch_inference import batch_inference_task
 from rayline.tasks.ingest import ingest_objects
 from rayline.tasks.preprocess import preprocess_images
-from rayline.tasks.register import RegistrationResult, register_and_gate
+from rayline.tasks.register import register_and_gate
 from tests.integration.helpers import one_stored_event, register_untrained_champion, run_task_once
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
@@ -89,7 +89,7 @@ def _calls_of(module: ModuleType, name: str, monkeypatch: pytest.MonkeyPatch) ->
     return calls
 
 
-def _register_with_retries(name: str, prepared: PreprocessResult) -> tuple[RegistrationResult, int]:
+def _register_with_retries(name: str, prepared: PreprocessResult) -> tuple[promotion.PromotionResult, int]:
     spec = ModelSpec(num_classes=len(prepared.classes), width=8)
     weights_uri = storage.join(storage.storage_root(), "runs", name, "weights.pt")
     storage.write_bytes_atomic(weights_uri, state_dict_bytes(build_model(spec)))
@@ -109,8 +109,11 @@ def _register_with_retries(name: str, prepared: PreprocessResult) -> tuple[Regis
     fast = register_and_gate.with_options(retry_delay_seconds=0, retry_jitter_factor=None)
 
     @flow(name="register-retry-probe")
-    def probe() -> tuple[RegistrationResult, UUID | None]:
-        state = fast(name, spec, trained, evaluation, promote_to=registry.CHALLENGER, return_state=True)
+    def probe() -> tuple[promotion.PromotionResult, UUID | None]:
+        cfg = promotion.PromotionConfig(
+            name=name, spec=spec, trained=trained, evaluation=evaluation, promote_to=registry.CHALLENGER
+        )
+        state = fast(cfg, return_state=True)
         return state.result(), state.state_details.task_run_id
 
     result, task_run_id = probe()

@@ -23,6 +23,7 @@ from rayline.flows.train_model import train_model
 from rayline.lineage.graph import LineageNode, build_graph
 from rayline.models import registry, split_answers
 from rayline.ray_workloads.quality import training_set
+from rayline.ray_workloads.training.request import TrainRequest
 from rayline.seed import seed_incoming
 from rayline.storage import layout, manifests
 from rayline.tables import labels as labels_table
@@ -129,7 +130,7 @@ def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_pho
     assert not {q.uri for q in again.queued} & {r["uri"] for r in rows}, "labelled photos are not queued again"
 
     # what the retrain deployment runs on that event: the champion fine-tuned on the labelled photos
-    result = train_model(model_name="digits", labelled=True, epochs=1, num_workers=1, floor=0.0)
+    result = train_model(TrainRequest(model_name="digits", labelled=True, epochs=1, num_workers=1, floor=0.0))
     version = result.registration.version
     exported = training_set.committed_export(local_storage, "digits")
     assert exported is not None and len(exported.copies) == len(rows)

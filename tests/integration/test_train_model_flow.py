@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,8 @@ from rayline import lineage, storage
 from rayline.flows.train_model import TrainModelResult, train_model
 from rayline.models import mlflow_mirror, registry
 from rayline.ray_workloads.registration import mlflow_models
+from rayline.ray_workloads.training import train
+from rayline.ray_workloads.training.request import TrainRequest
 from rayline.seed import seed
 from tests.mlflow_support import assert_mirror_equals_registry, dead_uri, runs_of, steps_of
 
@@ -81,11 +84,27 @@ def _assert_paired_figures(
 
 def _weak_champion() -> TrainModelResult:
     """One epoch of a two-trial search's best on one worker: a first champion that anything passes."""
-    return train_model(epochs=1, floor=0.0, num_workers=1, tune_samples=2, tune_max_epochs=1)
+    return train_model(TrainRequest(epochs=1, floor=0.0, num_workers=1, tune_samples=2, tune_max_epochs=1))
+
+
+@pytest.fixture
+def fail_once_at_epoch(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """The fault drill: the next Train run's rank 0 raises once at ``epoch`` (a marker in storage makes it once)."""
+
+    def arm(epoch: int) -> None:
+        fit = train.run
+
+        def drilled(cfg: train.TrainConfig) -> train.TrainResult:
+            monkeypatch.setattr(train, "run", fit)
+            return fit(cfg.model_copy(update={"loop": cfg.loop.model_copy(update={"fail_once_at_epoch": epoch})}))
+
+        monkeypatch.setattr(train, "run", drilled)
+
+    return arm
 
 
 def test_train_recovers_from_a_worker_failure_the_gate_keeps_the_best_and_mlflow_tracks_it(
-    local_storage: str, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch
+    local_storage: str, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch, fail_once_at_epoch: Callable[[int], None]
 ) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     tracking = MlflowClient(mlflow_uri)
@@ -100,7 +119,8 @@ def test_train_recovers_from_a_worker_failure_the_gate_keeps_the_best_and_mlflow
 
     # one failure after the epoch-1 checkpoint, one resume; 8 epochs are enough for the accuracy (12 gave
     # 0.994 on the test split, 6 only 0.971: the cosine decay ends sooner, yet too close to the bar)
-    strong = train_model(epochs=8, fail_once_at_epoch=2)
+    fail_once_at_epoch(2)
+    strong = train_model(TrainRequest(epochs=8))
     history = strong.trained.history
     assert [h.epoch for h in history] == list(range(8)), "each epoch reported once"
     assert {h.attempt_start_epoch for h in history[2:]} == {2}, "resumed from the epoch-1 checkpoint"

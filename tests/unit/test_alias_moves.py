@@ -16,6 +16,7 @@ from rayline.errors import AliasConflict, LeaseLost
 from rayline.models import registry
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
 from rayline.ray_workloads.training import promotion
+from rayline.ray_workloads.training.request import GateOptions
 from rayline.storage import conditional, leases
 from tests.unit.test_registry_and_models import _register, _register_keyed, answers_at
 
@@ -165,7 +166,9 @@ def test_a_gate_whose_champion_moved_meanwhile_is_judged_again(
         return decision
 
     monkeypatch.setattr(registry, "gate", gate_then_a_rollout_promotes)
-    decision, moves, _ = promotion.gate_and_move("digits", candidate, answers_at(0.97), margin=0.0, floor=0.9)
+    decision, moves, _ = promotion.gate_and_move(
+        "digits", candidate, answers_at(0.97), GateOptions(margin=0.0, floor=0.9)
+    )
     assert not decision.promoted and decision.champion == new and "does not beat champion v" in decision.reason
     assert moves == [] and registry.alias_version("digits", registry.CHAMPION) == new
 

@@ -165,10 +165,10 @@ def test_a_size_that_does_not_fit_is_refused_before_the_weights_are_read() -> No
 
 
 def test_training_from_scratch_refuses_what_the_digits_squares_do_not_fit() -> None:
-    from rayline.flows.train_model import train_model
+    from rayline.ray_workloads.training.request import TrainRequest
 
     with pytest.raises(ConfigError, match=r"maxvit_t takes only 224×224 input.* gives 32×32"):
-        train_model.fn(arch="maxvit_t")
+        TrainRequest(arch="maxvit_t")
 
 
 def test_an_unknown_name_says_how_to_list_the_known_ones() -> None:

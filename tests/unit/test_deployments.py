@@ -68,18 +68,24 @@ def test_a_scheduled_deployment_s_request_is_set_in_rayline_toml(
 def test_retraining_and_rollout_are_event_triggered() -> None:
     built = {d.name: d for d in build_deployments()}
     retrain = built["retrain"]
-    assert retrain.parameters == {"tune_samples": 4, "promote_to": "challenger"}
+    searched = {"tune_samples": 4, "promote_to": "challenger"}  # a trigger's request replaces the deployment's
+    assert retrain.parameters == {"request": searched}
     by_event = {next(iter(t.expect)): t for t in retrain.triggers}
     assert set(by_event) == {events.DATA_ARRIVED, events.LABELS_ARRIVED, events.DRIFT_DETECTED}
     arrived = by_event[events.DATA_ARRIVED]
     assert arrived.match.model_dump() == {events.RETRAIN_LABEL: "true"}, "only arrivals above the threshold"
-    assert arrived.parameters == {"source_uri": "{{ event.payload.source_uri }}"}, "trains on the prefix that arrived"
+    assert arrived.parameters == {"request": {**searched, "source_uri": "{{ event.payload.source_uri }}"}}, (
+        "trains on the prefix that arrived"
+    )
     labels = by_event[events.LABELS_ARRIVED]
     assert labels.match.model_dump() == {events.RETRAIN_LABEL: "true"}, "only once enough labels came back"
-    assert labels.parameters == {"model_name": "{{ event.payload.model }}", "labelled": True}, "on its labelled photos"
+    on_labels = {**searched, "model_name": "{{ event.payload.model }}", "labelled": True}
+    assert labels.parameters == {"request": on_labels}, "on its labelled photos"
     assert labels.for_each == {"rayline.model"}, "one model's labels don't swallow another's"
     drift = by_event[events.DRIFT_DETECTED]
-    assert drift.parameters == {"model_name": "{{ event.payload.model }}"}, "retrains the model that drifted"
+    assert drift.parameters == {"request": {**searched, "model_name": "{{ event.payload.model }}"}}, (
+        "retrains the model that drifted"
+    )
     for trigger in retrain.triggers:  # debounced: the first event fires, the rest of the window is ignored
         assert trigger.posture.value == "Reactive" and trigger.threshold == 1 and trigger.within == RETRAIN_DEBOUNCE
 
@@ -111,3 +117,17 @@ def test_prefect_yaml_is_the_table_and_valid_for_prefect_deploy() -> None:
         assert deployment.entrypoint and (ROOT / deployment.entrypoint.split(":")[0]).is_file()
         for trigger in deployment.triggers or []:
             triggers.validate_python(trigger)
+
+
+def test_train_model_takes_one_request_and_each_retrain_trigger_carries_a_whole_one() -> None:
+    from prefect.utilities.callables import parameter_schema
+
+    from rayline.ray_workloads.training.request import TrainRequest
+
+    (retrain,) = [s for s in deployment_table() if s.name == "retrain"]
+    schema = parameter_schema(retrain.flow)
+    assert set(schema.properties) == {"request"} and not schema.required, "one form, every field with a default"
+    for trigger in retrain.triggers:  # Prefect replaces the deployment's request with the trigger's, whole
+        asked = {k: "digits" if "{{" in str(v) else v for k, v in trigger.parameters["request"].items()}
+        request = TrainRequest(**asked)
+        assert (request.tune_samples, request.promote_to) == (4, "challenger"), trigger.name

@@ -25,11 +25,14 @@ from rayline.ray_workloads.architectures.build import (
 from rayline.ray_workloads.data import preprocess
 from rayline.ray_workloads.execution.interface import load
 from rayline.ray_workloads.training.loop import TrainLoopConfig, make_optimizer, run_epoch
+from rayline.ray_workloads.training.plan import FineTunePlan
+from rayline.ray_workloads.training.plan import plan_training as plan_training_of
+from rayline.ray_workloads.training.request import TrainRequest
 from rayline.specs import FACTORY, FactoryRef, ImageSpec, ParentModel, squash
-from rayline.tasks.training_plan import plan_training
 
 pytestmark = pytest.mark.unit
 
+Planned = tuple[str, FineTunePlan | None]
 HEADS = {"resnet18": "fc", "mobilenet_v3_small": "classifier.3", "small_cnn": "head.3"}
 
 
@@ -106,6 +109,11 @@ def test_the_flow_plans_a_fine_tune_from_init_from_or_from_the_champions_parent(
     crop = ImageSpec(mode="resize_crop", resize=73, crop=64)
     outside = _register("photos", outside_spec, crop)
     _register("digits", ModelSpec(num_classes=10, width=4), squash(32))
+
+    def plan_training(model_name: str | None, init_from: str | None, freeze_backbone: bool | None) -> Planned:
+        asked = TrainRequest(model_name=model_name, init_from=init_from, freeze_backbone=freeze_backbone)
+        plan = plan_training_of(asked)
+        return plan.name, plan.fine_tune
 
     assert plan_training(None, None, None) == ("digits", None), "the digits train from scratch (and search)"
     with pytest.raises(ConfigError, match="freeze_backbone applies to fine-tuning only"):
@@ -311,7 +319,7 @@ def test_a_code_free_parent_is_refused_before_any_cluster_time(local_storage: st
     )
     registry.set_alias("exported", registry.CHAMPION, version.version, "test")
     with pytest.raises(InferenceOnlyFormat, match=f"exported v1 is {re.escape(named)}, an inference-only format"):
-        plan_training(None, "exported@champion", None)
+        plan_training_of(TrainRequest(init_from="exported@champion"))
     with pytest.raises(InferenceOnlyFormat, match=f"{re.escape(named)} is an inference-only format"):
         fine_tune_model(version.model_spec, {}, "parent", num_classes=2)
 

@@ -22,6 +22,7 @@ from rayline.models import registry
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
 from rayline.ray_workloads.quality import labels_import, reading
 from rayline.ray_workloads.training import promotion
+from rayline.ray_workloads.training.request import GateOptions
 from rayline.storage import layout, leases
 from rayline.tasks import rollouts as tasks_rollouts
 from rayline.tasks.serve import PreparedRollout
@@ -119,7 +120,7 @@ def test_the_train_model_gate_moves_the_champion_only_on_a_labelled_win(
         plant_paired_night(local_storage, tmp_path, champion_right, challenger_right)
 
     decision, moves, labelled = promotion.gate_and_move(
-        "digits", candidate, answers_at(0.97), margin=0.0, floor=0.9, labelled_root=local_storage
+        "digits", candidate, answers_at(0.97), GateOptions(margin=0.0, floor=0.9), labelled_root=local_storage
     )
     outcome = {"better": "passed", "worse": "failed"}.get(planted, "inconclusive")
     assert labelled is not None and labelled.outcome == outcome

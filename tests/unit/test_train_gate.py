@@ -16,6 +16,7 @@ from rayline.models import registry, split_answers
 from rayline.models.split_answers import PairedCounts
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
 from rayline.ray_workloads.training import promotion
+from rayline.ray_workloads.training.request import GateOptions
 from rayline.specs import ImageSpec
 from tests.unit.test_registry_and_models import _register, answers_right_on
 
@@ -173,13 +174,15 @@ def test_the_champion_is_judged_by_its_answers_kept_for_the_same_images(local_st
     registry.set_alias("digits", registry.CHAMPION, champion.version, "first")
     alike = _register(weights, float(champion_right.mean()), answers_right_on(champion_right))
     refused, moves, _ = promotion.gate_and_move(
-        "digits", alike, answers_right_on(champion_right), margin=0.0, floor=0.9
+        "digits", alike, answers_right_on(champion_right), GateOptions(margin=0.0, floor=0.9)
     )
     assert not refused.promoted and moves == []
     assert "on 300 test images: 0 wins, 0 losses, exact McNemar p = 1.0000 > 0.05" in refused.reason
 
     candidate = _register(weights, float(better.mean()), answers_right_on(better))
-    decision, moves, _ = promotion.gate_and_move("digits", candidate, answers_right_on(better), margin=0.0, floor=0.9)
+    decision, moves, _ = promotion.gate_and_move(
+        "digits", candidate, answers_right_on(better), GateOptions(margin=0.0, floor=0.9)
+    )
     assert decision.promoted and [m.version for m in moves] == [candidate.version]
     assert decision.reason.startswith(f"v{candidate.version} beats champion v{champion.version} on 300 test images: ")
     assert (decision.wins, decision.losses) == (30, 6) and "exact McNemar p = 3.5e-05 ≤ 0.05" in decision.reason

@@ -37,7 +37,7 @@ async def state(run_id: UUID) -> str:
 
 
 def main() -> None:
-    run = run_deployment("train-model/train-model", parameters={"epochs": 200}, timeout=0)
+    run = run_deployment("train-model/train-model", parameters={"request": {"epochs": 200}}, timeout=0)
     # called outside an event loop it returns the run; its annotation also allows an async caller's coroutine
     assert isinstance(run, FlowRun), run
     deadline = time.monotonic() + 240
