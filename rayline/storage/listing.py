@@ -143,8 +143,13 @@ class _Dispatcher:
         return [self.own.close(), *(ray_work.gather(self._refs) if self._refs else [])]
 
 
-def _walk_levels(root: str, own: PartWriter, dispatcher: _Dispatcher) -> None:
-    """The levels of ``root`` in the caller: its own objects into ``own``, groups of sub-prefixes to ``dispatcher``."""
+def _walk_levels(root: str, staging_uri: str, rows_per_part: int, *, defer: bool) -> _Dispatcher:
+    """The levels of ``root`` in the caller: its own objects into the caller's own parts, sub-prefixes to the
+    dispatcher returned."""
+    if rows_per_part < 1:
+        raise InputDataError(f"rows_per_part must be at least 1, got {rows_per_part}")
+    own = PartWriter(root, staging_uri, "g00000", rows_per_part)
+    dispatcher = _Dispatcher(own, defer)
     frontier = [""]
     for depth in range(MAX_DEPTH + 1):
         found: list[str] = []
@@ -166,6 +171,7 @@ def _walk_levels(root: str, own: PartWriter, dispatcher: _Dispatcher) -> None:
             break
         frontier = found
     dispatcher.flush()
+    return dispatcher
 
 
 def _merged(root: str, listings: list[GroupListing]) -> StreamedListing:
@@ -180,19 +186,10 @@ def _merged(root: str, listings: list[GroupListing]) -> StreamedListing:
     )
 
 
-def _check_rows_per_part(rows_per_part: int) -> None:
-    if rows_per_part < 1:
-        raise InputDataError(f"rows_per_part must be at least 1, got {rows_per_part}")
-
-
 def list_to_parts(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROWS_PER_PART) -> StreamedListing:
     """List everything under ``prefix_uri`` into Parquet parts under ``staging_uri`` (module docstring)."""
-    _check_rows_per_part(rows_per_part)
     root = storage.normalize(prefix_uri)
-    own = PartWriter(root, staging_uri, "g00000", rows_per_part)
-    dispatcher = _Dispatcher(own)
-    _walk_levels(root, own, dispatcher)
-    return _merged(root, dispatcher.gather())
+    return _merged(root, _walk_levels(root, staging_uri, rows_per_part, defer=False).gather())
 
 
 @dataclass(frozen=True)
@@ -232,19 +229,15 @@ class ListingStart:
 def begin_listing(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROWS_PER_PART) -> ListingStart:
     """List ``prefix_uri``'s levels and its first :data:`INLINE_OBJECTS` objects in the caller, and name the
     groups of sub-prefixes left, for a night's cutters to list while the first blocks are predicted."""
-    _check_rows_per_part(rows_per_part)
     root = storage.normalize(prefix_uri)
-    own = PartWriter(root, staging_uri, "g00000", rows_per_part)
-    dispatcher = _Dispatcher(own, defer=True)
-    _walk_levels(root, own, dispatcher)
+    dispatcher = _walk_levels(root, staging_uri, rows_per_part, defer=True)
     return ListingStart(
         prefix=root,
         staging=staging_uri,
         rows_per_part=rows_per_part,
-        own=_merged(root, [own.close()]),
+        own=_merged(root, [dispatcher.own.close()]),
         groups=dispatcher.deferred,
         own_prefixes=dispatcher.own_prefixes,
-        listers=LISTERS,
     )
 
 

@@ -65,9 +65,7 @@ class GoogleCredentials:
 def on_google_cloud() -> bool:
     """Whether the machine says, without a request, that it runs on Google Cloud: its DMI product name (GCE and
     GKE nodes, as google-auth reads it), a serverless runtime's variables, or a metadata host the user named."""
-    if os.environ.get("GCE_METADATA_HOST") or os.environ.get("GCE_METADATA_IP"):
-        return True
-    if any(os.environ.get(name) for name in _SERVERLESS_MARKERS):
+    if any(os.environ.get(name) for name in ("GCE_METADATA_HOST", "GCE_METADATA_IP", *_SERVERLESS_MARKERS)):
         return True
     try:
         return _DMI_PRODUCT.read_text().strip().startswith("Google")
