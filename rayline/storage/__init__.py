@@ -1,15 +1,14 @@
 """Storage: where everything rayline writes lives, and how it is written safely.
 
-- ``backends``: the seam: one object-store interface, a backend per scheme (local disk, ``s3://``,
-  ``gs://``, ``az://``) and the one retry and timeout policy; nothing outside this package builds a client;
+- ``backends``: the seam: one object-store interface, a backend per scheme and the one retry and timeout
+  policy; nothing outside this package builds a client;
 - ``uris``: URIs to filesystems, whole-object reads and atomic writes, listings (this package's face:
   ``from rayline import storage``; ``storage.join(...)``, ``storage.read_json(...)``);
-- ``conditional``, ``fencing``, ``leases``: create-if-absent and compare-and-swap, fencing tokens, leases
-  (``conditional_probe``: proof that a store honours the conditions, before the first such write);
+- ``conditional`` (and its ``conditional_probe``), ``fencing``, ``leases``: create-if-absent and
+  compare-and-swap, fencing tokens, leases;
 - ``folders``, ``manifests``: content-addressed output folders committed by typed manifests;
-- ``listing``, ``listing_parts``, ``walking``, ``digests``, ``fetching``: a prefix's listing streamed into parts
-  (``listing_parts``: the parts and their summaries; ``walking``: a prefix's levels and objects, page by page),
-  set digests, many small reads;
+- ``listing``, ``listing_parts``, ``digests``, ``fetching``: a prefix's listing streamed into
+  parts, set digests, many small reads;
 - ``layout``: the names of the layout (``raw``, ``incoming/dt=…``, the tables, ``_staging``).
 
 It imports only the cross-cutting modules at the top of ``rayline`` (errors, config, specs, ray_work):
@@ -18,7 +17,6 @@ never ``rayline.tables``, ``rayline.lineage`` or ``rayline.models``, which all b
 
 from rayline.storage.backends import ObjectStore
 from rayline.storage.uris import (
-    S3,
     SKIP_FOLDER_MARKER,
     SKIP_HIDDEN,
     Listing,
@@ -55,7 +53,6 @@ from rayline.storage.uris import (
 )
 
 __all__ = [
-    "S3",
     "ObjectStore",
     "SKIP_FOLDER_MARKER",
     "SKIP_HIDDEN",

@@ -1,22 +1,14 @@
 """Conditional writes: create-if-absent and compare-and-swap on one small object, on every store.
 
-The one implementation behind the registry's version claims, alias moves, the
-leases of ``rayline.storage.leases`` and the execution plans' claims. Every
-object written here has a *token* that changes with its content: its version
-in the store (``rayline.storage.backends``: the ETag on S3 and Azure, the
-generation on GCS, the SHA-256 of its bytes on local disk).
+The one implementation behind the registry's version claims, alias moves, leases, folder commits and the
+execution plans' claims. Every object written here has a *token* that changes with its content: its version
+in the store (``rayline.storage.backends``). A cloud store checks the condition itself and refuses the loser;
+a server that ignores the conditions would let every writer win, so the first conditional write to a bucket
+probes it (``rayline.storage.conditional_probe``).
 
-A cloud store checks the condition itself (``If-None-Match: *`` / ``If-Match``
-on S3 and Azure, ``ifGenerationMatch`` on GCS) and refuses the loser. A
-server that ignores those conditions would let every writer win: the first
-conditional write to a bucket probes it (``rayline.storage.conditional_probe``)
-and refuses to go on if it does.
-
-Tokens are derived from content on local disk, so a swap must write bytes
-that differ from the ones it replaces (leases carry a generation number that
-grows with each write). The bytes should also name their writer: after a
-retried PUT, finding exactly one's own bytes is how a write that landed is
-recognised.
+Tokens are derived from content on local disk, so a swap must write bytes that differ from the ones it
+replaces (leases carry a generation number that grows with each write). The bytes should also name their
+writer: after a retried PUT, finding exactly one's own bytes is how a write that landed is recognised.
 """
 
 from __future__ import annotations
@@ -77,13 +69,10 @@ def _checked_store(uri: str) -> storage.ObjectStore:
 def _settle(
     uri: str, data: bytes, write: Callable[[], str | None], still_holds: Callable[[Versioned | None], bool]
 ) -> str | None:
-    """Run a conditional ``write``: its token, or None when another writer's object stands.
-
-    A refusal is looked at again: the client retries a write whose answer was
-    lost, and the retry then fails its own condition although the first
-    attempt landed (our exact bytes mean it did); and a refusal while the
-    condition still holds was a conflict with a write in flight, worth a retry.
-    """
+    """Run a conditional ``write``: its token, or None when another writer's object stands. A refusal is looked
+    at again: the client retries a write whose answer was lost, and the retry then fails its own condition
+    although the first attempt landed (our exact bytes mean it did); and a refusal while the condition still
+    holds was a conflict with a write in flight, worth a retry."""
     for attempt in range(_CONFLICT_ATTEMPTS):
         with storage.storage_errors("writing", uri):
             token = write()

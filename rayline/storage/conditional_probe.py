@@ -1,18 +1,12 @@
 """Proof that an object store honours conditional writes, asked once per store and bucket in a process.
 
-Every coordination rayline does in storage is a conditional write: leases,
-version claims, alias moves and folder commits (``rayline.storage.conditional``),
-and delta-rs's commits to a Delta table's ``_delta_log``. A server that
-ignores the conditions (``If-None-Match`` / ``If-Match`` on S3 and Azure,
-``ifGenerationMatch`` on GCS) answers 200 to all of them: every contender
-takes every lease, two registrations claim one version, and concurrent
-nights lose commits, all without an error. So before the first conditional
-write to a bucket, :func:`require_conditional_writes` creates a probe key
-exclusively twice (the second must be refused), then writes it with a stale
-version (refused too), and removes it. The answer is kept for the process: a
-server does not change its mind between two writes.
-
-Local disk needs no probe: its conditions are a hard link and a lock.
+Every coordination rayline does in storage is a conditional write (``rayline.storage.conditional``), and so
+is delta-rs's commit to a Delta table's ``_delta_log``. A server that ignores the conditions answers 200 to
+all of them: every contender takes every lease, and concurrent nights lose commits, all without an error. So
+before the first conditional write to a bucket, :func:`require_conditional_writes` creates a probe key
+exclusively twice (the second must be refused), then writes it with a stale version (refused too), and
+removes it. The answer is kept for the process. Local disk needs no probe: its conditions are a hard link
+and a lock.
 """
 
 from __future__ import annotations
@@ -40,11 +34,8 @@ _CONDITIONS = {
 
 
 def require_conditional_writes(uri: str) -> None:
-    """Refuse (``ConditionalWritesUnsupported``) a conditional write to ``uri`` on a store that ignores them.
-
-    Probes the store and bucket of ``uri`` the first time (a few small
-    requests beside ``uri``), then answers from memory. Local paths pass.
-    """
+    """Refuse (``ConditionalWritesUnsupported``) a conditional write to ``uri`` on a store that ignores them;
+    the first time for its store and bucket, a few small requests beside ``uri`` find out."""
     uri = storage.normalize(uri)
     if not storage.is_remote(uri):
         return
@@ -74,7 +65,10 @@ def _probe(uri: str, scheme: str, bucket: str, folder: str) -> ConditionalWrites
             if first is not None and store.put_if_match(probe, b"stale", first) is not None:
                 lacks.append(f"{swap} (a write with a stale version landed)")
     finally:
-        _delete(store, probe)
+        try:
+            store.delete(probe)
+        except Exception as exc:  # never hide the probe's own answer; a hidden key of a few bytes is left
+            log.warning("removing the conditional-write probe %s failed: %s", probe, exc)
     if not lacks:
         return None
     endpoint = storage.endpoint_of(uri) or "of the cloud's SDK"
@@ -86,10 +80,3 @@ def _probe(uri: str, scheme: str, bucket: str, folder: str) -> ConditionalWrites
         "do), or use another storage; a locking provider for delta-rs (AWS_S3_LOCKING_PROVIDER=dynamodb) covers "
         "only the Delta tables' commits, not rayline's own"
     )
-
-
-def _delete(store: storage.ObjectStore, uri: str) -> None:
-    try:
-        store.delete(uri)
-    except Exception as exc:  # never hide the probe's own answer; a hidden key of a few bytes is left
-        log.warning("removing the conditional-write probe %s failed: %s", uri, exc)

@@ -1,21 +1,15 @@
 """Order-independent digests of sets of strings: what a night's listing and its written rows are checked by.
 
-A :class:`SetDigest` is a count and the sum, modulo 2**128, of a 128-bit
-BLAKE2b hash of each string. Sums commute, so a digest can be built in parts,
-in any order and on any machine, and the parts added: the listing's parts, the
-blocks of a night, the compacted files. Two digests are equal when the two
-multisets of strings are, up to the bound below, so the driver checks
-"predictions plus errors name every listed input exactly once" by comparing
-two numbers instead of reading every URI back.
+A :class:`SetDigest` is a count and the sum, modulo 2**128, of a 128-bit BLAKE2b hash of each string. Sums
+commute, so a digest can be built in parts, in any order and on any machine, and the parts added. Two digests
+are equal when the two multisets of strings are, up to the bound below, so the driver checks "predictions
+plus errors name every listed input exactly once" by comparing two numbers instead of reading every URI back.
 
-Collision bound. For two different multisets with the same count, the
-digests agree only if ``Σ c_i·h(x_i) ≡ 0 (mod 2**128)``, where ``c_i`` is how
-many more times ``x_i`` is in one multiset than in the other. With ``h``
-uniform (BLAKE2b), that happens with probability at most ``2**-(128 - k)``
-when every ``|c_i| < 2**k``: for a row missing, duplicated or extra a few
-times, about ``2**-126``. This guards against bugs and lost or doubled writes,
-not against an adversary who picks the strings (such a one can find
-collisions of any additive hash).
+Collision bound. For two different multisets with the same count, the digests agree only if
+``Σ c_i·h(x_i) ≡ 0 (mod 2**128)``, where ``c_i`` is how many more times ``x_i`` is in one multiset than in
+the other. With ``h`` uniform, that happens with probability at most ``2**-(128 - k)`` when every
+``|c_i| < 2**k``: for a row missing, duplicated or extra a few times, about ``2**-126``. This guards against
+bugs and lost or doubled writes, not against an adversary who picks the strings.
 """
 
 from __future__ import annotations
@@ -66,7 +60,4 @@ class SetDigest:
 
 
 def combine(digests: Iterable[SetDigest]) -> SetDigest:
-    result = SetDigest()
-    for digest in digests:
-        result = result + digest
-    return result
+    return sum(digests, SetDigest())

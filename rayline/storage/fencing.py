@@ -1,13 +1,10 @@
 """Fencing tokens: what a lease holder shows whoever it changes, so a holder that lost its lease is refused.
 
-A lease (``rayline.storage.leases``) is proved in storage before each commit, but a holder
-paused between that proof and its change (SIGSTOP, a VM freeze, a long GC) acts
-after its lease expired and another run took it over. So a holder's changes to
-something outside storage carry its :class:`Fence`: the lease and the generation
-of the write that took it. Every acquisition writes a higher generation than any
-write before it, so a later holder's fence is always higher. The receiver keeps
-the highest generation it has seen per lease (:func:`admit`) and refuses lower
-ones with ``StaleFence``.
+A lease (``rayline.storage.leases``) is proved in storage before each commit, but a holder paused between
+that proof and its change (SIGSTOP, a VM freeze, a long GC) acts after another run took its lease over. So a
+holder's changes to something outside storage carry its :class:`Fence`, the generation of the write that took
+the lease, higher for every later holder. The receiver keeps the highest it has seen per lease (:func:`admit`)
+and refuses lower ones with ``StaleFence``.
 
 No imports beyond the errors: receivers (a Ray actor) load this module alone.
 """
@@ -29,11 +26,9 @@ class Fence:
 
 
 def admit(seen: dict[str, Fence], fence: Fence | None, what: str) -> bool:
-    """Refuse ``what`` (``StaleFence``) if ``fence`` is older than the newest fence of its lease in ``seen``.
-
-    Records ``fence`` in ``seen`` when it is the newest; returns whether ``seen`` changed. A change
-    without a fence (an operator's, by hand) is let through: only lease holders are fenced.
-    """
+    """Refuse ``what`` (``StaleFence``) if ``fence`` is older than the newest fence of its lease in ``seen``;
+    record it there when it is the newest, and say whether ``seen`` changed. A change without a fence (an
+    operator's, by hand) is let through: only lease holders are fenced."""
     if fence is None:
         return False
     newest = seen.get(fence.lease)

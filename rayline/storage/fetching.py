@@ -1,11 +1,9 @@
 """Reading many small objects: concurrent GETs, and rounds of re-reads for transient failures.
 
-The fetch loop of ingest, nightly inference, rollouts' probes and lineage reads.
-A transient failure (throttling, 5xx, a reset, a body cut short) is retried by
-the store's client (``RAYLINE_STORAGE_MAX_ATTEMPTS``), then by this loop's
-rounds; one that outlasts them fails the stage as transient, never an
-object's error row. A read refused for want of permission
-fails the stage too: a policy is the run's fault, not the object's.
+A transient failure (throttling, 5xx, a reset, a body cut short) is retried by the store's client
+(``RAYLINE_STORAGE_MAX_ATTEMPTS``), then by this loop's rounds; one that outlasts them fails the stage as
+transient, never an object's error row. A read refused for want of permission fails the stage too: a policy
+is the run's fault, not the object's.
 """
 
 from __future__ import annotations
@@ -39,11 +37,8 @@ class Fetched:
 
 
 def as_listed(fetched: Fetched, listed_etag: str) -> Fetched:
-    """``fetched``, or an :class:`ObjectChangedError` when it read another version than the listing's.
-
-    Every read names its version (a local file's too: its listing version, :func:`_fetch_local`), so a read
-    without one is no proof of the listed version either.
-    """
+    """``fetched``, or an :class:`ObjectChangedError` when it read another version than the listing's (every
+    read names its version, a local file's too, so a read without one is no proof of the listed version)."""
     if fetched.error is not None or fetched.etag == listed_etag:
         return fetched
     changed = ObjectChangedError(f"etag changed from {listed_etag} (listed) to {fetched.etag} (read)")
@@ -61,10 +56,8 @@ def _fetch_remote(uri: str, store: ObjectStore) -> Fetched:
 
 
 def _fetch_local(uri: str) -> Fetched:
-    """The file's bytes with the version a listing gives it (size and modification time, from the handle read).
-
-    A file written in place while it was read has no one version: an :class:`ObjectChangedError`.
-    """
+    """The file's bytes with the version a listing gives it (size and modification time, from the handle read);
+    a file written in place while it was read has no one version: an :class:`ObjectChangedError`."""
     path = uri if uri.startswith("/") else normalize(uri)  # listed URIs are absolute already
     try:
         data, before, after = read_as_listed(path)
@@ -77,14 +70,9 @@ def _fetch_local(uri: str) -> Fetched:
 
 
 def _fetch_pass(uris: list[str], concurrency: int) -> list[Fetched]:
-    """One read of each object, in order; failures are returned, not raised.
-
-    Reads from a cloud store overlap on a thread pool: per-request latency
-    dominates with many small objects (each request waits on the store's
-    client, which releases the GIL meanwhile). Local files are read one after
-    another: from the page cache a read costs less than handing it to a
-    thread pool would (bench/README.md).
-    """
+    """One read of each object, in order; failures are returned, not raised. Reads from a cloud store overlap
+    on a thread pool: per-request latency dominates with many small objects. Local files are read one after
+    another: from the page cache a read costs less than handing it to a thread pool would (bench/README.md)."""
     if not any(is_remote(u) for u in uris):
         return [_fetch_local(u) for u in uris]
     workers = max(1, min(concurrency, len(uris)))
@@ -98,10 +86,8 @@ def _fetch_pass(uris: list[str], concurrency: int) -> list[Fetched]:
 
 
 def fetch_retry_delays() -> list[float]:
-    """Waits before each round of :func:`fetch_many`'s re-fetches: doubling from the setting, jittered ±50 %.
-
-    The jitter spreads the rounds of tasks throttled together.
-    """
+    """Waits before each round of :func:`fetch_many`'s re-fetches: doubling from the setting, jittered ±50 %
+    to spread the rounds of tasks throttled together."""
     settings = get_settings()
     base = settings.fetch_retry_delay_s
     return [base * 2**i * random.uniform(0.5, 1.5) for i in range(settings.fetch_retries)]
@@ -112,20 +98,25 @@ def _failing(results: list[Fetched], kind: Callable[[BaseException], bool]) -> l
     return [i for i, f in enumerate(results) if f.error is not None and kind(f.error)]
 
 
+def _raise_for(uris: list[str], results: list[Fetched], failing: list[int], error: type[Exception], what: str) -> None:
+    """Raise ``error``, saying how many objects ``what`` and naming the first, when any reads are ``failing``."""
+    if failing:
+        first = results[failing[0]].error
+        raise error(
+            f"{len(failing)} of {len(uris)} objects {what}, e.g. {uris[failing[0]]}: {type(first).__name__}: {first}"
+        ) from first
+
+
 def retry_transient(
     uris: list[str],
     fetch: Callable[[list[str]], list[Fetched]],
     delays: list[float],
     sleep: Callable[[float], None] = time.sleep,
 ) -> list[Fetched]:
-    """``fetch(uris)``, then fetch again, after each delay, the objects whose read failed transiently.
-
-    A transient failure (throttling, 5xx, a reset: ``errors.is_transient``) is
-    not the object's fault, so it must never become its error row: objects
-    still failing so after the last round fail the whole call with
-    :class:`TransientStorageError`, which the stage's task retry takes up.
-    Other failures (no such key, access denied) are returned as they are.
-    """
+    """``fetch(uris)``, then fetch again, after each delay, the objects whose read failed transiently. Such a
+    failure (``errors.is_transient``) is not the object's fault, so it must never become its error row: objects
+    still failing so after the last round fail the whole call with :class:`TransientStorageError`, which the
+    stage's task retry takes up. Other failures are returned as they are."""
     results = fetch(uris)
     for delay in delays:
         pending = _failing(results, is_transient)
@@ -134,32 +125,19 @@ def retry_transient(
         sleep(delay)
         for i, fetched in zip(pending, fetch([uris[i] for i in pending]), strict=True):
             results[i] = fetched
-    pending = _failing(results, is_transient)
-    if pending:
-        first = results[pending[0]].error
-        raise TransientStorageError(
-            f"{len(pending)} of {len(uris)} objects still failed transiently after {len(delays)} more rounds of "
-            f"reads (each with the store client's own retries), e.g. {uris[pending[0]]}: "
-            f"{type(first).__name__}: {first}"
-        ) from first
+    rounds = (
+        f"still failed transiently after {len(delays)} more rounds of reads (each with the store client's own retries)"
+    )
+    _raise_for(uris, results, _failing(results, is_transient), TransientStorageError, rounds)
     return results
 
 
 def refuse_denied(uris: list[str], results: list[Fetched]) -> list[Fetched]:
-    """``results``, unless a read was refused for want of permission: then :class:`StorageAccessDenied`.
-
-    One refusal is enough. An AccessDenied (403, ``PermissionError``) says
-    what the caller may do, not what the object is: a bucket policy, a role or
-    credentials that refuse one GET of an input refuse the others, and rows of
-    them committed or cached would outlive the fix of the policy.
-    """
-    denied = _failing(results, is_access_denied)
-    if denied:
-        first = results[denied[0]].error
-        raise StorageAccessDenied(
-            f"{len(denied)} of {len(uris)} objects refused for want of permission (a bucket policy, role or "
-            f"credentials of this run, not the objects), e.g. {uris[denied[0]]}: {type(first).__name__}: {first}"
-        ) from first
+    """``results``, unless a read was refused for want of permission: then :class:`StorageAccessDenied`. One
+    refusal is enough: an AccessDenied (403, ``PermissionError``) says what the caller may do, not what the
+    object is, and rows of such objects committed or cached would outlive the fix of the policy."""
+    why = "refused for want of permission (a bucket policy, role or credentials of this run, not the objects)"
+    _raise_for(uris, results, _failing(results, is_access_denied), StorageAccessDenied, why)
     return results
 
 
@@ -174,13 +152,6 @@ def fetch_checked(
 
 
 def fetch_many(uris: list[str], concurrency: int) -> list[Fetched]:
-    """Read many small objects, in order, ``concurrency`` at a time.
-
-    Objects that cannot be read for good (missing, replaced) come back with
-    their error; reads failing transiently are retried in rounds
-    (``RAYLINE_FETCH_RETRIES``, ``RAYLINE_FETCH_RETRY_DELAY_S``), and if some
-    still fail, :class:`TransientStorageError` is raised (:func:`retry_transient`);
-    a read refused for want of permission raises :class:`StorageAccessDenied`
-    (:func:`refuse_denied`).
-    """
+    """Read many small objects, in order, ``concurrency`` at a time: objects that cannot be read for good
+    (missing, replaced) come back with their error; the rest as :func:`fetch_checked` says."""
     return fetch_checked(uris, lambda batch: _fetch_pass(batch, concurrency), fetch_retry_delays())

@@ -1,30 +1,19 @@
 """Content-addressed output folders that one run at a time fills, then commits with a manifest.
 
-Two runs on one input map to one folder, so a run takes a lease on the
-folder (``<folder>.lease``, beside it: removing what is in the folder must
-never remove the lease that guards it) before it writes there.
+Two runs on one input map to one folder, so a run takes a lease on the folder (``<folder>.lease``, beside
+it: removing what is in the folder must never remove the lease that guards it) before it writes there.
 
-:func:`fill_once` is the whole sequence, shared by every stage that commits a
-folder (ingest, preprocess, the export of labelled photos): reuse what is
-committed, else take the lease,
-read the manifest with its token, fill a generation of its own, and switch the
-manifest to it by a compare-and-swap on that token
-(:func:`rayline.storage.manifests.commit`). A run paused past its lease's ttl
-therefore never commits over the run that took over.
-
-What a commit removes (:func:`remove_superseded`), only after its switch:
-generations of earlier lease holders (their fence is lower: they lost the
-lease, so their commit can no longer land), except the generation the switch
-replaced, which its readers may still be inside; the next commit removes it.
-A generation of a later holder (a higher fence) is never removed: a run paused
-in its clean-up must not remove the files of the run that took over.
+What a commit removes (:func:`remove_superseded`), only after its switch: generations of earlier lease
+holders (their fence is lower: they lost the lease, so their commit can no longer land), except the
+generation the switch replaced, which its readers may still be inside; the next commit removes it. A
+generation of a later holder (a higher fence) is never removed: a run paused in its clean-up must not remove
+the files of the run that took over.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic
 
@@ -70,21 +59,10 @@ def lease_uri(folder: str) -> str:
     return storage.normalize(folder) + LEASE_SUFFIX
 
 
-@contextmanager
-def leased(folder: str, cfg: LeasedOutput, what: str) -> Iterator[leases.HeldLease]:
-    """Hold the lease on ``folder`` for the block; LeaseBusy naming the holder after ``cfg.lease_wait_s``."""
-    holder = cfg.holder or leases.run_holder()
-    with leases.held(lease_uri(folder), holder, ttl_s=cfg.lease_ttl_s, wait_s=cfg.lease_wait_s, describe=what) as lease:
-        yield lease
-
-
 def remove_superseded(folder: str, keep: set[str | None], lease: leases.HeldLease) -> list[str]:
-    """Remove what earlier lease holders left in ``folder``, but its manifest and the generations ``keep``.
-
-    ``keep``: the committed generation and the one it replaced (None: files in the folder itself, as
-    folders committed before generations have them). Leftovers of a later holder (a fence above this
-    holding's) and hidden names (the manifest's lock file on local disk) stay. Returns what it removed.
-    """
+    """Remove what earlier lease holders left in ``folder``, but its manifest and the generations ``keep``
+    (None: files in the folder itself); leftovers of a later holder and hidden names (the manifest's lock file
+    on local disk) stay. Returns what it removed."""
     fence = lease.fencing_token().generation
     removed = []
     for name in storage.list_names(folder):
@@ -99,11 +77,6 @@ def remove_superseded(folder: str, keep: set[str | None], lease: leases.HeldLeas
     return removed
 
 
-def note_reuse(what: str, lease: leases.HeldLease) -> None:
-    """Say why a run that waited for the lease wrote nothing: the run it waited for committed."""
-    log.info("another run held %s; waited %.1f s, found it committed", what, lease.waited_s)
-
-
 def fill_once(
     folder: str,
     cfg: LeasedOutput,
@@ -116,18 +89,10 @@ def fill_once(
 ) -> Committed[Kind]:
     """``folder``'s committed manifest, or else the one ``fill`` returns, committed after its files.
 
-    A committed folder is reused without the lease when ``reusable`` accepts
-    its manifest. Otherwise the run takes the lease, looks again (the run it
-    waited for may have committed meanwhile), reads the manifest with its
-    token, and lets ``fill`` write the files into a new generation of the
-    folder (it returns their manifest). The manifest is committed last, by a
-    compare-and-swap on the token read (``LeaseLost`` when another run
-    committed since), and only then are earlier holders' generations removed
-    (:func:`remove_superseded`), but the one just replaced.
-
-    The committed generation stays whole for its readers while the run
-    writes, and after the switch until the next commit; a forced run that
-    fails leaves the old output committed as it was.
+    The whole sequence of every stage that commits a folder: a committed folder is reused without the lease
+    when ``reusable`` accepts its manifest; else ``fill`` writes a new generation under the lease, whose
+    manifest is switched to by :func:`rayline.storage.manifests.commit` (``LeaseLost`` when another run
+    committed since). A forced run that fails leaves the old output committed as it was.
     """
     uri = manifests.manifest_uri(folder)
 
@@ -139,11 +104,14 @@ def fill_once(
 
     if (reused := committed()) is not None:
         return Committed(reused, uri, cached=True)
-    with leased(folder, cfg, what) as lease:
+    holder = cfg.holder or leases.run_holder()  # LeaseBusy, naming the holder, after cfg.lease_wait_s
+    with leases.held(lease_uri(folder), holder, ttl_s=cfg.lease_ttl_s, wait_s=cfg.lease_wait_s, describe=what) as lease:
         if (reused := committed()) is not None:
-            note_reuse(what, lease)
+            log.info("another run held %s; waited %.1f s, found it committed", what, lease.waited_s)
             return Committed(reused, uri, cached=True, waited_s=lease.waited_s)
-        current, token = _read_for_switch(folder, kind, force)
+        current, token = manifests.read_for_switch(folder, kind, malformed_ok=force)
+        if current is None and token is not None:
+            log.warning("%s has a malformed manifest: the forced run replaces it", folder)
         generation = manifests.new_generation(lease.fencing_token().generation)
         manifest = fill(lease, manifests.generation_folder(folder, generation))
         manifest = manifest.model_copy(update={"generation": generation})
@@ -151,11 +119,3 @@ def fill_once(
         replaced = {current.generation} if current is not None else set()
         remove_superseded(folder, {generation, *replaced}, lease)
         return Committed(manifest, uri, cached=False, waited_s=lease.waited_s)
-
-
-def _read_for_switch(folder: str, kind: type[Kind], force: bool) -> tuple[Kind | None, str | None]:
-    """The folder's manifest and its token; for a forced run, a malformed one reads as none (it is replaced)."""
-    current, token = manifests.read_for_switch(folder, kind, malformed_ok=force)
-    if current is None and token is not None:
-        log.warning("%s has a malformed manifest: the forced run replaces it", folder)
-    return current, token

@@ -1,13 +1,11 @@
 """Names of the storage layout, in one place: every stage and reader agrees on where things live.
 
-``<storage>/raw`` (labelled training images), ``incoming/dt=<day>`` (a day
-of arrivals): the input prefixes, which producers write. Everything else only
-rayline writes; the state it reads back, Train checkpoints and Tune experiments
-(Tune unpickles their state on resume), lives under ``RAYLINE_CHECKPOINTS``
-(default ``<storage>/checkpoints``), which may not overlap an input prefix. The
-Delta tables ``predictions`` and ``prediction_errors``
-(partitioned by ``model_name`` and ``dt``: two models' nights of one day
-never collide), ``labels`` (partitioned by ``model_name``), ``monitoring/<model>.prom``.
+``<storage>/raw`` (labelled training images), ``incoming/dt=<day>`` (a day of arrivals): the input prefixes,
+which producers write. Everything else only rayline writes; the state it reads back, Train checkpoints and
+Tune experiments (Tune unpickles their state on resume), lives under ``RAYLINE_CHECKPOINTS`` (default
+``<storage>/checkpoints``), which may not overlap an input prefix. The Delta tables ``predictions`` and
+``prediction_errors`` are partitioned by ``model_name`` and ``dt`` (two models' nights of one day never
+collide), ``labels`` by ``model_name``.
 """
 
 from __future__ import annotations
@@ -28,24 +26,18 @@ TRAINING_DIR = "training"
 TUNING_DIR = "tuning"
 PREDICTIONS_TABLE = "predictions"
 ERRORS_TABLE = "prediction_errors"
-# a shadow version's rows, scored in the same pass as the night's (rayline.ray_workloads.quality.shadow)
-SHADOW_TABLE = "shadow_predictions"
+SHADOW_TABLE = "shadow_predictions"  # a shadow version's rows, scored in the same pass as the night's
 LABELS_TABLE = "labels"  # people's answers for predicted photos, partitioned by model_name (rayline.tables.labels)
-# each labels import's report: label_imports/<model>/<import id>/rejected.csv, the rows refused and why
-LABEL_IMPORTS_DIR = "label_imports"
-# the labelled photos as training input, labelled/<model>/gen-<fence>-<id>/<class>/<file>
-# (rayline.ray_workloads.quality.training_set)
-LABELLED_DIR = "labelled"
-# what to label next: label_queues/<model>/dt=<night>/ (rayline.ray_workloads.quality.queue)
-LABEL_QUEUES_DIR = "label_queues"
+LABEL_IMPORTS_DIR = "label_imports"  # each import's rows refused and why: <model>/<import id>/rejected.csv
+LABELLED_DIR = "labelled"  # the labelled photos as training input: <model>/gen-<fence>-<id>/<class>/<file>
+LABEL_QUEUES_DIR = "label_queues"  # what to label next: <model>/dt=<night>/
 MONITORING_DIR = "monitoring"
 # Runs' scratch space (a night's listing parts, its lease): hidden from listings of the root.
 STAGING_DIR = "_staging"
 # prepare-data's outputs: ingested/<dataset-id>/, preprocessed/<dataset-id>-<params>/
 INGESTED_DIR = "ingested"
 PREPROCESSED_DIR = "preprocessed"
-# A training run's folder (under training/): Ray Train's checkpoints, each with its weights and state, and
-# the result of the fit that finished there.
+# A training run's folder (under training/): Ray Train's checkpoints, and the result of the fit that finished there.
 TRAIN_STATE_FILE = "train_state.pt"
 TRAIN_RESULT_FILE = "train_result.json"
 # The registry: models/<name>/v<N>/ (version.json written last; weights, samples, predictions/, plans/,
@@ -78,10 +70,7 @@ def under_root(*parts: str) -> str:
 
 def checkpoints_root() -> str:
     """Where Train checkpoints and Tune experiments live: ``RAYLINE_CHECKPOINTS``, else ``<storage>/checkpoints``.
-
-    Refused (:class:`ConfigError`) when it overlaps an input prefix: Tune unpickles what it finds
-    there, so whoever may write an input must not be able to write it.
-    """
+    Refused (:class:`ConfigError`) when it overlaps an input prefix: Tune unpickles what it finds there."""
     configured = get_settings().checkpoints
     root = storage.normalize(configured) if configured else under_root(CHECKPOINTS_DIR)
     for name in INPUT_DIRS:

@@ -1,28 +1,23 @@
 """Leases in storage: one run at a time works on one output.
 
-A lease is a small JSON object (holder, what it guards, when it expires, a
-generation) that runs take before working on an output and renew while
-they work. Every write is conditional (``rayline.storage.conditional``):
+A lease is a small JSON object (holder, what it guards, when it expires, a generation) that runs take
+before working on an output and renew while they work. Every write is conditional
+(``rayline.storage.conditional``):
 
-* take: create-if-absent; if the object exists but is expired, released or
-  already this holder's, a compare-and-swap on exactly the content read.
-  Of several runs taking over one expired lease, one swap wins.
-* renew: a compare-and-swap on the token of this run's last write. It fails
-  (``LeaseLost``) once anyone else has written the lease.
-* release: a compare-and-swap to a *released* state; a lease someone else
-  took meanwhile is left alone.
+* take: create-if-absent; if the object exists but is expired, released or already this holder's, a
+  compare-and-swap on exactly the content read: of several runs taking over one expired lease, one wins;
+* renew: a compare-and-swap on the token of this run's last write; ``LeaseLost`` once anyone else wrote it;
+* release: a compare-and-swap to a *released* state; a lease someone else took meanwhile is left alone.
 
-Nothing here deletes a lease, so there is no remove-then-create window in
-which two runs could both think they hold it. Each write raises the
-generation, so no two writes have the same bytes (tokens are content
-hashes or ETags), and each lease keeps the generation of the write that took
-it (``fence``): a later acquisition's is higher than every write before it,
-the fencing token a holder shows what it changes outside storage
-(``rayline.storage.fencing``). Removing a lease by hand restarts its generations:
-receivers that saw the old ones refuse the new holder until they forget them.
+Nothing here deletes a lease, so there is no remove-then-create window in which two runs could both think
+they hold it. Each write raises the generation, so no two writes have the same bytes (tokens are content
+hashes or ETags), and each lease keeps the generation of the write that took it (``fence``): a later
+acquisition's is higher than every write before it, the fencing token a holder shows what it changes outside
+storage (``rayline.storage.fencing``). Removing a lease by hand restarts its generations: receivers that saw
+the old ones refuse the new holder until they forget them.
 
-Times are wall-clock seconds written by one host and read by others: hosts
-sharing a storage need clocks that agree to well within a lease's ttl.
+Times are wall-clock seconds written by one host and read by others: hosts sharing a storage need clocks
+that agree to well within a lease's ttl.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from rayline import storage
 from rayline.errors import ConfigError, LeaseBusy, LeaseLost, StorageError
@@ -74,11 +69,8 @@ class Lease:
 
 
 def run_holder(run: str | None = None) -> str:
-    """A holder naming this run: ``run`` (a flow run's name and id) on this host and process.
-
-    Holders must differ between runs: a lease already held by ``holder`` is
-    taken again by it (a retried run re-enters its own lease).
-    """
+    """A holder naming this run: ``run`` (a flow run's name and id) on this host and process. Holders must
+    differ between runs: a lease already held by ``holder`` is taken again by it."""
     label = run or f"process {uuid.uuid4().hex[:8]}"
     return f"{label} on {socket.gethostname()} pid {os.getpid()}"
 
@@ -119,9 +111,8 @@ def renew(lease: Lease, ttl_s: float | None = None) -> Lease:
 
 
 def _own_renewal_that_landed(lease: Lease) -> Lease | None:
-    """The stored lease, if it is this very acquisition renewed once more than ``lease`` knows:
-    a renewal whose write landed but whose answer was lost (a storage error after the PUT), so
-    the holder kept the older token. Anyone else's write has another holder or acquisition."""
+    """The stored lease, if it is this very acquisition renewed once more than ``lease`` knows: a renewal
+    whose write landed but whose answer was lost, so the holder kept the older token."""
     current = read(lease.uri)
     ours = (
         current is not None
@@ -165,12 +156,9 @@ class HeldLease:
         return self._lease.fencing_token()
 
     def ensure_held(self) -> Lease:
-        """Prove the lease is still this run's, and extend it: call right before committing.
-
-        A compare-and-swap in storage rather than a look at the clock: a run
-        paused past its expiry either finds its lease untouched (and holds it
-        again) or gets LeaseLost and must not commit.
-        """
+        """Prove the lease is still this run's, and extend it: call right before committing. A compare-and-swap
+        in storage rather than a look at the clock: a run paused past its expiry either finds its lease
+        untouched (and holds it again) or gets LeaseLost and must not commit."""
         with self._lock:
             if self._lost is None:
                 try:
@@ -184,8 +172,8 @@ class HeldLease:
         return self._lease
 
     def on_lost(self, callback: Callable[[LeaseLost], None]) -> None:
-        """Call ``callback`` once the lease is found lost (by the renewer, or by ``ensure_held``): a holder
-        stops the work the lease guards then, rather than finding out at its commit. At once if it was."""
+        """Call ``callback`` once the lease is found lost (at once if it was): a holder stops the work the lease
+        guards then, rather than finding out at its commit."""
         with self._lock:
             self._on_lost.append(callback)
             told = self._told
@@ -193,10 +181,8 @@ class HeldLease:
             callback(self._lost)
 
     def lost(self) -> LeaseLost | None:
-        """Why this run no longer holds the lease, or None while it does (``ensure_held``, without raising).
-
-        A storage error on the way says nothing either way: None, and the caller's own error stands.
-        """
+        """Why this run no longer holds the lease, or None while it does (``ensure_held``, without raising); a
+        storage error on the way says nothing either way: None, and the caller's own error stands."""
         try:
             self.ensure_held()
         except LeaseLost as exc:
@@ -257,11 +243,8 @@ def held(
     renew_every_s: float | None = None,
     poll_max_s: float = 2.0,
 ) -> Iterator[HeldLease]:
-    """Hold the lease on ``uri`` for the block: wait up to ``wait_s`` for it, renew every ttl/3, release at exit.
-
-    Raises LeaseBusy, naming the holder, if another run still holds it after
-    ``wait_s``. The block calls ``ensure_held()`` on what it gets before it
-    commits anything.
+    """Hold the lease on ``uri`` for the block: wait up to ``wait_s`` for it (then LeaseBusy, naming the
+    holder), renew every ttl/3, release at exit. The block calls ``ensure_held()`` before it commits anything.
     """
     if ttl_s <= 0:
         raise ConfigError(f"a held lease needs a positive ttl, not {ttl_s} s")
@@ -281,7 +264,9 @@ def _wait_for(uri: str, holder: str, ttl_s: float, wait_s: float, describe: str,
     while (lease := try_acquire(uri, holder, ttl_s, describe=describe)) is None:
         waited = time.monotonic() - started
         if not said:  # once: a run that sits waiting says on whom (the Prefect UI shows it)
-            _log_waiting(uri, holder, describe, wait_s)
+            current = read(uri)
+            who = "nobody now" if current is None else f"{current.holder}, expires in {current.expires_in():.0f} s"
+            log.info("%s waits up to %.0f s for %s, held by %s", holder, wait_s, describe or uri, who)
             said = True
         if waited >= wait_s:
             raise _busy(uri, describe, waited)
@@ -289,12 +274,6 @@ def _wait_for(uri: str, holder: str, ttl_s: float, wait_s: float, describe: str,
         time.sleep(min(wait_s - waited, delay * random.uniform(0.5, 1.0)))
         delay = min(poll_max_s, delay * 2)
     return lease
-
-
-def _log_waiting(uri: str, holder: str, describe: str, wait_s: float) -> None:
-    current = read(uri)
-    who = "nobody now" if current is None else f"{current.holder}, expires in {current.expires_in():.0f} s"
-    log.info("%s waits up to %.0f s for %s, held by %s", holder, wait_s, describe or uri, who)
 
 
 def _busy(uri: str, describe: str, waited_s: float) -> LeaseBusy:
@@ -325,16 +304,8 @@ def _swap(expected: Lease, new: Lease) -> Lease | None:
 
 
 def _body(lease: Lease) -> bytes:
-    fields = {
-        "holder": lease.holder,
-        "guards": lease.guards,
-        "acquired_at": lease.acquired_at,
-        "expires_at": lease.expires_at,
-        "ttl_s": lease.ttl_s,
-        "generation": lease.generation,
-        "released": lease.released,
-        "fence": lease.fence,
-    }
+    """Every field but where the lease is and which write it is (``uri``, ``token``)."""
+    fields = {name: value for name, value in asdict(lease).items() if name not in ("uri", "token")}
     return json.dumps(fields, sort_keys=True).encode() + b"\n"
 
 

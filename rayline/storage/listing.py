@@ -1,35 +1,23 @@
 """A prefix's listing, streamed into parts: no process ever holds the whole of it.
 
-A night of ten million photos is ten million keys: held as Python objects in
-one driver that is gigabytes, and listed by one thread it is half an hour
-before the first prediction. :func:`list_to_parts` instead
+A night of ten million photos is ten million keys: held as Python objects in one driver that is gigabytes,
+and listed by one thread it is half an hour before the first prediction. :func:`list_to_parts` instead
 
-- looks at the prefix one level at a time (S3's ``Delimiter='/'``, a local
-  ``scandir``) while it has few sub-prefixes (``dt=…/hour=…/``, ``<label>/``,
+- looks at the prefix one level at a time while it has few sub-prefixes (``dt=…/hour=…/``, ``<label>/``,
   hashed key prefixes ``00/``…``ff/``), at most :data:`MAX_DEPTH` levels down;
-- lists the sub-prefixes it found itself, page by page, until it has listed
-  :data:`INLINE_OBJECTS` objects, perhaps inside a sub-prefix: the rest of
-  that one (its keys after the last listed: :data:`Prefix`) and the others
-  go, in groups, to Ray tasks that list each recursively (a flat prefix's own
-  objects are streamed by the caller);
-- writes what is listed, every :data:`ROWS_PER_PART` objects, as a small
-  Parquet file of URIs, keys, sizes and ETags (:data:`PART_SCHEMA`) under a
-  staging folder, and keeps of each part only its row count and two
-  :class:`~rayline.storage.digests.SetDigest` (of its URIs, and of its keys and
-  ETags).
+- lists the sub-prefixes it found itself, page by page, until it has listed :data:`INLINE_OBJECTS` objects,
+  perhaps inside a sub-prefix: the rest of that one (:data:`Prefix`) and the others go, in groups, to Ray
+  tasks that list each recursively;
+- writes what is listed, every :data:`ROWS_PER_PART` objects, as a small Parquet file under a staging folder,
+  and keeps of each part only its row count and two set digests.
 
-The content hash (:attr:`StreamedListing.content_hash`) is a function of the
-*set* of (key, ETag) pairs, whatever the order of listing: it is built from the
-sum of the digests. Not inputs, as before (:func:`rayline.storage.list_inputs`):
-hidden or underscore names and folder markers, counted per reason with the
-first few keys.
+The content hash (:attr:`StreamedListing.content_hash`) is a function of the *set* of (key, ETag) pairs,
+whatever the order of listing. Not inputs, as in :func:`rayline.storage.list_inputs`: hidden or underscore
+names and folder markers, counted per reason with the first few keys.
 
-Part names are deterministic (``g<group>-<n>``, groups numbered in the order
-the levels are looked at) and a part's rows keep the order of their listing,
-by key on S3 and local disk alike, where the caller also stops: listing the
-same objects twice gives the same parts, what a resumed night finds its
-blocks by. S3 keys are opaque: a key with doubled slashes (``a//b.png``) is
-listed once, under its own URI (:func:`rayline.storage.object_uri`).
+Part names are deterministic (``g<group>-<n>``, groups numbered in the order the levels are looked at) and a
+part's rows keep the order of their listing, by key on every store, where the caller also stops: listing the
+same objects twice gives the same parts, what a resumed night finds its blocks by.
 """
 
 from __future__ import annotations
@@ -40,9 +28,9 @@ from typing import Any
 
 from rayline import ray_work, storage
 from rayline.errors import InputDataError, StorageError
+from rayline.storage.backends import Stat
 from rayline.storage.listing_parts import (
     LISTING_VERSION,
-    PART_SCHEMA,
     GroupListing,
     ListedPart,
     PartWriter,
@@ -57,9 +45,9 @@ from rayline.storage.listing_parts import (
     list_group,
     list_group_parts,
     own_skips,
-    read_part,
+    walk_below,
+    walk_level,
 )
-from rayline.storage.walking import Entry, walkers
 
 __all__ = [
     "FANOUT",
@@ -67,23 +55,18 @@ __all__ = [
     "LISTERS",
     "LISTING_VERSION",
     "MAX_DEPTH",
-    "PART_SCHEMA",
     "PREFIXES_PER_GROUP",
     "ROWS_PER_PART",
-    "ListedPart",
     "ListingStart",
-    "Prefix",
     "StreamedListing",
     "begin_listing",
     "content_digest",
     "content_hash",
     "decode_prefixes",
     "finish_listing",
-    "group_summary_uri",
     "iter_objects",
     "list_group_parts",
     "list_to_parts",
-    "read_part",
 ]
 
 ROWS_PER_PART = 100_000
@@ -101,17 +84,11 @@ LISTERS = 8
 class _Dispatcher:
     """Lists sub-prefixes: in the caller until it has listed :data:`INLINE_OBJECTS` objects, then in Ray tasks.
 
-    A small prefix is listed faster by the caller alone, into its own parts,
-    than by tasks that each need a worker process (seconds apiece on a fresh
-    cluster) and each write parts of their own. The bound is one of objects,
-    not of sub-prefixes (one ``hour=…/`` can hold millions): the caller stops
-    inside a sub-prefix, past the bound's last key, and leaves the rest of it
-    (:data:`Prefix`) with the other sub-prefixes, in groups of
-    :data:`PREFIXES_PER_GROUP`, to Ray tasks that list in parallel. Without a
-    Ray connection everything is listed in the caller. Results are collected
-    in group order. ``defer``: the groups are only named (:attr:`deferred`),
-    for a night's cutters to list (:func:`begin_listing`), cut into at least
-    :data:`LISTERS` groups.
+    A small prefix is listed faster by the caller alone than by tasks that each need a worker process (seconds
+    apiece on a fresh cluster). The bound is one of objects, not of sub-prefixes (one ``hour=…/`` can hold
+    millions): the caller stops inside a sub-prefix and leaves the rest of it with the other sub-prefixes, in
+    groups of :data:`PREFIXES_PER_GROUP`, to Ray tasks. Without a Ray connection the caller lists everything.
+    ``defer``: the groups are only named (:attr:`deferred`), for a night's cutters (:func:`begin_listing`).
     """
 
     def __init__(self, own: PartWriter, defer: bool = False) -> None:
@@ -135,9 +112,8 @@ class _Dispatcher:
 
     def _list_here(self, prefix: str) -> None:
         """List ``prefix`` into the caller's own parts, up to the bound: the rest of it is left."""
-        _, walk_all = walkers(self.own.root)
         self.own_prefixes += 1
-        for entry in walk_all(self.own.root, prefix, ""):
+        for entry in walk_below(self.own.root, prefix):
             self.own.add(entry)
             if not self._unbounded and self.own.listed >= INLINE_OBJECTS:
                 self.left.append((prefix, entry.key))  # walked in key order: the rest sorts after it
@@ -167,16 +143,20 @@ class _Dispatcher:
         return [self.own.close(), *(ray_work.gather(self._refs) if self._refs else [])]
 
 
-def _walk_levels(root: str, own: PartWriter, dispatcher: _Dispatcher) -> None:
-    """The levels of ``root`` in the caller: its own objects into ``own``, groups of sub-prefixes to ``dispatcher``."""
-    walk_level, _ = walkers(root)
+def _walk_levels(root: str, staging_uri: str, rows_per_part: int, *, defer: bool) -> _Dispatcher:
+    """The levels of ``root`` in the caller: its own objects into the caller's own parts, sub-prefixes to the
+    dispatcher returned."""
+    if rows_per_part < 1:
+        raise InputDataError(f"rows_per_part must be at least 1, got {rows_per_part}")
+    own = PartWriter(root, staging_uri, "g00000", rows_per_part)
+    dispatcher = _Dispatcher(own, defer)
     frontier = [""]
     for depth in range(MAX_DEPTH + 1):
         found: list[str] = []
         dispatching = depth == MAX_DEPTH
         for rel in frontier:
             for item in walk_level(root, rel):
-                if isinstance(item, Entry):
+                if isinstance(item, Stat):
                     own.add(item)  # a flat prefix: streamed page by page into the caller's own parts
                 elif dispatching:
                     dispatcher.add(item)
@@ -191,6 +171,7 @@ def _walk_levels(root: str, own: PartWriter, dispatcher: _Dispatcher) -> None:
             break
         frontier = found
     dispatcher.flush()
+    return dispatcher
 
 
 def _merged(root: str, listings: list[GroupListing]) -> StreamedListing:
@@ -205,19 +186,10 @@ def _merged(root: str, listings: list[GroupListing]) -> StreamedListing:
     )
 
 
-def _check_rows_per_part(rows_per_part: int) -> None:
-    if rows_per_part < 1:
-        raise InputDataError(f"rows_per_part must be at least 1, got {rows_per_part}")
-
-
 def list_to_parts(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROWS_PER_PART) -> StreamedListing:
     """List everything under ``prefix_uri`` into Parquet parts under ``staging_uri`` (module docstring)."""
-    _check_rows_per_part(rows_per_part)
     root = storage.normalize(prefix_uri)
-    own = PartWriter(root, staging_uri, "g00000", rows_per_part)
-    dispatcher = _Dispatcher(own)
-    _walk_levels(root, own, dispatcher)
-    return _merged(root, dispatcher.gather())
+    return _merged(root, _walk_levels(root, staging_uri, rows_per_part, defer=False).gather())
 
 
 @dataclass(frozen=True)
@@ -243,14 +215,10 @@ class ListingStart:
     def estimated_count(self) -> int:
         """The objects the prefix holds, as far as what was listed tells (exact when complete).
 
-        Each sub-prefix not yet begun is counted as holding as many objects as
-        the caller's sub-prefixes did on average, the last of them, perhaps
-        listed in part, with only what was listed of it: an estimate from the
-        objects listed, not from how hashed or dated sub-prefixes usually
-        fill (the first hours of a night are its quiet ones). A function of
-        the objects alone, so every run over the same objects estimates the
-        same count (what a night's block size, part of the key its blocks are
-        found by, is decided from).
+        Each sub-prefix not yet begun is counted as holding as many objects as the caller's sub-prefixes did
+        on average (the last of them, perhaps listed in part, with only what was listed of it). A function of
+        the objects alone, so every run over the same objects estimates the same count: a night's block
+        size, part of the key its blocks are found by, is decided from it.
         """
         fresh = sum(1 for _, prefixes in self.groups for _, after in prefixes if not after)
         if not fresh or not self.own_prefixes:
@@ -261,19 +229,15 @@ class ListingStart:
 def begin_listing(prefix_uri: str, staging_uri: str, *, rows_per_part: int = ROWS_PER_PART) -> ListingStart:
     """List ``prefix_uri``'s levels and its first :data:`INLINE_OBJECTS` objects in the caller, and name the
     groups of sub-prefixes left, for a night's cutters to list while the first blocks are predicted."""
-    _check_rows_per_part(rows_per_part)
     root = storage.normalize(prefix_uri)
-    own = PartWriter(root, staging_uri, "g00000", rows_per_part)
-    dispatcher = _Dispatcher(own, defer=True)
-    _walk_levels(root, own, dispatcher)
+    dispatcher = _walk_levels(root, staging_uri, rows_per_part, defer=True)
     return ListingStart(
         prefix=root,
         staging=staging_uri,
         rows_per_part=rows_per_part,
-        own=_merged(root, [own.close()]),
+        own=_merged(root, [dispatcher.own.close()]),
         groups=dispatcher.deferred,
         own_prefixes=dispatcher.own_prefixes,
-        listers=LISTERS,
     )
 
 

@@ -1,11 +1,13 @@
-"""The parts of a streamed listing: Parquet files of listed objects, what is kept of each, and reading them.
+"""The parts of a streamed listing: walking a prefix, Parquet files of listed objects, what is kept of each.
 
-:mod:`rayline.storage.listing` plans who lists which sub-prefix; what is
-listed goes through a :class:`PartWriter` into parts of at most
-``rows_per_part`` objects (:data:`PART_SCHEMA`), each kept as its row count
-and two set digests (:class:`ListedPart`), and the objects that are no inputs
-counted per reason (:class:`Skips`). A group of sub-prefixes listed by a
-night's cutter leaves a summary (:func:`group_summary_uri`).
+:mod:`rayline.storage.listing` plans who lists which sub-prefix; what is walked (:func:`walk_level`,
+:func:`walk_below`: page by page, in key order, never a whole listing) goes through a :class:`PartWriter` into
+parts (:data:`PART_SCHEMA`), each kept as its row count and two set digests (:class:`ListedPart`), and the
+objects that are no inputs counted per reason (:class:`Skips`).
+
+Keys are relative to the listed root, and a sub-prefix is what :func:`walk_level` named (its slash kept), to
+be passed back as it is: keys are opaque, so ``a//`` is a sub-prefix of its own below ``a/``, and a key with
+doubled slashes is listed once, under its own key.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 
 from rayline import storage
+from rayline.storage.backends import Stat
 from rayline.storage.digests import SetDigest, combine
-from rayline.storage.walking import Entry, walkers
 
 PART_SCHEMA = pa.schema(
     [("uri", pa.string()), ("key", pa.string()), ("size", pa.int64()), ("etag", pa.string()), ("modified", pa.string())]
@@ -31,9 +33,34 @@ LISTING_VERSION = 2
 _LISTING_TAG = "rayline-listing-v2"
 
 
-# A sub-prefix to list, relative to the listed prefix, as its storage's walker named it
-# (:func:`rayline.storage.walking.walkers`), and the key after which to list it ("": all of it).
+# A sub-prefix to list, relative to the listed prefix, as :func:`walk_level` named it, and the key after which
+# to list it ("": all of it).
 Prefix = tuple[str, str]
+
+
+def _prefix(root: str, rel: str) -> str:
+    """The URI of the sub-prefix ``rel`` of ``root``, exactly (``rel`` keeps the slash its store named it with)."""
+    return f"{root.rstrip('/')}/{rel}" if rel else root
+
+
+def walk_level(root: str, rel: str) -> Iterator[Stat | str]:
+    """The objects directly under ``rel``, and its sub-prefixes as the store names them, slash kept."""
+    with storage.storage_errors("listing", _prefix(root, rel)):
+        for page in storage.store(root).list_pages(_prefix(root, rel), level=True):
+            yield from (replace(stat, key=rel + stat.key) for stat in page.objects)
+            yield from (rel + sub for sub in page.prefixes)
+
+
+def walk_below(root: str, rel: str, after: str = "") -> Iterator[Stat]:
+    """Every object below ``rel`` whose key sorts after ``after`` ("": all), in key order: ``after`` resumes a
+    walk past the last key taken."""
+    if after and not after.startswith(rel):
+        if after > rel:
+            return  # every key below ``rel`` sorts before ``after``
+        after = ""
+    with storage.storage_errors("listing", _prefix(root, rel)):
+        for page in storage.store(root).list_pages(_prefix(root, rel), after=after[len(rel) :]):
+            yield from (replace(stat, key=rel + stat.key) for stat in page.objects)
 
 
 def decode_prefixes(text: str) -> list[Prefix]:
@@ -53,11 +80,7 @@ class ListedPart:
     contents: SetDigest  # of "key<TAB>etag": the listing's identity
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            **{k: getattr(self, k) for k in ("uri", "name", "rows", "bytes")},
-            "uris": self.uris.encode(),
-            "contents": self.contents.encode(),
-        }
+        return {**asdict(self), "uris": self.uris.encode(), "contents": self.contents.encode()}
 
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> ListedPart:
@@ -145,13 +168,13 @@ class PartWriter:
         self.listed = 0  # objects taken, inputs or not
         self._columns: dict[str, list[Any]] = {name: [] for name in PART_SCHEMA.names}
 
-    def add(self, entry: Entry) -> None:
+    def add(self, entry: Stat) -> None:
         self.listed += 1
         reason = storage.skip_reason(entry.key, entry.size)
         if reason is not None:
             self.skips.add(reason, entry.key)
             return
-        row = (storage.object_uri(self.root, entry.key), entry.key, entry.size, entry.etag, entry.modified)
+        row = (storage.object_uri(self.root, entry.key), entry.key, entry.size, entry.version, entry.modified)
         for name, value in zip(PART_SCHEMA.names, row, strict=True):
             self._columns[name].append(value)
         if len(self._columns["uri"]) >= self.rows_per_part:
@@ -195,10 +218,9 @@ def list_group(root: str, prefixes: list[Prefix], staging: str, group: str, rows
 
 def _listed_parts(writer: PartWriter, prefixes: list[Prefix]) -> Iterator[ListedPart]:
     """List ``prefixes`` into ``writer``, yielding each part as it is written (the last one on close)."""
-    _, walk_all = walkers(writer.root)
     written = 0
     for rel, after in prefixes:
-        for entry in walk_all(writer.root, rel, after):
+        for entry in walk_below(writer.root, rel, after):
             writer.add(entry)
             if len(writer.parts) > written:
                 written += 1
@@ -215,10 +237,8 @@ def list_group_parts(
     root: str, prefixes: list[Prefix], staging: str, group: str, rows_per_part: int
 ) -> Iterator[ListedPart]:
     """List ``prefixes`` into the parts of ``group``, yielding each part as it is written; then write the
-    group's summary (:func:`group_summary_uri`), which :func:`finish_listing` reads.
-
-    What a night's block cutters run (:mod:`rayline.ray_workloads.nightly.blocks`): the
-    first blocks are predicted while the rest of the prefix is still listed.
+    group's summary (:func:`group_summary_uri`). What a night's block cutters run: the first blocks are
+    predicted while the rest of the prefix is still listed.
     """
     writer = PartWriter(root, staging, group, rows_per_part)
     yield from _listed_parts(writer, prefixes)

@@ -1,33 +1,21 @@
 """Manifests: the commit point of a stage's output folder, as typed models.
 
-A stage that fills a folder (ingest, preprocess, the export of labelled
-photos) writes its files first and ``manifest.json`` last. The manifest
-names every file the run wrote, so a reader trusts a folder only when its
-manifest is there: a run that died half way left files nobody reads, and
-the next run clears them.
+A stage that fills a folder (ingest, preprocess, the export of labelled photos) writes its files first and
+``manifest.json`` last. The manifest names every file the run wrote, so a reader trusts a folder only when
+its manifest is there: a run that died half way left files nobody reads, and the next run clears them.
 
-Each kind of manifest is a model here, so writers and readers (the stages,
-the task finding new arrivals, the lineage graph) agree on one shape instead
-of on string keys. The JSON a model writes is the JSON the stages wrote as
-dicts before (same keys, same values), and fields added since have defaults,
-so folders committed long ago read as they are.
-
-:func:`commit` is the only writer, and only while the run still holds the
-folder's lease (:func:`rayline.storage.folders.fill_once` takes it and calls
-:func:`commit`); :func:`read` is the one reader, and a manifest that does not
+Each kind of manifest is a model here, so writers and readers agree on one shape instead of on string keys.
+Fields added since the first layout have defaults, so folders committed long ago read as they are.
+:func:`commit` is the only writer, and only while the run still holds the folder's lease
+(:func:`rayline.storage.folders.fill_once`); :func:`read` is the one reader, and a manifest that does not
 validate is an :class:`InputDataError` naming the file and the fields.
 
-Generations: every run writes its files in a generation of its own,
-``<folder>/gen-<fence>-<id>/`` (``fence``: the fencing token of the run's
-lease, higher for every later holder), and its manifest (naming the
-generation) replaces the one the run read in one compare-and-swap: the
-switch. A run paused past its lease's ttl after its last lease check finds
-the manifest changed by the run that took over, and commits nothing. Until
-the switch readers of the old manifest read the old generation whole, and
-the switch keeps it (:mod:`rayline.storage.folders` removes it at the next
-commit), so a reader already inside it finishes it. Folders committed before
-generations have ``generation`` None: their files are in the folder itself.
-:func:`generation_folder` is where a manifest's files are, for every reader.
+Generations: every run writes its files in a generation of its own, ``<folder>/gen-<fence>-<id>/``
+(``fence``: the fencing token of the run's lease, higher for every later holder), and its manifest replaces
+the one the run read in one compare-and-swap: the switch. A run paused past its lease's ttl finds the
+manifest changed by the run that took over, and commits nothing. The switch keeps the old generation
+(:mod:`rayline.storage.folders` removes it at the next commit), so a reader already inside it finishes it.
+Folders committed before generations have ``generation`` None: their files are in the folder itself.
 """
 
 from __future__ import annotations
@@ -139,10 +127,8 @@ class LabelledCopy(BaseModel):
 
 
 class LabelledExportManifest(Manifest):
-    """A model's labelled photos as training input: the labels table version exported and each copy's photo.
-
-    ``copies`` names every file of the generation (``<class>/<file>``): a photo is under one class.
-    """
+    """A model's labelled photos as training input: the labels table version exported and each copy's photo
+    (``copies`` names every file of the generation, ``<class>/<file>``: a photo is under one class)."""
 
     WHAT: ClassVar[str] = "a labelled-photos export manifest"
 
@@ -221,21 +207,17 @@ def read_committed(folder: str, kind: type[Kind]) -> Kind | None:
 
 def read_for_switch(folder: str, kind: type[Kind], *, malformed_ok: bool) -> tuple[Kind | None, str | None]:
     """``folder``'s manifest and its token, read by a run holding the lease: its commit replaces exactly this.
-
     ``malformed_ok``: a manifest that does not validate reads as None (a forced run rewrites it); else
-    :class:`InputDataError`. The token is returned either way: the commit must still replace that object.
-    """
+    :class:`InputDataError`. The token is returned either way: the commit must still replace that object."""
     uri = manifest_uri(folder)
     found = conditional.read_versioned(uri)
     if found is None:
         return None, None
     try:
-        raw = json.loads(found.data)
-    except ValueError as exc:
-        if not malformed_ok:
+        try:
+            raw = json.loads(found.data)
+        except ValueError as exc:
             raise InputDataError(f"{uri} is not valid JSON: {exc}") from exc
-        return None, found.token
-    try:
         return _parsed(uri, raw, kind), found.token
     except InputDataError:
         if not malformed_ok:
@@ -247,9 +229,9 @@ def commit(folder: str, manifest: Manifest, lease: leases.HeldLease, replaces: s
     """Write ``folder``'s manifest after its files: the commit point. Returns the manifest's URI.
 
     A compare-and-swap on the manifest this run read (``replaces``, its token; None: there was none), made
-    only while this run still holds the folder's lease. A run paused past its lease's expiry between that
-    check and this write finds the manifest the run that took over committed, and raises ``LeaseLost``:
-    its files may have been cleared meanwhile, and a manifest naming them would be reused forever after.
+    only while this run still holds the folder's lease. A run paused past its lease's expiry finds the
+    manifest the run that took over committed, and raises ``LeaseLost``: its files may have been cleared
+    meanwhile, and a manifest naming them would be reused forever after.
     """
     lease.ensure_held()
     uri = manifest_uri(folder)

@@ -1,13 +1,9 @@
 """Storage URIs: one place that turns a URI into the store and filesystems that hold it.
 
-URIs are local paths (``/data/x``, ``./x``, ``file:///x``), ``s3://bucket/prefix``,
-``gs://bucket/prefix`` or ``az://container/prefix``; each names its backend in
-:mod:`rayline.storage.backends`. Endpoints come from settings
-(``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``, ``AZURE_STORAGE_*``);
-credentials are left to each cloud's SDK so they never pass through here.
-
-Small files (JSON, manifests, Parquet shards) are written atomically: a reader
-sees the old object or the new one, never half of one.
+URIs are local paths (``/data/x``, ``./x``, ``file:///x``), ``s3://bucket/prefix``, ``gs://bucket/prefix``
+or ``az://container/prefix``; each names its backend in :mod:`rayline.storage.backends`. Credentials are left
+to each cloud's SDK so they never pass through here. Small files (JSON, manifests, Parquet shards) are written
+atomically: a reader sees the old object or the new one, never half of one.
 """
 
 from __future__ import annotations
@@ -30,9 +26,8 @@ import pyarrow.parquet as pq
 from rayline.config import get_settings, malformed_store_uri, unsupported_scheme
 from rayline.errors import InputDataError, StorageError, TransientStorageError, is_transient
 from rayline.storage.backends import CLOUD_SCHEMES, ObjectStore, scheme_of, store_for
+from rayline.storage.backends.base import split
 from rayline.storage.backends.local import write_atomic
-
-S3 = "s3://"
 
 
 @dataclass(frozen=True)
@@ -57,12 +52,9 @@ def _refuse_malformed(uri: str) -> None:
 
 
 def normalize(uri: str) -> str:
-    """Absolute, scheme-explicit form: local paths become absolute, no trailing slash.
-
-    A URI starting with ``s3:``, ``gs:`` or ``az:`` that is not
-    ``<scheme>://bucket[/prefix]`` is refused (:func:`rayline.config.malformed_store_uri`),
-    never taken for a local path; so is a scheme rayline has no backend for.
-    """
+    """Absolute, scheme-explicit form: local paths become absolute, no trailing slash. A malformed cloud URI
+    (:func:`rayline.config.malformed_store_uri`) is refused, never taken for a local path; so is a scheme rayline
+    has no backend for."""
     _refuse_malformed(uri)
     if is_remote(uri):
         return uri.rstrip("/")
@@ -107,12 +99,8 @@ def join(base: str, *parts: str) -> str:
 
 
 def object_uri(prefix_uri: str, key: str) -> str:
-    """The URI of the object at ``key`` (relative to ``prefix_uri``): the key as it is, every slash kept.
-
-    Not :func:`join`, which strips the slashes around each part: S3 keys are
-    opaque, and ``//x.png`` (a careless join of a prefix and a name),
-    ``a//b.png`` or ``a/b//`` are objects of their own, each read by its URI.
-    """
+    """The URI of the object at ``key`` (relative to ``prefix_uri``): the key as it is, every slash kept. Not
+    :func:`join`, which strips them: keys are opaque, and ``//x.png`` or ``a//b.png`` are objects of their own."""
     return f"{prefix_uri.rstrip('/')}/{key}"
 
 
@@ -183,12 +171,9 @@ def read_bytes(uri: str) -> bytes:
 
 
 def write_bytes_atomic(uri: str, data: bytes, *, durable: bool = True) -> None:
-    """Write ``data`` so that readers see either nothing/the old object or all of it.
-
-    Local: a temp file in the same folder, fsynced (unless not ``durable``:
-    scratch files that a reader checks anyway, such as a night's blocks), then
-    ``os.replace``. A cloud store: a single PUT is already atomic for readers.
-    """
+    """Write ``data`` so that readers see either nothing/the old object or all of it. Local: a temp file,
+    fsynced unless not ``durable`` (scratch files that a reader checks anyway), then ``os.replace``. A cloud
+    store: a single PUT is already atomic for readers."""
     uri = normalize(uri)
     with storage_errors("writing", uri):
         if is_remote(uri):
@@ -238,11 +223,8 @@ def remove_tree(uri: str) -> None:
 
 
 def list_folders(uri: str) -> list[str]:
-    """Names of the folders directly under ``uri`` (S3: its common prefixes), sorted; none when it is missing.
-
-    One listing of one level: for looking at a folder's layout without listing
-    everything below it (a table's data files).
-    """
+    """Names of the folders directly under ``uri`` (S3: its common prefixes), sorted; none when it is missing:
+    one listing of one level, a folder's layout without listing everything below it."""
     return sorted(name for name, kind in _one_level(uri) if kind == "directory")
 
 
@@ -290,12 +272,9 @@ def skip_reason(key: str, size: int) -> str | None:
 def list_inputs(prefix_uri: str) -> Listing:
     """Every object under ``prefix_uri`` (recursive, sorted by key), and what is not an input.
 
-    Keys are relative to the prefix, so a dataset keeps its identity when the
-    storage root moves. Not inputs, counted per reason so a run can say what it
-    left out: a key with a part that starts with ``.`` or ``_`` (Spark's
-    ``_SUCCESS``, editors' and uploaders' temp files), and a zero-byte key that
-    ends in ``/`` (a folder marker: also the prefix's own, ``prefix/``). Local
-    disk has no folder markers: an empty folder is not listed at all.
+    Keys are relative to the prefix, so a dataset keeps its identity when the storage root moves. Not inputs
+    (:func:`skip_reason`), counted per reason so a run can say what it left out: a key with a part that starts
+    with ``.`` or ``_`` (Spark's ``_SUCCESS``, uploaders' temp files), and a folder marker.
     """
     prefix_uri = normalize(prefix_uri)
     objects = []
@@ -318,15 +297,10 @@ def list_inputs(prefix_uri: str) -> Listing:
 
 
 def list_objects(prefix_uri: str) -> list[ObjectInfo]:
-    """The objects of :func:`list_inputs`, for rayline's own folders.
-
-    There a hidden name (``.tmp-…``, ``_SUCCESS``, ``_delta_log``) is rayline's
-    own bookkeeping, never worth reporting; listings of users' data use
-    :func:`list_inputs`, which counts what it leaves out.
-    """
+    """The objects of :func:`list_inputs`, for rayline's own folders, where a hidden name (``.tmp-…``,
+    ``_delta_log``) is rayline's own bookkeeping, never worth reporting."""
     return list_inputs(prefix_uri).objects
 
 
 def split_s3(uri: str) -> tuple[str, str]:
-    bucket, _, key = uri[len(S3) :].partition("/")
-    return bucket, key
+    return split(uri)

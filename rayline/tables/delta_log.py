@@ -1,21 +1,18 @@
 """Reading a Delta table's ``_delta_log`` directly, for what delta-rs answers only one key at a time.
 
-delta-rs gives one app transaction by id (``DeltaTable.transaction_version``) and commit infos
-newest first (``DeltaTable.history``), which reads every commit file it returns. Two questions
-must not cost the table's whole history:
+delta-rs gives one app transaction by id (``DeltaTable.transaction_version``) and commit infos newest
+first (``DeltaTable.history``, which reads every commit file it returns). These questions must not cost the
+table's whole history:
 
-* every app transaction as of a version (:func:`app_transactions`): the newest checkpoint at or
-  before it (Delta keeps every ``txn`` there) and the commit files after it, at most a
-  checkpoint interval of them (100 by default);
+* every app transaction as of a version (:func:`app_transactions`): the newest checkpoint at or before it
+  (Delta keeps every ``txn`` there) and the commit files after it (at most a checkpoint interval, 100);
 * the commit info of one version (:func:`commit_info`): that one commit file;
-* the version that set an app transaction (:func:`version_setting`): a binary search over the
-  checkpoints (each holds every transaction as of its version), then the commit files after
-  the last checkpoint before it, instead of loading the table at a version per step (each load
-  lists the log and replays it from the checkpoint before that version).
+* the version that set an app transaction (:func:`version_setting`): a binary search over the checkpoints,
+  then the commit files after the last checkpoint before it, instead of loading the table at a version per
+  step (each load lists the log and replays it from the checkpoint before that version).
 
-Only the classic checkpoint layout delta-rs writes is read (one file, or numbered parts); for any
-other (a v2 checkpoint) :func:`app_transactions` answers None and the caller falls back to the
-history.
+Only the classic checkpoint layout delta-rs writes is read (one file, or numbered parts); for any other
+(a v2 checkpoint) these answer None and the caller falls back to delta-rs.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from rayline import storage
-from rayline.errors import StorageError, TransientStorageError, is_transient
 
 LOG_DIR = "_delta_log"
 _CHECKPOINT = re.compile(r"^(?P<version>\d{20})\.checkpoint(\.(?P<part>\d{10})\.(?P<parts>\d{10}))?\.parquet$")
@@ -49,8 +45,7 @@ def _read_text(uri: str) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        message = f"read {uri}: {type(exc).__name__}: {exc}"
-        raise (TransientStorageError(message) if is_transient(exc) else StorageError(message)) from exc
+        raise storage.storage_error(exc, "read", uri) from exc
 
 
 def _actions(text: str) -> list[dict[str, Any]]:
@@ -97,8 +92,7 @@ def _checkpoint_transactions(files: list[str], app_id: str | None = None) -> dic
         except FileNotFoundError:
             return None
         except OSError as exc:
-            message = f"read {file_uri}: {type(exc).__name__}: {exc}"
-            raise (TransientStorageError(message) if is_transient(exc) else StorageError(message)) from exc
+            raise storage.storage_error(exc, "read", file_uri) from exc
         txn = txn.filter(txn.is_valid())  # rows of other actions
         apps, versions = txn.field("appId"), txn.field("version")
         if app_id is not None:
@@ -141,8 +135,7 @@ def _checkpoints(uri: str, latest: int) -> list[tuple[int, list[str]]] | None:
     try:
         infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     except OSError as exc:
-        message = f"list {log}: {type(exc).__name__}: {exc}"
-        raise (TransientStorageError(message) if is_transient(exc) else StorageError(message)) from exc
+        raise storage.storage_error(exc, "list", log) from exc
     parts: dict[int, list[str]] = {}
     expected: dict[int, int] = {}
     for info in infos:

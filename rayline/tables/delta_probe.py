@@ -1,15 +1,10 @@
 """Proof that delta-rs can commit to a Delta table where a night is about to write its tables.
 
-delta-rs talks to cloud stores through its own client (``object_store``),
-not through rayline's. A store whose endpoint serves rayline's requests but
-not delta-rs's would let a night list, fetch and predict every input and then
-fail at its commit. So before a night's first work on a store,
-:func:`require_delta_writes` first asks the store whether it already knows
-delta-rs cannot write there (a GCS emulator: refused before delta-rs sends
-anything, since it would ask the cloud's metadata address for a token), then
-commits a one-row table under ``<root>/_staging`` with the night's storage
-options, reads it back, and removes it; the answer is kept for the process,
-per bucket and endpoint. Local disk needs no probe.
+delta-rs talks to cloud stores through its own client (``object_store``), not through rayline's: a store
+that serves rayline's requests but not delta-rs's would let a night predict every input and then fail at its
+commit. So before a night's first work on a store, :func:`require_delta_writes` asks the store whether it
+knows delta-rs cannot write there (a GCS emulator), then commits a one-row table under ``<root>/_staging``,
+reads it back, and removes it; the answer is kept for the process, per bucket and endpoint.
 """
 
 from __future__ import annotations
@@ -48,9 +43,8 @@ def require_delta_writes(tables_root: str) -> None:
 
 
 def _probe(root: str) -> DeltaWritesUnsupported | None:
-    """The store's answer: its own refusal, made without a request, or the probe's. A transient failure (the
-    store's trouble of the moment, not what it can do) is tried again a few times, then raised as
-    :class:`TransientStorageError`, never kept as the answer."""
+    """The store's own refusal, or the probe's answer. A transient failure (the store's trouble of the moment,
+    not what it can do) is tried again, then raised as :class:`TransientStorageError`, never kept."""
     refusal = storage.delta_write_refusal(root)
     if refusal is not None:
         return DeltaWritesUnsupported(f"{refusal}. The night's predictions are Delta tables, so nothing was predicted.")
@@ -81,12 +75,8 @@ def _probe_once(root: str) -> DeltaWritesUnsupported | None:
             "credentials delta-rs reads and the endpoint (docs/storage.md)."
         )
     finally:
-        _remove(probe)
+        try:
+            storage.remove_tree(probe)
+        except Exception as exc:  # never hide the probe's own answer; a hidden folder of a few bytes is left
+            log.warning("removing the Delta write probe %s failed: %s", probe, exc)
     return None if rows == 1 else DeltaWritesUnsupported(f"delta-rs wrote a table at {probe} but read {rows} rows")
-
-
-def _remove(probe: str) -> None:
-    try:
-        storage.remove_tree(probe)
-    except Exception as exc:  # never hide the probe's own answer; a hidden folder of a few bytes is left
-        log.warning("removing the Delta write probe %s failed: %s", probe, exc)

@@ -1,19 +1,13 @@
-"""Delta Lake access shared by the night tables' writer and readers: opening, nights, commit lookup.
-
-rayline keeps its nightly outputs in Delta tables partitioned by
-``model_name`` and ``dt`` (:mod:`rayline.tables.predictions_table` writes them,
-:mod:`rayline.tables.prediction_reads` reads them). This module holds what both
-sides need: a night's partition (:class:`Night`), delta-rs storage options
-from rayline's settings, and finding the commit (run id, table version) that
-last wrote a night, from the commit infos and app transactions the writer
-records.
+"""Delta Lake access shared by the night tables' writer and readers: a night's partition (:class:`Night`),
+opening tables, and finding the commit (run id, table version) that last wrote a night.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date
 from typing import Any
@@ -29,8 +23,7 @@ from rayline.tables import delta_log
 
 PARTITION_COLUMNS = ("model_name", "dt")
 
-# Names end up in object keys and (unescaped) in Delta add-action paths, so
-# they are kept to characters that need no URI encoding.
+# Names end up in object keys and (unescaped) in Delta add-action paths: characters that need no URI encoding.
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -88,9 +81,8 @@ _JSON_TEXT = ("error_types", "plans", "plan_use", "shadow_summary")
 class NightCommit(BaseModel):
     """One table's commit of a night: the only place the keys of its info are spelled (``rayline.<field>``).
 
-    ``commit_night`` sets the night's own fields (run id, night, count, files, rows); the rest is the run's
-    record (None on a commit made without one). ``version`` (the table version holding it) and
-    ``already_committed`` (found, not made by this call) say where it is, not what it holds."""
+    ``commit_night`` sets the night's own fields; the rest is the run's record (None without one).
+    ``version`` and ``already_committed`` (found, not made by this call) say where it is, not what it holds."""
 
     model_config = ConfigDict(frozen=True, alias_generator=lambda name: KEY_PREFIX + name, populate_by_name=True)
 
@@ -147,8 +139,7 @@ class NightCommit(BaseModel):
 
 
 def storage_options(uri: str) -> dict[str, str] | None:
-    """delta-rs options for ``uri``: its store's endpoint and the one retry policy; credentials stay with each
-    cloud SDK's own variables, which delta-rs reads too."""
+    """delta-rs options for ``uri`` (:func:`rayline.storage.delta_options`)."""
     return storage.delta_options(uri)
 
 
@@ -160,6 +151,20 @@ def check_run_id(run_id: str) -> None:
 def storage_error(exc: BaseException, action: str, uri: str) -> Exception:
     message = f"{action} {uri}: {type(exc).__name__}: {exc}"
     return TransientStorageError(message) if is_transient(exc) else StorageError(message)
+
+
+@contextmanager
+def delta_errors(action: str, uri: str, *also: type[Exception]) -> Iterator[None]:
+    """Run the body; what delta-rs or the filesystem (or ``also``) raised comes out as :func:`storage_error`'s."""
+    caught: tuple[type[Exception], ...] = (DeltaError, OSError, *also)
+    try:
+        yield
+    except caught as exc:
+        raise storage_error(exc, action, uri) from exc
+
+
+def is_table(uri: str) -> bool:
+    return bool(DeltaTable.is_deltatable(uri, storage_options(uri)))
 
 
 def open_table(uri: str, version: int | None = None) -> DeltaTable:
@@ -206,19 +211,15 @@ def open_or_create(uri: str, schema: pa.Schema, partition_by: list[str]) -> Delt
 def table_version(uri: str) -> int | None:
     """The table's current version, None before its first commit."""
     uri = storage.normalize(uri)
-    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
-        return None
-    return open_table(uri).version()
+    return open_table(uri).version() if is_table(uri) else None
 
 
 def commit_log_bytes(uri: str, version: int) -> int:
     """The size of the ``_delta_log`` entry of ``version``: what one commit added to the log."""
     entry = storage.join(storage.normalize(uri), "_delta_log", f"{version:020d}.json")
     fs, path = storage.arrow_filesystem(entry)
-    try:
+    with delta_errors("size of", entry):
         return int(fs.get_file_info(path).size or 0)
-    except OSError as exc:
-        raise storage_error(exc, "size of", entry) from exc
 
 
 def arrow_schema(tbl: DeltaTable) -> pa.Schema:
@@ -236,14 +237,11 @@ MAX_NIGHTS_LOOKED_UP_ONE_BY_ONE = 4
 def find_commit(uri: str, tbl: DeltaTable, night: Night, run_id: str | None = None) -> NightCommit | None:
     """The newest commit of ``night`` (by ``run_id`` if given) as of ``tbl``'s version.
 
-    Bounded by the night's app transactions, not by the table's history: a night (or run) that
-    ``tbl`` has no transaction for has no commit, with nothing read; otherwise the newest
-    :data:`RECENT_COMMITS` commit infos, else the version that set the night's (or run's)
-    transaction (:func:`rayline.tables.delta_log.version_setting`) and that one commit file.
-
-    ``DeltaTable.history`` numbers commits by position from the snapshot's version, but its
-    listing can already hold newer commits, so under concurrent writers its numbers are off;
-    the version is checked against the run's app transaction instead.
+    Bounded by the night's app transactions, not by the table's history: a night (or run) that ``tbl`` has
+    no transaction for has no commit; otherwise the newest :data:`RECENT_COMMITS` commit infos, else the
+    version that set the transaction (:func:`rayline.tables.delta_log.version_setting`) and that commit file.
+    ``DeltaTable.history`` numbers commits by position, which concurrent writers put off: the version is
+    checked against the run's app transaction instead.
     """
     seq = tbl.transaction_version(night.app_id)
     if seq is None or (run_id is not None and not _run_committed(tbl, night, run_id)):
@@ -281,14 +279,11 @@ _RUN_APP = re.compile(r"^rayline-run/(?P<run>[^/]+)/(?P<model>[^/]+)/(?P<dt>[^/]
 
 
 def current_runs(uri: str, tbl: DeltaTable) -> dict[Night, str]:
-    """Which run last committed each night as of ``tbl``'s version: :func:`find_commit`'s rule for every night.
-
-    For a question about every night at once (vacuum's keep-set). From the app transactions, read
-    from the newest checkpoint on (:func:`rayline.tables.delta_log.app_transactions`): each commit
-    sets its run's transaction to the night's commit count, so the night's current run is the one
-    whose transaction equals the night's. Nights committed by releases that gave every run version 1
-    (a night committed more than once then) are found in the history.
-    """
+    """Which run last committed each night as of ``tbl``'s version: :func:`find_commit`'s rule for every night,
+    for vacuum's keep-set. From the app transactions (:func:`rayline.tables.delta_log.app_transactions`): each
+    commit sets its run's transaction to the night's commit count, so the night's current run is the one whose
+    transaction equals the night's. Nights committed by releases that gave every run version 1 are found in
+    the history."""
     transactions = delta_log.app_transactions(uri, tbl.version())
     if transactions is None:
         return _runs_from_history(tbl, None)
@@ -369,13 +364,9 @@ def run_committed(table: str, night: Night, run_id: str) -> bool:
 
 def attempt_run_id(predictions: str, errors_table: str, night: Night, run_id: str) -> tuple[str, NightCommit | None]:
     """The id this attempt commits under, and the predictions commit when the run's commit already landed.
-
-    An attempt that committed its errors but not its predictions left the
-    first attempt's error rows in the errors table: pairing them with a new
-    attempt's predictions could name an input in both tables, so the next
-    attempt predicts and commits both tables under a derived id
-    (``<run_id>.2``, …), which replaces that errors commit.
-    """
+    An attempt that committed its errors but not its predictions left its error rows in the errors table:
+    pairing them with a new attempt's predictions could name an input in both tables, so the next attempt
+    commits both tables under a derived id (``<run_id>.2``, …), which replaces that errors commit."""
     for attempt in range(1, 10):
         candidate = run_id if attempt == 1 else f"{run_id}.{attempt}"
         if run_committed(predictions, night, candidate):

@@ -1,13 +1,12 @@
 """The ``labels`` Delta table: people's answers for photos a model predicted, keyed like its predictions.
 
-A row names a photo as it was predicted, ``(uri, etag)``, and its class (``label``, ``label_index`` in
-the model's class list), partitioned by ``model_name``. ``selection`` is ``random`` when the import said its
-photos were chosen uniformly at random, whatever the models answered (empty otherwise: a queue's random draw
-is recorded with the queue). Each import appends once: its id (the file's
-SHA-256) is a Delta app transaction, so importing the same file again commits nothing, and two imports
-never interleave rows. The commit's info keeps what the import added and refused, and the run that made
-it (:class:`ImportOutcome`): a retry of that run finds its answer there. A photo labelled twice keeps its
-newest label (:func:`read_labels`).
+A row names a photo as it was predicted, ``(uri, etag)``, and its class (``label``, ``label_index`` in the
+model's class list), partitioned by ``model_name``. ``selection`` is ``random`` when the import said its photos
+were chosen uniformly at random, whatever the models answered (empty otherwise: a queue's random draw is
+recorded with the queue). Each import appends once: its id (the file's SHA-256) is a Delta app transaction, so
+importing the same file again commits nothing, and two imports never interleave rows. The commit's info keeps
+what the import added and refused, and the run that made it (:class:`ImportOutcome`): a retry of that run finds
+its answer there. A photo labelled twice keeps its newest label (:func:`read_labels`).
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ from typing import Any, ClassVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, Transaction, write_deltalake
-from deltalake.exceptions import DeltaError
+from deltalake import CommitProperties, PostCommitHookProperties, Transaction, write_deltalake
 from pydantic import BaseModel
 
 from rayline.errors import InputDataError
@@ -28,10 +26,11 @@ from rayline.tables import delta_log
 from rayline.tables.delta_tables import (
     SAFE_NAME,
     commit_version,
+    delta_errors,
+    is_table,
     open_or_create,
     open_table,
-    storage_error,
-    storage_options,
+    table_version,
 )
 
 LABELS_SCHEMA = pa.schema(
@@ -53,10 +52,8 @@ KEY = ("uri", "etag")
 
 class ImportOutcome(BaseModel):
     """What one labels import added and refused, and the run that imported it: kept in its commit's info.
-
     ``run_id`` (a Prefect flow run id; None outside one) tells a retry of the importing run, which reports
-    this outcome as its own, from a later run importing the same file, which added nothing.
-    """
+    this outcome as its own, from a later run importing the same file, which added nothing."""
 
     METADATA_KEY: ClassVar[str] = "rayline.labels_outcome"
 
@@ -100,7 +97,7 @@ def _app_id(model_name: str, import_id: str) -> str:
 def imported_version(root: str, model_name: str, import_id: str) -> int | None:
     """The table version that committed ``import_id`` for ``model_name``; None when it never was."""
     uri = labels_uri(root)
-    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
+    if not is_table(uri):
         return None
     tbl = open_table(uri)
     app_id = _app_id(model_name, import_id)
@@ -140,7 +137,7 @@ def append_labels(
         },
         app_transactions=[Transaction(app_id, 1)],
     )
-    try:
+    with delta_errors("append labels to", uri):
         write_deltalake(
             tbl,
             rows.select(LABELS_SCHEMA.names).cast(LABELS_SCHEMA),
@@ -150,8 +147,6 @@ def append_labels(
             commit_properties=properties,
             post_commithook_properties=PostCommitHookProperties(cleanup_expired_logs=False),
         )
-    except (DeltaError, OSError) as exc:
-        raise storage_error(exc, "append labels to", uri) from exc
     version = imported_version(root, model_name, import_id)  # the read after the append
     version = version if version is not None else open_table(uri).version()
     return LabelsCommit(version=version, already_imported=False, outcome=outcome)
@@ -159,41 +154,35 @@ def append_labels(
 
 def current_version(root: str) -> int | None:
     """The labels table's version now; None before its first import."""
-    uri = labels_uri(root)
-    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
-        return None
-    return open_table(uri).version()
+    return table_version(labels_uri(root))
 
 
 def read_labels(root: str, model_name: str, version: int | None = None) -> pa.Table:
     """``model_name``'s labels, the newest per ``(uri, etag)`` (by ``labelled_at``, then commit order)."""
     uri = labels_uri(root)
-    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
+    if not is_table(uri):
         return LABELS_SCHEMA.empty_table()
     tbl = open_table(uri, version)
-    try:
+    with delta_errors("read", uri):
         rows = tbl.to_pyarrow_dataset(file_pruning_predicate=[("model_name", "=", model_name)]).to_table(
             filter=pc.field("model_name") == model_name, use_threads=False
         )
-    except (DeltaError, OSError) as exc:
-        raise storage_error(exc, "read", uri) from exc
     return newest_per_photo(with_schema(rows))
 
 
 def with_schema(rows: pa.Table) -> pa.Table:
     """``rows`` as ``LABELS_SCHEMA``; a column that files written before it lack is null."""
-    missing = [f for f in LABELS_SCHEMA if f.name not in rows.column_names]
-    for missing_field in missing:
-        rows = rows.append_column(missing_field, pa.nulls(rows.num_rows, missing_field.type))
+    for missing in [f for f in LABELS_SCHEMA if f.name not in rows.column_names]:
+        rows = rows.append_column(missing, pa.nulls(rows.num_rows, missing.type))
     return rows.select(LABELS_SCHEMA.names).cast(LABELS_SCHEMA)
 
 
 def photos_of_imports(root: str, model_name: str, import_ids: list[str]) -> frozenset[tuple[str, str]]:
     """The (uri, etag) of every photo the imports ``import_ids`` labelled (whatever labels came later)."""
     uri = labels_uri(root)
-    if not import_ids or not DeltaTable.is_deltatable(uri, storage_options(uri)):
+    if not import_ids or not is_table(uri):
         return frozenset()
-    try:
+    with delta_errors("read", uri):
         rows = (
             open_table(uri)
             .to_pyarrow_dataset(file_pruning_predicate=[("model_name", "=", model_name)])
@@ -203,8 +192,6 @@ def photos_of_imports(root: str, model_name: str, import_ids: list[str]) -> froz
                 use_threads=False,
             )
         )
-    except (DeltaError, OSError) as exc:
-        raise storage_error(exc, "read", uri) from exc
     return frozenset(zip(rows["uri"].to_pylist(), rows["etag"].to_pylist(), strict=True))
 
 

@@ -1,27 +1,13 @@
 """Reading the night tables: one night (optionally at a version), both tables paired by run, and vacuum.
 
-Any Delta reader gets the same rows (DuckDB's ``delta_scan``, Polars'
-``read_delta``, Spark, ``ray.data.read_delta``); these are rayline's own
-readers, used by the monitor, lineage, rollouts and the CLI.
+Any Delta reader gets the same rows (DuckDB's ``delta_scan``, Polars' ``read_delta``, Spark,
+``ray.data.read_delta``); these are rayline's own readers, used by the monitor, lineage, rollouts and the CLI.
 
-Vacuum and time travel
-    A rerun of a night only marks the replaced files removed, and a failed
-    run leaves files no commit references; :func:`vacuum` deletes both once
-    they are older than the retention (Delta's semantics, kept as they are):
-    a file still referenced by the current version is never deleted, a
-    replaced file only when the commit that replaced it is older than the
-    retention, a never-committed file only when it was written before the
-    retention. So every version that was current at some time within the
-    retention stays readable by number (time travel); older versions may
-    have lost files. One more rule keeps the tables paired: the errors
-    table's version that a night's current predictions pair with keeps its
-    files however old (:func:`paired_errors_versions`; a run whose errors
-    commit landed but whose predictions commit did not replaced them). The log itself keeps every commit (the tables are
-    created without expired-log cleanup: ``delta_tables.TABLE_CONFIGURATION``).
-    The retention also protects a night still being written
-    (its files are not committed yet), hence at least 24 h. The ``monitor``
-    flow vacuums both tables (``vacuum_retention_hours``), ``rayline vacuum``
-    by hand.
+Vacuum and time travel (docs/nights.md): :func:`vacuum` deletes replaced and never-committed files once they
+are older than the retention (Delta's semantics), so every version current at some time within the retention
+stays readable by number. One more rule keeps the tables paired: the errors table's version that a night's
+current predictions pair with keeps its files however old (:func:`paired_errors_versions`). The retention
+also protects a night still being written (its files are not committed yet), hence at least 24 h.
 """
 
 from __future__ import annotations
@@ -30,7 +16,6 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from deltalake import DeltaTable
-from deltalake.exceptions import DeltaError
 
 from rayline import storage
 from rayline.errors import ConfigError, InputDataError
@@ -39,11 +24,11 @@ from rayline.tables.delta_tables import (
     Night,
     NightCommit,
     current_runs,
+    delta_errors,
     find_commit,
+    is_table,
     night_commit,
     open_table,
-    storage_error,
-    storage_options,
 )
 
 DEFAULT_RETENTION_HOURS = 168
@@ -55,14 +40,10 @@ def read_night(uri: str, model_name: str, dt: str, version: int | None = None) -
     uri = storage.normalize(uri)
     night = Night(model_name, dt)
     tbl = open_table(uri, version)
-    try:
-        # single-threaded on purpose: Arrow's scanner threads from a Delta dataset
-        # sometimes outlive the interpreter and abort it at exit ("terminate called
-        # without an active exception", seen ~1 run in 6; delta-rs #2184)
-        dataset = tbl.to_pyarrow_dataset(file_pruning_predicate=night.filters)
-        return dataset.to_table(use_threads=False)
-    except (DeltaError, OSError) as exc:
-        raise storage_error(exc, "read", uri) from exc
+    with delta_errors("read", uri):
+        # single-threaded on purpose: Arrow's scanner threads from a Delta dataset sometimes outlive the
+        # interpreter and abort it at exit ("terminate called without an active exception"; delta-rs #2184)
+        return tbl.to_pyarrow_dataset(file_pruning_predicate=night.filters).to_table(use_threads=False)
 
 
 @dataclass(frozen=True)
@@ -78,24 +59,20 @@ class NightRows:
 def committed_nights(root: str, model_name: str, latest: int | None = None) -> list[str]:
     """The ``dt`` of ``model_name``'s nights that have predictions committed, newest first (at most ``latest``)."""
     uri = table_uri(root, PREDICTIONS_TABLE)
-    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
+    if not is_table(uri):
         return []
-    try:
+    with delta_errors("list the partitions of", uri):
         partitions = open_table(uri).partitions(partition_filters=[("model_name", "=", model_name)])
-    except (DeltaError, OSError) as exc:
-        raise storage_error(exc, "list the partitions of", uri) from exc
     return sorted({p["dt"] for p in partitions}, reverse=True)[:latest]
 
 
 def nights_of_version(uri: str, model_name: str, version: int) -> list[str]:
     """The ``dt`` of the nights of ``model_name`` in the table at ``uri`` whose rows may be ``version``'s, from the
     files' statistics in the Delta log (no data file is opened); a file without them counts (it may be)."""
-    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
+    if not is_table(uri):
         return []
-    try:
+    with delta_errors("read the file statistics of", uri):
         actions = pa.table(open_table(uri).get_add_actions(flatten=True)).to_pylist()
-    except (DeltaError, OSError) as exc:
-        raise storage_error(exc, "read the file statistics of", uri) from exc
     found = set()
     for action in actions:
         if action.get("partition.model_name") != model_name:
@@ -116,15 +93,12 @@ def latest_night_commit(root: str, model_name: str) -> NightCommit | None:
 
 def read_night_pair(root: str, model_name: str, dt: str, version: int | None = None) -> NightRows:
     """A night's predictions (as of predictions table ``version``) and the errors committed by the same run.
-
-    The run commits its errors first and its predictions last, so the errors
-    table may already hold a newer run's errors for the night; reading it at
-    the version that carries the predictions' run id pairs the two exactly.
-    """
+    The run commits its errors first and its predictions last, so the errors table may already hold a newer
+    run's errors for the night; reading it at the version that carries the predictions' run id pairs them."""
     predictions_uri = table_uri(root, PREDICTIONS_TABLE)
     errors_uri = table_uri(root, ERRORS_TABLE)
     night = Night(model_name, dt)
-    if not DeltaTable.is_deltatable(predictions_uri, storage_options(predictions_uri)):
+    if not is_table(predictions_uri):
         raise InputDataError(f"no predictions table at {predictions_uri}: run nightly-inference first")
     commit = night_commit(predictions_uri, model_name, dt, version)
     if commit is None:
@@ -150,14 +124,9 @@ def vacuum(
 ) -> list[str]:
     """Files (relative paths) no version within the retention needs: replaced ones and never-committed ones.
 
-    A dry run by default; ``dry_run=False`` deletes them. A full vacuum, so
-    files never committed (failed runs) are found too; files younger than
-    ``retention_hours`` are left alone, which is what protects the parts of a
-    night still being written, so less than 24 h needs ``allow_short_retention``.
-    Versions current within the retention stay readable (module docstring);
-    ``keep_versions`` keeps older versions' files too, and so does every
-    version of the errors table that a night of the predictions table next to
-    it pairs with (:func:`read_night_pair`), however old.
+    A dry run by default; ``dry_run=False`` deletes them. Less than 24 h of retention needs
+    ``allow_short_retention``. ``keep_versions`` keeps older versions' files too, and so does every version of
+    the errors table that a night of the predictions table pairs with (:func:`read_night_pair`), however old.
     """
     uri = storage.normalize(uri)
     check_retention(retention_hours, allow_short_retention)
@@ -166,7 +135,7 @@ def vacuum(
     predictions_runs = current_predictions_runs(uri)
     tbl = open_table(uri)  # a fresh snapshot: a stale one would count newer commits' files as unreferenced
     keep = sorted({*(keep_versions or []), *paired_errors_versions(uri, tbl, predictions_runs)})
-    try:
+    with delta_errors("vacuum", uri):
         removed: list[str] = tbl.vacuum(
             retention_hours=retention_hours,
             dry_run=dry_run,
@@ -174,39 +143,26 @@ def vacuum(
             full=True,
             keep_versions=keep or None,
         )
-    except (DeltaError, OSError) as exc:
-        raise storage_error(exc, "vacuum", uri) from exc
     return sorted(removed)
 
 
 def current_predictions_runs(uri: str) -> dict[Night, str]:
-    """When ``uri`` is a night errors table: the run each night of its predictions table pairs with; else empty.
-
-    The two tables are siblings under one root (:mod:`rayline.storage.layout`), as
-    :func:`read_night_pair` finds them.
-    """
+    """When ``uri`` is a night errors table: the run each night of its predictions table (its sibling, as
+    :func:`read_night_pair` finds them) pairs with; else empty."""
     root, _, name = uri.rpartition("/")
     predictions_uri = table_uri(root, PREDICTIONS_TABLE)
-    if name != ERRORS_TABLE or not DeltaTable.is_deltatable(predictions_uri, storage_options(predictions_uri)):
+    if name != ERRORS_TABLE or not is_table(predictions_uri):
         return {}
-    try:
+    with delta_errors("read the history of", predictions_uri):
         return current_runs(predictions_uri, open_table(predictions_uri))
-    except (DeltaError, OSError) as exc:
-        raise storage_error(exc, "read the history of", predictions_uri) from exc
 
 
 def paired_errors_versions(uri: str, tbl: DeltaTable, predictions_runs: dict[Night, str]) -> list[int]:
-    """The versions of errors table ``tbl`` that :func:`read_night_pair` reads but whose files are replaced.
-
-    A run whose errors commit landed and whose predictions commit did not
-    (it failed, or another run won the predictions table) replaced the errors
-    that the night's current predictions pair with: a vacuum would delete
-    them as replaced files once that commit is older than the retention, and
-    the night would no longer read as a pair. Nights whose errors table
-    already holds the predictions' run need nothing: their files are current.
-    """
+    """The versions of errors table ``tbl`` that :func:`read_night_pair` reads but whose files are replaced:
+    by a run whose errors commit landed and whose predictions commit did not. A vacuum would delete them once
+    that commit is older than the retention, and the night would no longer read as a pair."""
     versions: list[int] = []
-    try:
+    with delta_errors("find the paired versions of", uri):
         errors_runs = current_runs(uri, tbl)
         for night, run_id in predictions_runs.items():
             if errors_runs.get(night) == run_id:
@@ -214,8 +170,6 @@ def paired_errors_versions(uri: str, tbl: DeltaTable, predictions_runs: dict[Nig
             paired = find_commit(uri, tbl, night, run_id)
             if paired is not None:  # None: the errors table never had it, and read_night_pair says so
                 versions.append(paired.version)
-    except (DeltaError, OSError) as exc:
-        raise storage_error(exc, "find the paired versions of", uri) from exc
     return versions
 
 
@@ -233,10 +187,6 @@ def vacuum_tables(
     root: str, retention_hours: int = DEFAULT_RETENTION_HOURS, *, dry_run: bool = True
 ) -> dict[str, list[str]]:
     """:func:`vacuum` of both night tables under ``root`` (those that exist): table URI → files (to be) deleted."""
-    tables = [
-        uri
-        for uri in (table_uri(root, PREDICTIONS_TABLE), table_uri(root, ERRORS_TABLE))
-        if DeltaTable.is_deltatable(uri, storage_options(uri))
-    ]
+    tables = [uri for uri in (table_uri(root, PREDICTIONS_TABLE), table_uri(root, ERRORS_TABLE)) if is_table(uri)]
     check_retention(retention_hours)
     return {uri: vacuum(uri, retention_hours, dry_run=dry_run) for uri in tables}

@@ -34,11 +34,12 @@ from rayline.tables.delta_tables import (
     arrow_schema,
     check_run_id,
     commit_version,
+    delta_errors,
     find_commit,
+    is_table,
     open_or_create,
     open_table,
     storage_error,
-    storage_options,
 )
 
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9._=/-]+$")
@@ -81,11 +82,9 @@ def write_data_file(table: str, night: Night, run_id: str, part: str | int, data
     uri = data_file_uri(table, night, run_id, part)
     body = data.drop_columns([c for c in PARTITION_COLUMNS if c in data.column_names])
     fs, path = storage.arrow_filesystem(uri)
-    try:
+    with delta_errors("write", uri):
         fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
         pq.write_table(body, path, filesystem=fs)
-    except OSError as exc:
-        raise storage_error(exc, "write", uri) from exc
     return uri
 
 
@@ -108,9 +107,7 @@ def _open_or_create(uri: str, schema: pa.Schema) -> DeltaTable:
 
 def add_columns_if_missing(uri: str, schema: pa.Schema) -> list[str]:
     """Add ``schema``'s columns the table lacks (nullable; old nights read them as null); the names added.
-
-    Only a metadata commit: no data file is rewritten. A changed type is refused.
-    """
+    Only a metadata commit: no data file is rewritten. A changed type is refused."""
     uri = storage.normalize(uri)
     wanted = table_schema(schema)
     tbl = open_table(uri)
@@ -128,10 +125,8 @@ def add_columns_if_missing(uri: str, schema: pa.Schema) -> list[str]:
     if not missing:
         return []
     fields: list[DeltaField] = DeltaSchema.from_arrow(pa.schema(missing)).fields
-    try:
+    with delta_errors("add columns to", uri):
         tbl.alter.add_columns(fields)
-    except (DeltaError, OSError) as exc:
-        raise storage_error(exc, "add columns to", uri) from exc
     return [field.name for field in missing]
 
 
@@ -149,11 +144,9 @@ def _relative_path(uri: str, file_uri: str, night: Night) -> str:
 def _add_action(uri: str, file_uri: str, night: Night, columns: pa.Schema) -> tuple[AddAction, int]:
     relative = _relative_path(uri, file_uri, night)
     fs, path = storage.arrow_filesystem(storage.normalize(file_uri))
-    try:
+    with delta_errors("read the footer of", file_uri, pa.ArrowInvalid):
         info = fs.get_file_info(path)
         meta = pq.read_metadata(path, filesystem=fs)  # the footer only: rows are never re-read
-    except (OSError, pa.ArrowInvalid) as exc:
-        raise storage_error(exc, "read the footer of", file_uri) from exc
     if info.size is None or info.mtime is None:
         raise InputDataError(f"{file_uri}: not found")
     stray = [
@@ -167,10 +160,9 @@ def _add_action(uri: str, file_uri: str, night: Night, columns: pa.Schema) -> tu
 
 
 def _column_stats(meta: pq.FileMetaData) -> dict[str, dict[str, Any]]:
-    """Delta's per-file ``minValues``/``maxValues``/``nullCount`` of every top-level column of a plain type, from
-    the Parquet footer (list columns have none, as delta-rs writes them). Readers then skip files by them: the
-    labelled gate reads only the nights a version predicted. All of those columns or none: delta-rs's reader
-    drops every row of a file whose statistics name some columns but not the one a filter is on."""
+    """Delta's per-file ``minValues``/``maxValues``/``nullCount`` of every plain top-level column, from the
+    Parquet footer, so readers skip files by them. All of those columns or none: delta-rs's reader drops every
+    row of a file whose statistics name some columns but not the one a filter is on."""
     plain = {
         meta.schema.column(i).path: i
         for i in range(meta.num_columns)
@@ -198,7 +190,7 @@ def _night_seq(tbl: DeltaTable, night: Night) -> int:
 def night_seq(uri: str, partition: Mapping[str, str] | Night) -> int:
     """How many times the night was committed (0 before its first commit or the table's): a run's ``expected_seq``."""
     uri = storage.normalize(uri)
-    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
+    if not is_table(uri):
         return 0
     return _night_seq(open_table(uri), Night.of(partition))
 
@@ -216,14 +208,11 @@ def _taken_by_another(uri: str, tbl: DeltaTable, night: Night, seen_seq: int, ru
 
 def check_night_unchanged(uri: str, partition: Mapping[str, str] | Night, expected_seq: int, run_id: str) -> None:
     """Raise :class:`NightCommittedElsewhere` when the night was committed since a run saw ``expected_seq``.
-
-    The nightly run checks the predictions table (the night's done marker)
-    this way before committing its errors, so a run that started while
-    another was between its two commits stops before writing either table.
-    """
+    The nightly run checks the predictions table (the night's done marker) this way before committing its
+    errors, so a run that started while another was between its two commits stops before writing either."""
     uri = storage.normalize(uri)
     night = Night.of(partition)
-    if not DeltaTable.is_deltatable(uri, storage_options(uri)):
+    if not is_table(uri):
         if expected_seq == 0:
             return
         raise InputDataError(f"{uri} is not a Delta table any more (the run saw the night committed {expected_seq}x)")
@@ -245,15 +234,11 @@ def commit_night(
 ) -> NightCommit:
     """Commit a night's Parquet files as one transaction replacing that (model_name, dt); the commit made.
 
-    ``files`` are already written under the night's folder in the table
-    (:func:`data_file_uri`); ``schema`` is the data schema (partition columns
-    optional). The table is created on first use and missing columns are added
-    first. A second call with the same ``run_id`` is a no-op that returns the
-    commit found. Raises :class:`NightCommittedElsewhere` when another run
-    committed the night while this one was working: after the run read
-    :func:`night_seq` as ``expected_seq`` when given, else between this call's
-    snapshot and its commit. ``record`` is the run's record for the commit's
-    info; this function sets the night's own fields of it.
+    ``files`` are already written in the night's folder (:func:`data_file_uri`); ``schema`` is the data
+    schema. The table is created, and missing columns are added, first. A second call with the same ``run_id``
+    is a no-op that returns the commit found. Raises :class:`NightCommittedElsewhere` when another run committed
+    the night since the run read :func:`night_seq` as ``expected_seq`` (when given, else since this call's
+    snapshot). ``record`` is the run's record for the commit's info; this function sets the night's own fields.
     """
     uri = storage.normalize(uri)
     night = Night.of(partition)

@@ -1,19 +1,8 @@
-"""The storage seam: one object-store interface (``ObjectStore``) and a backend per URI scheme.
+"""The storage seam: one object-store interface (``ObjectStore``) and a backend per URI scheme (docs/storage.md):
+local paths (:class:`local.LocalStore`), ``s3://`` (s3fs), ``gs://`` (gcsfs) and ``az://`` (adlfs).
 
-=================  ===============================  ==============================
-URI                backend                          client
-=================  ===============================  ==============================
-``/path``          :class:`local.LocalStore`        the OS
-``s3://bucket/…``  :class:`s3.S3Store`              s3fs (aiobotocore)
-``gs://bucket/…``  :class:`gcs.GCSStore`            gcsfs (GCS's JSON API)
-``az://cont./…``   :class:`azure.AzureStore`        adlfs (the Azure SDK)
-=================  ===============================  ==============================
-
-:func:`store_for` is the one place a URI's scheme picks a client; every
-backend is built with the one :class:`StoragePolicy` (attempts and timeouts)
-from settings. Nothing outside ``rayline.storage`` tests a scheme or builds
-a client: it asks a store for bytes, conditional writes, listings, a pyarrow
-filesystem or delta-rs's options.
+:func:`store_for` is the one place a URI's scheme picks a client, built with the one :class:`StoragePolicy`
+(attempts and timeouts) from settings. Nothing outside ``rayline.storage`` tests a scheme or builds a client.
 """
 
 from __future__ import annotations

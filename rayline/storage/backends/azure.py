@@ -1,20 +1,16 @@
 """Azure Blob Storage through adlfs's client (the Azure SDK): ``az://container/prefix``, one policy for every request.
 
-Credentials are the SDK's standard variables, read by adlfs:
-``AZURE_STORAGE_CONNECTION_STRING``, or ``AZURE_STORAGE_ACCOUNT_NAME`` with
-``AZURE_STORAGE_ACCOUNT_KEY`` / ``AZURE_STORAGE_SAS_TOKEN`` / a service
-principal (``AZURE_TENANT_ID``, ``AZURE_CLIENT_ID``, ``AZURE_CLIENT_SECRET``).
-An object's version is its ETag; a conditional write sends ``If-None-Match:
-*`` or ``If-Match``. adlfs builds its service client without retry options,
-so this backend rebuilds it with the policy's: the SDK's exponential retry
-with ``max_attempts``, backing off as s3fs's and gcsfs's clients do, and
-its timeouts then apply to adlfs's reads too.
+Credentials are the SDK's standard variables, read by adlfs: ``AZURE_STORAGE_CONNECTION_STRING``, or
+``AZURE_STORAGE_ACCOUNT_NAME`` with ``AZURE_STORAGE_ACCOUNT_KEY`` / ``AZURE_STORAGE_SAS_TOKEN`` / a service
+principal (``AZURE_TENANT_ID``, ``AZURE_CLIENT_ID``, ``AZURE_CLIENT_SECRET``). An object's version is its
+ETag; a conditional write sends ``If-None-Match: *`` or ``If-Match``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import suppress
 from datetime import UTC, datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -27,7 +23,6 @@ from rayline.storage.backends.base import ObjectStore, Page, Stat, StoragePolicy
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-SCHEME = "az://"
 _REFUSED = frozenset({412, 409})
 
 
@@ -54,12 +49,8 @@ def _filesystem(policy: StoragePolicy) -> AbstractFileSystem:
 
 
 class PolicyAzureBlobFileSystem(adlfs.AzureBlobFileSystem):  # type: ignore[misc]
-    """adlfs's filesystem whose service client carries the policy's retries and timeouts.
-
-    adlfs builds its client without retry options; this rebuilds it with the
-    same account and credential whenever adlfs connects, also in a Ray worker
-    that unpickles the filesystem (a class of this module's: pickled by reference).
-    """
+    """adlfs's filesystem whose service client carries the policy's retries and timeouts: adlfs builds it
+    without; this rebuilds it whenever adlfs connects, also in a Ray worker that unpickles the filesystem."""
 
     def __init__(self, *args: Any, attempts: int, timeout_s: float, connect_timeout_s: float, **kwargs: Any) -> None:
         self.client_policy: dict[str, Any] = {
@@ -153,17 +144,14 @@ class AzureStore(ObjectStore):
     def delete(self, uri: str) -> None:
         from azure.core.exceptions import ResourceNotFoundError
 
-        try:
+        with suppress(ResourceNotFoundError):
             self._sync(self._blob(uri).delete_blob())
-        except ResourceNotFoundError:
-            return
 
     def list_pages(self, prefix_uri: str, *, level: bool = False, after: str = "") -> Iterator[Page]:
         from azure.core.exceptions import ResourceNotFoundError
         from azure.storage.blob.aio import BlobPrefix
 
-        container, key = split(prefix_uri)
-        base = key if key.endswith("/") or not key else key + "/"  # a prefix given with its slash is taken as is
+        container, base = split(prefix_uri, prefix=True)
         client = self.fs.service_client.get_container_client(container)
         blobs = (
             client.walk_blobs(name_starts_with=base, delimiter="/")

@@ -1,15 +1,11 @@
 """The object-store interface every backend implements, and the one retry and timeout policy they share.
 
-A backend answers for one scheme and takes whole URIs (``s3://bucket/key``,
-``gs://…``, ``az://container/key``, local paths), so callers never split a
-URI or build a client. Keys are opaque: ``a//b.jpg`` and ``a/./b.jpg`` are
-objects of their own on every cloud, which is one reason the backends are
-fsspec's (s3fs, gcsfs, adlfs) and not ``object_store``'s, whose paths refuse
-them (bench/storage_clients.py).
-
-An object's *version* is what its store changes on every write and checks in
-a conditional one: the ETag on S3 and Azure (without its quotes), the
-generation on GCS, a digest of the bytes on local disk.
+A backend answers for one scheme and takes whole URIs, so callers never split a URI or build a client. Keys
+are opaque: ``a//b.jpg`` and ``a/./b.jpg`` are objects of their own on every cloud, which is one reason the
+backends are fsspec's (s3fs, gcsfs, adlfs) and not ``object_store``'s, whose paths refuse them
+(bench/storage_clients.py). An object's *version* is what its store changes on every write and checks in a
+conditional one: the ETag on S3 and Azure (without its quotes), the generation on GCS, a digest of the bytes
+on local disk.
 """
 
 from __future__ import annotations
@@ -56,12 +52,9 @@ class Page:
 
 @dataclass(frozen=True)
 class StoragePolicy:
-    """How often and how long every request rayline makes to a store may try, whatever the client.
-
-    ``max_attempts`` counts the first try; transient failures (throttling,
-    5xx, resets, timeouts) are retried with exponential backoff by the
-    backend's client, and Delta commits by delta-rs with the same figures.
-    """
+    """How often and how long every request rayline makes to a store may try, whatever the client: transient
+    failures are retried with backoff by the backend's client, and Delta commits by delta-rs, with these
+    figures (``max_attempts`` counts the first try)."""
 
     max_attempts: int
     timeout_s: float
@@ -110,15 +103,10 @@ class ObjectStore(ABC):
 
     @abstractmethod
     def list_pages(self, prefix_uri: str, *, level: bool = False, after: str = "") -> Iterator[Page]:
-        """The objects below ``prefix_uri`` page by page in key order, keys relative to it.
-
-        The prefix is ``prefix_uri``'s key and a slash; one that ends with a
-        slash already is taken exactly as written (``a//`` lists only what is
-        below ``a//``, not below ``a/``).
-
-        ``level``: only those directly under it, with its sub-prefixes;
-        ``after``: only keys that sort after this one (a resumed listing).
-        """
+        """The objects below ``prefix_uri`` page by page in key order, keys relative to it. The prefix is
+        ``prefix_uri``'s key and a slash; one that ends with a slash already is taken exactly as written (``a//``
+        lists only what is below ``a//``, not below ``a/``). ``level``: only those directly under it, with its
+        sub-prefixes; ``after``: only keys that sort after this one (a resumed listing)."""
 
     @abstractmethod
     def filesystem(self) -> AbstractFileSystem:
@@ -139,13 +127,9 @@ class ObjectStore(ABC):
 
 
 class ModifiedTimeHandler(pafs.FSSpecHandler):  # type: ignore[misc]
-    """pyarrow's fsspec handler, with each cloud's modification time as the files' ``mtime``.
-
-    pyarrow reads ``mtime`` from fsspec's info, which s3fs, gcsfs and adlfs
-    name ``LastModified``, ``updated`` and ``last_modified``: without this a
-    file's time would be unknown, which Delta's add actions need. A class of
-    this module's, so that the filesystem pickles to Ray's workers.
-    """
+    """pyarrow's fsspec handler, with each cloud's modification time as the files' ``mtime`` (s3fs, gcsfs and
+    adlfs name it differently): Delta's add actions need it. A class of this module's, so that the filesystem
+    pickles to Ray's workers."""
 
     @staticmethod
     def _create_file_info(path: str, info: dict[str, Any]) -> pafs.FileInfo:
@@ -158,10 +142,11 @@ class ModifiedTimeHandler(pafs.FSSpecHandler):  # type: ignore[misc]
         return pafs.FileInfo(path, found.type, size=found.size, mtime=modified)
 
 
-def split(uri: str) -> tuple[str, str]:
-    """(bucket or container, key) of a cloud URI, the key exactly as written: every slash kept."""
+def split(uri: str, *, prefix: bool = False) -> tuple[str, str]:
+    """(bucket or container, key) of a cloud URI, the key exactly as written: every slash kept. ``prefix``: the
+    key is a listing's prefix, with a slash added unless it has one (then it is taken as is)."""
     container, _, key = uri.partition("://")[2].partition("/")
-    return container, key
+    return container, key + "/" if prefix and key and not key.endswith("/") else key
 
 
 def first_cause(exc: BaseException, kind: type[Any]) -> Any:

@@ -1,19 +1,15 @@
 """Google Cloud Storage through gcsfs's client (the JSON API): one session, one policy for every request.
 
-The JSON API is what GCS's emulators serve (``STORAGE_EMULATOR_HOST``), so
-the same requests are proven here and made against GCS. An object's version
-is its *generation*; a conditional write sends ``ifGenerationMatch`` (``0``:
-only if there is no object) on a multipart upload, the form whose condition
+The JSON API is what GCS's emulators serve (``STORAGE_EMULATOR_HOST``), so the same requests are proven
+here and made against GCS. An object's version is its *generation*; a conditional write sends
+``ifGenerationMatch`` (``0``: only if there is no object) on a multipart upload, the form whose condition
 every server checks.
 
-Credentials are decided before any request (:func:`google_credentials`), for
-rayline's client and delta-rs's alike: a file the user named
-(``GOOGLE_APPLICATION_CREDENTIALS``) or gcloud's application-default file,
-else the metadata server only where the machine says it runs on Google Cloud;
-otherwise a ``ConfigError`` at once. Nothing is ever asked of the cloud's
-metadata address on a machine that is not Google's, and against an emulator
-nothing is asked for a token at all (delta-rs, which would, is refused
-writes there before it makes a request: :meth:`GCSStore.delta_write_refusal`).
+Credentials are decided before any request (:func:`google_credentials`), for rayline's client and
+delta-rs's alike: a file the user named (``GOOGLE_APPLICATION_CREDENTIALS``) or gcloud's application-default
+file, else the metadata server only where the machine says it runs on Google Cloud; otherwise a
+``ConfigError`` at once. Nothing is ever asked of the cloud's metadata address on a machine that is not
+Google's, and against an emulator nothing is asked for a token at all (:meth:`GCSStore.delta_write_refusal`).
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import json
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -41,7 +38,6 @@ from rayline.storage.backends.base import ObjectStore, Page, Stat, StoragePolicy
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-SCHEME = "gs://"
 _REFUSED = frozenset({412, 409})
 
 
@@ -69,9 +65,7 @@ class GoogleCredentials:
 def on_google_cloud() -> bool:
     """Whether the machine says, without a request, that it runs on Google Cloud: its DMI product name (GCE and
     GKE nodes, as google-auth reads it), a serverless runtime's variables, or a metadata host the user named."""
-    if os.environ.get("GCE_METADATA_HOST") or os.environ.get("GCE_METADATA_IP"):
-        return True
-    if any(os.environ.get(name) for name in _SERVERLESS_MARKERS):
+    if any(os.environ.get(name) for name in ("GCE_METADATA_HOST", "GCE_METADATA_IP", *_SERVERLESS_MARKERS)):
         return True
     try:
         return _DMI_PRODUCT.read_text().strip().startswith("Google")
@@ -208,15 +202,11 @@ class GCSStore(ObjectStore):
         return self._put_conditional(uri, data, version)
 
     def delete(self, uri: str) -> None:
-        bucket, key = split(uri)
-        try:
-            self._call("DELETE", "b/{}/o/{}", bucket, key)
-        except FileNotFoundError:
-            return
+        with suppress(FileNotFoundError):
+            self._call("DELETE", "b/{}/o/{}", *split(uri))
 
     def list_pages(self, prefix_uri: str, *, level: bool = False, after: str = "") -> Iterator[Page]:
-        bucket, key = split(prefix_uri)
-        base = key if key.endswith("/") or not key else key + "/"  # a prefix given with its slash is taken as is
+        bucket, base = split(prefix_uri, prefix=True)
         params: dict[str, Any] = {"prefix": base, "maxResults": 1000, **({"delimiter": "/"} if level else {})}
         if after:
             params["startOffset"] = base + after  # inclusive: the key itself is dropped below
@@ -245,8 +235,6 @@ class GCSStore(ObjectStore):
     def delta_write_refusal(self) -> str | None:
         if not self.emulator:
             return None
-        # delta-rs uploads a table's files with a token from the metadata server even when told to skip signing,
-        # and writes through GCS's XML API, which no GCS emulator serves: refused before it sends anything
         return (
             f"delta-rs cannot write Delta tables on the GCS emulator at {self.emulator}: it writes through GCS's "
             "XML API, which no GCS emulator serves, and would ask the cloud's metadata address for a token first "

@@ -2,19 +2,15 @@
 
 Conditional writes need no server here:
 
-* create: the bytes go to a temp file first, then ``os.link`` publishes it
-  under the final name, failing if the name exists (like ``O_EXCL``, but a
-  reader never sees a created file half-written);
-* swap: an exclusive ``fcntl.flock`` on a hidden sibling lock file is held
-  around read → compare → ``os.replace``. Every swapper takes that lock and
-  nothing here deletes, so a name that exists when the lock is taken keeps
-  existing, and nobody changes it while the lock is held.
+* create: the bytes go to a temp file first, then ``os.link`` publishes it under the final name, failing if
+  the name exists (like ``O_EXCL``, but a reader never sees a created file half-written);
+* swap: an exclusive ``fcntl.flock`` on a hidden sibling lock file is held around read → compare →
+  ``os.replace``. Every swapper takes that lock and nothing here deletes, so a name that exists when the lock
+  is taken keeps existing, and nobody changes it while the lock is held.
 
-A file's version for conditional writes is the SHA-256 of its bytes (a swap
-must therefore write different bytes); a listing's is its size and
-modification time, which identify a version without reading it, as HTTP
-servers do. A read checked against a listing (:func:`read_as_listed`) takes
-that same version from the handle it reads through.
+A file's version for conditional writes is the SHA-256 of its bytes (a swap must therefore write different
+bytes); a listing's is its size and modification time, which identify a version without reading it, as HTTP
+servers do. A read checked against a listing (:func:`read_as_listed`) takes that version from its handle.
 """
 
 from __future__ import annotations
@@ -24,8 +20,9 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from rayline.storage.backends.base import ObjectStore, Page, Stat, Versioned
@@ -49,11 +46,8 @@ def stat_version(st: os.stat_result) -> str:
 
 
 def read_as_listed(path: str) -> tuple[bytes, str, str]:
-    """The file's bytes, and its listing version before and after reading them, both from the open handle.
-
-    The handle keeps reading the file it opened even if the name is replaced, so the version is the one
-    of the bytes read; the two differ only when the file was written in place during the read.
-    """
+    """The file's bytes, and its listing version before and after reading them, both from the open handle: the
+    version of the bytes read even if the name is replaced; the two differ when it was written in place."""
     with open(path, "rb") as handle:
         before = stat_version(os.fstat(handle.fileno()))
         data = handle.read()
@@ -133,29 +127,17 @@ class LocalStore(ObjectStore):
         return digest(data)
 
     def delete(self, uri: str) -> None:
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(uri)
-        except FileNotFoundError:
-            return
 
     def list_pages(self, prefix_uri: str, *, level: bool = False, after: str = "") -> Iterator[Page]:
         if level:
-            objects, prefixes = [], []
-            for item in _level(prefix_uri, ""):
-                if isinstance(item, Stat):
-                    if item.key > after:
-                        objects.append(item)
-                else:
-                    prefixes.append(item + "/")
-            yield Page(objects, prefixes)
+            items = list(_level(prefix_uri, ""))
+            objects = [item for item in items if isinstance(item, Stat) and item.key > after]
+            yield Page(objects, [item + "/" for item in items if isinstance(item, str)])
             return
-        page: list[Stat] = []
-        for stat in _below(prefix_uri, "", after):
-            page.append(stat)
-            if len(page) == 1000:
-                yield Page(page)
-                page = []
-        if page:
+        stats = _below(prefix_uri, "", after)
+        while page := list(islice(stats, 1000)):
             yield Page(page)
 
     def filesystem(self) -> AbstractFileSystem:

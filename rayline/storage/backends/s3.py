@@ -1,12 +1,9 @@
 """S3 and S3-compatible servers through s3fs's client (aiobotocore): one session, one policy for every request.
 
-The requests are botocore's own (``GetObject``, ``PutObject`` with
-``If-None-Match: *`` or ``If-Match``, ``ListObjectsV2``), made on the client
-that s3fs holds: botocore's standard mode with ``max_attempts`` and the
-policy's timeouts; s3fs's own retry loop is set to one attempt so that the
-two never multiply. Readers (pyarrow, Ray Data, Train) get pyarrow's own S3
-client instead, measured faster for Parquet, with the same attempts and
-timeouts.
+The requests are botocore's own, made on the client that s3fs holds: botocore's standard mode with
+``max_attempts`` and the policy's timeouts; s3fs's own retry loop is set to one attempt so that the two never
+multiply. Readers (pyarrow, Ray Data, Train) get pyarrow's own S3 client instead, measured faster for
+Parquet, with the same attempts and timeouts.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from rayline.storage.backends.base import ObjectStore, Page, Stat, StoragePolicy
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-SCHEME = "s3://"
 # S3's answers to a conditional write whose condition failed (412), or that raced another one (409)
 REFUSED = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409"})
 _MISSING = frozenset({"NoSuchKey", "404", "NoSuchBucket"})
@@ -115,8 +111,7 @@ class S3Store(ObjectStore):
         self._run(bucket, "delete_object", Key=key)
 
     def list_pages(self, prefix_uri: str, *, level: bool = False, after: str = "") -> Iterator[Page]:
-        bucket, key = split(prefix_uri)
-        base = key if key.endswith("/") or not key else key + "/"  # a prefix given with its slash is taken as is
+        bucket, base = split(prefix_uri, prefix=True)
         kwargs: dict[str, Any] = {"Prefix": base, **({"Delimiter": "/"} if level else {})}
         if after:
             kwargs["StartAfter"] = base + after
