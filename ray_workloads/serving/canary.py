@@ -173,5 +173,5 @@ def roll_back(
 ) -> RolloutOutcome:
     """All of the model's traffic back on the incumbent; the candidate's deployment goes."""
     cand = prepared.candidate
-    rollout.roll_back(prepared.incumbent.version, cand.version, serve, model=cand.name, fence=prepared.fence)
+    rollout.retire(cand.version, prepared.incumbent.version, serve, model=cand.name, fence=prepared.fence)
     return RolloutOutcome(outcome=ROLLED_BACK, prepared=prepared, steps=steps, reason=reason)

@@ -1,19 +1,15 @@
 """Driver-side control of online serving: what the rollout flow calls.
 
-Starts Serve, the router and the control actor (``routing.ServeControl``, the single
-writer of the routing table), deploys versions and moves traffic by talking to that actor.
-Submitting, waiting for and deleting Serve applications is ``applications``'s part.
+Starts Serve, the router and the control actor (``routing.ServeControl``, the single writer of the
+routing table), deploys versions and moves traffic through that actor; ``applications`` submits,
+waits for and deletes Serve applications.
 
-One instance serves several models: every call about versions, weights or stats takes
-``model=`` (a registry name; None means the default model, see ``ingress``), so a
-rollout of one model never touches another's weights.
-
-Weights are relative (``{1: 90, 2: 10}`` and ``{1: 0.9, 2: 0.1}`` route the same); a live
-version left out of ``set_weights`` gets 0. ``set_weights`` returns once every router
-replica has picked the new table up (they sync every ``SYNC_INTERVAL_S``): every replica of
-the router deployment Serve runs (:func:`router_replicas`), however long one has been silent
-(a paused one routes by the old table the moment it resumes: the call fails naming it after
-``wait_s``); a replica Serve no longer runs is not waited for.
+Every call about versions, weights or stats takes ``model=`` (a registry name; None: the default
+model, see ``ingress``), so a rollout of one model never touches another's weights. Weights are
+relative (``{1: 90, 2: 10}`` routes as ``{1: 0.9, 2: 0.1}``); a live version left out of
+``set_weights`` gets 0. A table change returns once every router replica Serve runs routes by it
+(:func:`router_replicas`; ``routing`` says why a silent one is still waited for), and fails naming
+those behind after ``wait_s``.
 
 ``fence=``: a rollout's calls that change the table carry its lease's fencing token
 (``rayline.storage.fencing``); the control actor refuses one older than it has seen (``StaleFence``).
@@ -24,7 +20,7 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -140,23 +136,28 @@ def router_replicas(cfg: ServeConfig) -> dict[str, int | None]:
     return {r["replica_id"]: r.get("pid") for r in replicas if r["state"] in _ROUTED_REPLICA_STATES}
 
 
-def _named(replicas: dict[str, int | None], ids: list[str]) -> str:
-    return ", ".join(f"{r} (pid {replicas.get(r)})" for r in ids)
-
-
 def _wait_routers(control: Any, cfg: ServeConfig, generation: int, wait_s: float) -> None:
     """Until every router replica Serve runs routes by ``generation`` (or Serve stops running it)."""
+    _wait_for(
+        cfg,
+        wait_s,
+        lambda ids: control.routers_behind.remote(generation, ids),
+        f"did not pick up routing generation {generation} in {wait_s} s; Serve still runs them "
+        "(paused, overloaded, or cut off from the control actor?)",
+    )
+
+
+def _wait_for(cfg: ServeConfig, wait_s: float, behind: Callable[[list[str]], Any], failure: str) -> None:
+    """Until the control-actor call ``behind(router replica ids)`` names none; else fail naming them."""
     deadline = time.monotonic() + wait_s
     while True:
         replicas = router_replicas(cfg)
-        behind = _call(control.routers_behind.remote(generation, list(replicas)), "checking routers")
-        if not behind:
+        late = _call(behind(list(replicas)), "waiting for routers")
+        if not late:
             return
         if time.monotonic() > deadline:
-            raise ClusterError(
-                f"router replicas {_named(replicas, behind)} did not pick up routing generation {generation} "
-                f"in {wait_s} s; Serve still runs them (paused, overloaded, or cut off from the control actor?)"
-            )
+            named = ", ".join(f"{r} (pid {replicas.get(r)})" for r in late)
+            raise ClusterError(f"router replicas {named} {failure}")
         time.sleep(SYNC_INTERVAL_S / 4)
 
 
@@ -333,15 +334,8 @@ def stats(
     control = _control(cfg)
     if fresh:
         mark = _call(control.clock.remote(), "reading the control clock")
-        deadline = time.monotonic() + 10
-        while True:
-            replicas = router_replicas(cfg)
-            behind = _call(control.routers_not_synced_since.remote(mark, list(replicas)), "waiting for routers")
-            if not behind:
-                break
-            if time.monotonic() > deadline:
-                raise ClusterError(f"router replicas {_named(replicas, behind)} did not flush their stats within 10 s")
-            time.sleep(SYNC_INTERVAL_S / 4)
+        flushed = "did not flush their stats within 10 s"
+        _wait_for(cfg, 10.0, lambda ids: control.routers_not_synced_since.remote(mark, ids), flushed)
     raw = _call(control.stats.remote(since, model, gated), "reading stats")
     return {int(v): VersionStats.model_validate(s) for v, s in raw.items()}
 

@@ -1,29 +1,24 @@
 """Canary rollout behind the weighted router: step the candidate's weight, soak, judge, then promote or roll back.
 
-Each step sets the candidate's share of traffic, holds it for a soak window
-while canary probes (real images sent through the router, like any client)
-run next to whatever live traffic there is, and judges the candidate on the
-window's per-version stats:
+Each step sets the candidate's share of the model's traffic and holds it for a soak window while
+canary probes (real images sent through the router, like any client) run beside any live traffic;
+the candidate is then judged on the window's per-version stats:
 
 * error rate (5xx answers of the candidate) at most ``max_error_rate``;
-* p95 latency at most ``max_p95_ratio`` × the incumbent's (+ a small absolute
-  slack: ratios of millisecond latencies are mostly noise);
-* at the first step, agreement with the incumbent on the same images (each
-  sent pinned to both versions) at least ``min_agreement``;
-* at least ``min_requests`` answers from the candidate: no evidence, no
-  promotion.
+* p95 latency at most ``max_p95_ratio`` × the incumbent's (+ a small absolute slack: ratios of
+  millisecond latencies are mostly noise);
+* at the first step, agreement with the incumbent on the same images (each sent pinned to both
+  versions) at least ``min_agreement``;
+* at least ``min_requests`` answers from the candidate: no evidence, no promotion.
 
-Only requests the router routed by weight count toward a window (the probes,
-and live traffic), not requests pinned to a version with ``X-Rayline-Version``
-nor 4xx answers to bad input: junk pinned to the candidate could otherwise
-meet ``min_requests`` and dilute its error rate (``stats``).
+Only requests the router routed by weight count toward a window (the probes and live traffic), not
+pinned ones nor 4xx answers to bad input: junk pinned to the candidate could otherwise meet
+``min_requests`` and dilute its error rate (``stats``).
 
-The incumbent is the version of the candidate's model serving the largest
-share now (deployed at 100% first when nothing of that model serves). Every
-request, weight and stats window here is the model's own
-(``/models/<name>/predict``, ``model=`` on ``control``): other models
-served by the same instance are never touched. Nothing here touches the
-registry or Prefect: ``canary`` moves aliases, the serve tasks record the outcome.
+The incumbent is the version of the candidate's model serving the largest share now (deployed at
+100 % first when nothing of that model serves). Every request, weight and stats window here is the
+model's own (``/models/<name>/predict``, ``model=`` on ``control``): other models are never touched.
+Nothing here touches the registry or Prefect: ``canary`` moves aliases, the serve tasks record the outcome.
 """
 
 from __future__ import annotations
@@ -306,19 +301,10 @@ def run_step(
 ) -> StepReport:
     """Give the candidate ``weight`` % of ``model``'s traffic, soak, and judge the window."""
     agreed = agreement(base_url, images, incumbent, candidate, model) if check_agreement else None
-    if agreed is not None and agreed < cfg.gates.min_agreement:  # no live traffic for a model that disagrees
-        passed, reason = judge(None, incumbent_p95_ms, agreed, cfg.gates)
-        return StepReport(
-            weight=weight,
-            candidate=None,
-            incumbent=None,
-            incumbent_p95_ms=incumbent_p95_ms,
-            agreement=agreed,
-            passed=passed,
-            reason=reason,
-        )
-    control.set_weights({incumbent: 100.0 - weight, candidate: weight}, cfg.serve, model=model, fence=fence)
-    window = soak(cfg, base_url, images, candidate, model)
+    window: dict[int, VersionStats] = {}
+    if agreed is None or agreed >= cfg.gates.min_agreement:  # no live traffic for a model that disagrees
+        control.set_weights({incumbent: 100.0 - weight, candidate: weight}, cfg.serve, model=model, fence=fence)
+        window = soak(cfg, base_url, images, candidate, model)
     seen = window.get(incumbent)
     if seen is not None and seen.p95_ms is not None and seen.requests >= cfg.gates.min_requests:
         incumbent_p95_ms = seen.p95_ms  # the freshest baseline; at 100% the last one stands
@@ -334,15 +320,8 @@ def run_step(
     )
 
 
-def roll_back(
-    incumbent: int, candidate: int, cfg: ServeConfig, model: str | None = None, fence: Fence | None = None
-) -> None:
-    """All of ``model``'s traffic back to the incumbent, then the candidate's deployment goes."""
-    control.set_weights({incumbent: 100.0}, cfg, model=model, fence=fence)
-    control.remove_version(candidate, cfg, model=model, fence=fence)
-
-
 def retire(old: int, new: int, cfg: ServeConfig, model: str | None = None, fence: Fence | None = None) -> None:
-    """After promotion: the new version takes all of ``model``'s traffic, the old deployment goes."""
+    """``new`` takes all of ``model``'s traffic, then ``old``'s deployment goes: the old incumbent after a
+    promotion, the candidate after a roll-back."""
     control.set_weights({new: 100.0}, cfg, model=model, fence=fence)
     control.remove_version(old, cfg, model=model, fence=fence)

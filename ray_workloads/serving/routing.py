@@ -1,31 +1,23 @@
 """The routing table and request stats of a serving instance, held by the control actor.
 
-The control actor (``ServeControl``, one per serving instance, named ``<name>-control`` in
-rayline's namespace, detached) is the single writer of the routing table: calls to it are
-serialised, so a weight change is atomic. It snapshots the table to Ray's internal KV store
-on every change and restores it if Ray restarts it, so routers never see the table vanish.
+The control actor (``ServeControl``: one per instance, ``<name>-control`` in rayline's namespace,
+detached) is the single writer of the routing table: its calls are serialised, so a weight change
+is atomic. It snapshots the table to Ray's internal KV store on every change and restores it if Ray
+restarts it, so routers never see the table vanish.
 
-One instance serves any number of models. The table holds, per model name, its live
-versions' applications and traffic weights (:class:`ModelRoutes`), plus the *default
-model* — the one ``POST /predict`` without a model name goes to: the model named by
-:meth:`ServeControl.set_default` (``RAYLINE_SERVE_DEFAULT_MODEL``) when set, else the
-first model registered that is still served. Versions, weights and stats of one model
-never affect another's; every method taking ``model=None`` means the default model.
+The table holds, per model, its live versions' applications and weights (:class:`ModelRoutes`),
+and the *default model* ``POST /predict`` goes to: the one configured (:meth:`ServeControl.set_default`,
+``RAYLINE_SERVE_DEFAULT_MODEL``), else the first registered that is still served. One model's
+versions, weights and stats never affect another's; ``model=None`` means the default model.
 
-Router replicas (``ingress.Router``) call :meth:`ServeControl.sync` periodically: they hand
-over their request samples (tallied by ``stats.StatsBook``) and get the current
-:class:`RoutingTable` back, by whose weights :func:`choose_version` picks each request's
-version. The driver side (``control``) creates the actor and calls the rest.
+Router replicas (``ingress.Router``) call :meth:`ServeControl.sync` periodically: they hand over
+their samples (``stats.StatsBook``) and get the table back. Each syncs under its Serve replica id,
+and the driver names the router replicas Serve runs now: a table change waits for each of those
+however long it has been silent (it routes by its old table the moment it resumes), and not for
+one Serve no longer runs (:func:`routers_behind`).
 
-Which routers a table change waits for is Serve's to say, not the actor's: each router syncs
-under its Serve replica id, and the driver hands :meth:`ServeControl.routers_behind` the ids of
-the router replicas Serve runs now. One that is slow or paused is waited for however long it
-has been silent (it routes by its old table the moment it resumes); one Serve no longer runs is
-not (:func:`routers_behind`).
-
-A rollout's changes (registering a version, setting weights, retiring one) carry its
-rollout lease's fencing token (``rayline.storage.fencing``): the actor keeps the newest one per
-lease, in its snapshot too, and refuses an older one with ``StaleFence``, so a rollout
+A rollout's changes carry its lease's fencing token (``rayline.storage.fencing``): the actor keeps
+the newest per lease, in its snapshot too, and refuses an older one (``StaleFence``), so a rollout
 paused past its lease's ttl cannot move traffic over the rollout that took over.
 
 This module imports neither Serve's HTTP stack nor torch: it is all the actor's process loads.
@@ -82,6 +74,13 @@ class ModelRoutes:
 
     weights: dict[int, float] = field(default_factory=dict)
     apps: dict[int, str] = field(default_factory=dict)
+
+    def keep(self, versions: set[int]) -> ModelRoutes:
+        """The routes of ``versions`` alone."""
+        return ModelRoutes(
+            weights={v: w for v, w in self.weights.items() if v in versions},
+            apps={v: a for v, a in self.apps.items() if v in versions},
+        )
 
 
 @dataclass(frozen=True)
@@ -287,13 +286,7 @@ class ServeControl:
             raise ConfigError(
                 f"version {version} of {name} still has weight {routes.weights[version]}; set it to 0 first"
             )
-        return self._with_model(
-            name,
-            ModelRoutes(
-                apps={v: a for v, a in routes.apps.items() if v != version},
-                weights={v: w for v, w in routes.weights.items() if v != version},
-            ),
-        )
+        return self._with_model(name, routes.keep(set(routes.apps) - {version}))
 
     def remove_model(self, model: str) -> tuple[int, list[str]]:
         """Stop routing to every version of ``model`` at once; (generation, its applications)."""
@@ -305,13 +298,7 @@ class ServeControl:
 
     def prune(self, present: list[str]) -> int:
         """Forget versions whose application is gone (Serve was shut down behind our back)."""
-        models = {
-            m: ModelRoutes(
-                apps={v: a for v, a in r.apps.items() if a in present},
-                weights={v: w for v, w in r.weights.items() if r.apps[v] in present},
-            )
-            for m, r in self._table.models.items()
-        }
+        models = {m: r.keep({v for v, a in r.apps.items() if a in present}) for m, r in self._table.models.items()}
         models = {m: r for m, r in models.items() if r.apps}
         if models == self._table.models:
             return self._table.generation
