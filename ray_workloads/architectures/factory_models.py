@@ -1,19 +1,14 @@
 """The user's own ``nn.Module`` class: ``--factory package.module:build`` and its state dict.
 
-The factory is called with ``--factory-kwargs`` (and ``num_classes`` when it
-takes one and the kwargs do not say), then the weights are loaded into what
-it returns. Its code comes either from a package installed on the cluster,
-or from a folder given with ``--code``: that folder is zipped into the
-registry (content-addressed, so the version pins it). Every process that
-builds the version (a driver, a Ray worker, an MLflow pyfunc) imports it
-from that zip, verified (:mod:`~rayline.ray_workloads.architectures.shipped_code`)
-and put first on ``sys.path`` for the load, so a same-named package elsewhere
-(the driver's working folder, which Ray puts first on its workers' path; a
-user's own package; another version's code) never builds it.
+The factory is called with ``--factory-kwargs`` (and ``num_classes`` when it takes one the kwargs do not
+give). Its code comes from a package installed on the cluster, or from a ``--code`` folder zipped into the
+registry (content-addressed, so the version pins it). Every process that builds the version imports it from
+that zip, verified (``shipped_code``) and first on ``sys.path`` for the load, so a same-named package
+elsewhere (the driver's working folder, which Ray puts first on its workers' path; another version's code)
+never builds it.
 
-Fine-tuning a factory model needs its classifier: timm's ``reset_classifier``
-when the module has one, else the last ``nn.Linear`` (or 1×1 convolution)
-in module order, which is where classifiers end in practice.
+Fine-tuning needs the classifier: timm's ``reset_classifier`` when the module has one, else the last
+``nn.Linear`` (or 1×1 convolution) in module order, where classifiers end in practice.
 """
 
 from __future__ import annotations

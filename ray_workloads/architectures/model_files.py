@@ -1,21 +1,16 @@
 """Code-free model files: TorchScript, ``torch.export`` programs (``.pt2``) and ONNX.
 
-The file is the whole model, graph and weights; rayline runs it and never
-unpickles arbitrary Python objects while reading it:
+The file is the whole model, graph and weights; reading it never unpickles arbitrary Python objects:
 
-* TorchScript (``torch.jit.save``): read by TorchScript's own loader, whose
-  unpickler knows only tensors and TorchScript types; the file's code is
-  TorchScript, run by TorchScript's interpreter, not Python.
-* ``torch.export`` (``torch.export.save``): ``torch.export.load`` falls back to
-  full unpickling for some payloads (pickled weights and constants, sample
-  inputs, custom objects). :func:`check_export_archive` first proves each such
-  payload loads with ``torch.load(weights_only=True)`` and refuses custom or
-  opaque Python objects and compiled AOTInductor code outright, so the later
-  load only replays what the restricted unpickler allowed.
+* TorchScript: TorchScript's own loader, whose unpickler knows only tensors and TorchScript types, and
+  whose interpreter (not Python) runs the file's code.
+* ``torch.export``: ``torch.export.load`` falls back to full unpickling for some payloads (weights,
+  constants, sample inputs, custom objects). :func:`check_export_archive` first proves each such payload
+  loads with ``torch.load(weights_only=True)`` and refuses custom or opaque objects and compiled
+  AOTInductor code, so the later load only replays what the restricted unpickler allowed.
 * ONNX: a protobuf graph of standard operators, run by ONNX Runtime.
 
-Each format is run through :class:`FileModel` so the stages see one callable
-from a float32 batch to logits.
+:class:`FileModel` gives the stages one callable from a float32 batch to logits for each.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """A version's shipped factory code (``--code``), kept for import in a folder only this user can write.
 
-The registered zip is copied from the registry into ``$TMPDIR/rayline-code-<uid>/<sha256>.zip``
-and imported from there as it is (``zipimport``), never unpacked. The folder
-must be this user's alone (owned by this uid, mode 0700, not a link): one that
-another user could have made or filled is refused, not used. The zip is hashed
-again on every use, so what is imported is the registered bytes; a copy that
-differs (a disk error, a half-written file) is replaced from the registry.
-Python reads the zip again as it imports: between the check and the import
-only this user (or root) can change a file in that folder.
+The registered zip is copied into ``$TMPDIR/rayline-code-<uid>/<sha256>.zip`` and imported from there as it
+is (``zipimport``). The folder must be this user's alone (owned by this uid, mode 0700, not a link), else it
+is refused, not used. The zip is hashed again on every use, and a copy that differs is replaced from the
+registry; between that check and the import only this user (or root) can change it.
 
-Why a zip rather than an unpacked folder: hashing the zip is one read (a
-quarter of walking and hashing the same files unpacked), and nothing writes
-into it, whereas Python writes bytecode beside unpacked sources and would
-import that instead of them. The price is that a new process compiles the
-sources it imports (bench/README.md, "Shipped factory code").
+Why a zip rather than an unpacked folder: hashing it is one read (a quarter of hashing the files unpacked),
+and Python writes no bytecode into it that it would import instead of the sources. The price: a new process
+compiles the sources it imports (bench/README.md, "Shipped factory code").
 """
 
 from __future__ import annotations

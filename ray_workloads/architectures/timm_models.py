@@ -1,11 +1,8 @@
 """timm classifiers by name (``--arch timm:<name>``), built offline with the user's weights.
 
-``timm.create_model(name, pretrained=False, num_classes=...)`` downloads
-nothing; the preprocessing comes from the model's default pretrained config
-(input size, crop fraction, interpolation, mean and std), which timm keeps
-in its own code. timm is an optional extra (``pip install 'rayline[timm]'``).
-The head is timm's own: ``get_classifier`` / ``reset_classifier``, the same
-for every timm family, and the config's ``classifier`` names its weights.
+``create_model(name, pretrained=False)`` downloads nothing; the preprocessing comes from the model's default
+pretrained config, which timm keeps in its code. The head is timm's own (``get_classifier`` /
+``reset_classifier``); the config's ``classifier`` names its weights. timm is an optional extra.
 """
 
 from __future__ import annotations
