@@ -10,6 +10,7 @@ arbitrary unpickling is refused. Code-free files (TorchScript, ``.pt2``, ONNX) h
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 from typing import Any
@@ -198,10 +199,8 @@ def state_dict_from_bytes(data: bytes, uri: str) -> dict[str, Any]:
 
 
 def check_state_dict(spec: ModelSpec, state: dict[str, Any], uri: str, model: nn.Module | None = None) -> None:
-    """Raise :class:`WeightsMismatchError` naming what doesn't fit, unless ``state`` loads into ``spec``.
-
-    ``model``: an already built ``spec`` (saves building it again).
-    """
+    """Raise :class:`WeightsMismatchError` naming what doesn't fit, unless ``state`` loads into ``spec``
+    (``model``: ``spec`` already built)."""
     expected = (model if model is not None else build_model(spec)).state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -241,8 +240,7 @@ def prepare_for_inference(model: nn.Module) -> nn.Module:
     """
     from torch.fx.experimental.optimization import fuse
 
-    try:
-        model = fuse(model)  # eval mode only: folds running statistics into the conv weights
-    except Exception:  # e.g. data-dependent control flow; folding is an optimisation, not a requirement
-        pass
+    # eval mode only: folds running statistics into the convs; one fx cannot trace is left unfolded (an optimisation)
+    with contextlib.suppress(Exception):
+        model = fuse(model)
     return model.to(memory_format=torch.channels_last)

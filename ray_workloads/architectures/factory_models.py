@@ -187,33 +187,24 @@ def store_code(model_root: str, code: bytes) -> tuple[str, str]:
     return uri, digest
 
 
-# Names the version's code in the runtime env of the Ray workers that load it: Ray starts worker processes per
-# runtime env, so two versions' code of one package never share a process, whose imports (and what they did to
-# other modules) a later version's cannot undo. The workers read the code from the registry themselves.
+# In the runtime env of the Ray workers that load a version: Ray starts workers per runtime env, so two versions'
+# code of one package never share a process, whose imports a later version's could not undo.
 CODE_ENV_VAR = "RAYLINE_FACTORY_CODE_SHA256"
 
 
 def runtime_env(ref: FactoryRef | None) -> dict[str, Any] | None:
-    """``runtime_env`` for the Ray workers that load a version shipping its code (None: nothing shipped).
-
-    Only an environment variable, which Ray merges into the job's own runtime env
-    (its ``py_modules`` too): each worker imports the code through :func:`ensure_importable`.
-    """
+    """``runtime_env`` for the Ray workers that load a version shipping its code (None: nothing shipped):
+    an environment variable Ray merges into the job's own; each worker imports via :func:`ensure_importable`."""
     if ref is None or ref.code_sha256 is None:
         return None
     return {"env_vars": {CODE_ENV_VAR: ref.code_sha256}}
 
 
 def ensure_importable(ref: FactoryRef) -> str | None:
-    """Make the next import of ``ref``'s module read the version's registered code; that zip, or None.
-
-    None for a factory installed on the cluster: its import is the
-    environment's. Otherwise the verified zip goes first on ``sys.path`` (the
-    only one of rayline's cached zips there), and modules of the same
-    top-level package imported from anywhere else (another version's code, a
-    same-named package) leave ``sys.modules``: models already built keep
-    theirs, the next import reads the zip.
-    """
+    """Make the next import of ``ref``'s module read the version's registered code; that zip, or None
+    (a factory installed on the cluster). The verified zip goes first on ``sys.path`` (the only one of
+    rayline's cached zips there), and the package's modules imported from anywhere else leave
+    ``sys.modules``: models already built keep theirs, the next import reads the zip."""
     if ref.code_uri is None:
         return None
     with _loading:
@@ -308,14 +299,8 @@ def check_on_cluster(spec: Any, state: bytes, side: int, uri: str) -> None:
         options["runtime_env"] = env
     importer = ray.remote(_import_error)
     nodes = [node for node in ray.nodes() if node.get("Alive")]  # type: ignore[no-untyped-call]
-    found = ray.get(
-        [
-            importer.options(
-                **options, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-            ).remote(ref.model_dump_json())
-            for node in nodes
-        ]
-    )
+    pinned = [NodeAffinitySchedulingStrategy(node["NodeID"], soft=False) for node in nodes]
+    found = ray.get([importer.options(**options, scheduling_strategy=p).remote(ref.model_dump_json()) for p in pinned])
     shipped = f"shipped from {ref.code_uri}" if ref.code_uri else "no --code given: it must be installed there"
     for node, error in zip(nodes, found, strict=True):
         if error is not None:

@@ -62,18 +62,14 @@ def detect_format(data: bytes, uri: str) -> str:
         if "data.pkl" in roots:
             return "state_dict"
         raise InputDataError(f"{uri} is a zip archive but neither a torch.save file, TorchScript nor a .pt2 program")
-    if uri.lower().endswith(".onnx") or _looks_like_onnx(data):
+    # a serialised ONNX ModelProto starts with its ir_version (field 1, a varint: tag byte 0x08)
+    if uri.lower().endswith(".onnx") or data[:1] == b"\x08":
         return ONNX
     if data[:1] == b"\x80":  # a legacy (non-zip) torch.save pickle
         return "state_dict"
     raise InputDataError(
         f"{uri}: unrecognised model file (expected a torch.save state dict, TorchScript, a .pt2 program or ONNX)"
     )
-
-
-def _looks_like_onnx(data: bytes) -> bool:
-    # a serialised ModelProto starts with its ir_version (field 1, a varint: tag byte 0x08)
-    return data[:1] == b"\x08"
 
 
 def _zip_names(data: bytes, uri: str) -> list[str]:
@@ -119,11 +115,8 @@ def check_export_archive(data: bytes, uri: str) -> None:
 
 
 class FileModel:
-    """A code-free file, loaded: ``logits(batch)`` from float32 (N, 3, H, W) to (N, classes).
-
-    ``max_batch`` is the batch the file was exported for when it is fixed
-    (a batch of 1 is common); larger batches are run in slices of it.
-    """
+    """A code-free file, loaded: ``logits(batch)`` from float32 (N, 3, H, W) to (N, classes). ``max_batch``:
+    the batch the file was exported for when it is fixed (1 is common); larger ones run in slices of it."""
 
     def __init__(self, fmt: str, run: Callable[[np.ndarray], np.ndarray], max_batch: int | None, source: Any) -> None:
         self.format = fmt

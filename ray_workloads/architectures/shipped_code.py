@@ -12,6 +12,7 @@ compiles the sources it imports (bench/README.md, "Shipped factory code").
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -38,10 +39,8 @@ def code_cache_path() -> Path:
 def private_cache() -> Path:
     """:func:`code_cache_path`, created 0700; refused unless only this user can have put anything in it."""
     folder = code_cache_path()
-    try:
+    with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=PRIVATE_MODE)
-    except FileExistsError:
-        pass
     problem = _not_private(folder)
     if problem is not None:
         raise ConfigError(

@@ -37,27 +37,18 @@ class Family:
     auxiliary: tuple[str, ...] = ()
 
 
-# Keyed by the torchvision module holding the builders. googlenet and inception are built as torchvision
-# builds them for its own weights: input re-normalised inside (transform_input), no auxiliary heads (their
-# tuple output would not train, and a state dict saved from torchvision's weights has none or ignores them).
+# googlenet and inception as torchvision builds them for its own weights: input re-normalised inside, no
+# auxiliary heads (their tuple output would not train; a state dict of torchvision's weights has none or ignores them)
+_AS_TORCHVISION_WEIGHTS = {"aux_logits": False, "transform_input": True, "init_weights": True}
+# keyed by the torchvision module holding the builders
 FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         Family("resnet", "fc"),  # resnet, resnext, wide_resnet
         Family("regnet", "fc"),
         Family("shufflenetv2", "fc"),
-        Family(
-            "googlenet",
-            "fc",
-            build_kwargs={"aux_logits": False, "transform_input": True, "init_weights": True},
-            auxiliary=("aux1.", "aux2."),
-        ),
-        Family(
-            "inception",
-            "fc",
-            build_kwargs={"aux_logits": False, "transform_input": True, "init_weights": True},
-            auxiliary=("AuxLogits.",),
-        ),
+        Family("googlenet", "fc", build_kwargs=_AS_TORCHVISION_WEIGHTS, auxiliary=("aux1.", "aux2.")),
+        Family("inception", "fc", build_kwargs=_AS_TORCHVISION_WEIGHTS, auxiliary=("AuxLogits.",)),
         Family("alexnet", "classifier.6"),
         Family("vgg", "classifier.6"),
         Family("mobilenetv2", "classifier.1"),
@@ -141,11 +132,8 @@ def classifier_head(model: nn.Module, arch: str) -> tuple[nn.Module, str, nn.Lin
 
 
 def head_classes(state: Mapping[str, Any], arch: str | None = None) -> int | None:
-    """The class count a state dict's classifier head was trained for.
-
-    With ``arch``: the rows of its family's head weight; else those of the
-    last 2-D weight (the last Linear of most classifiers).
-    """
+    """The class count a state dict's classifier head was trained for: the rows of ``arch``'s head
+    weight, else of the last 2-D weight (the last Linear of most classifiers)."""
     if arch is not None:
         head = state.get(f"{family_of(arch).head}.weight")
         if isinstance(head, torch.Tensor):
@@ -171,12 +159,9 @@ def replace_head(model: nn.Module, arch: str, num_classes: int) -> nn.Module:
 
 
 def weights_entry(arch: str) -> Any:
-    """The torchvision weights entry ``arch``'s preprocessing and class names come from (metadata only).
-
-    The default entry, unless the family's input size is fixed and the default
-    wants another (``vit_h_14``'s default is 518 px; rayline builds it for 224):
-    then the first entry made for the size the built model takes.
-    """
+    """The torchvision weights entry ``arch``'s preprocessing and class names come from (metadata only):
+    the default, unless the family's input size is fixed and the default wants another (``vit_h_14``'s
+    is 518 px; rayline builds it for 224), then the first entry made for the size it takes."""
     family = family_of(arch)
     if arch == SMALL_CNN:
         raise ConfigError(f"{SMALL_CNN} has no torchvision weights entry: use --preprocess squash with it")
@@ -226,10 +211,7 @@ def min_side(arch: str) -> int:
 
 def check_input_size(arch: str, crop: int, resize: int | None = None) -> None:
     """Refuse an input size ``arch`` cannot take, naming the size it needs, before any cluster time.
-
-    ``crop``: the side of the square the model sees; ``resize``: the shorter
-    side before the centre crop, if any.
-    """
+    ``crop``: the side of the square the model sees; ``resize``: the shorter side before the crop."""
     fixed = family_of(arch).fixed_size
     if fixed is not None:
         if crop != fixed:

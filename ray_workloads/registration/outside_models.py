@@ -103,14 +103,8 @@ class RegisterModelResult(BaseModel):
 
     def lineage_outputs(self) -> list[DatasetRef]:
         """The version, pinned to its weights' SHA-256, with the alias it got."""
-        moves = [self.alias_move.model_dump(mode="json")] if self.alias_move else []
-        return [
-            DatasetRef(
-                uri=self.version.uri,
-                content_hash=self.weights_source.sha256,
-                facets={"moves": moves, "reused": self.reused},
-            )
-        ]
+        facets = {"moves": [self.alias_move.model_dump(mode="json")] if self.alias_move else [], "reused": self.reused}
+        return [DatasetRef(uri=self.version.uri, content_hash=self.weights_source.sha256, facets=facets)]
 
 
 def _names_from(lines: list[str], source: str) -> list[str]:
@@ -393,14 +387,9 @@ def read_sample_images(prefix_uri: str, image: ImageSpec) -> np.ndarray:
 def _same_registration(
     name: str, spec: ModelSpec, image: ImageSpec, classes: list[str], source: WeightsSource
 ) -> registry.ModelVersion | None:
+    """The newest version registered from the same bytes as the same model, classes and image spec."""
     for version in reversed(registry.list_versions(name)):
-        ws = version.weights_source
-        if (
-            ws is not None
-            and ws.sha256 == source.sha256
-            and version.model_spec == spec
-            and version.image_spec == image
-            and version.classes == classes
-        ):
+        same_file = version.weights_source is not None and version.weights_source.sha256 == source.sha256
+        if same_file and (version.model_spec, version.image_spec, version.classes) == (spec, image, classes):
             return version
     return None

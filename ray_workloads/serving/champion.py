@@ -1,10 +1,9 @@
 """Whether serving agrees with the registry: the version with the most traffic should be the champion.
 
-A rollout moves traffic before it moves the champion alias, so while one runs (it holds the model's
-rollout lease) a candidate with the most traffic is its soak, not a fault. With no rollout holding the
-lease, most traffic on another version is what a rollout that did not finish (its process killed)
-left: nightly inference uses the champion while online clients get another model, until the next
-serve-rollout rolls it back (``serving.canary.reconcile``). The monitor reports it as unhealthy.
+A rollout moves traffic before the champion alias, so while one holds the model's rollout lease a
+candidate with the most traffic is its soak, not a fault. With none holding it, most traffic on another
+version was left by a rollout that did not finish (nightly inference uses the champion while online
+clients get another model, until the next serve-rollout rolls it back): the monitor reports it unhealthy.
 """
 
 from __future__ import annotations

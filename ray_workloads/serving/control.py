@@ -163,9 +163,7 @@ def _wait_for(cfg: ServeConfig, wait_s: float, behind: Callable[[list[str]], Any
 
 def start(cfg: ServeConfig) -> str:
     """Serve with its HTTP proxy on ``cfg.host:cfg.port``, the control actor and the router; the base URL.
-
-    Idempotent: a running router with the same configuration is left alone.
-    """
+    Idempotent: a running router with the same configuration is left alone."""
     _require_ray()
     applications.start_serve(cfg)
     client = serve.context._get_global_client()
@@ -181,8 +179,8 @@ def start(cfg: ServeConfig) -> str:
         generation = _call(control.set_default.remote(cfg.default_model), "setting the default model")
         _wait_routers(control, cfg, generation, 10.0)  # routers already up route /predict by it from now on
     wanted = cfg.router_config()
-    # recorded before deploying: a concurrent start() (another process's rollout) then waits for
-    # this deployment instead of submitting its own, which would restart the router under load
+    # recorded before deploying: a concurrent start() then waits for this deployment instead of
+    # submitting its own, which would restart the router under load
     deployed = _call(control.swap_router_config.remote(wanted), "saving the router config")
     router = serve.status().applications.get(cfg.name)
     redeploy = deployed != wanted or applications.needs_deploy(router)
@@ -216,21 +214,18 @@ def start(cfg: ServeConfig) -> str:
 
 def deploy_version(model: ModelVersion, cfg: ServeConfig, *, wait_s: float = 10.0, fence: Fence | None = None) -> None:
     """Deploy ``model`` as its own application at weight 0; returns once it is healthy and routable.
-
-    Idempotent: a running application of that version is left alone.
-    """
+    Idempotent: a running application of that version is left alone."""
     deploy_versions([model], cfg, wait_s=wait_s, fence=fence)
 
 
 def deploy_versions(
     models: Sequence[ModelVersion], cfg: ServeConfig, *, wait_s: float = 10.0, fence: Fence | None = None
 ) -> None:
-    """:func:`deploy_version` for several versions at once (their replicas start in parallel).
+    """:func:`deploy_version` for several versions, of any models, at once (replicas start in parallel).
 
-    Versions of any models: a model not served yet is served from then on (all weights 0).
-    A version that does not come up within ``cfg.deploy_timeout_s`` is deleted again only if this
-    call submitted it and it served nothing before (not in the routing table, no replica running):
-    a live one, above all the incumbent with the traffic, is left serving as it can, and the call raises.
+    A version that does not come up within ``cfg.deploy_timeout_s`` is deleted again only if this call
+    submitted it and it served nothing before: a live one, above all the incumbent with the traffic, is
+    left serving as it can, and the call raises.
     """
     control = _control(cfg)
     table: RoutingTable = _call(control.table.remote(), "reading the routing table")
@@ -298,11 +293,8 @@ def routing_table(cfg: ServeConfig | None = None) -> RoutingTable:
 def get_weights(
     cfg: ServeConfig | None = None, *, model: str | None = None, settled: bool = False, wait_s: float = 10.0
 ) -> dict[int, float]:
-    """``model``'s weights ({} when it is not served).
-
-    ``settled`` first waits until every router routes by them: another process (a concurrent
-    rollout) may have just changed them, and its ``set_weights`` may not have returned yet.
-    """
+    """``model``'s weights ({} when it is not served). ``settled`` first waits until every router routes by
+    them: a concurrent rollout may have just changed them, its ``set_weights`` not returned yet."""
     cfg = cfg or ServeConfig()
     control = _control(cfg)
     table: RoutingTable = _call(control.table.remote(), "reading weights")
@@ -323,12 +315,9 @@ def stats(
     fresh: bool = True,
     gated: bool = False,
 ) -> dict[int, VersionStats]:
-    """``model``'s per-version stats since its last reset (or since ``since``, a unix time, counted
-    from the start of its second: ``stats``).
-
-    ``fresh`` waits (about ``SYNC_INTERVAL_S``) until every router has flushed, so every
-    request answered before the call is counted; without it, stats lag by up to that long.
-    ``gated``: only answers a rollout's gate counts (routed, not pinned; not 4xx: ``stats``).
+    """``model``'s per-version stats since its last reset, or since ``since`` (a unix time, counted from
+    the start of its second). ``fresh`` waits until every router has flushed, so every request answered
+    before the call counts (else they lag by up to ``SYNC_INTERVAL_S``); ``gated``: the gate's view (``stats``).
     """
     cfg = cfg or ServeConfig()
     control = _control(cfg)
@@ -366,12 +355,9 @@ def remove_version(
 
 
 def remove_model(model: str, cfg: ServeConfig | None = None, *, wait_s: float = 10.0) -> list[str]:
-    """Stop serving every version of ``model`` (traffic or not; other models are untouched).
-
-    Routers stop routing to it first, then its applications are deleted (Serve drains their
-    requests). Returns the deleted applications. If it was the default model, the default
-    becomes the next model served (unless one is configured).
-    """
+    """Stop serving every version of ``model``: routers stop routing to it, then its applications are
+    deleted (Serve drains them); returns those. A default model gives way to the next one served, unless
+    one is configured."""
     cfg = cfg or ServeConfig()
     control = _control(cfg)
     generation, apps = _call(control.remove_model.remote(model), f"removing model {model}")

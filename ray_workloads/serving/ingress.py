@@ -1,12 +1,9 @@
 """The HTTP ingress: Router replicas in front of every model's versions, and the HTTP API they answer.
 
-The router application is named after the instance (``ServeConfig.name``, route ``/``); each model
-version it routes to is an application of its own (``model_server``). Every ``SYNC_INTERVAL_S`` each
-router replica makes one call to the control actor: it flushes its per-request samples and gets the
-routing table back, so weights change without a redeploy, in-flight requests finish where they
-started, and per-version stats are right with any number of routers. The routes without a model name
-answer for the default model (``ServeConfig.default_model``). The HTTP API, its headers and its
-status codes are documented in docs/serving.md.
+Every ``SYNC_INTERVAL_S`` each router replica makes one call to the control actor: it flushes its
+samples and gets the routing table back, so weights change without a redeploy, in-flight requests
+finish where they started, and stats are right with any number of routers. The HTTP API, its headers
+and status codes are documented in docs/serving.md.
 """
 
 from __future__ import annotations
@@ -222,16 +219,13 @@ class Router:
 
     async def _healthz(self, model: str | None) -> JSONResponse:
         table = self._table
-        if model is not None and model not in table.models:
-            raise HttpError(
-                404, "ModelNotServed", f"model {model!r} is not served; served models: {sorted(table.models)}"
-            )
+        if model is not None:
+            self._served(table, model)  # 404 for a model not served
         routes = table.routes(model)
         body = {
             "status": "ok" if any(w > 0 for w in routes.weights.values()) else "unavailable",
             "model": table.resolve(model),
-            "live_versions": sorted(routes.apps),
-            "weights": {str(v): w for v, w in sorted(routes.weights.items())},
+            **_routes_json(routes),
             "generation": table.generation,
         }
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
@@ -253,10 +247,8 @@ class Router:
         self._limit_stats(request)
         since = parse_since(request.query_params.get("since"))
         table = self._table
-        if model is not None and model not in table.models:
-            raise HttpError(
-                404, "ModelNotServed", f"model {model!r} is not served; served models: {sorted(table.models)}"
-            )
+        if model is not None:
+            self._served(table, model)  # 404 for a model not served
         if self._control is None:
             raise HttpError(503, "NotReady", "the control actor is unreachable")
         name = table.resolve(model)
@@ -276,16 +268,14 @@ class Router:
         return JSONResponse(
             {
                 "default": table.default_model,
-                "models": {
-                    name: {
-                        "live_versions": sorted(routes.apps),
-                        "weights": {str(v): w for v, w in sorted(routes.weights.items())},
-                    }
-                    for name, routes in table.models.items()
-                },
+                "models": {name: _routes_json(routes) for name, routes in table.models.items()},
                 "generation": table.generation,
             }
         )
+
+
+def _routes_json(routes: ModelRoutes) -> dict[str, Any]:
+    return {"live_versions": sorted(routes.apps), "weights": {str(v): w for v, w in sorted(routes.weights.items())}}
 
 
 def router_app(cfg: ServeConfig) -> Any:

@@ -68,15 +68,12 @@ class ModelServer:
         """Bytes → prediction; bad input is an answer (``ok`` False), a broken model raises."""
         try:
             image = await asyncio.to_thread(decode_image, data, self.image_spec)
-        except ImageDecodeError as exc:
-            return {
-                "ok": False,
-                "status": DECODE_STATUS.get(type(exc), 422),
-                "error": type(exc).__name__,
-                "detail": str(exc),
-            }
-        except Exception as exc:  # whatever else the decoder raised, it is this input's fault
-            return {"ok": False, "status": 422, "error": type(exc).__name__, "detail": f"undecodable image: {exc}"}
+        except Exception as exc:  # whatever the decoder raised, it is this input's fault
+            if isinstance(exc, ImageDecodeError):
+                status, detail = DECODE_STATUS.get(type(exc), 422), str(exc)
+            else:
+                status, detail = 422, f"undecodable image: {exc}"
+            return {"ok": False, "status": status, "error": type(exc).__name__, "detail": detail}
         probs: np.ndarray = await self._forward(image)
         if not np.isfinite(probs).all():
             raise ModelOutputError(f"model {self.model.name} v{self.model.version} produced non-finite scores")

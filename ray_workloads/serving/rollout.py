@@ -11,9 +11,8 @@ the candidate is then judged on the window's per-version stats:
   versions) at least ``min_agreement``;
 * at least ``min_requests`` answers from the candidate: no evidence, no promotion.
 
-Only requests the router routed by weight count toward a window (the probes and live traffic), not
-pinned ones nor 4xx answers to bad input: junk pinned to the candidate could otherwise meet
-``min_requests`` and dilute its error rate (``stats``).
+Only requests the router routed by weight (the probes and live traffic) and not answered 4xx count
+toward a window: ``stats`` says why.
 
 The incumbent is the version of the candidate's model serving the largest share now (deployed at
 100 % first when nothing of that model serves). Every request, weight and stats window here is the
@@ -38,11 +37,10 @@ from rayline.ray_workloads.data.images import ImageSpec, decode_image
 from rayline.ray_workloads.serving import control
 from rayline.ray_workloads.serving.config import ServeConfig
 from rayline.ray_workloads.serving.control import VersionStats
+from rayline.ray_workloads.serving.http_api import VERSION_HEADER
 from rayline.storage import fetching
 from rayline.storage.fencing import Fence
 from rayline.storage.layout import RAW_DIR
-
-VERSION_HEADER = "X-Rayline-Version"
 
 
 def predict_path(model: str | None) -> str:
@@ -117,12 +115,9 @@ def judge(
 
 
 def default_probe_source(version: ModelVersion, root: str) -> str:
-    """Images like the ones ``version`` serves, for canary probes when none are named.
-
-    A model trained here: the prefix its training data came from (``raw/`` for
-    versions whose data manifest is gone). An outside model: the inputs of its
-    latest committed night. Otherwise the caller must say.
-    """
+    """Images like the ones ``version`` serves, for canary probes when none are named: the prefix its
+    training data came from (``raw/`` when its data manifest is gone), else the inputs of its latest
+    committed night."""
     from rayline.ray_workloads.data import preprocess  # the rollout's own imports stay light
     from rayline.tables.prediction_reads import latest_night_commit
 
@@ -163,11 +158,6 @@ def incumbent_version(cfg: ServeConfig, model: str | None = None) -> int | None:
     return max(weights, key=lambda v: weights[v]) if weights else None
 
 
-def served_weights(cfg: ServeConfig, model: str) -> dict[int, float]:
-    """``model``'s weights as every router routes by them ({} when it is not served)."""
-    return control.get_weights(cfg, model=model, settled=True)
-
-
 def restore(champion: ModelVersion, remove: Iterable[int], cfg: ServeConfig, fence: Fence | None = None) -> None:
     """All of ``champion``'s model's traffic on ``champion`` (deployed first if it was retired), then the
     versions in ``remove`` go: what a rollout that did not finish left is undone."""
@@ -177,17 +167,12 @@ def restore(champion: ModelVersion, remove: Iterable[int], cfg: ServeConfig, fen
         control.remove_version(version, cfg, model=champion.name, fence=fence)
 
 
-def start(cfg: ServeConfig) -> str:
-    """Serve and the router up (idempotent); the base URL."""
-    return control.start(cfg)
-
-
 def serve(version: ModelVersion, cfg: ServeConfig, fence: Fence | None = None) -> str:
     """Make sure ``version`` is deployed; it takes all traffic if nothing of its model serves yet. The base URL.
 
     ``fence``: the rollout lease's fencing token its changes carry (``control``), None outside a rollout.
     """
-    base_url = start(cfg)
+    base_url = control.start(cfg)
     control.deploy_version(version, cfg, fence=fence)
     if incumbent_version(cfg, version.name) is None:
         control.set_weights({version.version: 100.0}, cfg, model=version.name, fence=fence)
@@ -221,12 +206,10 @@ def agreement(
 
 
 class ProbeClient:
-    """Paced requests through the router (unpinned: they follow ``model``'s weights, like any client).
+    """Paced requests through the router, tallied by status: the rollout's canary probes, the demo's load.
 
-    The rollout's canary probes, and the demo's background load; every answer's status is tallied.
-    Unpinned is also what makes the probes count toward the gate: the router leaves pinned
-    requests out of the gate's stats (a client could pin junk to a candidate at 0 %), and a
-    marker header to let probes in would be just as easy for any client to send.
+    Unpinned, they follow ``model``'s weights like any client, which is what makes them count toward
+    the gate (``stats``): a marker header letting probes in would be as easy for any client to send.
     """
 
     def __init__(self, base_url: str, images: list[bytes], rps: float, model: str | None = None) -> None:

@@ -55,11 +55,8 @@ class RouterSync:
 
 
 def routers_behind(seen: Mapping[str, RouterSync], members: Iterable[str], generation: int) -> list[str]:
-    """The routers of ``members`` (the router replicas Serve runs) not routing by ``generation`` yet.
-
-    A member never seen (just started, or the actor restarted) is behind until its next sync; a
-    router seen but no longer a member (stopped, killed, scaled down) is not waited for.
-    """
+    """The routers of ``members`` (the router replicas Serve runs) not routing by ``generation`` yet: one never
+    seen (just started, or the actor restarted) is behind until its next sync; a non-member is not waited for."""
     return sorted(r for r in set(members) if r not in seen or seen[r].generation < generation)
 
 
@@ -85,11 +82,8 @@ class ModelRoutes:
 
 @dataclass(frozen=True)
 class RoutingTable:
-    """What routers route by; replaced as a whole (one generation) on every change.
-
-    ``models`` keeps registration order (the first one is the default unless one is configured);
-    ``configured_default`` is the explicitly configured default, which may not be served (yet).
-    """
+    """What routers route by; replaced as a whole (one generation) on every change. ``models`` keeps
+    registration order; ``configured_default`` may not be served (yet)."""
 
     generation: int = 0
     models: dict[str, ModelRoutes] = field(default_factory=dict)
@@ -251,13 +245,8 @@ class ServeControl:
         routes = self._table.models.get(model, ModelRoutes())
         if routes.apps.get(version) == app:
             return self._table.generation
-        return self._with_model(
-            model,
-            ModelRoutes(
-                apps={**routes.apps, version: app},
-                weights={**routes.weights, version: routes.weights.get(version, 0.0)},
-            ),
-        )
+        weights = {**routes.weights, version: routes.weights.get(version, 0.0)}
+        return self._with_model(model, ModelRoutes(weights=weights, apps={**routes.apps, version: app}))
 
     def set_weights(self, weights: dict[int, float], model: str | None = None, fence: Fence | None = None) -> int:
         self._admit(fence, f"setting weights {weights} of {self._table.resolve(model)}")
@@ -307,10 +296,8 @@ class ServeControl:
     def stats(
         self, since: float | None = None, model: str | None = None, gated: bool = False
     ) -> dict[int, dict[str, Any]]:
-        """Per-version stats of ``model`` (None: the default) since its last reset, or since ``since``.
-
-        ``gated``: only what counts toward a rollout's gate (routed, not 4xx; see ``stats``).
-        """
+        """Per-version stats of ``model`` (None: the default) since its last reset, or since ``since``;
+        ``gated``: only what counts toward a rollout's gate (``stats``)."""
         return self._stats.stats(self._table.resolve(model), since, gated)
 
     def reset_stats(self, model: str | None = None) -> float:
