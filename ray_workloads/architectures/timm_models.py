@@ -72,16 +72,12 @@ def fixed_input_size(name: str) -> int | None:
     return int(cfg["input_size"][-1]) if cfg.get("fixed_input_size") else None
 
 
-def classifier_key(name: str) -> str | None:
-    """The state-dict prefix of the model's classifier (``fc``, ``head.fc``…), from its config."""
-    classifier = _config(name).get("classifier")
-    if isinstance(classifier, (tuple, list)):
-        classifier = classifier[0]
-    return str(classifier) if classifier else None
-
-
 def head_classes(state: Mapping[str, Any], name: str) -> int | None:
-    key = classifier_key(name)
+    """The class count of ``state``'s classifier, found by the state-dict prefix (``fc``, ``head.fc``…) the
+    model's config names."""
+    key = _config(name).get("classifier")
+    if isinstance(key, (tuple, list)):
+        key = key[0]
     weight = state.get(f"{key}.weight") if key else None
     return int(weight.shape[0]) if weight is not None and weight.ndim >= 1 else None
 

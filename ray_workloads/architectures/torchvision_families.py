@@ -171,17 +171,13 @@ def weights_entry(arch: str) -> Any:
     default = enum.DEFAULT
     if family.fixed_size is None:
         return default
-    fitting = [e for e in (default, *enum) if _crop_of(e) == family.fixed_size]
+    fitting = [e for e in (default, *enum) if int(e.transforms().crop_size[0]) == family.fixed_size]
     if not fitting:
         raise ConfigError(
             f"{arch} is built for {family.fixed_size}×{family.fixed_size} input but none of its torchvision "
             f"weights entries is: give --crop {family.fixed_size} and --resize"
         )
     return fitting[0]
-
-
-def _crop_of(entry: Any) -> int:
-    return int(entry.transforms().crop_size[0])
 
 
 def imagenet_image_spec(arch: str) -> ImageSpec:
@@ -202,13 +198,6 @@ def imagenet_classes(arch: str = "resnet50") -> list[str]:
     return list(weights_entry(arch).meta["categories"])
 
 
-def min_side(arch: str) -> int:
-    """The smallest input side ``arch`` runs at (its weights entry's ``min_size``)."""
-    if arch == SMALL_CNN:
-        return SMALL_CNN_MIN_SIDE
-    return int(weights_entry(arch).meta["min_size"][0])
-
-
 def check_input_size(arch: str, crop: int, resize: int | None = None) -> None:
     """Refuse an input size ``arch`` cannot take, naming the size it needs, before any cluster time.
     ``crop``: the side of the square the model sees; ``resize``: the shorter side before the crop."""
@@ -224,7 +213,7 @@ def check_input_size(arch: str, crop: int, resize: int | None = None) -> None:
                 f"{arch} takes only {fixed}×{fixed} input, but --resize {resize} makes the shorter side smaller "
                 f"than that crop: use a --resize of at least {fixed}"
             )
-    smallest = min_side(arch)
+    smallest = SMALL_CNN_MIN_SIDE if arch == SMALL_CNN else int(weights_entry(arch).meta["min_size"][0])
     if crop < smallest:
         raise ConfigError(
             f"{arch} needs input of at least {smallest}×{smallest}, but the image spec gives {crop}×{crop}"

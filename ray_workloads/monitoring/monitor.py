@@ -170,7 +170,12 @@ def serving_health(url: str, thresholds: DriftThresholds, model: str | None = No
         problem = f"/healthz answered {health.status_code}"
     elif bad:
         problem = ", ".join(f"v{v.version} error rate {v.error_rate:.1%}" for v in bad)
-    stats_problem = _rate_limited(stats_response) if limited else None
+    stats_problem = None
+    if limited:
+        stats_problem = (
+            f"/stats answered 429 (retry after {stats_response.headers.get('Retry-After', '?')} s): another "
+            "client at this address spent the per-address budget; no per-version figures this time"
+        )
     return ServingHealth(
         url=url,
         reachable=True,
@@ -194,14 +199,6 @@ def _version_health(stats: Mapping[str, Any]) -> list[VersionHealth]:
         )
         for v, s in sorted(stats.get("versions", {}).items(), key=lambda kv: int(kv[0]))
     ]
-
-
-def _rate_limited(response: httpx.Response) -> str:
-    wait = response.headers.get("Retry-After", "?")
-    return (
-        f"/stats answered 429 (retry after {wait} s): another client at this address spent the per-address "
-        "budget; no per-version figures this time"
-    )
 
 
 def reference_for(champion: ModelVersion, root: str, reference_date: str | None, low_confidence: float) -> Reference:

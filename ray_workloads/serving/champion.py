@@ -38,14 +38,10 @@ def check_champion(health: ServingHealth, champion: int | None, rollout_holder: 
     )
 
 
-def live_rollout_holder(model: str) -> str | None:
-    """Who holds ``model``'s rollout lease now (None: nobody, released, or expired)."""
-    current = leases.read(registry.rollout_lease_uri(model))
-    return current.holder if current is not None and current.is_live() else None
-
-
 def serving_against_registry(health: ServingHealth, model: str) -> ServingHealth:
     """:func:`check_champion` with the champion alias and the rollout lease read from the registry."""
     if not health.served or not health.reachable:
         return health
-    return check_champion(health, registry.alias_version(model, registry.CHAMPION), live_rollout_holder(model))
+    lease = leases.read(registry.rollout_lease_uri(model))
+    holder = lease.holder if lease is not None and lease.is_live() else None  # None: released or expired
+    return check_champion(health, registry.alias_version(model, registry.CHAMPION), holder)

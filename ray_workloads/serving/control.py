@@ -39,27 +39,6 @@ from rayline.ray_workloads.serving.model_server import model_app
 from rayline.ray_workloads.serving.routing import RoutingTable, ServeControl
 from rayline.storage.fencing import Fence
 
-__all__ = [
-    "ServeConfig",
-    "ServeControl",
-    "VersionStats",
-    "deploy_version",
-    "deploy_versions",
-    "get_weights",
-    "live_versions",
-    "remove_model",
-    "remove_version",
-    "replica_pids",
-    "reset_stats",
-    "router_replicas",
-    "routing_table",
-    "set_default_model",
-    "set_weights",
-    "shutdown",
-    "start",
-    "stats",
-]
-
 _CALL_TIMEOUT_S = 30.0
 # the replica states Serve routes requests to (PENDING_MIGRATION: still serving on a draining node)
 _ROUTED_REPLICA_STATES = frozenset({"RUNNING", "PENDING_MIGRATION"})
