@@ -1,14 +1,11 @@
 """The user's own ``nn.Module`` class: ``--factory package.module:build`` and its state dict.
 
-The factory is called with ``--factory-kwargs`` (and ``num_classes`` when it takes one the kwargs do not
-give). Its code comes from a package installed on the cluster, or from a ``--code`` folder zipped into the
-registry (content-addressed, so the version pins it). Every process that builds the version imports it from
-that zip, verified (``shipped_code``) and first on ``sys.path`` for the load, so a same-named package
-elsewhere (the driver's working folder, which Ray puts first on its workers' path; another version's code)
-never builds it.
-
-Fine-tuning needs the classifier: timm's ``reset_classifier`` when the module has one, else the last
-``nn.Linear`` (or 1×1 convolution) in module order, where classifiers end in practice.
+The factory is called with ``--factory-kwargs`` (and ``num_classes`` when it takes one they do not give).
+Its code comes from a package installed on the cluster, or from a ``--code`` folder zipped into the registry
+(content-addressed: the version pins it), imported from that zip, verified (``shipped_code``) and first on
+``sys.path``, so a same-named package elsewhere (the driver's working folder, first on Ray workers' path;
+another version's code) never builds it. Fine-tuning needs the classifier: timm's ``reset_classifier``
+when the module has one, else the last ``nn.Linear`` (or 1×1 convolution), where classifiers end in practice.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Code-free model files: TorchScript, ``torch.export`` programs (``.pt2``) and ONNX.
+"""Code-free model files: TorchScript, ``torch.export`` programs (``.pt2``) and ONNX, run as saved.
 
-The file is the whole model, graph and weights; reading it never unpickles arbitrary Python objects:
-
-* TorchScript: TorchScript's own loader, whose unpickler knows only tensors and TorchScript types, and
-  whose interpreter (not Python) runs the file's code.
-* ``torch.export``: ``torch.export.load`` falls back to full unpickling for some payloads (weights,
-  constants, sample inputs, custom objects). :func:`check_export_archive` first proves each such payload
-  loads with ``torch.load(weights_only=True)`` and refuses custom or opaque objects and compiled
-  AOTInductor code, so the later load only replays what the restricted unpickler allowed.
-* ONNX: a protobuf graph of standard operators, run by ONNX Runtime.
-
+The file is the whole model; reading it never unpickles arbitrary Python objects. TorchScript's loader
+knows only tensors and TorchScript types, and its interpreter (not Python) runs the file's code.
+``torch.export.load`` falls back to full unpickling for some payloads: :func:`check_export_archive`
+first proves each loads with ``torch.load(weights_only=True)`` and refuses custom or opaque objects and
+compiled AOTInductor code. ONNX is a protobuf graph of standard operators, run by ONNX Runtime.
 :class:`FileModel` gives the stages one callable from a float32 batch to logits for each.
 """
 

@@ -2,12 +2,10 @@
 
 The registered zip is copied into ``$TMPDIR/rayline-code-<uid>/<sha256>.zip`` and imported from there as it
 is (``zipimport``). The folder must be this user's alone (owned by this uid, mode 0700, not a link), else it
-is refused, not used. The zip is hashed again on every use, and a copy that differs is replaced from the
-registry; between that check and the import only this user (or root) can change it.
-
-Why a zip rather than an unpacked folder: hashing it is one read (a quarter of hashing the files unpacked),
-and Python writes no bytecode into it that it would import instead of the sources. The price: a new process
-compiles the sources it imports (bench/README.md, "Shipped factory code").
+is refused. The zip is hashed again on every use and a copy that differs is replaced from the registry;
+between that check and the import only this user (or root) can change it. A zip, not an unpacked folder:
+hashing it is one read, and Python writes no bytecode into it to import instead of the sources; the price
+is that a new process compiles the sources it imports (bench/README.md, "Shipped factory code").
 """
 
 from __future__ import annotations

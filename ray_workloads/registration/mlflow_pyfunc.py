@@ -1,13 +1,10 @@
 """rayline's MLflow pyfunc, logged as code: image bytes in, the version's classes out.
 
-The registry mirror logs this file with each version (:mod:`rayline.ray_workloads.registration.mlflow_models`):
-MLflow copies it into the model and runs it on load, so no Python object is pickled. The artifacts are the
-version's own files: ``version.json`` (the :class:`~rayline.models.registry.ModelVersion`), its model file and,
-for a factory shipped with ``--code``, its code zip. Each image is decoded with the version's image spec, as
-nights and serving do.
-
-Input: a DataFrame with a binary column ``image`` of encoded image files (or ``{"image": [...]}``); MLflow's
-scoring server takes them base64-encoded in JSON.
+The registry mirror (``mlflow_models``) logs this file, which MLflow runs on load: no Python object is
+pickled. Its artifacts are the version's own files: ``version.json``, its model file and, for a factory
+shipped with ``--code``, its code zip. Images are decoded with the version's image spec, as nights and
+serving do. Input: a DataFrame with a binary column ``image`` of encoded image files (or
+``{"image": [...]}``); MLflow's scoring server takes them base64-encoded in JSON.
 """
 
 import base64

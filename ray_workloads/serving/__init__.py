@@ -22,10 +22,7 @@ A request (``POST /models/<name>/predict``; ``/predict`` for the default model):
                                ▼
                              ServeControl: routing table, StatsBook            routing, stats
 
-A rollout (``rollout`` steps the weights and judges; ``canary`` is the registry's side: the incumbent,
-the champion alias a promotion moves) is described in ``rollout``'s docstring.
-
-``champion`` judges serving against the registry: the version with the most traffic should be the
-champion. Imports ``data``, ``execution`` and ``monitoring``. Nothing is imported here: the control
-actor imports ``routing`` alone, without Serve's HTTP stack or torch.
+``rollout`` steps a candidate's weight and judges it; ``canary`` is the registry's side (the incumbent, the
+champion alias); ``champion`` checks that the version with the most traffic is the champion. Imports ``data``,
+``execution`` and ``monitoring``; nothing here, so the control actor loads ``routing`` alone, without torch.
 """

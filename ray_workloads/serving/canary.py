@@ -46,10 +46,8 @@ def leftover_shares(weights: dict[int, float], champion: int) -> dict[int, float
 
 
 class PreparedRollout(BaseModel):
-    """What a rollout serves, and the fencing token of its lease that each of its traffic moves carries
-    (None outside a rollout flow): a rollout paused past its lease's ttl is refused by the control actor.
-    Its champion move is fenced the same way, by the champion it read (``champion``): the alias moves
-    only from that version."""
+    """What a rollout serves, and its lease's fencing token, carried by each of its traffic moves (None
+    outside a rollout flow). Its champion move is fenced by the champion it read: the alias moves only from it."""
 
     base_url: str
     incumbent: registry.ModelVersion

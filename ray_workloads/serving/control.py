@@ -1,18 +1,12 @@
 """Driver-side control of online serving: what the rollout flow calls.
 
-Starts Serve, the router and the control actor (``routing.ServeControl``, the single writer of the
-routing table), deploys versions and moves traffic through that actor; ``applications`` submits,
-waits for and deletes Serve applications.
-
-Every call about versions, weights or stats takes ``model=`` (a registry name; None: the default
-model, see ``ingress``), so a rollout of one model never touches another's weights. Weights are
-relative (``{1: 90, 2: 10}`` routes as ``{1: 0.9, 2: 0.1}``); a live version left out of
-``set_weights`` gets 0. A table change returns once every router replica Serve runs routes by it
-(:func:`router_replicas`; ``routing`` says why a silent one is still waited for), and fails naming
-those behind after ``wait_s``.
-
-``fence=``: a rollout's calls that change the table carry its lease's fencing token
-(``rayline.storage.fencing``); the control actor refuses one older than it has seen (``StaleFence``).
+Starts Serve, the router and the control actor (``routing.ServeControl``), deploys versions and moves
+traffic through that actor; ``applications`` submits, waits for and deletes Serve applications. Every
+call takes ``model=`` (a registry name; None: the default model), so a rollout of one model never
+touches another's weights. Weights are relative (``{1: 90, 2: 10}`` routes as ``{1: 0.9, 2: 0.1}``); a
+live version left out of ``set_weights`` gets 0. A table change returns once every router replica Serve
+runs routes by it (``routing`` says which are waited for), and fails naming those behind after
+``wait_s``. ``fence=``: a rollout's lease's fencing token, which the control actor checks (``routing``).
 """
 
 from __future__ import annotations
@@ -354,12 +348,11 @@ def replica_pids(cfg: ServeConfig | None = None) -> dict[str, list[int]]:
     if client is None:
         return {}
     details = ServeInstanceDetails(**client.get_serve_details())
-    out: dict[str, list[int]] = {}
-    for app_name, app in details.applications.items():
-        if app_name == cfg.name or app_name.startswith(f"{cfg.name}-"):
-            pids = [r.pid for d in app.deployments.values() for r in d.replicas if r.state == "RUNNING" and r.pid]
-            out[app_name] = sorted(pids)
-    return out
+    return {
+        name: sorted(r.pid for d in app.deployments.values() for r in d.replicas if r.state == "RUNNING" and r.pid)
+        for name, app in details.applications.items()
+        if name == cfg.name or name.startswith(f"{cfg.name}-")
+    }
 
 
 def shutdown(cfg: ServeConfig | None = None) -> None:

@@ -7,18 +7,15 @@ restarts it, so routers never see the table vanish.
 
 The table holds, per model, its live versions' applications and weights (:class:`ModelRoutes`),
 and the *default model* ``POST /predict`` goes to: the one configured (:meth:`ServeControl.set_default`,
-``RAYLINE_SERVE_DEFAULT_MODEL``), else the first registered that is still served. One model's
-versions, weights and stats never affect another's; ``model=None`` means the default model.
+``RAYLINE_SERVE_DEFAULT_MODEL``), else the first registered that is still served.
 
-Router replicas (``ingress.Router``) call :meth:`ServeControl.sync` periodically: they hand over
-their samples (``stats.StatsBook``) and get the table back. Each syncs under its Serve replica id,
-and the driver names the router replicas Serve runs now: a table change waits for each of those
-however long it has been silent (it routes by its old table the moment it resumes), and not for
-one Serve no longer runs (:func:`routers_behind`).
+Router replicas (``ingress.Router``) sync periodically (:meth:`ServeControl.sync`): samples in, table
+out, under their Serve replica id. A table change waits for each router replica Serve runs now, however
+long it has been silent (it routes by its old table the moment it resumes), not for one it no longer runs.
 
-A rollout's changes carry its lease's fencing token (``rayline.storage.fencing``): the actor keeps
-the newest per lease, in its snapshot too, and refuses an older one (``StaleFence``), so a rollout
-paused past its lease's ttl cannot move traffic over the rollout that took over.
+A rollout's changes carry its lease's fencing token (``rayline.storage.fencing``): the actor keeps the
+newest per lease, in its snapshot too, and refuses an older one (``StaleFence``), so a rollout paused past
+its lease's ttl cannot move traffic over the rollout that took over.
 
 This module imports neither Serve's HTTP stack nor torch: it is all the actor's process loads.
 """

@@ -1,25 +1,21 @@
 """Per-version request stats of a serving instance, kept by the control actor (``routing.ServeControl``).
 
-Routers hand over one :data:`Sample` per answered prediction. Two views are read back:
+Routers hand over one :data:`Sample` per answered prediction. Two views are read back: everything
+(``GET /stats``, the monitor), 4xx rejections of bad input and pinned requests included; and the *gate*
+view (``gated=True``, what a rollout judges a candidate on): only answers the router routed by weight or
+key, and not 4xx. A client can pin (``X-Rayline-Version``) any live version, a candidate at 0 % included,
+and a 4xx is bad input, not the version's fault: counted, either would let junk meet the gate's
+``min_requests`` and dilute its error rate.
 
-* everything (``GET /stats``, ``control.stats``, the monitor): every answer, pinned or routed,
-  4xx rejections of bad input included;
-* the *gate* view (``gated=True``, what a rollout judges a candidate on): only answers the router
-  routed by weight or key, and not 4xx. A client can pin (``X-Rayline-Version``) any live version,
-  a candidate at 0 % included, and a 4xx is bad input, not the version's fault: counted, either
-  would let junk meet the gate's ``min_requests`` and dilute its error rate.
-
-No sample is kept: the control actor answers every router's sync one call at a time, so a stats
-read must cost the same however much traffic a version had. Per version the book keeps a running
-:class:`Tally` since the model's last reset (counts, and a histogram of successful answers'
-latencies with each bin's latency sum), and a snapshot of it at the start of every ``BUCKET_S``
-window that saw an answer, for the last ``WINDOW_S``. Stats since ``since`` are the running tally
-minus the snapshot of the window holding it: ``since`` counts from the start of its second; one
-older than the windows kept, from the oldest kept; one at or before the last reset (or none), from
-the reset. A percentile is the mean latency of the bin holding it, within the bin's width
-(``LATENCY_RATIO``). A snapshot is about 7 KB: a version answering every second holds about 6 MB.
-
-Standard library and numpy only (the control actor's process loads nothing else).
+No sample is kept: the control actor answers every router's sync one call at a time, so a stats read must
+cost the same however much traffic a version had. Per version the book keeps a running :class:`Tally`
+since the model's last reset (counts, and a histogram of successful answers' latencies with each bin's
+latency sum), and a snapshot of it at the start of every ``BUCKET_S`` window that saw an answer, for the
+last ``WINDOW_S``. Stats since ``since`` are the running tally minus the snapshot of the window holding it:
+``since`` counts from the start of its second; one older than the windows kept, from the oldest kept; one
+at or before the last reset (or none), from the reset. A percentile is the mean latency of the bin holding
+it, within the bin's width (``LATENCY_RATIO``). A snapshot is about 7 KB: a version answering every
+second holds about 6 MB. Standard library and numpy only (all the control actor's process loads).
 """
 
 from __future__ import annotations
