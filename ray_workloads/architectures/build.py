@@ -1,11 +1,10 @@
 """Model architectures and safe weight loading.
 
-The modules rayline builds and loads a state dict into: a small CNN for the digits (the demo default),
-torchvision classifiers (``torchvision_families``), timm models (``timm_models``) and the user's own class
-(``factory_models``), always built without pretrained weights (nothing is downloaded at run time), the class
-count from the data. Weights are loaded with ``torch.load(weights_only=True)``: a checkpoint that needs
-arbitrary unpickling is refused. Code-free files (TorchScript, ``.pt2``, ONNX) have no module to build:
-``model_files`` runs them.
+The modules rayline loads a state dict into: a small CNN for the digits, torchvision classifiers
+(``torchvision_families``), timm models (``timm_models``) and the user's own class (``factory_models``),
+built without pretrained weights (nothing is downloaded at run time), the class count from the data.
+Weights are loaded with ``torch.load(weights_only=True)``: a checkpoint that needs arbitrary unpickling is
+refused. Code-free files (TorchScript, ``.pt2``, ONNX) have no module to build: ``model_files`` runs them.
 """
 
 from __future__ import annotations

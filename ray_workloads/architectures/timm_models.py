@@ -1,8 +1,6 @@
-"""timm classifiers by name (``--arch timm:<name>``), built offline with the user's weights.
-
-``create_model(name, pretrained=False)`` downloads nothing; the preprocessing comes from the model's default
-pretrained config, which timm keeps in its code. The head is timm's own (``get_classifier`` /
-``reset_classifier``); the config's ``classifier`` names its weights. timm is an optional extra.
+"""timm classifiers by name (``--arch timm:<name>``), built offline with the user's weights: ``create_model(name,
+pretrained=False)`` downloads nothing, and the preprocessing comes from the model's default pretrained config,
+which timm keeps in its code. The head is timm's own (``get_classifier`` / ``reset_classifier``).
 """
 
 from __future__ import annotations

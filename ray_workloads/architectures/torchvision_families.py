@@ -1,10 +1,10 @@
 """Which classifiers rayline builds by name, where each keeps its head, and what input each accepts.
 
 Every classifier ``torchvision.models.list_models`` names, plus the digits' small CNN. A name's family is the
-torchvision module its builder lives in (``resnext50_32x4d`` → ``resnet``), so a new architecture of a known
-family needs no entry: :data:`FAMILIES` alone says, per family, where the head is, how the model is built and
-whether its input size is fixed. Models are built with ``weights=None`` (no download); the preprocessing and
-class names come from the weights entry's metadata, which ships with the package.
+torchvision module of its builder (``resnext50_32x4d`` → ``resnet``), so a new architecture of a known family
+needs no entry: :data:`FAMILIES` says, per family, where the head is, how it is built and whether its input
+size is fixed. Built with ``weights=None`` (no download); preprocessing and class names come from the weights
+entry's metadata, which ships with the package.
 """
 
 from __future__ import annotations

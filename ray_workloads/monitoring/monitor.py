@@ -1,14 +1,10 @@
 """Ops monitoring: serving health from the router's ``/stats``, drift of committed prediction partitions.
 
-A partition's drift is judged against a reference distribution: the champion's training label counts
-when it was trained here, else (an outside model has no training data) the predicted classes of a
-reference night of the same model (:func:`night_reference`):
-
-* **class PSI**: population-stability index of the predicted-class shares (0.1 notable, 0.2 the usual alarm);
-* **low-confidence share**: predictions under ``low_confidence``; images unlike anything the model was
-  trained on get flat scores;
-* **error fraction**: inputs that could not be predicted at all.
-
+A partition's drift is judged against the champion's training label counts when it was trained here,
+else (an outside model has no training data) the predicted classes of a reference night
+(:func:`night_reference`): **class PSI** of the predicted-class shares (0.1 notable, 0.2 the usual alarm);
+**low-confidence share**, predictions under ``low_confidence`` (images unlike anything the model was
+trained on get flat scores); **error fraction**, inputs that could not be predicted at all.
 Plain functions (no Prefect, no Ray): the monitor flow calls them.
 """
 

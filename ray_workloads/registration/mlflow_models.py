@@ -1,13 +1,11 @@
 """Each registered version as a real MLflow model, for the registry mirror (``rayline.models.mlflow_mirror``).
 
-Logged as an MLflow pyfunc written as code (models-from-code, :mod:`~rayline.ray_workloads.registration.mlflow_pyfunc`)
-with the version's own files as artifacts, so ``mlflow.pyfunc.load_model("models:/<name>@champion")`` predicts
-what rayline predicts, preprocessing included, for every format, from image bytes. Not ``mlflow.pytorch``: it
-pickles the whole module (so would a cloudpickled ``PythonModel``), and rayline keeps pickles out of its registry.
-Not ``mlflow.onnx``: it covers only ONNX and takes normalised tensors, leaving preprocessing to every caller.
-
-The core mirror decides what to log and when; this layer says how, because that needs rayline's model
-interface, which the core may not import. Tasks call :func:`reconcile` here.
+An MLflow pyfunc written as code (``mlflow_pyfunc``) with the version's own files as artifacts, so
+``mlflow.pyfunc.load_model("models:/<name>@champion")`` predicts what rayline predicts from image bytes,
+preprocessing included, for every format. Not ``mlflow.pytorch``, nor a cloudpickled ``PythonModel``: both
+pickle, and rayline keeps pickles out of its registry. Not ``mlflow.onnx``: ONNX only, and it takes
+normalised tensors. This layer, not the core mirror, says how a version becomes an MLflow model because
+that needs rayline's model interface, which the core may not import. Tasks call :func:`reconcile` here.
 """
 
 from __future__ import annotations

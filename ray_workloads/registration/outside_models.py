@@ -1,22 +1,18 @@
 """Register an outside model: whatever the user saved from their notebook, as a new version.
 
-Accepted (``ModelSpec.arch`` records which): a state dict (``torch.save(model.state_dict(), …)``) of a
-torchvision classifier (``--arch resnet50``), a timm model (``--arch timm:<name>``) or the user's own class
-(``--factory package.module:build``), read with ``torch.load(weights_only=True)`` (a pickled whole model is
-refused with how to export a state dict) and checked against the module built for the class count (missing,
-unexpected and mis-shaped keys are named); or a code-free file (TorchScript, a ``torch.export`` ``.pt2``
-program, ONNX), detected from its content, loaded without unpickling arbitrary objects
-(``architectures.model_files``) and probed with a forward pass at the declared input size.
+Accepted (``ModelSpec.arch`` records which): a state dict of a torchvision classifier (``--arch resnet50``),
+a timm model (``--arch timm:<name>``) or the user's own class (``--factory package.module:build``), read
+with ``torch.load(weights_only=True)`` (a pickled whole model is refused with how to export a state dict)
+and checked against the module built for the class count; or a code-free file (TorchScript, ``.pt2``,
+ONNX), detected from its content, loaded without unpickling arbitrary objects and probed with a forward
+pass at the declared input size. A factory's code (installed on the cluster, or ``--code`` shipped with
+the model) is imported on every node, then built, loaded and probed in a Ray task, so what the cluster
+cannot run is refused here, naming the node.
 
-A factory's code comes from a package installed on the cluster or from the folder ``--code`` names (stored
-with the model, shipped with Ray's ``runtime_env``). Registration imports it on every node, then builds,
-loads and probes the model in a Ray task: a factory the cluster cannot import is refused naming the node.
-
-The version records where the file came from (URI, SHA-256, size), the class names (a file of one name a
-line, a JSON sidecar, or torchvision's ImageNet categories) and the image spec the model expects (the
-architecture's own evaluation transform, or a sidecar's ``image``); an input size the architecture cannot
-take is refused before any cluster time. The same bytes registered again for the same name, model, classes
-and image spec return the version already registered, so a retried command is harmless.
+The version records where the file came from (URI, SHA-256, size), the class names and the image spec
+the model expects; an input size the architecture cannot take is refused before any cluster time. The
+same bytes registered again as the same model, classes and image spec return the version already
+registered, so a retried command is harmless.
 """
 
 from __future__ import annotations

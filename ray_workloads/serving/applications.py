@@ -1,8 +1,6 @@
-"""Ray Serve applications of a serving instance: deployed together, waited for, deleted.
-
-The plumbing under ``control``: Serve's own calls, with its failures mapped onto rayline's
-errors (a model or weights that fail to load are bad input, anything else the cluster's).
-"""
+"""Ray Serve applications of a serving instance, deployed together, waited for, deleted: Serve's own calls
+under ``control``, its failures mapped onto rayline's errors (a model or weights that fail to load are bad
+input, anything else the cluster's)."""
 
 from __future__ import annotations
 

@@ -29,13 +29,8 @@ def check_champion(health: ServingHealth, champion: int | None, rollout_holder: 
         "rollout holds the model's lease: a rollout that did not finish left it (the next serve-rollout rolls "
         "it back to the champion)"
     )
-    return checked.model_copy(
-        update={
-            "healthy": False,
-            "champion_mismatch": True,
-            "problem": problem if health.problem is None else f"{health.problem}; {problem}",
-        }
-    )
+    problems = problem if health.problem is None else f"{health.problem}; {problem}"
+    return checked.model_copy(update={"healthy": False, "champion_mismatch": True, "problem": problems})
 
 
 def serving_against_registry(health: ServingHealth, model: str) -> ServingHealth:

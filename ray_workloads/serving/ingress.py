@@ -61,8 +61,7 @@ class Router:
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = ServeConfig.model_validate(cfg)
-        # the control actor knows routers by their Serve replica id: the routers a table change waits
-        # for are the replicas Serve runs (``control.router_replicas``)
+        # the control actor knows routers by their Serve replica id, as the driver does (``control.router_replicas``)
         self.router_id = serve.get_replica_context().replica_id.unique_id
         self._stats_limit = RateLimit(self.cfg.stats_per_s, self.cfg.stats_burst)
         self._table = RoutingTable()
@@ -253,15 +252,9 @@ class Router:
             raise HttpError(503, "NotReady", "the control actor is unreachable")
         name = table.resolve(model)
         stats: dict[int, dict[str, Any]] = await self._control.stats.remote(since, name) if name else {}
-        routes = table.routes(name)
-        return JSONResponse(
-            {
-                "model": name,
-                "weights": {str(v): w for v, w in sorted(routes.weights.items())},
-                "since": since,
-                "versions": {str(v): s for v, s in sorted(stats.items())},
-            }
-        )
+        weights = _routes_json(table.routes(name))["weights"]
+        versions = {str(v): s for v, s in sorted(stats.items())}
+        return JSONResponse({"model": name, "weights": weights, "since": since, "versions": versions})
 
     async def _models(self) -> JSONResponse:
         table = await self._routing_table()

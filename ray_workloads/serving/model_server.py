@@ -1,9 +1,6 @@
-"""The model replicas: one Serve application per registered model version, requests batched.
-
-Each live version of each model runs as its own application ``<name>-<model>-v<N>`` (no HTTP
-route; only the router calls it), so deploying or removing one never touches the others.
-The router (``ingress.Router``) sends it the image bytes; an image it cannot decode is an
-answer with the HTTP status to give (``http_api.DECODE_STATUS``), a broken model raises.
+"""The model replicas: each live version of each model is its own Serve application ``<name>-<model>-v<N>``
+(no HTTP route: only the router calls it), so deploying or removing one never touches the others. An image
+it cannot decode is an answer with the HTTP status to give (``http_api.DECODE_STATUS``); a broken model raises.
 """
 
 from __future__ import annotations

@@ -169,9 +169,7 @@ def restore(champion: ModelVersion, remove: Iterable[int], cfg: ServeConfig, fen
 
 def serve(version: ModelVersion, cfg: ServeConfig, fence: Fence | None = None) -> str:
     """Make sure ``version`` is deployed; it takes all traffic if nothing of its model serves yet. The base URL.
-
-    ``fence``: the rollout lease's fencing token its changes carry (``control``), None outside a rollout.
-    """
+    ``fence``: the rollout lease's fencing token (``control``), None outside a rollout."""
     base_url = control.start(cfg)
     control.deploy_version(version, cfg, fence=fence)
     if incumbent_version(cfg, version.name) is None:
@@ -207,10 +205,8 @@ def agreement(
 
 class ProbeClient:
     """Paced requests through the router, tallied by status: the rollout's canary probes, the demo's load.
-
-    Unpinned, they follow ``model``'s weights like any client, which is what makes them count toward
-    the gate (``stats``): a marker header letting probes in would be as easy for any client to send.
-    """
+    Unpinned, they follow ``model``'s weights like any client, which is what makes them count toward the
+    gate (``stats``): a marker header letting probes in would be as easy for any client to send."""
 
     def __init__(self, base_url: str, images: list[bytes], rps: float, model: str | None = None) -> None:
         self.client = httpx.Client(base_url=base_url, timeout=30.0)
