@@ -1,19 +1,15 @@
 """Model architectures and safe weight loading.
 
-The modules rayline builds and loads a state dict into: a small CNN suited to
-the digits (the demo default), every torchvision classifier by name
-(:mod:`rayline.ray_workloads.architectures.torchvision_families`), timm models (``timm:<name>``,
-:mod:`rayline.ray_workloads.architectures.timm_models`) and the user's own class
-(:mod:`rayline.ray_workloads.architectures.factory_models`), always built without pretrained
-weights (nothing is downloaded at run time) and the class count from the
-data. Weights come from a file or object-store URI and are loaded with
-``torch.load(weights_only=True)``: a checkpoint that needs arbitrary
-unpickling is refused. Code-free files (TorchScript, ``.pt2``, ONNX) have no
-module to build: :mod:`rayline.ray_workloads.architectures.model_files` runs them.
+The modules rayline loads a state dict into: a small CNN for the digits, torchvision classifiers
+(``torchvision_families``), timm models (``timm_models``) and the user's own class (``factory_models``),
+built without pretrained weights (nothing is downloaded at run time), the class count from the data.
+Weights are loaded with ``torch.load(weights_only=True)``: a checkpoint that needs arbitrary unpickling is
+refused. Code-free files (TorchScript, ``.pt2``, ONNX) have no module to build: ``model_files`` runs them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 from typing import Any
@@ -129,10 +125,9 @@ def fine_tune_model(
 ) -> nn.Module:
     """The parent's architecture with its weights ``state`` (from ``uri``) and a new head for ``num_classes``.
 
-    The new head is freshly initialised (its input width is the parent's). With
-    ``freeze_backbone`` only the head keeps ``requires_grad``; hand the optimizer
-    :func:`trainable_parameters` and keep frozen batch norms in eval mode while
-    training (:func:`freeze_batchnorm_statistics`).
+    With ``freeze_backbone`` only the head keeps ``requires_grad``; hand the optimizer
+    :func:`trainable_parameters` and keep frozen batch norms in eval mode while training
+    (:func:`freeze_batchnorm_statistics`).
     """
     model = build_model(parent)
     state = strip_auxiliary_heads(parent, state)
@@ -140,10 +135,8 @@ def fine_tune_model(
     model.load_state_dict(state)
     new = new_head(model, parent, num_classes)
     if freeze_backbone:
-        for parameter in model.parameters():
-            parameter.requires_grad = False
-        for parameter in new.parameters():
-            parameter.requires_grad = True
+        model.requires_grad_(False)
+        new.requires_grad_(True)
     return model
 
 
@@ -155,10 +148,9 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 def freeze_batchnorm_statistics(model: nn.Module) -> int:
     """Put every batch norm whose parameters are all frozen in eval mode; returns how many.
 
-    ``model.train()`` switches them back to batch statistics, which would keep
-    updating a frozen backbone's running means on the new data (and make the
-    features the head learns on drift from those it is served with). Call after
-    each ``model.train()``. Models with nothing frozen are left as they are.
+    ``model.train()`` switches them back to batch statistics, which would keep updating a frozen
+    backbone's running means on the new data (the head would learn on features that drift from
+    those it is served with). Call after each ``model.train()``.
     """
     frozen = 0
     for module in model.modules():
@@ -206,10 +198,8 @@ def state_dict_from_bytes(data: bytes, uri: str) -> dict[str, Any]:
 
 
 def check_state_dict(spec: ModelSpec, state: dict[str, Any], uri: str, model: nn.Module | None = None) -> None:
-    """Raise :class:`WeightsMismatchError` naming what doesn't fit, unless ``state`` loads into ``spec``.
-
-    ``model``: an already built ``spec`` (saves building it again).
-    """
+    """Raise :class:`WeightsMismatchError` naming what doesn't fit, unless ``state`` loads into ``spec``
+    (``model``: ``spec`` already built)."""
     expected = (model if model is not None else build_model(spec)).state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -243,15 +233,13 @@ def load_model(spec: ModelSpec, weights_uri: str) -> nn.Module:
 def prepare_for_inference(model: nn.Module) -> nn.Module:
     """The same model (same weights, outputs equal to ~1e-7), cheaper to run for inference.
 
-    Batch norms are folded into the convolutions before them and the weights
-    go channels-last, the layout of oneDNN's fast CPU convolutions: fewer CPU
-    seconds per image (bench/README.md). Feed it channels-last input. A model
+    Batch norms are folded into the convolutions before them and the weights go channels-last, the
+    layout of oneDNN's fast CPU convolutions (bench/README.md). Feed it channels-last input. A model
     that cannot be traced is only re-laid out.
     """
     from torch.fx.experimental.optimization import fuse
 
-    try:
-        model = fuse(model)  # eval mode only: folds running statistics into the conv weights
-    except Exception:  # e.g. data-dependent control flow; folding is an optimisation, not a requirement
-        pass
+    # eval mode only: folds running statistics into the convs; one fx cannot trace is left unfolded (an optimisation)
+    with contextlib.suppress(Exception):
+        model = fuse(model)
     return model.to(memory_format=torch.channels_last)

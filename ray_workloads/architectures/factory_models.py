@@ -1,19 +1,11 @@
 """The user's own ``nn.Module`` class: ``--factory package.module:build`` and its state dict.
 
-The factory is called with ``--factory-kwargs`` (and ``num_classes`` when it
-takes one and the kwargs do not say), then the weights are loaded into what
-it returns. Its code comes either from a package installed on the cluster,
-or from a folder given with ``--code``: that folder is zipped into the
-registry (content-addressed, so the version pins it). Every process that
-builds the version (a driver, a Ray worker, an MLflow pyfunc) imports it
-from that zip, verified (:mod:`~rayline.ray_workloads.architectures.shipped_code`)
-and put first on ``sys.path`` for the load, so a same-named package elsewhere
-(the driver's working folder, which Ray puts first on its workers' path; a
-user's own package; another version's code) never builds it.
-
-Fine-tuning a factory model needs its classifier: timm's ``reset_classifier``
-when the module has one, else the last ``nn.Linear`` (or 1×1 convolution)
-in module order, which is where classifiers end in practice.
+The factory is called with ``--factory-kwargs`` (and ``num_classes`` when it takes one they do not give).
+Its code comes from a package installed on the cluster, or from a ``--code`` folder zipped into the registry
+(content-addressed: the version pins it), imported from that zip, verified (``shipped_code``) and first on
+``sys.path``, so a same-named package elsewhere (the driver's working folder, first on Ray workers' path;
+another version's code) never builds it. Fine-tuning needs the classifier: timm's ``reset_classifier``
+when the module has one, else the last ``nn.Linear`` (or 1×1 convolution), where classifiers end in practice.
 """
 
 from __future__ import annotations
@@ -192,33 +184,24 @@ def store_code(model_root: str, code: bytes) -> tuple[str, str]:
     return uri, digest
 
 
-# Names the version's code in the runtime env of the Ray workers that load it: Ray starts worker processes per
-# runtime env, so two versions' code of one package never share a process, whose imports (and what they did to
-# other modules) a later version's cannot undo. The workers read the code from the registry themselves.
+# In the runtime env of the Ray workers that load a version: Ray starts workers per runtime env, so two versions'
+# code of one package never share a process, whose imports a later version's could not undo.
 CODE_ENV_VAR = "RAYLINE_FACTORY_CODE_SHA256"
 
 
 def runtime_env(ref: FactoryRef | None) -> dict[str, Any] | None:
-    """``runtime_env`` for the Ray workers that load a version shipping its code (None: nothing shipped).
-
-    Only an environment variable, which Ray merges into the job's own runtime env
-    (its ``py_modules`` too): each worker imports the code through :func:`ensure_importable`.
-    """
+    """``runtime_env`` for the Ray workers that load a version shipping its code (None: nothing shipped):
+    an environment variable Ray merges into the job's own; each worker imports via :func:`ensure_importable`."""
     if ref is None or ref.code_sha256 is None:
         return None
     return {"env_vars": {CODE_ENV_VAR: ref.code_sha256}}
 
 
 def ensure_importable(ref: FactoryRef) -> str | None:
-    """Make the next import of ``ref``'s module read the version's registered code; that zip, or None.
-
-    None for a factory installed on the cluster: its import is the
-    environment's. Otherwise the verified zip goes first on ``sys.path`` (the
-    only one of rayline's cached zips there), and modules of the same
-    top-level package imported from anywhere else (another version's code, a
-    same-named package) leave ``sys.modules``: models already built keep
-    theirs, the next import reads the zip.
-    """
+    """Make the next import of ``ref``'s module read the version's registered code; that zip, or None
+    (a factory installed on the cluster). The verified zip goes first on ``sys.path`` (the only one of
+    rayline's cached zips there), and the package's modules imported from anywhere else leave
+    ``sys.modules``: models already built keep theirs, the next import reads the zip."""
     if ref.code_uri is None:
         return None
     with _loading:
@@ -313,14 +296,8 @@ def check_on_cluster(spec: Any, state: bytes, side: int, uri: str) -> None:
         options["runtime_env"] = env
     importer = ray.remote(_import_error)
     nodes = [node for node in ray.nodes() if node.get("Alive")]  # type: ignore[no-untyped-call]
-    found = ray.get(
-        [
-            importer.options(
-                **options, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-            ).remote(ref.model_dump_json())
-            for node in nodes
-        ]
-    )
+    pinned = [NodeAffinitySchedulingStrategy(node["NodeID"], soft=False) for node in nodes]
+    found = ray.get([importer.options(**options, scheduling_strategy=p).remote(ref.model_dump_json()) for p in pinned])
     shipped = f"shipped from {ref.code_uri}" if ref.code_uri else "no --code given: it must be installed there"
     for node, error in zip(nodes, found, strict=True):
         if error is not None:

@@ -1,21 +1,11 @@
-"""Code-free model files: TorchScript, ``torch.export`` programs (``.pt2``) and ONNX.
+"""Code-free model files: TorchScript, ``torch.export`` programs (``.pt2``) and ONNX, run as saved.
 
-The file is the whole model, graph and weights; rayline runs it and never
-unpickles arbitrary Python objects while reading it:
-
-* TorchScript (``torch.jit.save``): read by TorchScript's own loader, whose
-  unpickler knows only tensors and TorchScript types; the file's code is
-  TorchScript, run by TorchScript's interpreter, not Python.
-* ``torch.export`` (``torch.export.save``): ``torch.export.load`` falls back to
-  full unpickling for some payloads (pickled weights and constants, sample
-  inputs, custom objects). :func:`check_export_archive` first proves each such
-  payload loads with ``torch.load(weights_only=True)`` and refuses custom or
-  opaque Python objects and compiled AOTInductor code outright, so the later
-  load only replays what the restricted unpickler allowed.
-* ONNX: a protobuf graph of standard operators, run by ONNX Runtime.
-
-Each format is run through :class:`FileModel` so the stages see one callable
-from a float32 batch to logits.
+The file is the whole model; reading it never unpickles arbitrary Python objects. TorchScript's loader
+knows only tensors and TorchScript types, and its interpreter (not Python) runs the file's code.
+``torch.export.load`` falls back to full unpickling for some payloads: :func:`check_export_archive`
+first proves each loads with ``torch.load(weights_only=True)`` and refuses custom or opaque objects and
+compiled AOTInductor code. ONNX is a protobuf graph of standard operators, run by ONNX Runtime.
+:class:`FileModel` gives the stages one callable from a float32 batch to logits for each.
 """
 
 from __future__ import annotations
@@ -67,18 +57,14 @@ def detect_format(data: bytes, uri: str) -> str:
         if "data.pkl" in roots:
             return "state_dict"
         raise InputDataError(f"{uri} is a zip archive but neither a torch.save file, TorchScript nor a .pt2 program")
-    if uri.lower().endswith(".onnx") or _looks_like_onnx(data):
+    # a serialised ONNX ModelProto starts with its ir_version (field 1, a varint: tag byte 0x08)
+    if uri.lower().endswith(".onnx") or data[:1] == b"\x08":
         return ONNX
     if data[:1] == b"\x80":  # a legacy (non-zip) torch.save pickle
         return "state_dict"
     raise InputDataError(
         f"{uri}: unrecognised model file (expected a torch.save state dict, TorchScript, a .pt2 program or ONNX)"
     )
-
-
-def _looks_like_onnx(data: bytes) -> bool:
-    # a serialised ModelProto starts with its ir_version (field 1, a varint: tag byte 0x08)
-    return data[:1] == b"\x08"
 
 
 def _zip_names(data: bytes, uri: str) -> list[str]:
@@ -124,11 +110,8 @@ def check_export_archive(data: bytes, uri: str) -> None:
 
 
 class FileModel:
-    """A code-free file, loaded: ``logits(batch)`` from float32 (N, 3, H, W) to (N, classes).
-
-    ``max_batch`` is the batch the file was exported for when it is fixed
-    (a batch of 1 is common); larger batches are run in slices of it.
-    """
+    """A code-free file, loaded: ``logits(batch)`` from float32 (N, 3, H, W) to (N, classes). ``max_batch``:
+    the batch the file was exported for when it is fixed (1 is common); larger ones run in slices of it."""
 
     def __init__(self, fmt: str, run: Callable[[np.ndarray], np.ndarray], max_batch: int | None, source: Any) -> None:
         self.format = fmt

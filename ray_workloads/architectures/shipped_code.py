@@ -1,23 +1,16 @@
 """A version's shipped factory code (``--code``), kept for import in a folder only this user can write.
 
-The registered zip is copied from the registry into ``$TMPDIR/rayline-code-<uid>/<sha256>.zip``
-and imported from there as it is (``zipimport``), never unpacked. The folder
-must be this user's alone (owned by this uid, mode 0700, not a link): one that
-another user could have made or filled is refused, not used. The zip is hashed
-again on every use, so what is imported is the registered bytes; a copy that
-differs (a disk error, a half-written file) is replaced from the registry.
-Python reads the zip again as it imports: between the check and the import
-only this user (or root) can change a file in that folder.
-
-Why a zip rather than an unpacked folder: hashing the zip is one read (a
-quarter of walking and hashing the same files unpacked), and nothing writes
-into it, whereas Python writes bytecode beside unpacked sources and would
-import that instead of them. The price is that a new process compiles the
-sources it imports (bench/README.md, "Shipped factory code").
+The registered zip is copied into ``$TMPDIR/rayline-code-<uid>/<sha256>.zip`` and imported from there as it
+is (``zipimport``). The folder must be this user's alone (owned by this uid, mode 0700, not a link), else it
+is refused. The zip is hashed again on every use and a copy that differs is replaced from the registry;
+between that check and the import only this user (or root) can change it. A zip, not an unpacked folder:
+hashing it is one read, and Python writes no bytecode into it to import instead of the sources; the price
+is that a new process compiles the sources it imports (bench/README.md, "Shipped factory code").
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -44,10 +37,8 @@ def code_cache_path() -> Path:
 def private_cache() -> Path:
     """:func:`code_cache_path`, created 0700; refused unless only this user can have put anything in it."""
     folder = code_cache_path()
-    try:
+    with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=PRIVATE_MODE)
-    except FileExistsError:
-        pass
     problem = _not_private(folder)
     if problem is not None:
         raise ConfigError(

@@ -1,11 +1,6 @@
-"""timm classifiers by name (``--arch timm:<name>``), built offline with the user's weights.
-
-``timm.create_model(name, pretrained=False, num_classes=...)`` downloads
-nothing; the preprocessing comes from the model's default pretrained config
-(input size, crop fraction, interpolation, mean and std), which timm keeps
-in its own code. timm is an optional extra (``pip install 'rayline[timm]'``).
-The head is timm's own: ``get_classifier`` / ``reset_classifier``, the same
-for every timm family, and the config's ``classifier`` names its weights.
+"""timm classifiers by name (``--arch timm:<name>``), built offline with the user's weights: ``create_model(name,
+pretrained=False)`` downloads nothing, and the preprocessing comes from the model's default pretrained config,
+which timm keeps in its code. The head is timm's own (``get_classifier`` / ``reset_classifier``).
 """
 
 from __future__ import annotations
@@ -75,16 +70,12 @@ def fixed_input_size(name: str) -> int | None:
     return int(cfg["input_size"][-1]) if cfg.get("fixed_input_size") else None
 
 
-def classifier_key(name: str) -> str | None:
-    """The state-dict prefix of the model's classifier (``fc``, ``head.fc``…), from its config."""
-    classifier = _config(name).get("classifier")
-    if isinstance(classifier, (tuple, list)):
-        classifier = classifier[0]
-    return str(classifier) if classifier else None
-
-
 def head_classes(state: Mapping[str, Any], name: str) -> int | None:
-    key = classifier_key(name)
+    """The class count of ``state``'s classifier, found by the state-dict prefix (``fc``, ``head.fc``…) the
+    model's config names."""
+    key = _config(name).get("classifier")
+    if isinstance(key, (tuple, list)):
+        key = key[0]
     weight = state.get(f"{key}.weight") if key else None
     return int(weight.shape[0]) if weight is not None and weight.ndim >= 1 else None
 

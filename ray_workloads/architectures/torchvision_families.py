@@ -1,14 +1,10 @@
 """Which classifiers rayline builds by name, where each keeps its head, and what input each accepts.
 
-Every name in ``torchvision.models.list_models(module=torchvision.models)``
-is accepted, plus the digits' small CNN. A name's family is the torchvision
-module its builder lives in (``resnext50_32x4d`` → ``resnet``), so a new
-architecture of a known family needs no entry here, and :data:`FAMILIES` is
-the one place that says, per family, where the classifier head is, how the
-model is built, and whether its input size is fixed. Models are always built
-with ``weights=None``: nothing is downloaded. The ImageNet preprocessing of
-an architecture comes from its torchvision weights entry's metadata
-(``transforms()``, never ``get_state_dict()``), which ships with the package.
+Every classifier ``torchvision.models.list_models`` names, plus the digits' small CNN. A name's family is the
+torchvision module of its builder (``resnext50_32x4d`` → ``resnet``), so a new architecture of a known family
+needs no entry: :data:`FAMILIES` says, per family, where the head is, how it is built and whether its input
+size is fixed. Built with ``weights=None`` (no download); preprocessing and class names come from the weights
+entry's metadata, which ships with the package.
 """
 
 from __future__ import annotations
@@ -41,27 +37,18 @@ class Family:
     auxiliary: tuple[str, ...] = ()
 
 
-# Keyed by the torchvision module holding the builders. googlenet and inception are built as torchvision
-# builds them for its own weights: input re-normalised inside (transform_input), no auxiliary heads (their
-# tuple output would not train, and a state dict saved from torchvision's weights has none or ignores them).
+# googlenet and inception as torchvision builds them for its own weights: input re-normalised inside, no
+# auxiliary heads (their tuple output would not train; a state dict of torchvision's weights has none or ignores them)
+_AS_TORCHVISION_WEIGHTS = {"aux_logits": False, "transform_input": True, "init_weights": True}
+# keyed by the torchvision module holding the builders
 FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         Family("resnet", "fc"),  # resnet, resnext, wide_resnet
         Family("regnet", "fc"),
         Family("shufflenetv2", "fc"),
-        Family(
-            "googlenet",
-            "fc",
-            build_kwargs={"aux_logits": False, "transform_input": True, "init_weights": True},
-            auxiliary=("aux1.", "aux2."),
-        ),
-        Family(
-            "inception",
-            "fc",
-            build_kwargs={"aux_logits": False, "transform_input": True, "init_weights": True},
-            auxiliary=("AuxLogits.",),
-        ),
+        Family("googlenet", "fc", build_kwargs=_AS_TORCHVISION_WEIGHTS, auxiliary=("aux1.", "aux2.")),
+        Family("inception", "fc", build_kwargs=_AS_TORCHVISION_WEIGHTS, auxiliary=("AuxLogits.",)),
         Family("alexnet", "classifier.6"),
         Family("vgg", "classifier.6"),
         Family("mobilenetv2", "classifier.1"),
@@ -145,11 +132,8 @@ def classifier_head(model: nn.Module, arch: str) -> tuple[nn.Module, str, nn.Lin
 
 
 def head_classes(state: Mapping[str, Any], arch: str | None = None) -> int | None:
-    """The class count a state dict's classifier head was trained for.
-
-    With ``arch``: the rows of its family's head weight; else those of the
-    last 2-D weight (the last Linear of most classifiers).
-    """
+    """The class count a state dict's classifier head was trained for: the rows of ``arch``'s head
+    weight, else of the last 2-D weight (the last Linear of most classifiers)."""
     if arch is not None:
         head = state.get(f"{family_of(arch).head}.weight")
         if isinstance(head, torch.Tensor):
@@ -175,12 +159,9 @@ def replace_head(model: nn.Module, arch: str, num_classes: int) -> nn.Module:
 
 
 def weights_entry(arch: str) -> Any:
-    """The torchvision weights entry ``arch``'s preprocessing and class names come from (metadata only).
-
-    The default entry, unless the family's input size is fixed and the default
-    wants another (``vit_h_14``'s default is 518 px; rayline builds it for 224):
-    then the first entry made for the size the built model takes.
-    """
+    """The torchvision weights entry ``arch``'s preprocessing and class names come from (metadata only):
+    the default, unless the family's input size is fixed and the default wants another (``vit_h_14``'s
+    is 518 px; rayline builds it for 224), then the first entry made for the size it takes."""
     family = family_of(arch)
     if arch == SMALL_CNN:
         raise ConfigError(f"{SMALL_CNN} has no torchvision weights entry: use --preprocess squash with it")
@@ -190,17 +171,13 @@ def weights_entry(arch: str) -> Any:
     default = enum.DEFAULT
     if family.fixed_size is None:
         return default
-    fitting = [e for e in (default, *enum) if _crop_of(e) == family.fixed_size]
+    fitting = [e for e in (default, *enum) if int(e.transforms().crop_size[0]) == family.fixed_size]
     if not fitting:
         raise ConfigError(
             f"{arch} is built for {family.fixed_size}×{family.fixed_size} input but none of its torchvision "
             f"weights entries is: give --crop {family.fixed_size} and --resize"
         )
     return fitting[0]
-
-
-def _crop_of(entry: Any) -> int:
-    return int(entry.transforms().crop_size[0])
 
 
 def imagenet_image_spec(arch: str) -> ImageSpec:
@@ -221,19 +198,9 @@ def imagenet_classes(arch: str = "resnet50") -> list[str]:
     return list(weights_entry(arch).meta["categories"])
 
 
-def min_side(arch: str) -> int:
-    """The smallest input side ``arch`` runs at (its weights entry's ``min_size``)."""
-    if arch == SMALL_CNN:
-        return SMALL_CNN_MIN_SIDE
-    return int(weights_entry(arch).meta["min_size"][0])
-
-
 def check_input_size(arch: str, crop: int, resize: int | None = None) -> None:
     """Refuse an input size ``arch`` cannot take, naming the size it needs, before any cluster time.
-
-    ``crop``: the side of the square the model sees; ``resize``: the shorter
-    side before the centre crop, if any.
-    """
+    ``crop``: the side of the square the model sees; ``resize``: the shorter side before the crop."""
     fixed = family_of(arch).fixed_size
     if fixed is not None:
         if crop != fixed:
@@ -246,7 +213,7 @@ def check_input_size(arch: str, crop: int, resize: int | None = None) -> None:
                 f"{arch} takes only {fixed}×{fixed} input, but --resize {resize} makes the shorter side smaller "
                 f"than that crop: use a --resize of at least {fixed}"
             )
-    smallest = min_side(arch)
+    smallest = SMALL_CNN_MIN_SIDE if arch == SMALL_CNN else int(weights_entry(arch).meta["min_size"][0])
     if crop < smallest:
         raise ConfigError(
             f"{arch} needs input of at least {smallest}×{smallest}, but the image spec gives {crop}×{crop}"

@@ -1,18 +1,11 @@
 """Ops monitoring: serving health from the router's ``/stats``, drift of committed prediction partitions.
 
-Drift of a partition is judged against a reference distribution: the
-champion's training label counts when it was trained here, else (an outside
-model, which has no training data) the predicted classes of a reference night
-of the same model (:func:`night_reference`):
-
-* **class PSI** — population-stability index of the predicted-class shares vs
-  the reference shares (0.1 notable, 0.2 the usual alarm);
-* **low-confidence share** — predictions under ``low_confidence`` confidence:
-  images unlike anything the model was trained on get flat scores;
-* **error fraction** — inputs that could not be predicted at all.
-
-Plain functions (no Prefect, no Ray): the monitor flow calls them, and the
-Prometheus text they produce is what teams that scrape get.
+A partition's drift is judged against the champion's training label counts when it was trained here,
+else (an outside model has no training data) the predicted classes of a reference night
+(:func:`night_reference`): **class PSI** of the predicted-class shares (0.1 notable, 0.2 the usual alarm);
+**low-confidence share**, predictions under ``low_confidence`` (images unlike anything the model was
+trained on get flat scores); **error fraction**, inputs that could not be predicted at all.
+Plain functions (no Prefect, no Ray): the monitor flow calls them.
 """
 
 from __future__ import annotations
@@ -131,12 +124,8 @@ def psi(reference: Mapping[str, float], actual: Mapping[str, float], floor: floa
 
 
 def smoothed_psi(reference: Mapping[str, int], actual: Mapping[str, int], alpha: float) -> float:
-    """PSI of two count tables with ``alpha`` added to each class seen in either.
-
-    Only the classes seen in either table count: a class neither night
-    predicted has equal shares in both and only adds pseudo-counts that would
-    drown a small night (1,000 × 0.5 against a few hundred images).
-    """
+    """PSI of two count tables with ``alpha`` added to each class seen in either: a class neither
+    predicted only adds pseudo-counts that would drown a small night (1,000 × 0.5 against a few hundred)."""
     classes = set(reference) | set(actual)
     if not classes:
         return 0.0
@@ -157,10 +146,9 @@ def shares(counts: Mapping[str, int]) -> dict[str, float]:
 def serving_health(url: str, thresholds: DriftThresholds, model: str | None = None) -> ServingHealth:
     """The router's view of ``model`` (None: the default model): is a version taking traffic, how each answers.
 
-    A model the router doesn't serve is reported as such, not as unhealthy. A ``/stats`` answered 429
-    is no data, not a fault: its budget is per client address, shared with any dashboard on the
-    monitor's host. Health is then judged by ``/healthz`` alone, without per-version figures.
-    """
+    A model the router doesn't serve is reported as such, not as unhealthy. A ``/stats`` answered 429 is no
+    data, not a fault (its budget is per client address, shared with any dashboard on the monitor's host):
+    health is then judged by ``/healthz`` alone."""
     base = f"{url}/models/{model}" if model else url
     try:
         stats_response = httpx.get(f"{base}/stats", timeout=10)
@@ -178,7 +166,12 @@ def serving_health(url: str, thresholds: DriftThresholds, model: str | None = No
         problem = f"/healthz answered {health.status_code}"
     elif bad:
         problem = ", ".join(f"v{v.version} error rate {v.error_rate:.1%}" for v in bad)
-    stats_problem = _rate_limited(stats_response) if limited else None
+    stats_problem = None
+    if limited:
+        stats_problem = (
+            f"/stats answered 429 (retry after {stats_response.headers.get('Retry-After', '?')} s): another "
+            "client at this address spent the per-address budget; no per-version figures this time"
+        )
     return ServingHealth(
         url=url,
         reachable=True,
@@ -204,23 +197,10 @@ def _version_health(stats: Mapping[str, Any]) -> list[VersionHealth]:
     ]
 
 
-def _rate_limited(response: httpx.Response) -> str:
-    wait = response.headers.get("Retry-After", "?")
-    return (
-        f"/stats answered 429 (retry after {wait} s): another client at this address spent the per-address "
-        "budget; no per-version figures this time"
-    )
-
-
 def reference_for(champion: ModelVersion, root: str, reference_date: str | None, low_confidence: float) -> Reference:
-    """What the champion's nights are judged against.
-
-    A champion trained here: its training label counts (unless a reference
-    date is named). An outside one has no training data: the predicted
-    classes of ``reference_date``'s night, else of the model's first committed
-    night — "has it changed since it started?" rather than "is it like what it
-    learned from?".
-    """
+    """What the champion's nights are judged against: its training label counts when it was trained here
+    (and no reference date is named), else the predicted classes of ``reference_date``'s night or the model's
+    first committed one: "has it changed since it started?" rather than "is it like what it learned from?"."""
     if reference_date is None and champion.data_manifest_uri is not None:
         counts = preprocess.read_manifest(champion.data_manifest_uri).class_counts["train"]
         return Reference(kind="training labels", uri=champion.data_manifest_uri, counts=dict(counts))
@@ -229,11 +209,8 @@ def reference_for(champion: ModelVersion, root: str, reference_date: str | None,
 
 
 def night_reference(root: str, model_name: str, dt: str | None, low_confidence: float) -> Reference:
-    """The reference night of a model: ``dt`` if named, else its first committed night.
-
-    ``low_confidence`` is the confidence under which a prediction counts as
-    unsure: the reference night's unsure share is kept to judge later nights by.
-    """
+    """The reference night of a model: ``dt`` if named, else its first committed night; its share of
+    predictions under ``low_confidence`` is kept to judge later nights by."""
     if dt is None:
         nights = committed_nights(root, model_name)
         if not nights:
@@ -262,10 +239,8 @@ def night_reference(root: str, model_name: str, dt: str | None, low_confidence: 
 def night_drift(
     root: str, model_name: str, dt: str, reference_counts: Mapping[str, int] | Reference, t: DriftThresholds
 ) -> PartitionDrift:
-    """Compare one committed night's predictions with the reference distribution.
-
-    A plain mapping is the training label counts (shares floored for the PSI).
-    """
+    """Compare one committed night's predictions with the reference (a plain mapping: training label
+    counts, shares floored for the PSI)."""
     if not isinstance(reference_counts, Reference):
         reference_counts = Reference(kind="training labels", uri="", counts=dict(reference_counts))
     ref = reference_counts

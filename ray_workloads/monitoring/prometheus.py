@@ -64,19 +64,13 @@ def prometheus_text(
     now: float | None = None,
     shadows: Mapping[str, ShadowSummary] | None = None,
 ) -> str:
-    """The monitor's reading in Prometheus' text format, from ``prometheus_client`` (escaping, types, HELP).
+    """The monitor's reading in Prometheus' text format.
 
-    Labels stay bounded, as Prometheus asks: model, stage, model version, and
-    for nights ``night`` = how many committed nights back (0 = the newest, up to
-    the monitor's ``partitions``); the night's date is a gauge's value
-    (``rayline_predictions_night_timestamp_seconds``), not a label, and no
-    per-run id is a label, so each run replaces the same series. Labelled
-    quality counts its nights the same way, among the nights that have labels.
-    ``rayline_monitor_last_run_timestamp_seconds`` (``now``) tells a stale file
-    from a quiet model; ``thresholds`` are exported so alert rules compare
-    against the same limits the monitor judged by. ``shadows``: by night, the
-    version scored in its shadow against the champion (``rayline_shadow_*``,
-    the shadow's version in ``model_version``, ``night`` counted as above).
+    Labels stay bounded, as Prometheus asks: model, stage, model version, and for nights ``night``, how many
+    committed nights back (0: the newest); a night's date is a gauge's value and no per-run id is a label,
+    so each run replaces the same series. Labelled quality and ``shadows`` (by night, the version scored in
+    its shadow, in ``model_version``) count nights back the same way. ``now`` tells a stale file from a
+    quiet model; ``thresholds`` are exported so alert rules compare against the limits the monitor used.
     """
     ran = {"model": model}
     families: list[Metric] = [

@@ -1,18 +1,11 @@
 """Each registered version as a real MLflow model, for the registry mirror (``rayline.models.mlflow_mirror``).
 
-What is logged: an MLflow pyfunc written as code (MLflow's models-from-code,
-:mod:`rayline.ray_workloads.registration.mlflow_pyfunc`), with the version's own files as its
-artifacts, so ``mlflow.pyfunc.load_model("models:/<name>@champion")`` loads
-what the MLflow UI shows and predicts what rayline predicts, preprocessing
-included. Why not ``mlflow.pytorch``: it pickles the whole module, and rayline
-keeps pickles out of its registry; a cloudpickled ``PythonModel`` is a pickle
-too. Why not ``mlflow.onnx`` as well: it would cover only ONNX files, and it
-takes normalised tensors, so every caller would have to redo rayline's
-preprocessing. The pyfunc covers every format with one input: image bytes.
-
-The core mirror decides what to log and when; this layer says how a version
-becomes an MLflow model, because that needs rayline's model interface, which
-the core may not import. Tasks call :func:`reconcile` here.
+An MLflow pyfunc written as code (``mlflow_pyfunc``) with the version's own files as artifacts, so
+``mlflow.pyfunc.load_model("models:/<name>@champion")`` predicts what rayline predicts from image bytes,
+preprocessing included, for every format. Not ``mlflow.pytorch``, nor a cloudpickled ``PythonModel``: both
+pickle, and rayline keeps pickles out of its registry. Not ``mlflow.onnx``: ONNX only, and it takes
+normalised tensors. This layer, not the core mirror, says how a version becomes an MLflow model because
+that needs rayline's model interface, which the core may not import. Tasks call :func:`reconcile` here.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """rayline's MLflow pyfunc, logged as code: image bytes in, the version's classes out.
 
-The registry mirror logs this file with each version (MLflow's models-from-code,
-:mod:`rayline.ray_workloads.registration.mlflow_models`): MLflow copies the file into the model and
-runs it on load, so no Python object is pickled. The artifacts are the
-version's own files: ``version.json`` (the :class:`~rayline.models.registry.ModelVersion`),
-its model file (a tensors-only state dict, TorchScript, ``.pt2`` or ONNX) and,
-for a factory model shipped with ``--code``, its code zip. ``load_context``
-points the version at those local copies and loads it through rayline's one
-model interface; ``predict`` decodes each image with the version's image spec
-(``decode_image``, as nights and serving do) and answers the class index,
-name and confidence, the top-k and, for an image that cannot be decoded, why.
-
-Input: a DataFrame with a binary column ``image`` of encoded image files (or
+The registry mirror (``mlflow_models``) logs this file, which MLflow runs on load: no Python object is
+pickled. Its artifacts are the version's own files: ``version.json``, its model file and, for a factory
+shipped with ``--code``, its code zip. Images are decoded with the version's image spec, as nights and
+serving do. Input: a DataFrame with a binary column ``image`` of encoded image files (or
 ``{"image": [...]}``); MLflow's scoring server takes them base64-encoded in JSON.
 """
 

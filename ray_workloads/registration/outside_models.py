@@ -1,35 +1,18 @@
 """Register an outside model: whatever the user saved from their notebook, as a new version.
 
-What is accepted (``ModelSpec.arch`` records which):
+Accepted (``ModelSpec.arch`` records which): a state dict of a torchvision classifier (``--arch resnet50``),
+a timm model (``--arch timm:<name>``) or the user's own class (``--factory package.module:build``), read
+with ``torch.load(weights_only=True)`` (a pickled whole model is refused with how to export a state dict)
+and checked against the module built for the class count; or a code-free file (TorchScript, ``.pt2``,
+ONNX), detected from its content, loaded without unpickling arbitrary objects and probed with a forward
+pass at the declared input size. A factory's code (installed on the cluster, or ``--code`` shipped with
+the model) is imported on every node, then built, loaded and probed in a Ray task, so what the cluster
+cannot run is refused here, naming the node.
 
-* a state dict (``torch.save(model.state_dict(), …)``) of any torchvision
-  classifier (``--arch resnet50``), of a timm model (``--arch timm:<name>``)
-  or of the user's own class (``--factory package.module:build``), read with
-  ``torch.load(weights_only=True)`` (a pickled whole model is refused with how
-  to export a state dict) and checked against the module built for the class
-  count (missing, unexpected and mis-shaped keys are named);
-* a code-free file: TorchScript, a ``torch.export`` program (``.pt2``) or
-  ONNX, detected from its content, loaded without unpickling arbitrary
-  objects (:mod:`rayline.ray_workloads.architectures.model_files`) and probed with a forward pass at
-  the declared input size: one finite score per class, or refused with the
-  shapes seen.
-
-A factory's code must import on the cluster: from a package installed
-there, or from the folder ``--code`` names, stored with the model and shipped
-with Ray's ``runtime_env``. Registration imports it on every node, then
-builds, loads and probes the model in a Ray task, so a factory the cluster
-cannot import is refused here, naming the node and the error.
-
-The version records where the file came from (URI, SHA-256, size), the
-class names (a file of one name a line, a JSON sidecar, or torchvision's
-ImageNet categories) and the image spec the model expects (``imagenet``: the
-architecture's own evaluation transform, from torchvision's weights entry or
-timm's pretrained config; a sidecar's ``image``). An input size the
-architecture cannot take is refused here, before any cluster time.
-
-Registering the same bytes for the same name, model, classes and image spec
-again returns the version already registered, so a retried command is
-harmless.
+The version records where the file came from (URI, SHA-256, size), the class names and the image spec
+the model expects; an input size the architecture cannot take is refused before any cluster time. The
+same bytes registered again as the same model, classes and image spec return the version already
+registered, so a retried command is harmless.
 """
 
 from __future__ import annotations
@@ -64,6 +47,7 @@ from rayline.ray_workloads.architectures.torchvision_families import (
     family_of,
     imagenet_classes,
     imagenet_image_spec,
+    torchvision_names,
 )
 from rayline.ray_workloads.data.images import decode_image
 from rayline.ray_workloads.registration.request import IMAGENET, RegisterRequest
@@ -115,14 +99,8 @@ class RegisterModelResult(BaseModel):
 
     def lineage_outputs(self) -> list[DatasetRef]:
         """The version, pinned to its weights' SHA-256, with the alias it got."""
-        moves = [self.alias_move.model_dump(mode="json")] if self.alias_move else []
-        return [
-            DatasetRef(
-                uri=self.version.uri,
-                content_hash=self.weights_source.sha256,
-                facets={"moves": moves, "reused": self.reused},
-            )
-        ]
+        facets = {"moves": [self.alias_move.model_dump(mode="json")] if self.alias_move else [], "reused": self.reused}
+        return [DatasetRef(uri=self.version.uri, content_hash=self.weights_source.sha256, facets=facets)]
 
 
 def _names_from(lines: list[str], source: str) -> list[str]:
@@ -138,18 +116,12 @@ def _names_from(lines: list[str], source: str) -> list[str]:
 def read_classes(source: str, arch: str) -> list[str]:
     """Class names: torchvision's ImageNet categories, or one name a line from a file or S3 object."""
     if source == IMAGENET:
-        return imagenet_classes(arch if arch in _torchvision_archs() else "resnet50")
+        return imagenet_classes(arch if arch in torchvision_names() else "resnet50")
     try:
         text = storage.read_bytes(source).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputDataError(f"classes file {source} is not UTF-8 text (one class name a line)") from exc
     return _names_from(text.splitlines(), f"classes file {source}")
-
-
-def _torchvision_archs() -> tuple[str, ...]:
-    from rayline.ray_workloads.architectures.torchvision_families import torchvision_names
-
-    return torchvision_names()
 
 
 class Sidecar(BaseModel):
@@ -183,7 +155,7 @@ def base_image_spec(spec: ModelSpec) -> ImageSpec:
     """The architecture's own evaluation transform: torchvision's weights entry, timm's config, else ImageNet's."""
     if spec.timm_name is not None:
         return timm_models.image_spec(spec.timm_name)
-    if spec.arch in _torchvision_archs():
+    if spec.arch in torchvision_names():
         return imagenet_image_spec(spec.arch)
     return GENERIC_IMAGENET
 
@@ -223,7 +195,7 @@ def check_size(spec: ModelSpec, crop: int, resize: int | None) -> None:
                 f"{spec.arch} takes only {fixed}×{fixed} input (its position embeddings are fixed), but the image "
                 f"spec gives {crop}×{crop}: it needs crop {fixed} (register-model: --crop {fixed}, or no --crop)"
             )
-    elif spec.arch in _torchvision_archs():
+    elif spec.arch in torchvision_names():
         check_input_size(spec.arch, crop, resize)
 
 
@@ -411,14 +383,9 @@ def read_sample_images(prefix_uri: str, image: ImageSpec) -> np.ndarray:
 def _same_registration(
     name: str, spec: ModelSpec, image: ImageSpec, classes: list[str], source: WeightsSource
 ) -> registry.ModelVersion | None:
+    """The newest version registered from the same bytes as the same model, classes and image spec."""
     for version in reversed(registry.list_versions(name)):
-        ws = version.weights_source
-        if (
-            ws is not None
-            and ws.sha256 == source.sha256
-            and version.model_spec == spec
-            and version.image_spec == image
-            and version.classes == classes
-        ):
+        same_file = version.weights_source is not None and version.weights_source.sha256 == source.sha256
+        if same_file and (version.model_spec, version.image_spec, version.classes) == (spec, image, classes):
             return version
     return None

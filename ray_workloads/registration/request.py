@@ -1,9 +1,7 @@
 """What a register-model run is asked: one typed request, the same from the command line and the flow's form
-to the stage (:func:`rayline.ray_workloads.registration.outside_models.run`), checked here alone.
-
-Plain pydantic without torch or Prefect, so that the command line builds its options from the fields
-(``rayline.cli.request_options``).
-"""
+to the stage (:func:`rayline.ray_workloads.registration.outside_models.run`), checked here alone. Plain
+pydantic without torch or Prefect: the command line builds its options from the fields
+(``rayline.cli.request_options``)."""
 
 from __future__ import annotations
 

@@ -22,24 +22,7 @@ A request (``POST /models/<name>/predict``; ``/predict`` for the default model):
                                ▼
                              ServeControl: routing table, StatsBook            routing, stats
 
-A rollout (``rollout``, and ``canary`` for the registry's side: the incumbent, the champion
-alias a promotion moves; the serve-rollout flow's tasks call them step by step)::
-
-    prepare    Serve, ServeControl and the Router up; weight a dead rollout    control, applications
-               left off the champion goes back to it (canary.reconcile); the
-               incumbent, the champion, serves (at 100 % if nothing of its
-               model did); the candidate at 0 %
-    each step  first step only: agreement, the same images pinned to both
-    (10, 50,   set_weights {incumbent: 100 - w, candidate: w}: one new table
-     100 %)    generation, returned once every router routes by it
-               soak: unpinned probes through the router for soak_s (up to
-               3× longer until the candidate has min_requests answers)
-               judge the window's gated stats (routed, not 4xx): error rate,
-               p95 against the incumbent's, at least min_requests answers
-    all pass   retire: the candidate at 100 %, the old version's app deleted
-    one fails  roll_back: the incumbent at 100 %, the candidate's app deleted
-
-``champion`` judges serving against the registry: the version with the most traffic should be the
-champion. Imports ``data``, ``execution`` and ``monitoring``. Nothing is imported here: the control
-actor imports ``routing`` alone, without Serve's HTTP stack or torch.
+``rollout`` steps a candidate's weight and judges it; ``canary`` is the registry's side (the incumbent, the
+champion alias); ``champion`` checks that the version with the most traffic is the champion. Imports ``data``,
+``execution`` and ``monitoring``; nothing here, so the control actor loads ``routing`` alone, without torch.
 """

@@ -1,8 +1,6 @@
-"""Ray Serve applications of a serving instance: deployed together, waited for, deleted.
-
-The plumbing under ``control``: Serve's own calls, with its failures mapped onto rayline's
-errors (a model or weights that fail to load are bad input, anything else the cluster's).
-"""
+"""Ray Serve applications of a serving instance, deployed together, waited for, deleted: Serve's own calls
+under ``control``, its failures mapped onto rayline's errors (a model or weights that fail to load are bad
+input, anything else the cluster's)."""
 
 from __future__ import annotations
 
@@ -18,11 +16,8 @@ from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview
 from rayline.errors import ClusterError, InputDataError
 from rayline.ray_workloads.serving.config import ServeConfig
 
-
-def app_status(name: str) -> ApplicationStatus | None:
-    """The status of application ``name``; None when there is none."""
-    app = serve.status().applications.get(name)
-    return app.status if app is not None else None
+# statuses an application is submitted again from, rather than waited for
+_REDEPLOYED = (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY, ApplicationStatus.DELETING)
 
 
 def start_serve(cfg: ServeConfig) -> None:
@@ -43,11 +38,8 @@ def start_serve(cfg: ServeConfig) -> None:
 
 @dataclass(frozen=True)
 class DeployTarget:
-    """One application for :func:`run_and_wait` to see RUNNING.
-
-    ``app`` None: not submitted, only waited for (someone else is deploying it). ``in_service``:
-    it answered traffic before this call (a live version, a router with running replicas).
-    """
+    """One application for :func:`run_and_wait` to see RUNNING. ``app`` None: only waited for (someone
+    else deploys it); ``in_service``: it answered traffic before (a live version, a running router)."""
 
     name: str
     app: Any | None
@@ -71,12 +63,9 @@ def has_running_replicas(app: ApplicationStatusOverview | None) -> bool:
 
 
 def run_and_wait(targets: Sequence[DeployTarget], timeout_s: float) -> dict[str, str]:
-    """Deploy Serve applications together and wait until each is RUNNING.
-
-    Returns ``{name: why}`` of those that failed or timed out. Of those, the
-    :attr:`DeployTarget.deletable` ones are deleted again; the others are left as they are,
-    serving as they can (the caller raises).
-    """
+    """Deploy Serve applications together and wait until each is RUNNING; ``{name: why}`` of those that
+    failed or timed out. Of those, the :attr:`DeployTarget.deletable` ones are deleted again; the others
+    are left serving as they can (the caller raises)."""
     if not targets:
         return {}
     submit = [serve.RunTarget(t.app, name=t.name, route_prefix=t.route_prefix) for t in targets if t.app is not None]
@@ -111,11 +100,7 @@ def run_and_wait(targets: Sequence[DeployTarget], timeout_s: float) -> dict[str,
 def needs_deploy(app: Any) -> bool:
     """Whether an application (its ``serve.status()`` overview, None when absent) must be submitted,
     rather than waited for."""
-    return app is None or app.status in (
-        ApplicationStatus.DEPLOY_FAILED,
-        ApplicationStatus.UNHEALTHY,
-        ApplicationStatus.DELETING,
-    )
+    return app is None or app.status in _REDEPLOYED
 
 
 def raise_deploy_failures(failures: dict[str, str]) -> None:
@@ -130,7 +115,8 @@ def raise_deploy_failures(failures: dict[str, str]) -> None:
 
 def delete_apps(apps: Sequence[str], timeout_s: float = 120.0) -> None:
     """Delete Serve applications all at once (each drains for a few seconds) and wait until they are gone."""
-    doomed = [app for app in apps if app_status(app) is not None]
+    present = serve.status().applications
+    doomed = [app for app in apps if app in present]
     try:
         for app in doomed:
             serve.delete(app, _blocking=False)

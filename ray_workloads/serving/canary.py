@@ -1,17 +1,9 @@
 """The registry's side of a canary rollout: which version is the incumbent, and how a rollout ends.
 
-``rollout`` moves traffic and judges steps without touching the registry;
-here the incumbent is chosen (the model's live version with most traffic,
-else its champion), a promotion moves the champion alias before the old
-version is retired, and each ending is an outcome that declares its lineage
-(both versions in, the candidate out, with why).
-
-A rollout starts by reconciling serving with the registry (:func:`reconcile`):
-it runs holding the model's rollout lease, so weight on any version but the
-champion was left by a rollout that did not finish (its process killed, its
-lease expired), or was served by hand (``rayline serve start``) before the
-champion alias moved to another version. The registry is the source of truth: that weight goes back to
-the champion, which is then the incumbent, and the rollout says so.
+``rollout`` moves traffic and judges steps without touching the registry; here the incumbent is chosen,
+a promotion moves the champion alias before the old version is retired, and each ending is an outcome
+that declares its lineage (both versions in, the candidate out, with why). The registry is the source of
+truth: a rollout first gives the champion back any weight another version holds (:func:`reconcile`).
 """
 
 from __future__ import annotations
@@ -22,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from rayline.lineage import DatasetRef
 from rayline.models import registry
-from rayline.ray_workloads.serving import rollout
+from rayline.ray_workloads.serving import control, rollout
 from rayline.ray_workloads.serving.config import ServeConfig
 from rayline.storage.fencing import Fence
 
@@ -54,10 +46,8 @@ def leftover_shares(weights: dict[int, float], champion: int) -> dict[int, float
 
 
 class PreparedRollout(BaseModel):
-    """What a rollout serves, and the fencing token of its lease that each of its traffic moves carries
-    (None outside a rollout flow): a rollout paused past its lease's ttl is refused by the control actor.
-    Its champion move is fenced the same way, by the champion it read (``champion``): the alias moves
-    only from that version."""
+    """What a rollout serves, and its lease's fencing token, carried by each of its traffic moves (None
+    outside a rollout flow). Its champion move is fenced by the champion it read: the alias moves only from it."""
 
     base_url: str
     incumbent: registry.ModelVersion
@@ -105,16 +95,14 @@ class Promotion(RolloutOutcome):
 
 
 def reconcile(candidate: registry.ModelVersion, serve: ServeConfig, fence: Fence | None) -> Reconciliation | None:
-    """Roll back to the champion the weight a rollout that did not finish left on other versions (None: none).
-
-    Called holding the model's rollout lease, so no other rollout is moving weights: any weight off the
-    champion is a dead rollout's (a finished one leaves one version at 100 %: promoted or rolled back).
-    Its versions leave serving, except ``candidate``, which this rollout deploys anyway.
+    """Roll back to the champion the weight left on other versions (None: none); they leave serving but
+    ``candidate``. Called holding the model's rollout lease, so any weight off the champion was left by a
+    dead rollout (a finished one leaves one version at 100 %) or served by hand before the alias moved.
     """
     champion = registry.alias_version(candidate.name, registry.CHAMPION)
     if champion is None:  # nothing in the registry to disagree with
         return None
-    left = leftover_shares(rollout.served_weights(serve, candidate.name), champion)
+    left = leftover_shares(control.get_weights(serve, model=candidate.name, settled=True), champion)
     if not left:
         return None
     stray = [v for v in left if v != candidate.version]
@@ -123,13 +111,10 @@ def reconcile(candidate: registry.ModelVersion, serve: ServeConfig, fence: Fence
 
 
 def prepare(candidate: registry.ModelVersion, serve: ServeConfig, fence: Fence | None = None) -> PreparedRollout:
-    """Serve the incumbent (the champion; the model's live version with most traffic when it has none)
-    and the candidate at 0%, after reconciling serving with the registry (:func:`reconcile`).
-
-    The caller holds the model's rollout lease. A candidate that is the incumbent already (e.g. a second
-    trigger) is left as it serves: nothing to roll out.
-    """
-    base_url = rollout.start(serve)
+    """After :func:`reconcile`, serve the incumbent (the model's live version with most traffic, else the
+    champion) and the candidate at 0%. The caller holds the model's rollout lease; a candidate that is
+    the incumbent already (a second trigger) is left as it serves."""
+    base_url = control.start(serve)
     champion = registry.alias_version(candidate.name, registry.CHAMPION)  # what the promotion may move from
     reconciled = reconcile(candidate, serve, fence)
     live = rollout.incumbent_version(serve, candidate.name)
@@ -154,10 +139,9 @@ def promote(
 ) -> Promotion:
     """The candidate becomes champion, then takes all of its model's traffic and the old version goes.
 
-    ``rollout_holder``: the holder of the model's rollout lease, which this rollout must still hold. The
-    champion moves only from the version this rollout prepared against (``AliasConflict`` otherwise,
-    serving untouched): a rollout paused past its lease's ttl after that check must not overwrite the
-    champion a rollout that took over has promoted since.
+    ``rollout_holder`` must still hold the model's rollout lease, and the champion moves only from the
+    version this rollout prepared against (``AliasConflict`` otherwise, serving untouched): a rollout
+    paused past its lease's ttl must not overwrite what a rollout that took over has promoted since.
     """
     cand = prepared.candidate
     reason = f"canary rollout passed every step ({', '.join(f'{s.weight:g}%' for s in steps)})"
@@ -173,5 +157,5 @@ def roll_back(
 ) -> RolloutOutcome:
     """All of the model's traffic back on the incumbent; the candidate's deployment goes."""
     cand = prepared.candidate
-    rollout.roll_back(prepared.incumbent.version, cand.version, serve, model=cand.name, fence=prepared.fence)
+    rollout.retire(cand.version, prepared.incumbent.version, serve, model=cand.name, fence=prepared.fence)
     return RolloutOutcome(outcome=ROLLED_BACK, prepared=prepared, steps=steps, reason=reason)

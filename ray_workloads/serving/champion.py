@@ -1,10 +1,9 @@
 """Whether serving agrees with the registry: the version with the most traffic should be the champion.
 
-A rollout moves traffic before it moves the champion alias, so while one runs (it holds the model's
-rollout lease) a candidate with the most traffic is its soak, not a fault. With no rollout holding the
-lease, most traffic on another version is what a rollout that did not finish (its process killed)
-left: nightly inference uses the champion while online clients get another model, until the next
-serve-rollout rolls it back (``serving.canary.reconcile``). The monitor reports it as unhealthy.
+A rollout moves traffic before the champion alias, so while one holds the model's rollout lease a
+candidate with the most traffic is its soak, not a fault. With none holding it, most traffic on another
+version was left by a rollout that did not finish (nightly inference uses the champion while online
+clients get another model, until the next serve-rollout rolls it back): the monitor reports it unhealthy.
 """
 
 from __future__ import annotations
@@ -30,23 +29,14 @@ def check_champion(health: ServingHealth, champion: int | None, rollout_holder: 
         "rollout holds the model's lease: a rollout that did not finish left it (the next serve-rollout rolls "
         "it back to the champion)"
     )
-    return checked.model_copy(
-        update={
-            "healthy": False,
-            "champion_mismatch": True,
-            "problem": problem if health.problem is None else f"{health.problem}; {problem}",
-        }
-    )
-
-
-def live_rollout_holder(model: str) -> str | None:
-    """Who holds ``model``'s rollout lease now (None: nobody, released, or expired)."""
-    current = leases.read(registry.rollout_lease_uri(model))
-    return current.holder if current is not None and current.is_live() else None
+    problems = problem if health.problem is None else f"{health.problem}; {problem}"
+    return checked.model_copy(update={"healthy": False, "champion_mismatch": True, "problem": problems})
 
 
 def serving_against_registry(health: ServingHealth, model: str) -> ServingHealth:
     """:func:`check_champion` with the champion alias and the rollout lease read from the registry."""
     if not health.served or not health.reachable:
         return health
-    return check_champion(health, registry.alias_version(model, registry.CHAMPION), live_rollout_holder(model))
+    lease = leases.read(registry.rollout_lease_uri(model))
+    holder = lease.holder if lease is not None and lease.is_live() else None  # None: released or expired
+    return check_champion(health, registry.alias_version(model, registry.CHAMPION), holder)

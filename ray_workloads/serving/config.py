@@ -1,8 +1,5 @@
-"""What one serving instance is configured with: names, HTTP endpoint, input limits and compute shape.
-
-And this environment's instance, from settings (:func:`config_from_settings`): no Ray, no I/O, so
-flows and the CLI read it without the control module.
-"""
+"""What one serving instance is configured with, and this environment's instance from settings
+(:func:`config_from_settings`): no Ray, no I/O, so flows and the CLI read it without ``control``."""
 
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
 """Driver-side control of online serving: what the rollout flow calls.
 
-Starts Serve, the router and the control actor (``routing.ServeControl``, the single
-writer of the routing table), deploys versions and moves traffic by talking to that actor.
-Submitting, waiting for and deleting Serve applications is ``applications``'s part.
-
-One instance serves several models: every call about versions, weights or stats takes
-``model=`` (a registry name; None means the default model, see ``ingress``), so a
-rollout of one model never touches another's weights.
-
-Weights are relative (``{1: 90, 2: 10}`` and ``{1: 0.9, 2: 0.1}`` route the same); a live
-version left out of ``set_weights`` gets 0. ``set_weights`` returns once every router
-replica has picked the new table up (they sync every ``SYNC_INTERVAL_S``): every replica of
-the router deployment Serve runs (:func:`router_replicas`), however long one has been silent
-(a paused one routes by the old table the moment it resumes: the call fails naming it after
-``wait_s``); a replica Serve no longer runs is not waited for.
-
-``fence=``: a rollout's calls that change the table carry its lease's fencing token
-(``rayline.storage.fencing``); the control actor refuses one older than it has seen (``StaleFence``).
+Starts Serve, the router and the control actor (``routing.ServeControl``), deploys versions and moves
+traffic through that actor; ``applications`` submits, waits for and deletes Serve applications. Every
+call takes ``model=`` (a registry name; None: the default model), so a rollout of one model never
+touches another's weights. Weights are relative (``{1: 90, 2: 10}`` routes as ``{1: 0.9, 2: 0.1}``); a
+live version left out of ``set_weights`` gets 0. A table change returns once every router replica Serve
+runs routes by it (``routing`` says which are waited for), and fails naming those behind after
+``wait_s``. ``fence=``: a rollout's lease's fencing token, which the control actor checks (``routing``).
 """
 
 from __future__ import annotations
@@ -24,7 +14,7 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -42,27 +32,6 @@ from rayline.ray_workloads.serving.ingress import ROUTER_DEPLOYMENT, SYNC_INTERV
 from rayline.ray_workloads.serving.model_server import model_app
 from rayline.ray_workloads.serving.routing import RoutingTable, ServeControl
 from rayline.storage.fencing import Fence
-
-__all__ = [
-    "ServeConfig",
-    "ServeControl",
-    "VersionStats",
-    "deploy_version",
-    "deploy_versions",
-    "get_weights",
-    "live_versions",
-    "remove_model",
-    "remove_version",
-    "replica_pids",
-    "reset_stats",
-    "router_replicas",
-    "routing_table",
-    "set_default_model",
-    "set_weights",
-    "shutdown",
-    "start",
-    "stats",
-]
 
 _CALL_TIMEOUT_S = 30.0
 # the replica states Serve routes requests to (PENDING_MIGRATION: still serving on a draining node)
@@ -140,31 +109,34 @@ def router_replicas(cfg: ServeConfig) -> dict[str, int | None]:
     return {r["replica_id"]: r.get("pid") for r in replicas if r["state"] in _ROUTED_REPLICA_STATES}
 
 
-def _named(replicas: dict[str, int | None], ids: list[str]) -> str:
-    return ", ".join(f"{r} (pid {replicas.get(r)})" for r in ids)
-
-
 def _wait_routers(control: Any, cfg: ServeConfig, generation: int, wait_s: float) -> None:
     """Until every router replica Serve runs routes by ``generation`` (or Serve stops running it)."""
+    _wait_for(
+        cfg,
+        wait_s,
+        lambda ids: control.routers_behind.remote(generation, ids),
+        f"did not pick up routing generation {generation} in {wait_s} s; Serve still runs them "
+        "(paused, overloaded, or cut off from the control actor?)",
+    )
+
+
+def _wait_for(cfg: ServeConfig, wait_s: float, behind: Callable[[list[str]], Any], failure: str) -> None:
+    """Until the control-actor call ``behind(router replica ids)`` names none; else fail naming them."""
     deadline = time.monotonic() + wait_s
     while True:
         replicas = router_replicas(cfg)
-        behind = _call(control.routers_behind.remote(generation, list(replicas)), "checking routers")
-        if not behind:
+        late = _call(behind(list(replicas)), "waiting for routers")
+        if not late:
             return
         if time.monotonic() > deadline:
-            raise ClusterError(
-                f"router replicas {_named(replicas, behind)} did not pick up routing generation {generation} "
-                f"in {wait_s} s; Serve still runs them (paused, overloaded, or cut off from the control actor?)"
-            )
+            named = ", ".join(f"{r} (pid {replicas.get(r)})" for r in late)
+            raise ClusterError(f"router replicas {named} {failure}")
         time.sleep(SYNC_INTERVAL_S / 4)
 
 
 def start(cfg: ServeConfig) -> str:
     """Serve with its HTTP proxy on ``cfg.host:cfg.port``, the control actor and the router; the base URL.
-
-    Idempotent: a running router with the same configuration is left alone.
-    """
+    Idempotent: a running router with the same configuration is left alone."""
     _require_ray()
     applications.start_serve(cfg)
     client = serve.context._get_global_client()
@@ -180,8 +152,8 @@ def start(cfg: ServeConfig) -> str:
         generation = _call(control.set_default.remote(cfg.default_model), "setting the default model")
         _wait_routers(control, cfg, generation, 10.0)  # routers already up route /predict by it from now on
     wanted = cfg.router_config()
-    # recorded before deploying: a concurrent start() (another process's rollout) then waits for
-    # this deployment instead of submitting its own, which would restart the router under load
+    # recorded before deploying: a concurrent start() then waits for this deployment instead of
+    # submitting its own, which would restart the router under load
     deployed = _call(control.swap_router_config.remote(wanted), "saving the router config")
     router = serve.status().applications.get(cfg.name)
     redeploy = deployed != wanted or applications.needs_deploy(router)
@@ -215,21 +187,18 @@ def start(cfg: ServeConfig) -> str:
 
 def deploy_version(model: ModelVersion, cfg: ServeConfig, *, wait_s: float = 10.0, fence: Fence | None = None) -> None:
     """Deploy ``model`` as its own application at weight 0; returns once it is healthy and routable.
-
-    Idempotent: a running application of that version is left alone.
-    """
+    Idempotent: a running application of that version is left alone."""
     deploy_versions([model], cfg, wait_s=wait_s, fence=fence)
 
 
 def deploy_versions(
     models: Sequence[ModelVersion], cfg: ServeConfig, *, wait_s: float = 10.0, fence: Fence | None = None
 ) -> None:
-    """:func:`deploy_version` for several versions at once (their replicas start in parallel).
+    """:func:`deploy_version` for several versions, of any models, at once (replicas start in parallel).
 
-    Versions of any models: a model not served yet is served from then on (all weights 0).
-    A version that does not come up within ``cfg.deploy_timeout_s`` is deleted again only if this
-    call submitted it and it served nothing before (not in the routing table, no replica running):
-    a live one, above all the incumbent with the traffic, is left serving as it can, and the call raises.
+    A version that does not come up within ``cfg.deploy_timeout_s`` is deleted again only if this call
+    submitted it and it served nothing before: a live one, above all the incumbent with the traffic, is
+    left serving as it can, and the call raises.
     """
     control = _control(cfg)
     table: RoutingTable = _call(control.table.remote(), "reading the routing table")
@@ -297,11 +266,8 @@ def routing_table(cfg: ServeConfig | None = None) -> RoutingTable:
 def get_weights(
     cfg: ServeConfig | None = None, *, model: str | None = None, settled: bool = False, wait_s: float = 10.0
 ) -> dict[int, float]:
-    """``model``'s weights ({} when it is not served).
-
-    ``settled`` first waits until every router routes by them: another process (a concurrent
-    rollout) may have just changed them, and its ``set_weights`` may not have returned yet.
-    """
+    """``model``'s weights ({} when it is not served). ``settled`` first waits until every router routes by
+    them: a concurrent rollout may have just changed them, its ``set_weights`` not returned yet."""
     cfg = cfg or ServeConfig()
     control = _control(cfg)
     table: RoutingTable = _call(control.table.remote(), "reading weights")
@@ -322,26 +288,16 @@ def stats(
     fresh: bool = True,
     gated: bool = False,
 ) -> dict[int, VersionStats]:
-    """``model``'s per-version stats since its last reset (or since ``since``, a unix time, counted
-    from the start of its second: ``stats``).
-
-    ``fresh`` waits (about ``SYNC_INTERVAL_S``) until every router has flushed, so every
-    request answered before the call is counted; without it, stats lag by up to that long.
-    ``gated``: only answers a rollout's gate counts (routed, not pinned; not 4xx: ``stats``).
+    """``model``'s per-version stats since its last reset, or since ``since`` (a unix time, counted from
+    the start of its second). ``fresh`` waits until every router has flushed, so every request answered
+    before the call counts (else they lag by up to ``SYNC_INTERVAL_S``); ``gated``: the gate's view (``stats``).
     """
     cfg = cfg or ServeConfig()
     control = _control(cfg)
     if fresh:
         mark = _call(control.clock.remote(), "reading the control clock")
-        deadline = time.monotonic() + 10
-        while True:
-            replicas = router_replicas(cfg)
-            behind = _call(control.routers_not_synced_since.remote(mark, list(replicas)), "waiting for routers")
-            if not behind:
-                break
-            if time.monotonic() > deadline:
-                raise ClusterError(f"router replicas {_named(replicas, behind)} did not flush their stats within 10 s")
-            time.sleep(SYNC_INTERVAL_S / 4)
+        flushed = "did not flush their stats within 10 s"
+        _wait_for(cfg, 10.0, lambda ids: control.routers_not_synced_since.remote(mark, ids), flushed)
     raw = _call(control.stats.remote(since, model, gated), "reading stats")
     return {int(v): VersionStats.model_validate(s) for v, s in raw.items()}
 
@@ -372,12 +328,9 @@ def remove_version(
 
 
 def remove_model(model: str, cfg: ServeConfig | None = None, *, wait_s: float = 10.0) -> list[str]:
-    """Stop serving every version of ``model`` (traffic or not; other models are untouched).
-
-    Routers stop routing to it first, then its applications are deleted (Serve drains their
-    requests). Returns the deleted applications. If it was the default model, the default
-    becomes the next model served (unless one is configured).
-    """
+    """Stop serving every version of ``model``: routers stop routing to it, then its applications are
+    deleted (Serve drains them); returns those. A default model gives way to the next one served, unless
+    one is configured."""
     cfg = cfg or ServeConfig()
     control = _control(cfg)
     generation, apps = _call(control.remove_model.remote(model), f"removing model {model}")
@@ -395,12 +348,11 @@ def replica_pids(cfg: ServeConfig | None = None) -> dict[str, list[int]]:
     if client is None:
         return {}
     details = ServeInstanceDetails(**client.get_serve_details())
-    out: dict[str, list[int]] = {}
-    for app_name, app in details.applications.items():
-        if app_name == cfg.name or app_name.startswith(f"{cfg.name}-"):
-            pids = [r.pid for d in app.deployments.values() for r in d.replicas if r.state == "RUNNING" and r.pid]
-            out[app_name] = sorted(pids)
-    return out
+    return {
+        name: sorted(r.pid for d in app.deployments.values() for r in d.replicas if r.state == "RUNNING" and r.pid)
+        for name, app in details.applications.items()
+        if name == cfg.name or name.startswith(f"{cfg.name}-")
+    }
 
 
 def shutdown(cfg: ServeConfig | None = None) -> None:

@@ -1,9 +1,5 @@
 """The router's request-level helpers: routes, headers, multipart parsing, body limits, the ``/stats``
-rate limit, JSON errors.
-
-Standard library and Starlette only; used by ``ingress.Router`` (and ``ModelServer`` for the
-status of an undecodable image).
-"""
+rate limit, JSON errors. Standard library and Starlette only (``ModelServer`` imports it too)."""
 
 from __future__ import annotations
 
@@ -50,12 +46,10 @@ DECODE_STATUS: dict[type[ImageDecodeError], int] = {
 class RateLimit:
     """A token bucket per client: ``burst`` requests at once, then ``per_s`` a second.
 
-    :meth:`retry_after` admits a request (None) or says how long the client must wait. At most
-    ``max_clients`` buckets are kept, and only buckets that are not full: a full bucket is what
-    an unknown client starts with, so forgetting it changes nothing. When every kept bucket is
-    still refilling, clients without one share a single overflow bucket (the limit fails closed:
-    a flood from more addresses than that gets one client's rate between them, and never resets
-    the bucket of an address it pushed out).
+    At most ``max_clients`` buckets are kept, and only those not full (a full one is what an unknown
+    client starts with). When every kept bucket is still refilling, clients without one share one
+    overflow bucket: the limit fails closed, and a flood from many addresses never resets the bucket
+    of an address it pushed out.
     """
 
     def __init__(self, per_s: float, burst: int, max_clients: int = 10_000) -> None:
@@ -100,11 +94,8 @@ class RateLimit:
 
 
 def route(path: str) -> tuple[str | None, str]:
-    """``(model, action)`` of a request path (model None: the default model); 404 for anything else.
-
-    ``/predict`` → (None, "predict"), ``/models/photos/predict`` → ("photos", "predict"),
-    ``/models`` → (None, "models").
-    """
+    """``(model, action)`` of a request path (model None: the default model); 404 for anything else:
+    ``/predict`` → (None, "predict"), ``/models/photos/predict`` → ("photos", "predict")."""
     parts = path.strip("/").split("/")
     if len(parts) == 1 and parts[0] in ROUTES:
         return None, parts[0]
@@ -118,11 +109,8 @@ def _headers(text: str) -> Message:
 
 
 def _multipart_parts(body: bytes, boundary: bytes, max_parts: int) -> list[bytes]:
-    """The raw parts (headers and content) between the delimiters; 400 past ``max_parts``.
-
-    Scanned delimiter by delimiter, so a body of a hundred thousand tiny parts is refused
-    after ``max_parts + 1`` of them (microseconds), before any header is parsed.
-    """
+    """The raw parts (headers and content) between the delimiters; 400 past ``max_parts``, found delimiter
+    by delimiter: a body of a hundred thousand tiny parts is refused before any header is parsed."""
     delimiter = b"\r\n--" + boundary  # RFC 2046: CRLF belongs to the delimiter, not to the content
     if body.startswith(delimiter[2:]):  # the first delimiter may open the body, without the CRLF
         at = len(delimiter) - 2
@@ -164,12 +152,9 @@ def multipart_image(
     max_parts: int = MAX_MULTIPART_PARTS,
     max_header_bytes: int = MAX_PART_HEADER_BYTES,
 ) -> bytes:
-    """The image part of a multipart/form-data body (standard library only).
-
-    The part named ``file`` or ``image``, else the one with a filename, else the only part.
-    400 over ``max_parts`` parts or ``max_header_bytes`` of headers in one part. CPU-bound:
-    the router runs it in a worker thread.
-    """
+    """The image part of a multipart/form-data body: the part named ``file`` or ``image``, else the one
+    with a filename, else the only part. 400 over ``max_parts`` parts or ``max_header_bytes`` of headers
+    in one part. CPU-bound: the router runs it in a worker thread."""
     boundary = _headers(f"content-type: {content_type}").get_param("boundary")
     if not isinstance(boundary, str) or not boundary:
         raise HttpError(400, "BadMultipart", "multipart/form-data without a boundary parameter")

@@ -1,12 +1,9 @@
 """The HTTP ingress: Router replicas in front of every model's versions, and the HTTP API they answer.
 
-The router application is named after the instance (``ServeConfig.name``, route ``/``); each model
-version it routes to is an application of its own (``model_server``). Every ``SYNC_INTERVAL_S`` each
-router replica makes one call to the control actor: it flushes its per-request samples and gets the
-routing table back, so weights change without a redeploy, in-flight requests finish where they
-started, and per-version stats are right with any number of routers. The routes without a model name
-answer for the default model (``ServeConfig.default_model``). The HTTP API, its headers and its
-status codes are documented in docs/serving.md.
+Every ``SYNC_INTERVAL_S`` each router replica makes one call to the control actor: it flushes its
+samples and gets the routing table back, so weights change without a redeploy, in-flight requests
+finish where they started, and stats are right with any number of routers. The HTTP API, its headers
+and status codes are documented in docs/serving.md.
 """
 
 from __future__ import annotations
@@ -64,8 +61,7 @@ class Router:
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = ServeConfig.model_validate(cfg)
-        # the control actor knows routers by their Serve replica id: the routers a table change waits
-        # for are the replicas Serve runs (``control.router_replicas``)
+        # the control actor knows routers by their Serve replica id, as the driver does (``control.router_replicas``)
         self.router_id = serve.get_replica_context().replica_id.unique_id
         self._stats_limit = RateLimit(self.cfg.stats_per_s, self.cfg.stats_burst)
         self._table = RoutingTable()
@@ -222,16 +218,13 @@ class Router:
 
     async def _healthz(self, model: str | None) -> JSONResponse:
         table = self._table
-        if model is not None and model not in table.models:
-            raise HttpError(
-                404, "ModelNotServed", f"model {model!r} is not served; served models: {sorted(table.models)}"
-            )
+        if model is not None:
+            self._served(table, model)  # 404 for a model not served
         routes = table.routes(model)
         body = {
             "status": "ok" if any(w > 0 for w in routes.weights.values()) else "unavailable",
             "model": table.resolve(model),
-            "live_versions": sorted(routes.apps),
-            "weights": {str(v): w for v, w in sorted(routes.weights.items())},
+            **_routes_json(routes),
             "generation": table.generation,
         }
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
@@ -253,39 +246,29 @@ class Router:
         self._limit_stats(request)
         since = parse_since(request.query_params.get("since"))
         table = self._table
-        if model is not None and model not in table.models:
-            raise HttpError(
-                404, "ModelNotServed", f"model {model!r} is not served; served models: {sorted(table.models)}"
-            )
+        if model is not None:
+            self._served(table, model)  # 404 for a model not served
         if self._control is None:
             raise HttpError(503, "NotReady", "the control actor is unreachable")
         name = table.resolve(model)
         stats: dict[int, dict[str, Any]] = await self._control.stats.remote(since, name) if name else {}
-        routes = table.routes(name)
-        return JSONResponse(
-            {
-                "model": name,
-                "weights": {str(v): w for v, w in sorted(routes.weights.items())},
-                "since": since,
-                "versions": {str(v): s for v, s in sorted(stats.items())},
-            }
-        )
+        weights = _routes_json(table.routes(name))["weights"]
+        versions = {str(v): s for v, s in sorted(stats.items())}
+        return JSONResponse({"model": name, "weights": weights, "since": since, "versions": versions})
 
     async def _models(self) -> JSONResponse:
         table = await self._routing_table()
         return JSONResponse(
             {
                 "default": table.default_model,
-                "models": {
-                    name: {
-                        "live_versions": sorted(routes.apps),
-                        "weights": {str(v): w for v, w in sorted(routes.weights.items())},
-                    }
-                    for name, routes in table.models.items()
-                },
+                "models": {name: _routes_json(routes) for name, routes in table.models.items()},
                 "generation": table.generation,
             }
         )
+
+
+def _routes_json(routes: ModelRoutes) -> dict[str, Any]:
+    return {"live_versions": sorted(routes.apps), "weights": {str(v): w for v, w in sorted(routes.weights.items())}}
 
 
 def router_app(cfg: ServeConfig) -> Any:

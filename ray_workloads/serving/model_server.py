@@ -1,9 +1,6 @@
-"""The model replicas: one Serve application per registered model version, requests batched.
-
-Each live version of each model runs as its own application ``<name>-<model>-v<N>`` (no HTTP
-route; only the router calls it), so deploying or removing one never touches the others.
-The router (``ingress.Router``) sends it the image bytes; an image it cannot decode is an
-answer with the HTTP status to give (``http_api.DECODE_STATUS``), a broken model raises.
+"""The model replicas: each live version of each model is its own Serve application ``<name>-<model>-v<N>``
+(no HTTP route: only the router calls it), so deploying or removing one never touches the others. An image
+it cannot decode is an answer with the HTTP status to give (``http_api.DECODE_STATUS``); a broken model raises.
 """
 
 from __future__ import annotations
@@ -68,15 +65,12 @@ class ModelServer:
         """Bytes → prediction; bad input is an answer (``ok`` False), a broken model raises."""
         try:
             image = await asyncio.to_thread(decode_image, data, self.image_spec)
-        except ImageDecodeError as exc:
-            return {
-                "ok": False,
-                "status": DECODE_STATUS.get(type(exc), 422),
-                "error": type(exc).__name__,
-                "detail": str(exc),
-            }
-        except Exception as exc:  # whatever else the decoder raised, it is this input's fault
-            return {"ok": False, "status": 422, "error": type(exc).__name__, "detail": f"undecodable image: {exc}"}
+        except Exception as exc:  # whatever the decoder raised, it is this input's fault
+            if isinstance(exc, ImageDecodeError):
+                status, detail = DECODE_STATUS.get(type(exc), 422), str(exc)
+            else:
+                status, detail = 422, f"undecodable image: {exc}"
+            return {"ok": False, "status": status, "error": type(exc).__name__, "detail": detail}
         probs: np.ndarray = await self._forward(image)
         if not np.isfinite(probs).all():
             raise ModelOutputError(f"model {self.model.name} v{self.model.version} produced non-finite scores")

@@ -1,29 +1,23 @@
 """Canary rollout behind the weighted router: step the candidate's weight, soak, judge, then promote or roll back.
 
-Each step sets the candidate's share of traffic, holds it for a soak window
-while canary probes (real images sent through the router, like any client)
-run next to whatever live traffic there is, and judges the candidate on the
-window's per-version stats:
+Each step sets the candidate's share of the model's traffic and holds it for a soak window while
+canary probes (real images sent through the router, like any client) run beside any live traffic;
+the candidate is then judged on the window's per-version stats:
 
 * error rate (5xx answers of the candidate) at most ``max_error_rate``;
-* p95 latency at most ``max_p95_ratio`` × the incumbent's (+ a small absolute
-  slack: ratios of millisecond latencies are mostly noise);
-* at the first step, agreement with the incumbent on the same images (each
-  sent pinned to both versions) at least ``min_agreement``;
-* at least ``min_requests`` answers from the candidate: no evidence, no
-  promotion.
+* p95 latency at most ``max_p95_ratio`` × the incumbent's (+ a small absolute slack: ratios of
+  millisecond latencies are mostly noise);
+* at the first step, agreement with the incumbent on the same images (each sent pinned to both
+  versions) at least ``min_agreement``;
+* at least ``min_requests`` answers from the candidate: no evidence, no promotion.
 
-Only requests the router routed by weight count toward a window (the probes,
-and live traffic), not requests pinned to a version with ``X-Rayline-Version``
-nor 4xx answers to bad input: junk pinned to the candidate could otherwise
-meet ``min_requests`` and dilute its error rate (``stats``).
+Only requests the router routed by weight (the probes and live traffic) and not answered 4xx count
+toward a window: ``stats`` says why.
 
-The incumbent is the version of the candidate's model serving the largest
-share now (deployed at 100% first when nothing of that model serves). Every
-request, weight and stats window here is the model's own
-(``/models/<name>/predict``, ``model=`` on ``control``): other models
-served by the same instance are never touched. Nothing here touches the
-registry or Prefect: ``canary`` moves aliases, the serve tasks record the outcome.
+The incumbent is the version of the candidate's model serving the largest share now (deployed at
+100 % first when nothing of that model serves). Every request, weight and stats window here is the
+model's own (``/models/<name>/predict``, ``model=`` on ``control``): other models are never touched.
+Nothing here touches the registry or Prefect: ``canary`` moves aliases, the serve tasks record the outcome.
 """
 
 from __future__ import annotations
@@ -43,11 +37,10 @@ from rayline.ray_workloads.data.images import ImageSpec, decode_image
 from rayline.ray_workloads.serving import control
 from rayline.ray_workloads.serving.config import ServeConfig
 from rayline.ray_workloads.serving.control import VersionStats
+from rayline.ray_workloads.serving.http_api import VERSION_HEADER
 from rayline.storage import fetching
 from rayline.storage.fencing import Fence
 from rayline.storage.layout import RAW_DIR
-
-VERSION_HEADER = "X-Rayline-Version"
 
 
 def predict_path(model: str | None) -> str:
@@ -122,12 +115,9 @@ def judge(
 
 
 def default_probe_source(version: ModelVersion, root: str) -> str:
-    """Images like the ones ``version`` serves, for canary probes when none are named.
-
-    A model trained here: the prefix its training data came from (``raw/`` for
-    versions whose data manifest is gone). An outside model: the inputs of its
-    latest committed night. Otherwise the caller must say.
-    """
+    """Images like the ones ``version`` serves, for canary probes when none are named: the prefix its
+    training data came from (``raw/`` when its data manifest is gone), else the inputs of its latest
+    committed night."""
     from rayline.ray_workloads.data import preprocess  # the rollout's own imports stay light
     from rayline.tables.prediction_reads import latest_night_commit
 
@@ -168,11 +158,6 @@ def incumbent_version(cfg: ServeConfig, model: str | None = None) -> int | None:
     return max(weights, key=lambda v: weights[v]) if weights else None
 
 
-def served_weights(cfg: ServeConfig, model: str) -> dict[int, float]:
-    """``model``'s weights as every router routes by them ({} when it is not served)."""
-    return control.get_weights(cfg, model=model, settled=True)
-
-
 def restore(champion: ModelVersion, remove: Iterable[int], cfg: ServeConfig, fence: Fence | None = None) -> None:
     """All of ``champion``'s model's traffic on ``champion`` (deployed first if it was retired), then the
     versions in ``remove`` go: what a rollout that did not finish left is undone."""
@@ -182,17 +167,10 @@ def restore(champion: ModelVersion, remove: Iterable[int], cfg: ServeConfig, fen
         control.remove_version(version, cfg, model=champion.name, fence=fence)
 
 
-def start(cfg: ServeConfig) -> str:
-    """Serve and the router up (idempotent); the base URL."""
-    return control.start(cfg)
-
-
 def serve(version: ModelVersion, cfg: ServeConfig, fence: Fence | None = None) -> str:
     """Make sure ``version`` is deployed; it takes all traffic if nothing of its model serves yet. The base URL.
-
-    ``fence``: the rollout lease's fencing token its changes carry (``control``), None outside a rollout.
-    """
-    base_url = start(cfg)
+    ``fence``: the rollout lease's fencing token (``control``), None outside a rollout."""
+    base_url = control.start(cfg)
     control.deploy_version(version, cfg, fence=fence)
     if incumbent_version(cfg, version.name) is None:
         control.set_weights({version.version: 100.0}, cfg, model=version.name, fence=fence)
@@ -226,13 +204,9 @@ def agreement(
 
 
 class ProbeClient:
-    """Paced requests through the router (unpinned: they follow ``model``'s weights, like any client).
-
-    The rollout's canary probes, and the demo's background load; every answer's status is tallied.
-    Unpinned is also what makes the probes count toward the gate: the router leaves pinned
-    requests out of the gate's stats (a client could pin junk to a candidate at 0 %), and a
-    marker header to let probes in would be just as easy for any client to send.
-    """
+    """Paced requests through the router, tallied by status: the rollout's canary probes, the demo's load.
+    Unpinned, they follow ``model``'s weights like any client, which is what makes them count toward the
+    gate (``stats``): a marker header letting probes in would be as easy for any client to send."""
 
     def __init__(self, base_url: str, images: list[bytes], rps: float, model: str | None = None) -> None:
         self.client = httpx.Client(base_url=base_url, timeout=30.0)
@@ -306,19 +280,10 @@ def run_step(
 ) -> StepReport:
     """Give the candidate ``weight`` % of ``model``'s traffic, soak, and judge the window."""
     agreed = agreement(base_url, images, incumbent, candidate, model) if check_agreement else None
-    if agreed is not None and agreed < cfg.gates.min_agreement:  # no live traffic for a model that disagrees
-        passed, reason = judge(None, incumbent_p95_ms, agreed, cfg.gates)
-        return StepReport(
-            weight=weight,
-            candidate=None,
-            incumbent=None,
-            incumbent_p95_ms=incumbent_p95_ms,
-            agreement=agreed,
-            passed=passed,
-            reason=reason,
-        )
-    control.set_weights({incumbent: 100.0 - weight, candidate: weight}, cfg.serve, model=model, fence=fence)
-    window = soak(cfg, base_url, images, candidate, model)
+    window: dict[int, VersionStats] = {}
+    if agreed is None or agreed >= cfg.gates.min_agreement:  # no live traffic for a model that disagrees
+        control.set_weights({incumbent: 100.0 - weight, candidate: weight}, cfg.serve, model=model, fence=fence)
+        window = soak(cfg, base_url, images, candidate, model)
     seen = window.get(incumbent)
     if seen is not None and seen.p95_ms is not None and seen.requests >= cfg.gates.min_requests:
         incumbent_p95_ms = seen.p95_ms  # the freshest baseline; at 100% the last one stands
@@ -334,15 +299,8 @@ def run_step(
     )
 
 
-def roll_back(
-    incumbent: int, candidate: int, cfg: ServeConfig, model: str | None = None, fence: Fence | None = None
-) -> None:
-    """All of ``model``'s traffic back to the incumbent, then the candidate's deployment goes."""
-    control.set_weights({incumbent: 100.0}, cfg, model=model, fence=fence)
-    control.remove_version(candidate, cfg, model=model, fence=fence)
-
-
 def retire(old: int, new: int, cfg: ServeConfig, model: str | None = None, fence: Fence | None = None) -> None:
-    """After promotion: the new version takes all of ``model``'s traffic, the old deployment goes."""
+    """``new`` takes all of ``model``'s traffic, then ``old``'s deployment goes: the old incumbent after a
+    promotion, the candidate after a roll-back."""
     control.set_weights({new: 100.0}, cfg, model=model, fence=fence)
     control.remove_version(old, cfg, model=model, fence=fence)

@@ -1,32 +1,21 @@
 """The routing table and request stats of a serving instance, held by the control actor.
 
-The control actor (``ServeControl``, one per serving instance, named ``<name>-control`` in
-rayline's namespace, detached) is the single writer of the routing table: calls to it are
-serialised, so a weight change is atomic. It snapshots the table to Ray's internal KV store
-on every change and restores it if Ray restarts it, so routers never see the table vanish.
+The control actor (``ServeControl``: one per instance, ``<name>-control`` in rayline's namespace,
+detached) is the single writer of the routing table: its calls are serialised, so a weight change
+is atomic. It snapshots the table to Ray's internal KV store on every change and restores it if Ray
+restarts it, so routers never see the table vanish.
 
-One instance serves any number of models. The table holds, per model name, its live
-versions' applications and traffic weights (:class:`ModelRoutes`), plus the *default
-model* — the one ``POST /predict`` without a model name goes to: the model named by
-:meth:`ServeControl.set_default` (``RAYLINE_SERVE_DEFAULT_MODEL``) when set, else the
-first model registered that is still served. Versions, weights and stats of one model
-never affect another's; every method taking ``model=None`` means the default model.
+The table holds, per model, its live versions' applications and weights (:class:`ModelRoutes`),
+and the *default model* ``POST /predict`` goes to: the one configured (:meth:`ServeControl.set_default`,
+``RAYLINE_SERVE_DEFAULT_MODEL``), else the first registered that is still served.
 
-Router replicas (``ingress.Router``) call :meth:`ServeControl.sync` periodically: they hand
-over their request samples (tallied by ``stats.StatsBook``) and get the current
-:class:`RoutingTable` back, by whose weights :func:`choose_version` picks each request's
-version. The driver side (``control``) creates the actor and calls the rest.
+Router replicas (``ingress.Router``) sync periodically (:meth:`ServeControl.sync`): samples in, table
+out, under their Serve replica id. A table change waits for each router replica Serve runs now, however
+long it has been silent (it routes by its old table the moment it resumes), not for one it no longer runs.
 
-Which routers a table change waits for is Serve's to say, not the actor's: each router syncs
-under its Serve replica id, and the driver hands :meth:`ServeControl.routers_behind` the ids of
-the router replicas Serve runs now. One that is slow or paused is waited for however long it
-has been silent (it routes by its old table the moment it resumes); one Serve no longer runs is
-not (:func:`routers_behind`).
-
-A rollout's changes (registering a version, setting weights, retiring one) carry its
-rollout lease's fencing token (``rayline.storage.fencing``): the actor keeps the newest one per
-lease, in its snapshot too, and refuses an older one with ``StaleFence``, so a rollout
-paused past its lease's ttl cannot move traffic over the rollout that took over.
+A rollout's changes carry its lease's fencing token (``rayline.storage.fencing``): the actor keeps the
+newest per lease, in its snapshot too, and refuses an older one (``StaleFence``), so a rollout paused past
+its lease's ttl cannot move traffic over the rollout that took over.
 
 This module imports neither Serve's HTTP stack nor torch: it is all the actor's process loads.
 """
@@ -63,11 +52,8 @@ class RouterSync:
 
 
 def routers_behind(seen: Mapping[str, RouterSync], members: Iterable[str], generation: int) -> list[str]:
-    """The routers of ``members`` (the router replicas Serve runs) not routing by ``generation`` yet.
-
-    A member never seen (just started, or the actor restarted) is behind until its next sync; a
-    router seen but no longer a member (stopped, killed, scaled down) is not waited for.
-    """
+    """The routers of ``members`` (the router replicas Serve runs) not routing by ``generation`` yet: one never
+    seen (just started, or the actor restarted) is behind until its next sync; a non-member is not waited for."""
     return sorted(r for r in set(members) if r not in seen or seen[r].generation < generation)
 
 
@@ -83,14 +69,18 @@ class ModelRoutes:
     weights: dict[int, float] = field(default_factory=dict)
     apps: dict[int, str] = field(default_factory=dict)
 
+    def keep(self, versions: set[int]) -> ModelRoutes:
+        """The routes of ``versions`` alone."""
+        return ModelRoutes(
+            weights={v: w for v, w in self.weights.items() if v in versions},
+            apps={v: a for v, a in self.apps.items() if v in versions},
+        )
+
 
 @dataclass(frozen=True)
 class RoutingTable:
-    """What routers route by; replaced as a whole (one generation) on every change.
-
-    ``models`` keeps registration order (the first one is the default unless one is configured);
-    ``configured_default`` is the explicitly configured default, which may not be served (yet).
-    """
+    """What routers route by; replaced as a whole (one generation) on every change. ``models`` keeps
+    registration order; ``configured_default`` may not be served (yet)."""
 
     generation: int = 0
     models: dict[str, ModelRoutes] = field(default_factory=dict)
@@ -252,13 +242,8 @@ class ServeControl:
         routes = self._table.models.get(model, ModelRoutes())
         if routes.apps.get(version) == app:
             return self._table.generation
-        return self._with_model(
-            model,
-            ModelRoutes(
-                apps={**routes.apps, version: app},
-                weights={**routes.weights, version: routes.weights.get(version, 0.0)},
-            ),
-        )
+        weights = {**routes.weights, version: routes.weights.get(version, 0.0)}
+        return self._with_model(model, ModelRoutes(weights=weights, apps={**routes.apps, version: app}))
 
     def set_weights(self, weights: dict[int, float], model: str | None = None, fence: Fence | None = None) -> int:
         self._admit(fence, f"setting weights {weights} of {self._table.resolve(model)}")
@@ -287,13 +272,7 @@ class ServeControl:
             raise ConfigError(
                 f"version {version} of {name} still has weight {routes.weights[version]}; set it to 0 first"
             )
-        return self._with_model(
-            name,
-            ModelRoutes(
-                apps={v: a for v, a in routes.apps.items() if v != version},
-                weights={v: w for v, w in routes.weights.items() if v != version},
-            ),
-        )
+        return self._with_model(name, routes.keep(set(routes.apps) - {version}))
 
     def remove_model(self, model: str) -> tuple[int, list[str]]:
         """Stop routing to every version of ``model`` at once; (generation, its applications)."""
@@ -305,13 +284,7 @@ class ServeControl:
 
     def prune(self, present: list[str]) -> int:
         """Forget versions whose application is gone (Serve was shut down behind our back)."""
-        models = {
-            m: ModelRoutes(
-                apps={v: a for v, a in r.apps.items() if a in present},
-                weights={v: w for v, w in r.weights.items() if r.apps[v] in present},
-            )
-            for m, r in self._table.models.items()
-        }
+        models = {m: r.keep({v for v, a in r.apps.items() if a in present}) for m, r in self._table.models.items()}
         models = {m: r for m, r in models.items() if r.apps}
         if models == self._table.models:
             return self._table.generation
@@ -320,10 +293,8 @@ class ServeControl:
     def stats(
         self, since: float | None = None, model: str | None = None, gated: bool = False
     ) -> dict[int, dict[str, Any]]:
-        """Per-version stats of ``model`` (None: the default) since its last reset, or since ``since``.
-
-        ``gated``: only what counts toward a rollout's gate (routed, not 4xx; see ``stats``).
-        """
+        """Per-version stats of ``model`` (None: the default) since its last reset, or since ``since``;
+        ``gated``: only what counts toward a rollout's gate (``stats``)."""
         return self._stats.stats(self._table.resolve(model), since, gated)
 
     def reset_stats(self, model: str | None = None) -> float:

@@ -1,31 +1,21 @@
 """Per-version request stats of a serving instance, kept by the control actor (``routing.ServeControl``).
 
-Routers hand over one :data:`Sample` per answered prediction. Two views are read back:
+Routers hand over one :data:`Sample` per answered prediction. Two views are read back: everything
+(``GET /stats``, the monitor), 4xx rejections of bad input and pinned requests included; and the *gate*
+view (``gated=True``, what a rollout judges a candidate on): only answers the router routed by weight or
+key, and not 4xx. A client can pin (``X-Rayline-Version``) any live version, a candidate at 0 % included,
+and a 4xx is bad input, not the version's fault: counted, either would let junk meet the gate's
+``min_requests`` and dilute its error rate.
 
-* everything (``GET /stats``, ``control.stats``, the monitor): every answer a version
-  gave, pinned or routed, including 4xx rejections of bad input;
-* the *gate* view (``gated=True``, what a rollout judges a candidate on): only answers to
-  requests the router routed by weight or key, and not 4xx. A client can pin
-  (``X-Rayline-Version``) any live version, a candidate at 0 % included, and a 4xx is bad
-  input, not the version's fault: counted, either would let junk meet the gate's
-  ``min_requests`` and dilute its error rate. The rollout's own probes are routed (unpinned),
-  so they count; its agreement check pins, and runs before the soak window it is judged on.
-
-No sample is kept. The control actor answers every router's sync one call at a time, so a
-stats read must cost the same however much traffic a version had (a read scanning every
-sample kept would delay the syncs of every router behind it). Per version the book
-keeps a :class:`Tally` (counts, and a histogram of successful answers' latencies with the sum
-of the latencies in each bin) since the model's last reset, and a snapshot of that running tally
-at the start of every ``BUCKET_S`` window that saw an answer, for the last ``WINDOW_S``. The
-answer since ``since`` is the running tally minus the snapshot of the window holding ``since``:
-a subtraction, whatever the samples. So ``since`` counts from the start of the second holding it
-(not the instant); one older than the windows kept counts from the oldest kept; one at or
-before the last reset, or none, gives the totals since the reset. A percentile is the mean
-latency of the bin holding it: within the bin's width (``LATENCY_RATIO``), exact when the
-bin's answers took the same time. A snapshot is about 7 KB: a version answering every second
-holds about 6 MB of them.
-
-Standard library and numpy only (the control actor's process loads nothing else).
+No sample is kept: the control actor answers every router's sync one call at a time, so a stats read must
+cost the same however much traffic a version had. Per version the book keeps a running :class:`Tally`
+since the model's last reset (counts, and a histogram of successful answers' latencies with each bin's
+latency sum), and a snapshot of it at the start of every ``BUCKET_S`` window that saw an answer, for the
+last ``WINDOW_S``. Stats since ``since`` are the running tally minus the snapshot of the window holding it:
+``since`` counts from the start of its second; one older than the windows kept, from the oldest kept; one
+at or before the last reset (or none), from the reset. A percentile is the mean latency of the bin holding
+it, within the bin's width (``LATENCY_RATIO``). A snapshot is about 7 KB: a version answering every
+second holds about 6 MB. Standard library and numpy only (all the control actor's process loads).
 """
 
 from __future__ import annotations
@@ -187,11 +177,10 @@ class StatsBook:
 
 def _version_stats(version: int, tally: Tally, gated: bool) -> dict[str, Any]:
     if gated:
-        requests, errors, rejected = tally[_GATE_REQUESTS], tally[_GATE_ERRORS], 0.0
-        p50, p95, p99 = _percentiles(tally[_GATE_N : _GATE_N + BINS], tally[_GATE_SUM : _GATE_SUM + BINS])
+        requests, errors, rejected, n_at, sum_at = tally[_GATE_REQUESTS], tally[_GATE_ERRORS], 0.0, _GATE_N, _GATE_SUM
     else:
-        requests, errors, rejected = tally[_REQUESTS], tally[_ERRORS], tally[_REJECTED]
-        p50, p95, p99 = _percentiles(tally[_ALL_N : _ALL_N + BINS], tally[_ALL_SUM : _ALL_SUM + BINS])
+        requests, errors, rejected, n_at, sum_at = tally[_REQUESTS], tally[_ERRORS], tally[_REJECTED], _ALL_N, _ALL_SUM
+    p50, p95, p99 = _percentiles(tally[n_at : n_at + BINS], tally[sum_at : sum_at + BINS])
     return {
         "version": version,
         "requests": round(requests),
