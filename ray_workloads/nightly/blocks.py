@@ -185,10 +185,10 @@ def write_block_files(
         shadow_rows, counts = shadow.num_rows, block_counts(predictions, shadow)
         shadow_bytes = _write_parquet(block_file_uri(output.shadow_table, output.night, output.key, block), shadow)
     # the report's own size is not known before writing it: the footer holds the errors file's, the driver both
-    rows = (predictions.num_rows, errors.num_rows)
     report = BlockReport(
         block,
-        *rows,
+        predictions.num_rows,
+        errors.num_rows,
         0,
         errors_bytes,
         uris,
@@ -255,11 +255,9 @@ def cutter_rows(listing: ListingStart) -> list[dict[str, Any]]:
 def cut_part(row: dict[str, Any], *, cutting: Cutting) -> Iterator[dict[str, Any]]:
     """The ``flat_map`` of a night's cutters: spans of ``cutting.per_span`` blocks of ``cutting.size`` rows.
 
-    A row is a listing part the driver wrote (arithmetic on its row count: the
-    rows themselves are read by the actor that takes the span), or a group of
-    sub-prefixes left to list: listed here, each part's spans yielded as the
-    part is written, so the first blocks are predicted while the rest of the
-    prefix is still listed (:func:`rayline.storage.listing.list_group_parts`).
+    A row is a listing part the driver wrote (arithmetic on its row count: the actor reads the rows), or a
+    group of sub-prefixes listed here, each part's spans yielded as it is written, so the first blocks are
+    predicted while the rest is still listed (:func:`rayline.storage.listing.list_group_parts`).
     """
     if row["prefixes"]:
         prefixes = decode_prefixes(str(row["prefixes"]))
@@ -273,15 +271,8 @@ def cut_part(row: dict[str, Any], *, cutting: Cutting) -> Iterator[dict[str, Any
 def _spans(part: str, name: str, rows: int, cutting: Cutting) -> Iterator[dict[str, Any]]:
     step = cutting.size * cutting.per_span
     for start in range(0, rows, step):
-        stop = min(rows, start + step)
-        yield {
-            "part": part,
-            "name": name,
-            "start": start,
-            "stop": stop,
-            "size": cutting.size,
-            "resuming": cutting.resuming,
-        }
+        span = (part, name, start, min(rows, start + step), cutting.size, cutting.resuming)
+        yield dict(zip(SPAN_COLUMNS, span, strict=True))
 
 
 class PartRows:
