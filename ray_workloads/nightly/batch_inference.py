@@ -120,10 +120,8 @@ def _begin_night(source: str, staging: str, part_objects: int) -> ListingStart:
 
 
 def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
-    """Predict every object under ``cfg.input_uri`` and commit the night to both tables.
-
-    ``run_id`` (default: a new one) names the files and the commits: a retry
-    of a run whose commit landed returns that commit, predicting nothing.
+    """Predict every object under ``cfg.input_uri`` and commit the night to both tables. ``run_id`` (default:
+    a new one) names the files and commits: a retry of a run whose commit landed returns it, predicting nothing.
     """
     started = time.perf_counter()
     night, tables = Night(cfg.model.name, cfg.dt), _tables(cfg)

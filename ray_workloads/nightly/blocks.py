@@ -171,11 +171,8 @@ def write_block_files(
     shadow: pa.Table | None = None,
 ) -> BlockReport:
     """Write a block's files, errors (and shadow) first: the predictions file, with the report in its footer,
-    marks it done.
-
-    ``contents``: :func:`block_contents` of the block's inputs; ``plan``: the record of the plan that predicted;
-    ``shadow``: the shadow version's rows, on a night whose output has a shadow table.
-    """
+    marks it done. ``contents``: :func:`block_contents` of the block's inputs; ``plan``: the record of the plan
+    that predicted; ``shadow``: the shadow version's rows, on a night whose output has a shadow table."""
     uris = SetDigest.of(predictions.column("uri").to_pylist()) + SetDigest.of(errors.column("uri").to_pylist())
     errors_bytes = _write_parquet(block_file_uri(output.errors_table, output.night, output.key, block), errors)
     shadow_rows = shadow_bytes = 0

@@ -69,10 +69,8 @@ class PartBlocks:
 @dataclass
 class NightTotals:
     """The sum of a night's block reports, kept as they stream in (bounded by the number of listing parts).
-
     A report summed twice, or missed, changes ``uris``, which :func:`check_rows` refuses: so the shadow's
-    counts summed beside it hold each block once (and its own digest is checked against the compacted files).
-    """
+    counts summed beside it hold each block once."""
 
     uris: SetDigest = SetDigest()
     rows: Counter[str] = field(default_factory=Counter)
@@ -229,9 +227,7 @@ def compact_night(
     min_bytes: int = MIN_FILE_BYTES,
 ) -> list[CompactedFile]:
     """Compact the night's block files (module docstring), in Ray tasks; one empty predictions file when none.
-
-    ``constants``: per kind, the columns set to the committing run's (the predictions' and the shadow's).
-    """
+    ``constants``: per kind, the columns set to the committing run's (the predictions' and the shadow's)."""
     work: list[tuple[Any, ...]] = []
     kinds = output.tables()
     for kind in kinds:

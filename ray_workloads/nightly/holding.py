@@ -1,9 +1,7 @@
 """Who holds a night: its lease (one live run predicts a night) and each holder's own listing folder.
 
-A run takes the night's lease (:func:`held_night`) before it lists or predicts; each holder lists into a
-folder named by its lease generation (:func:`listing_staging_uri`), and the one that commits removes the
-folders its predecessors left (:func:`remove_earlier_listings`). The blocks a dead holder wrote are the
-next holder's to reuse (:mod:`rayline.ray_workloads.nightly.blocks`).
+A run takes the night's lease (:func:`held_night`) before it lists or predicts, lists into a folder of
+its lease generation, and once it commits removes the folders its predecessors left.
 """
 
 from __future__ import annotations
