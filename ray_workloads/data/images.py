@@ -62,10 +62,8 @@ def decode_image(data: bytes | None, spec: ImageSpec) -> np.ndarray:
 def decode_rows(
     data: Sequence[bytes | None] | np.ndarray, fetch_errors: Sequence[tuple[str, str] | None], spec: ImageSpec
 ) -> dict[str, np.ndarray]:
-    """Decode each row's image; a fetch error (type, message) or a bad image becomes the row's error fields.
-
-    One bad sample is one error row, never an exception, whatever the decoder raised.
-    """
+    """Decode each row's image; a fetch error (type, message) or a bad image, whatever the decoder raised,
+    becomes the row's error fields: one bad sample is one error row, never an exception."""
     n = len(data)
     images = np.zeros((n, 3, spec.size, spec.size), dtype=np.float32)
     stage: list[str | None] = [None] * n

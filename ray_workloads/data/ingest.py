@@ -156,13 +156,6 @@ def cut_shards(objects: Iterable[ObjectInfo], per_shard: int, max_bytes: int) ->
         yield current
 
 
-def _as_payload(obj: ObjectInfo, fetched: fetching.Fetched) -> bytes | BaseException:
-    fetched = fetching.as_listed(fetched, obj.etag)  # a replaced object: ObjectChangedError, an error row
-    if fetched.error is not None:
-        return fetched.error
-    return fetched.data or b""
-
-
 def pack_shard(objects: Sequence[ObjectInfo], payloads: Sequence[bytes | BaseException]) -> pa.Table:
     """One row per object: bytes on success, error type and message otherwise."""
     columns: dict[str, list[Any]] = {name: [] for name in SHARD_SCHEMA.names}
@@ -182,17 +175,13 @@ def pack_shard(objects: Sequence[ObjectInfo], payloads: Sequence[bytes | BaseExc
 @ray.remote(max_retries=3, retry_exceptions=False)
 def _fetch_and_write_shard(objects: list[ObjectInfo], shard_uri: str, concurrency: int) -> dict[str, Any]:
     fetched = fetching.fetch_many([o.uri for o in objects], concurrency)
-    table = pack_shard(objects, [_as_payload(o, f) for o, f in zip(objects, fetched, strict=True)])
+    # a replaced object reads as ObjectChangedError: an error row
+    listed = [fetching.as_listed(f, o.etag) for o, f in zip(objects, fetched, strict=True)]
+    table = pack_shard(objects, [(f.data or b"") if f.error is None else f.error for f in listed])
     size = storage.write_parquet_atomic(shard_uri, table)
-    fetched_ok = table.column("error_type").null_count
+    failed = table.num_rows - table.column("error_type").null_count
     labels = Counter(label for label in table.column("label").to_pylist() if label is not None)
-    return {
-        "uri": shard_uri,
-        "rows": table.num_rows,
-        "bytes": size,
-        "fetch_errors": table.num_rows - fetched_ok,
-        "labels": labels,
-    }
+    return {"uri": shard_uri, "rows": table.num_rows, "bytes": size, "fetch_errors": failed, "labels": labels}
 
 
 def dataset_id(source_uri: str, digest: str) -> str:
@@ -326,10 +315,8 @@ def previous_ingest(current: IngestResult) -> IngestResult | None:
         for r in lineage.read_records("ingest")
         if r.inputs and r.inputs[0].uri == current.source_uri and r.outputs[0].content_hash != current.content_hash
     ]
-    if not earlier:
-        return None
-    latest = max(earlier, key=lambda r: r.ended_at)
-    return read_manifest(latest.outputs[0].uri)
+    latest = max(earlier, key=lambda r: r.ended_at, default=None)
+    return None if latest is None else read_manifest(latest.outputs[0].uri)
 
 
 def _pair_hashes(keys: list[str], etags: list[str]) -> np.ndarray:

@@ -33,9 +33,8 @@ SPAN_COLUMNS = ("part", "name", "start", "stop", "size", "resuming")
 SPAN_BLOCKS = 16
 # Spans per actor a night has at least before its blocks are grouped: the pool's load stays balanced.
 SPANS_PER_ACTOR = 16
-# A predictor call returns one row per span: its blocks' reports, a JSON list (reports_batch). One output
-# row per call: the night's target_max_block_size of 1 makes every output row a Ray Data block of its own,
-# and a call whose rows were each a block waited on the executor's loop once per block (~0.5 s a span).
+# A predictor call returns one row, its blocks' reports as a JSON list (reports_batch): with the night's
+# target_max_block_size of 1 each output row is a Ray Data block, and a row per block cost ~0.5 s a span.
 REPORT_COLUMN = "reports"
 _REPORT_KEY = b"rayline.block"
 
@@ -175,8 +174,7 @@ def write_block_files(
     that predicted; ``shadow``: the shadow version's rows, on a night whose output has a shadow table."""
     uris = SetDigest.of(predictions.column("uri").to_pylist()) + SetDigest.of(errors.column("uri").to_pylist())
     errors_bytes = _write_parquet(block_file_uri(output.errors_table, output.night, output.key, block), errors)
-    shadow_rows = shadow_bytes = 0
-    counts = None
+    shadow_rows, shadow_bytes, counts = 0, 0, None
     if output.shadow_table is not None:
         shadow = shadow if shadow is not None else predictions.schema.empty_table()
         shadow_rows, counts = shadow.num_rows, block_counts(predictions, shadow)

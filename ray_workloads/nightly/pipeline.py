@@ -121,9 +121,8 @@ def _spans(listing: ListingStart, output: NightOutput, size: int, per_span: int)
     context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
     context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
     ray_work.stop_with_scope(context)  # a timed-out night stops its own actors, not its siblings' (a backfill)
-    # every span its own Ray Data block: flat_map would otherwise put a part's spans into one Ray Data
-    # block, which one actor would take whole; one each, every actor of the pool takes spans as it is free
-    # (a streaming repartition does the same as one more operator, ~7 s slower to the first block here)
+    # every span its own Ray Data block, for every actor to take spans as it is free: flat_map would put a
+    # part's spans into one block for one actor (a streaming repartition: ~7 s slower to the first block)
     context.target_max_block_size = 1
     # On the driver's node, as from_items puts them, so the spans outlive a lost worker node (Ray Data waited
     # in vain for a lost row's task to run again). Hard affinity and no CPU: a soft one fell back to the
