@@ -211,12 +211,10 @@ def _summarise(reports: list[dict[str, Any]], classes: list[str]) -> PreprocessS
 def _result(
     manifest: PreprocessManifest, manifest_uri: str, cached: bool, elapsed: float, waited: float = 0.0
 ) -> PreprocessResult:
-    output, summary = manifest.output_uri, manifest.summary
+    summary = manifest.summary
     files = manifests.files_folder(manifest_uri, manifest)  # the committed generation's
     return PreprocessResult(
-        input_manifest_uri=manifest.input_manifest_uri,
-        input_content_hash=manifest.input_content_hash,
-        output_uri=output,
+        **manifest.model_dump(include={"input_manifest_uri", "input_content_hash", "output_uri"}),
         manifest_uri=manifest_uri,
         summary_uri=storage.join(files, SUMMARY),
         errors_uri=storage.join(files, ERRORS),
