@@ -1,40 +1,25 @@
 """The one preprocessing implementation: image bytes → the model's normalised input.
 
-Preprocess (training data), batch inference and serving all call
-:func:`decode_image`, so a model sees the same pixels in every stage. Two steps:
+Preprocess, batch inference and serving all call :func:`decode_image`, so a model sees the same pixels in
+every stage. :func:`decode_rgb` never trusts the bytes: it checks the pixel count from the header before
+decoding (decompression bombs), applies the EXIF orientation, composites transparency onto white (dropping
+alpha would show whatever colour transparent pixels hold) and converts any mode to RGB; every failure is a
+typed :class:`ImageDecodeError`. :func:`to_model_input` resizes and crops (``resize_crop`` with
+torchvision's own functional transforms, as a weights entry's ``transforms()`` does), scales and normalises.
 
-1. :func:`decode_rgb` never trusts the bytes: it reads the header first and
-   checks the pixel count before any pixel is decoded (decompression bombs),
-   applies the EXIF orientation, composites transparency onto white (rather
-   than dropping the alpha channel, which turns transparent areas into
-   whatever colour they happen to hold) and converts any mode (grayscale,
-   palette, CMYK, 16-bit) to RGB. Every failure is a typed exception the
-   caller records.
-2. :func:`to_model_input` resizes and crops the PIL image — for
-   ``resize_crop`` with torchvision's own functional transforms, as the
-   ``transforms()`` of a torchvision weights entry does — then scales to
-   [0, 1] and normalises.
-
-With full decoding (``ImageSpec.draft`` false) the output of a ``resize_crop``
-spec equals ``weights.transforms()`` applied to the same decoded RGB image
-within ``IMAGENET_MAX_ABS_DIFF`` (asserted by tests/unit/test_preprocessing.py).
-
-Reduced-scale decoding, the default (``ImageSpec.draft``): a JPEG over twice
-the size the spec needs is decoded at a reduced DCT scale (1/2, 1/4, 1/8),
-never below twice that size, and the antialiased resize does the rest, from
-the part of the reduced image that holds the photo (whole reduced pixels
-overhang it) to the size the full decode resizes to, so both sample the
-same geometry. A 12 MP photo decodes ~4x faster; the model input stays
-within ``DRAFT_MAX_MEAN_ABS_DIFF`` of full decoding (``bench/preprocessing.py``
-measures both, figures in bench/README.md). ``draft=False`` (``register-model
---full-decode``) keeps equality with torchvision's transforms().
+With full decoding (``ImageSpec.draft`` false) a ``resize_crop`` spec's output equals ``weights.transforms()``
+within ``IMAGENET_MAX_ABS_DIFF`` (tests/unit/test_preprocessing.py). By default a JPEG over twice the needed
+size is decoded at a reduced DCT scale (never below twice that size), and the antialiased resize samples
+the same geometry as the full decode: a 12 MP photo decodes ~4x faster, and the model input stays within
+``DRAFT_MAX_MEAN_ABS_DIFF`` of full decoding (``bench/preprocessing.py``; figures in bench/README.md).
+``draft=False`` (``register-model --full-decode``) keeps equality with torchvision's transforms().
 """
 
 from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -49,7 +34,7 @@ from rayline.errors import (
 )
 from rayline.specs import DEFAULT_MAX_PIXELS, RESIZE_CROP, ImageSpec
 
-__all__ = ["DEFAULT_MAX_PIXELS", "ImageSpec", "Reduced", "decode_image", "decode_rgb", "to_model_input"]
+__all__ = ["DEFAULT_MAX_PIXELS", "ImageSpec", "Reduced", "decode_image", "decode_rgb", "decode_rows", "to_model_input"]
 
 # float32 rounding of the normalisation: torchvision divides by 255 then normalises in float32
 # tensors, this module does the same arithmetic in numpy; measured differences are ~5e-7.
@@ -69,12 +54,36 @@ class Reduced(NamedTuple):
 
 
 def decode_image(data: bytes | None, spec: ImageSpec) -> np.ndarray:
-    """Bytes → normalised float32 array of shape (3, crop, crop).
-
-    Raises an :class:`ImageDecodeError` subclass naming what was wrong.
-    """
+    """Bytes → normalised float32 array of shape (3, crop, crop); an :class:`ImageDecodeError` names what is wrong."""
     rgb, reduced = _decode(data, spec)
     return to_model_input(rgb, spec, reduced)
+
+
+def decode_rows(
+    data: Sequence[bytes | None] | np.ndarray, fetch_errors: Sequence[tuple[str, str] | None], spec: ImageSpec
+) -> dict[str, np.ndarray]:
+    """Decode each row's image; a fetch error (type, message) or a bad image, whatever the decoder raised,
+    becomes the row's error fields: one bad sample is one error row, never an exception."""
+    n = len(data)
+    images = np.zeros((n, 3, spec.size, spec.size), dtype=np.float32)
+    stage: list[str | None] = [None] * n
+    error_type: list[str | None] = [None] * n
+    message: list[str | None] = [None] * n
+    for i, (item, fetch_error) in enumerate(zip(data, fetch_errors, strict=True)):
+        if fetch_error is not None:
+            stage[i], (error_type[i], message[i]) = "fetch", fetch_error
+            continue
+        try:
+            images[i] = decode_image(item, spec)
+        except Exception as exc:
+            stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
+    return {
+        "image": images,
+        "ok": np.array([t is None for t in error_type], dtype=bool),
+        "stage": np.array(stage, dtype=object),
+        "error_type": np.array(error_type, dtype=object),
+        "error_message": np.array(message, dtype=object),
+    }
 
 
 def decode_rgb(data: bytes | None, spec: ImageSpec) -> Image.Image:

@@ -1,27 +1,17 @@
 """Ingest: many small objects under a prefix → Parquet shards + manifest.
 
-Per-object latency dominates when reading thousands of small objects, so
-each Ray task fetches its slice of the listing with many concurrent reads
-(``fetching.fetch_many``), not one GET after another. An object that cannot
-be read for good (missing, replaced since the listing) becomes a row with
-``error_type`` set, never a failed job; one whose reads keep failing
-transiently (throttling, 5xx, resets, bodies cut short, after ``fetch_many``'s
-rounds of retries) fails the job as transient, and a read refused for want of
-permission fails it as ``StorageAccessDenied`` (not retried): nothing is
-committed, so a cached dataset never holds a transient error or rows that only
-say this run's policy refused it. Listed objects that are no inputs
-(hidden or underscore names, folder markers) get no row: the manifest counts
-them per reason (``skipped``).
+Per-object latency dominates with thousands of small objects, so each Ray task reads its slice of the
+listing concurrently (``fetching.fetch_many``). An object that cannot be read for good (missing, replaced
+since the listing) becomes a row with ``error_type`` set; reads that keep failing transiently fail the job
+as transient, and a refused read as ``StorageAccessDenied``, so a cached dataset never holds a transient
+error or a row that only says this run's policy refused it. Listed objects that are no inputs (hidden or
+underscore names, folder markers) get no row: the manifest counts them per reason (``skipped``).
 
-The listing is streamed into Parquet parts (:func:`rayline.storage.listing.list_to_parts`)
-and shards are cut from them a part at a time: no process holds the whole
-listing. The output folder is named by the input's identity (source URI +
-the listing's content hash, a function of the set of ``(key, etag)`` pairs):
-unchanged input maps to the same folder,
-and a committed folder (``manifest.json`` written last,
-:class:`rayline.storage.manifests.IngestManifest`) is reused as is. A run fills the
-folder only while it holds the folder's lease (:mod:`rayline.storage.folders`): a
-concurrent run on the same input waits, then reuses what the first committed.
+The listing is streamed into Parquet parts and shards are cut from them a part at a time: no process holds
+the whole listing. The output folder is named by the input's identity (source URI + the listing's content
+hash), so unchanged input maps to the same folder and a committed one (``manifest.json`` written last) is
+reused. A run fills the folder only while it holds its lease (:mod:`rayline.storage.folders`): a concurrent
+run on the same input waits, then reuses what the first committed.
 """
 
 from __future__ import annotations
@@ -88,12 +78,8 @@ class IngestConfig(folders.LeasedOutput):
 
 
 class IngestResult(BaseModel):
-    """Small, typed summary passed between stages (never the data itself).
-
-    Its size does not grow with the input: counts, the content hash and the
-    manifest's URI, no list of shards. The manifest at ``manifest_uri`` lists
-    them (:meth:`read_shards` reads it).
-    """
+    """Small, typed summary passed between stages: counts, the content hash and the manifest's URI, never the
+    data nor the list of shards (:meth:`read_shards` reads it from the manifest), so its size does not grow."""
 
     source_uri: str
     output_uri: str
@@ -112,11 +98,8 @@ class IngestResult(BaseModel):
     elapsed_s: float = 0.0
 
     def read_shards(self) -> list[ShardInfo]:
-        """The shards, in order, as the manifest at ``manifest_uri`` lists them: reads it (I/O).
-
-        The manifest committed there now: a forced run since then may have
-        committed another generation of the same objects in its place.
-        """
+        """The shards, in order, as the manifest committed at ``manifest_uri`` now lists them (I/O): a forced
+        run since may have committed another generation of the same objects in its place."""
         return manifests.read(self.manifest_uri, IngestManifest).shards
 
     def read_shard_uris(self) -> list[str]:
@@ -142,10 +125,8 @@ class IngestResult(BaseModel):
 
 
 def content_hash(objects: Iterable[ObjectInfo]) -> str:
-    """The identity of an input version: :func:`rayline.storage.listing.content_hash` of its (key, etag) pairs.
-
-    The same as a streamed listing's (:attr:`StreamedListing.content_hash`), whatever the order.
-    """
+    """The identity of an input version: :func:`rayline.storage.listing.content_hash` of its (key, etag) pairs,
+    the same as a streamed listing's (:attr:`StreamedListing.content_hash`), whatever the order."""
     return listing_hash(SetDigest.of(content_digest(o.key, o.etag) for o in objects))
 
 
@@ -175,13 +156,6 @@ def cut_shards(objects: Iterable[ObjectInfo], per_shard: int, max_bytes: int) ->
         yield current
 
 
-def _as_payload(obj: ObjectInfo, fetched: fetching.Fetched) -> bytes | BaseException:
-    fetched = fetching.as_listed(fetched, obj.etag)  # a replaced object: ObjectChangedError, an error row
-    if fetched.error is not None:
-        return fetched.error
-    return fetched.data or b""
-
-
 def pack_shard(objects: Sequence[ObjectInfo], payloads: Sequence[bytes | BaseException]) -> pa.Table:
     """One row per object: bytes on success, error type and message otherwise."""
     columns: dict[str, list[Any]] = {name: [] for name in SHARD_SCHEMA.names}
@@ -201,17 +175,13 @@ def pack_shard(objects: Sequence[ObjectInfo], payloads: Sequence[bytes | BaseExc
 @ray.remote(max_retries=3, retry_exceptions=False)
 def _fetch_and_write_shard(objects: list[ObjectInfo], shard_uri: str, concurrency: int) -> dict[str, Any]:
     fetched = fetching.fetch_many([o.uri for o in objects], concurrency)
-    table = pack_shard(objects, [_as_payload(o, f) for o, f in zip(objects, fetched, strict=True)])
+    # a replaced object reads as ObjectChangedError: an error row
+    listed = [fetching.as_listed(f, o.etag) for o, f in zip(objects, fetched, strict=True)]
+    table = pack_shard(objects, [(f.data or b"") if f.error is None else f.error for f in listed])
     size = storage.write_parquet_atomic(shard_uri, table)
-    fetched_ok = table.column("error_type").null_count
+    failed = table.num_rows - table.column("error_type").null_count
     labels = Counter(label for label in table.column("label").to_pylist() if label is not None)
-    return {
-        "uri": shard_uri,
-        "rows": table.num_rows,
-        "bytes": size,
-        "fetch_errors": table.num_rows - fetched_ok,
-        "labels": labels,
-    }
+    return {"uri": shard_uri, "rows": table.num_rows, "bytes": size, "fetch_errors": failed, "labels": labels}
 
 
 def dataset_id(source_uri: str, digest: str) -> str:
@@ -222,18 +192,10 @@ def _result_from_manifest(
     manifest: IngestManifest, manifest_uri: str, cached: bool, elapsed: float, waited: float = 0.0
 ) -> IngestResult:
     return IngestResult(
-        source_uri=manifest.source_uri,
+        **manifest.model_dump(include=set(IngestResult.model_fields)),  # what it counts, from where, by whom
         output_uri=posixpath.dirname(manifest_uri),
         manifest_uri=manifest_uri,
-        content_hash=manifest.content_hash,
-        object_count=manifest.object_count,
-        total_bytes=manifest.total_bytes,
-        fetch_errors=manifest.fetch_errors,
-        labels=manifest.labels,
         shard_count=len(manifest.shards),
-        skipped=manifest.skipped,
-        skipped_examples=manifest.skipped_examples,
-        committed_by=manifest.committed_by,
         cached=cached,
         waited_s=waited,
         elapsed_s=elapsed,
@@ -289,10 +251,7 @@ def _fetch(
     cfg: IngestConfig, listing: StreamedListing, source: str, digest: str, files: str, lease: leases.HeldLease
 ) -> IngestManifest:
     """Fetch every listed object into shards under ``files``; the manifest that commits them (written after).
-
-    Shards are cut from the listing's parts, one part in memory at a time, and
-    at most :data:`MAX_SHARDS_IN_FLIGHT` shard tasks wait at once.
-    """
+    One listing part is in memory at a time, and at most :data:`MAX_SHARDS_IN_FLIGHT` shard tasks wait."""
     per_shard = objects_per_shard(listing.count, cfg)
     fetch = _fetch_and_write_shard.options(num_cpus=cfg.num_cpus_per_task)
     stats: list[dict[str, Any]] = []
@@ -319,9 +278,7 @@ def _fetch(
     rows = sum(s["rows"] for s in stats)
     if rows != listing.count:
         raise StorageError(f"ingest wrote {rows} rows for {listing.count} objects under {source}")
-    labels: Counter[str] = Counter()
-    for s in stats:
-        labels.update(s["labels"])
+    labels = sum((Counter(s["labels"]) for s in stats), Counter[str]())
     return IngestManifest(
         source_uri=source,
         content_hash=digest,
@@ -358,10 +315,8 @@ def previous_ingest(current: IngestResult) -> IngestResult | None:
         for r in lineage.read_records("ingest")
         if r.inputs and r.inputs[0].uri == current.source_uri and r.outputs[0].content_hash != current.content_hash
     ]
-    if not earlier:
-        return None
-    latest = max(earlier, key=lambda r: r.ended_at)
-    return read_manifest(latest.outputs[0].uri)
+    latest = max(earlier, key=lambda r: r.ended_at, default=None)
+    return None if latest is None else read_manifest(latest.outputs[0].uri)
 
 
 def _pair_hashes(keys: list[str], etags: list[str]) -> np.ndarray:
@@ -373,9 +328,8 @@ def _pair_hashes(keys: list[str], etags: list[str]) -> np.ndarray:
 def arrivals(current: IngestResult, previous: IngestResult | None) -> Arrivals:
     """What changed between two ingests of one source, by (key, etag), one shard in memory at a time.
 
-    The previous ingest is held as a sorted array of 64-bit hashes (8 bytes an
-    object). A new object whose hash equals an old one's (chance about n·2^-64)
-    is taken for old.
+    The previous ingest is held as 64-bit hashes (8 bytes an object): a new object whose hash equals an old
+    one's (chance about n·2^-64) is taken for old.
     """
     columns = ["key", "etag", "label"]
     before = np.zeros(0, dtype=np.uint64)

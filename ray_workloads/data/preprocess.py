@@ -1,10 +1,8 @@
 """Preprocess: ingest shards → decoded, normalised train/val/test shards.
 
-Ray Data reads the ingest shards, decodes every image in its own
-try/except inside ``map_batches`` (one bad image is one error row, never a
-failed job nor a dropped block), and a custom datasink routes rows to
-``<split>/`` and ``errors/`` files. The split is a hash of the object key, so
-an image keeps its split when new objects arrive.
+Ray Data decodes every image in its own try/except (one bad image is one error row, never a failed job
+nor a dropped block), and a datasink routes rows to ``<split>/`` and ``errors/`` files. The split is a hash
+of the object key, so an image keeps its split when new objects arrive.
 
 Output layout (committed by ``manifest.json``, written last: a
 :class:`rayline.storage.manifests.PreprocessManifest`)::
@@ -14,13 +12,9 @@ Output layout (committed by ``manifest.json``, written last: a
     <output>/summary.json                            counts per split and class, error count
     <output>/manifest.json                           files + summary: the commit point
 
-What a run returns (:class:`PreprocessResult`) counts the files per split, not
-lists them, so it stays small at any N: :meth:`PreprocessResult.read_files`
-reads the list from the manifest.
-
-A run fills the folder only while it holds the folder's lease
-(:mod:`rayline.storage.folders`): a concurrent run on the same input and
-parameters waits, then reuses what the first committed.
+:class:`PreprocessResult` counts the files per split rather than listing them, so it stays small at any N.
+A run fills the folder only while it holds its lease (:mod:`rayline.storage.folders`): a concurrent run on
+the same input and parameters waits, then reuses what the first committed.
 """
 
 from __future__ import annotations
@@ -41,10 +35,10 @@ from ray.data.block import BlockAccessor
 from ray.data.datasource import Datasink, WriteResult
 
 from rayline import progress, ray_work, storage
-from rayline.errors import ImageDecodeError, StorageError
+from rayline.errors import StorageError
 from rayline.lineage import DatasetRef
 from rayline.ray_workloads.data import ingest
-from rayline.ray_workloads.data.images import ImageSpec, decode_image
+from rayline.ray_workloads.data.images import ImageSpec, decode_rows
 from rayline.specs import SplitFractions
 from rayline.storage import folders, leases, manifests
 from rayline.storage.manifests import PreprocessCounts, PreprocessManifest, PreprocessParameters, PreprocessSummary
@@ -65,11 +59,8 @@ class PreprocessConfig(folders.LeasedOutput):
 
 
 class PreprocessResult(PreprocessCounts):
-    """The folder's summary (counts, errors: the manifest's), with where it is and how it was made.
-
-    Its size does not grow with the input: how many files per split, never
-    which. The manifest at ``manifest_uri`` lists them (:meth:`read_files` reads it).
-    """
+    """The folder's summary (counts, errors: the manifest's), with where it is and how it was made: how many
+    files per split, never which (:meth:`read_files` reads them from the manifest), so its size does not grow."""
 
     file_counts: dict[str, int] = Field(
         description="Parquet files per split (and errors) that the manifest commits (read_files lists them)."
@@ -91,11 +82,8 @@ class PreprocessResult(PreprocessCounts):
         return sum(self.counts.values()) + self.error_count
 
     def read_files(self) -> dict[str, list[str]]:
-        """Every Parquet file by split (and ``errors``), as the manifest at ``manifest_uri`` lists them: reads it (I/O).
-
-        The manifest committed there now: a forced run since then may have
-        committed another generation of the same input in its place.
-        """
+        """Every Parquet file by split (and ``errors``), as the manifest committed at ``manifest_uri`` now lists
+        them (I/O): a forced run since may have committed another generation of the same input in its place."""
         return manifests.read(self.manifest_uri, PreprocessManifest).summary.files
 
     def lineage_inputs(self) -> list[DatasetRef]:
@@ -131,23 +119,8 @@ def decode_batch(
 ) -> dict[str, np.ndarray]:
     """Decode one batch; every input row yields exactly one output row (ok or error)."""
     class_index = {name: i for i, name in enumerate(classes)}
-    n = len(batch["uri"])
-    images = np.zeros((n, 3, spec.size, spec.size), dtype=np.float32)
-    ok = np.zeros(n, dtype=bool)
-    stage: list[str | None] = [None] * n
-    error_type: list[str | None] = [None] * n
-    message: list[str | None] = [None] * n
-    for i in range(n):
-        if batch["error_type"][i] is not None:  # the fetch already failed in ingest
-            stage[i], error_type[i], message[i] = "fetch", batch["error_type"][i], batch["error_message"][i]
-            continue
-        try:
-            images[i] = decode_image(batch["data"][i], spec)
-            ok[i] = True
-        except ImageDecodeError as exc:
-            stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
-        except Exception as exc:  # an unexpected decoder failure is still one bad sample
-            stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
+    # a fetch that failed in ingest is already an error row
+    failed = [None if t is None else (t, m) for t, m in zip(batch["error_type"], batch["error_message"], strict=True)]
     labels = batch["label"]
     return {
         "uri": batch["uri"],
@@ -156,11 +129,7 @@ def decode_batch(
         "label": labels,
         "label_index": np.array([class_index.get(lbl, -1) if lbl else -1 for lbl in labels], dtype=np.int64),
         "split": np.array([split_for_key(k, fractions) for k in batch["key"]], dtype=object),
-        "image": images,
-        "ok": ok,
-        "stage": np.array(stage, dtype=object),
-        "error_type": np.array(error_type, dtype=object),
-        "error_message": np.array(message, dtype=object),
+        **decode_rows(batch["data"], failed, spec),
     }
 
 
@@ -169,10 +138,7 @@ _ERROR_COLUMNS = ["uri", "key", "stage", "error_type", "error_message"]
 
 
 class SplitShardSink(Datasink[dict[str, Any]]):
-    """Writes each task's rows to ``<split>/part-<task>.parquet`` and ``errors/``.
-
-    Returns per-file facts to the driver, which commits them in a manifest.
-    """
+    """Writes each task's rows to ``<split>/part-<task>.parquet`` and ``errors/``; returns per-file facts."""
 
     def __init__(self, output_uri: str, shown: progress.Stage | None = None) -> None:
         self.output_uri = output_uri
@@ -245,20 +211,15 @@ def _summarise(reports: list[dict[str, Any]], classes: list[str]) -> PreprocessS
 def _result(
     manifest: PreprocessManifest, manifest_uri: str, cached: bool, elapsed: float, waited: float = 0.0
 ) -> PreprocessResult:
-    output, summary = manifest.output_uri, manifest.summary
+    summary = manifest.summary
     files = manifests.files_folder(manifest_uri, manifest)  # the committed generation's
     return PreprocessResult(
-        input_manifest_uri=manifest.input_manifest_uri,
-        input_content_hash=manifest.input_content_hash,
-        output_uri=output,
+        **manifest.model_dump(include={"input_manifest_uri", "input_content_hash", "output_uri"}),
         manifest_uri=manifest_uri,
         summary_uri=storage.join(files, SUMMARY),
         errors_uri=storage.join(files, ERRORS),
-        classes=summary.classes,
+        **summary.model_dump(include=set(PreprocessCounts.model_fields) - {"counts"}),
         counts={s: summary.counts.get(s, 0) for s in SPLITS},
-        class_counts=summary.class_counts,
-        error_count=summary.error_count,
-        error_types=summary.error_types,
         file_counts={part: len(uris) for part, uris in summary.files.items()},
         image=manifest.parameters.image,
         cached=cached,
@@ -307,10 +268,8 @@ def run(cfg: PreprocessConfig) -> PreprocessResult:
 def _decode_and_commit(
     cfg: PreprocessConfig, source: ingest.IngestResult, classes: list[str], output: str, files: str
 ) -> tuple[PreprocessManifest, str]:
-    """Decode and split into ``files`` (``output``'s generation); the manifest that commits it, and Ray Data's stats.
-
-    ``folders.fill_once`` writes the manifest after these files: the commit point.
-    """
+    """Decode and split into ``files`` (``output``'s generation); the manifest that commits it (written after,
+    by ``folders.fill_once``), and Ray Data's stats."""
     shard_uris = source.read_shard_uris()  # the ingest's manifest lists them
     fs, _ = storage.arrow_filesystem(shard_uris[0])
     paths = [storage.arrow_filesystem(uri)[1] for uri in shard_uris]

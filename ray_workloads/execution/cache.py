@@ -1,24 +1,15 @@
 """Execution plans kept with the model version they were chosen for, per machine, libraries and policy.
 
-A plan is measured once per (version, CPU model and instruction sets, GPU,
-torch version, policy) and stored as ``<version>/plans/<key>.json``. One
-actor measures: it claims ``<key>.measuring`` exclusively, and the others
-wait for its plan instead of timing candidates on the same cores at the same
-time (which slows every actor's probe and skews the timings it decides on).
-The plan file is created exclusively too; every later actor, restart, rerun
-or node of the same kind reads it and runs the same plan. So the rows of a
-night, and of its rerun, are predicted by one plan, not by whichever plan
-each actor's timing happened to favour. A claim whose actor died is taken
-over once it is older than ``MEASURE_WAIT_S``; a waiter that sees no plan by
-then measures itself, so a lost claimant costs time, never the night.
+A plan is measured once per (version, CPU model and instruction sets, GPU, torch version, policy) and stored
+as ``<version>/plans/<key>.json``, created exclusively: every later actor, rerun or node of the same kind
+runs that plan, so the rows of a night and of its rerun come from one plan, not from whichever each actor's
+timing favoured. One actor measures, holding ``<key>.measuring``; the others wait rather than time
+candidates on the same cores (which skews the timings). A claim older than ``MEASURE_WAIT_S`` is taken over,
+and a waiter that sees no plan by then measures itself: a lost claimant costs time, never the night.
 
-A night whose plan fell back to fp32 too often (execution.fallback) replaces
-the plan file, conditionally, by an fp32 eager record naming the plan it
-replaced and why (:func:`demote`): the only change a plan file sees.
-
-The cache is an optimisation: a store that cannot be written is logged and
-the measured plan is used; a record that cannot be read is named in the log
-and measured again.
+A night that fell back to fp32 too often (execution.fallback) replaces the plan file, conditionally, by an
+fp32 record naming what it replaced and why (:func:`demote`). The cache is an optimisation: a store that
+cannot be written or read is logged, and the plan is used uncached or measured again.
 """
 
 from __future__ import annotations
@@ -153,13 +144,9 @@ def _measure_and_store(
 
 
 def demote(version_uri: str, key: str, reason: str) -> PlanChoice | None:
-    """Replace the plan cached under ``key`` by fp32 eager, saying why: every actor, night and replica of
-    that version on that machine then runs the reference. The fp32 record keeps the plan it replaced.
-
-    None where nothing was replaced: no plan cached there, the reference
-    already, or a store that refused (logged): the night's own rows are
-    fp32's wherever they had to be either way (execution.fallback).
-    """
+    """Replace the plan cached under ``key`` by fp32 eager, saying why and keeping the plan it replaced: every
+    actor, night and replica of that version on that machine then runs the reference. None where nothing was
+    replaced (no plan, the reference already, or a store that refused: logged)."""
     uri = plan_uri(version_uri, key)
     try:
         found = conditional.read_versioned(uri)
@@ -205,9 +192,8 @@ def _claim_record(state: str) -> bytes:
 def _claim(uri: str) -> str | None:
     """Claim the measurement: the claim's token, or None while another actor's live claim holds it.
 
-    A claim released without a plan, or older than ``MEASURE_WAIT_S`` (its
-    actor died), is taken over. A store that cannot coordinate (an error)
-    counts as claimed: measuring is always safe, only slower.
+    A claim released, or older than ``MEASURE_WAIT_S`` (its actor died), is taken over. A store that cannot
+    coordinate counts as claimed: measuring is always safe, only slower.
     """
     try:
         created = conditional.create_exclusive(uri, _claim_record("measuring"))
@@ -274,31 +260,19 @@ def probe_set(
 ) -> np.ndarray | None:
     """The images a plan of ``version`` is judged on: its own sample images, and a night's first images.
 
-    A version with neither (an outside model registered without ``--samples``,
-    on a serving replica) is judged on views of scikit-learn's two sample
-    photos instead, and the log says so: real photos, unlike a blank or random
-    probe, whose logits sit near a tie and say little about a plan's answers.
-    None when there are no images at all (no samples, and scikit-learn, whose
-    photos these are, not installed): the caller runs fp32 eager.
+    A version with neither (registered without ``--samples``, on a serving replica) is judged on views of
+    scikit-learn's sample photos, logged: a blank or random probe's logits sit near a tie and say little.
+    None without scikit-learn either: the caller runs fp32 eager.
     """
     parts = [p for p in (_version_samples(version), first_images) if p is not None and len(p)]
     if parts:
         return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
     try:
-        stand_ins = _stand_in_photos(image_spec, PROBE_IMAGES)
+        stand_ins: np.ndarray | None = _stand_in_photos(image_spec, PROBE_IMAGES)
+        judged = ": its plan is judged on stand-in photos"
     except ConfigError:  # scikit-learn, whose photos they are, is not installed
-        logger.warning(
-            "%s v%d has no sample images (register-model --samples) and scikit-learn is not installed for "
-            "stand-ins: it runs fp32 eager",
-            version.name,
-            version.version,
-        )
-        return None
-    logger.warning(
-        "%s v%d has no sample images (register-model --samples): its plan is judged on stand-in photos",
-        version.name,
-        version.version,
-    )
+        stand_ins, judged = None, " and scikit-learn is not installed for stand-ins: it runs fp32 eager"
+    logger.warning("%s v%d has no sample images (register-model --samples)%s", version.name, version.version, judged)
     return stand_ins
 
 

@@ -1,17 +1,11 @@
 """What a plan costs beyond its gate: the batches whose outputs were not finite, predicted again in fp32.
 
-The gate judges a plan on a probe set (:mod:`~rayline.ray_workloads.execution.plan`);
-a night's images may reach further than any of them (brighter, with larger
-activations) and fp16 ends at 65504. So a batch whose outputs under any plan
-other than fp32 eager are not all finite is predicted again by fp32 eager
-(:meth:`LoadedModel.logits <rayline.ray_workloads.execution.interface.LoadedModel.logits>`),
-and its rows are fp32's. A night counts those batches per plan
-(:class:`PlanUse`); a plan that needed fp32 for more than
-:data:`DEMOTE_SHARE` of a night's batches is demoted
-(:func:`~rayline.ray_workloads.execution.cache.demote`): its probe did not
-stand for the night's images, and an overflow that a later layer clips back
-into range is one no check sees, so every later night of that version on
-that machine runs fp32.
+A night's images may reach further than the probe's (fp16 ends at 65504), so a batch whose outputs under a
+plan other than fp32 eager are not all finite is predicted again by fp32 eager
+(:meth:`~rayline.ray_workloads.execution.interface.LoadedModel.logits`). A plan that needed fp32 for more
+than :data:`DEMOTE_SHARE` of a night's batches is demoted (:func:`~rayline.ray_workloads.execution.cache.demote`):
+its probe did not stand for the night's images, and an overflow a later layer clips back into range is one
+no check sees, so later nights of that version on that machine run fp32.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """One interface to a registered model, whatever it was saved as: load, input spec, predict probabilities.
 
-Batch inference, serving, evaluation and MLflow's pyfunc all hold a
-:class:`LoadedModel`: a float32 batch (N, 3, S, S), decoded by the version's
-:class:`~rayline.specs.ImageSpec`, in; class probabilities (N, classes) out.
-Behind it is either a module rayline built and loaded a state dict into
-(small CNN, torchvision, timm, the user's factory), prepared for inference,
-or a code-free file run as it is (:mod:`rayline.ray_workloads.architectures.model_files`).
-Fine-tuning needs the module itself: :attr:`LoadedModel.module`, which a
-code-free file does not have.
-
-torch is imported when a model is loaded, never at import: the night's
-driver and Serve's router import this module without it.
+Batch inference, serving, evaluation and MLflow's pyfunc all hold a :class:`LoadedModel`: a float32 batch
+(N, 3, S, S) decoded by the version's :class:`~rayline.specs.ImageSpec` in, class probabilities out. Behind
+it is a module rayline built (:attr:`LoadedModel.module`, which fine-tuning needs) or a code-free file run
+as it is (:mod:`rayline.ray_workloads.architectures.model_files`). torch is imported when a model is
+loaded, never at import: the night's driver and Serve's router import this module without it.
 """
 
 from __future__ import annotations
@@ -67,12 +61,8 @@ class LoadedModel:
         self.use = PlanUse()  # the calls so far, and those the reference answered (execution.fallback)
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
-        """Raw scores (N, classes) for a float32 batch (N, 3, S, S).
-
-        Under a plan other than fp32 eager, a batch whose scores are not all
-        finite (an fp16 overflow) is predicted again by fp32 eager, whose
-        scores it returns; :attr:`use` counts it (execution.fallback).
-        """
+        """Raw scores (N, classes) for a float32 batch (N, 3, S, S); under a plan other than fp32 eager, a batch
+        whose scores are not all finite is predicted again in fp32, counted in :attr:`use` (execution.fallback)."""
         batch = np.asarray(batch, dtype=np.float32)
         if not batch.flags.writeable:  # Ray Data's read-only views: torch.from_numpy warns on them
             batch = batch.copy()
@@ -99,10 +89,8 @@ class LoadedModel:
     def choose_plan(self, probe: np.ndarray, policy: PlanPolicy, hardware: Hardware | None = None) -> PlanChoice:
         """Measure the plans this model may run with on ``probe`` (decoded images), adopt the chosen one.
 
-        Only a module rayline built has candidates: a code-free file runs as
-        it was saved, in fp32, and :attr:`plan` says so without measuring. An
-        OpenVINO candidate converts the module once for all its precisions;
-        :attr:`converted` keeps it when it is chosen, for the cache to store.
+        Only a module rayline built has candidates: a code-free file runs as saved, in fp32, unmeasured. An
+        OpenVINO candidate converts the module once; :attr:`converted` keeps it, if chosen, for the cache.
         """
         hardware = hardware or detect()
         if self.module is None:
@@ -171,9 +159,8 @@ def load(
 ) -> LoadedModel:
     """Load what ``model_uri`` holds as ``spec`` says; ``optimize`` prepares a module for inference.
 
-    ``device``: a torch device for the formats torch runs (default: CUDA when
-    present, else CPU). ``threads``: ONNX Runtime's intra-op threads (torch's
-    are the process's, set by the caller).
+    ``device``: a torch device for the formats torch runs (default: CUDA when present, else CPU).
+    ``threads``: ONNX Runtime's intra-op threads (torch's are the process's, set by the caller).
     """
     if spec.inference_only:
         from rayline.ray_workloads.architectures.model_files import load_file_model

@@ -1,15 +1,10 @@
 """OpenVINO as a plan's backend on CPUs: the module converted once per version and machine, stored with its plan.
 
-Why a second backend: on a CPU with AVX-512-BF16 or AMX, OpenVINO's bf16
-kernels run ResNets faster than torch's autocast (bench/README.md), and
-slower for others (ConvNeXt), so it is a candidate the plan's choice
-measures and gates like any other, never a default. It is an optional
-extra (``pip install rayline[openvino]``): without it there is no such
-candidate. Converting a module takes seconds to tens of seconds (ResNet-50:
-~20 s on 2 cores), so the converted model (OpenVINO IR: an ``.xml`` graph and
-a ``.bin`` of weights, nothing executable) is stored beside the plan that
-chose it, in a folder of the measuring actor's own, and every later actor,
-rerun and node of the kind reads and compiles it instead (~1 s).
+On a CPU with AVX-512-BF16 or AMX its bf16 kernels run ResNets faster than torch's autocast, and others
+(ConvNeXt) slower (bench/README.md): a candidate measured and gated like any other, never a default, and
+only with the ``rayline[openvino]`` extra. Converting takes seconds to tens of seconds, so the converted
+model (OpenVINO IR: ``.xml`` graph and ``.bin`` weights, nothing executable) is stored beside the plan that
+chose it, in a folder of the measuring actor's own, and later actors read and compile it instead (~1 s).
 """
 
 from __future__ import annotations
@@ -97,7 +92,6 @@ class OpenVinoModel:
     def load(cls, uri: str) -> OpenVinoModel:
         """The model stored at ``uri`` (a folder of :data:`MODEL_FILES`) by :meth:`save`."""
         ov = _openvino()
-
         began = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="rayline-openvino-") as folder:
             for name in MODEL_FILES:
@@ -108,7 +102,6 @@ class OpenVinoModel:
     def save(self, uri: str) -> None:
         """Store the model under ``uri``; weights stay fp32 (the plan's precision is a compile-time hint)."""
         ov = _openvino()
-
         with tempfile.TemporaryDirectory(prefix="rayline-openvino-") as folder:
             ov.save_model(self.model, str(Path(folder) / MODEL_FILES[0]), compress_to_fp16=False)
             for name in MODEL_FILES:

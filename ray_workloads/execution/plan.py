@@ -1,30 +1,21 @@
 """How a model version runs on a machine: precision, memory layout and backend, chosen by measuring, behind a gate.
 
-fp32 eager is the reference: what the model was trained and validated in.
-Where the hardware computes a narrower type natively (a CPU with AVX-512-BF16
-or AMX: bf16; a GPU: fp16, and bf16 where it supports it), a candidate plan
-runs under ``torch.autocast`` and can be several times faster (bench/README.md),
-but its outputs differ. So a candidate is used only when, on a probe set of
-real images, it is faster than the reference and its answers agree with the
-reference's: every output finite (fp16 ends at 65504: an overflow is inf, and
-NaN after it), top-1 agreement at least :attr:`PlanPolicy.min_agreement` and
-the top class's probability never further than :attr:`PlanPolicy.max_prob_diff`.
-Otherwise the reference runs and :attr:`PlanChoice.reason` says why in one
-line; so does a model whose own fp32 outputs on the probe are not finite,
-since nothing can be judged against them. A user may pin the precision or
-backend (still gated) or turn the choice off (the reference, unmeasured).
-A night's batch that a chosen plan cannot answer in finite numbers is
-predicted again in fp32 (:mod:`~rayline.ray_workloads.execution.fallback`).
-
-torch is imported only inside the functions that run a model.
+fp32 eager is the reference: what the model was trained and validated in. A narrower type the hardware
+computes natively (bf16 on a CPU with AVX-512-BF16 or AMX; fp16, and bf16 where supported, on a GPU) can be
+several times faster, but its outputs differ. So a candidate is used only when, on a probe set of real
+images, it is faster than the reference and agrees with it: every output finite, top-1 agreement at least
+:attr:`PlanPolicy.min_agreement`, the top class's probability within :attr:`PlanPolicy.max_prob_diff`.
+Otherwise :attr:`PlanChoice.reason` says in one line why the reference runs. docs/execution-plans.md tells
+the whole story; torch is imported only inside the functions that run a model.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -117,10 +108,8 @@ def finite_rows(logits: np.ndarray) -> np.ndarray:
 def gate(reference_logits: np.ndarray, candidate_logits: np.ndarray) -> Gate:
     """Top-1 agreement and the largest change of the reference's top-class probability.
 
-    A probe image on which the candidate's outputs are not all finite counts,
-    besides in :attr:`Gate.non_finite`, as a disagreement of the whole
-    probability: a NaN row's argmax is class 0 and NaN compares false with
-    any bound, so left as NaN it would pass both checks.
+    A probe image with non-finite candidate outputs also counts as a disagreement of the whole probability:
+    a NaN row's argmax is class 0 and NaN compares false with any bound, so it would pass both checks.
     """
     finite = finite_rows(candidate_logits)
     reference = softmax(reference_logits)
@@ -169,25 +158,18 @@ class PlanChoice:
         """The choice :meth:`record` wrote (a cached plan): ``ValueError`` naming what is missing or wrong."""
         try:
             plan = Plan(record["backend"], record["precision"], bool(record["channels_last"]))
-            if plan.backend not in ("eager", "onnxruntime", "openvino") or plan.precision not in (
-                "fp32",
-                "bf16",
-                "fp16",
-            ):
+            if plan.backend not in get_args(Backend) or plan.precision not in get_args(Precision):
                 raise ValueError(f"unknown plan {plan}")
-            hardware = Hardware.from_record(record["hardware"])
-            agreement = record.get("top1_agreement")
-            result = None
+            agreement, artifact, key = record.get("top1_agreement"), record.get("artifact"), record.get("key")
+            measured = None
             if agreement is not None:
-                result = Gate(float(agreement), float(record["max_prob_diff"]), int(record["probe_images"]))
-            speeds = {str(k): float(v) for k, v in record.get("images_per_s", {}).items()}
-            artifact, key = record.get("artifact"), record.get("key")
+                measured = Gate(float(agreement), float(record["max_prob_diff"]), int(record["probe_images"]))
             return cls(
                 plan,
-                hardware,
+                Hardware.from_record(record["hardware"]),
                 str(record["reason"]),
-                result,
-                speeds,
+                measured,
+                {str(k): float(v) for k, v in record.get("images_per_s", {}).items()},
                 str(artifact) if artifact else None,
                 key=str(key) if key else None,
             )
@@ -220,9 +202,8 @@ def candidates(
 ) -> list[Plan]:
     """The plans other than the reference worth measuring on this hardware, or the ones pinned.
 
-    The narrower precisions the hardware computes natively, on each backend
-    at hand (``backends``; OpenVINO on CPUs only). A pinned precision is
-    measured wherever it is asked for; fp32 pinned on eager is the reference.
+    The narrower precisions the hardware computes natively, on each backend at hand (OpenVINO on CPUs only).
+    A pinned precision is measured wherever it is asked for; fp32 pinned on eager is the reference.
     """
     if policy.precision == "fp32" and policy.backend in (None, "eager"):
         return []  # fp32 pinned: the reference
@@ -272,9 +253,8 @@ def choose(
 ) -> PlanChoice:
     """Measure the reference and each candidate on ``probe``; the fastest that passes the gate, else fp32.
 
-    A pinned precision (or a pinned backend other than eager) is used when it
-    passes the gate, faster or not; a chosen one must also be
-    :data:`MIN_SPEEDUP` times faster than fp32.
+    A pinned precision (or backend other than eager) is used when it passes the gate, faster or not; a chosen
+    one must also be :data:`MIN_SPEEDUP` times faster than fp32.
     """
     if policy.mode == "off":
         return PlanChoice(REFERENCE, hardware, "fp32 eager: the plan's choice is off")
@@ -335,9 +315,7 @@ def torch_run(module: nn.Module, plan: Plan) -> Logits:
             images = torch.from_numpy(batch).to(device)
             if plan.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
-            if dtype is None:
-                return module(images).float().cpu().numpy()  # type: ignore[no-any-return]
-            with torch.autocast(device.type, dtype=dtype):
+            with nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype):
                 return module(images).float().cpu().numpy()  # type: ignore[no-any-return]
 
     return run

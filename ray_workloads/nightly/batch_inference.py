@@ -45,11 +45,9 @@ from rayline.tables.delta_probe import require_delta_writes
 from rayline.tables.delta_tables import Night, NightCommit, attempt_run_id, commit_log_bytes, find_commit, open_table
 from rayline.tables.predictions_table import check_night_unchanged, commit_night, night_seq
 
-# What a process that runs batch inference asks its embedded Ray cluster to
-# import in every worker at start (``ray_cluster.connect(preload=...)``), so
-# that a predictor actor starts without waiting for these imports (bench/README.md):
-# torch for the model; ray.data, and ray.util.state that unpickling Ray Data's
-# context imports, for the actor pool's worker; the UDF's own module.
+# Imported by every worker of a batch-inference process's embedded cluster at start
+# (``ray_cluster.connect(preload=...)``), so a predictor actor need not wait for them (bench/README.md);
+# ray.util.state is what unpickling Ray Data's context imports.
 WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "rayline.ray_workloads.nightly.predictor")
 TABLES = {"predictions": PREDICTIONS_TABLE, "errors": ERRORS_TABLE, "shadow": SHADOW_TABLE}
 
@@ -58,16 +56,10 @@ def objects_per_task(cfg: InferenceConfig, count: int) -> int:
     """Block size for a night of ``count`` objects: large for cheap models (fewer calls), small for
     compute-bound ones, and larger again past ``MAX_BLOCKS_PER_NIGHT`` blocks.
 
-    A night ends when its last block does: with a compute-bound model (a ResNet
-    at 224 px) a 256-object block can leave one actor working alone for several
-    seconds at the end while the others idle; a 32-object block keeps that tail
-    short (bench/README.md). Block files are compacted before the commit, so
-    the size of a block does not decide the size of the night's files. What
-    does grow with the number of blocks is the driver's work (Ray Data
-    schedules and reports each one: bench/README.md's CPU per block) and the
-    files written, listed and compacted: a 100 M-photo night in 32-object blocks
-    would be 3.1 M of each. Capped at 100,000 blocks it is 1,000 photos a block,
-    a tail of under a minute of one core at ResNet-18's rate (docs/capacity.md).
+    A night ends when its last block does: a 32-object block of a ResNet at 224 px keeps the tail of one
+    actor working alone short, where 256 objects left it several seconds. The driver's work and the files
+    written grow with the number of blocks (bench/README.md), so 100 M photos would be 3.1 M blocks: capped
+    at 100,000 blocks, the tail stays under a minute of one core at ResNet-18's rate (docs/capacity.md).
     """
     return block_size(cfg.model.image_spec.size, count, cfg.objects_per_task)
 
@@ -75,11 +67,8 @@ def objects_per_task(cfg: InferenceConfig, count: int) -> int:
 def blocks_key(cfg: InferenceConfig, listing: ListingStart, size: int) -> str:
     """The key of the night's blocks of ``size`` objects: what decides their rows (blocks.night_key).
 
-    Not the listing's content hash: that is known only once the whole prefix
-    is listed, and the first blocks are predicted before (``listing.groups``).
-    Each block's report holds the digest of its inputs with their ETags, and a
-    rerun reuses only blocks whose inputs are the same objects at the same
-    versions (``blocks.reused_report``).
+    Not the listing's content hash, known only once the whole prefix is listed, after the first blocks are
+    predicted: a rerun reuses only blocks whose inputs have the same ETags (``blocks.reused_report``).
     """
     shadow = cfg.shadow
     return night_key(
@@ -131,10 +120,8 @@ def _begin_night(source: str, staging: str, part_objects: int) -> ListingStart:
 
 
 def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
-    """Predict every object under ``cfg.input_uri`` and commit the night to both tables.
-
-    ``run_id`` (default: a new one) names the files and the commits: a retry
-    of a run whose commit landed returns that commit, predicting nothing.
+    """Predict every object under ``cfg.input_uri`` and commit the night to both tables. ``run_id`` (default:
+    a new one) names the files and commits: a retry of a run whose commit landed returns it, predicting nothing.
     """
     started = time.perf_counter()
     night, tables = Night(cfg.model.name, cfg.dt), _tables(cfg)
@@ -156,10 +143,9 @@ def run(cfg: InferenceConfig, run_id: str | None = None) -> InferenceResult:
 def _night_as_held(tables: dict[str, str], night: Night, seen: int, run_id: str) -> dict[str, int]:
     """The night's commit count per kind of table that this run's commits expect, read once it holds the lease.
 
-    The run it waited for may have committed the night: then there is nothing to predict
-    (``NightCommittedElsewhere``). A holder that died between its errors commit and its predictions commit
-    left the errors table a commit ahead: that night is not committed (the predictions commit is its done
-    marker), so this run completes it, its own errors commit replacing that one. So with the shadow's table.
+    The run it waited for may have committed the night (``NightCommittedElsewhere``). A holder that died
+    between its errors (or shadow) commit and its predictions commit, the done marker, left that table a
+    commit ahead of an uncommitted night: this run completes it, its own commit replacing that one.
     """
     check_night_unchanged(tables["predictions"], night, seen, run_id)
     return {kind: seen if kind == "predictions" else night_seq(table, night) for kind, table in tables.items()}

@@ -33,9 +33,8 @@ SPAN_COLUMNS = ("part", "name", "start", "stop", "size", "resuming")
 SPAN_BLOCKS = 16
 # Spans per actor a night has at least before its blocks are grouped: the pool's load stays balanced.
 SPANS_PER_ACTOR = 16
-# A predictor call returns one row per span: its blocks' reports, a JSON list (reports_batch). One output
-# row per call: the night's target_max_block_size of 1 makes every output row a Ray Data block of its own,
-# and a call whose rows were each a block waited on the executor's loop once per block (~0.5 s a span).
+# A predictor call returns one row, its blocks' reports as a JSON list (reports_batch): with the night's
+# target_max_block_size of 1 each output row is a Ray Data block, and a row per block cost ~0.5 s a span.
 REPORT_COLUMN = "reports"
 _REPORT_KEY = b"rayline.block"
 
@@ -171,24 +170,20 @@ def write_block_files(
     shadow: pa.Table | None = None,
 ) -> BlockReport:
     """Write a block's files, errors (and shadow) first: the predictions file, with the report in its footer,
-    marks it done.
-
-    ``contents``: :func:`block_contents` of the block's inputs; ``plan``: the record of the plan that predicted;
-    ``shadow``: the shadow version's rows, on a night whose output has a shadow table.
-    """
+    marks it done. ``contents``: :func:`block_contents` of the block's inputs; ``plan``: the record of the plan
+    that predicted; ``shadow``: the shadow version's rows, on a night whose output has a shadow table."""
     uris = SetDigest.of(predictions.column("uri").to_pylist()) + SetDigest.of(errors.column("uri").to_pylist())
     errors_bytes = _write_parquet(block_file_uri(output.errors_table, output.night, output.key, block), errors)
-    shadow_rows = shadow_bytes = 0
-    counts = None
+    shadow_rows, shadow_bytes, counts = 0, 0, None
     if output.shadow_table is not None:
         shadow = shadow if shadow is not None else predictions.schema.empty_table()
         shadow_rows, counts = shadow.num_rows, block_counts(predictions, shadow)
         shadow_bytes = _write_parquet(block_file_uri(output.shadow_table, output.night, output.key, block), shadow)
     # the report's own size is not known before writing it: the footer holds the errors file's, the driver both
-    rows = (predictions.num_rows, errors.num_rows)
     report = BlockReport(
         block,
-        *rows,
+        predictions.num_rows,
+        errors.num_rows,
         0,
         errors_bytes,
         uris,
@@ -255,11 +250,9 @@ def cutter_rows(listing: ListingStart) -> list[dict[str, Any]]:
 def cut_part(row: dict[str, Any], *, cutting: Cutting) -> Iterator[dict[str, Any]]:
     """The ``flat_map`` of a night's cutters: spans of ``cutting.per_span`` blocks of ``cutting.size`` rows.
 
-    A row is a listing part the driver wrote (arithmetic on its row count: the
-    rows themselves are read by the actor that takes the span), or a group of
-    sub-prefixes left to list: listed here, each part's spans yielded as the
-    part is written, so the first blocks are predicted while the rest of the
-    prefix is still listed (:func:`rayline.storage.listing.list_group_parts`).
+    A row is a listing part the driver wrote (arithmetic on its row count: the actor reads the rows), or a
+    group of sub-prefixes listed here, each part's spans yielded as it is written, so the first blocks are
+    predicted while the rest is still listed (:func:`rayline.storage.listing.list_group_parts`).
     """
     if row["prefixes"]:
         prefixes = decode_prefixes(str(row["prefixes"]))
@@ -273,15 +266,8 @@ def cut_part(row: dict[str, Any], *, cutting: Cutting) -> Iterator[dict[str, Any
 def _spans(part: str, name: str, rows: int, cutting: Cutting) -> Iterator[dict[str, Any]]:
     step = cutting.size * cutting.per_span
     for start in range(0, rows, step):
-        stop = min(rows, start + step)
-        yield {
-            "part": part,
-            "name": name,
-            "start": start,
-            "stop": stop,
-            "size": cutting.size,
-            "resuming": cutting.resuming,
-        }
+        span = (part, name, start, min(rows, start + step), cutting.size, cutting.resuming)
+        yield dict(zip(SPAN_COLUMNS, span, strict=True))
 
 
 class PartRows:

@@ -1,42 +1,27 @@
 """Before a night's commit: its rows checked against the listing by digests, and its block files compacted.
 
-What the driver keeps while the block reports stream in is a
-:class:`NightTotals`: counts, the sum of the blocks' URI digests
-(:class:`~rayline.storage.digests.SetDigest`) and, per listing part, the rows and
-bytes of each kind, and on a shadowed night the shadow's comparison as counts
-(:class:`~rayline.ray_workloads.quality.shadow.ShadowCounts`); never a list of
-blocks or URIs. :func:`check_rows`
-compares counts and digests with the listing's: predictions plus errors must
-name every listed input exactly once (the bound on a false match is in
-:mod:`rayline.storage.digests`).
+While the block reports stream in, the driver keeps a :class:`NightTotals` (counts, the sum of the blocks'
+URI digests, per listing part the rows and bytes of each kind), never a list of blocks or URIs.
+:func:`check_rows` then requires predictions plus errors to name every listed input exactly once (the bound
+on a false match: :mod:`rayline.storage.digests`).
 
-Then the block files, one or two per block (32 rows each on a ResNet night),
-are rewritten by Ray tasks into files sized for readers
-(:func:`plan_groups`): consecutive parts are grouped until a group holds
-``min_rows`` rows or ``min_bytes`` bytes, and a last, smaller group joins the
-one before it, so every file of a night reaches the size except one per
-table when the whole night is smaller. Each task streams the block files of
-its parts into one Parquet file under the night's partition folder
-(``part-<run id>-c<group>.parquet``), in row groups of at most
-:data:`ROW_GROUP_ROWS`, and reports that file's rows and URI digest, read from
-what it wrote: the driver checks those against the listing again, so what is
-committed is what was checked. The compacted files stay invisible until the
-one commit per table; a killed run's are orphans that vacuum deletes.
+Ray tasks rewrite the block files (32 rows each on a ResNet night) into files sized for readers: consecutive
+parts grouped until a group holds ``min_rows`` or ``min_bytes`` (:func:`plan_groups`), so every file of a
+night reaches the size except one per table. Each task reports its file's rows and URI digest, read from
+what it wrote, and the driver checks those against the listing again: what is committed is what was
+checked. A killed run's compacted files are orphans that vacuum deletes.
 
-Which block files: exactly the blocks this run cut from each part
-(:class:`PartBlocks`: their names follow from the part's rows and the block
-size), never whatever else the part's folder holds. A killed attempt over a
-longer listing (inputs deleted since, or a part cut elsewhere) leaves tail
-blocks under the same night key that no block of this listing overwrites;
-read, they would refuse every rerun until vacuum's retention. They are left
-unread, and removed with the night's other block files after its commit.
+Only the blocks this run cut from each part are read (:class:`PartBlocks`), never whatever else the part's
+folder holds: a killed attempt over a longer listing leaves tail blocks under the same night key that would
+refuse every rerun until vacuum's retention. They are removed with the night's other block files.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -62,6 +47,7 @@ SCHEMAS = {"predictions": PREDICTIONS_SCHEMA, "errors": ERRORS_SCHEMA, "shadow":
 MIN_FILE_ROWS = 100_000
 MIN_FILE_BYTES = 64 * 2**20
 ROW_GROUP_ROWS = 131_072
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -83,10 +69,8 @@ class PartBlocks:
 @dataclass
 class NightTotals:
     """The sum of a night's block reports, kept as they stream in (bounded by the number of listing parts).
-
     A report summed twice, or missed, changes ``uris``, which :func:`check_rows` refuses: so the shadow's
-    counts summed beside it hold each block once (and its own digest is checked against the compacted files).
-    """
+    counts summed beside it hold each block once."""
 
     uris: SetDigest = SetDigest()
     rows: Counter[str] = field(default_factory=Counter)
@@ -115,13 +99,9 @@ class NightTotals:
         self.blocks += 1
         self.reused_blocks += report.reused
         sizes = self.per_part.setdefault(report.part, {kind: [0, 0] for kind in SCHEMAS})
-        for kind, rows, size in (
-            ("predictions", report.predictions, report.predictions_bytes),
-            ("errors", report.errors, report.errors_bytes),
-            ("shadow", report.shadow, report.shadow_bytes),
-        ):
-            sizes[kind][0] += rows
-            sizes[kind][1] += size
+        for kind in SCHEMAS:  # each kind's rows and bytes are the report's fields <kind> and <kind>_bytes
+            sizes[kind][0] += getattr(report, kind)
+            sizes[kind][1] += getattr(report, f"{kind}_bytes")
         cut = self.cut.get(report.part, PartBlocks(report.part, 0, 0))
         self.cut[report.part] = cut.add(report.predictions + report.errors)
 
@@ -208,9 +188,8 @@ def compact_group(
 ) -> CompactedFile:
     """Stream the block files of ``parts``' blocks into one file of the night (a Ray task); what it wrote.
 
-    ``constants`` (columns with one value per run) are set to the committing
-    run's: a block reused from an earlier attempt carries that attempt's
-    flow run id, and the night's rows name the run that committed them.
+    ``constants`` (columns with one value per run) are set to the committing run's: a block reused from an
+    earlier attempt carries that attempt's flow run id.
     """
     table = output.tables()[kind]
     uri = data_file_uri(table, output.night, output.run_id, f"c{index:05d}")
@@ -248,11 +227,7 @@ def compact_night(
     min_bytes: int = MIN_FILE_BYTES,
 ) -> list[CompactedFile]:
     """Compact the night's block files (module docstring), in Ray tasks; one empty predictions file when none.
-
-    ``constants``: per kind, the columns set to the committing run's (the predictions' and the shadow's).
-    """
-    import ray
-
+    ``constants``: per kind, the columns set to the committing run's (the predictions' and the shadow's)."""
     work: list[tuple[Any, ...]] = []
     kinds = output.tables()
     for kind in kinds:
@@ -264,11 +239,18 @@ def compact_night(
         values = constants.get(kind, {})
         for i, parts in enumerate(groups):
             work.append((output, kind, [totals.cut[part] for part in parts], i, SCHEMAS[kind], values))
-    if len(work) <= len(kinds):
-        # a night of at most one file per table (under min_rows): compacted here, without a task's worker
-        return [compact_group(*args) for args in work]
-    remote = ray.remote(num_cpus=0.25)(compact_group)
-    return ray_work.gather([remote.remote(*args) for args in work])
+    # a night of at most one file per table (under min_rows): compacted here
+    return _each(compact_group, work, here=len(work) <= len(kinds))
+
+
+def _each(work: Callable[..., T], calls: list[tuple[Any, ...]], *, here: bool) -> list[T]:
+    """``work`` called with each of ``calls``: here, without a task's worker (a small night), or in Ray tasks."""
+    if here:
+        return [work(*args) for args in calls]
+    import ray
+
+    remote = ray.remote(num_cpus=0.25)(work)
+    return ray_work.gather([remote.remote(*args) for args in calls])
 
 
 def compacted_digest(files: list[CompactedFile]) -> SetDigest:
@@ -285,9 +267,8 @@ def compact_checked(
 ) -> list[CompactedFile]:
     """The night's block files compacted (:func:`compact_night`) and checked against the listing again.
 
-    A run of the same night and listing that committed meanwhile removed the
-    block files this run would compact: that run won, and this one says so
-    (:class:`~rayline.errors.NightCommittedElsewhere`) instead of failing.
+    A run of the same night that committed meanwhile removed the block files this run would compact: that
+    run won, and this one says so (:class:`~rayline.errors.NightCommittedElsewhere`) instead of failing.
     """
     check_night_unchanged(output.predictions_table, output.night, seen_seq, output.run_id)
     try:
@@ -310,20 +291,10 @@ def _remove_parts(output: NightOutput, parts: list[str]) -> None:
 
 
 def remove_blocks(output: NightOutput, parts: list[str]) -> None:
-    """Delete the night's block files once its commit landed, a group of parts per Ray task.
-
-    Only after the commit: until then they are what a rerun resumes from.
-    Done, the next run of the same night and listing predicts it anew (a
-    rerun replaces a night; it does not copy it). Whatever is left (a run
-    killed here) is unreferenced: vacuum deletes it.
+    """Delete the night's block files once its commit landed (until then a rerun resumes from them), a group
+    of parts per Ray task. A rerun then predicts the night anew; what a run killed here leaves, vacuum deletes.
     """
-    import ray
-
-    groups = [parts[i : i + PARTS_PER_REMOVAL] for i in range(0, len(parts), PARTS_PER_REMOVAL)]
-    if len(groups) == 1:
-        _remove_parts(output, groups[0])  # a small night: here, without a task's worker
-    else:
-        remote = ray.remote(num_cpus=0.25)(_remove_parts)
-        ray_work.gather([remote.remote(output, group) for group in groups])
+    groups = [(output, parts[i : i + PARTS_PER_REMOVAL]) for i in range(0, len(parts), PARTS_PER_REMOVAL)]
+    _each(_remove_parts, groups, here=len(groups) == 1)
     for table in output.tables().values():
         storage.remove_tree(blocks_root(table, output.night, output.key))

@@ -1,8 +1,5 @@
 """What a night of batch inference is asked (:class:`InferenceConfig`) and answers (:class:`InferenceResult`,
 :class:`NightSkipped`): the typed contract between ``rayline.ray_workloads.nightly.batch_inference`` and its callers.
-
-A result declares its lineage: it read the night's inputs and the model's
-weights, and wrote both tables at the versions holding its commit.
 """
 
 from __future__ import annotations
@@ -192,13 +189,12 @@ class InferenceResult(BaseModel):
     def lineage_outputs(self) -> list[DatasetRef]:
         """Both tables, at the versions holding this run's commit of the night, with how many files it has."""
         night: dict[str, Any] = {"model_name": self.model_name, "dt": self.dt, "run_id": self.run_id}
-        tables = {
-            "predictions": (self.predictions_table, self.predictions_version),
-            "errors": (self.errors_table, self.errors_version),
-        }
         refs = [
             DatasetRef(uri=uri, facets={**night, "version": version, "data_files": self.data_files[kind]})
-            for kind, (uri, version) in tables.items()
+            for kind, uri, version in (
+                ("predictions", self.predictions_table, self.predictions_version),
+                ("errors", self.errors_table, self.errors_version),
+            )
         ]
         if self.shadow is not None:
             facets = {**night, "version": self.shadow.table_version, "model_version": self.shadow.model_version}

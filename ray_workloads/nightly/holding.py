@@ -1,9 +1,7 @@
 """Who holds a night: its lease (one live run predicts a night) and each holder's own listing folder.
 
-A run takes the night's lease (:func:`held_night`) before it lists or predicts; each holder lists into a
-folder named by its lease generation (:func:`listing_staging_uri`), and the one that commits removes the
-folders its predecessors left (:func:`remove_earlier_listings`). The blocks a dead holder wrote are the
-next holder's to reuse (:mod:`rayline.ray_workloads.nightly.blocks`).
+A run takes the night's lease (:func:`held_night`) before it lists or predicts, lists into a folder of
+its lease generation, and once it commits removes the folders its predecessors left.
 """
 
 from __future__ import annotations
@@ -24,13 +22,10 @@ log = logging.getLogger(__name__)
 
 
 def listing_staging_uri(root: str, night: Night, fence: int, holding: str) -> str:
-    """``<root>/_staging/nights/<model>/dt=<day>.listing-<fence>-<holding>``: the night's listing parts, as
-    listed by the holder of the night's lease of generation ``fence`` (``holding`` tells apart two holders
-    of one generation, a lease removed by hand restarting its generations).
-
-    Each holder lists into a folder of its own: a holder that lost the lease (paused past its ttl) and still
-    runs neither removes nor writes into the listing of the run that took the night over.
-    """
+    """``<root>/_staging/nights/<model>/dt=<day>.listing-<fence>-<holding>``: the listing of the holder of
+    the lease's generation ``fence`` (``holding`` tells apart two holders of one generation: a lease removed
+    by hand restarts them). A folder of its own: a holder that lost the lease while paused never touches
+    the listing of the run that took the night over."""
     return staging_uri(root, "nights", night.model_name, f"dt={night.dt}.listing-{fence}-{holding}")
 
 
@@ -44,12 +39,9 @@ def night_listings(root: str, night: Night) -> dict[str, int]:
 
 
 def remove_earlier_listings(root: str, night: Night, fence: int, own: str) -> None:
-    """Remove the listings of the night's earlier holders (generation up to ``fence``, ``own`` excepted):
-    they died, or lost the lease while paused, and their work is void.
-
-    Called once the night is committed, so a storage error fails nothing: it is logged, and the next
-    holder removes what is left.
-    """
+    """Remove the listings of the night's earlier holders (generation up to ``fence``, ``own`` excepted),
+    whose work is void. Called once the night is committed, so a storage error is only logged: the next
+    holder removes what is left."""
     try:
         for uri, generation in night_listings(root, night).items():
             if generation <= fence and uri != own:
@@ -65,12 +57,8 @@ def night_lease_uri(root: str, night: Night) -> str:
 
 @contextmanager
 def held_night(root: str, night: Night, cfg: LeasedOutput) -> Iterator[leases.HeldLease]:
-    """The night's lease: one live run predicts a night; the others wait, then find it committed or take over.
-
-    A holder that died stops renewing: its lease expires after ``lease_ttl_s``
-    and the next run takes it, and with it the blocks the dead run wrote
-    (same night key).
-    """
+    """The night's lease: one live run predicts a night; the others wait, then find it committed or take over
+    (a dead holder's lease expires after ``lease_ttl_s``; the next run reuses its blocks: same night key)."""
     holder = cfg.holder or leases.run_holder()
     describe = f"the night {night.model_name} {night.dt}"
     uri = night_lease_uri(root, night)

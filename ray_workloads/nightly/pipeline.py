@@ -1,18 +1,14 @@
 """A night's Ray Data pipeline: block cutters on the driver's node, predictor actors, their reports summed.
 
-``predict_and_write`` builds the lazy dataset: one Ray Data block per listing
-part, cut into blocks of object URIs (:func:`rayline.ray_workloads.nightly.blocks.cut_part`)
-and predicted by a pool of restartable actors, each of which writes one file
-of each kind per block and reports it. ``sum_reports`` runs it and adds the
-reports up as they stream in, with rayline's errors raised in an actor coming
-out as themselves. The night's listing, lease, compaction and commits are
-:mod:`rayline.ray_workloads.nightly.batch_inference`'s.
+``predict_and_write`` builds the lazy dataset: listing parts cut into spans of blocks
+(:func:`rayline.ray_workloads.nightly.blocks.cut_part`), predicted by a pool of restartable actors that write
+each block's files and report them. ``sum_reports`` runs it and adds the reports up as they stream in. The
+night's listing, lease, compaction and commits are :mod:`rayline.ray_workloads.nightly.batch_inference`'s.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +20,6 @@ from rayline import errors, progress, ray_work
 from rayline.errors import RaylineError, RetriesExhausted
 from rayline.ray_workloads.execution.interface import remote_options
 from rayline.ray_workloads.nightly.blocks import (
-    BlockReport,
     Cutting,
     NightOutput,
     any_block_written,
@@ -42,15 +37,11 @@ from rayline.storage.listing import ListingStart
 if TYPE_CHECKING:
     from ray.data import Dataset
 
-# A lost actor (OOM, node loss, killed) is restarted and its block retried;
-# an input that kills its actor every time fails the run after this many.
-# (Ray Data's default is to restart and retry forever.)
-# Ray's driver logs "Actor … has constructor arguments in the object store and max_restarts > 0"
-# (ray-project/ray#53727: a restart fails once such an argument is freed) for every actor pool:
-# the arguments are Ray Data's own, the DataContext and the map transformer (which carries the
-# predictor's constructor arguments), put by the operator and held by it for the whole run, so they
-# stay pinned on the driver's node and a restart after a worker node's loss finds them
-# (tests/integration/test_node_loss.py).
+# A lost actor (OOM, node loss, killed) is restarted and its block retried; an input that kills its actor
+# every time fails the run after this many (Ray Data's default retries forever). Ray's warning that
+# "Actor … has constructor arguments in the object store and max_restarts > 0" (ray-project/ray#53727) is
+# harmless here: those arguments are Ray Data's own, held by the operator for the whole run on the driver's
+# node, so a restart after a worker node's loss finds them (tests/integration/test_node_loss.py).
 ACTOR_RESTARTS = 3
 
 
@@ -130,17 +121,13 @@ def _spans(listing: ListingStart, output: NightOutput, size: int, per_span: int)
     context.enable_progress_bars = False  # a bar per night in the logs of a Prefect task tells nobody anything
     context.raise_original_map_exception = True  # rayline's own errors reach the driver as themselves
     ray_work.stop_with_scope(context)  # a timed-out night stops its own actors, not its siblings' (a backfill)
-    # every span its own Ray Data block: flat_map would otherwise put a part's spans into one Ray Data
-    # block, which one actor would take whole; one each, every actor of the pool takes spans as it is free
-    # (a streaming repartition does the same as one more operator, ~7 s slower to the first block here)
+    # every span its own Ray Data block, for every actor to take spans as it is free: flat_map would put a
+    # part's spans into one block for one actor (a streaming repartition: ~7 s slower to the first block)
     context.target_max_block_size = 1
-    # On the driver's node, as from_items puts them: the blocks' rows then outlive a lost worker node (a row
-    # on a lost node needs its part's task run again, which Ray Data waited for in vain). Hard affinity, and
-    # no CPU asked: a soft one fell back to the worker node whenever the actors held the head's CPUs, and any
-    # CPU asked could wait behind them. The node lives as long as the driver; as many tasks at a time as the
-    # listing cut its groups for (no more than there are rows: Ray Data warns of a cap it cannot reach), as
-    # they only name the spans of a listing part, or list a group of sub-prefixes (I/O, streamed: no
-    # further ahead of the actors than Ray Data's buffer of a task's output lets them).
+    # On the driver's node, as from_items puts them, so the spans outlive a lost worker node (Ray Data waited
+    # in vain for a lost row's task to run again). Hard affinity and no CPU: a soft one fell back to the
+    # worker node whenever the actors held the head's CPUs, and a CPU asked could wait behind them. As many
+    # tasks as the listing has groups (at most one per row): they only name spans or list sub-prefixes.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     cutters = ray.data.TaskPoolStrategy(size=min(listing.listers, len(rows)))
     return dataset.flat_map(partial(cut_part, cutting=cutting), compute=cutters, num_cpus=0, scheduling_strategy=here)
@@ -159,32 +146,18 @@ def _actor_options(cfg: InferenceConfig) -> dict[str, Any]:
     return options
 
 
-def _block_reports(reports: Dataset) -> Iterator[BlockReport]:
-    for row in reports.iter_rows():  # streamed: spans of blocks are reported as their actors finish them
-        yield from reports_of(row)
-
-
 def sum_reports(reports: Dataset) -> NightTotals:
-    """Run the actors and sum their reports as they stream in (the driver never holds them all)."""
+    """Run the actors and sum their reports as they stream in (the driver never holds them all).
 
-    def run() -> NightTotals:
-        totals = NightTotals()
-        for report in _block_reports(reports):
-            totals.add(report)
-        return totals
-
-    return _surfacing_errors(run)
-
-
-def _surfacing_errors(execute: Callable[[], NightTotals]) -> NightTotals:
-    """Run ``execute``; rayline's errors raised in an actor come out as themselves, lost actors as RetriesExhausted.
-
-    Ray Data restarted the lost actor and retried its block ``ACTOR_RESTARTS``
-    times already: an input that kills its actor each time would kill it in a
-    Prefect retry too.
+    Rayline's errors raised in an actor come out as themselves, lost actors as ``RetriesExhausted``: Ray Data
+    restarted the lost actor and retried its block ``ACTOR_RESTARTS`` times already, and an input that kills
+    its actor each time would kill it in a Prefect retry too.
     """
+    totals = NightTotals()
     try:
-        return execute()
+        for row in reports.iter_rows():  # streamed: spans of blocks are reported as their actors finish them
+            for report in reports_of(row):
+                totals.add(report)
     except Exception as exc:  # Ray wraps an actor's error in classes of its own: the causes decide
         causes = list(errors.causes(exc))
         # the remote exception itself, not Ray's RayTaskError(...) subclass that wraps it
@@ -199,3 +172,4 @@ def _surfacing_errors(execute: Callable[[], NightTotals]) -> NightTotals:
                 exc,
             ) from exc
         raise
+    return totals

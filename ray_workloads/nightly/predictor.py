@@ -1,19 +1,10 @@
-"""The Ray Data UDF of batch inference: one call takes one block of the listing from URIs to Parquet.
+"""The Ray Data UDF of batch inference: one call takes a span of blocks of the listing from URIs to Parquet.
 
-:class:`PredictorUDF` runs in an actor pool (``map_batches(compute=
-ActorPoolStrategy(...))``) and loads the model once per actor. Each input row
-is a block (URIs and ETags); for it the actor fetches the objects
-concurrently, decodes them one by one (a bad image becomes an error row, not a
-failed job), predicts the decoded ones ``batch_size`` at a time and writes the
-block's predictions and errors as Parquet files inside the night's partition
-folder of the ``predictions`` and ``prediction_errors`` Delta tables, where
-they stay invisible to readers until the driver commits them. It returns only
-a report of the files it wrote: images never enter the object store. On a
-shadowed night the actor loads a second version and scores the same decoded
-pixels with it, writing its rows as a third file of the block.
-
-torch is imported inside the actors only; the driver imports this module
-without it.
+:class:`PredictorUDF` loads the model once per actor; for each block it fetches the objects concurrently,
+decodes them (a bad image is an error row, not a failed job), predicts ``batch_size`` at a time and writes
+the block's files inside the tables' partition folders, invisible until the driver commits them
+(docs/nights.md). It returns only reports: images never enter the object store. On a shadowed night it
+also scores the same decoded pixels with a second version. torch is imported inside the actors only.
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ import pyarrow as pa
 
 from rayline import errors
 from rayline.models.registry import ModelVersion
-from rayline.ray_workloads.data.images import ImageSpec, decode_image
+from rayline.ray_workloads.data.images import ImageSpec, decode_rows
 from rayline.ray_workloads.execution.cache import plan_for, probe_set
 from rayline.ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanPolicy
 from rayline.ray_workloads.nightly.blocks import (
@@ -50,52 +41,23 @@ if TYPE_CHECKING:
 def fetch_and_decode(uris: list[str], etags: list[str], spec: ImageSpec, concurrency: int) -> dict[str, np.ndarray]:
     """Fetch the objects and decode each image; a bad object becomes error fields, not an exception.
 
-    An object whose read returned another ETag than the listing's (``etags``)
-    was replaced since the night was listed: its row would name a version it
-    was not predicted from, so it is a ``fetch`` error (``ObjectChangedError``,
-    both ETags), as in ingest; the night's next run lists the new version.
-
-    Reads that keep failing transiently (throttling, 5xx, resets, bodies cut
-    short) are no bad object: ``fetching.fetch_many`` retries them and then
-    raises ``TransientStorageError``, which fails the night (uncommitted,
-    outside the error budget) for the task's retry to take up. A read refused
-    for want of permission fails it too, as ``StorageAccessDenied`` (not
-    retried): the night's policy, not its inputs.
+    An object whose ETag differs from the listing's (``etags``) was replaced since: its row would name a
+    version it was not predicted from, so it is a ``fetch`` error (``ObjectChangedError``), as in ingest.
+    Reads that keep failing transiently are no bad object: ``fetching.fetch_many`` raises
+    ``TransientStorageError``, failing the night uncommitted for the task's retry; a refused read fails it
+    as ``StorageAccessDenied`` (the night's policy, not its inputs).
     """
-    n = len(uris)
-    images = np.zeros((n, 3, spec.size, spec.size), dtype=np.float32)
-    stage: list[str | None] = [None] * n
-    error_type: list[str | None] = [None] * n
-    message: list[str | None] = [None] * n
     fetched = fetching.fetch_many(uris, concurrency)
-    for i, item in enumerate(fetching.as_listed(f, etag) for f, etag in zip(fetched, etags, strict=True)):
-        if item.error is not None:
-            stage[i], error_type[i], message[i] = "fetch", type(item.error).__name__, str(item.error)[:500]
-            continue
-        try:
-            images[i] = decode_image(item.data, spec)
-        except errors.ImageDecodeError as exc:
-            stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
-        except Exception as exc:  # one bad sample, whatever the decoder raised
-            stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
-    return {
-        "image": images,
-        "ok": np.array([t is None for t in error_type], dtype=bool),
-        "stage": np.array(stage, dtype=object),
-        "error_type": np.array(error_type, dtype=object),
-        "error_message": np.array(message, dtype=object),
-    }
+    items = [fetching.as_listed(f, etag) for f, etag in zip(fetched, etags, strict=True)]
+    failed = [None if i.error is None else (type(i.error).__name__, str(i.error)[:500]) for i in items]
+    return decode_rows([i.data for i in items], failed, spec)
 
 
 def torch_threads(assigned_cpus: float) -> int:
     """Intra-op threads for an actor granted ``assigned_cpus`` logical CPUs: the whole CPUs, at least one.
 
-    A fractional share (the default 0.5, so that Ray Data's own tasks keep
-    room on small machines) gets one thread: several actors then run side by
-    side, and on a compute-bound model two single-thread actors match one
-    actor with two threads while each one's decode overlaps the other's
-    forward pass. An actor given ``cpus_per_actor=4`` (fewer, larger actors:
-    one model copy per actor in memory) uses the 4 CPUs it holds instead of 1.
+    A fractional share (the default 0.5) gets one thread: two single-thread actors match one with two
+    threads on a compute-bound model, each one's decode overlapping the other's forward pass.
     """
     return max(1, int(assigned_cpus))
 
@@ -144,9 +106,8 @@ class PredictorUDF:
             self.model = _load_for_inference(model, self.device)
             if shadow is not None:  # a second version scored on the same decoded pixels (shadow_rows)
                 self.shadow_model = _load_for_inference(shadow, self.device)
-        except Exception as exc:  # whatever the load raised is kept for each call to raise
-            # raised by each call instead: an actor whose __init__ fails tells the driver only that it
-            # died (which reads as transient), not that the checkpoint is bad
+        except Exception as exc:  # raised by each call: an actor whose __init__ fails tells the driver only
+            # that it died (which reads as transient), not that the checkpoint is bad
             self.load_error = exc
 
     def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
@@ -163,11 +124,8 @@ class PredictorUDF:
     def run_block(self, block: str, uris: list[str], etags: list[str]) -> BlockReport:
         """Fetch, decode and predict the block a chunk at a time; write the block's rows once.
 
-        Chunking bounds what an actor holds: the fetched bytes and the decoded
-        pixels of one chunk (:func:`chunk_size`), where a whole 256-object block
-        of ImageNet-sized input would be 154 MB of float32 plus up to 256
-        multi-megapixel JPEGs. Only the small prediction columns of the block
-        are kept until it is written as one file.
+        Chunking bounds what an actor holds to one chunk's bytes and pixels (:func:`chunk_size`): a whole
+        256-object ImageNet block would be 154 MB of float32. Only the prediction columns are kept.
         """
         parts, shadow_parts = [], []
         used_before = self.model.use
@@ -212,13 +170,10 @@ class PredictorUDF:
     def predict(self, rows: dict[str, np.ndarray], *, shadowing: bool = False) -> None:
         """Add top-k predictions to the decoded rows, ``batch_size`` images per model call.
 
-        A model call that fails for its input turns its rows into ``predict``
-        errors. One that fails for the machine (out of memory, a CUDA error:
-        ``errors.model_call_fault``) raises instead: every sample would fail the
-        same way on this machine and none of them is to blame, so the night
-        fails uncommitted (``OutOfMemory`` not retried, ``DeviceError`` retried
-        by the task in a fresh actor pool). ``shadowing``: with the shadow
-        version, whose failed rows are left out of its table, never the night's.
+        A model call that fails for its input turns its rows into ``predict`` errors. One that fails for
+        the machine (``errors.model_call_fault``: out of memory, a CUDA error) raises instead, failing the
+        night uncommitted: no sample is to blame. ``shadowing``: with the shadow version, whose failed rows
+        are left out of its table, never the night's.
         """
         n, ok = len(rows["ok"]), rows["ok"]
         rows["predicted_index"] = np.full(n, -1, dtype=np.int64)
@@ -272,10 +227,8 @@ class PredictorUDF:
 def _non_finite_as_errors(rows: dict[str, np.ndarray]) -> None:
     """Predicted rows whose probabilities are not numbers become ``predict`` errors (``NonFiniteOutput``).
 
-    They are the model's own fp32 answers (a reduced-precision plan's are
-    predicted again in fp32: execution.fallback): a NaN row's argmax would
-    name class 0 with a NaN confidence, a prediction nothing downstream can
-    tell from a real one.
+    These are fp32's own answers (execution.fallback): a NaN row's argmax would name class 0 with a NaN
+    confidence, which nothing downstream can tell from a real prediction.
     """
     bad = rows["ok"] & ~np.isfinite(rows["top_k_prob"]).all(axis=1)
     if not bad.any():
@@ -310,12 +263,8 @@ def model_batch_size(side: int, batch_size: int) -> int:
 
 
 def chunk_size(side: int, batch_size: int) -> int:
-    """Objects fetched and decoded together: as many as fit in ``DECODED_BYTES_PER_CHUNK``, at least a batch.
-
-    Small inputs (the digits, 32 px: 5,461) take a whole block in one
-    concurrent fetch; a 224 px crop (588 KiB each) takes 111, a 64-image
-    batch and then some, so the fetches of a chunk still overlap.
-    """
+    """Objects fetched and decoded together: as many as fit in ``DECODED_BYTES_PER_CHUNK``, at least a batch
+    (the digits at 32 px: a whole block; a 224 px crop: 111, so a chunk's fetches still overlap)."""
     return max(batch_size, DECODED_BYTES_PER_CHUNK // (3 * side * side * 4))
 
 
