@@ -64,8 +64,8 @@ def test_an_actor_waits_for_the_claimants_plan_instead_of_measuring_beside_it(
     _never_measured(monkeypatch)
     uri = plan_uri(version, plan_key(detect(), POLICY, libraries()))
     storing = threading.Timer(0.5, store_plan, (uri, choice, {}))
+    started = time.monotonic()  # before the timer starts: a thread descheduled between the two measured under 0.5 s
     storing.start()
-    started = time.monotonic()
     adopted = plan_for(_loaded(), version, PROBE, POLICY)
     storing.join()
     assert adopted.reason == choice.reason and time.monotonic() - started >= 0.5
