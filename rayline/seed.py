@@ -240,27 +240,17 @@ def seed(
     rng = np.random.default_rng(seed)
     target = storage.normalize(to_uri)
     result = SeedResult(uri=target)
-    wanted: dict[str, bytes] = {}
-    if digits:
-        for key, data in itertools.islice(digit_objects(size), digit_count):
-            wanted[key] = data
-            result.digits += 1
-    broken = corrupt_photos(corrupt, rng) if photos else corrupt_objects(corrupt, size, rng)
-    for key, data, kind in broken:
+    wanted = dict(itertools.islice(digit_objects(size), digit_count)) if digits else {}
+    result.digits = len(wanted)
+    for key, data, kind in corrupt_photos(corrupt, rng) if photos else corrupt_objects(corrupt, size, rng):
         wanted[key] = data
         result.corrupt[key] = kind
-    for key, data in synthetic_objects(synthetic, size, rng):
-        wanted[key] = data
-        result.synthetic += 1
-    for key, data in photo_objects(photos, rng):
-        wanted[key] = data
-        result.photos += 1
-
-    present = {o.key: o.size for o in storage.list_objects(target)}
-    to_write = {k: v for k, v in wanted.items() if present.get(k) != len(v)}
-    result.skipped = len(wanted) - len(to_write)
-    _write_many(target, to_write)
-    result.written = len(to_write)
+    synthetic_images = dict(synthetic_objects(synthetic, size, rng))
+    photo_images = dict(photo_objects(photos, rng))
+    result.synthetic, result.photos = len(synthetic_images), len(photo_images)
+    wanted |= synthetic_images | photo_images
+    result.written = _write_missing(target, wanted)
+    result.skipped = len(wanted) - result.written
     return result
 
 
@@ -275,24 +265,27 @@ def seed_incoming(to_uri: str, corrupt: int = 4, seed_value: int = 1) -> SeedRes
     result = seed(to_uri)
     rng = np.random.default_rng(seed_value)
     extra = dict(sample_photos())  # real photos, nothing like the digits
+    result.photos = len(extra)
     for key, data, kind in corrupt_objects(corrupt, 32, rng):
         extra[key] = data
         result.corrupt[key] = kind
-    present = {o.key: o.size for o in storage.list_objects(result.uri)}
-    _write_many(result.uri, {k: v for k, v in extra.items() if present.get(k) != len(v)})
-    result.photos = len(list(sample_photos()))
+    _write_missing(result.uri, extra)
     return result
 
 
-def _write_many(target: str, objects: dict[str, bytes]) -> None:
-    if not objects:
-        return
+def _write_missing(target: str, objects: dict[str, bytes]) -> int:
+    """Write the objects not already present with the same size (their etags stay put); how many were written."""
+    present = {o.key: o.size for o in storage.list_objects(target)}
+    missing = {key: data for key, data in objects.items() if present.get(key) != len(data)}
+    if not missing:
+        return 0
     fs, base = storage.filesystem(target)
-    paths = {f"{base}/{key}": data for key, data in objects.items()}
+    paths = {f"{base}/{key}": data for key, data in missing.items()}
     if not storage.is_remote(target):
         for parent in {p.rsplit("/", 1)[0] for p in paths}:
             fs.makedirs(parent, exist_ok=True)
     fs.pipe(paths)  # concurrent PUTs on a cloud store
+    return len(missing)
 
 
 def _sklearn_dataset(name: str) -> Any:
