@@ -1,35 +1,23 @@
 """The upstream graph of any stored output, built from the lineage records.
 
-Every stage run wrote a record naming its inputs and outputs by URI
-(:mod:`rayline.lineage`). Walking from an output back through the records
-that produced each input gives, for a night of predictions::
+Every stage run wrote a record naming its inputs and outputs by URI (:mod:`rayline.lineage`). Walking from an
+output back through the records that produced each input gives, for a night of predictions::
 
     night (Delta version, run) → model version → training run → preprocessed shards
                                → ingested shards → raw prefix → raw objects with etags
 
-and, for a model registered from outside weights (no training run here)::
+and, for a model registered from outside weights: night → model version → outside weights (URI, sha256).
 
-    night → model version → outside weights (URI, sha256)
+Three things are not in the records and are read where they are, typed: a model version's ``version.json``
+(its training run and data manifest, or its weights source), and an ingest manifest's shards
+(:class:`rayline.storage.manifests.IngestManifest`), whose rows pin every raw object to its etag. A night's
+output is keyed by its partition folder, so each night of each model is a node of its own
+(:mod:`rayline.lineage.nights`).
 
-Three things are not in the records themselves and are read where they are,
-typed: a model version's ``version.json`` (its training run and data
-manifest, or its weights source), and an ingest manifest's shards
-(:class:`rayline.storage.manifests.IngestManifest`), whose rows pin every raw object
-to its etag.
-
-Nights of the Delta tables
-    A night's output is keyed by its partition folder, so each night of each
-    model is a node of its own (:mod:`rayline.lineage.nights`).
-
-Matching by folder
-    URIs match by folder as well as exactly: a committed folder of the
-    stages that still use manifests (ingest, preprocess) is named by its
-    ``manifest.json``, so ``ingested/<id>`` finds the record whose output is
-    ``ingested/<id>/manifest.json``; a file inside a recorded output (a
-    shard, ``weights.pt``, a night's part file) finds the record of that
-    output, and a folder holding several outputs (``<storage>/predictions``)
-    is a folder node with each of them upstream. URIs that are not storage
-    (an outside model's ``https://`` weights) are kept as they are.
+URIs match by folder as well as exactly: ``ingested/<id>`` finds the record whose output is its
+``manifest.json``; a file inside a recorded output (a shard, ``weights.pt``, a night's part file) finds that
+output's record; a folder holding several outputs (``<storage>/predictions``) is a folder node with each of
+them upstream. URIs that are not storage (an outside model's ``https://`` weights) are kept as they are.
 """
 
 from __future__ import annotations
@@ -268,12 +256,8 @@ class _Builder:
         return LineageNode(uri=normalize_uri(table), kind="folder", details={"dt": dt}, upstream=upstream)
 
     def _model_inputs(self, version_root: str) -> list[DatasetRef]:
-        """What the registry record read, and the training run and data (or outside weights) version.json names.
-
-        An outside model's weights source comes from ``version.json`` itself:
-        its registration's lineage record may be missing (registered before
-        such records were written, or by hand), and the version is the truth.
-        """
+        """What the registry record read, and the training run and data (or outside weights) version.json names:
+        the version is the truth, as its registration's lineage record may be missing (written by hand, say)."""
         version = _version(version_root)
         made = self.index.by_key.get(version_root)
         refs = list(made.record.inputs) if made else []

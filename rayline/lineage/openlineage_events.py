@@ -1,23 +1,18 @@
 """OpenLineage run events for stage runs: START, then COMPLETE, FAIL or ABORT.
 
-Events are built with ``openlineage-python``'s models and sent through its
-``OpenLineageClient``, so the client's own configuration decides where they
-go, as in every other OpenLineage integration: an ``openlineage.yml``
-(``OPENLINEAGE_CONFIG``, the working directory, ``~/.openlineage``),
-``OPENLINEAGE__TRANSPORT__…`` variables, the ``OPENLINEAGE_URL`` shorthand
-(+ ``OPENLINEAGE_ENDPOINT``, ``OPENLINEAGE_API_KEY``), ``OPENLINEAGE_DISABLED``.
+Events are built with ``openlineage-python``'s models and sent through its ``OpenLineageClient``, so the
+client's own configuration decides where they go, as in every other OpenLineage integration: an
+``openlineage.yml`` (``OPENLINEAGE_CONFIG``, the working directory, ``~/.openlineage``),
+``OPENLINEAGE__TRANSPORT__…`` variables, ``OPENLINEAGE_URL`` (+ ``OPENLINEAGE_ENDPOINT``,
+``OPENLINEAGE_API_KEY``), ``OPENLINEAGE_DISABLED``.
 
-With none of these the client would print every event to the console. rayline
-detects that case and keeps its default instead: one JSON file per event
-under ``<storage>/lineage/openlineage/``, written by :class:`StorageTransport`
-through rayline's storage layer so that an ``s3://`` root works too (the
-client's file transport opens local files or needs its own fsspec
-credentials). A user may name that transport in their own configuration too
-(``type: rayline.lineage.openlineage_events.StorageTransport``).
+With none of these the client would print every event to the console; rayline's default instead is one JSON
+file per event under ``<storage>/lineage/openlineage/``, written by :class:`StorageTransport` through rayline's
+storage layer so that a cloud root works too (the client's file transport opens local files only). A user may
+name that transport in their own configuration (``type: rayline.lineage.openlineage_events.StorageTransport``).
 
-Emission never fails a stage: the lineage records under
-``<storage>/lineage/<stage>/`` are the source of truth, these events a copy
-for other tools, so a transport error is logged and dropped.
+Emission never fails a stage: the lineage records are the source of truth, these events a copy for other
+tools, so a transport error is logged and dropped.
 """
 
 from __future__ import annotations

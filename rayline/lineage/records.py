@@ -78,18 +78,13 @@ class LineageRecord(BaseModel):
 def code_version() -> str:
     """The git commit of rayline's source (``+dirty`` when modified), else the package version."""
     root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True, timeout=5).stdout
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True, timeout=5
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=5,
-        ).stdout.strip()
+        sha = git("rev-parse", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
         return f"git:{sha}{'+dirty' if dirty else ''}"
     except (OSError, subprocess.SubprocessError):
         from importlib.metadata import PackageNotFoundError, version

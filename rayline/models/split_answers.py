@@ -31,12 +31,7 @@ from rayline.storage.layout import PREDICTIONS_DIR
 from rayline.storage.listing import content_digest
 
 SCHEMA = pa.schema(
-    [
-        ("key", pa.string()),
-        ("etag", pa.string()),
-        ("label_index", pa.int64()),
-        ("predicted_index", pa.int64()),
-    ]
+    [("key", pa.string()), ("etag", pa.string()), ("label_index", pa.int64()), ("predicted_index", pa.int64())]
 )
 
 
@@ -78,15 +73,8 @@ def mcnemar_p(wins: int, losses: int) -> float:
 
 def answers_table(keys: np.ndarray, etags: np.ndarray, truth: np.ndarray, predicted: np.ndarray) -> pa.Table:
     """Answers in the stored form (one row an image)."""
-    return pa.table(
-        {
-            "key": pa.array(list(keys), pa.string()),
-            "etag": pa.array(list(etags), pa.string()),
-            "label_index": pa.array(np.asarray(truth, dtype=np.int64)),
-            "predicted_index": pa.array(np.asarray(predicted, dtype=np.int64)),
-        },
-        schema=SCHEMA,
-    )
+    labels = [np.asarray(truth, dtype=np.int64), np.asarray(predicted, dtype=np.int64)]
+    return pa.table([list(keys), list(etags), *labels], schema=SCHEMA)
 
 
 def split_digest(answers: pa.Table) -> str:
