@@ -1,10 +1,9 @@
 """Environment settings: where data lives, which Ray and Prefect to talk to.
 
-Per-stage parameters (image size, shard size …) are pydantic models next to
-each workload; this module holds only what depends on the environment.
-Secrets are never fields here: credentials come from each cloud SDK's
-standard variables (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``,
-``AZURE_STORAGE_*``) or the machine's identity, read by the SDK itself.
+Per-stage parameters (image size, shard size …) are pydantic models next to each workload; this module holds
+only what depends on the environment. Secrets are never fields here: credentials come from each cloud SDK's
+standard variables (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_*``) or the machine's
+identity, read by the SDK itself.
 """
 
 from __future__ import annotations
@@ -191,14 +190,11 @@ class Settings(BaseSettings):
         description="Prefect API; unset uses Prefect's ephemeral API.",
     )
 
-    @field_validator("checkpoints")
+    @field_validator("storage", "checkpoints")
     @classmethod
-    def _checkpoints_scheme_is_supported(cls, value: str | None) -> str | None:
-        return None if value is None else cls._storage_scheme_is_supported(value)
-
-    @field_validator("storage")
-    @classmethod
-    def _storage_scheme_is_supported(cls, value: str) -> str:
+    def _scheme_is_supported(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         value = value.strip()
         if not value:
             raise ValueError("must not be empty")
@@ -236,10 +232,8 @@ PROCESS_DEFAULTS = {
 
 
 def apply_process_defaults() -> None:
-    """Environment defaults for entry points (CLI, served deployments); explicit values win.
-
-    Called by entry points only, never at import.
-    """
+    """Environment defaults for entry points (CLI, served deployments), never applied at import; explicit values
+    win."""
     for key, value in PROCESS_DEFAULTS.items():
         os.environ.setdefault(key, value)
 
@@ -296,12 +290,11 @@ def config_file() -> Path | None:
 
 def apply_config_file() -> None:
     """The settings file's values as ``RAYLINE_<NAME>`` variables, under those already set: the environment
-    wins. Variables, not a settings source of their own, because Ray's workers get rayline's settings
-    from the variables the driver forwards (``rayline.ray_cluster``), and a worker node has no such file.
+    wins. Variables, not a settings source of their own, because Ray's workers get rayline's settings from the
+    variables the driver forwards (``rayline.ray_cluster``), and a worker node has no such file.
 
-    The file holds the settings' names in lowercase (``storage = "s3://bucket/rayline"``); a name that is
-    no setting is refused, naming the file. Its ``[deployments.<name>]`` tables are no settings:
-    :func:`deployment_request`.
+    The file holds the settings' names in lowercase (``storage = "s3://bucket/rayline"``); a name that is no
+    setting is refused, naming the file. Its ``[deployments.<name>]`` tables are :func:`deployment_request`'s.
     """
     for name, value in _file_values().items():
         if name != DEPLOYMENTS_TABLE:

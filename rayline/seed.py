@@ -67,9 +67,7 @@ def png_bytes(pixels: np.ndarray) -> bytes:
 
 def digit_objects(size: int) -> Iterator[tuple[str, bytes]]:
     """The scikit-learn digits, upscaled to ``size`` and stored as RGB PNGs."""
-    load_digits = _sklearn_dataset("load_digits")
-
-    digits = load_digits()
+    digits = _sklearn_dataset("load_digits")()
     for index, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
         gray = Image.fromarray((image * (255.0 / 16.0)).astype(np.uint8))
         rgb = gray.resize((size, size), Image.Resampling.BILINEAR).convert("RGB")
@@ -112,9 +110,7 @@ def jpeg_bytes(img: Image.Image, quality: int = 90, exif: Image.Exif | None = No
 
 def source_photos() -> list[Image.Image]:
     """scikit-learn's two real 640×427 photos (china, flower) as RGB images."""
-    load_sample_images = _sklearn_dataset("load_sample_images")
-
-    return [Image.fromarray(photo) for photo in load_sample_images().images]
+    return [Image.fromarray(photo) for photo in _sklearn_dataset("load_sample_images")().images]
 
 
 def photo_variant(photo: Image.Image, rng: np.random.Generator, large: bool = False) -> tuple[bytes, str]:
@@ -184,13 +180,8 @@ def camera_photo(megapixels: float, rng: np.random.Generator, photo: Image.Image
     left, top = int(rng.integers(0, src_w - crop_w + 1)), int(rng.integers(0, src_h - crop_h + 1))
     view = source.convert("RGB").crop((left, top, left + crop_w, top + crop_h))
     pixels = np.asarray(view.resize((width, height), Image.Resampling.BICUBIC), dtype=np.int16)
-    grain = np.asarray(
-        Image.fromarray(rng.integers(116, 141, (max(1, height // 3), max(1, width // 3)), dtype=np.uint8)).resize(
-            (width, height), Image.Resampling.BILINEAR
-        ),
-        dtype=np.int16,
-    )
-    grain -= 128
+    coarse = Image.fromarray(rng.integers(116, 141, (max(1, height // 3), max(1, width // 3)), dtype=np.uint8))
+    grain = np.asarray(coarse.resize((width, height), Image.Resampling.BILINEAR), dtype=np.int16) - 128
     grain += rng.integers(-7, 8, (height, width), dtype=np.int8)
     pixels += grain[..., None]
     pixels += rng.integers(-2, 3, (height, width, 3), dtype=np.int8)

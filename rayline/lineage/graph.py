@@ -122,7 +122,6 @@ class LineageIndex:
     @classmethod
     def load(cls) -> LineageIndex:
         """Read every stage's records under ``<storage>/lineage/`` (OpenLineage events excluded)."""
-
         objects = [
             o
             for o in storage.list_objects(lineage.lineage_dir())

@@ -91,12 +91,17 @@ def dataset_id(uri: str) -> tuple[str, str]:
     return "file", storage.normalize(uri)
 
 
-@lru_cache(maxsize=1)
-def producer() -> str:
+@lru_cache(maxsize=2)
+def _installed(package: str) -> str | None:
     try:
-        return f"urn:rayline:{version('rayline')}"
+        return version(package)
     except PackageNotFoundError:
-        return "urn:rayline"
+        return None
+
+
+def producer() -> str:
+    installed = _installed("rayline")
+    return f"urn:rayline:{installed}" if installed else "urn:rayline"
 
 
 def _dataset_facets(ref: DatasetRef) -> dict[str, DatasetFacet]:
@@ -109,7 +114,10 @@ def _dataset_facets(ref: DatasetRef) -> dict[str, DatasetFacet]:
 def _run_facets(run: RunIdentity, error: BaseException | None) -> dict[str, RunFacet]:
     facets: dict[str, RunFacet] = {
         "processing_engine": processing_engine_run.ProcessingEngineRunFacet(
-            version=_ray_version(), name="Ray", openlineageAdapterVersion=CLIENT_VERSION, producer=producer()
+            version=_installed("ray") or "unknown",
+            name="Ray",
+            openlineageAdapterVersion=CLIENT_VERSION,
+            producer=producer(),
         )
     }
     if run.parent_run_id and run.parent_job_name:
@@ -126,14 +134,6 @@ def _run_facets(run: RunIdentity, error: BaseException | None) -> dict[str, RunF
             producer=producer(),
         )
     return facets
-
-
-@lru_cache(maxsize=1)
-def _ray_version() -> str:
-    try:
-        return version("ray")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _job_facets() -> dict[str, JobFacet]:
