@@ -1,9 +1,8 @@
 """Environment settings: where data lives, which Ray and Prefect to talk to.
 
-Per-stage parameters (image size, shard size …) are pydantic models next to each workload; this module holds
-only what depends on the environment. Secrets are never fields here: credentials come from each cloud SDK's
-standard variables (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_*``) or the machine's
-identity, read by the SDK itself.
+Per-stage parameters (image size, shard size …) are pydantic models next to each workload; this module holds only what
+depends on the environment. Secrets are never fields here: credentials come from each cloud SDK's standard variables
+(``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_*``) or the machine's identity, read by the SDK itself.
 """
 
 from __future__ import annotations

@@ -12,11 +12,10 @@
     │   InjectedFailure
     └── TransientError          (TransientStorageError, ClusterError, DeviceError, ModelTimeoutError)
 
-Every class lives here (a stage with errors of its own would keep them in its package's ``errors.py``,
-named in this tree). Each class says when it is raised; :func:`is_transient` says which are worth a retry.
-Per-sample problems (an undecodable image, a model call its input broke) are error rows, not exceptions; a
-failure of the machine or of the run's rights is never per-sample (:func:`model_call_fault`,
-:func:`is_access_denied`), and fails the stage uncommitted.
+Every class lives here (a stage with errors of its own would keep them in its package's ``errors.py``, named in this
+tree). Each class says when it is raised; :func:`is_transient` says which are worth a retry. Per-sample problems (an
+undecodable image, a model call its input broke) are error rows, not exceptions; a failure of the machine or of the
+run's rights is never per-sample (:func:`model_call_fault`, :func:`is_access_denied`), and fails the stage uncommitted.
 """
 
 from __future__ import annotations

@@ -7,12 +7,11 @@ body is interrupted (an exception that is no ``Exception``, or a ``TimeoutError`
 that appeared since (not detached ones: Serve and Ray Data keep shared helpers that way), force-cancels the refs
 handed to :func:`track`, and waits until all of them are gone.
 
-Actors are attributed by job and time, not by thread: while two scopes run at once in one process (a
-backfill's concurrent nights), an interrupted one cannot tell its actors from its siblings'. Then it stops only
-what it can name as its own: its tracked refs, and the Ray Data executions of datasets marked by
-:func:`stop_with_scope`, shut down with force. Ray Data's own shutdown of an abandoned execution only drops the
-pool's handles, leaving busy actors running: so a failed execution's shutdown is forced, and the actors of one
-shut down without force are killed when the scope stops.
+Actors are attributed by job and time, not by thread: while two scopes run at once in one process (a backfill's
+concurrent nights), an interrupted one cannot tell its actors from its siblings'. Then it stops only what it can name as
+its own: its tracked refs, and the Ray Data executions of datasets marked by :func:`stop_with_scope`, shut down with
+force. Ray Data's own shutdown of an abandoned execution only drops the pool's handles, leaving busy actors running: so
+a failed execution's shutdown is forced, and the actors of one shut down without force are killed when the scope stops.
 
 Work may also have to end for a reason of its own while its attempt goes on (a night whose lease another run
 took over): the marked executions started under a :func:`stoppable` block are shut down the same way by its

@@ -1,15 +1,12 @@
 """Sample data: scikit-learn's real handwritten digits and photos made from its two real JPEGs.
 
-``raw/<label>/digit-<id>.png`` for the 1,797 digits, optional broken objects
-of several kinds (to exercise per-sample error capture) and optional
-synthetic images (for scale). ``--photos N`` writes a day of photos instead:
-random crops, scales, flips, JPEG qualities, grayscale and EXIF-rotated
-variants of scikit-learn's two real photos (``<photo>/photo-<id>.jpg``, the
-source photo as the label), some over 2 megapixels. Deterministic for a
-given seed, and idempotent: objects already present with the same size are
-not rewritten, so their etags (and the ingest content hash) stay put.
-:func:`camera_photo` makes the 1–12 MP JPEGs a camera writes, for the
-benches and tests that measure what decoding them costs.
+``raw/<label>/digit-<id>.png`` for the 1,797 digits, optional broken objects of several kinds (to exercise per-sample
+error capture) and optional synthetic images (for scale). ``--photos N`` writes a day of photos instead: random crops,
+scales, flips, JPEG qualities, grayscale and EXIF-rotated variants of scikit-learn's two real photos
+(``<photo>/photo-<id>.jpg``, the source photo as the label), some over 2 megapixels. Deterministic for a given seed, and
+idempotent: objects already present with the same size are not rewritten, so their etags (and the ingest content hash)
+stay put. :func:`camera_photo` makes the 1–12 MP JPEGs a camera writes, for the benches and tests that measure what
+decoding them costs.
 """
 
 from __future__ import annotations
@@ -116,10 +113,9 @@ def source_photos() -> list[Image.Image]:
 def photo_variant(photo: Image.Image, rng: np.random.Generator, large: bool = False) -> tuple[bytes, str]:
     """One random view of ``photo`` as JPEG bytes, and what kind of view it is.
 
-    A random crop of 30–100 % of each side, scaled to 0.25–1.5× (``large``:
-    to over 2 megapixels), maybe mirrored, at JPEG quality 50–95; every
-    seventh is grayscale and every fifth is stored rotated with an EXIF
-    orientation tag that turns it upright again.
+    A random crop of 30–100 % of each side, scaled to 0.25–1.5× (``large``: to over 2 megapixels), maybe mirrored, at
+    JPEG quality 50–95; every seventh is grayscale and every fifth is stored rotated with an EXIF orientation tag that
+    turns it upright again.
     """
     width, height = photo.size
     crop_w, crop_h = (max(16, int(side * rng.uniform(0.3, 1.0))) for side in (width, height))
@@ -166,11 +162,10 @@ def _cached_sources() -> tuple[Image.Image, ...]:
 def camera_photo(megapixels: float, rng: np.random.Generator, photo: Image.Image | None = None) -> bytes:
     """A JPEG the size a camera writes: a 4:3 crop of one real photo upscaled to ``megapixels``, grain added.
 
-    Upscaling alone gives a smooth image that compresses to a third of a
-    camera's file and decodes faster than one; luminance grain at two scales
-    (a few pixels wide, like foliage or fabric, and per pixel, like sensor
-    noise) plus faint colour noise bring a 12 MP photo at quality 85–95 to
-    a camera's 3–5 MB. ``photo``: one of scikit-learn's two when not given.
+    Upscaling alone gives a smooth image that compresses to a third of a camera's file and decodes faster than one;
+    luminance grain at two scales (a few pixels wide, like foliage or fabric, and per pixel, like sensor noise) plus
+    faint colour noise bring a 12 MP photo at quality 85–95 to a camera's 3–5 MB. ``photo``: one of scikit-learn's two
+    when not given.
     """
     source = photo if photo is not None else _cached_sources()[int(rng.integers(len(PHOTO_LABELS)))]
     width, height = camera_size(megapixels)

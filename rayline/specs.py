@@ -88,9 +88,8 @@ class FactoryRef(BaseModel):
 class ModelSpec(BaseModel):
     """What to build: the architecture, its width and the number of classes.
 
-    ``arch`` names where the model comes from: ``small_cnn``, a torchvision
-    name, ``timm:<name>``, ``factory`` (with :attr:`factory`), or, for a
-    code-free file, its format (``torchscript``, ``torch_export``, ``onnx``).
+    ``arch`` names where the model comes from: ``small_cnn``, a torchvision name, ``timm:<name>``, ``factory`` (with
+    :attr:`factory`), or, for a code-free file, its format (``torchscript``, ``torch_export``, ``onnx``).
     """
 
     arch: str = SMALL_CNN

@@ -8,11 +8,10 @@ output back through the records that produced each input gives, for a night of p
 
 and, for a model registered from outside weights: night → model version → outside weights (URI, sha256).
 
-Three things are not in the records and are read where they are, typed: a model version's ``version.json``
-(its training run and data manifest, or its weights source), and an ingest manifest's shards
-(:class:`rayline.storage.manifests.IngestManifest`), whose rows pin every raw object to its etag. A night's
-output is keyed by its partition folder, so each night of each model is a node of its own
-(:mod:`rayline.lineage.nights`).
+Three things are not in the records and are read where they are, typed: a model version's ``version.json`` (its training
+run and data manifest, or its weights source), and an ingest manifest's shards
+(:class:`rayline.storage.manifests.IngestManifest`), whose rows pin every raw object to its etag. A night's output is
+keyed by its partition folder, so each night of each model is a node of its own (:mod:`rayline.lineage.nights`).
 
 URIs match by folder as well as exactly: ``ingested/<id>`` finds the record whose output is its
 ``manifest.json``; a file inside a recorded output (a shard, ``weights.pt``, a night's part file) finds that
@@ -310,11 +309,9 @@ def build_graph(
 ) -> LineageNode:
     """The upstream graph of ``uri`` as a tree; a relative path is tried against the storage root too.
 
-    With ``dt`` (YYYY-MM-DD), ``uri`` is a night table and the graph is that
-    day's night of ``model_name``, or without it a folder node holding every
-    model's night of that day. ``max_objects`` limits the raw objects listed
-    per ingest (None: all). Raises :class:`NoLineageError` when nothing
-    recorded produced ``uri`` (or a night of ``dt``).
+    With ``dt`` (YYYY-MM-DD), ``uri`` is a night table and the graph is that day's night of ``model_name``, or without
+    it a folder node holding every model's night of that day. ``max_objects`` limits the raw objects listed per ingest
+    (None: all). Raises :class:`NoLineageError` when nothing recorded produced ``uri`` (or a night of ``dt``).
     """
     if model_name is not None and dt is None:
         raise ConfigError(f"model {model_name!r} picks a night: give the night's date (dt) too")

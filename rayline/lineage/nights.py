@@ -1,11 +1,10 @@
 """The nights of the Delta tables in the lineage graph (:mod:`rayline.lineage.graph`).
 
-Batch inference records each table it committed as an output whose facets name the night (``model_name``,
-``dt``), the run id and the table ``version`` holding the commit. Such an output is keyed by the night's
-partition folder, ``<table>/model_name=<m>/dt=<d>``, so each night of each model is a node of its own; a
-rerun's record replaces the earlier one (the latest record of a key wins). ``build_graph(table, dt=…)`` picks
-the nights of one day (of one model, or a folder node of every model's); the partition folder, or a file in
-it, finds its night too.
+Batch inference records each table it committed as an output whose facets name the night (``model_name``, ``dt``), the
+run id and the table ``version`` holding the commit. Such an output is keyed by the night's partition folder,
+``<table>/model_name=<m>/dt=<d>``, so each night of each model is a node of its own; a rerun's record replaces the
+earlier one (the latest record of a key wins). ``build_graph(table, dt=…)`` picks the nights of one day (of one model,
+or a folder node of every model's); the partition folder, or a file in it, finds its night too.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """OpenLineage run events for stage runs: START, then COMPLETE, FAIL or ABORT.
 
-Events are built with ``openlineage-python``'s models and sent through its ``OpenLineageClient``, so the
-client's own configuration decides where they go, as in every other OpenLineage integration: an
-``openlineage.yml`` (``OPENLINEAGE_CONFIG``, the working directory, ``~/.openlineage``),
-``OPENLINEAGE__TRANSPORT__…`` variables, ``OPENLINEAGE_URL`` (+ ``OPENLINEAGE_ENDPOINT``,
-``OPENLINEAGE_API_KEY``), ``OPENLINEAGE_DISABLED``.
+Events are built with ``openlineage-python``'s models and sent through its ``OpenLineageClient``, so the client's own
+configuration decides where they go, as in every other OpenLineage integration: an ``openlineage.yml``
+(``OPENLINEAGE_CONFIG``, the working directory, ``~/.openlineage``), ``OPENLINEAGE__TRANSPORT__…`` variables,
+``OPENLINEAGE_URL`` (+ ``OPENLINEAGE_ENDPOINT``, ``OPENLINEAGE_API_KEY``), ``OPENLINEAGE_DISABLED``.
 
 With none of these the client would print every event to the console; rayline's default instead is one JSON
 file per event under ``<storage>/lineage/openlineage/``, written by :class:`StorageTransport` through rayline's

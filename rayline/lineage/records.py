@@ -1,9 +1,8 @@
 """Lineage records: which inputs, parameters and code produced which outputs.
 
-One JSON record per stage run under ``<storage>/lineage/<stage>/``, written
-atomically. Records stand on their own (Prefect's open-source server has no
-lineage view); later stages reference earlier outputs by URI and content hash,
-so the graph can be walked from any output back to raw objects.
+One JSON record per stage run under ``<storage>/lineage/<stage>/``, written atomically. Records stand on their own
+(Prefect's open-source server has no lineage view); later stages reference earlier outputs by URI and content hash, so
+the graph can be walked from any output back to raw objects.
 """
 
 from __future__ import annotations
@@ -103,9 +102,8 @@ def lineage_dir(stage: str | None = None) -> str:
 def write_record(record: LineageRecord, *, maybe_written: bool = False) -> str:
     """Store ``record`` and return its URI. Names sort by time.
 
-    ``maybe_written``: an earlier attempt of the same run (same ``record_id``)
-    may have stored it already; that record then stands and no second one is
-    written.
+    ``maybe_written``: an earlier attempt of the same run (same ``record_id``) may have stored it already; that record
+    then stands and no second one is written.
     """
     if maybe_written:
         for existing in storage.list_objects(lineage_dir(record.stage)):

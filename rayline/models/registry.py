@@ -15,13 +15,11 @@ Layout under ``<storage>/models/<name>/``::
     rollout.lease        held while a rollout of the model runs, and for the
                          swap of a champion move outside one (``rayline.storage.leases``)
 
-Version numbers are claimed with a create-if-absent write
-(``rayline.storage.conditional``: a hard link locally, ``If-None-Match: *`` on S3),
-so concurrent writers never get the same number. A claimed number without
-``version.json`` is an unfinished registration and is never served. Alias
-moves are compare-and-swaps on the alias as read (``rayline.models.aliases``): a move
-never overwrites one it did not see (``AliasConflict``), so its ``previous``
-is what it replaced.
+Version numbers are claimed with a create-if-absent write (``rayline.storage.conditional``: a hard link locally,
+``If-None-Match: *`` on S3), so concurrent writers never get the same number. A claimed number without ``version.json``
+is an unfinished registration and is never served. Alias moves are compare-and-swaps on the alias as read
+(``rayline.models.aliases``): a move never overwrites one it did not see (``AliasConflict``), so its ``previous`` is
+what it replaced.
 """
 
 from __future__ import annotations
@@ -319,10 +317,9 @@ def resolve(name: str, ref: str | int) -> ModelVersion:
 def parse_ref(text: str, default_name: str, *, default_ref: str = CHAMPION) -> tuple[str, str]:
     """A model reference as the CLI takes it → (name, alias or version).
 
-    ``NAME@champion`` / ``NAME@v3`` name both. A bare ``champion`` or ``v3``
-    refers to ``default_name``; a bare word that is no alias of
-    ``default_name`` but a registered model's name means that model's
-    ``default_ref`` (``--model photos`` = ``photos@champion``).
+    ``NAME@champion`` / ``NAME@v3`` name both. A bare ``champion`` or ``v3`` refers to ``default_name``; a bare word
+    that is no alias of ``default_name`` but a registered model's name means that model's ``default_ref``
+    (``--model photos`` = ``photos@champion``).
     """
     name, ref = _split_ref(text)
     if name is not None:
@@ -432,10 +429,9 @@ def gate(
     """Decide promotion: the first champion passes ``floor``; a later candidate must beat the champion on the
     same test images, by ``margin`` in accuracy and by an exact one-sided McNemar test at ``alpha``.
 
-    ``candidate_score``: its accuracy on its test split, judged against the floor. ``paired``: both
-    versions' answers on that split, image by image (needed with a champion). A point comparison of two
-    accuracies promotes a candidate that is no better about half the time; the test promotes one at most
-    ``alpha`` of the time.
+    ``candidate_score``: its accuracy on its test split, judged against the floor. ``paired``: both versions' answers on
+    that split, image by image (needed with a champion). A point comparison of two accuracies promotes a candidate that
+    is no better about half the time; the test promotes one at most ``alpha`` of the time.
     """
     if champion is None:
         passed = candidate_score >= floor

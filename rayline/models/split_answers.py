@@ -1,18 +1,17 @@
 """A version's answers on a test split, image by image, and the paired comparison of two versions on one.
 
-Two versions compared on the same images are judged by the images where exactly one of them is right
-(McNemar's discordant pairs): the candidate right and the champion wrong is a *win*, the reverse a
-*loss*. Images both get right or both get wrong say nothing about which is better. Under "the candidate
-is no better", a discordant image is a win with probability at most 1/2, so the chance of seeing at
-least ``wins`` of ``wins + losses`` is at most the binomial tail :func:`mcnemar_p`: the gate promotes a
-candidate no better than its champion at most ``alpha`` of the time.
+Two versions compared on the same images are judged by the images where exactly one of them is right (McNemar's
+discordant pairs): the candidate right and the champion wrong is a *win*, the reverse a *loss*. Images both get right or
+both get wrong say nothing about which is better. Under "the candidate is no better", a discordant image is a win with
+probability at most 1/2, so the chance of seeing at least ``wins`` of ``wins + losses`` is at most the binomial tail
+:func:`mcnemar_p`: the gate promotes a candidate no better than its champion at most ``alpha`` of the time.
 
-Answers are a table of ``key``, ``etag`` (the image: the split's rows are matched on them, never on row
-order), ``label_index`` (the truth) and ``predicted_index``. A version keeps its answers under
-``v<N>/predictions/<split digest>.parquet``: its own test split's, written at its registration, and
-those of each candidate's split it was judged on, so a champion is evaluated once per split. The split
-digest is the set digest of the images' (key, etag) pairs: the same images give the same name, whatever
-preprocessing folder or row order they came from.
+Answers are a table of ``key``, ``etag`` (the image: the split's rows are matched on them, never on row order),
+``label_index`` (the truth) and ``predicted_index``. A version keeps its answers under
+``v<N>/predictions/<split digest>.parquet``: its own test split's, written at its registration, and those of each
+candidate's split it was judged on, so a champion is evaluated once per split. The split digest is the set digest of
+the images' (key, etag) pairs: the same images give the same name, whatever preprocessing folder or row order they
+came from.
 """
 
 from __future__ import annotations
