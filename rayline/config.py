@@ -25,7 +25,6 @@ DEFAULT_STORAGE = "./rayline-data"
 # The object stores a URI may name, and the form each URI must take.
 CLOUD_SCHEMES = {"s3": "s3://bucket[/prefix]", "gs": "gs://bucket[/prefix]", "az": "az://container[/prefix]"}
 STORAGE_FORMS = "a local path, " + ", ".join(CLOUD_SCHEMES.values())
-S3_FORM = CLOUD_SCHEMES["s3"]
 _CLOUD_URI = re.compile(r"(s3|gs|az)://[^/\s]+(/.*)?", re.DOTALL)
 
 
@@ -87,10 +86,8 @@ class Settings(BaseSettings):
     ray_cpu_oversubscription: float = Field(
         2.0,
         gt=0,
-        description=(
-            "Logical CPUs per physical core for the embedded cluster, so that "
-            "Data, Train and Serve do not starve each other on small machines."
-        ),
+        description="Logical CPUs per physical core for the embedded cluster, so that Data, Train and Serve do not "
+        "starve each other on small machines.",
     )
     io_concurrency: int = Field(64, ge=1, le=1024, description="Concurrent object reads per task.")
     storage_max_attempts: int = Field(

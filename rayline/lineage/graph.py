@@ -52,6 +52,8 @@ STAGE_KINDS = {
     "batch_inference": "predictions",
 }
 _MODEL_VERSION = re.compile(rf"^(.*/{layout.MODELS_DIR}/[a-z0-9][a-z0-9-]*/v\d+)(?:/.*)?$")
+# What a model version's node shows of its version.json.
+_VERSION_DETAILS = set("name version code_version flow_run_id data_content_hash metrics weights_source parent".split())
 _RECORD_READS = 32  # concurrent record reads: many small JSON objects on S3
 
 
@@ -218,16 +220,7 @@ class _Builder:
                 stage=made.record.stage if made else None,
                 record_uri=made.record_uri if made else None,
                 produced_at=version.registered_at,
-                details={
-                    "name": version.name,
-                    "version": version.version,
-                    "code_version": version.code_version,
-                    "flow_run_id": version.flow_run_id,
-                    "data_content_hash": version.data_content_hash,
-                    "metrics": version.metrics,
-                    "weights_source": version.weights_source.model_dump() if version.weights_source else None,
-                    "parent": version.parent.model_dump() if version.parent else None,
-                },
+                details=version.model_dump(include=_VERSION_DETAILS),
             )
         if len(producers) == 1:
             item = producers[0]

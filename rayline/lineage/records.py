@@ -31,19 +31,14 @@ class DatasetRef(BaseModel):
 
 
 class DeclaresLineage(Protocol):
-    """A stage's result that names the datasets it read and wrote, pinned to versions.
-
-    The task recording the stage's lineage (and its OpenLineage events) takes
-    them from here: the workload that produced them knows what they were.
-    """
+    """A stage's result that names the datasets it read and wrote, pinned to versions: the task recording its
+    lineage (and OpenLineage events) takes them from here, as the workload that produced them knows what they were."""
 
     def lineage_inputs(self) -> list[DatasetRef]:
         """The datasets the stage read."""
-        ...
 
     def lineage_outputs(self) -> list[DatasetRef]:
         """The datasets the stage wrote (or found committed and reused)."""
-        ...
 
 
 class RunContext(BaseModel):

@@ -291,17 +291,13 @@ def _alias_uri(name: str, alias: str) -> str:
 
 def alias_version(name: str, alias: str) -> int | None:
     uri = _alias_uri(name, alias)
-    if not storage.exists(uri):
-        return None
-    return int(storage.read_json(uri)["version"])
+    return int(storage.read_json(uri)["version"]) if storage.exists(uri) else None
 
 
 def alias_move(name: str, alias: str) -> AliasMove | None:
     """The move that put ``alias`` where it is now (None: no such alias)."""
     uri = _alias_uri(name, alias)
-    if not storage.exists(uri):
-        return None
-    return AliasMove.model_validate(storage.read_json(uri))
+    return AliasMove.model_validate(storage.read_json(uri)) if storage.exists(uri) else None
 
 
 def resolve(name: str, ref: str | int) -> ModelVersion:
@@ -406,12 +402,10 @@ def set_alias(
 def _check_rollout_holds(name: str, holder: str) -> None:
     """A rollout moves the champion only while it holds the model's rollout lease."""
     current = leases.read(rollout_lease_uri(name))
-    if current is not None and current.is_live() and current.holder == holder:
+    live = current if current is not None and current.is_live() else None
+    if live is not None and live.holder == holder:
         return
-    if current is None or not current.is_live():
-        now = "nobody holds it now"
-    else:
-        now = f"now held by {current.holder} (expires in {current.expires_in():.0f} s)"
+    now = "nobody holds it now" if live is None else f"now held by {live.holder} (expires in {live.expires_in():.0f} s)"
     raise LeaseLost(f"{holder} no longer holds {rollout_lease_what(name)} ({now}); it must not move the champion")
 
 

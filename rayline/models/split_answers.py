@@ -104,9 +104,7 @@ def store(version_uri: str, answers: pa.Table) -> str:
 def read(version_uri: str, digest: str) -> pa.Table | None:
     """The version's answers on the split with ``digest``; None when it has not answered that split."""
     uri = answers_uri(version_uri, digest)
-    if not storage.exists(uri):
-        return None
-    return storage.read_parquet([uri], columns=SCHEMA.names)
+    return storage.read_parquet([uri], columns=SCHEMA.names) if storage.exists(uri) else None
 
 
 def paired_counts(candidate: pa.Table, champion: pa.Table) -> PairedCounts:
