@@ -327,12 +327,8 @@ def _read_file(path: str, _mtime_ns: int) -> dict[str, Any]:
 
 
 def _as_variable(value: object) -> str:
-    """A TOML value as pydantic-settings reads it from a variable: JSON for lists and tables, true/false."""
-    if isinstance(value, list | dict):
-        return json.dumps(value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+    """A TOML value as pydantic-settings reads it from a variable: JSON for lists, tables and booleans."""
+    return json.dumps(value) if isinstance(value, list | dict | bool) else str(value)
 
 
 def get_settings() -> Settings:

@@ -121,10 +121,8 @@ class NightCommittedElsewhere(RaylineError):
 
 
 class NightsFailed(RaylineError):
-    """Some nights of a range failed (the others committed): the run ends Failed, naming them.
-
-    ``result`` holds every night's outcome (the backfill's ``BackfillResult``), for a caller that reports them.
-    """
+    """Some nights of a range failed (the others committed): the run ends Failed, naming them. ``result`` holds
+    every night's outcome (the backfill's ``BackfillResult``), for a caller that reports them."""
 
     def __init__(self, message: str, result: Any) -> None:
         super().__init__(message)

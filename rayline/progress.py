@@ -105,11 +105,8 @@ _tally_cluster: str | None = None
 
 
 def _tally() -> Any:
-    """This process's tally actor, started on first use (0 CPUs: it never waits for the stage's own work).
-
-    One per Ray connection: a process that left a cluster and joined another (tests do) must not
-    hand out the old cluster's handle, which Ray cannot serialise (it aborts the process).
-    """
+    """This process's tally actor, started on first use (0 CPUs: it never waits for the stage's own work), one per
+    Ray connection: the handle of a cluster the process left cannot be serialised (Ray aborts the process)."""
     global _tally_actor, _tally_cluster
     import ray
 
@@ -145,9 +142,7 @@ def _fetch(stage: Stage, timeout_s: float) -> None:
 @contextmanager
 def stage(label: str, total: int | None = None, unit: str = "rows", remote: bool = False) -> Iterator[Stage]:
     """A long stage: yields its counter; the reporter (if any) shows ``label`` and ``done``/``total`` ``unit``.
-
-    ``remote``: the counter is also used in other Ray processes (needs a Ray connection).
-    """
+    ``remote``: the counter is also used in other Ray processes (needs a Ray connection)."""
     reporter = _reporter
     if reporter is None:
         yield Stage()

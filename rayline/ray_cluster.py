@@ -106,9 +106,7 @@ def _preload_config(preload: Sequence[str], num_cpus: int) -> dict[str, Any]:
 
 def _wait_until_reachable(address: str, timeout_s: float) -> None:
     """Fail fast on an address where nothing listens: Ray's own connect retries a dead head for ~14 minutes.
-
-    Only ``host:port`` and ``ray://host:port`` are checked; other forms (``auto``) are Ray's to resolve.
-    """
+    Only ``host:port`` and ``ray://host:port`` are checked; other forms (``auto``) are Ray's to resolve."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         return
@@ -134,11 +132,7 @@ def _start(settings: Settings, preload: Sequence[str]) -> bool:
         _wait_until_reachable(settings.ray_address, settings.ray_connect_timeout_s)
     try:
         if settings.ray_address:
-            ray.init(
-                address=settings.ray_address,
-                namespace=NAMESPACE,
-                runtime_env=_remote_runtime_env(),
-            )
+            ray.init(address=settings.ray_address, namespace=NAMESPACE, runtime_env=_remote_runtime_env())
             return False
         # The embedded cluster's processes inherit this environment, so no runtime_env: with one,
         # Ray cannot hand out the workers it prestarts (their runtime env differs) and every actor

@@ -218,10 +218,8 @@ def seed(
 ) -> SeedResult:
     """Write the sample objects under ``to_uri``; returns what was written.
 
-    ``digit_count`` writes only the first that many digits (all 1,797 by default): every class is
-    among the first hundred, so a smaller set still has them all.
-
-    With ``photos``, the broken objects are broken JPEGs among the photos.
+    ``digit_count`` writes only the first that many digits (all 1,797 by default): every class is among the first
+    hundred, so a smaller set still has them all. With ``photos``, the broken objects are broken JPEGs.
     """
     rng = np.random.default_rng(seed)
     target = storage.normalize(to_uri)

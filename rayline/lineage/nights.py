@@ -65,10 +65,8 @@ def pick_nights(
     candidates: list[str], outputs: Collection[DatasetRef], dt: str, model_name: str | None = None
 ) -> tuple[str, list[str]]:
     """The first candidate that is a table of nights, and the partition folders of its recorded nights of ``dt``
-    (of ``model_name`` only, when given), sorted.
-
-    Raises :class:`InputDataError` when no candidate is a table of nights and
-    :class:`~rayline.errors.NoLineageError` when no recorded output is such a night.
+    (of ``model_name`` only, when given), sorted. Raises :class:`InputDataError` when no candidate is a table of
+    nights and :class:`~rayline.errors.NoLineageError` when no recorded output is such a night.
     """
     table = _night_table(candidates, outputs)
     if model_name is not None:

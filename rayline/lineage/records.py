@@ -95,11 +95,8 @@ def lineage_dir(stage: str | None = None) -> str:
 
 
 def write_record(record: LineageRecord, *, maybe_written: bool = False) -> str:
-    """Store ``record`` and return its URI. Names sort by time.
-
-    ``maybe_written``: an earlier attempt of the same run (same ``record_id``) may have stored it already; that record
-    then stands and no second one is written.
-    """
+    """Store ``record`` and return its URI (names sort by time). ``maybe_written``: an earlier attempt of the same
+    run (same ``record_id``) may have stored it already; that record then stands."""
     if maybe_written:
         for existing in storage.list_objects(lineage_dir(record.stage)):
             if existing.key.endswith(f"-{record.record_id}.json"):

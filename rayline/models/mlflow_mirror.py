@@ -123,26 +123,16 @@ def _mirror_version(mlflow: MlflowClient, version: registry.ModelVersion, save_m
     """A run holding the MLflow model and the metrics, and a model version whose source is that model."""
     model_file = storage.read_bytes(version.weights_uri)
     sha256 = hashlib.sha256(model_file).hexdigest()
-    run_id = tracking.keyed_run(
-        mlflow,
-        version.name,
-        version.uri,
-        f"{version.name}-v{version.version}",
-        {tracking.STAGE_TAG: "registry", VERSION_TAG: str(version.version)},
-    )
-    tracking.log_params(
-        mlflow,
-        run_id,
-        tracking.flatten(
-            {
-                "model": version.model_spec.model_dump(mode="json"),
-                "classes": ",".join(version.classes),
-                "code_version": version.code_version,
-                "data_content_hash": version.data_content_hash,
-                "training_run_uri": version.training_run_uri,
-            }
-        ),
-    )
+    run_tags = {tracking.STAGE_TAG: "registry", VERSION_TAG: str(version.version)}
+    run_id = tracking.keyed_run(mlflow, version.name, version.uri, f"{version.name}-v{version.version}", run_tags)
+    params = {
+        "model": version.model_spec.model_dump(mode="json"),
+        "classes": ",".join(version.classes),
+        "code_version": version.code_version,
+        "data_content_hash": version.data_content_hash,
+        "training_run_uri": version.training_run_uri,
+    }
+    tracking.log_params(mlflow, run_id, tracking.flatten(params))
     if version.metrics:
         tracking.log_metrics(mlflow, run_id, version.metrics)
     with tempfile.TemporaryDirectory(prefix="rayline-mlflow-") as tmp:

@@ -56,11 +56,8 @@ class PairedCounts(BaseModel):
 
 
 def mcnemar_p(wins: int, losses: int) -> float:
-    """Exact one-sided McNemar p-value: P(at least ``wins`` wins of ``wins + losses``) for a fair coin.
-
-    Summed in log space (``lgamma``), so any number of discordant images is exact to float precision;
-    no discordant image at all is no evidence (p = 1).
-    """
+    """Exact one-sided McNemar p-value: P(at least ``wins`` wins of ``wins + losses``) for a fair coin. Summed in
+    log space (``lgamma``): exact to float precision for any count. No discordant image is no evidence (p = 1)."""
     n = wins + losses
     if wins <= 0:
         return 1.0
@@ -108,10 +105,8 @@ def read(version_uri: str, digest: str) -> pa.Table | None:
 
 
 def paired_counts(candidate: pa.Table, champion: pa.Table) -> PairedCounts:
-    """Wins, losses and agreement of two versions on the candidate's images, matched by (key, etag).
-
-    The champion must have answered every one of them: a comparison on part of the split would judge the
-    candidate on images chosen by what the champion's answers cover.
+    """Wins, losses and agreement of two versions on the candidate's images, matched by (key, etag). The champion
+    must have answered them all: on part of the split, the images judged would be chosen by the champion's answers.
     """
     theirs = champion.select(["key", "etag", "predicted_index"]).rename_columns(["key", "etag", "champion_index"])
     both = candidate.select(SCHEMA.names).join(theirs, keys=["key", "etag"], join_type="inner")
