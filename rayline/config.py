@@ -1,10 +1,8 @@
 """Environment settings: where data lives, which Ray and Prefect to talk to.
 
-Per-stage parameters (image size, shard size …) are pydantic models next to
-each workload; this module holds only what depends on the environment.
-Secrets are never fields here: credentials come from each cloud SDK's
-standard variables (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``,
-``AZURE_STORAGE_*``) or the machine's identity, read by the SDK itself.
+Per-stage parameters (image size, shard size …) are pydantic models next to each workload; this module holds only what
+depends on the environment. Secrets are never fields here: credentials come from each cloud SDK's standard variables
+(``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_*``) or the machine's identity, read by the SDK itself.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ DEFAULT_STORAGE = "./rayline-data"
 # The object stores a URI may name, and the form each URI must take.
 CLOUD_SCHEMES = {"s3": "s3://bucket[/prefix]", "gs": "gs://bucket[/prefix]", "az": "az://container[/prefix]"}
 STORAGE_FORMS = "a local path, " + ", ".join(CLOUD_SCHEMES.values())
-S3_FORM = CLOUD_SCHEMES["s3"]
 _CLOUD_URI = re.compile(r"(s3|gs|az)://[^/\s]+(/.*)?", re.DOTALL)
 
 
@@ -89,10 +86,8 @@ class Settings(BaseSettings):
     ray_cpu_oversubscription: float = Field(
         2.0,
         gt=0,
-        description=(
-            "Logical CPUs per physical core for the embedded cluster, so that "
-            "Data, Train and Serve do not starve each other on small machines."
-        ),
+        description="Logical CPUs per physical core for the embedded cluster, so that Data, Train and Serve do not "
+        "starve each other on small machines.",
     )
     io_concurrency: int = Field(64, ge=1, le=1024, description="Concurrent object reads per task.")
     storage_max_attempts: int = Field(
@@ -191,14 +186,11 @@ class Settings(BaseSettings):
         description="Prefect API; unset uses Prefect's ephemeral API.",
     )
 
-    @field_validator("checkpoints")
+    @field_validator("storage", "checkpoints")
     @classmethod
-    def _checkpoints_scheme_is_supported(cls, value: str | None) -> str | None:
-        return None if value is None else cls._storage_scheme_is_supported(value)
-
-    @field_validator("storage")
-    @classmethod
-    def _storage_scheme_is_supported(cls, value: str) -> str:
+    def _scheme_is_supported(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         value = value.strip()
         if not value:
             raise ValueError("must not be empty")
@@ -236,10 +228,8 @@ PROCESS_DEFAULTS = {
 
 
 def apply_process_defaults() -> None:
-    """Environment defaults for entry points (CLI, served deployments); explicit values win.
-
-    Called by entry points only, never at import.
-    """
+    """Environment defaults for entry points (CLI, served deployments), never applied at import; explicit values
+    win."""
     for key, value in PROCESS_DEFAULTS.items():
         os.environ.setdefault(key, value)
 
@@ -296,12 +286,11 @@ def config_file() -> Path | None:
 
 def apply_config_file() -> None:
     """The settings file's values as ``RAYLINE_<NAME>`` variables, under those already set: the environment
-    wins. Variables, not a settings source of their own, because Ray's workers get rayline's settings
-    from the variables the driver forwards (``rayline.ray_cluster``), and a worker node has no such file.
+    wins. Variables, not a settings source of their own, because Ray's workers get rayline's settings from the
+    variables the driver forwards (``rayline.ray_cluster``), and a worker node has no such file.
 
-    The file holds the settings' names in lowercase (``storage = "s3://bucket/rayline"``); a name that is
-    no setting is refused, naming the file. Its ``[deployments.<name>]`` tables are no settings:
-    :func:`deployment_request`.
+    The file holds the settings' names in lowercase (``storage = "s3://bucket/rayline"``); a name that is no
+    setting is refused, naming the file. Its ``[deployments.<name>]`` tables are :func:`deployment_request`'s.
     """
     for name, value in _file_values().items():
         if name != DEPLOYMENTS_TABLE:
@@ -338,12 +327,8 @@ def _read_file(path: str, _mtime_ns: int) -> dict[str, Any]:
 
 
 def _as_variable(value: object) -> str:
-    """A TOML value as pydantic-settings reads it from a variable: JSON for lists and tables, true/false."""
-    if isinstance(value, list | dict):
-        return json.dumps(value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+    """A TOML value as pydantic-settings reads it from a variable: JSON for lists, tables and booleans."""
+    return json.dumps(value) if isinstance(value, list | dict | bool) else str(value)
 
 
 def get_settings() -> Settings:

@@ -12,11 +12,10 @@
     │   InjectedFailure
     └── TransientError          (TransientStorageError, ClusterError, DeviceError, ModelTimeoutError)
 
-Every class lives here (a stage with errors of its own would keep them in its package's ``errors.py``,
-named in this tree). Each class says when it is raised; :func:`is_transient` says which are worth a retry.
-Per-sample problems (an undecodable image, a model call its input broke) are error rows, not exceptions; a
-failure of the machine or of the run's rights is never per-sample (:func:`model_call_fault`,
-:func:`is_access_denied`), and fails the stage uncommitted.
+Every class lives here (a stage with errors of its own would keep them in its package's ``errors.py``, named in this
+tree). Each class says when it is raised; :func:`is_transient` says which are worth a retry. Per-sample problems (an
+undecodable image, a model call its input broke) are error rows, not exceptions; a failure of the machine or of the
+run's rights is never per-sample (:func:`model_call_fault`, :func:`is_access_denied`), and fails the stage uncommitted.
 """
 
 from __future__ import annotations
@@ -100,9 +99,8 @@ class StorageError(RaylineError):
 class ObjectChangedError(RaylineError):
     """An object was replaced between its listing and its read: the read's ETag is not the listed one.
 
-    Never raised: an error row of the ingest or the night that listed the old
-    version (which no longer exists to read), named with both ETags. The next
-    run lists the new version and reads it.
+    Never raised: an error row (naming both ETags) of the ingest or night that listed the old version, which
+    no longer exists to read. The next run lists the new version and reads it.
     """
 
 
@@ -123,10 +121,8 @@ class NightCommittedElsewhere(RaylineError):
 
 
 class NightsFailed(RaylineError):
-    """Some nights of a range failed (the others committed): the run ends Failed, naming them.
-
-    ``result`` holds every night's outcome (the backfill's ``BackfillResult``), for a caller that reports them.
-    """
+    """Some nights of a range failed (the others committed): the run ends Failed, naming them. ``result`` holds
+    every night's outcome (the backfill's ``BackfillResult``), for a caller that reports them."""
 
     def __init__(self, message: str, result: Any) -> None:
         super().__init__(message)
@@ -140,9 +136,8 @@ class NightsFailed(RaylineError):
 class RetriesExhausted(RaylineError):
     """Ray retried a stage's work itself and it failed every time; ``attempts`` is how often Ray ran it.
 
-    Not retried by Prefect even when the last cause looks transient (a lost
-    actor): a failure that survived Ray's restarts is a poison input, a bug or
-    a cluster that cannot hold the work, and a fourth run would only repeat it.
+    Not retried by Prefect even when the last cause looks transient (a lost actor): a failure that survived
+    Ray's restarts is a poison input, a bug or a cluster that cannot hold the work; another run repeats it.
     """
 
     def __init__(self, stage: str, attempts: int, first_error: BaseException | str) -> None:
@@ -163,7 +158,7 @@ class AliasConflict(RaylineError):
     def __init__(self, message: str, *, current: int | None = None, rollout_holder: str | None = None) -> None:
         super().__init__(message)
         self.current = current
-        self.rollout_holder = rollout_holder  # set when a running rollout holds the champion
+        self.rollout_holder = rollout_holder
 
 
 class LeaseError(RaylineError):
@@ -211,19 +206,17 @@ class InjectedFailure(RaylineError):
 class StorageAccessDenied(StorageError):
     """S3 or the filesystem refused a read for want of permission (AccessDenied, 403).
 
-    A bucket policy, a role or expired credentials refuse the caller, not an
-    object: one such read fails the stage, so that no night is committed and
-    no ingest cached with rows that say only that this run could not look.
-    Not retried: the policy is the same a minute later.
+    A policy, a role or expired credentials refuse the caller, not an object: one such read fails the stage,
+    so that no night or ingest is committed with rows that say only that this run could not look. Not
+    retried: the policy is the same a minute later.
     """
 
 
 class OutOfMemory(RaylineError):
     """A model call ran out of device or host memory (``torch.OutOfMemoryError``, ``MemoryError``).
 
-    Not retried: a retry of the same batch shape on the same kind of machine
-    runs out again. Lower the batch size or give each actor more memory (fewer
-    actors per GPU or node).
+    Not retried: the same batch shape on the same kind of machine runs out again. Lower the batch size or
+    give each actor more memory (fewer actors per GPU or node).
     """
 
 
@@ -242,10 +235,8 @@ class ClusterError(TransientError):
 class DeviceError(TransientError):
     """The accelerator failed a model call: a CUDA error (illegal access, launch failure, ECC, device-side assert).
 
-    Transient: CUDA errors are sticky, so the process that met one cannot use
-    its device again and nothing is retried in place; a task retry runs a fresh
-    actor pool, which clears a faulty context or a failing device. A bug that
-    raises one every time costs the task's bounded retries.
+    Transient: CUDA errors are sticky, so nothing is retried in place; a task retry runs a fresh actor pool,
+    which clears a faulty context or a failing device. A bug that raises one every time costs the bounded retries.
     """
 
 
@@ -253,48 +244,24 @@ class ModelTimeoutError(TransientError):
     """A served version did not answer within ``ServeConfig.request_timeout_s`` (HTTP 504)."""
 
 
-_TRANSIENT_BUILTINS: tuple[type[BaseException], ...] = (
-    ConnectionError,
-    TimeoutError,
-)
+_TRANSIENT_BUILTINS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
 
 # Names rather than imports: Ray and botocore are heavy, and the classifier
 # must work on exceptions that crossed a process boundary.
 _TRANSIENT_NAMES = frozenset(
-    {
-        # Ray: lost workers, actors, nodes, objects
-        "WorkerCrashedError",
-        "ActorDiedError",
-        "ActorUnavailableError",
-        "NodeDiedError",
-        "ObjectLostError",
-        "OwnerDiedError",
-        "ObjectReconstructionFailedError",
-        "RaySystemError",
-        "GetTimeoutError",
-        # botocore / aiohttp transport problems
-        "EndpointConnectionError",
-        "ConnectTimeoutError",
-        "ReadTimeoutError",
-        "ConnectionClosedError",
-        "ServerDisconnectedError",
-        "ClientConnectorError",
-        "ClientOSError",
-        "ServerTimeoutError",
-        # aiohttp's body cut short (s3fs, gcsfs, adlfs all read through aiohttp)
-        "ClientPayloadError",
-        "ContentLengthError",
-        "TransferEncodingError",
-        # the Azure SDK's transport problems
-        "ServiceRequestError",
-        "ServiceResponseError",
-        # a body cut short: botocore's length check, its wrapper of urllib3's error, urllib3's own,
-        # and http.client's under them
-        "IncompleteReadError",
-        "ResponseStreamingError",
-        "ProtocolError",
-        "IncompleteRead",
-    }
+    # Ray: lost workers, actors, nodes, objects
+    "WorkerCrashedError ActorDiedError ActorUnavailableError NodeDiedError ObjectLostError OwnerDiedError"
+    " ObjectReconstructionFailedError RaySystemError GetTimeoutError"
+    # botocore / aiohttp transport problems
+    " EndpointConnectionError ConnectTimeoutError ReadTimeoutError ConnectionClosedError ServerDisconnectedError"
+    " ClientConnectorError ClientOSError ServerTimeoutError"
+    # aiohttp's body cut short (s3fs, gcsfs, adlfs all read through aiohttp)
+    " ClientPayloadError ContentLengthError TransferEncodingError"
+    # the Azure SDK's transport problems
+    " ServiceRequestError ServiceResponseError"
+    # a body cut short: botocore's length check, its wrapper of urllib3's error, urllib3's own,
+    # and http.client's under them
+    " IncompleteReadError ResponseStreamingError ProtocolError IncompleteRead".split()
 )
 
 # Timeouts that look transient (they subclass TimeoutError) but are not: work that outran its
@@ -303,32 +270,12 @@ _TRANSIENT_NAMES = frozenset(
 _DETERMINISTIC_NAMES = frozenset({"TaskRunTimeoutError", "FlowRunTimeoutError"})
 
 _TRANSIENT_S3_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "InternalError",
-        "ServiceUnavailable",
-        "503",
-        "500",
-        "502",
-        "504",
-    }
+    "SlowDown Throttling ThrottlingException RequestTimeout InternalError ServiceUnavailable 500 502 503 504".split()
 )
-
 
 # S3 error codes that refuse the caller rather than report on an object: policies and credentials.
 _ACCESS_DENIED_S3_CODES = frozenset(
-    {
-        "AccessDenied",
-        "403",
-        "Forbidden",
-        "AllAccessDisabled",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "AccountProblem",
-    }
+    "AccessDenied 403 Forbidden AllAccessDisabled InvalidAccessKeyId SignatureDoesNotMatch AccountProblem".split()
 )
 
 # Model-call failures of the machine, by class name (torch need not be imported here) and by message:
@@ -373,10 +320,8 @@ def _http_status(exc: BaseException) -> int | None:
 
 
 def is_access_denied(exc: BaseException) -> bool:
-    """True when a read failed because the caller may not read: an S3 AccessDenied or 403, a ``PermissionError``.
-
-    s3fs turns S3's AccessDenied into ``PermissionError``; boto3 keeps the code.
-    """
+    """True when a read failed because the caller may not read: an S3 AccessDenied or 403, a ``PermissionError``
+    (s3fs's form of AccessDenied)."""
     return any(
         isinstance(err, PermissionError | StorageAccessDenied)
         or _s3_error_code(err) in _ACCESS_DENIED_S3_CODES
@@ -388,10 +333,8 @@ def is_access_denied(exc: BaseException) -> bool:
 def model_call_fault(exc: BaseException, what: str) -> RaylineError | None:
     """The run's error when ``what`` (a model call) failed for the machine, not for its input; else None.
 
-    Out of memory (CUDA's or the host's) is :class:`OutOfMemory`, a CUDA or
-    other device error :class:`DeviceError`. Anything else (a shape the model
-    refuses, a NaN check) is the input's: the caller records its samples as
-    error rows.
+    Out of memory is :class:`OutOfMemory`, a CUDA or other device error :class:`DeviceError`. Anything else
+    (a shape the model refuses, a NaN check) is the input's: the caller records its samples as error rows.
     """
     name, text = type(exc).__name__, str(exc).lower()
     detail = f"{what} failed for the machine, not the input: {name}: {str(exc)[:300]}"
@@ -402,23 +345,19 @@ def model_call_fault(exc: BaseException, what: str) -> RaylineError | None:
     return None
 
 
+_NEVER_TRANSIENT = (ConfigError, InputDataError, RetriesExhausted, WorkTimedOut, StorageAccessDenied, OutOfMemory)
+
+
 def is_transient(exc: BaseException) -> bool:
     """True when ``exc`` (or anything in its cause chain) is worth retrying.
 
-    Deliberate rayline errors decide by their class; a config or input error,
-    or Ray's exhausted retries, anywhere in the chain wins over a
-    transient-looking cause.
+    rayline's errors decide by their class; a config or input error, or Ray's exhausted retries, anywhere in
+    the chain wins over a transient-looking cause.
     """
     for err in causes(exc):
-        if isinstance(err, ConfigError | InputDataError | RetriesExhausted | WorkTimedOut | StorageAccessDenied):
+        if type(err).__name__ in _DETERMINISTIC_NAMES or isinstance(err, _NEVER_TRANSIENT):
             return False
-        if isinstance(err, OutOfMemory):
-            return False
-        if type(err).__name__ in _DETERMINISTIC_NAMES:
-            return False
-        if isinstance(err, (TransientError, *_TRANSIENT_BUILTINS)):
-            return True
-        if type(err).__name__ in _TRANSIENT_NAMES:
+        if isinstance(err, (TransientError, *_TRANSIENT_BUILTINS)) or type(err).__name__ in _TRANSIENT_NAMES:
             return True
         if _s3_error_code(err) in _TRANSIENT_S3_CODES:
             return True

@@ -1,13 +1,11 @@
 """rayline's Prefect events by name: what stages announce, for automations (retraining, rollouts) and for people.
 
-The names live in core because both ends use them: the tasks and flows that
-emit them (``rayline.tasks.common.emit``) and the deployments whose triggers wait for
-them (``deployments/catalog.py``).
+The names live in core because both ends use them: the tasks and flows that emit them
+(``rayline.tasks.common.emit``) and the deployments whose triggers wait for them (``deployments/catalog.py``).
 
-Prefect triggers match resource *labels* (strings, globs), not numbers, so
-an event that an automation must threshold carries the decision as a label:
-``rayline.data.arrived`` has ``rayline.retrain = "true"`` when its new
-labelled objects reach ``RAYLINE_RETRAIN_MIN_NEW_LABELLED``, and ``rayline.labels.arrived`` when the labels
+Prefect triggers match resource *labels* (strings, globs), not numbers, so an event that an automation must
+threshold carries the decision as a label: ``rayline.data.arrived`` has ``rayline.retrain = "true"`` when its
+new labelled objects reach ``RAYLINE_RETRAIN_MIN_NEW_LABELLED``, and ``rayline.labels.arrived`` when the labels
 imported since the model last trained on its labels reach ``RAYLINE_RETRAIN_MIN_NEW_LABELS``.
 """
 

@@ -1,10 +1,8 @@
 """What the machine that runs a model offers: its CPU's instruction sets and its GPU, found at run time.
 
-The project's machines vary between vCPUs of one kind and another (AVX-512
-with or without BF16, with or without AMX), so nothing here is assumed: the
-CPU's flags are read from ``/proc/cpuinfo`` where there is one. An execution
-plan is chosen for, and recorded with, the :class:`Hardware` it was measured
-on. torch is imported only to ask for a GPU, and only when asked.
+The project's machines vary (AVX-512 with or without BF16, with or without AMX), so nothing here is assumed:
+the CPU's flags are read from ``/proc/cpuinfo`` where there is one. An execution plan is chosen for, and
+recorded with, the :class:`Hardware` it was measured on. torch is imported only to ask for a GPU, when asked.
 """
 
 from __future__ import annotations

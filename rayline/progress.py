@@ -1,14 +1,12 @@
 """How far a long stage has got, for whoever shows it (the CLI); a no-op everywhere else.
 
-A workload wraps its long part in :func:`stage` and counts with the handle it
-gets (``add``/``set``). The CLI installs a :class:`Reporter` that draws the
-counts; served deployments and tests install none, and every call is then a
-no-op that costs nothing (no actor, no thread).
+A workload wraps its long part in :func:`stage` and counts with the handle it gets (``add``/``set``). The CLI
+installs a :class:`Reporter` that draws the counts; served deployments and tests install none, and every call
+is then a no-op that costs nothing (no actor, no thread).
 
-Counts made in other Ray processes (a Ray Data write task, the Ray Train
-controller) travel through one small actor per process that shows progress:
-a handle made with ``remote=True`` pickles with that actor, and the showing
-process polls it. Progress is best effort: a lost update never fails a stage.
+Counts made in other Ray processes (a Ray Data write task, the Ray Train controller) travel through one small
+actor per showing process: a handle made with ``remote=True`` pickles with that actor, and the showing process
+polls it. Progress is best effort: a lost update never fails a stage.
 """
 
 from __future__ import annotations
@@ -80,20 +78,19 @@ class Stage:
     tally: Any = None  # the tally actor's handle, for counts made in other processes
 
     def add(self, n: int = 1) -> None:
-        if not self.key:
-            return
-        if _reporter is not None:
-            _count(self.key, add=n)
-        elif self.tally is not None:
-            _remote(lambda: self.tally.add.remote(self.key, n))
+        self._update(add=n)
 
     def set(self, done: int) -> None:
+        self._update(done=done)
+
+    def _update(self, done: int | None = None, add: int = 0) -> None:
         if not self.key:
             return
         if _reporter is not None:
-            _count(self.key, done=done)
+            _count(self.key, done, add)
         elif self.tally is not None:
-            _remote(lambda: self.tally.set.remote(self.key, done))
+            tally, key = self.tally, self.key
+            _remote(lambda: tally.add.remote(key, add) if done is None else tally.set.remote(key, done))
 
 
 def _remote(call: Any) -> None:
@@ -108,11 +105,8 @@ _tally_cluster: str | None = None
 
 
 def _tally() -> Any:
-    """This process's tally actor, started on first use (0 CPUs: it never waits for the stage's own work).
-
-    One per Ray connection: a process that left a cluster and joined another (tests do) must not
-    hand out the old cluster's handle, which Ray cannot serialise (it aborts the process).
-    """
+    """This process's tally actor, started on first use (0 CPUs: it never waits for the stage's own work), one per
+    Ray connection: the handle of a cluster the process left cannot be serialised (Ray aborts the process)."""
     global _tally_actor, _tally_cluster
     import ray
 
@@ -132,23 +126,23 @@ def _tally_or_none() -> Any:
 
 
 def _poll(stage: Stage, stop: threading.Event) -> None:
+    while not stop.wait(POLL_S):
+        _remote(lambda: _fetch(stage, POLL_S * 10))  # a failed fetch is tried again on the next tick
+
+
+def _fetch(stage: Stage, timeout_s: float) -> None:
+    """Show the count of ``stage`` that its tally actor holds."""
     import ray
 
-    while not stop.wait(POLL_S):
-        try:
-            done = ray.get(stage.tally.get.remote(stage.key), timeout=POLL_S * 10)
-        except Exception:  # noqa: S112 - best effort; try again on the next tick
-            continue
-        if done is not None:
-            _count(stage.key, done=int(done))
+    done = ray.get(stage.tally.get.remote(stage.key), timeout=timeout_s)
+    if done is not None:
+        _count(stage.key, done=int(done))
 
 
 @contextmanager
 def stage(label: str, total: int | None = None, unit: str = "rows", remote: bool = False) -> Iterator[Stage]:
     """A long stage: yields its counter; the reporter (if any) shows ``label`` and ``done``/``total`` ``unit``.
-
-    ``remote``: the counter is also used in other Ray processes (needs a Ray connection).
-    """
+    ``remote``: the counter is also used in other Ray processes (needs a Ray connection)."""
     reporter = _reporter
     if reporter is None:
         yield Stage()
@@ -171,15 +165,7 @@ def stage(label: str, total: int | None = None, unit: str = "rows", remote: bool
         if poller is not None:
             poller.join(timeout=POLL_S * 2)
         if ok and handle.tally is not None:  # the last counts, which the poller may not have fetched yet
-            _remote(lambda: _final(handle))
+            _remote(lambda: _fetch(handle, 10))
         reporter.finish(key, ok)
         with _counts_lock:
             _counts.pop(key, None)
-
-
-def _final(stage: Stage) -> None:
-    import ray
-
-    done = ray.get(stage.tally.get.remote(stage.key), timeout=10)
-    if done is not None:
-        _count(stage.key, done=int(done))

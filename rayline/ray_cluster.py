@@ -1,12 +1,11 @@
 """Lazy, idempotent connection to Ray (never at import).
 
-* ``RAY_ADDRESS`` set: join that cluster, shipping rayline's own packages with
-  ``runtime_env`` so its workers can import ``ray_workloads``.
-* Unset: start an embedded local cluster with oversubscribed logical CPUs, so
-  that Ray Data, Train and Serve do not starve each other on a 2-core box.
+* ``RAY_ADDRESS`` set: join that cluster, shipping rayline's own packages with ``runtime_env`` so its workers
+  can import ``ray_workloads``.
+* Unset: start an embedded local cluster with oversubscribed logical CPUs, so that Ray Data, Train and Serve
+  do not starve each other on a 2-core box.
 
-One connection per process; every Prefect task calls :func:`connect` and
-reuses it.
+One connection per process; every Prefect task calls :func:`connect` and reuses it.
 """
 
 from __future__ import annotations
@@ -28,17 +27,10 @@ NAMESPACE = "rayline"
 # Non-secret variables workers need to reach storage the way the driver does.
 # Credentials are deliberately not forwarded: a cluster brings its own.
 _FORWARDED_ENV = (
-    "AWS_ENDPOINT_URL",
-    "AWS_REGION",
-    "AWS_DEFAULT_REGION",
-    "RAYLINE_S3_ENDPOINT_URL",
-    "STORAGE_EMULATOR_HOST",
-    "AZURE_STORAGE_ACCOUNT_NAME",
-    "RAYLINE_IO_CONCURRENCY",
-    "RAYLINE_STORAGE_MAX_ATTEMPTS",
-    "RAYLINE_STORAGE_TIMEOUT_S",
-    "RAYLINE_STORAGE_CONNECT_TIMEOUT_S",
-)
+    "AWS_ENDPOINT_URL AWS_REGION AWS_DEFAULT_REGION RAYLINE_S3_ENDPOINT_URL STORAGE_EMULATOR_HOST"
+    " AZURE_STORAGE_ACCOUNT_NAME RAYLINE_IO_CONCURRENCY RAYLINE_STORAGE_MAX_ATTEMPTS RAYLINE_STORAGE_TIMEOUT_S"
+    " RAYLINE_STORAGE_CONNECT_TIMEOUT_S"
+).split()
 
 _lock = threading.Lock()
 
@@ -106,19 +98,15 @@ def _remote_runtime_env() -> dict[str, Any]:
 def _preload_config(preload: Sequence[str], num_cpus: int) -> dict[str, Any]:
     """System config for workers that import ``preload`` as they start.
 
-    Ray prestarts one worker per logical CPU, but only as many at a time as
-    there are cores, and the rest never: on 2 cores, 2 of 4. A Ray Data actor
-    pool wants its actors plus two helper actors of Ray Data's, so the other
-    prestarted workers are the ones its actors would otherwise wait for.
+    Ray prestarts one worker per logical CPU, but only as many at a time as there are cores, and the rest never
+    (on 2 cores, 2 of 4): a Ray Data actor pool, which wants two helper actors besides its own, would wait.
     """
     return {"preload_python_modules": list(preload), "worker_maximum_startup_concurrency": num_cpus}
 
 
 def _wait_until_reachable(address: str, timeout_s: float) -> None:
     """Fail fast on an address where nothing listens: Ray's own connect retries a dead head for ~14 minutes.
-
-    Only ``host:port`` and ``ray://host:port`` are checked; other forms (``auto``) are Ray's to resolve.
-    """
+    Only ``host:port`` and ``ray://host:port`` are checked; other forms (``auto``) are Ray's to resolve."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         return
@@ -144,11 +132,7 @@ def _start(settings: Settings, preload: Sequence[str]) -> bool:
         _wait_until_reachable(settings.ray_address, settings.ray_connect_timeout_s)
     try:
         if settings.ray_address:
-            ray.init(
-                address=settings.ray_address,
-                namespace=NAMESPACE,
-                runtime_env=_remote_runtime_env(),
-            )
+            ray.init(address=settings.ray_address, namespace=NAMESPACE, runtime_env=_remote_runtime_env())
             return False
         # The embedded cluster's processes inherit this environment, so no runtime_env: with one,
         # Ray cannot hand out the workers it prestarts (their runtime env differs) and every actor
@@ -173,10 +157,9 @@ def _start(settings: Settings, preload: Sequence[str]) -> bool:
 def send_worker_logs_to(stream: TextSink | None) -> None:
     """Where Ray's output in this process goes: ``stream``, or None for Ray's default (the terminal).
 
-    Ray prints every worker's stdout/stderr in the driver's terminal (``log_to_driver``), and so the
-    messages the raylet and core workers push to the driver ("8 PYTHON worker processes have been
-    started…", "Actor … has constructor arguments in the object store…"); the CLI keeps its terminal
-    for rayline's own progress and puts them all in its log file instead.
+    Ray prints every worker's stdout/stderr in the driver's terminal (``log_to_driver``), and so the messages
+    the raylet and core workers push to the driver ("8 PYTHON worker processes have been started…"); the CLI
+    keeps its terminal for rayline's own progress and puts them all in its log file instead.
     """
     global _worker_log_stream
     _worker_log_stream = stream
@@ -213,12 +196,9 @@ _embedded: bool | None = None
 def connect(settings: Settings | None = None, preload: Sequence[str] = ()) -> RayConnection:
     """Connect to Ray once per process and describe the connection.
 
-    ``preload``: modules each worker of an embedded cluster imports as it
-    starts. Ray prestarts workers at ``ray.init``, so actors that need, say,
-    torch get a worker that already has it instead of waiting for the import
-    (bench/README.md). It applies only when this call starts the cluster, and
-    costs every other worker the same import: only pass it from a process
-    whose Ray work needs those modules.
+    ``preload``: modules each worker of an embedded cluster imports as it starts, so that actors that need,
+    say, torch get a prestarted worker that already has it (bench/README.md). It applies only when this call
+    starts the cluster, and costs every other worker the same import: pass it only where the Ray work needs it.
     """
     global _embedded
     import ray

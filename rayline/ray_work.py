@@ -1,33 +1,21 @@
 """Stop the Ray work a task attempt started when the attempt is interrupted (a timeout, a cancel).
 
-Prefect's task timeout only raises in the task's thread (an alarm signal in
-the main thread, an injected exception in a worker thread); the Ray work the
-task started goes on: a Ray Train controller and its workers, Tune's trial
-actors, Ray Data's actor pools, remote tasks. A retry, or the next run, would
-then share the cluster with it. :func:`cancel_on_abort` remembers which actors
-of this process's Ray job were alive when the attempt began; when the body is
-interrupted (an exception that is no ``Exception``, or a ``TimeoutError``), it
-kills the job's actors that appeared since (detached ones excepted: Serve and
-Ray Data keep shared helpers that way), force-cancels the refs the workloads
+Prefect's task timeout only raises in the task's thread; the Ray work the task started (a Ray Train controller
+and its workers, Tune's trials, Ray Data's actor pools, remote tasks) goes on, and a retry would share the
+cluster with it. :func:`cancel_on_abort` remembers this Ray job's actors alive when the attempt began; when the
+body is interrupted (an exception that is no ``Exception``, or a ``TimeoutError``), it kills the job's actors
+that appeared since (not detached ones: Serve and Ray Data keep shared helpers that way), force-cancels the refs
 handed to :func:`track`, and waits until all of them are gone.
 
-Actors are attributed by job and time, not by thread: while two scopes run
-at once in one process (a backfill's concurrent nights), an interrupted one
-cannot tell its actors from its siblings'. So what a scope stops is what it
-can name as its own: the refs handed to :func:`track`, and the Ray Data
-executions of datasets marked by :func:`stop_with_scope` (their executors
-register with the scope they start in, and are shut down with force: their
-actor pools killed, their tasks cancelled). Ray Data's own shutdown of an
-execution its consumer abandoned only drops the pool's handles, which leaves
-an actor busy in a task running: a failed execution's shutdown is forced, and
-the actors of one shut down without force are remembered and killed when the
-scope stops. A sibling's work goes on.
+Actors are attributed by job and time, not by thread: while two scopes run at once in one process (a backfill's
+concurrent nights), an interrupted one cannot tell its actors from its siblings'. Then it stops only what it can name as
+its own: its tracked refs, and the Ray Data executions of datasets marked by :func:`stop_with_scope`, shut down with
+force. Ray Data's own shutdown of an abandoned execution only drops the pool's handles, leaving busy actors running: so
+a failed execution's shutdown is forced, and the actors of one shut down without force are killed when the scope stops.
 
-Work can also have to end for a reason of its own while its attempt goes on:
-a night whose lease another run took over must stop predicting. The marked
-executions started under a :func:`stoppable` block register with its
-:class:`Stopper` too, which shuts them down the same way, from any thread,
-with the error it is given.
+Work may also have to end for a reason of its own while its attempt goes on (a night whose lease another run
+took over): the marked executions started under a :func:`stoppable` block are shut down the same way by its
+:class:`Stopper`, from any thread, with the error it is given.
 """
 
 from __future__ import annotations
@@ -73,11 +61,9 @@ _lock = threading.Lock()
 def track(refs: Iterable[Any]) -> None:
     """Hand Ray object refs of remote tasks to the current scope: an interrupt cancels them (no-op outside one).
 
-    A ref handed to a scope already stopped is cancelled at once, and waited
-    for: the work was submitted after the stop, which did not see it. Loops
-    that submit should ask :func:`raise_if_stopped` first, so that nothing is
-    submitted after a stop at all (a task cancelled as it is being pushed to
-    a worker may still run there).
+    A ref handed to a scope already stopped is cancelled at once, and waited for: the stop did not see it.
+    Loops that submit should ask :func:`raise_if_stopped` first, since a task cancelled as it is being pushed
+    to a worker may still run there.
     """
     scope = _current.get()
     if scope is None:
@@ -94,10 +80,8 @@ def track(refs: Iterable[Any]) -> None:
 def raise_if_stopped() -> None:
     """Raise :class:`~rayline.errors.WorkTimedOut` when the current scope was stopped (no-op outside one).
 
-    The watchdog stops a scope from its own thread, and the body learns of it
-    only through the Ray work it waits on: a body still before its first
-    submission (a slow listing) would go on submitting work that is cancelled
-    on arrival. Asking before each submission ends it there.
+    The watchdog stops a scope from its own thread, and the body learns of it only through the Ray work it
+    waits on: a body before its first submission (a slow listing) would go on submitting doomed work.
     """
     scope = _current.get()
     if scope is not None and scope.stopped:
@@ -108,11 +92,8 @@ def stop_with_scope(context: Any) -> None:
     """Make the Ray Data executions of datasets with this ``DataContext`` stop with the scope they run in
     (and with the :func:`stoppable` blocks they start in).
 
-    A dataset's context is its own copy (``dataset.context``), so only this
-    dataset and those derived from it after the call are marked. Each
-    execution's executor registers with the current scope when it starts; an
-    interrupt of that scope shuts it down with force, and the dataset's
-    consumer gets the interrupt as an error rather than a short, normal end.
+    A dataset's context is its own copy (``dataset.context``): only this dataset and those derived from it
+    after the call are marked. Stopped, the dataset's consumer gets an error rather than a short, normal end.
     """
     if _StopsWithScope not in context.custom_execution_callback_classes:
         context.custom_execution_callback_classes.append(_StopsWithScope)
@@ -120,11 +101,8 @@ def stop_with_scope(context: Any) -> None:
 
 class Stopper:
     """Stops the Ray Data executions of marked datasets (:func:`stop_with_scope`) started under it
-    (:func:`stoppable`), from any thread and with the caller's error: for work that must end on an event of
-    its own, such as the loss of the lease it works under, and not only when its attempt is interrupted.
-
-    Each execution is shut down with force (its actor pools killed, its tasks cancelled), and its consumer
-    raises ``error``. One started after the stop is refused with it.
+    (:func:`stoppable`), from any thread and with the caller's error, which their consumers raise; one started
+    after the stop is refused with it.
     """
 
     def __init__(self, what: str) -> None:
@@ -186,10 +164,8 @@ class _StopsWithScope:
         original = executor.shutdown
 
         def shutdown(force: bool, exception: BaseException | None = None) -> None:
-            # Ray Data's own shutdown of a failed or abandoned execution (its consumer interrupted by a
-            # timeout, say) only drops its actor pools' handles: an actor busy in a task lives on until the
-            # task ends. A failed one is forced; the actors of one ended without force are remembered, for
-            # a stop of the scope to kill
+            # Ray Data's own shutdown only drops the pools' handles (see the module's docstring): force a
+            # failed one, remember the actors of one ended without force for a stop of the scope to kill
             forced = force or scope.stopped or exception is not None
             if not forced:
                 with scope.lock:
@@ -225,12 +201,8 @@ def _is_interrupt(exc: BaseException | None) -> bool:
 
 
 def gather(refs: list[Any]) -> list[Any]:
-    """``ray.get`` of remote tasks' refs, tracked (:func:`track`); a task's rayline error is raised as itself.
-
-    Ray raises a remote exception wrapped in its ``RayTaskError``; callers
-    classify failures by rayline's own types (transient or not), so the
-    original is raised, chained to Ray's.
-    """
+    """``ray.get`` of remote tasks' refs, tracked (:func:`track`); a task's rayline error is raised as itself
+    (chained to Ray's ``RayTaskError``), since callers classify failures by rayline's own types."""
     track(refs)
     try:
         return list(ray.get(refs))
@@ -243,11 +215,8 @@ def gather(refs: list[Any]) -> list[Any]:
 
 
 def _job_actors() -> dict[str, bool]:
-    """This job's live actors: id → detached.
-
-    From the GCS's actor table: the state API needs the dashboard, which the
-    embedded cluster does not start.
-    """
+    """This job's live actors: id → detached; from the GCS's actor table (the state API needs the dashboard,
+    which the embedded cluster does not start)."""
     from ray._private.state import state
 
     table = state.actor_table(None, job_id=ray.get_runtime_context().job_id)
@@ -258,16 +227,14 @@ def _job_actors() -> dict[str, bool]:
 def cancel_on_abort(what: str, timeout_s: float | None = None) -> Iterator[None]:
     """Run the body; if it is interrupted or outruns ``timeout_s``, stop the Ray work it started.
 
-    The watchdog is needed beside Prefect's own timeout: a thread blocked in
-    ``ray.get`` (Ray Train's ``fit`` waits so on its controller) sees neither
-    the alarm signal nor an injected exception until the call returns. Stopping
-    the work makes the call return; the body's error then comes out as
-    :class:`~rayline.errors.WorkTimedOut`, which is not retried.
+    The watchdog is needed beside Prefect's own timeout: a thread blocked in ``ray.get`` (Ray Train's ``fit``
+    on its controller) sees no alarm signal or injected exception until the call returns. Stopping the work
+    makes it return; the body's error then comes out as :class:`~rayline.errors.WorkTimedOut`, not retried.
     """
     scope = _Scope(what, frozenset(_job_actors()) if ray.is_initialized() else None)
     token = _current.set(scope)
     watchdog = threading.Timer(timeout_s, _time_out, (scope, timeout_s)) if timeout_s else None
-    _enter()
+    _count_active(1)
     if watchdog is not None:
         watchdog.daemon = True
         watchdog.start()
@@ -286,20 +253,14 @@ def cancel_on_abort(what: str, timeout_s: float | None = None) -> Iterator[None]
     finally:
         if watchdog is not None:
             watchdog.cancel()
-        _leave()
+        _count_active(-1)
         _current.reset(token)
 
 
-def _enter() -> None:
+def _count_active(change: int) -> None:
     global _active
     with _lock:
-        _active += 1
-
-
-def _leave() -> None:
-    global _active
-    with _lock:
-        _active -= 1
+        _active += change
 
 
 def _time_out(scope: _Scope, timeout_s: float) -> None:
@@ -375,12 +336,9 @@ def _cancel(refs: list[Any]) -> None:
 
 
 def _stop_execution(executor: Any, error: RaylineError) -> None:
-    """Shut one Ray Data execution down with force: its actor pools killed, its tasks cancelled.
-
-    Under the executor's own shutdown lock, so that its consumer, woken by the
-    error, cannot shut it down first without force. The consumer raises
-    ``error``: without it, the stopped execution would end like a finished one.
-    """
+    """Shut one Ray Data execution down with force (its actor pools killed, its tasks cancelled), and make its
+    consumer raise ``error`` rather than end as if finished. Under the executor's shutdown lock, so that the
+    consumer, woken by the error, cannot shut it down first without force."""
     try:
         with executor._shutdown_lock:
             executor._output_node[1].mark_finished(error)

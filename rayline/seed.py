@@ -1,15 +1,12 @@
 """Sample data: scikit-learn's real handwritten digits and photos made from its two real JPEGs.
 
-``raw/<label>/digit-<id>.png`` for the 1,797 digits, optional broken objects
-of several kinds (to exercise per-sample error capture) and optional
-synthetic images (for scale). ``--photos N`` writes a day of photos instead:
-random crops, scales, flips, JPEG qualities, grayscale and EXIF-rotated
-variants of scikit-learn's two real photos (``<photo>/photo-<id>.jpg``, the
-source photo as the label), some over 2 megapixels. Deterministic for a
-given seed, and idempotent: objects already present with the same size are
-not rewritten, so their etags (and the ingest content hash) stay put.
-:func:`camera_photo` makes the 1–12 MP JPEGs a camera writes, for the
-benches and tests that measure what decoding them costs.
+``raw/<label>/digit-<id>.png`` for the 1,797 digits, optional broken objects of several kinds (to exercise per-sample
+error capture) and optional synthetic images (for scale). ``--photos N`` writes a day of photos instead: random crops,
+scales, flips, JPEG qualities, grayscale and EXIF-rotated variants of scikit-learn's two real photos
+(``<photo>/photo-<id>.jpg``, the source photo as the label), some over 2 megapixels. Deterministic for a given seed, and
+idempotent: objects already present with the same size are not rewritten, so their etags (and the ingest content hash)
+stay put. :func:`camera_photo` makes the 1–12 MP JPEGs a camera writes, for the benches and tests that measure what
+decoding them costs.
 """
 
 from __future__ import annotations
@@ -67,9 +64,7 @@ def png_bytes(pixels: np.ndarray) -> bytes:
 
 def digit_objects(size: int) -> Iterator[tuple[str, bytes]]:
     """The scikit-learn digits, upscaled to ``size`` and stored as RGB PNGs."""
-    load_digits = _sklearn_dataset("load_digits")
-
-    digits = load_digits()
+    digits = _sklearn_dataset("load_digits")()
     for index, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
         gray = Image.fromarray((image * (255.0 / 16.0)).astype(np.uint8))
         rgb = gray.resize((size, size), Image.Resampling.BILINEAR).convert("RGB")
@@ -112,18 +107,15 @@ def jpeg_bytes(img: Image.Image, quality: int = 90, exif: Image.Exif | None = No
 
 def source_photos() -> list[Image.Image]:
     """scikit-learn's two real 640×427 photos (china, flower) as RGB images."""
-    load_sample_images = _sklearn_dataset("load_sample_images")
-
-    return [Image.fromarray(photo) for photo in load_sample_images().images]
+    return [Image.fromarray(photo) for photo in _sklearn_dataset("load_sample_images")().images]
 
 
 def photo_variant(photo: Image.Image, rng: np.random.Generator, large: bool = False) -> tuple[bytes, str]:
     """One random view of ``photo`` as JPEG bytes, and what kind of view it is.
 
-    A random crop of 30–100 % of each side, scaled to 0.25–1.5× (``large``:
-    to over 2 megapixels), maybe mirrored, at JPEG quality 50–95; every
-    seventh is grayscale and every fifth is stored rotated with an EXIF
-    orientation tag that turns it upright again.
+    A random crop of 30–100 % of each side, scaled to 0.25–1.5× (``large``: to over 2 megapixels), maybe mirrored, at
+    JPEG quality 50–95; every seventh is grayscale and every fifth is stored rotated with an EXIF orientation tag that
+    turns it upright again.
     """
     width, height = photo.size
     crop_w, crop_h = (max(16, int(side * rng.uniform(0.3, 1.0))) for side in (width, height))
@@ -170,11 +162,10 @@ def _cached_sources() -> tuple[Image.Image, ...]:
 def camera_photo(megapixels: float, rng: np.random.Generator, photo: Image.Image | None = None) -> bytes:
     """A JPEG the size a camera writes: a 4:3 crop of one real photo upscaled to ``megapixels``, grain added.
 
-    Upscaling alone gives a smooth image that compresses to a third of a
-    camera's file and decodes faster than one; luminance grain at two scales
-    (a few pixels wide, like foliage or fabric, and per pixel, like sensor
-    noise) plus faint colour noise bring a 12 MP photo at quality 85–95 to
-    a camera's 3–5 MB. ``photo``: one of scikit-learn's two when not given.
+    Upscaling alone gives a smooth image that compresses to a third of a camera's file and decodes faster than one;
+    luminance grain at two scales (a few pixels wide, like foliage or fabric, and per pixel, like sensor noise) plus
+    faint colour noise bring a 12 MP photo at quality 85–95 to a camera's 3–5 MB. ``photo``: one of scikit-learn's two
+    when not given.
     """
     source = photo if photo is not None else _cached_sources()[int(rng.integers(len(PHOTO_LABELS)))]
     width, height = camera_size(megapixels)
@@ -184,13 +175,8 @@ def camera_photo(megapixels: float, rng: np.random.Generator, photo: Image.Image
     left, top = int(rng.integers(0, src_w - crop_w + 1)), int(rng.integers(0, src_h - crop_h + 1))
     view = source.convert("RGB").crop((left, top, left + crop_w, top + crop_h))
     pixels = np.asarray(view.resize((width, height), Image.Resampling.BICUBIC), dtype=np.int16)
-    grain = np.asarray(
-        Image.fromarray(rng.integers(116, 141, (max(1, height // 3), max(1, width // 3)), dtype=np.uint8)).resize(
-            (width, height), Image.Resampling.BILINEAR
-        ),
-        dtype=np.int16,
-    )
-    grain -= 128
+    coarse = Image.fromarray(rng.integers(116, 141, (max(1, height // 3), max(1, width // 3)), dtype=np.uint8))
+    grain = np.asarray(coarse.resize((width, height), Image.Resampling.BILINEAR), dtype=np.int16) - 128
     grain += rng.integers(-7, 8, (height, width), dtype=np.int8)
     pixels += grain[..., None]
     pixels += rng.integers(-2, 3, (height, width, 3), dtype=np.int8)
@@ -232,35 +218,23 @@ def seed(
 ) -> SeedResult:
     """Write the sample objects under ``to_uri``; returns what was written.
 
-    ``digit_count`` writes only the first that many digits (all 1,797 by default): every class is
-    among the first hundred, so a smaller set still has them all.
-
-    With ``photos``, the broken objects are broken JPEGs among the photos.
+    ``digit_count`` writes only the first that many digits (all 1,797 by default): every class is among the first
+    hundred, so a smaller set still has them all. With ``photos``, the broken objects are broken JPEGs.
     """
     rng = np.random.default_rng(seed)
     target = storage.normalize(to_uri)
     result = SeedResult(uri=target)
-    wanted: dict[str, bytes] = {}
-    if digits:
-        for key, data in itertools.islice(digit_objects(size), digit_count):
-            wanted[key] = data
-            result.digits += 1
-    broken = corrupt_photos(corrupt, rng) if photos else corrupt_objects(corrupt, size, rng)
-    for key, data, kind in broken:
+    wanted = dict(itertools.islice(digit_objects(size), digit_count)) if digits else {}
+    result.digits = len(wanted)
+    for key, data, kind in corrupt_photos(corrupt, rng) if photos else corrupt_objects(corrupt, size, rng):
         wanted[key] = data
         result.corrupt[key] = kind
-    for key, data in synthetic_objects(synthetic, size, rng):
-        wanted[key] = data
-        result.synthetic += 1
-    for key, data in photo_objects(photos, rng):
-        wanted[key] = data
-        result.photos += 1
-
-    present = {o.key: o.size for o in storage.list_objects(target)}
-    to_write = {k: v for k, v in wanted.items() if present.get(k) != len(v)}
-    result.skipped = len(wanted) - len(to_write)
-    _write_many(target, to_write)
-    result.written = len(to_write)
+    synthetic_images = dict(synthetic_objects(synthetic, size, rng))
+    photo_images = dict(photo_objects(photos, rng))
+    result.synthetic, result.photos = len(synthetic_images), len(photo_images)
+    wanted |= synthetic_images | photo_images
+    result.written = _write_missing(target, wanted)
+    result.skipped = len(wanted) - result.written
     return result
 
 
@@ -275,24 +249,27 @@ def seed_incoming(to_uri: str, corrupt: int = 4, seed_value: int = 1) -> SeedRes
     result = seed(to_uri)
     rng = np.random.default_rng(seed_value)
     extra = dict(sample_photos())  # real photos, nothing like the digits
+    result.photos = len(extra)
     for key, data, kind in corrupt_objects(corrupt, 32, rng):
         extra[key] = data
         result.corrupt[key] = kind
-    present = {o.key: o.size for o in storage.list_objects(result.uri)}
-    _write_many(result.uri, {k: v for k, v in extra.items() if present.get(k) != len(v)})
-    result.photos = len(list(sample_photos()))
+    _write_missing(result.uri, extra)
     return result
 
 
-def _write_many(target: str, objects: dict[str, bytes]) -> None:
-    if not objects:
-        return
+def _write_missing(target: str, objects: dict[str, bytes]) -> int:
+    """Write the objects not already present with the same size (their etags stay put); how many were written."""
+    present = {o.key: o.size for o in storage.list_objects(target)}
+    missing = {key: data for key, data in objects.items() if present.get(key) != len(data)}
+    if not missing:
+        return 0
     fs, base = storage.filesystem(target)
-    paths = {f"{base}/{key}": data for key, data in objects.items()}
+    paths = {f"{base}/{key}": data for key, data in missing.items()}
     if not storage.is_remote(target):
         for parent in {p.rsplit("/", 1)[0] for p in paths}:
             fs.makedirs(parent, exist_ok=True)
     fs.pipe(paths)  # concurrent PUTs on a cloud store
+    return len(missing)
 
 
 def _sklearn_dataset(name: str) -> Any:

@@ -1,20 +1,16 @@
 """What a registered model is and how its images become input: typed, shared by every stage.
 
-:class:`ModelSpec` says what to build (architecture, class count, width);
-:class:`ImageSpec` says how raw image bytes become the model's input tensor.
-Both are stored in each version's ``version.json`` and carried typed by
-:class:`rayline.models.registry.ModelVersion`, so the trainer, batch inference and
-serving read one object instead of re-validating a dict each.
-:class:`SplitFractions` says how preprocess splits the samples; it and the
-image spec are stored in a preprocess manifest (:mod:`rayline.storage.manifests`).
+:class:`ModelSpec` says what to build (architecture, class count, width); :class:`ImageSpec` says how raw image
+bytes become the model's input tensor. Both are stored in each version's ``version.json`` and carried typed by
+:class:`rayline.models.registry.ModelVersion`, so the trainer, batch inference and serving read one object
+instead of re-validating a dict each. :class:`SplitFractions` says how preprocess splits the samples; it and
+the image spec are stored in a preprocess manifest (:mod:`rayline.storage.manifests`).
 
 Two ways of sizing an image (``ImageSpec.mode``):
 
-* ``squash``: resize to ``crop`` × ``crop`` ignoring the aspect ratio (the
-  digits, stored square);
-* ``resize_crop``: resize the shorter side to ``resize``, then take the
-  ``crop`` × ``crop`` centre — torchvision's ImageNet evaluation transform
-  (``ResNet50_Weights.IMAGENET1K_V2.transforms()``: 232 → 224).
+* ``squash``: resize to ``crop`` × ``crop`` ignoring the aspect ratio (the digits, stored square);
+* ``resize_crop``: resize the shorter side to ``resize``, then take the ``crop`` × ``crop`` centre —
+  torchvision's ImageNet evaluation transform (``ResNet50_Weights.IMAGENET1K_V2.transforms()``: 232 → 224).
 
 This module is plain pydantic (no torch, no PIL), so the core can hold it.
 """
@@ -22,7 +18,7 @@ This module is plain pydantic (no torch, no PIL), so the core can hold it.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -92,9 +88,8 @@ class FactoryRef(BaseModel):
 class ModelSpec(BaseModel):
     """What to build: the architecture, its width and the number of classes.
 
-    ``arch`` names where the model comes from: ``small_cnn``, a torchvision
-    name, ``timm:<name>``, ``factory`` (with :attr:`factory`), or, for a
-    code-free file, its format (``torchscript``, ``torch_export``, ``onnx``).
+    ``arch`` names where the model comes from: ``small_cnn``, a torchvision name, ``timm:<name>``, ``factory`` (with
+    :attr:`factory`), or, for a code-free file, its format (``torchscript``, ``torch_export``, ``onnx``).
     """
 
     arch: str = SMALL_CNN
@@ -112,13 +107,7 @@ class ModelSpec(BaseModel):
     @property
     def format(self) -> ModelFormat:
         """How the stored file is read: a state dict for a module rayline builds, else the file's format."""
-        if self.arch == TORCHSCRIPT:
-            return "torchscript"
-        if self.arch == TORCH_EXPORT:
-            return "torch_export"
-        if self.arch == ONNX:
-            return "onnx"
-        return "state_dict"
+        return cast(ModelFormat, self.arch) if self.arch in FILE_FORMATS else "state_dict"
 
     @property
     def inference_only(self) -> bool:

@@ -1,35 +1,22 @@
 """The upstream graph of any stored output, built from the lineage records.
 
-Every stage run wrote a record naming its inputs and outputs by URI
-(:mod:`rayline.lineage`). Walking from an output back through the records
-that produced each input gives, for a night of predictions::
+Every stage run wrote a record naming its inputs and outputs by URI (:mod:`rayline.lineage`). Walking from an
+output back through the records that produced each input gives, for a night of predictions::
 
     night (Delta version, run) → model version → training run → preprocessed shards
                                → ingested shards → raw prefix → raw objects with etags
 
-and, for a model registered from outside weights (no training run here)::
+and, for a model registered from outside weights: night → model version → outside weights (URI, sha256).
 
-    night → model version → outside weights (URI, sha256)
+Three things are not in the records and are read where they are, typed: a model version's ``version.json`` (its training
+run and data manifest, or its weights source), and an ingest manifest's shards
+(:class:`rayline.storage.manifests.IngestManifest`), whose rows pin every raw object to its etag. A night's output is
+keyed by its partition folder, so each night of each model is a node of its own (:mod:`rayline.lineage.nights`).
 
-Three things are not in the records themselves and are read where they are,
-typed: a model version's ``version.json`` (its training run and data
-manifest, or its weights source), and an ingest manifest's shards
-(:class:`rayline.storage.manifests.IngestManifest`), whose rows pin every raw object
-to its etag.
-
-Nights of the Delta tables
-    A night's output is keyed by its partition folder, so each night of each
-    model is a node of its own (:mod:`rayline.lineage.nights`).
-
-Matching by folder
-    URIs match by folder as well as exactly: a committed folder of the
-    stages that still use manifests (ingest, preprocess) is named by its
-    ``manifest.json``, so ``ingested/<id>`` finds the record whose output is
-    ``ingested/<id>/manifest.json``; a file inside a recorded output (a
-    shard, ``weights.pt``, a night's part file) finds the record of that
-    output, and a folder holding several outputs (``<storage>/predictions``)
-    is a folder node with each of them upstream. URIs that are not storage
-    (an outside model's ``https://`` weights) are kept as they are.
+URIs match by folder as well as exactly: ``ingested/<id>`` finds the record whose output is its
+``manifest.json``; a file inside a recorded output (a shard, ``weights.pt``, a night's part file) finds that
+output's record; a folder holding several outputs (``<storage>/predictions``) is a folder node with each of
+them upstream. URIs that are not storage (an outside model's ``https://`` weights) are kept as they are.
 """
 
 from __future__ import annotations
@@ -65,6 +52,8 @@ STAGE_KINDS = {
     "batch_inference": "predictions",
 }
 _MODEL_VERSION = re.compile(rf"^(.*/{layout.MODELS_DIR}/[a-z0-9][a-z0-9-]*/v\d+)(?:/.*)?$")
+# What a model version's node shows of its version.json.
+_VERSION_DETAILS = set("name version code_version flow_run_id data_content_hash metrics weights_source parent".split())
 _RECORD_READS = 32  # concurrent record reads: many small JSON objects on S3
 
 
@@ -134,7 +123,6 @@ class LineageIndex:
     @classmethod
     def load(cls) -> LineageIndex:
         """Read every stage's records under ``<storage>/lineage/`` (OpenLineage events excluded)."""
-
         objects = [
             o
             for o in storage.list_objects(lineage.lineage_dir())
@@ -232,16 +220,7 @@ class _Builder:
                 stage=made.record.stage if made else None,
                 record_uri=made.record_uri if made else None,
                 produced_at=version.registered_at,
-                details={
-                    "name": version.name,
-                    "version": version.version,
-                    "code_version": version.code_version,
-                    "flow_run_id": version.flow_run_id,
-                    "data_content_hash": version.data_content_hash,
-                    "metrics": version.metrics,
-                    "weights_source": version.weights_source.model_dump() if version.weights_source else None,
-                    "parent": version.parent.model_dump() if version.parent else None,
-                },
+                details=version.model_dump(include=_VERSION_DETAILS),
             )
         if len(producers) == 1:
             item = producers[0]
@@ -268,12 +247,8 @@ class _Builder:
         return LineageNode(uri=normalize_uri(table), kind="folder", details={"dt": dt}, upstream=upstream)
 
     def _model_inputs(self, version_root: str) -> list[DatasetRef]:
-        """What the registry record read, and the training run and data (or outside weights) version.json names.
-
-        An outside model's weights source comes from ``version.json`` itself:
-        its registration's lineage record may be missing (registered before
-        such records were written, or by hand), and the version is the truth.
-        """
+        """What the registry record read, and the training run and data (or outside weights) version.json names:
+        the version is the truth, as its registration's lineage record may be missing (written by hand, say)."""
         version = _version(version_root)
         made = self.index.by_key.get(version_root)
         refs = list(made.record.inputs) if made else []
@@ -327,11 +302,9 @@ def build_graph(
 ) -> LineageNode:
     """The upstream graph of ``uri`` as a tree; a relative path is tried against the storage root too.
 
-    With ``dt`` (YYYY-MM-DD), ``uri`` is a night table and the graph is that
-    day's night of ``model_name``, or without it a folder node holding every
-    model's night of that day. ``max_objects`` limits the raw objects listed
-    per ingest (None: all). Raises :class:`NoLineageError` when nothing
-    recorded produced ``uri`` (or a night of ``dt``).
+    With ``dt`` (YYYY-MM-DD), ``uri`` is a night table and the graph is that day's night of ``model_name``, or without
+    it a folder node holding every model's night of that day. ``max_objects`` limits the raw objects listed per ingest
+    (None: all). Raises :class:`NoLineageError` when nothing recorded produced ``uri`` (or a night of ``dt``).
     """
     if model_name is not None and dt is None:
         raise ConfigError(f"model {model_name!r} picks a night: give the night's date (dt) too")

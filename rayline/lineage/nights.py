@@ -1,14 +1,10 @@
 """The nights of the Delta tables in the lineage graph (:mod:`rayline.lineage.graph`).
 
-Batch inference records each table it committed as an output whose facets
-name the night (``model_name``, ``dt``), the run id and the table
-``version`` holding the commit. Such an output is keyed by the night's
-partition folder, ``<table>/model_name=<m>/dt=<d>`` (where its files live),
-so each night of each model is a node of its own, showing the Delta version
-and run id; a rerun's record replaces the earlier one (the latest record of
-a key wins). ``build_graph(table, dt=…)`` picks the nights of one day (of
-one model, or a folder node of every model's); the partition folder, or a
-file in it, finds its night too.
+Batch inference records each table it committed as an output whose facets name the night (``model_name``, ``dt``), the
+run id and the table ``version`` holding the commit. Such an output is keyed by the night's partition folder,
+``<table>/model_name=<m>/dt=<d>``, so each night of each model is a node of its own; a rerun's record replaces the
+earlier one (the latest record of a key wins). ``build_graph(table, dt=…)`` picks the nights of one day (of one model,
+or a folder node of every model's); the partition folder, or a file in it, finds its night too.
 """
 
 from __future__ import annotations
@@ -69,10 +65,8 @@ def pick_nights(
     candidates: list[str], outputs: Collection[DatasetRef], dt: str, model_name: str | None = None
 ) -> tuple[str, list[str]]:
     """The first candidate that is a table of nights, and the partition folders of its recorded nights of ``dt``
-    (of ``model_name`` only, when given), sorted.
-
-    Raises :class:`InputDataError` when no candidate is a table of nights and
-    :class:`~rayline.errors.NoLineageError` when no recorded output is such a night.
+    (of ``model_name`` only, when given), sorted. Raises :class:`InputDataError` when no candidate is a table of
+    nights and :class:`~rayline.errors.NoLineageError` when no recorded output is such a night.
     """
     table = _night_table(candidates, outputs)
     if model_name is not None:

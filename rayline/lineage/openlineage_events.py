@@ -1,23 +1,17 @@
 """OpenLineage run events for stage runs: START, then COMPLETE, FAIL or ABORT.
 
-Events are built with ``openlineage-python``'s models and sent through its
-``OpenLineageClient``, so the client's own configuration decides where they
-go, as in every other OpenLineage integration: an ``openlineage.yml``
-(``OPENLINEAGE_CONFIG``, the working directory, ``~/.openlineage``),
-``OPENLINEAGE__TRANSPORT__…`` variables, the ``OPENLINEAGE_URL`` shorthand
-(+ ``OPENLINEAGE_ENDPOINT``, ``OPENLINEAGE_API_KEY``), ``OPENLINEAGE_DISABLED``.
+Events are built with ``openlineage-python``'s models and sent through its ``OpenLineageClient``, so the client's own
+configuration decides where they go, as in every other OpenLineage integration: an ``openlineage.yml``
+(``OPENLINEAGE_CONFIG``, the working directory, ``~/.openlineage``), ``OPENLINEAGE__TRANSPORT__…`` variables,
+``OPENLINEAGE_URL`` (+ ``OPENLINEAGE_ENDPOINT``, ``OPENLINEAGE_API_KEY``), ``OPENLINEAGE_DISABLED``.
 
-With none of these the client would print every event to the console. rayline
-detects that case and keeps its default instead: one JSON file per event
-under ``<storage>/lineage/openlineage/``, written by :class:`StorageTransport`
-through rayline's storage layer so that an ``s3://`` root works too (the
-client's file transport opens local files or needs its own fsspec
-credentials). A user may name that transport in their own configuration too
-(``type: rayline.lineage.openlineage_events.StorageTransport``).
+With none of these the client would print every event to the console; rayline's default instead is one JSON
+file per event under ``<storage>/lineage/openlineage/``, written by :class:`StorageTransport` through rayline's
+storage layer so that a cloud root works too (the client's file transport opens local files only). A user may
+name that transport in their own configuration (``type: rayline.lineage.openlineage_events.StorageTransport``).
 
-Emission never fails a stage: the lineage records under
-``<storage>/lineage/<stage>/`` are the source of truth, these events a copy
-for other tools, so a transport error is logged and dropped.
+Emission never fails a stage: the lineage records are the source of truth, these events a copy for other
+tools, so a transport error is logged and dropped.
 """
 
 from __future__ import annotations
@@ -96,12 +90,17 @@ def dataset_id(uri: str) -> tuple[str, str]:
     return "file", storage.normalize(uri)
 
 
-@lru_cache(maxsize=1)
-def producer() -> str:
+@lru_cache(maxsize=2)
+def _installed(package: str) -> str | None:
     try:
-        return f"urn:rayline:{version('rayline')}"
+        return version(package)
     except PackageNotFoundError:
-        return "urn:rayline"
+        return None
+
+
+def producer() -> str:
+    installed = _installed("rayline")
+    return f"urn:rayline:{installed}" if installed else "urn:rayline"
 
 
 def _dataset_facets(ref: DatasetRef) -> dict[str, DatasetFacet]:
@@ -114,7 +113,10 @@ def _dataset_facets(ref: DatasetRef) -> dict[str, DatasetFacet]:
 def _run_facets(run: RunIdentity, error: BaseException | None) -> dict[str, RunFacet]:
     facets: dict[str, RunFacet] = {
         "processing_engine": processing_engine_run.ProcessingEngineRunFacet(
-            version=_ray_version(), name="Ray", openlineageAdapterVersion=CLIENT_VERSION, producer=producer()
+            version=_installed("ray") or "unknown",
+            name="Ray",
+            openlineageAdapterVersion=CLIENT_VERSION,
+            producer=producer(),
         )
     }
     if run.parent_run_id and run.parent_job_name:
@@ -131,14 +133,6 @@ def _run_facets(run: RunIdentity, error: BaseException | None) -> dict[str, RunF
             producer=producer(),
         )
     return facets
-
-
-@lru_cache(maxsize=1)
-def _ray_version() -> str:
-    try:
-        return version("ray")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _job_facets() -> dict[str, JobFacet]:

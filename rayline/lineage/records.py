@@ -1,9 +1,8 @@
 """Lineage records: which inputs, parameters and code produced which outputs.
 
-One JSON record per stage run under ``<storage>/lineage/<stage>/``, written
-atomically. Records stand on their own (Prefect's open-source server has no
-lineage view); later stages reference earlier outputs by URI and content hash,
-so the graph can be walked from any output back to raw objects.
+One JSON record per stage run under ``<storage>/lineage/<stage>/``, written atomically. Records stand on their own
+(Prefect's open-source server has no lineage view); later stages reference earlier outputs by URI and content hash, so
+the graph can be walked from any output back to raw objects.
 """
 
 from __future__ import annotations
@@ -32,19 +31,14 @@ class DatasetRef(BaseModel):
 
 
 class DeclaresLineage(Protocol):
-    """A stage's result that names the datasets it read and wrote, pinned to versions.
-
-    The task recording the stage's lineage (and its OpenLineage events) takes
-    them from here: the workload that produced them knows what they were.
-    """
+    """A stage's result that names the datasets it read and wrote, pinned to versions: the task recording its
+    lineage (and OpenLineage events) takes them from here, as the workload that produced them knows what they were."""
 
     def lineage_inputs(self) -> list[DatasetRef]:
         """The datasets the stage read."""
-        ...
 
     def lineage_outputs(self) -> list[DatasetRef]:
         """The datasets the stage wrote (or found committed and reused)."""
-        ...
 
 
 class RunContext(BaseModel):
@@ -78,18 +72,13 @@ class LineageRecord(BaseModel):
 def code_version() -> str:
     """The git commit of rayline's source (``+dirty`` when modified), else the package version."""
     root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True, timeout=5).stdout
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True, timeout=5
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=5,
-        ).stdout.strip()
+        sha = git("rev-parse", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
         return f"git:{sha}{'+dirty' if dirty else ''}"
     except (OSError, subprocess.SubprocessError):
         from importlib.metadata import PackageNotFoundError, version
@@ -106,12 +95,8 @@ def lineage_dir(stage: str | None = None) -> str:
 
 
 def write_record(record: LineageRecord, *, maybe_written: bool = False) -> str:
-    """Store ``record`` and return its URI. Names sort by time.
-
-    ``maybe_written``: an earlier attempt of the same run (same ``record_id``)
-    may have stored it already; that record then stands and no second one is
-    written.
-    """
+    """Store ``record`` and return its URI (names sort by time). ``maybe_written``: an earlier attempt of the same
+    run (same ``record_id``) may have stored it already; that record then stands."""
     if maybe_written:
         for existing in storage.list_objects(lineage_dir(record.stage)):
             if existing.key.endswith(f"-{record.record_id}.json"):

@@ -1,11 +1,9 @@
 """One alias move: a compare-and-swap on the alias's file (``rayline.storage.conditional``), never a blind write.
 
-The move reads the alias with its token and replaces exactly what it read
-(``If-Match`` on S3, a lock around read-compare-replace locally), or creates
-it if there was none (``If-None-Match: *``). A move that loses raises
-``AliasConflict`` naming the winner; nothing is overwritten, and a move's
-``previous`` is the version it replaced. Which moves are allowed (a
-committed version, the champion only by its rollout) is ``rayline.models.registry``'s.
+The move reads the alias with its token and replaces exactly what it read (``If-Match`` on S3, a lock around
+read-compare-replace locally), or creates it if there was none (``If-None-Match: *``). A move that loses raises
+``AliasConflict`` naming the winner; nothing is overwritten, and a move's ``previous`` is the version it replaced. Which
+moves are allowed (a committed version, the champion only by its rollout) is ``rayline.models.registry``'s.
 """
 
 from __future__ import annotations
@@ -41,9 +39,8 @@ def swap(
 ) -> AliasMove:
     """Move ``alias`` of model ``name`` (its file at ``uri``) to ``version``, replacing only what was read.
 
-    ``expected``: the version the move was decided against; anything else
-    there raises ``AliasConflict``. An alias already on ``version`` is not
-    moved: the move that put it there is returned.
+    ``expected``: the version the move was decided against; anything else there raises ``AliasConflict``. An alias
+    already on ``version`` is not moved: the move that put it there is returned.
     """
     read = conditional.read_versioned(uri)
     current = _parsed(read)

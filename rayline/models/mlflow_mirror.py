@@ -1,26 +1,19 @@
 """A mirror of rayline's model registry in MLflow's Model Registry.
 
-rayline's registry (``rayline.models.registry``) stays the source of truth; this
-module makes MLflow show the same thing:
+rayline's registry (``rayline.models.registry``) stays the source of truth; this module makes MLflow show it:
 
 * one registered model per rayline model name;
-* one MLflow model version per rayline version. MLflow numbers its versions
-  itself, so they are matched by the ``rayline.version`` tag, never by number.
-  Each is a real MLflow model, written by the caller's ``save_model`` and
-  logged under ``model/`` in a run of its own (experiment = model name); the
-  MLflow version's source is that folder, and the version's metrics are the
-  run's metrics and tags of the version. The tasks pass
-  ``rayline.ray_workloads.registration.mlflow_models.save_version``: a pyfunc logged from code,
-  the version's own files as its artifacts and no pickle, that
-  ``mlflow.pyfunc.load_model("models:/<name>@champion")`` loads. It runs
-  rayline's model interface, which the core may not import: hence the
-  callback. A version an older mirror logged as a bare weights file (no
+* one MLflow model version per rayline version, matched by the ``rayline.version`` tag, never by number (MLflow
+  numbers its versions itself). Each is a real MLflow model written by the caller's ``save_model`` under
+  ``model/`` in a run of its own (experiment = model name), with the version's metrics. The tasks pass
+  ``rayline.ray_workloads.registration.mlflow_models.save_version`` (a pyfunc logged from code, no pickle, that
+  ``mlflow.pyfunc.load_model("models:/<name>@champion")`` loads): it runs rayline's model interface, which the
+  core may not import, hence the callback. A version an older mirror logged as a bare weights file (no
   ``rayline.model_path`` tag) is replaced, then deleted;
 * the ``champion`` and ``challenger`` aliases on the same versions.
 
-:func:`reconcile` compares and fixes, so it is idempotent: called after every
-registration and alias move, and at the start of training, it completes what
-an earlier call could not (server down, say). It never raises.
+:func:`reconcile` compares and fixes, so it is idempotent: called after every registration and alias move,
+and at the start of training, it completes what an earlier call could not (server down, say). It never raises.
 """
 
 from __future__ import annotations
@@ -130,26 +123,16 @@ def _mirror_version(mlflow: MlflowClient, version: registry.ModelVersion, save_m
     """A run holding the MLflow model and the metrics, and a model version whose source is that model."""
     model_file = storage.read_bytes(version.weights_uri)
     sha256 = hashlib.sha256(model_file).hexdigest()
-    run_id = tracking.keyed_run(
-        mlflow,
-        version.name,
-        version.uri,
-        f"{version.name}-v{version.version}",
-        {tracking.STAGE_TAG: "registry", VERSION_TAG: str(version.version)},
-    )
-    tracking.log_params(
-        mlflow,
-        run_id,
-        tracking.flatten(
-            {
-                "model": version.model_spec.model_dump(mode="json"),
-                "classes": ",".join(version.classes),
-                "code_version": version.code_version,
-                "data_content_hash": version.data_content_hash,
-                "training_run_uri": version.training_run_uri,
-            }
-        ),
-    )
+    run_tags = {tracking.STAGE_TAG: "registry", VERSION_TAG: str(version.version)}
+    run_id = tracking.keyed_run(mlflow, version.name, version.uri, f"{version.name}-v{version.version}", run_tags)
+    params = {
+        "model": version.model_spec.model_dump(mode="json"),
+        "classes": ",".join(version.classes),
+        "code_version": version.code_version,
+        "data_content_hash": version.data_content_hash,
+        "training_run_uri": version.training_run_uri,
+    }
+    tracking.log_params(mlflow, run_id, tracking.flatten(params))
     if version.metrics:
         tracking.log_metrics(mlflow, run_id, version.metrics)
     with tempfile.TemporaryDirectory(prefix="rayline-mlflow-") as tmp:

@@ -15,13 +15,11 @@ Layout under ``<storage>/models/<name>/``::
     rollout.lease        held while a rollout of the model runs, and for the
                          swap of a champion move outside one (``rayline.storage.leases``)
 
-Version numbers are claimed with a create-if-absent write
-(``rayline.storage.conditional``: a hard link locally, ``If-None-Match: *`` on S3),
-so concurrent writers never get the same number. A claimed number without
-``version.json`` is an unfinished registration and is never served. Alias
-moves are compare-and-swaps on the alias as read (``rayline.models.aliases``): a move
-never overwrites one it did not see (``AliasConflict``), so its ``previous``
-is what it replaced.
+Version numbers are claimed with a create-if-absent write (``rayline.storage.conditional``: a hard link locally,
+``If-None-Match: *`` on S3), so concurrent writers never get the same number. A claimed number without ``version.json``
+is an unfinished registration and is never served. Alias moves are compare-and-swaps on the alias as read
+(``rayline.models.aliases``): a move never overwrites one it did not see (``AliasConflict``), so its ``previous`` is
+what it replaced.
 """
 
 from __future__ import annotations
@@ -128,17 +126,8 @@ def _claimed_versions(name: str) -> list[int]:
         entries = fs.ls(path, detail=False) if fs.exists(path) else []
     except FileNotFoundError:
         entries = []
-    numbers = []
-    for entry in entries:
-        match = _VERSION_DIR.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
-        if match:
-            numbers.append(int(match.group(1)))
-    return sorted(numbers)
-
-
-def _create_exclusive(uri: str, data: bytes) -> bool:
-    """Write ``uri`` only if it does not exist; False if someone else did first."""
-    return conditional.create_exclusive(uri, data) is not None
+    matches = (_VERSION_DIR.match(str(entry).rstrip("/").rsplit("/", 1)[-1]) for entry in entries)
+    return sorted(int(match.group(1)) for match in matches if match)
 
 
 def rollout_lease_uri(name: str) -> str:
@@ -157,7 +146,7 @@ def _claim_next_version(name: str, idempotency_key: str | None = None) -> int:
     )
     for _ in range(1000):
         claim = storage.join(model_root(name), f"v{candidate}", CLAIM_FILE)
-        if _create_exclusive(claim, claim_body.encode()):
+        if conditional.create_exclusive(claim, claim_body.encode()) is not None:  # None: another writer's
             return candidate
         candidate += 1
     raise StorageError(f"could not claim a version number for model {name}")
@@ -166,9 +155,8 @@ def _claim_next_version(name: str, idempotency_key: str | None = None) -> int:
 def _version_claimed_with(name: str, idempotency_key: str) -> int | None:
     """The version number a registration with this key claimed, newest first (a retry follows soon).
 
-    A claim that cannot be read (throttled, a 5xx, denied) raises: it may be
-    the first attempt's, and skipping it would register a second version. A
-    ``TransientStorageError`` is retried by the task's retry policy.
+    A claim that cannot be read (throttled, a 5xx, denied) raises: it may be the first attempt's, and skipping
+    it would register a second version.
     """
     for number in reversed(_claimed_versions(name)):
         claim = conditional.read_versioned(storage.join(model_root(name), f"v{number}", CLAIM_FILE))
@@ -205,23 +193,18 @@ def register(
 ) -> ModelVersion:
     """Store a new immutable version; ``version.json`` is written last.
 
-    ``samples``: a few of its inputs as it decodes them (N×3×S×S float32, at
-    most ``MAX_SAMPLES``), kept with it to judge execution plans on.
-    ``answers``: its answers on its test split, image by image
-    (``split_answers``): what a later candidate on the same images is paired with.
-
-    ``idempotency_key``: a retry of the same registration (same key) gets the
-    version its earlier attempt claimed — committed already, or finished now —
-    never a second one.
+    ``samples``: a few of its inputs as it decodes them (N×3×S×S float32, at most ``MAX_SAMPLES``), to judge
+    execution plans on. ``answers``: its answers on its test split, image by image (``split_answers``), which
+    a later candidate on the same images is paired with. ``idempotency_key``: a retry of the same
+    registration gets the version its earlier attempt claimed (committed already, or finished now).
     """
     if samples is not None:  # refused before a version number is claimed
         _check_samples(samples, ImageSpec.model_validate(image_spec))
     class_lists.check_kept(name, classes, {v.version: v.classes for v in list_versions(name)})
     number = _version_claimed_with(name, idempotency_key) if idempotency_key else None
     if number is not None:
-        done = storage.join(model_root(name), f"v{number}", VERSION_FILE)
-        if storage.exists(done):
-            return ModelVersion.model_validate(storage.read_json(done))
+        if (done := _read_version(name, number)) is not None:
+            return done
     else:
         number = _claim_next_version(name, idempotency_key)
     uri = storage.join(model_root(name), f"v{number}")
@@ -277,11 +260,17 @@ def read_samples(version: ModelVersion) -> np.ndarray | None:
     return samples
 
 
+def _read_version(name: str, number: int) -> ModelVersion | None:
+    """Version ``number`` of ``name``; None until its ``version.json``, the commit, is written."""
+    uri = storage.join(model_root(name), f"v{number}", VERSION_FILE)
+    return ModelVersion.model_validate(storage.read_json(uri)) if storage.exists(uri) else None
+
+
 def get_version(name: str, version: int) -> ModelVersion:
-    uri = storage.join(model_root(name), f"v{version}", VERSION_FILE)
-    if not storage.exists(uri):
+    found = _read_version(name, version)
+    if found is None:
         raise InputDataError(f"model {name} has no registered version {version}")
-    return ModelVersion.model_validate(storage.read_json(uri))
+    return found
 
 
 def version_at(version_uri: str) -> ModelVersion:
@@ -291,12 +280,7 @@ def version_at(version_uri: str) -> ModelVersion:
 
 def list_versions(name: str) -> list[ModelVersion]:
     """Committed versions, oldest first (claimed-but-unfinished ones are skipped)."""
-    found = []
-    for number in _claimed_versions(name):
-        uri = storage.join(model_root(name), f"v{number}", VERSION_FILE)
-        if storage.exists(uri):
-            found.append(ModelVersion.model_validate(storage.read_json(uri)))
-    return found
+    return [version for number in _claimed_versions(name) if (version := _read_version(name, number)) is not None]
 
 
 def _alias_uri(name: str, alias: str) -> str:
@@ -307,17 +291,13 @@ def _alias_uri(name: str, alias: str) -> str:
 
 def alias_version(name: str, alias: str) -> int | None:
     uri = _alias_uri(name, alias)
-    if not storage.exists(uri):
-        return None
-    return int(storage.read_json(uri)["version"])
+    return int(storage.read_json(uri)["version"]) if storage.exists(uri) else None
 
 
 def alias_move(name: str, alias: str) -> AliasMove | None:
     """The move that put ``alias`` where it is now (None: no such alias)."""
     uri = _alias_uri(name, alias)
-    if not storage.exists(uri):
-        return None
-    return AliasMove.model_validate(storage.read_json(uri))
+    return AliasMove.model_validate(storage.read_json(uri)) if storage.exists(uri) else None
 
 
 def resolve(name: str, ref: str | int) -> ModelVersion:
@@ -333,10 +313,9 @@ def resolve(name: str, ref: str | int) -> ModelVersion:
 def parse_ref(text: str, default_name: str, *, default_ref: str = CHAMPION) -> tuple[str, str]:
     """A model reference as the CLI takes it → (name, alias or version).
 
-    ``NAME@champion`` / ``NAME@v3`` name both. A bare ``champion`` or ``v3``
-    refers to ``default_name``; a bare word that is no alias of
-    ``default_name`` but a registered model's name means that model's
-    ``default_ref`` (``--model photos`` = ``photos@champion``).
+    ``NAME@champion`` / ``NAME@v3`` name both. A bare ``champion`` or ``v3`` refers to ``default_name``; a bare word
+    that is no alias of ``default_name`` but a registered model's name means that model's ``default_ref``
+    (``--model photos`` = ``photos@champion``).
     """
     name, ref = _split_ref(text)
     if name is not None:
@@ -384,60 +363,49 @@ def set_alias(
 ) -> AliasMove:
     """Point ``alias`` at ``version``: a compare-and-swap on the alias as read; returns the move for lineage.
 
-    ``expected``: the version the caller decided against (a gate judged the
-    candidate against that champion; None: against no alias). Anything else
-    there by now raises ``AliasConflict`` naming it: decide again. Without it
-    the move still replaces only what it read, so ``previous`` is exactly the
-    version it replaced; another writer's move in between raises
-    ``AliasConflict`` and is never overwritten.
+    ``expected``: the version the caller decided against (None: against no alias); anything else there by now
+    raises ``AliasConflict`` naming it. Without it the move still replaces only what it read, so ``previous``
+    is exactly the version it replaced. An alias already on ``version`` is not moved again: the move that put
+    it there stands (a retried task must not record a move from v3 to v3 in place of the one from v2 to v3).
 
-    The champion is a rollout's to move while one runs: a rollout passes its
-    lease's ``rollout_holder`` (``LeaseLost`` unless it still holds it); any
-    other champion move takes the model's rollout lease for the swap, waiting
-    up to ``lease_wait_s`` for a running rollout, then ``AliasConflict``.
-
-    An alias already on ``version`` is not moved again: the move that put it
-    there stands (a retried task must not record a move from v3 to v3 in place
-    of the move from v2 to v3).
+    The champion is a rollout's to move while one runs: a rollout passes its lease's ``rollout_holder``
+    (``LeaseLost`` unless it still holds it); any other champion move takes the model's rollout lease for the
+    swap, waiting up to ``lease_wait_s`` for a running rollout, then ``AliasConflict``.
     """
     get_version(name, version)  # only committed versions can be aliased
-    if alias != CHAMPION:
-        return aliases.swap(_alias_uri(name, alias), name, alias, version, reason, expected)
-    if rollout_holder is not None:
-        # a look, not a swap of the lease: its holder renews it from another thread. Should it expire
-        # right after, a champion move taking it over still cannot overwrite this one (the alias's own swap)
-        _check_rollout_holds(name, rollout_holder)
-        return aliases.swap(_alias_uri(name, alias), name, alias, version, reason, expected)
     with ExitStack() as stack:
-        holder = leases.run_holder(f"a champion move of {name}")
-        lease = leases.held(
-            rollout_lease_uri(name),
-            holder,
-            ttl_s=CHAMPION_MOVE_TTL_S,
-            wait_s=lease_wait_s,
-            describe=rollout_lease_what(name),
-        )
-        try:
-            stack.enter_context(lease)
-        except LeaseBusy as exc:
-            raise AliasConflict(
-                f"champion of {name} not moved to v{version}: {exc}. The champion is that rollout's to move; "
-                "move it once the rollout ends, or make this version the challenger",
-                current=alias_version(name, CHAMPION),
-                rollout_holder=exc.holder,
-            ) from exc
+        if alias == CHAMPION and rollout_holder is not None:
+            # a look, not a swap of the lease: its holder renews it from another thread. Should it expire
+            # right after, a champion move taking it over still cannot overwrite this one (the alias's own swap)
+            _check_rollout_holds(name, rollout_holder)
+        elif alias == CHAMPION:
+            holder = leases.run_holder(f"a champion move of {name}")
+            lease = leases.held(
+                rollout_lease_uri(name),
+                holder,
+                ttl_s=CHAMPION_MOVE_TTL_S,
+                wait_s=lease_wait_s,
+                describe=rollout_lease_what(name),
+            )
+            try:
+                stack.enter_context(lease)
+            except LeaseBusy as exc:
+                raise AliasConflict(
+                    f"champion of {name} not moved to v{version}: {exc}. The champion is that rollout's to move; "
+                    "move it once the rollout ends, or make this version the challenger",
+                    current=alias_version(name, CHAMPION),
+                    rollout_holder=exc.holder,
+                ) from exc
         return aliases.swap(_alias_uri(name, alias), name, alias, version, reason, expected)
 
 
 def _check_rollout_holds(name: str, holder: str) -> None:
     """A rollout moves the champion only while it holds the model's rollout lease."""
     current = leases.read(rollout_lease_uri(name))
-    if current is not None and current.is_live() and current.holder == holder:
+    live = current if current is not None and current.is_live() else None
+    if live is not None and live.holder == holder:
         return
-    if current is None or not current.is_live():
-        now = "nobody holds it now"
-    else:
-        now = f"now held by {current.holder} (expires in {current.expires_in():.0f} s)"
+    now = "nobody holds it now" if live is None else f"now held by {live.holder} (expires in {live.expires_in():.0f} s)"
     raise LeaseLost(f"{holder} no longer holds {rollout_lease_what(name)} ({now}); it must not move the champion")
 
 
@@ -455,10 +423,9 @@ def gate(
     """Decide promotion: the first champion passes ``floor``; a later candidate must beat the champion on the
     same test images, by ``margin`` in accuracy and by an exact one-sided McNemar test at ``alpha``.
 
-    ``candidate_score``: its accuracy on its test split, judged against the floor. ``paired``: both
-    versions' answers on that split, image by image (needed with a champion). A point comparison of two
-    accuracies promotes a candidate that is no better about half the time; the test promotes one at most
-    ``alpha`` of the time.
+    ``candidate_score``: its accuracy on its test split, judged against the floor. ``paired``: both versions' answers on
+    that split, image by image (needed with a champion). A point comparison of two accuracies promotes a candidate that
+    is no better about half the time; the test promotes one at most ``alpha`` of the time.
     """
     if champion is None:
         passed = candidate_score >= floor
@@ -486,15 +453,11 @@ def gate(
         f"p = {_p_text(p_value)} {'≤' if significant else '>'} {alpha:g}; {metric} {paired.candidate_accuracy:.4f} "
         f"vs {paired.champion_accuracy:.4f}"
     )
-    if significant and by_margin:
-        reason = f"v{candidate.version} beats champion v{champion.version} {evidence}"
-    elif significant:
-        reason = f"v{candidate.version} does not beat champion v{champion.version} by the margin {margin:g} {evidence}"
-    else:
-        reason = f"v{candidate.version} does not beat champion v{champion.version} {evidence}"
+    verdict = "beats" if significant and by_margin else "does not beat"
+    short = f" by the margin {margin:g}" if significant and not by_margin else ""
     return GateDecision(
         promoted=significant and by_margin,
-        reason=reason,
+        reason=f"v{candidate.version} {verdict} champion v{champion.version}{short} {evidence}",
         candidate=candidate.version,
         champion=champion.version,
         metric=metric,

@@ -1,18 +1,17 @@
 """A version's answers on a test split, image by image, and the paired comparison of two versions on one.
 
-Two versions compared on the same images are judged by the images where exactly one of them is right
-(McNemar's discordant pairs): the candidate right and the champion wrong is a *win*, the reverse a
-*loss*. Images both get right or both get wrong say nothing about which is better. Under "the candidate
-is no better", a discordant image is a win with probability at most 1/2, so the chance of seeing at
-least ``wins`` of ``wins + losses`` is at most the binomial tail :func:`mcnemar_p`: the gate promotes a
-candidate no better than its champion at most ``alpha`` of the time.
+Two versions compared on the same images are judged by the images where exactly one of them is right (McNemar's
+discordant pairs): the candidate right and the champion wrong is a *win*, the reverse a *loss*. Images both get right or
+both get wrong say nothing about which is better. Under "the candidate is no better", a discordant image is a win with
+probability at most 1/2, so the chance of seeing at least ``wins`` of ``wins + losses`` is at most the binomial tail
+:func:`mcnemar_p`: the gate promotes a candidate no better than its champion at most ``alpha`` of the time.
 
-Answers are a table of ``key``, ``etag`` (the image: the split's rows are matched on them, never on row
-order), ``label_index`` (the truth) and ``predicted_index``. A version keeps its answers under
-``v<N>/predictions/<split digest>.parquet``: its own test split's, written at its registration, and
-those of each candidate's split it was judged on, so a champion is evaluated once per split. The split
-digest is the set digest of the images' (key, etag) pairs: the same images give the same name, whatever
-preprocessing folder or row order they came from.
+Answers are a table of ``key``, ``etag`` (the image: the split's rows are matched on them, never on row order),
+``label_index`` (the truth) and ``predicted_index``. A version keeps its answers under
+``v<N>/predictions/<split digest>.parquet``: its own test split's, written at its registration, and those of each
+candidate's split it was judged on, so a champion is evaluated once per split. The split digest is the set digest of
+the images' (key, etag) pairs: the same images give the same name, whatever preprocessing folder or row order they
+came from.
 """
 
 from __future__ import annotations
@@ -31,12 +30,7 @@ from rayline.storage.layout import PREDICTIONS_DIR
 from rayline.storage.listing import content_digest
 
 SCHEMA = pa.schema(
-    [
-        ("key", pa.string()),
-        ("etag", pa.string()),
-        ("label_index", pa.int64()),
-        ("predicted_index", pa.int64()),
-    ]
+    [("key", pa.string()), ("etag", pa.string()), ("label_index", pa.int64()), ("predicted_index", pa.int64())]
 )
 
 
@@ -62,11 +56,8 @@ class PairedCounts(BaseModel):
 
 
 def mcnemar_p(wins: int, losses: int) -> float:
-    """Exact one-sided McNemar p-value: P(at least ``wins`` wins of ``wins + losses``) for a fair coin.
-
-    Summed in log space (``lgamma``), so any number of discordant images is exact to float precision;
-    no discordant image at all is no evidence (p = 1).
-    """
+    """Exact one-sided McNemar p-value: P(at least ``wins`` wins of ``wins + losses``) for a fair coin. Summed in
+    log space (``lgamma``): exact to float precision for any count. No discordant image is no evidence (p = 1)."""
     n = wins + losses
     if wins <= 0:
         return 1.0
@@ -78,15 +69,8 @@ def mcnemar_p(wins: int, losses: int) -> float:
 
 def answers_table(keys: np.ndarray, etags: np.ndarray, truth: np.ndarray, predicted: np.ndarray) -> pa.Table:
     """Answers in the stored form (one row an image)."""
-    return pa.table(
-        {
-            "key": pa.array(list(keys), pa.string()),
-            "etag": pa.array(list(etags), pa.string()),
-            "label_index": pa.array(np.asarray(truth, dtype=np.int64)),
-            "predicted_index": pa.array(np.asarray(predicted, dtype=np.int64)),
-        },
-        schema=SCHEMA,
-    )
+    labels = [np.asarray(truth, dtype=np.int64), np.asarray(predicted, dtype=np.int64)]
+    return pa.table([list(keys), list(etags), *labels], schema=SCHEMA)
 
 
 def split_digest(answers: pa.Table) -> str:
@@ -117,16 +101,12 @@ def store(version_uri: str, answers: pa.Table) -> str:
 def read(version_uri: str, digest: str) -> pa.Table | None:
     """The version's answers on the split with ``digest``; None when it has not answered that split."""
     uri = answers_uri(version_uri, digest)
-    if not storage.exists(uri):
-        return None
-    return storage.read_parquet([uri], columns=SCHEMA.names)
+    return storage.read_parquet([uri], columns=SCHEMA.names) if storage.exists(uri) else None
 
 
 def paired_counts(candidate: pa.Table, champion: pa.Table) -> PairedCounts:
-    """Wins, losses and agreement of two versions on the candidate's images, matched by (key, etag).
-
-    The champion must have answered every one of them: a comparison on part of the split would judge the
-    candidate on images chosen by what the champion's answers cover.
+    """Wins, losses and agreement of two versions on the candidate's images, matched by (key, etag). The champion
+    must have answered them all: on part of the split, the images judged would be chosen by the champion's answers.
     """
     theirs = champion.select(["key", "etag", "predicted_index"]).rename_columns(["key", "etag", "champion_index"])
     both = candidate.select(SCHEMA.names).join(theirs, keys=["key", "etag"], join_type="inner")

@@ -1,12 +1,10 @@
 """MLflow tracking: Train runs, their evaluation, and what the registry mirror builds on.
 
-Tracking is on when ``MLFLOW_TRACKING_URI`` is set (MLflow's own variable;
-``rayline up`` sets it for the flow runs its worker starts). Everything here
-is best effort: rayline's storage and registry are the record, MLflow a view
-of them for comparing runs. No function raises for an MLflow problem (server
-down, wrong URI, refused write): it logs a warning and returns ``None``, and
-every write is keyed by a ``rayline.*`` tag, so the next call completes what
-a failed one left out instead of duplicating it.
+Tracking is on when ``MLFLOW_TRACKING_URI`` is set (MLflow's own variable; ``rayline up`` sets it for the flow runs its
+worker starts). Everything here is best effort: rayline's storage and registry are the record, MLflow a view of them for
+comparing runs. No function raises for an MLflow problem (server down, wrong URI, refused write): it logs a warning and
+returns ``None``, and every write is keyed by a ``rayline.*`` tag, so the next call completes what a failed one left out
+instead of duplicating it.
 
 Tune trials are logged by Ray's own ``MLflowLoggerCallback`` (``rayline.ray_workloads.training.tune``).
 """
