@@ -1,18 +1,10 @@
 """The CLI's terminal: rayline's own progress and summaries; Ray's and Prefect's chatter in a log file.
 
-Quiet (the default): Ray worker output, the messages the raylet pushes to
-the driver ("N PYTHON worker processes have been started…"), Ray's and Ray
-Data's log lines, Ray Data stats and Prefect's per-task INFO lines go to
-``<state>/logs/<command>-<time>.log``; the terminal keeps ERROR records, which
-print in full, and the Prefect API still gets every task log. What native code
-writes to the process's stderr goes to the log file too: the driver's Ray core
-worker prints its warnings and errors there from C++ ("Actor … has constructor
-arguments in the object store…"), past every Python handler. ``--verbose``
-leaves all of it on the terminal as before.
-
-Progress of each long stage (``rayline.progress``): live bars on a terminal;
-elsewhere (pipes, CI, tests) one line when a stage ends and at most one every
-``PLAIN_INTERVAL_S`` while it runs, so a log shows how far a long stage got.
+Quiet (the default): Ray's worker output and log lines, Ray Data's stats, Prefect's per-task INFO lines and what
+native code writes to the process's stderr go to ``<state>/logs/<command>-<time>.log``; the terminal keeps
+ERROR records, and the Prefect API still gets every task log. ``--verbose`` leaves all of it on the terminal.
+Progress of each long stage (``rayline.progress``): live bars on a terminal; elsewhere (pipes, CI) a line when
+a stage ends and at most one every ``PLAIN_INTERVAL_S`` while it runs, so a log shows how far it got.
 """
 
 from __future__ import annotations

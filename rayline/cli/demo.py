@@ -16,10 +16,7 @@ import typer
 
 from rayline import storage
 from rayline.cli import ops, outside, summaries
-from rayline.cli.common import fail as _fail
-from rayline.cli.common import quiet_ray as _quiet_ray
-from rayline.config import apply_process_defaults, get_settings
-from rayline.errors import RaylineError
+from rayline.cli.common import before_flow, reports_errors
 from rayline.ray_workloads.training.request import TrainRequest
 
 if TYPE_CHECKING:  # for the types only: the flows load Prefect, Ray and torch, which `rayline --help` does without
@@ -43,6 +40,7 @@ def _stage(name: str, times: dict[str, float]) -> Iterator[None]:
         log.info("demo stage %s took %.1f s", name, times[name])
 
 
+@reports_errors
 def demo(
     corrupt: Annotated[int, typer.Option(min=0, help="Broken objects mixed into the digits.")] = 4,
     tune_samples: Annotated[int, typer.Option(min=0, help="ASHA trials before training (0: no search).")] = 4,
@@ -56,8 +54,7 @@ def demo(
     canary rollout under load, and a night of batch inference; then an outside ResNet-18 registered,
     a night of photos predicted with it and one photo served."""
     started = time.perf_counter()
-    apply_process_defaults()
-    _quiet_ray()
+    before_flow()
     from rayline.flows.nightly_inference import NightRequest, nightly_inference
     from rayline.flows.train_model import train_model
     from rayline.lineage import lineage_dir
@@ -67,50 +64,40 @@ def demo(
 
     times: dict[str, float] = {}
     log.setLevel(logging.INFO)  # the stage times go to the log file (its handler takes every level)
-    try:
-        get_settings()  # fail fast, before Prefect and Ray start
-        root = storage.storage_root()
-        raw = storage.join(root, RAW_DIR)
-        with _stage("seed", times):
-            seeded = write_seed(raw, corrupt=corrupt)
-        typer.echo(f"seeded {seeded.total} objects under {raw} ({seeded.written} new)")
-        # A deliberately small first champion (0.83-0.88 test accuracy, 0.76 seen on one loaded
-        # 30-fold: Ray Data's block order under load changes the batches). At width 32 it reached
-        # 0.96, within a test image or two of what the tuned challenger's search sometimes finds: on
-        # 175 test images the paired gate cannot tell the two apart, refuses the challenger and ends
-        # the demo's story (0.88 against 0.98 gave 19 wins, 1 loss, p = 2e-05). Its floor is low for
-        # the same reason: a first champion under it would end the story too.
-        with _stage("baseline champion", times):
-            first = TrainRequest(source_uri=raw, epochs=baseline_epochs, width=baseline_width, floor=0.6)
-            baseline = train_model(first)
-        typer.echo(f"baseline: {baseline.registration.decision.reason}")
-        # The champion serves before the challenger trains, so that the demo's rollout starts the moment the
-        # challenger is registered: before the serve-rollout deployment that registering it triggers (the
-        # platform's worker takes seconds to start it), which then waits for this one and finds it done.
-        with _stage("serve the champion", times):
-            serving = _serve_champion(baseline.registration.version.name)
-        with _stage("tuned challenger", times):
-            result = train_model(
-                TrainRequest(source_uri=raw, tune_samples=tune_samples, epochs=epochs, promote_to="challenger")
-            )
-        with _stage("roll out", times):
-            rollout = _roll_out_under_load(result, serving, raw, soak_s)
-        day = yesterday_utc()
-        incoming = storage.join(root, INCOMING_DIR, partition_for(day))
-        arrivals = seed_incoming(incoming, corrupt=corrupt)
-        typer.echo(f"dropped {arrivals.total} arrivals under {incoming}")
-        with _stage("nightly inference", times):
-            # the version that is not champion now is scored in the night's shadow: the quality loop's first look
-            shadow = _other_version(baseline.registration.version, result.registration.version)
-            predictions = nightly_inference(NightRequest(date=day, shadow=shadow))
-        with _stage("labels and quality", times):
-            checked = _label_and_measure(root, day.isoformat(), check_serving=serving is not None)
-        with _stage("outside model", times):
-            # up to 3 broken photos, as many as the night's default 5 % error budget allows (one in
-            # 20 inputs): `--photos 20` with 3 broken ones failed its night at 13 %
-            walk = outside.walk(root, day, photos, corrupt=min(3, photos // 19)) if photos else None
-    except RaylineError as exc:
-        _fail(exc)
+    root = storage.storage_root()
+    raw = storage.join(root, RAW_DIR)
+    with _stage("seed", times):
+        seeded = write_seed(raw, corrupt=corrupt)
+    typer.echo(f"seeded {seeded.total} objects under {raw} ({seeded.written} new)")
+    # A deliberately small first champion (0.83-0.88 test accuracy): at width 32 (0.96) the paired gate could
+    # not tell it from the tuned challenger on 175 test images and would refuse the challenger, ending the
+    # demo's story; its floor is low for the same reason.
+    with _stage("baseline champion", times):
+        first = TrainRequest(source_uri=raw, epochs=baseline_epochs, width=baseline_width, floor=0.6)
+        baseline = train_model(first)
+    typer.echo(f"baseline: {baseline.registration.decision.reason}")
+    # The champion serves before the challenger trains, so the demo's rollout starts before the serve-rollout
+    # deployment that registering the challenger triggers, which then waits for this one and finds it done.
+    with _stage("serve the champion", times):
+        serving = _serve_champion(baseline.registration.version.name)
+    with _stage("tuned challenger", times):
+        tuned = TrainRequest(source_uri=raw, tune_samples=tune_samples, epochs=epochs, promote_to="challenger")
+        result = train_model(tuned)
+    with _stage("roll out", times):
+        rollout = _roll_out_under_load(result, serving, raw, soak_s)
+    day = yesterday_utc()
+    incoming = storage.join(root, INCOMING_DIR, partition_for(day))
+    arrivals = seed_incoming(incoming, corrupt=corrupt)
+    typer.echo(f"dropped {arrivals.total} arrivals under {incoming}")
+    with _stage("nightly inference", times):
+        # the version that is not champion now is scored in the night's shadow: the quality loop's first look
+        shadow = _other_version(baseline.registration.version, result.registration.version)
+        predictions = nightly_inference(NightRequest(date=day, shadow=shadow))
+    with _stage("labels and quality", times):
+        checked = _label_and_measure(root, day.isoformat(), check_serving=serving is not None)
+    with _stage("outside model", times):
+        # at most one broken photo in 19, within the night's default 5 % error budget, and 3 at most
+        walk = outside.walk(root, day, photos, corrupt=min(3, photos // 19)) if photos else None
     summaries.print_prepare_summary(result.data)
     summaries.print_model_summary(result)
     if rollout is not None:

@@ -9,13 +9,19 @@ from typing import Annotated
 import typer
 
 from rayline.cli import console, demo, labels, ops, platform, register, summaries, tables
-from rayline.cli.common import DEFAULT_MODEL_NAME, ExitCode, JsonOption, echo_json, exit_code, reserve_stdout_for_json
-from rayline.cli.common import fail as _fail
-from rayline.cli.common import quiet_ray as _quiet_ray
+from rayline.cli.common import (
+    ExitCode,
+    JsonOption,
+    before_flow,
+    echo_json,
+    exit_code,
+    reports_errors,
+    reserve_stdout_for_json,
+)
 from rayline.cli.request_options import request_options
-from rayline.config import apply_process_defaults, get_settings
+from rayline.config import get_settings
 from rayline.errors import NightsFailed, RaylineError
-from rayline.ray_workloads.nightly.request import NightRequest
+from rayline.ray_workloads.nightly.request import DEFAULT_MODEL_NAME, NightRequest
 from rayline.ray_workloads.training.request import TrainRequest
 
 # Each command imports its flow when it runs: the flows load Prefect, Ray and torch (seconds),
@@ -80,6 +86,7 @@ def _state_dir_or_none() -> Path | None:
 
 
 @app.command("seed-data")
+@reports_errors
 def seed_data(
     to: Annotated[
         str,
@@ -108,18 +115,9 @@ def seed_data(
     """Write scikit-learn's digits as PNG objects under <label>/<id>.png, or a day of photos (--photos N)."""
     from rayline.seed import seed as write_seed
 
-    try:
-        result = write_seed(
-            to,
-            corrupt=corrupt,
-            synthetic=synthetic,
-            size=size,
-            seed=seed,
-            photos=photos,
-            digits=(photos == 0) if digits is None else digits,
-        )
-    except RaylineError as exc:
-        _fail(exc)
+    if digits is None:
+        digits = photos == 0
+    result = write_seed(to, corrupt=corrupt, synthetic=synthetic, size=size, seed=seed, photos=photos, digits=digits)
     if as_json:
         echo_json(result)
         return
@@ -131,44 +129,35 @@ def seed_data(
 
 
 @app.command("prepare-data")
+@reports_errors
 def prepare_data_command(
     source: Annotated[str | None, typer.Option(help="Prefix to ingest; default <storage>/raw.")] = None,
     image_size: Annotated[int, typer.Option(min=4, max=1024, help="Square side the images are squashed to.")] = 32,
     force: Annotated[bool, typer.Option(help="Recompute even if the input is unchanged.")] = False,
     like: Annotated[
-        str | None,
-        typer.Option(help="Decode with a registered model's image spec instead (NAME@champion, NAME@v3)."),
+        str | None, typer.Option(help="Decode with a registered model's image spec instead (NAME@champion, NAME@v3).")
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Run the prepare-data flow (ingest → preprocess) once."""
-    apply_process_defaults()
-    _quiet_ray()
+    before_flow()
     from rayline.flows.prepare_data import prepare_data
     from rayline.models import registry
 
-    try:
-        get_settings()  # fail fast, before Prefect and Ray start
-        image = registry.resolve(*registry.parse_named_ref(like)).image_spec if like else None
-        result = prepare_data(source_uri=source, image_size=image_size, force=force, image=image)
-    except RaylineError as exc:
-        _fail(exc)
+    image = registry.resolve(*registry.parse_named_ref(like)).image_spec if like else None
+    result = prepare_data(source_uri=source, image_size=image_size, force=force, image=image)
     echo_json(result) if as_json else summaries.print_prepare_summary(result)
 
 
 @app.command("train-model")
+@reports_errors
 @request_options(TrainRequest, {"source_uri": "--source", "freeze_backbone": "--freeze-backbone/--train-backbone"})
 def train_model_command(request: TrainRequest, as_json: JsonOption = False) -> None:
     """Run the train-model flow: prepare data, (tune,) train, evaluate, register, gate."""
-    apply_process_defaults()
-    _quiet_ray()
+    before_flow()
     from rayline.flows.train_model import train_model
 
-    try:
-        get_settings()
-        result = train_model(request)
-    except RaylineError as exc:
-        _fail(exc)
+    result = train_model(request)
     echo_json(result) if as_json else summaries.print_model_summary(result)
 
 
@@ -184,28 +173,26 @@ NIGHT_OPTIONS = {
 
 
 @app.command("nightly-inference")
+@reports_errors
 @request_options(NightRequest, NIGHT_OPTIONS)
 def nightly_inference_command(request: NightRequest, as_json: JsonOption = False) -> None:
     """Run the nightly-inference flow once: predict a day of arrivals (or each night of --from..--to), commit it.
 
     A range prints one line per night and exits 1 if any night failed (the others are committed).
     """
-    apply_process_defaults()
-    _quiet_ray()
+    before_flow()
     from rayline.flows.nightly_inference import nightly_inference
 
     try:
-        get_settings()
         result = nightly_inference(request)
     except NightsFailed as exc:
         echo_json(exc.result) if as_json else summaries.print_backfill_summary(exc.result)
         raise typer.Exit(code=ExitCode.FAILED) from exc
-    except RaylineError as exc:
-        _fail(exc)
     echo_json(result) if as_json else summaries.print_nightly_summary(result)
 
 
 @app.command("monitor")
+@reports_errors
 def monitor_command(
     model: Annotated[str, typer.Option("--model", help="Registry name whose nights to judge.")] = DEFAULT_MODEL_NAME,
     partitions: Annotated[int, typer.Option(min=1, help="Latest committed nights to judge.")] = 1,
@@ -217,39 +204,13 @@ def monitor_command(
     as_json: JsonOption = False,
 ) -> None:
     """Run the monitor flow once: drift of a model's latest nights (and serving health)."""
-    apply_process_defaults()
+    before_flow(quiet=False)
     from rayline.flows.monitor import monitor
 
-    try:
-        get_settings()
-        result = monitor(
-            model_name=model, partitions=partitions, reference_date=reference_date, check_serving=check_serving
-        )
-    except RaylineError as exc:
-        _fail(exc)
-    if as_json:
-        echo_json(result)
-        return
-    typer.echo("")
-    typer.secho("monitor finished", bold=True)
-    for night in result.partitions:
-        verdict = "DRIFT: " + "; ".join(night.reasons) if night.drifted else "ok"
-        typer.echo(
-            f"  {night.partition}  predicted by {night.model_name} {night.model}  (predictions table version "
-            f"{night.version})  PSI {night.psi:.3f} vs {night.reference}  {verdict}"
-        )
-    for q in result.quality:
-        typer.echo(
-            f"  dt={q.dt}  labelled: {q.model_name} v{q.model_version} ({q.role}) right on {q.correct} of {q.labelled} "
-            f"chosen at random ({q.accuracy:.1%}), calibration error {q.ece:.3f}"
-            + (f"; {q.left_out} targeted or trained-on labels not counted" if q.left_out else "")
-        )
-    for dt, shadow in result.shadows.items():
-        typer.echo(f"  dt={dt}  shadow {shadow.line()}")
-    if result.paired is not None:
-        pair = result.paired
-        typer.echo(f"  challenger v{pair.challenger} vs champion v{pair.champion}: {pair.describe()}")
-    typer.echo(f"  metrics            {result.metrics_uri}")
+    result = monitor(
+        model_name=model, partitions=partitions, reference_date=reference_date, check_serving=check_serving
+    )
+    echo_json(result) if as_json else summaries.print_monitor_summary(result)
 
 
 app.command()(demo.demo)

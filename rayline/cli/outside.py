@@ -1,11 +1,8 @@
-"""The demo's outside-model walk: the user's ResNet registered, a night of photos, one served photo.
+"""The demo's outside-model walk: what a user who brings their own model does (README "Bring your model").
 
-What a user who brings their own model does (README "Bring your model"),
-on the demo's embedded defaults: save a torchvision ResNet-18 built with
-``weights=None`` as "the user's weights" (nothing can be downloaded here),
-register it with its ImageNet preprocessing as ``photos`` champion, predict
-a night of generated photos with it, and answer one ``POST
-/models/photos/predict`` with a real photo.
+A torchvision ResNet-18 built with ``weights=None`` saved as "the user's weights" (nothing can be downloaded
+here), registered with its ImageNet preprocessing as ``photos`` champion, a night of generated photos
+predicted with it, and one ``POST /models/photos/predict`` of a real photo answered.
 """
 
 from __future__ import annotations
@@ -76,8 +73,7 @@ def walk(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
     if not isinstance(night, InferenceResult):  # one date: a night, unless another run committed it meanwhile
         raise RaylineError(f"the night of photos was not committed by this walk: {night}")
     ray_cluster.connect()
-    cfg = serve_config()
-    url = rollout.serve(registration.version, cfg)
+    url = rollout.serve(registration.version, serve_config())
     answer = _predict(url, jpeg_bytes(source_photos()[0]))
     return OutsideModelWalk(registration=registration, night=night, served_url=url, answer=answer)
 
@@ -88,8 +84,7 @@ def _predict(url: str, photo: bytes) -> dict[str, Any]:
     from rayline.ray_workloads.serving import rollout
 
     response = httpx.post(f"{url}{rollout.predict_path(OUTSIDE_MODEL)}", content=photo, timeout=60)
-    response.raise_for_status()
-    answer: dict[str, Any] = response.json()
+    answer: dict[str, Any] = response.raise_for_status().json()
     return answer
 
 

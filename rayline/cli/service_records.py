@@ -117,19 +117,14 @@ def owned(record: ServiceRecord) -> bool:
     return _group_exists(record.pid)
 
 
-def describe_stale(record: ServiceRecord) -> str:
-    if start_ticks(record.pid) is not None:
-        return f"not running (pid {record.pid} is another process now)"
-    return "not running"
-
-
 def stop(record: ServiceRecord, timeout_s: float, reap: Callable[[], object] = lambda: None) -> str:
     """SIGTERM the service's process group, SIGKILL what is left after ``timeout_s``; only while ``owned``.
 
     ``reap``: ``Popen.poll`` of a leader this process started, which stays a zombie (and ``owned``) until reaped.
     """
     if not owned(record):
-        return describe_stale(record)
+        reused = start_ticks(record.pid) is not None
+        return f"not running (pid {record.pid} is another process now)" if reused else "not running"
     if (refused := _signal_group(record, signal.SIGTERM)) is not None:
         return refused
     deadline = time.monotonic() + timeout_s

@@ -10,6 +10,7 @@ from rayline.ray_workloads.nightly.request import BackfillResult, NightOutcome
 from rayline.skipped import skipped_text
 
 if TYPE_CHECKING:  # for the types only: importing the flows at run time loads Prefect, Ray and torch
+    from rayline.flows.monitor import MonitorResult
     from rayline.flows.prepare_data import PrepareDataResult
     from rayline.flows.train_model import TrainModelResult
     from rayline.ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
@@ -135,3 +136,26 @@ def print_backfill_summary(result: BackfillResult) -> None:
     for night in result.nights:
         failed = night.state == "failed"
         typer.secho(backfill_night_line(night), fg=typer.colors.RED if failed else None)
+
+
+def print_monitor_summary(result: MonitorResult) -> None:
+    typer.echo("")
+    typer.secho("monitor finished", bold=True)
+    for night in result.partitions:
+        verdict = "DRIFT: " + "; ".join(night.reasons) if night.drifted else "ok"
+        typer.echo(
+            f"  {night.partition}  predicted by {night.model_name} {night.model}  (predictions table version "
+            f"{night.version})  PSI {night.psi:.3f} vs {night.reference}  {verdict}"
+        )
+    for q in result.quality:
+        typer.echo(
+            f"  dt={q.dt}  labelled: {q.model_name} v{q.model_version} ({q.role}) right on {q.correct} of {q.labelled} "
+            f"chosen at random ({q.accuracy:.1%}), calibration error {q.ece:.3f}"
+            + (f"; {q.left_out} targeted or trained-on labels not counted" if q.left_out else "")
+        )
+    for dt, shadow in result.shadows.items():
+        typer.echo(f"  dt={dt}  shadow {shadow.line()}")
+    if result.paired is not None:
+        pair = result.paired
+        typer.echo(f"  challenger v{pair.challenger} vs champion v{pair.champion}: {pair.describe()}")
+    typer.echo(f"  metrics            {result.metrics_uri}")

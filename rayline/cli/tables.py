@@ -7,12 +7,12 @@ from typing import Annotated
 import typer
 
 from rayline import storage
-from rayline.cli.common import JsonOption, echo_json, fail
+from rayline.cli.common import JsonOption, echo_json, reports_errors
 from rayline.config import get_settings
-from rayline.errors import RaylineError
 from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS, MIN_SAFE_RETENTION_HOURS
 
 
+@reports_errors
 def vacuum_command(
     retention_hours: Annotated[
         int,
@@ -28,11 +28,8 @@ def vacuum_command(
     files replaced by reruns and files of runs that never committed."""
     from rayline.tables.prediction_reads import vacuum_tables
 
-    try:
-        get_settings()
-        removed = vacuum_tables(storage.storage_root(), retention_hours, dry_run=not apply)
-    except RaylineError as exc:
-        fail(exc)
+    get_settings()
+    removed = vacuum_tables(storage.storage_root(), retention_hours, dry_run=not apply)
     if as_json:
         echo_json({"dry_run": not apply, "retention_hours": retention_hours, "files": removed})
         return
