@@ -1,4 +1,4 @@
-"""``rayline`` command line: seed sample data, run flows, run the demo."""
+"""``rayline`` command line: seed sample data, run flows, register a model, vacuum the night tables, run the demo."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from rayline.cli import console, demo, labels, ops, platform, register, summaries, tables
+from rayline import storage
+from rayline.cli import console, demo, labels, ops, platform, summaries
 from rayline.cli.common import (
     ExitCode,
     JsonOption,
@@ -22,7 +23,9 @@ from rayline.cli.request_options import request_options
 from rayline.config import get_settings
 from rayline.errors import NightsFailed, RaylineError
 from rayline.ray_workloads.nightly.request import DEFAULT_MODEL_NAME, NightRequest
+from rayline.ray_workloads.registration.request import RegisterRequest
 from rayline.ray_workloads.training.request import TrainRequest
+from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS, MIN_SAFE_RETENTION_HOURS
 
 # Each command imports its flow when it runs: the flows load Prefect, Ray and torch (seconds),
 # which `rayline --help` and the commands that start no flow do without.
@@ -213,12 +216,55 @@ def monitor_command(
     echo_json(result) if as_json else summaries.print_monitor_summary(result)
 
 
+@reports_errors
+@request_options(RegisterRequest, {"weights_uri": "--weights", "draft": "--draft/--full-decode"})
+def register_model_command(request: RegisterRequest, as_json: JsonOption = False) -> None:
+    """Register a model you already have (see the README's "Bring your model"), as a new version."""
+    before_flow(quiet=False)
+    from rayline.flows.register_model import register_model
+
+    result = register_model(request)
+    echo_json(result) if as_json else summaries.print_registration(result)
+
+
+@reports_errors
+def vacuum_command(
+    retention_hours: Annotated[
+        int,
+        typer.Option(
+            min=MIN_SAFE_RETENTION_HOURS,
+            help="Keep every file a version current within this many hours needs (time travel that far back).",
+        ),
+    ] = DEFAULT_RETENTION_HOURS,
+    apply: Annotated[bool, typer.Option("--apply", help="Delete the files; without it, only list them.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """List (or with --apply delete) the files of both predictions tables that no version within the retention needs:
+    files replaced by reruns and files of runs that never committed."""
+    from rayline.tables.prediction_reads import vacuum_tables
+
+    get_settings()
+    removed = vacuum_tables(storage.storage_root(), retention_hours, dry_run=not apply)
+    if as_json:
+        echo_json({"dry_run": not apply, "retention_hours": retention_hours, "files": removed})
+        return
+    verb = "deleted" if apply else "would delete"
+    if not removed:
+        typer.echo("no predictions tables yet: nothing to vacuum")
+    for table, files in removed.items():
+        typer.echo(f"{table}: {verb} {len(files)} file(s) (retention {retention_hours} h)")
+        for name in files:
+            typer.echo(f"  {name}")
+    if not apply and any(removed.values()):
+        typer.echo("dry run: nothing deleted; --apply deletes them")
+
+
 app.command()(demo.demo)
 app.command()(ops.up)
 app.command()(ops.down)
 app.command("lineage")(ops.lineage_command)
-app.command("register-model")(register.register_model_command)
-app.command("vacuum")(tables.vacuum_command)
+app.command("register-model")(register_model_command)
+app.command("vacuum")(vacuum_command)
 app.add_typer(ops.serve_app, name="serve")
 app.add_typer(labels.labels_app, name="labels")
 
