@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -10,13 +11,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from rayline import storage
-from rayline.cli import ops, outside, summaries
+from rayline.cli import ops, summaries
 from rayline.cli.common import before_flow, reports_errors
+from rayline.errors import RaylineError
+from rayline.ray_workloads.registration.request import RegisterRequest
 from rayline.ray_workloads.training.request import TrainRequest
 
 if TYPE_CHECKING:  # for the types only: the flows load Prefect, Ray and torch, which `rayline --help` does without
@@ -24,7 +27,9 @@ if TYPE_CHECKING:  # for the types only: the flows load Prefect, Ray and torch, 
     from rayline.flows.serve_rollout import RolloutResult
     from rayline.flows.train_model import TrainModelResult
     from rayline.models.registry import ModelVersion
+    from rayline.ray_workloads.nightly.batch_inference import InferenceResult
     from rayline.ray_workloads.quality.labels_import import LabelsImportResult
+    from rayline.ray_workloads.registration.outside_models import RegisterModelResult
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +102,7 @@ def demo(
         checked = _label_and_measure(root, day.isoformat(), check_serving=serving is not None)
     with _stage("outside model", times):
         # at most one broken photo in 19, within the night's default 5 % error budget, and 3 at most
-        walk = outside.walk(root, day, photos, corrupt=min(3, photos // 19)) if photos else None
+        walk = _walk_outside_model(root, day, photos, corrupt=min(3, photos // 19)) if photos else None
     summaries.print_prepare_summary(result.data)
     summaries.print_model_summary(result)
     if rollout is not None:
@@ -105,7 +110,7 @@ def demo(
     summaries.print_nightly_summary(predictions)
     _print_quality(*checked)
     if walk is not None:
-        outside.print_walk(walk)
+        _print_walk(walk)
     typer.echo(f"  lineage records    {lineage_dir()}")
     typer.echo(f"  demo took          {(time.perf_counter() - started) / 60:.1f} min ({_slowest(times)})")
     api = os.environ.get("PREFECT_API_URL")
@@ -225,3 +230,83 @@ def _slowest(times: dict[str, float]) -> str:
     """The stages that took most of the run, longest first: what to look at when a first run is slow."""
     ranked = sorted(times.items(), key=lambda item: -item[1])[:3]
     return ", ".join(f"{name} {seconds / 60:.1f}" for name, seconds in ranked)
+
+
+# The outside-model walk: what a user who brings their own model does (README "Bring your model"), on the demo's
+# embedded defaults. Their weights are a torchvision ResNet-18 built with ``weights=None``: nothing can be
+# downloaded here.
+OUTSIDE_MODEL = "photos"
+
+
+@dataclass
+class OutsideModelWalk:
+    registration: RegisterModelResult
+    night: InferenceResult
+    served_url: str
+    answer: dict[str, Any]
+
+
+def save_user_weights(root: str) -> str:
+    """The user's weights file: a ResNet-18 state dict (random weights)."""
+    import torch
+    import torchvision
+
+    uri = storage.join(root, "user-models/resnet18-weights.pt")
+    if not storage.exists(uri):
+        torch.manual_seed(0)
+        buffer = io.BytesIO()
+        torch.save(torchvision.models.resnet18(weights=None).state_dict(), buffer)
+        storage.write_bytes_atomic(uri, buffer.getvalue())
+    return uri
+
+
+def _walk_outside_model(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
+    """The user's ResNet registered with its ImageNet preprocessing as ``photos`` champion, a night of generated
+    photos predicted with it, and one ``POST /models/photos/predict`` of a real photo answered."""
+    import httpx
+
+    from rayline import ray_cluster
+    from rayline.flows.nightly_inference import NightRequest, nightly_inference
+    from rayline.flows.register_model import register_model
+    from rayline.flows.serve_rollout import serve_config
+    from rayline.models import registry
+    from rayline.ray_workloads.nightly.batch_inference import InferenceResult
+    from rayline.ray_workloads.serving import rollout
+    from rayline.seed import jpeg_bytes, source_photos
+    from rayline.seed import seed as write_seed
+    from rayline.storage.layout import partition_for
+
+    weights = save_user_weights(root)
+    typer.echo(f"saved a ResNet-18 (weights=None) as the user's weights: {weights}")
+    asked = RegisterRequest(name=OUTSIDE_MODEL, arch="resnet18", weights_uri=weights, alias=registry.CHAMPION)
+    registration = register_model(asked)
+    incoming = storage.join(root, "incoming-photos", partition_for(day))
+    seeded = write_seed(incoming, photos=photos, corrupt=corrupt, digits=False)
+    typer.echo(f"dropped {seeded.total} photos under {incoming}")
+    night = nightly_inference(NightRequest(date=day, model_name=OUTSIDE_MODEL, input_uri=incoming))
+    if not isinstance(night, InferenceResult):  # one date: a night, unless another run committed it meanwhile
+        raise RaylineError(f"the night of photos was not committed by this walk: {night}")
+    ray_cluster.connect()
+    url = rollout.serve(registration.version, serve_config())
+    photo = jpeg_bytes(source_photos()[0])
+    response = httpx.post(f"{url}{rollout.predict_path(OUTSIDE_MODEL)}", content=photo, timeout=60)
+    return OutsideModelWalk(registration, night, url, response.raise_for_status().json())
+
+
+def _print_walk(walk: OutsideModelWalk) -> None:
+    version, night = walk.registration.version, walk.night
+    typer.echo("")
+    typer.secho("bring your own model", bold=True)
+    typer.echo(
+        f"  registered         {version.name} v{version.version}: {version.model_spec.arch}, "
+        f"{len(version.classes)} ImageNet classes, {version.image_spec.describe()}"
+    )
+    typer.echo(
+        f"  night of photos    {night.inputs} inputs → {night.predictions} predictions + {night.errors} errors "
+        f"in {night.elapsed_s:.1f}s"
+    )
+    typer.echo(f"  committed          {night.night} in {night.predictions_table} (version {night.predictions_version})")
+    typer.echo(
+        f"  POST {walk.served_url}{'/models/' + version.name + '/predict'}  a real photo → "
+        f"{walk.answer.get('class_name')} ({walk.answer.get('confidence', 0.0):.3f}, random weights)"
+    )
