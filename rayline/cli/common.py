@@ -84,14 +84,6 @@ def exit_code(exc: BaseException) -> ExitCode:
     return ExitCode.FAILED
 
 
-def quiet_ray() -> None:
-    import ray.data
-
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    for name in ("ray", "ray.data", "ray.data._internal"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
 def fail(exc: BaseException) -> NoReturn:
     typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=exit_code(exc)) from exc
@@ -118,7 +110,11 @@ def before_flow(quiet: bool = True) -> None:
     off (``quiet``), and the settings read, so that a bad one fails before Prefect and Ray start."""
     apply_process_defaults()
     if quiet:
-        quiet_ray()
+        import ray.data
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        for name in ("ray", "ray.data", "ray.data._internal"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     get_settings()
 
 

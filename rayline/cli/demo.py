@@ -295,8 +295,7 @@ def _walk_outside_model(root: str, day: date, photos: int, corrupt: int) -> Outs
 
 def _print_walk(walk: OutsideModelWalk) -> None:
     version, night = walk.registration.version, walk.night
-    typer.echo("")
-    typer.secho("bring your own model", bold=True)
+    summaries.heading("bring your own model")
     typer.echo(
         f"  registered         {version.name} v{version.version}: {version.model_spec.arch}, "
         f"{len(version.classes)} ImageNet classes, {version.image_spec.describe()}"

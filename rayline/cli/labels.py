@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from rayline.cli import summaries
 from rayline.cli.common import ExitCode, JsonOption, before_flow, echo_json, reports_errors
 from rayline.ray_workloads.nightly.request import DEFAULT_MODEL_NAME
 
@@ -27,9 +28,7 @@ labels_app = typer.Typer(
 @reports_errors
 def import_command(
     file: Annotated[str, typer.Argument(help="CSV, Parquet or JSON Lines (.csv, .parquet, .jsonl): path or URI.")],
-    model: Annotated[str, typer.Option("--model", help="The registered model the labels are for.")] = (
-        DEFAULT_MODEL_NAME
-    ),
+    model: Annotated[str, typer.Option(help="The registered model the labels are for.")] = DEFAULT_MODEL_NAME,
     key_base: Annotated[
         str | None, typer.Option(help="What a 'key' column is relative to; default <storage>/incoming.")
     ] = None,
@@ -59,8 +58,7 @@ def import_command(
 
 
 def _print_summary(result: LabelsImportResult) -> None:
-    typer.echo("")
-    typer.secho(f"labels import for {result.model_name} finished", bold=True)
+    summaries.heading(f"labels import for {result.model_name} finished")
     typer.echo(f"  file               {result.file_uri} ({result.rows_read} rows)")
     if result.already_imported:
         typer.echo(f"  imported before    nothing added (labels table version {result.labels_version})")
@@ -78,9 +76,7 @@ def _print_summary(result: LabelsImportResult) -> None:
 def queue_command(
     night: Annotated[str, typer.Option("--night", help="The night to choose from, YYYY-MM-DD.")],
     budget: Annotated[int, typer.Option(min=1, help="Photos to queue, at most.")] = 100,
-    model: Annotated[str, typer.Option("--model", help="The registered model whose night it is.")] = (
-        DEFAULT_MODEL_NAME
-    ),
+    model: Annotated[str, typer.Option(help="The registered model whose night it is.")] = DEFAULT_MODEL_NAME,
     random_share: Annotated[
         float,
         typer.Option(
@@ -102,8 +98,7 @@ def queue_command(
     if as_json:
         echo_json(result)
         return
-    typer.echo("")
-    typer.secho(f"label queue for {result.model_name} {result.dt}", bold=True)
+    summaries.heading(f"label queue for {result.model_name} {result.dt}")
     shadow = "with its shadow's disagreements" if result.shadowed else "no shadow version that night"
     typer.echo(f"  queued             {len(result.queued)} of {result.candidates} unlabelled photos ({shadow})")
     typer.echo(f"  drawn at random    {result.drawn} (label them all: they are what judges a challenger)")

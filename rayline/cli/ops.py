@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from rayline.cli import platform
+from rayline.cli import platform, summaries
 from rayline.cli.common import JsonOption, before_flow, echo_json, fail, model_ref, reports_errors
 from rayline.config import get_settings
 from rayline.errors import ConfigError, RaylineError
@@ -213,8 +213,7 @@ def serve_rollout_command(
 
 
 def print_rollout_summary(result: RolloutResult) -> None:
-    typer.echo("")
-    typer.secho("serve-rollout finished", bold=True)
+    summaries.heading("serve-rollout finished")
     if result.reconciled is not None:  # what a rollout that did not finish left, before this one's steps
         typer.echo(f"  first: {result.reconciled}")
     for step in result.steps:

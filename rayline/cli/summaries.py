@@ -17,10 +17,14 @@ if TYPE_CHECKING:  # for the types only: importing the flows at run time loads P
     from rayline.ray_workloads.registration.outside_models import RegisterModelResult
 
 
+def heading(title: str) -> None:
+    typer.echo("")
+    typer.secho(title, bold=True)
+
+
 def print_prepare_summary(result: PrepareDataResult) -> None:
     ing, pre = result.ingest, result.preprocess
-    typer.echo("")
-    typer.secho("prepare-data finished", bold=True)
+    heading("prepare-data finished")
     typer.echo(f"  objects ingested   {ing.object_count} from {ing.source_uri}{' (reused)' if ing.cached else ''}")
     if ing.skipped:
         typer.echo(f"  skipped            {skipped_text(ing.skipped)}")
@@ -35,8 +39,7 @@ def print_prepare_summary(result: PrepareDataResult) -> None:
 
 def print_model_summary(result: TrainModelResult) -> None:
     reg, trained = result.registration, result.trained
-    typer.echo("")
-    typer.secho("train-model finished", bold=True)
+    heading("train-model finished")
     if result.tuned is not None:
         best = result.tuned.best_config
         stopped = sum(t.epochs < max(x.epochs for x in result.tuned.trials) for t in result.tuned.trials)
@@ -63,8 +66,7 @@ def print_registration(result: RegisterModelResult) -> None:
     version = result.version
     source = version.weights_source
     assert source is not None  # register-model always records where the user's weights came from
-    typer.echo("")
-    typer.secho("register-model finished", bold=True)
+    heading("register-model finished")
     state = "already registered as" if result.reused else "registered as"
     typer.echo(
         f"  {state:<18} {version.name} v{version.version} ({version.model_spec.arch}, {len(version.classes)} classes)"
@@ -82,8 +84,7 @@ def print_inference_summary(result: InferenceResult | NightSkipped) -> None:
     from rayline.ray_workloads.execution.plan import plans_text
     from rayline.ray_workloads.nightly.batch_inference import NightSkipped  # loaded already: the result came from it
 
-    typer.echo("")
-    typer.secho("nightly-inference finished", bold=True)
+    heading("nightly-inference finished")
     if isinstance(result, NightSkipped):  # another run committed the night
         typer.echo(f"  night              {result.night}: not committed by this run")
         typer.echo(f"  why                {result.message}")
@@ -126,12 +127,10 @@ def backfill_night_line(night: NightOutcome) -> str:
 
 
 def print_backfill_summary(result: BackfillResult) -> None:
-    typer.echo("")
     counts = ", ".join(f"{len(result.in_state(s))} {s}" for s in ("committed", "skipped", "failed"))
-    typer.secho(
+    heading(
         f"nightly-inference finished: {result.model}, {result.date_from} to {result.date_to} "
-        f"({len(result.nights)} nights, {result.max_concurrent_nights} at a time): {counts}",
-        bold=True,
+        f"({len(result.nights)} nights, {result.max_concurrent_nights} at a time): {counts}"
     )
     for night in result.nights:
         failed = night.state == "failed"
@@ -139,8 +138,7 @@ def print_backfill_summary(result: BackfillResult) -> None:
 
 
 def print_monitor_summary(result: MonitorResult) -> None:
-    typer.echo("")
-    typer.secho("monitor finished", bold=True)
+    heading("monitor finished")
     for night in result.partitions:
         verdict = "DRIFT: " + "; ".join(night.reasons) if night.drifted else "ok"
         typer.echo(
