@@ -203,9 +203,8 @@ def _quiet_logging(terminal: Terminal, handler: logging.Handler) -> None:
 def _native_stderr_to(terminal: Terminal, log: IO[str]) -> None:
     """Point file descriptor 2 at the log file; Python's ``sys.stderr`` moves to a copy of the terminal's.
 
-    Ray's core worker in this process writes its warnings and errors to descriptor 2 from C++ (its file
-    sink for them is set up for workers, not drivers, and no option changes that), e.g. core_worker.cc's
-    line for every Ray Data actor pool, whose map function Ray Data passes through the object store.
+    Ray's core worker in this process writes its warnings and errors to descriptor 2 from C++ (its file sink
+    is set up for workers, not drivers, and no option changes that), e.g. a line for every Ray Data actor pool.
     Only a stderr that is the process's own descriptor 2 moves: a captured one (tests, wrappers) stays.
     """
     native: TextIO = sys.stderr

@@ -122,14 +122,8 @@ def demo(
         typer.echo("see them with `.venv/bin/prefect server start` and http://127.0.0.1:4200")
 
 
-@dataclass(frozen=True)
-class _Serving:
-    url: str
-    champion: ModelVersion
-
-
-def _serve_champion(model_name: str) -> _Serving | None:
-    """Serve ``model_name``'s champion behind the router; None when it has no champion (nothing to roll out to)."""
+def _serve_champion(model_name: str) -> tuple[str, ModelVersion] | None:
+    """Serve ``model_name``'s champion behind the router: its URL and version; None when it has no champion."""
     from rayline import ray_cluster
     from rayline.flows.serve_rollout import serve_config
     from rayline.models import registry
@@ -139,11 +133,11 @@ def _serve_champion(model_name: str) -> _Serving | None:
         return None
     ray_cluster.connect()
     champion = registry.resolve(model_name, registry.CHAMPION)
-    return _Serving(url=rollout.serve(champion, serve_config()), champion=champion)
+    return rollout.serve(champion, serve_config()), champion
 
 
 def _roll_out_under_load(
-    trained: TrainModelResult, serving: _Serving | None, probe_uri: str, soak_s: float
+    trained: TrainModelResult, serving: tuple[str, ModelVersion] | None, probe_uri: str, soak_s: float
 ) -> RolloutResult | None:
     """Keep a small load on the serving champion and canary the tuned challenger next to it."""
     import threading
@@ -160,7 +154,7 @@ def _roll_out_under_load(
     if serving is None:
         typer.echo(f"no rollout: no champion served before v{candidate.version.version} was registered")
         return None
-    url, champion = serving.url, serving.champion
+    url, champion = serving
     typer.echo(f"serving v{champion.version} at {url}; rolling out v{candidate.version.version} under load")
     images = rollout.load_probe_images(probe_uri, 32, champion.image_spec)
     load, stop = rollout.ProbeClient(url, images, rps=10.0, model=champion.name), threading.Event()

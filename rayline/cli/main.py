@@ -65,7 +65,8 @@ def _options(
 ) -> None:
     """Set the terminal up for the command: rayline's progress and summary; the rest in a log file."""
     command = ctx.invoked_subcommand
-    args = _remaining_args(ctx)
+    # the command line's arguments: click hands the subcommand's to it only after this callback ran
+    args = [*getattr(ctx, "_protected_args", []), *ctx.args, *sys.argv[1:]]
     # --json: stdout is the document alone, for another program to read
     if "--json" in args and "--help" not in args:
         reserve_stdout_for_json()
@@ -74,11 +75,6 @@ def _options(
         return
     terminal = console.open_terminal(command, _state_dir_or_none(), verbose)
     ctx.call_on_close(terminal.close)
-
-
-def _remaining_args(ctx: typer.Context) -> list[str]:
-    """The command line's arguments: click hands the subcommand's to it only after this callback ran."""
-    return [*getattr(ctx, "_protected_args", []), *ctx.args, *sys.argv[1:]]
 
 
 def _state_dir_or_none() -> Path | None:

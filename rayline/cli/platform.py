@@ -286,22 +286,16 @@ def _local_dir(root: str) -> str:
     return str(path)
 
 
-def _installed(distribution: str) -> bool:
-    try:
-        importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 def _start_mlflow(settings: Settings, state: Path, started: Started, timeout_s: float) -> tuple[str, Readiness | None]:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return "external", None  # the user's own tracking server: flow runs log there
-    if not _installed("mlflow"):  # the full distribution: mlflow-skinny (the [mlflow] extra) has no server
+    try:  # the full distribution: mlflow-skinny (the [mlflow] extra) has no server
+        importlib.metadata.distribution("mlflow")
+    except importlib.metadata.PackageNotFoundError as exc:
         raise ConfigError(
             "rayline up starts an MLflow server, which is not installed: pip install 'rayline[platform]', "
             "or set MLFLOW_TRACKING_URI to a tracking server of your own"
-        )
+        ) from exc
     (state / "mlflow").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     # MLflow's job runner (GenAI jobs) is not used here; without it the server starts and stops faster

@@ -63,10 +63,8 @@ def record_of(name: str, pid: int, command: list[str], url: str, log: Path) -> S
 
 
 def write_record(state: Path, record: ServiceRecord) -> None:
-    """Write the record whole or not at all: a temporary file in the same folder, renamed over the old one.
-
-    Not fsynced: a power loss takes the recorded processes with it, and the new boot id marks the record stale.
-    """
+    """Write the record whole or not at all: a temporary file in the same folder, renamed over the old one. Not
+    fsynced: a power loss takes the recorded processes with it, and the new boot id marks the record stale."""
     path = pid_file(state, record.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -161,10 +159,8 @@ def _group_exists(pgid: int) -> bool:
 def state_lock(state: Path, command: str) -> Iterator[None]:
     """Hold the state folder for one ``up`` or ``down``; another one fails at once, naming the holder.
 
-    ``flock`` on a file in the folder: the kernel drops the lock when its holder exits, however it ends
-    (SIGKILL included), so no stale lock is ever left to clean up, unlike a lock *file* whose existence is the
-    lock. The descriptor is not inherited by the services (``Popen`` closes descriptors; Python's are not
-    inheritable), so the lock ends with the command, not with the platform.
+    ``flock``: the kernel drops the lock when its holder exits, however it ends (SIGKILL included), so no stale
+    lock is ever left. The services do not inherit the descriptor, so the lock ends with the command.
     """
     state.mkdir(parents=True, exist_ok=True)
     path = state / "rayline.lock"

@@ -111,9 +111,8 @@ def worker_env(env: dict[str, str], ray_address: str, ray_tmpdir: Path) -> dict[
 def install_zombie_automation(api_url: str, auth_string: str | None) -> bool:
     """Create the "crash zombie flows" automation unless it exists; True when it was created.
 
-    Its window, how long a run may go without a heartbeat, is ``RAYLINE_ZOMBIE_WINDOW_S`` (90 s as in
-    Prefect's guide for heartbeats every 30 s: two missed heartbeats and a margin). An existing automation
-    keeps the window it was created with.
+    Its window, how long a run may go without a heartbeat, is ``RAYLINE_ZOMBIE_WINDOW_S`` (90 s as in Prefect's
+    guide for heartbeats every 30 s). An existing automation keeps the window it was created with.
     """
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client

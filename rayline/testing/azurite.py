@@ -51,10 +51,8 @@ class AzuriteEndpoint:
 
 
 def _candidates() -> Iterator[str]:
-    """``azurite-blob``: ``$RAYLINE_AZURITE``, else the copy ``install_azurite`` made, else ``PATH``.
-
-    (tests/conftest.py drops ``RAYLINE_*`` variables at start-up, so under pytest only the last two count.)
-    """
+    """``azurite-blob``: ``$RAYLINE_AZURITE``, else the copy ``install_azurite`` made, else ``PATH`` (under pytest
+    only the last two: tests/conftest.py drops ``RAYLINE_*`` variables at start-up)."""
     for candidate in (os.environ.get("RAYLINE_AZURITE"), str(_TOOLS / "node_modules" / ".bin" / "azurite-blob")):
         if candidate and os.access(candidate, os.X_OK):
             yield candidate
@@ -97,9 +95,7 @@ def install_azurite() -> str:
 @contextlib.contextmanager
 def azurite(containers: list[str]) -> Iterator[AzuriteEndpoint]:
     """Azurite's blob service on a free loopback port with ``containers`` created; stopped by PID on exit.
-
-    ``--loose`` and ``--skipApiVersionCheck`` let any SDK's headers and versions through.
-    """
+    ``--loose`` and ``--skipApiVersionCheck`` let any SDK's headers and versions through."""
     binary = azurite_binary()
     if binary is None:
         raise RuntimeError("azurite-blob not found: call rayline.testing.azurite.install_azurite() (needs npm)")
@@ -126,11 +122,8 @@ def azurite(containers: list[str]) -> Iterator[AzuriteEndpoint]:
 
 
 def _wait_until_listening(endpoint: AzuriteEndpoint, proc: subprocess.Popen[bytes], log: Path) -> None:
-    """Retry a signed List Containers until Azurite connects (quoting its log if it never does).
-
-    Azurite answers nothing unsigned with a 2xx (it has no health URL), so ``wait_for_http`` cannot
-    tell when it is up. An HTTP error is an answer: raised at once (a bad signature, say).
-    """
+    """Retry a signed List Containers until Azurite connects (quoting its log if it never does): it answers
+    nothing unsigned with a 2xx (it has no health URL). An HTTP error is an answer: raised at once."""
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -146,20 +139,17 @@ def _wait_until_listening(endpoint: AzuriteEndpoint, proc: subprocess.Popen[byte
 
 
 def create_container(endpoint: AzuriteEndpoint, name: str) -> None:
-    """``PUT <endpoint>/<name>?restype=container``, signed with the account key.
-
-    Signed here with the standard library because obstore (what rayline's tests use for blobs)
-    cannot create containers, and the azure-storage-blob SDK is not a dependency of rayline.
-    """
+    """``PUT <endpoint>/<name>?restype=container``, signed here with the account key: obstore (what rayline's
+    tests use for blobs) cannot create containers, and the azure-storage-blob SDK is not a dependency."""
     _shared_key_request(endpoint, "PUT", name, {"restype": "container"})
 
 
 def _shared_key_request(endpoint: AzuriteEndpoint, method: str, path: str, query: dict[str, str]) -> None:
     """One bodiless request signed with Shared Key (learn.microsoft.com: "Authorize with Shared Key").
 
-    The string to sign is the verb, eleven standard headers (all empty here: no body, no
-    conditions), the ``x-ms-*`` headers sorted, then ``/<account><url path>`` and the query
-    parameters sorted, one ``\\nname:value`` each. Path-style URLs repeat the account in the path.
+    The string to sign is the verb, eleven standard headers (all empty here: no body, no conditions), the
+    ``x-ms-*`` headers sorted, then ``/<account><url path>`` and the query parameters sorted, one
+    ``\\nname:value`` each. Path-style URLs repeat the account in the path.
     """
     headers = {"x-ms-date": formatdate(usegmt=True), "x-ms-version": _API_VERSION}
     url_path = f"/{endpoint.account_name}/{path}" if path else f"/{endpoint.account_name}"

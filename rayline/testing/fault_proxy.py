@@ -137,11 +137,10 @@ class _State:
         return self.hold is not None and method in self.config.hold_methods and bool(self.hold.search(path))
 
 
-def _without_conditions(head: bytes) -> bytes:
-    """The request's head without its conditional headers (the signature still names them: moto ignores it)."""
+def _without(head: bytes, names: tuple[bytes, ...]) -> bytes:
+    """The message's head without the headers ``names`` (lower case)."""
     lines = head.split(b"\r\n")
-    kept = [line for line in lines if line.partition(b":")[0].strip().lower() not in _CONDITIONAL_HEADERS]
-    return b"\r\n".join(kept)
+    return b"\r\n".join(line for line in lines if line.partition(b":")[0].strip().lower() not in names)
 
 
 def _header(head: bytes, name: bytes) -> bytes | None:
@@ -152,8 +151,8 @@ def _header(head: bytes, name: bytes) -> bytes | None:
     return None
 
 
-async def _read_body(reader: asyncio.StreamReader, head: bytes) -> tuple[bytes, bool]:
-    """The message body as sent (chunked bodies verbatim) and whether its end was the connection's end."""
+async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
+    """The message body as sent (chunked bodies verbatim)."""
     if b"chunked" in (_header(head, b"transfer-encoding") or b"").lower():
         parts = []
         while True:
@@ -165,12 +164,12 @@ async def _read_body(reader: asyncio.StreamReader, head: bytes) -> tuple[bytes, 
                     trailer = await reader.readuntil(b"\r\n")
                     parts.append(trailer)
                     if trailer == b"\r\n":
-                        return b"".join(parts), False
+                        return b"".join(parts)
             parts.append(await reader.readexactly(size + 2))
     length = _header(head, b"content-length")
     if length is not None:
-        return await reader.readexactly(int(length)), False
-    return b"", False
+        return await reader.readexactly(int(length))
+    return b""
 
 
 async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> _Request | None:
@@ -182,9 +181,8 @@ async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     if (_header(head, b"expect") or b"").lower() == b"100-continue":
         # answer it here: the body is read before anything is forwarded, and upstream never sees the Expect
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"expect:")]
-        head = b"\r\n".join(lines)
-    body, _ = await _read_body(reader, head)
+        head = _without(head, (b"expect",))
+    body = await _read_body(reader, head)
     connection = (_header(head, b"connection") or b"").lower()
     close = connection == b"close" or (version == "HTTP/1.0" and connection != b"keep-alive")
     return _Request(method, unquote(urlparse(target).path), head, body, close)
@@ -226,7 +224,7 @@ class _Upstream:
         elif _header(head, b"content-length") is None and _header(head, b"transfer-encoding") is None:
             body, to_eof = await reader.read(), True  # the body ends with the connection
         else:
-            body, _ = await _read_body(reader, head)
+            body = await _read_body(reader, head)
         close = to_eof or (_header(head, b"connection") or b"").lower() == b"close"
         if close:
             writer.close()
@@ -335,7 +333,8 @@ class Proxy:
             stats["held"] += 1
             await self.released.wait()
         if self.state.config.strip_conditional:
-            request = dataclasses.replace(request, head=_without_conditions(request.head))
+            # the signature still names them: moto ignores it
+            request = dataclasses.replace(request, head=_without(request.head, _CONDITIONAL_HEADERS))
         fault = self.state.fault_for(request.method, request.path)
         if fault is not None:
             stats["faults"] += 1

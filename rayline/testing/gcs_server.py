@@ -82,11 +82,8 @@ def fake_gcs_server(buckets: list[str]) -> Iterator[str]:
 
 @contextlib.contextmanager
 def gcp_storage_emulator(buckets: list[str]) -> Iterator[str]:
-    """gcp-storage-emulator (in memory) on a free loopback port with ``buckets``; yields its endpoint.
-
-    Run with this interpreter (``-m gcp_storage_emulator``), not through its console script, so that
-    it is the venv's copy; ``--data-dir`` points at a temporary directory in case it writes anyway.
-    """
+    """gcp-storage-emulator (in memory) on a free loopback port with ``buckets``; yields its endpoint. Run with
+    this interpreter, the venv's copy; ``--data-dir`` points at a temporary directory in case it writes anyway."""
 
     def argv(port: int, tmp: Path) -> list[str]:
         return [

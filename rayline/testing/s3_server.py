@@ -29,11 +29,8 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports.
-
-    Every socket stays bound until all are chosen: ports asked for one at a time can repeat, since
-    the kernel may hand a just-closed port out again (seen: Ray refused a node whose two agents got one).
-    """
+    """``count`` distinct free loopback ports. Every socket stays bound until all are chosen: ports asked for one
+    at a time can repeat (seen: Ray refused a node whose two agents got one)."""
     socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
     try:
         for sock in socks:
