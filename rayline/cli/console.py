@@ -9,6 +9,7 @@ a stage ends and at most one every ``PLAIN_INTERVAL_S`` while it runs, so a log 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -44,21 +45,18 @@ def _count_text(done: int, total: int | None, unit: str) -> str:
     return f"{done}/{total} {unit}" if total is not None else f"{done} {unit}"
 
 
+@dataclass
 class PlainReporter:
     """Progress as a few plain lines: for pipes and CI logs, where a bar would be a line per update."""
 
-    def __init__(
-        self,
-        echo: Callable[[str], None] = typer.echo,
-        clock: Callable[[], float] = time.monotonic,
-        interval_s: float = PLAIN_INTERVAL_S,
-    ) -> None:
-        self._echo, self._clock, self._interval = echo, clock, interval_s
-        self._stages: dict[str, _PlainStage] = {}
-        self._lock = threading.Lock()
+    echo: Callable[[str], None] = typer.echo
+    clock: Callable[[], float] = time.monotonic
+    interval_s: float = PLAIN_INTERVAL_S
+    _stages: dict[str, _PlainStage] = field(init=False, default_factory=dict)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def start(self, key: str, label: str, total: int | None, unit: str) -> None:
-        now = self._clock()
+        now = self.clock()
         with self._lock:
             self._stages[key] = _PlainStage(label, total, unit, now, now)
 
@@ -68,11 +66,11 @@ class PlainReporter:
             if stage is None:
                 return
             stage.done = done
-            now = self._clock()
-            if now - stage.shown < self._interval:
+            now = self.clock()
+            if now - stage.shown < self.interval_s:
                 return
             stage.shown = now
-        self._echo(
+        self.echo(
             f"  … {stage.label:<17}  {_count_text(done, stage.total, stage.unit)} after {now - stage.started:.0f} s"
         )
 
@@ -82,10 +80,8 @@ class PlainReporter:
         if stage is None:
             return
         state = "done" if ok else "FAILED"
-        elapsed = self._clock() - stage.started
-        self._echo(
-            f"  {state} {stage.label:<17}  {_count_text(stage.done, stage.total, stage.unit)} in {elapsed:.1f} s"
-        )
+        elapsed = self.clock() - stage.started
+        self.echo(f"  {state} {stage.label:<17}  {_count_text(stage.done, stage.total, stage.unit)} in {elapsed:.1f} s")
 
 
 class RichReporter:
@@ -161,7 +157,7 @@ class Terminal:
 
     log_file: Path | None
     reporter: PlainReporter | RichReporter
-    _undo: list[Callable[[], None]] = field(default_factory=list)
+    _undo: list[Callable[[], object]] = field(default_factory=list)
 
     def close(self) -> None:
         progress.install(None)
@@ -189,11 +185,11 @@ def _quiet_logging(terminal: Terminal, handler: logging.Handler) -> None:
             if _is_terminal_handler(h):
                 level = h.level
                 h.setLevel(max(level, logging.ERROR))
-                terminal._undo.append(lambda h=h, level=level: h.setLevel(level))  # type: ignore[misc]
+                terminal._undo.append(functools.partial(h.setLevel, level))
         logger.addHandler(handler)
-        terminal._undo.append(lambda logger=logger: logger.removeHandler(handler))  # type: ignore[misc]
+        terminal._undo.append(functools.partial(logger.removeHandler, handler))
     logging.captureWarnings(True)  # deprecation warnings of Ray and others: into the file, via the root logger
-    terminal._undo.append(lambda: logging.captureWarnings(False))
+    terminal._undo.append(functools.partial(logging.captureWarnings, False))
     # Tune's console reporter: its legacy one honours the RunConfig(verbose=0) the workloads set
     _set_env_default(terminal, "RAY_AIR_NEW_OUTPUT", "0")
     # MLflow writes "View run … at" to stdout for every run it ends: the run's link is in the log file anyway
@@ -253,11 +249,7 @@ def _set_streams(handlers: list[logging.StreamHandler[Any]], stream: IO[str]) ->
 def _set_env_default(terminal: Terminal, key: str, value: str) -> None:
     if key not in os.environ:
         os.environ[key] = value
-        terminal._undo.append(lambda: _unset(key))
-
-
-def _unset(key: str) -> None:
-    os.environ.pop(key, None)
+        terminal._undo.append(functools.partial(os.environ.pop, key, None))
 
 
 def open_terminal(command: str, state_dir: Path | None, verbose: bool, tty: bool | None = None) -> Terminal:

@@ -9,12 +9,15 @@ one (``mlflow``), and a worker polling the work pool of every deployment (``work
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import importlib.metadata
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -76,8 +79,6 @@ def endpoints(settings: Settings) -> Endpoints:
 
 
 def _auth_headers() -> dict[str, str]:
-    import base64
-
     secret = os.environ.get("PREFECT_API_AUTH_STRING") or os.environ.get("PREFECT_SERVER_API_AUTH_STRING")
     return {"Authorization": "Basic " + base64.b64encode(secret.encode()).decode()} if secret else {}
 
@@ -99,9 +100,6 @@ def ray_temp_dir(state: Path) -> Path:
     candidate = state / "ray"
     if len(str(candidate)) <= 40:
         return candidate
-    import hashlib
-    import tempfile
-
     return Path(tempfile.gettempdir()) / f"rayline-{hashlib.sha1(str(state).encode()).hexdigest()[:10]}"
 
 

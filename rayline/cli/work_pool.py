@@ -66,8 +66,7 @@ def create_pool(pool: str, env: dict[str, str]) -> None:
 
 
 class PrefectYamlRendering:
-    """``python -m rayline.deployments.prefect_yaml`` in a child process, started before the services: it needs
-    none, so its seconds of imports overlap their start-ups."""
+    """``python -m rayline.deployments.prefect_yaml`` in a child process, started before the services."""
 
     def __init__(self, env: dict[str, str]) -> None:
         # it renders in the checkout: the deployments' requests come from this process's settings file
