@@ -329,9 +329,7 @@ def down(settings: Settings | None = None, timeout_s: float = 60.0) -> dict[str,
     with state_lock(state, "down"):
         records = read_records(state)
         outcome: dict[str, str] = {}
-        for name in reversed(SERVICES):
-            if name not in records:
-                continue
+        for name in [name for name in reversed(SERVICES) if name in records]:
             record = records[name]
             outcome[name] = "not running (unreadable PID file)" if record is None else stop(record, timeout_s)
             pid_file(state, name).unlink(missing_ok=True)

@@ -81,9 +81,8 @@ def read_records(state: Path) -> dict[str, ServiceRecord | None]:
     """The record of each service with a PID file; None for a file that is not a record (it names nothing)."""
     found: dict[str, ServiceRecord | None] = {}
     for name in SERVICES:
-        path = pid_file(state, name)
         try:
-            found[name] = ServiceRecord.model_validate_json(path.read_text())
+            found[name] = ServiceRecord.model_validate_json(pid_file(state, name).read_text())
         except FileNotFoundError:
             continue
         except (OSError, ValidationError):

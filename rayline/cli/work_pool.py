@@ -121,6 +121,7 @@ def install_zombie_automation(api_url: str, auth_string: str | None) -> bool:
     from prefect.events.schemas.events import ResourceSpecification
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
+    crash = ChangeFlowRunState(state=StateType.CRASHED, message="Flow run marked as crashed: its heartbeats stopped.")
     updates = {PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth_string}
     with temporary_settings(updates=updates):
         with get_client(sync_client=True) as client:
@@ -144,10 +145,6 @@ def install_zombie_automation(api_url: str, auth_string: str | None) -> bool:
                 threshold=1,
                 within=timedelta(seconds=get_settings().zombie_window_s),
             ),
-            actions=[
-                ChangeFlowRunState(
-                    state=StateType.CRASHED, message="Flow run marked as crashed: its heartbeats stopped."
-                )
-            ],
+            actions=[crash],
         ).create()
     return True

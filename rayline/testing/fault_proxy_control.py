@@ -57,11 +57,8 @@ def fault_proxy(upstream: str, **config: Any) -> Iterator[FaultProxy]:
 
     ProxyConfig().updated(config)  # a bad setting fails here, not in the child
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, str(SERVER), "--upstream", upstream, "--port", str(port), "--config", json.dumps(config)],
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    argv = [sys.executable, str(SERVER), "--upstream", upstream, "--port", str(port), "--config", json.dumps(config)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     try:
         wait_for_http(f"{endpoint}{CONTROL}stats")

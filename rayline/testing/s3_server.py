@@ -79,12 +79,8 @@ def s3_server(pid_out: list[int] | None = None) -> Iterator[str]:
     (``mock_aws`` would patch only this process). ``pid_out`` receives its PID (to read its CPU time).
     """
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     if pid_out is not None:
         pid_out.append(proc.pid)

@@ -42,5 +42,4 @@ def digits_resnet18(
         torch.autograd.backward(loss)
         optimizer.step()
     model.eval()
-    held_out = images[TRAIN_IMAGES:].numpy(), labels[TRAIN_IMAGES:].numpy()
-    return model.to(memory_format=torch.channels_last), *held_out
+    return model.to(memory_format=torch.channels_last), images[TRAIN_IMAGES:].numpy(), labels[TRAIN_IMAGES:].numpy()
