@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from enum import IntEnum
-from typing import Annotated, Any, NoReturn, TextIO
+from typing import Annotated, Any, NoReturn, ParamSpec, TextIO
 
 import typer
 from pydantic import BaseModel
 
+from rayline.config import apply_process_defaults, get_settings
 from rayline.errors import (
     AliasConflict,
     ConfigError,
@@ -20,8 +23,10 @@ from rayline.errors import (
     LeaseBusy,
     NightCommittedElsewhere,
     PlatformBusy,
+    RaylineError,
     TransientError,
 )
+from rayline.ray_workloads.nightly.request import DEFAULT_MODEL_NAME
 
 
 class ExitCode(IntEnum):
@@ -79,20 +84,38 @@ def exit_code(exc: BaseException) -> ExitCode:
     return ExitCode.FAILED
 
 
-DEFAULT_MODEL_NAME = "digits"
-
-
-def quiet_ray() -> None:
-    import ray.data
-
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    for name in ("ray", "ray.data", "ray.data._internal"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
 def fail(exc: BaseException) -> NoReturn:
     typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=exit_code(exc)) from exc
+
+
+P = ParamSpec("P")
+
+
+def reports_errors(command: Callable[P, None]) -> Callable[P, None]:
+    """The command's RaylineError ends it with ``error: <message>`` and its kind's exit code, not a traceback."""
+
+    @functools.wraps(command)
+    def run(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            command(*args, **kwargs)
+        except RaylineError as exc:
+            fail(exc)
+
+    return run
+
+
+def before_flow(quiet: bool = True) -> None:
+    """What a command does before it starts a flow: the process defaults, Ray's progress bars and INFO lines
+    off (``quiet``), and the settings read, so that a bad one fails before Prefect and Ray start."""
+    apply_process_defaults()
+    if quiet:
+        import ray.data
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        for name in ("ray", "ray.data", "ray.data._internal"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    get_settings()
 
 
 def model_ref(model: str, model_name: str | None) -> tuple[str, str]:

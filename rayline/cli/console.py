@@ -1,22 +1,15 @@
 """The CLI's terminal: rayline's own progress and summaries; Ray's and Prefect's chatter in a log file.
 
-Quiet (the default): Ray worker output, the messages the raylet pushes to
-the driver ("N PYTHON worker processes have been started…"), Ray's and Ray
-Data's log lines, Ray Data stats and Prefect's per-task INFO lines go to
-``<state>/logs/<command>-<time>.log``; the terminal keeps ERROR records, which
-print in full, and the Prefect API still gets every task log. What native code
-writes to the process's stderr goes to the log file too: the driver's Ray core
-worker prints its warnings and errors there from C++ ("Actor … has constructor
-arguments in the object store…"), past every Python handler. ``--verbose``
-leaves all of it on the terminal as before.
-
-Progress of each long stage (``rayline.progress``): live bars on a terminal;
-elsewhere (pipes, CI, tests) one line when a stage ends and at most one every
-``PLAIN_INTERVAL_S`` while it runs, so a log shows how far a long stage got.
+Quiet (the default): Ray's worker output and log lines, Ray Data's stats, Prefect's per-task INFO lines and what
+native code writes to the process's stderr go to ``<state>/logs/<command>-<time>.log``; the terminal keeps
+ERROR records, and the Prefect API still gets every task log. ``--verbose`` leaves all of it on the terminal.
+Progress of each long stage (``rayline.progress``): live bars on a terminal; elsewhere (pipes, CI) a line when
+a stage ends and at most one every ``PLAIN_INTERVAL_S`` while it runs, so a log shows how far it got.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -52,21 +45,18 @@ def _count_text(done: int, total: int | None, unit: str) -> str:
     return f"{done}/{total} {unit}" if total is not None else f"{done} {unit}"
 
 
+@dataclass
 class PlainReporter:
     """Progress as a few plain lines: for pipes and CI logs, where a bar would be a line per update."""
 
-    def __init__(
-        self,
-        echo: Callable[[str], None] = typer.echo,
-        clock: Callable[[], float] = time.monotonic,
-        interval_s: float = PLAIN_INTERVAL_S,
-    ) -> None:
-        self._echo, self._clock, self._interval = echo, clock, interval_s
-        self._stages: dict[str, _PlainStage] = {}
-        self._lock = threading.Lock()
+    echo: Callable[[str], None] = typer.echo
+    clock: Callable[[], float] = time.monotonic
+    interval_s: float = PLAIN_INTERVAL_S
+    _stages: dict[str, _PlainStage] = field(init=False, default_factory=dict)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def start(self, key: str, label: str, total: int | None, unit: str) -> None:
-        now = self._clock()
+        now = self.clock()
         with self._lock:
             self._stages[key] = _PlainStage(label, total, unit, now, now)
 
@@ -76,11 +66,11 @@ class PlainReporter:
             if stage is None:
                 return
             stage.done = done
-            now = self._clock()
-            if now - stage.shown < self._interval:
+            now = self.clock()
+            if now - stage.shown < self.interval_s:
                 return
             stage.shown = now
-        self._echo(
+        self.echo(
             f"  … {stage.label:<17}  {_count_text(done, stage.total, stage.unit)} after {now - stage.started:.0f} s"
         )
 
@@ -90,10 +80,8 @@ class PlainReporter:
         if stage is None:
             return
         state = "done" if ok else "FAILED"
-        elapsed = self._clock() - stage.started
-        self._echo(
-            f"  {state} {stage.label:<17}  {_count_text(stage.done, stage.total, stage.unit)} in {elapsed:.1f} s"
-        )
+        elapsed = self.clock() - stage.started
+        self.echo(f"  {state} {stage.label:<17}  {_count_text(stage.done, stage.total, stage.unit)} in {elapsed:.1f} s")
 
 
 class RichReporter:
@@ -169,7 +157,7 @@ class Terminal:
 
     log_file: Path | None
     reporter: PlainReporter | RichReporter
-    _undo: list[Callable[[], None]] = field(default_factory=list)
+    _undo: list[Callable[[], object]] = field(default_factory=list)
 
     def close(self) -> None:
         progress.install(None)
@@ -197,11 +185,11 @@ def _quiet_logging(terminal: Terminal, handler: logging.Handler) -> None:
             if _is_terminal_handler(h):
                 level = h.level
                 h.setLevel(max(level, logging.ERROR))
-                terminal._undo.append(lambda h=h, level=level: h.setLevel(level))  # type: ignore[misc]
+                terminal._undo.append(functools.partial(h.setLevel, level))
         logger.addHandler(handler)
-        terminal._undo.append(lambda logger=logger: logger.removeHandler(handler))  # type: ignore[misc]
+        terminal._undo.append(functools.partial(logger.removeHandler, handler))
     logging.captureWarnings(True)  # deprecation warnings of Ray and others: into the file, via the root logger
-    terminal._undo.append(lambda: logging.captureWarnings(False))
+    terminal._undo.append(functools.partial(logging.captureWarnings, False))
     # Tune's console reporter: its legacy one honours the RunConfig(verbose=0) the workloads set
     _set_env_default(terminal, "RAY_AIR_NEW_OUTPUT", "0")
     # MLflow writes "View run … at" to stdout for every run it ends: the run's link is in the log file anyway
@@ -211,9 +199,8 @@ def _quiet_logging(terminal: Terminal, handler: logging.Handler) -> None:
 def _native_stderr_to(terminal: Terminal, log: IO[str]) -> None:
     """Point file descriptor 2 at the log file; Python's ``sys.stderr`` moves to a copy of the terminal's.
 
-    Ray's core worker in this process writes its warnings and errors to descriptor 2 from C++ (its file
-    sink for them is set up for workers, not drivers, and no option changes that), e.g. core_worker.cc's
-    line for every Ray Data actor pool, whose map function Ray Data passes through the object store.
+    Ray's core worker in this process writes its warnings and errors to descriptor 2 from C++ (its file sink
+    is set up for workers, not drivers, and no option changes that), e.g. a line for every Ray Data actor pool.
     Only a stderr that is the process's own descriptor 2 moves: a captured one (tests, wrappers) stays.
     """
     native: TextIO = sys.stderr
@@ -262,11 +249,7 @@ def _set_streams(handlers: list[logging.StreamHandler[Any]], stream: IO[str]) ->
 def _set_env_default(terminal: Terminal, key: str, value: str) -> None:
     if key not in os.environ:
         os.environ[key] = value
-        terminal._undo.append(lambda: _unset(key))
-
-
-def _unset(key: str) -> None:
-    os.environ.pop(key, None)
+        terminal._undo.append(functools.partial(os.environ.pop, key, None))
 
 
 def open_terminal(command: str, state_dir: Path | None, verbose: bool, tty: bool | None = None) -> Terminal:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -10,16 +11,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from rayline import storage
-from rayline.cli import ops, outside, summaries
-from rayline.cli.common import fail as _fail
-from rayline.cli.common import quiet_ray as _quiet_ray
-from rayline.config import apply_process_defaults, get_settings
+from rayline.cli import ops, summaries
+from rayline.cli.common import before_flow, reports_errors
 from rayline.errors import RaylineError
+from rayline.ray_workloads.registration.request import RegisterRequest
 from rayline.ray_workloads.training.request import TrainRequest
 
 if TYPE_CHECKING:  # for the types only: the flows load Prefect, Ray and torch, which `rayline --help` does without
@@ -27,7 +27,9 @@ if TYPE_CHECKING:  # for the types only: the flows load Prefect, Ray and torch, 
     from rayline.flows.serve_rollout import RolloutResult
     from rayline.flows.train_model import TrainModelResult
     from rayline.models.registry import ModelVersion
+    from rayline.ray_workloads.nightly.batch_inference import InferenceResult
     from rayline.ray_workloads.quality.labels_import import LabelsImportResult
+    from rayline.ray_workloads.registration.outside_models import RegisterModelResult
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ def _stage(name: str, times: dict[str, float]) -> Iterator[None]:
         log.info("demo stage %s took %.1f s", name, times[name])
 
 
+@reports_errors
 def demo(
     corrupt: Annotated[int, typer.Option(min=0, help="Broken objects mixed into the digits.")] = 4,
     tune_samples: Annotated[int, typer.Option(min=0, help="ASHA trials before training (0: no search).")] = 4,
@@ -56,8 +59,7 @@ def demo(
     canary rollout under load, and a night of batch inference; then an outside ResNet-18 registered,
     a night of photos predicted with it and one photo served."""
     started = time.perf_counter()
-    apply_process_defaults()
-    _quiet_ray()
+    before_flow()
     from rayline.flows.nightly_inference import NightRequest, nightly_inference
     from rayline.flows.train_model import train_model
     from rayline.lineage import lineage_dir
@@ -67,50 +69,40 @@ def demo(
 
     times: dict[str, float] = {}
     log.setLevel(logging.INFO)  # the stage times go to the log file (its handler takes every level)
-    try:
-        get_settings()  # fail fast, before Prefect and Ray start
-        root = storage.storage_root()
-        raw = storage.join(root, RAW_DIR)
-        with _stage("seed", times):
-            seeded = write_seed(raw, corrupt=corrupt)
-        typer.echo(f"seeded {seeded.total} objects under {raw} ({seeded.written} new)")
-        # A deliberately small first champion (0.83-0.88 test accuracy, 0.76 seen on one loaded
-        # 30-fold: Ray Data's block order under load changes the batches). At width 32 it reached
-        # 0.96, within a test image or two of what the tuned challenger's search sometimes finds: on
-        # 175 test images the paired gate cannot tell the two apart, refuses the challenger and ends
-        # the demo's story (0.88 against 0.98 gave 19 wins, 1 loss, p = 2e-05). Its floor is low for
-        # the same reason: a first champion under it would end the story too.
-        with _stage("baseline champion", times):
-            first = TrainRequest(source_uri=raw, epochs=baseline_epochs, width=baseline_width, floor=0.6)
-            baseline = train_model(first)
-        typer.echo(f"baseline: {baseline.registration.decision.reason}")
-        # The champion serves before the challenger trains, so that the demo's rollout starts the moment the
-        # challenger is registered: before the serve-rollout deployment that registering it triggers (the
-        # platform's worker takes seconds to start it), which then waits for this one and finds it done.
-        with _stage("serve the champion", times):
-            serving = _serve_champion(baseline.registration.version.name)
-        with _stage("tuned challenger", times):
-            result = train_model(
-                TrainRequest(source_uri=raw, tune_samples=tune_samples, epochs=epochs, promote_to="challenger")
-            )
-        with _stage("roll out", times):
-            rollout = _roll_out_under_load(result, serving, raw, soak_s)
-        day = yesterday_utc()
-        incoming = storage.join(root, INCOMING_DIR, partition_for(day))
-        arrivals = seed_incoming(incoming, corrupt=corrupt)
-        typer.echo(f"dropped {arrivals.total} arrivals under {incoming}")
-        with _stage("nightly inference", times):
-            # the version that is not champion now is scored in the night's shadow: the quality loop's first look
-            shadow = _other_version(baseline.registration.version, result.registration.version)
-            predictions = nightly_inference(NightRequest(date=day, shadow=shadow))
-        with _stage("labels and quality", times):
-            checked = _label_and_measure(root, day.isoformat(), check_serving=serving is not None)
-        with _stage("outside model", times):
-            # up to 3 broken photos, as many as the night's default 5 % error budget allows (one in
-            # 20 inputs): `--photos 20` with 3 broken ones failed its night at 13 %
-            walk = outside.walk(root, day, photos, corrupt=min(3, photos // 19)) if photos else None
-    except RaylineError as exc:
-        _fail(exc)
+    root = storage.storage_root()
+    raw = storage.join(root, RAW_DIR)
+    with _stage("seed", times):
+        seeded = write_seed(raw, corrupt=corrupt)
+    typer.echo(f"seeded {seeded.total} objects under {raw} ({seeded.written} new)")
+    # A deliberately small first champion (0.83-0.88 test accuracy): at width 32 (0.96) the paired gate could
+    # not tell it from the tuned challenger on 175 test images and would refuse the challenger, ending the
+    # demo's story; its floor is low for the same reason.
+    with _stage("baseline champion", times):
+        first = TrainRequest(source_uri=raw, epochs=baseline_epochs, width=baseline_width, floor=0.6)
+        baseline = train_model(first)
+    typer.echo(f"baseline: {baseline.registration.decision.reason}")
+    # The champion serves before the challenger trains, so the demo's rollout starts before the serve-rollout
+    # deployment that registering the challenger triggers, which then waits for this one and finds it done.
+    with _stage("serve the champion", times):
+        serving = _serve_champion(baseline.registration.version.name)
+    with _stage("tuned challenger", times):
+        tuned = TrainRequest(source_uri=raw, tune_samples=tune_samples, epochs=epochs, promote_to="challenger")
+        result = train_model(tuned)
+    with _stage("roll out", times):
+        rollout = _roll_out_under_load(result, serving, raw, soak_s)
+    day = yesterday_utc()
+    incoming = storage.join(root, INCOMING_DIR, partition_for(day))
+    arrivals = seed_incoming(incoming, corrupt=corrupt)
+    typer.echo(f"dropped {arrivals.total} arrivals under {incoming}")
+    with _stage("nightly inference", times):
+        # the version that is not champion now is scored in the night's shadow: the quality loop's first look
+        shadow = _other_version(baseline.registration.version, result.registration.version)
+        predictions = nightly_inference(NightRequest(date=day, shadow=shadow))
+    with _stage("labels and quality", times):
+        checked = _label_and_measure(root, day.isoformat(), check_serving=serving is not None)
+    with _stage("outside model", times):
+        # at most one broken photo in 19, within the night's default 5 % error budget, and 3 at most
+        walk = _walk_outside_model(root, day, photos, corrupt=min(3, photos // 19)) if photos else None
     summaries.print_prepare_summary(result.data)
     summaries.print_model_summary(result)
     if rollout is not None:
@@ -118,7 +110,7 @@ def demo(
     summaries.print_nightly_summary(predictions)
     _print_quality(*checked)
     if walk is not None:
-        outside.print_walk(walk)
+        _print_walk(walk)
     typer.echo(f"  lineage records    {lineage_dir()}")
     typer.echo(f"  demo took          {(time.perf_counter() - started) / 60:.1f} min ({_slowest(times)})")
     api = os.environ.get("PREFECT_API_URL")
@@ -130,14 +122,8 @@ def demo(
         typer.echo("see them with `.venv/bin/prefect server start` and http://127.0.0.1:4200")
 
 
-@dataclass(frozen=True)
-class _Serving:
-    url: str
-    champion: ModelVersion
-
-
-def _serve_champion(model_name: str) -> _Serving | None:
-    """Serve ``model_name``'s champion behind the router; None when it has no champion (nothing to roll out to)."""
+def _serve_champion(model_name: str) -> tuple[str, ModelVersion] | None:
+    """Serve ``model_name``'s champion behind the router: its URL and version; None when it has no champion."""
     from rayline import ray_cluster
     from rayline.flows.serve_rollout import serve_config
     from rayline.models import registry
@@ -147,11 +133,11 @@ def _serve_champion(model_name: str) -> _Serving | None:
         return None
     ray_cluster.connect()
     champion = registry.resolve(model_name, registry.CHAMPION)
-    return _Serving(url=rollout.serve(champion, serve_config()), champion=champion)
+    return rollout.serve(champion, serve_config()), champion
 
 
 def _roll_out_under_load(
-    trained: TrainModelResult, serving: _Serving | None, probe_uri: str, soak_s: float
+    trained: TrainModelResult, serving: tuple[str, ModelVersion] | None, probe_uri: str, soak_s: float
 ) -> RolloutResult | None:
     """Keep a small load on the serving champion and canary the tuned challenger next to it."""
     import threading
@@ -168,7 +154,7 @@ def _roll_out_under_load(
     if serving is None:
         typer.echo(f"no rollout: no champion served before v{candidate.version.version} was registered")
         return None
-    url, champion = serving.url, serving.champion
+    url, champion = serving
     typer.echo(f"serving v{champion.version} at {url}; rolling out v{candidate.version.version} under load")
     images = rollout.load_probe_images(probe_uri, 32, champion.image_spec)
     load, stop = rollout.ProbeClient(url, images, rps=10.0, model=champion.name), threading.Event()
@@ -238,3 +224,82 @@ def _slowest(times: dict[str, float]) -> str:
     """The stages that took most of the run, longest first: what to look at when a first run is slow."""
     ranked = sorted(times.items(), key=lambda item: -item[1])[:3]
     return ", ".join(f"{name} {seconds / 60:.1f}" for name, seconds in ranked)
+
+
+# The outside-model walk: what a user who brings their own model does (README "Bring your model"), on the demo's
+# embedded defaults. Their weights are a torchvision ResNet-18 built with ``weights=None``: nothing can be
+# downloaded here.
+OUTSIDE_MODEL = "photos"
+
+
+@dataclass
+class OutsideModelWalk:
+    registration: RegisterModelResult
+    night: InferenceResult
+    served_url: str
+    answer: dict[str, Any]
+
+
+def save_user_weights(root: str) -> str:
+    """The user's weights file: a ResNet-18 state dict (random weights)."""
+    import torch
+    import torchvision
+
+    uri = storage.join(root, "user-models/resnet18-weights.pt")
+    if not storage.exists(uri):
+        torch.manual_seed(0)
+        buffer = io.BytesIO()
+        torch.save(torchvision.models.resnet18(weights=None).state_dict(), buffer)
+        storage.write_bytes_atomic(uri, buffer.getvalue())
+    return uri
+
+
+def _walk_outside_model(root: str, day: date, photos: int, corrupt: int) -> OutsideModelWalk:
+    """The user's ResNet registered with its ImageNet preprocessing as ``photos`` champion, a night of generated
+    photos predicted with it, and one ``POST /models/photos/predict`` of a real photo answered."""
+    import httpx
+
+    from rayline import ray_cluster
+    from rayline.flows.nightly_inference import NightRequest, nightly_inference
+    from rayline.flows.register_model import register_model
+    from rayline.flows.serve_rollout import serve_config
+    from rayline.models import registry
+    from rayline.ray_workloads.nightly.batch_inference import InferenceResult
+    from rayline.ray_workloads.serving import rollout
+    from rayline.seed import jpeg_bytes, source_photos
+    from rayline.seed import seed as write_seed
+    from rayline.storage.layout import partition_for
+
+    weights = save_user_weights(root)
+    typer.echo(f"saved a ResNet-18 (weights=None) as the user's weights: {weights}")
+    asked = RegisterRequest(name=OUTSIDE_MODEL, arch="resnet18", weights_uri=weights, alias=registry.CHAMPION)
+    registration = register_model(asked)
+    incoming = storage.join(root, "incoming-photos", partition_for(day))
+    seeded = write_seed(incoming, photos=photos, corrupt=corrupt, digits=False)
+    typer.echo(f"dropped {seeded.total} photos under {incoming}")
+    night = nightly_inference(NightRequest(date=day, model_name=OUTSIDE_MODEL, input_uri=incoming))
+    if not isinstance(night, InferenceResult):  # one date: a night, unless another run committed it meanwhile
+        raise RaylineError(f"the night of photos was not committed by this walk: {night}")
+    ray_cluster.connect()
+    url = rollout.serve(registration.version, serve_config())
+    photo = jpeg_bytes(source_photos()[0])
+    response = httpx.post(f"{url}{rollout.predict_path(OUTSIDE_MODEL)}", content=photo, timeout=60)
+    return OutsideModelWalk(registration, night, url, response.raise_for_status().json())
+
+
+def _print_walk(walk: OutsideModelWalk) -> None:
+    version, night = walk.registration.version, walk.night
+    summaries.heading("bring your own model")
+    typer.echo(
+        f"  registered         {version.name} v{version.version}: {version.model_spec.arch}, "
+        f"{len(version.classes)} ImageNet classes, {version.image_spec.describe()}"
+    )
+    typer.echo(
+        f"  night of photos    {night.inputs} inputs → {night.predictions} predictions + {night.errors} errors "
+        f"in {night.elapsed_s:.1f}s"
+    )
+    typer.echo(f"  committed          {night.night} in {night.predictions_table} (version {night.predictions_version})")
+    typer.echo(
+        f"  POST {walk.served_url}{'/models/' + version.name + '/predict'}  a real photo → "
+        f"{walk.answer.get('class_name')} ({walk.answer.get('confidence', 0.0):.3f}, random weights)"
+    )

@@ -14,10 +14,8 @@ def interruptible() -> Iterator[None]:
     """Ctrl-C (SIGINT) and a supervisor's SIGTERM raise in ``up`` while it runs, so that it stops what it started.
 
     Installed whatever disposition was inherited: a shell without job control (a script, CI) starts background
-    commands with SIGINT ignored, and Python then installs no KeyboardInterrupt handler, so an ``up`` started
-    that way would go on starting services through the Ctrl-C meant to stop it. SIGTERM's default would end
-    the process at once, leaving what it started running. Outside the main thread (a library caller's own
-    thread) signals cannot be handled here, and the caller's handlers stay as they are.
+    commands with SIGINT ignored, so Python installs no KeyboardInterrupt handler; SIGTERM's default would end
+    the process at once, leaving what it started running. Outside the main thread signals cannot be handled.
     """
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from rayline.cli.common import DEFAULT_MODEL_NAME, ExitCode, JsonOption, echo_json, fail
-from rayline.config import apply_process_defaults, get_settings
-from rayline.errors import RaylineError
+from rayline.cli import summaries
+from rayline.cli.common import ExitCode, JsonOption, before_flow, echo_json, reports_errors
+from rayline.ray_workloads.nightly.request import DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:  # the flow and its stage load Prefect: only the command that runs them imports them
     from rayline.ray_workloads.quality.labels_import import LabelsImportResult
@@ -25,11 +25,10 @@ labels_app = typer.Typer(
 
 
 @labels_app.command("import")
+@reports_errors
 def import_command(
     file: Annotated[str, typer.Argument(help="CSV, Parquet or JSON Lines (.csv, .parquet, .jsonl): path or URI.")],
-    model: Annotated[str, typer.Option("--model", help="The registered model the labels are for.")] = (
-        DEFAULT_MODEL_NAME
-    ),
+    model: Annotated[str, typer.Option(help="The registered model the labels are for.")] = DEFAULT_MODEL_NAME,
     key_base: Annotated[
         str | None, typer.Option(help="What a 'key' column is relative to; default <storage>/incoming.")
     ] = None,
@@ -47,31 +46,19 @@ def import_command(
     labelled_at. Refused rows are counted by reason and listed in a CSV; importing a file again adds nothing.
 
     Exits 3 when any row was refused (the others are imported)."""
-    apply_process_defaults()
+    before_flow(quiet=False)
     from rayline.flows.import_labels import import_labels
 
-    try:
-        get_settings()
-        result = import_labels(
-            file=file,
-            model_name=model,
-            key_base=key_base,
-            source=source,
-            selection=selection.value if selection else None,
-        )
-    except RaylineError as exc:
-        fail(exc)
-    if as_json:
-        echo_json(result)
-    else:
-        _print_summary(result)
+    result = import_labels(
+        file=file, model_name=model, key_base=key_base, source=source, selection=selection.value if selection else None
+    )
+    echo_json(result) if as_json else _print_summary(result)
     if result.rejected:
         raise typer.Exit(code=ExitCode.REFUSED)
 
 
 def _print_summary(result: LabelsImportResult) -> None:
-    typer.echo("")
-    typer.secho(f"labels import for {result.model_name} finished", bold=True)
+    summaries.heading(f"labels import for {result.model_name} finished")
     typer.echo(f"  file               {result.file_uri} ({result.rows_read} rows)")
     if result.already_imported:
         typer.echo(f"  imported before    nothing added (labels table version {result.labels_version})")
@@ -85,12 +72,11 @@ def _print_summary(result: LabelsImportResult) -> None:
 
 
 @labels_app.command("queue")
+@reports_errors
 def queue_command(
     night: Annotated[str, typer.Option("--night", help="The night to choose from, YYYY-MM-DD.")],
     budget: Annotated[int, typer.Option(min=1, help="Photos to queue, at most.")] = 100,
-    model: Annotated[str, typer.Option("--model", help="The registered model whose night it is.")] = (
-        DEFAULT_MODEL_NAME
-    ),
+    model: Annotated[str, typer.Option(help="The registered model whose night it is.")] = DEFAULT_MODEL_NAME,
     random_share: Annotated[
         float,
         typer.Option(
@@ -105,19 +91,14 @@ def queue_command(
     those most worth labelling: unsure, disputed by its shadow version, or of classes predicted far more often
     than the reference (docs/quality.md). Writes a Label Studio task file and a CSV (fill its label column,
     then `rayline labels import` it); already-labelled photos are left out."""
-    apply_process_defaults()
+    before_flow(quiet=False)
     from rayline.flows.queue_labels import queue_labels
 
-    try:
-        get_settings()
-        result = queue_labels(night=night, budget=budget, model_name=model, random_share=random_share)
-    except RaylineError as exc:
-        fail(exc)
+    result = queue_labels(night=night, budget=budget, model_name=model, random_share=random_share)
     if as_json:
         echo_json(result)
         return
-    typer.echo("")
-    typer.secho(f"label queue for {result.model_name} {result.dt}", bold=True)
+    summaries.heading(f"label queue for {result.model_name} {result.dt}")
     shadow = "with its shadow's disagreements" if result.shadowed else "no shadow version that night"
     typer.echo(f"  queued             {len(result.queued)} of {result.candidates} unlabelled photos ({shadow})")
     typer.echo(f"  drawn at random    {result.drawn} (label them all: they are what judges a challenger)")

@@ -1,4 +1,4 @@
-"""``rayline`` command line: seed sample data, run flows, run the demo."""
+"""``rayline`` command line: seed sample data, run flows, register a model, vacuum the night tables, run the demo."""
 
 from __future__ import annotations
 
@@ -8,15 +8,24 @@ from typing import Annotated
 
 import typer
 
-from rayline.cli import console, demo, labels, ops, platform, register, summaries, tables
-from rayline.cli.common import DEFAULT_MODEL_NAME, ExitCode, JsonOption, echo_json, exit_code, reserve_stdout_for_json
-from rayline.cli.common import fail as _fail
-from rayline.cli.common import quiet_ray as _quiet_ray
+from rayline import storage
+from rayline.cli import console, demo, labels, ops, platform, summaries
+from rayline.cli.common import (
+    ExitCode,
+    JsonOption,
+    before_flow,
+    echo_json,
+    exit_code,
+    reports_errors,
+    reserve_stdout_for_json,
+)
 from rayline.cli.request_options import request_options
-from rayline.config import apply_process_defaults, get_settings
+from rayline.config import get_settings
 from rayline.errors import NightsFailed, RaylineError
-from rayline.ray_workloads.nightly.request import NightRequest
+from rayline.ray_workloads.nightly.request import DEFAULT_MODEL_NAME, NightRequest
+from rayline.ray_workloads.registration.request import RegisterRequest
 from rayline.ray_workloads.training.request import TrainRequest
+from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS, MIN_SAFE_RETENTION_HOURS
 
 # Each command imports its flow when it runs: the flows load Prefect, Ray and torch (seconds),
 # which `rayline --help` and the commands that start no flow do without.
@@ -56,7 +65,8 @@ def _options(
 ) -> None:
     """Set the terminal up for the command: rayline's progress and summary; the rest in a log file."""
     command = ctx.invoked_subcommand
-    args = _remaining_args(ctx)
+    # the command line's arguments: click hands the subcommand's to it only after this callback ran
+    args = [*getattr(ctx, "_protected_args", []), *ctx.args, *sys.argv[1:]]
     # --json: stdout is the document alone, for another program to read
     if "--json" in args and "--help" not in args:
         reserve_stdout_for_json()
@@ -67,11 +77,6 @@ def _options(
     ctx.call_on_close(terminal.close)
 
 
-def _remaining_args(ctx: typer.Context) -> list[str]:
-    """The command line's arguments: click hands the subcommand's to it only after this callback ran."""
-    return [*getattr(ctx, "_protected_args", []), *ctx.args, *sys.argv[1:]]
-
-
 def _state_dir_or_none() -> Path | None:
     try:
         return platform.state_dir(get_settings())
@@ -80,6 +85,7 @@ def _state_dir_or_none() -> Path | None:
 
 
 @app.command("seed-data")
+@reports_errors
 def seed_data(
     to: Annotated[
         str,
@@ -108,18 +114,9 @@ def seed_data(
     """Write scikit-learn's digits as PNG objects under <label>/<id>.png, or a day of photos (--photos N)."""
     from rayline.seed import seed as write_seed
 
-    try:
-        result = write_seed(
-            to,
-            corrupt=corrupt,
-            synthetic=synthetic,
-            size=size,
-            seed=seed,
-            photos=photos,
-            digits=(photos == 0) if digits is None else digits,
-        )
-    except RaylineError as exc:
-        _fail(exc)
+    if digits is None:
+        digits = photos == 0
+    result = write_seed(to, corrupt=corrupt, synthetic=synthetic, size=size, seed=seed, photos=photos, digits=digits)
     if as_json:
         echo_json(result)
         return
@@ -131,44 +128,35 @@ def seed_data(
 
 
 @app.command("prepare-data")
+@reports_errors
 def prepare_data_command(
     source: Annotated[str | None, typer.Option(help="Prefix to ingest; default <storage>/raw.")] = None,
     image_size: Annotated[int, typer.Option(min=4, max=1024, help="Square side the images are squashed to.")] = 32,
     force: Annotated[bool, typer.Option(help="Recompute even if the input is unchanged.")] = False,
     like: Annotated[
-        str | None,
-        typer.Option(help="Decode with a registered model's image spec instead (NAME@champion, NAME@v3)."),
+        str | None, typer.Option(help="Decode with a registered model's image spec instead (NAME@champion, NAME@v3).")
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Run the prepare-data flow (ingest → preprocess) once."""
-    apply_process_defaults()
-    _quiet_ray()
+    before_flow()
     from rayline.flows.prepare_data import prepare_data
     from rayline.models import registry
 
-    try:
-        get_settings()  # fail fast, before Prefect and Ray start
-        image = registry.resolve(*registry.parse_named_ref(like)).image_spec if like else None
-        result = prepare_data(source_uri=source, image_size=image_size, force=force, image=image)
-    except RaylineError as exc:
-        _fail(exc)
+    image = registry.resolve(*registry.parse_named_ref(like)).image_spec if like else None
+    result = prepare_data(source_uri=source, image_size=image_size, force=force, image=image)
     echo_json(result) if as_json else summaries.print_prepare_summary(result)
 
 
 @app.command("train-model")
+@reports_errors
 @request_options(TrainRequest, {"source_uri": "--source", "freeze_backbone": "--freeze-backbone/--train-backbone"})
 def train_model_command(request: TrainRequest, as_json: JsonOption = False) -> None:
     """Run the train-model flow: prepare data, (tune,) train, evaluate, register, gate."""
-    apply_process_defaults()
-    _quiet_ray()
+    before_flow()
     from rayline.flows.train_model import train_model
 
-    try:
-        get_settings()
-        result = train_model(request)
-    except RaylineError as exc:
-        _fail(exc)
+    result = train_model(request)
     echo_json(result) if as_json else summaries.print_model_summary(result)
 
 
@@ -184,28 +172,26 @@ NIGHT_OPTIONS = {
 
 
 @app.command("nightly-inference")
+@reports_errors
 @request_options(NightRequest, NIGHT_OPTIONS)
 def nightly_inference_command(request: NightRequest, as_json: JsonOption = False) -> None:
     """Run the nightly-inference flow once: predict a day of arrivals (or each night of --from..--to), commit it.
 
     A range prints one line per night and exits 1 if any night failed (the others are committed).
     """
-    apply_process_defaults()
-    _quiet_ray()
+    before_flow()
     from rayline.flows.nightly_inference import nightly_inference
 
     try:
-        get_settings()
         result = nightly_inference(request)
     except NightsFailed as exc:
         echo_json(exc.result) if as_json else summaries.print_backfill_summary(exc.result)
         raise typer.Exit(code=ExitCode.FAILED) from exc
-    except RaylineError as exc:
-        _fail(exc)
     echo_json(result) if as_json else summaries.print_nightly_summary(result)
 
 
 @app.command("monitor")
+@reports_errors
 def monitor_command(
     model: Annotated[str, typer.Option("--model", help="Registry name whose nights to judge.")] = DEFAULT_MODEL_NAME,
     partitions: Annotated[int, typer.Option(min=1, help="Latest committed nights to judge.")] = 1,
@@ -217,47 +203,64 @@ def monitor_command(
     as_json: JsonOption = False,
 ) -> None:
     """Run the monitor flow once: drift of a model's latest nights (and serving health)."""
-    apply_process_defaults()
+    before_flow(quiet=False)
     from rayline.flows.monitor import monitor
 
-    try:
-        get_settings()
-        result = monitor(
-            model_name=model, partitions=partitions, reference_date=reference_date, check_serving=check_serving
-        )
-    except RaylineError as exc:
-        _fail(exc)
+    result = monitor(
+        model_name=model, partitions=partitions, reference_date=reference_date, check_serving=check_serving
+    )
+    echo_json(result) if as_json else summaries.print_monitor_summary(result)
+
+
+@reports_errors
+@request_options(RegisterRequest, {"weights_uri": "--weights", "draft": "--draft/--full-decode"})
+def register_model_command(request: RegisterRequest, as_json: JsonOption = False) -> None:
+    """Register a model you already have (see the README's "Bring your model"), as a new version."""
+    before_flow(quiet=False)
+    from rayline.flows.register_model import register_model
+
+    result = register_model(request)
+    echo_json(result) if as_json else summaries.print_registration(result)
+
+
+@reports_errors
+def vacuum_command(
+    retention_hours: Annotated[
+        int,
+        typer.Option(
+            min=MIN_SAFE_RETENTION_HOURS,
+            help="Keep every file a version current within this many hours needs (time travel that far back).",
+        ),
+    ] = DEFAULT_RETENTION_HOURS,
+    apply: Annotated[bool, typer.Option("--apply", help="Delete the files; without it, only list them.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """List (or with --apply delete) the files of both predictions tables that no version within the retention needs:
+    files replaced by reruns and files of runs that never committed."""
+    from rayline.tables.prediction_reads import vacuum_tables
+
+    get_settings()
+    removed = vacuum_tables(storage.storage_root(), retention_hours, dry_run=not apply)
     if as_json:
-        echo_json(result)
+        echo_json({"dry_run": not apply, "retention_hours": retention_hours, "files": removed})
         return
-    typer.echo("")
-    typer.secho("monitor finished", bold=True)
-    for night in result.partitions:
-        verdict = "DRIFT: " + "; ".join(night.reasons) if night.drifted else "ok"
-        typer.echo(
-            f"  {night.partition}  predicted by {night.model_name} {night.model}  (predictions table version "
-            f"{night.version})  PSI {night.psi:.3f} vs {night.reference}  {verdict}"
-        )
-    for q in result.quality:
-        typer.echo(
-            f"  dt={q.dt}  labelled: {q.model_name} v{q.model_version} ({q.role}) right on {q.correct} of {q.labelled} "
-            f"chosen at random ({q.accuracy:.1%}), calibration error {q.ece:.3f}"
-            + (f"; {q.left_out} targeted or trained-on labels not counted" if q.left_out else "")
-        )
-    for dt, shadow in result.shadows.items():
-        typer.echo(f"  dt={dt}  shadow {shadow.line()}")
-    if result.paired is not None:
-        pair = result.paired
-        typer.echo(f"  challenger v{pair.challenger} vs champion v{pair.champion}: {pair.describe()}")
-    typer.echo(f"  metrics            {result.metrics_uri}")
+    verb = "deleted" if apply else "would delete"
+    if not removed:
+        typer.echo("no predictions tables yet: nothing to vacuum")
+    for table, files in removed.items():
+        typer.echo(f"{table}: {verb} {len(files)} file(s) (retention {retention_hours} h)")
+        for name in files:
+            typer.echo(f"  {name}")
+    if not apply and any(removed.values()):
+        typer.echo("dry run: nothing deleted; --apply deletes them")
 
 
 app.command()(demo.demo)
 app.command()(ops.up)
 app.command()(ops.down)
 app.command("lineage")(ops.lineage_command)
-app.command("register-model")(register.register_model_command)
-app.command("vacuum")(tables.vacuum_command)
+app.command("register-model")(register_model_command)
+app.command("vacuum")(vacuum_command)
 app.add_typer(ops.serve_app, name="serve")
 app.add_typer(labels.labels_app, name="labels")
 

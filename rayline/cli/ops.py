@@ -7,30 +7,25 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from rayline.cli import platform
-from rayline.cli.common import JsonOption, echo_json, model_ref
-from rayline.cli.common import fail as _fail
-from rayline.cli.common import quiet_ray as _quiet_ray
-from rayline.config import apply_process_defaults, get_settings
+from rayline.cli import platform, summaries
+from rayline.cli.common import JsonOption, before_flow, echo_json, fail, model_ref, reports_errors
+from rayline.config import get_settings
 from rayline.errors import ConfigError, RaylineError
 
 if TYPE_CHECKING:  # for the type only: the flows load Prefect, Ray and torch, which `rayline --help` does without
     from rayline.flows.serve_rollout import RolloutResult
 
 
+@reports_errors
 def up(as_json: JsonOption = False) -> None:
     """Start a Prefect server, a Ray head, and a work pool of every deployment with its worker (loopback)."""
-    try:
-        settings = get_settings()
-        ends, outcome = platform.up(settings)
-    except RaylineError as exc:
-        _fail(exc)
+    settings = get_settings()
+    ends, outcome = platform.up(settings)
     if as_json:
         state = str(platform.state_dir(settings))
         echo_json({"services": outcome, "endpoints": dataclasses.asdict(ends), "state": state})
         return
-    for name, what in outcome.items():
-        typer.echo(f"  {name:<12} {what}")
+    _print_services(outcome)
     typer.echo(f"Prefect UI       {ends.prefect_ui}")
     typer.echo(f"Ray dashboard    {ends.dashboard}")
     typer.echo(f"Ray metrics      {ends.ray_metrics}")
@@ -43,17 +38,19 @@ def up(as_json: JsonOption = False) -> None:
     )
 
 
+@reports_errors
 def down(as_json: JsonOption = False) -> None:
     """Stop exactly what `rayline up` started (by its PID files)."""
-    try:
-        outcome = platform.down(get_settings())
-    except RaylineError as exc:
-        _fail(exc)
+    outcome = platform.down(get_settings())
     if as_json:
         echo_json({"services": outcome})
         return
     if not outcome:
         typer.echo("nothing to stop: no PID files of `rayline up`")
+    _print_services(outcome)
+
+
+def _print_services(outcome: dict[str, str]) -> None:
     for name, what in outcome.items():
         typer.echo(f"  {name:<12} {what}")
 
@@ -62,71 +59,51 @@ serve_app = typer.Typer(
     help="Online serving: start/stop models behind the router, status, canary rollouts.", no_args_is_help=True
 )
 
-_CLUSTER_NOTE = (
-    "Runs on the cluster of RAY_ADDRESS (e.g. `rayline up`'s); without it on an embedded cluster, "
-    "which dies with this command, so serving ends when it returns unless --block keeps it up."
-)
-
 
 @serve_app.command(
     "start",
     help="Deploy a registered model version (--model NAME[@alias|vN]) behind the router: it takes all of its "
     "model's traffic when no other version of that model serves, else it waits at 0 % for `rayline serve rollout`. "
-    + _CLUSTER_NOTE,
+    "Runs on the cluster of RAY_ADDRESS (e.g. `rayline up`'s); without it on an embedded cluster, "
+    "which dies with this command, so serving ends when it returns unless --block keeps it up.",
 )
+@reports_errors
 def serve_start(
     model: Annotated[
-        str,
-        typer.Option(help="NAME, NAME@alias or NAME@vN (a bare name: its champion); any registered model."),
+        str, typer.Option(help="NAME, NAME@alias or NAME@vN (a bare name: its champion); any registered model.")
     ],
     block: Annotated[
         bool, typer.Option(help="Keep this process (and an embedded cluster) serving until Ctrl-C.")
     ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Deploy MODEL (NAME[@alias|vN]) on the running cluster; it takes all of its model's traffic when no
-    other version of that model serves, else it waits at 0 % for `rayline serve rollout`."""
-    apply_process_defaults()
-    _quiet_ray()
+    before_flow()
     from rayline import ray_cluster
     from rayline.models import registry
     from rayline.ray_workloads.serving import control as serve_control
     from rayline.ray_workloads.serving import rollout
     from rayline.ray_workloads.serving.config import config_from_settings
 
-    try:
-        name, ref = registry.parse_named_ref(model)
-        cfg = config_from_settings()
-        version = registry.resolve(name, ref)
-        connection = ray_cluster.connect()
-        url = rollout.serve(version, cfg)
-        weights = serve_control.get_weights(cfg, model=name)
-        default = serve_control.routing_table(cfg).default_model
-    except RaylineError as exc:
-        _fail(exc)
+    name, ref = registry.parse_named_ref(model)
+    cfg = config_from_settings()
+    version = registry.resolve(name, ref)
+    connection = ray_cluster.connect()
+    url = rollout.serve(version, cfg)
+    weights = serve_control.get_weights(cfg, model=name)
+    default = serve_control.routing_table(cfg).default_model
     share = weights.get(version.version, 0.0) / (sum(weights.values()) or 1.0)
     if as_json:
-        echo_json(
-            {
-                "model": name,
-                "version": version.version,
-                "ref": ref,
-                "share": share,
-                "url": url,
-                "default_model": default,
-                "embedded_cluster": connection.embedded,
-            }  # fmt: skip
-        )
-        if block:
-            _block_until_interrupted()
-        return
-    typer.echo(f"{name} v{version.version} ({ref}) deployed: {share:.0%} of {name}'s traffic")
-    if share == 0:
-        typer.echo(f"  another version serves {name}; move traffic with `rayline serve rollout --model-name {name}`")
-    typer.echo(
-        f"  POST {url}/models/{name}/predict" + (f"  (and {url}/predict: the default model)" if default == name else "")
-    )
-    if connection.embedded:
+        served = {"model": name, "version": version.version, "ref": ref, "share": share, "url": url}
+        echo_json({**served, "default_model": default, "embedded_cluster": connection.embedded})
+    else:
+        typer.echo(f"{name} v{version.version} ({ref}) deployed: {share:.0%} of {name}'s traffic")
+        if share == 0:
+            typer.echo(
+                f"  another version serves {name}; move traffic with `rayline serve rollout --model-name {name}`"
+            )
+        also = f"  (and {url}/predict: the default model)" if default == name else ""
+        typer.echo(f"  POST {url}/models/{name}/predict{also}")
+    if connection.embedded and not as_json:
         typer.secho(
             "  note: this is an embedded Ray cluster; it stops when this command exits"
             + (" (Ctrl-C)" if block else " — set RAY_ADDRESS (e.g. `rayline up`) or use --block"),
@@ -147,6 +124,7 @@ def _block_until_interrupted() -> None:
 
 
 @serve_app.command("stop")
+@reports_errors
 def serve_stop(
     model: Annotated[
         str | None, typer.Option(help="Model name to stop (all its versions); default: every model and the router.")
@@ -154,30 +132,26 @@ def serve_stop(
     as_json: JsonOption = False,
 ) -> None:
     """Stop serving MODEL (the others keep answering), or without --model everything: models, router, control."""
-    apply_process_defaults()
-    _quiet_ray()
+    before_flow()
     from rayline import ray_cluster
     from rayline.models import registry
     from rayline.ray_workloads.serving import control as serve_control
     from rayline.ray_workloads.serving.config import config_from_settings
 
-    try:
-        name = registry.parse_named_ref(model)[0] if model is not None else None
-        if model is not None and "@" in model:
-            raise ConfigError(f"--model takes a model name, not a version ({model!r}): stop removes every version")
-        cfg = config_from_settings()
-        ray_cluster.connect()
-        if name is None:
-            serve_control.shutdown(cfg)
-            if as_json:
-                echo_json({"stopped": "everything", "still_served": []})
-            else:
-                typer.echo("stopped every model, the router and the control actor")
-            return
-        apps = serve_control.remove_model(name, cfg)
-        rest = serve_control.routing_table(cfg)
-    except RaylineError as exc:
-        _fail(exc)
+    name = registry.parse_named_ref(model)[0] if model is not None else None
+    if model is not None and "@" in model:
+        raise ConfigError(f"--model takes a model name, not a version ({model!r}): stop removes every version")
+    cfg = config_from_settings()
+    ray_cluster.connect()
+    if name is None:
+        serve_control.shutdown(cfg)
+        if as_json:
+            echo_json({"stopped": "everything", "still_served": []})
+        else:
+            typer.echo("stopped every model, the router and the control actor")
+        return
+    apps = serve_control.remove_model(name, cfg)
+    rest = serve_control.routing_table(cfg)
     if as_json:
         echo_json({"stopped": name, "applications": apps, "still_served": list(rest.models)})
         return
@@ -196,7 +170,7 @@ def serve_status(as_json: JsonOption = False) -> None:
             served = client.get("/models").raise_for_status().json()
             per_model = {m: client.get(f"/models/{m}/stats").raise_for_status().json() for m in served["models"]}
     except httpx.HTTPError as exc:
-        _fail(RaylineError(f"no rayline serving endpoint answers at {url}: {exc}"))
+        fail(RaylineError(f"no rayline serving endpoint answers at {url}: {exc}"))
     if as_json:
         echo_json({"url": url, "default_model": served.get("default"), "models": per_model})
         return
@@ -220,6 +194,7 @@ def _row(*cells: object) -> None:
 
 
 @serve_app.command("rollout")
+@reports_errors
 def serve_rollout_command(
     candidate: Annotated[
         str, typer.Option(help="NAME@challenger, NAME@v3, or an alias (challenger) / version (v3) of --model-name.")
@@ -229,22 +204,16 @@ def serve_rollout_command(
     as_json: JsonOption = False,
 ) -> None:
     """Run the serve-rollout flow: canary the candidate 10 → 50 → 100 %, promote or roll back."""
-    apply_process_defaults()
-    _quiet_ray()
+    before_flow()
     from rayline.flows.serve_rollout import serve_rollout
 
-    try:
-        get_settings()
-        name, ref = model_ref(candidate, model_name)
-        result = serve_rollout(candidate=ref, model_name=name, soak_s=soak_s)
-    except RaylineError as exc:
-        _fail(exc)
+    name, ref = model_ref(candidate, model_name)
+    result = serve_rollout(candidate=ref, model_name=name, soak_s=soak_s)
     echo_json(result) if as_json else print_rollout_summary(result)
 
 
 def print_rollout_summary(result: RolloutResult) -> None:
-    typer.echo("")
-    typer.secho("serve-rollout finished", bold=True)
+    summaries.heading("serve-rollout finished")
     if result.reconciled is not None:  # what a rollout that did not finish left, before this one's steps
         typer.echo(f"  first: {result.reconciled}")
     for step in result.steps:
@@ -252,6 +221,7 @@ def print_rollout_summary(result: RolloutResult) -> None:
     typer.echo(f"  {result.reason}")
 
 
+@reports_errors
 def lineage_command(
     uri: Annotated[
         str,
@@ -277,21 +247,10 @@ def lineage_command(
     A night resolves to the Delta version that committed it and the run: `rayline lineage <storage>/predictions
     --dt 2026-11-28 [--model digits]`, or its partition folder `<storage>/predictions/model_name=digits/dt=2026-11-28`.
     """
-
     from rayline.lineage.graph import build_graph, render_text
 
-    try:
-        if model is not None and dt is None:
-            raise ConfigError(f"--model {model} picks a night: give --dt too")
-        graph = build_graph(
-            uri,
-            max_objects=max_objects if max_objects is not None or as_json else 20,
-            dt=dt,
-            model_name=model,
-        )
-    except RaylineError as exc:
-        _fail(exc)
-    if as_json:
-        echo_json(graph)
-    else:
-        typer.echo(render_text(graph))
+    if model is not None and dt is None:
+        raise ConfigError(f"--model {model} picks a night: give --dt too")
+    listed = max_objects if max_objects is not None or as_json else 20
+    graph = build_graph(uri, max_objects=listed, dt=dt, model_name=model)
+    echo_json(graph) if as_json else typer.echo(render_text(graph))

@@ -1,37 +1,23 @@
 """``rayline up`` / ``rayline down``: the operated system on one machine.
 
-``up`` starts, on loopback by default, four processes and records each in a
-PID file under the state folder:
-
-* ``prefect``      a Prefect server (SQLite under the state folder, or
-                   ``PREFECT_SERVER_DATABASE_CONNECTION_URL``), UI included;
-* ``ray``          a Ray head node with its dashboard bound to ``RAYLINE_DASHBOARD_HOST``
-                   (127.0.0.1 unless configured otherwise);
-* ``mlflow``       an MLflow tracking server on 127.0.0.1 (SQLite under the state folder,
-                   artifacts under ``<storage>/mlflow-artifacts``), unless
-                   ``MLFLOW_TRACKING_URI`` names one already;
-* ``worker``       a ``prefect worker`` polling a ``process`` work pool into which
-                   every deployment of ``deployments/catalog.py`` was registered by
-                   ``prefect deploy`` (schedules and event triggers), plus the
-                   zombie-run automation (``rayline.cli.work_pool``).
-
-Each runs in its own session, so ``down`` stops exactly what ``up`` started:
-the process groups named in the PID files, nothing matched by name, and only
-while a record's identity (boot and start time) still holds
-(``rayline.cli.service_records``). ``up`` twice finds the live processes and
-starts nothing; ``up`` and ``down`` hold the state folder's lock, so a second
-one at the same time fails at once. A failed ``up`` stops what it started,
-nothing else.
+``up`` starts four services on loopback, each in its own session with a PID file under the state folder:
+a Prefect server (``prefect``), a Ray head (``ray``), an MLflow server unless ``MLFLOW_TRACKING_URI`` names
+one (``mlflow``), and a worker polling the work pool of every deployment (``worker``, ``rayline.cli.work_pool``).
+``down`` stops exactly those process groups, only while each record's identity still holds
+(``rayline.cli.service_records``); ``up`` twice starts nothing new, and a failed ``up`` stops what it started.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import importlib.metadata
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -41,15 +27,7 @@ from pathlib import Path
 from rayline import storage
 from rayline.cli import work_pool
 from rayline.cli.interrupts import interruptible, uninterrupted
-from rayline.cli.service_records import (
-    SERVICES,
-    ServiceRecord,
-    leader_runs,
-    pid_file,
-    read_records,
-    state_lock,
-    stop,
-)
+from rayline.cli.service_records import SERVICES, ServiceRecord, leader_runs, pid_file, read_records, state_lock, stop
 from rayline.cli.service_starts import (
     Readiness,
     Started,
@@ -101,8 +79,6 @@ def endpoints(settings: Settings) -> Endpoints:
 
 
 def _auth_headers() -> dict[str, str]:
-    import base64
-
     secret = os.environ.get("PREFECT_API_AUTH_STRING") or os.environ.get("PREFECT_SERVER_API_AUTH_STRING")
     return {"Authorization": "Basic " + base64.b64encode(secret.encode()).decode()} if secret else {}
 
@@ -124,9 +100,6 @@ def ray_temp_dir(state: Path) -> Path:
     candidate = state / "ray"
     if len(str(candidate)) <= 40:
         return candidate
-    import hashlib
-    import tempfile
-
     return Path(tempfile.gettempdir()) / f"rayline-{hashlib.sha1(str(state).encode()).hexdigest()[:10]}"
 
 
@@ -218,15 +191,8 @@ def _check_ports_free(settings: Settings, starting: list[str]) -> None:
 
 
 def _start_prefect(settings: Settings, state: Path, started: Started, ends: Endpoints, timeout_s: float) -> Readiness:
-    command = [
-        str(Path(sys.executable).parent / "prefect"),
-        "server",
-        "start",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(settings.prefect_port),
-    ]
+    prefect = str(Path(sys.executable).parent / "prefect")
+    command = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(settings.prefect_port)]
     record, proc = start_service(state, started, "prefect", command, _prefect_env(state, settings), ends.prefect_ui)
     health = f"{ends.prefect_api}/health"
     return readiness(health, lambda: http_ok(health, _auth_headers()), record, proc, timeout_s)
@@ -318,22 +284,16 @@ def _local_dir(root: str) -> str:
     return str(path)
 
 
-def _installed(distribution: str) -> bool:
-    try:
-        importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 def _start_mlflow(settings: Settings, state: Path, started: Started, timeout_s: float) -> tuple[str, Readiness | None]:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return "external", None  # the user's own tracking server: flow runs log there
-    if not _installed("mlflow"):  # the full distribution: mlflow-skinny (the [mlflow] extra) has no server
+    try:  # the full distribution: mlflow-skinny (the [mlflow] extra) has no server
+        importlib.metadata.distribution("mlflow")
+    except importlib.metadata.PackageNotFoundError as exc:
         raise ConfigError(
             "rayline up starts an MLflow server, which is not installed: pip install 'rayline[platform]', "
             "or set MLFLOW_TRACKING_URI to a tracking server of your own"
-        )
+        ) from exc
     (state / "mlflow").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     # MLflow's job runner (GenAI jobs) is not used here; without it the server starts and stops faster
@@ -369,9 +329,7 @@ def down(settings: Settings | None = None, timeout_s: float = 60.0) -> dict[str,
     with state_lock(state, "down"):
         records = read_records(state)
         outcome: dict[str, str] = {}
-        for name in reversed(SERVICES):
-            if name not in records:
-                continue
+        for name in [name for name in reversed(SERVICES) if name in records]:
             record = records[name]
             outcome[name] = "not running (unreadable PID file)" if record is None else stop(record, timeout_s)
             pid_file(state, name).unlink(missing_ok=True)

@@ -63,10 +63,8 @@ def record_of(name: str, pid: int, command: list[str], url: str, log: Path) -> S
 
 
 def write_record(state: Path, record: ServiceRecord) -> None:
-    """Write the record whole or not at all: a temporary file in the same folder, renamed over the old one.
-
-    Not fsynced: a power loss takes the recorded processes with it, and the new boot id marks the record stale.
-    """
+    """Write the record whole or not at all: a temporary file in the same folder, renamed over the old one. Not
+    fsynced: a power loss takes the recorded processes with it, and the new boot id marks the record stale."""
     path = pid_file(state, record.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -83,9 +81,8 @@ def read_records(state: Path) -> dict[str, ServiceRecord | None]:
     """The record of each service with a PID file; None for a file that is not a record (it names nothing)."""
     found: dict[str, ServiceRecord | None] = {}
     for name in SERVICES:
-        path = pid_file(state, name)
         try:
-            found[name] = ServiceRecord.model_validate_json(path.read_text())
+            found[name] = ServiceRecord.model_validate_json(pid_file(state, name).read_text())
         except FileNotFoundError:
             continue
         except (OSError, ValidationError):
@@ -117,19 +114,14 @@ def owned(record: ServiceRecord) -> bool:
     return _group_exists(record.pid)
 
 
-def describe_stale(record: ServiceRecord) -> str:
-    if start_ticks(record.pid) is not None:
-        return f"not running (pid {record.pid} is another process now)"
-    return "not running"
-
-
 def stop(record: ServiceRecord, timeout_s: float, reap: Callable[[], object] = lambda: None) -> str:
     """SIGTERM the service's process group, SIGKILL what is left after ``timeout_s``; only while ``owned``.
 
     ``reap``: ``Popen.poll`` of a leader this process started, which stays a zombie (and ``owned``) until reaped.
     """
     if not owned(record):
-        return describe_stale(record)
+        reused = start_ticks(record.pid) is not None
+        return f"not running (pid {record.pid} is another process now)" if reused else "not running"
     if (refused := _signal_group(record, signal.SIGTERM)) is not None:
         return refused
     deadline = time.monotonic() + timeout_s
@@ -166,10 +158,8 @@ def _group_exists(pgid: int) -> bool:
 def state_lock(state: Path, command: str) -> Iterator[None]:
     """Hold the state folder for one ``up`` or ``down``; another one fails at once, naming the holder.
 
-    ``flock`` on a file in the folder: the kernel drops the lock when its holder exits, however it ends
-    (SIGKILL included), so no stale lock is ever left to clean up, unlike a lock *file* whose existence is the
-    lock. The descriptor is not inherited by the services (``Popen`` closes descriptors; Python's are not
-    inheritable), so the lock ends with the command, not with the platform.
+    ``flock``: the kernel drops the lock when its holder exits, however it ends (SIGKILL included), so no stale
+    lock is ever left. The services do not inherit the descriptor, so the lock ends with the command.
     """
     state.mkdir(parents=True, exist_ok=True)
     path = state / "rayline.lock"

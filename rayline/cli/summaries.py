@@ -10,16 +10,21 @@ from rayline.ray_workloads.nightly.request import BackfillResult, NightOutcome
 from rayline.skipped import skipped_text
 
 if TYPE_CHECKING:  # for the types only: importing the flows at run time loads Prefect, Ray and torch
+    from rayline.flows.monitor import MonitorResult
     from rayline.flows.prepare_data import PrepareDataResult
     from rayline.flows.train_model import TrainModelResult
     from rayline.ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
     from rayline.ray_workloads.registration.outside_models import RegisterModelResult
 
 
+def heading(title: str) -> None:
+    typer.echo("")
+    typer.secho(title, bold=True)
+
+
 def print_prepare_summary(result: PrepareDataResult) -> None:
     ing, pre = result.ingest, result.preprocess
-    typer.echo("")
-    typer.secho("prepare-data finished", bold=True)
+    heading("prepare-data finished")
     typer.echo(f"  objects ingested   {ing.object_count} from {ing.source_uri}{' (reused)' if ing.cached else ''}")
     if ing.skipped:
         typer.echo(f"  skipped            {skipped_text(ing.skipped)}")
@@ -34,8 +39,7 @@ def print_prepare_summary(result: PrepareDataResult) -> None:
 
 def print_model_summary(result: TrainModelResult) -> None:
     reg, trained = result.registration, result.trained
-    typer.echo("")
-    typer.secho("train-model finished", bold=True)
+    heading("train-model finished")
     if result.tuned is not None:
         best = result.tuned.best_config
         stopped = sum(t.epochs < max(x.epochs for x in result.tuned.trials) for t in result.tuned.trials)
@@ -62,8 +66,7 @@ def print_registration(result: RegisterModelResult) -> None:
     version = result.version
     source = version.weights_source
     assert source is not None  # register-model always records where the user's weights came from
-    typer.echo("")
-    typer.secho("register-model finished", bold=True)
+    heading("register-model finished")
     state = "already registered as" if result.reused else "registered as"
     typer.echo(
         f"  {state:<18} {version.name} v{version.version} ({version.model_spec.arch}, {len(version.classes)} classes)"
@@ -81,8 +84,7 @@ def print_inference_summary(result: InferenceResult | NightSkipped) -> None:
     from rayline.ray_workloads.execution.plan import plans_text
     from rayline.ray_workloads.nightly.batch_inference import NightSkipped  # loaded already: the result came from it
 
-    typer.echo("")
-    typer.secho("nightly-inference finished", bold=True)
+    heading("nightly-inference finished")
     if isinstance(result, NightSkipped):  # another run committed the night
         typer.echo(f"  night              {result.night}: not committed by this run")
         typer.echo(f"  why                {result.message}")
@@ -125,13 +127,33 @@ def backfill_night_line(night: NightOutcome) -> str:
 
 
 def print_backfill_summary(result: BackfillResult) -> None:
-    typer.echo("")
     counts = ", ".join(f"{len(result.in_state(s))} {s}" for s in ("committed", "skipped", "failed"))
-    typer.secho(
+    heading(
         f"nightly-inference finished: {result.model}, {result.date_from} to {result.date_to} "
-        f"({len(result.nights)} nights, {result.max_concurrent_nights} at a time): {counts}",
-        bold=True,
+        f"({len(result.nights)} nights, {result.max_concurrent_nights} at a time): {counts}"
     )
     for night in result.nights:
         failed = night.state == "failed"
         typer.secho(backfill_night_line(night), fg=typer.colors.RED if failed else None)
+
+
+def print_monitor_summary(result: MonitorResult) -> None:
+    heading("monitor finished")
+    for night in result.partitions:
+        verdict = "DRIFT: " + "; ".join(night.reasons) if night.drifted else "ok"
+        typer.echo(
+            f"  {night.partition}  predicted by {night.model_name} {night.model}  (predictions table version "
+            f"{night.version})  PSI {night.psi:.3f} vs {night.reference}  {verdict}"
+        )
+    for q in result.quality:
+        typer.echo(
+            f"  dt={q.dt}  labelled: {q.model_name} v{q.model_version} ({q.role}) right on {q.correct} of {q.labelled} "
+            f"chosen at random ({q.accuracy:.1%}), calibration error {q.ece:.3f}"
+            + (f"; {q.left_out} targeted or trained-on labels not counted" if q.left_out else "")
+        )
+    for dt, shadow in result.shadows.items():
+        typer.echo(f"  dt={dt}  shadow {shadow.line()}")
+    if result.paired is not None:
+        pair = result.paired
+        typer.echo(f"  challenger v{pair.challenger} vs champion v{pair.champion}: {pair.describe()}")
+    typer.echo(f"  metrics            {result.metrics_uri}")

@@ -1,18 +1,11 @@
-"""What ``rayline up`` sets up in Prefect, the way Prefect's own docs do it.
+"""What ``rayline up`` sets up in Prefect, the way Prefect's own docs do it: a ``process`` work pool
+(``RAYLINE_WORK_POOL``, default ``rayline``); every deployment of ``deployments/catalog.py``, registered by
+``prefect deploy --all`` of the generated ``prefect.yaml`` (the file a team deploys by hand: a test keeps the
+committed one equal to the rendering); a ``prefect worker`` polling the pool; and the automation of Prefect's
+"detect zombie flows" guide (a run whose heartbeats stop for ``RAYLINE_ZOMBIE_WINDOW_S`` is marked ``Crashed``).
 
-- a ``process`` work pool (``RAYLINE_WORK_POOL``, default ``rayline``);
-- every deployment of ``deployments/catalog.py``, registered into it by
-  ``prefect deploy --all`` of the generated ``prefect.yaml`` (the same file a
-  team deploys by hand: a test keeps the committed one equal to the rendering);
-- a ``prefect worker`` polling the pool, which starts each flow run as its own
-  process (the command; ``platform`` runs it as a service);
-- the automation of Prefect's "detect zombie flows" guide: a flow run whose
-  heartbeats stop for ``RAYLINE_ZOMBIE_WINDOW_S`` (default 90 s) is marked ``Crashed``.
-
-Prefect is driven through its CLI and client, and the table is rendered in a
-child process (``python -m rayline.deployments.prefect_yaml``): rendering imports
-every flow (Prefect, Ray, torch), which the ``up`` process itself never needs;
-it runs while the services start.
+The table is rendered in a child process while the services start: rendering imports every flow (Prefect,
+Ray, torch), which the ``up`` process itself never needs.
 """
 
 from __future__ import annotations
@@ -45,16 +38,26 @@ def _prefect(*args: str) -> list[str]:
     return [str(Path(sys.executable).parent / "prefect"), "--no-prompt", *args]
 
 
-def _run(command: list[str], env: dict[str, str], cwd: Path, what: str) -> str:
+def _start(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
+    pipe = subprocess.PIPE  # no stdin: nothing here may wait for an answer from the terminal
+    return subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, text=True)
+
+
+def _output(proc: subprocess.Popen[str], what: str) -> str:
+    """The child's stdout once it exits 0 (waiting at most ``_DEPLOY_TIMEOUT_S``); else a ClusterError."""
     try:
-        done = subprocess.run(
-            command, env=env, cwd=cwd, capture_output=True, text=True, timeout=_DEPLOY_TIMEOUT_S, check=False
-        )
+        out, err = proc.communicate(timeout=_DEPLOY_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        proc.communicate()
         raise ClusterError(f"{what} did not finish within {_DEPLOY_TIMEOUT_S:.0f} s") from exc
-    if done.returncode != 0:
-        raise ClusterError(f"{what} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
-    return done.stdout
+    if proc.returncode != 0:
+        raise ClusterError(f"{what} failed (exit {proc.returncode}):\n{(out + err)[-3000:]}")
+    return out
+
+
+def _run(command: list[str], env: dict[str, str], cwd: Path, what: str) -> str:
+    return _output(_start(command, env, cwd), what)
 
 
 def create_pool(pool: str, env: dict[str, str]) -> None:
@@ -63,32 +66,17 @@ def create_pool(pool: str, env: dict[str, str]) -> None:
 
 
 class PrefectYamlRendering:
-    """``python -m rayline.deployments.prefect_yaml`` in a child process, started before the services: it imports every
-    flow (Prefect, Ray, torch) and needs no service, so its seconds overlap their start-ups."""
+    """``python -m rayline.deployments.prefect_yaml`` in a child process, started before the services."""
 
     def __init__(self, env: dict[str, str]) -> None:
         # it renders in the checkout: the deployments' requests come from this process's settings file
         if (settings_file := config_file()) is not None:
             env = {**env, CONFIG_FILE_ENV: str(settings_file.resolve())}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "rayline.deployments.prefect_yaml"],
-            env=env,
-            cwd=project_root(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        self._proc = _start([sys.executable, "-m", "rayline.deployments.prefect_yaml"], env, project_root())
 
     def result(self) -> str:
         """The rendered file; waits for the child, at most ``_DEPLOY_TIMEOUT_S``."""
-        try:
-            out, err = self._proc.communicate(timeout=_DEPLOY_TIMEOUT_S)
-        except subprocess.TimeoutExpired as exc:
-            raise ClusterError(f"rendering prefect.yaml did not finish within {_DEPLOY_TIMEOUT_S:.0f} s") from exc
-        if self._proc.returncode != 0:
-            raise ClusterError(f"rendering prefect.yaml failed (exit {self._proc.returncode}):\n{(out + err)[-3000:]}")
-        return out
+        return _output(self._proc, "rendering prefect.yaml")
 
     def close(self) -> None:
         """End the child if it still runs (``up`` failed or was interrupted before it needed the file)."""
@@ -122,9 +110,8 @@ def worker_env(env: dict[str, str], ray_address: str, ray_tmpdir: Path) -> dict[
 def install_zombie_automation(api_url: str, auth_string: str | None) -> bool:
     """Create the "crash zombie flows" automation unless it exists; True when it was created.
 
-    Its window, how long a run may go without a heartbeat, is ``RAYLINE_ZOMBIE_WINDOW_S`` (90 s as in
-    Prefect's guide for heartbeats every 30 s: two missed heartbeats and a margin). An existing automation
-    keeps the window it was created with.
+    Its window, how long a run may go without a heartbeat, is ``RAYLINE_ZOMBIE_WINDOW_S`` (90 s as in Prefect's
+    guide for heartbeats every 30 s). An existing automation keeps the window it was created with.
     """
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client
@@ -134,6 +121,7 @@ def install_zombie_automation(api_url: str, auth_string: str | None) -> bool:
     from prefect.events.schemas.events import ResourceSpecification
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
+    crash = ChangeFlowRunState(state=StateType.CRASHED, message="Flow run marked as crashed: its heartbeats stopped.")
     updates = {PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth_string}
     with temporary_settings(updates=updates):
         with get_client(sync_client=True) as client:
@@ -157,10 +145,6 @@ def install_zombie_automation(api_url: str, auth_string: str | None) -> bool:
                 threshold=1,
                 within=timedelta(seconds=get_settings().zombie_window_s),
             ),
-            actions=[
-                ChangeFlowRunState(
-                    state=StateType.CRASHED, message="Flow run marked as crashed: its heartbeats stopped."
-                )
-            ],
+            actions=[crash],
         ).create()
     return True

@@ -1,9 +1,8 @@
 """Azurite (Microsoft's Azure Blob emulator) on a loopback port the tests and benchmarks start and stop by PID.
 
-Azurite is a Node.js program, not a Python package: it is found (``azurite_binary``) or installed with
-npm into ``<repo>/.tools/azurite`` (``install_azurite``; ``.ci/run`` does so when npm is there). It
-runs in its own session like ``s3_server.s3_server``, with its data in a temporary ``--location``
-and telemetry off (nothing but loopback traffic). Clients use the emulator's well-known account.
+Azurite is a Node.js program, not a Python package: it is found (``azurite_binary``) or installed with npm into
+``<repo>/.tools/azurite`` (``install_azurite``; ``.ci/run`` does so when npm is there). It runs in its own
+session, with its data in a temporary ``--location`` and telemetry off. Clients use its well-known account.
 """
 
 from __future__ import annotations
@@ -51,15 +50,19 @@ class AzuriteEndpoint:
         )
 
 
-def azurite_binary() -> str | None:
-    """``azurite-blob``: ``$RAYLINE_AZURITE``, else the copy ``install_azurite`` made, else ``PATH``; or None.
-
-    (tests/conftest.py drops ``RAYLINE_*`` variables at start-up, so under pytest only the last two count.)
-    """
+def _candidates() -> Iterator[str]:
+    """``azurite-blob``: ``$RAYLINE_AZURITE``, else the copy ``install_azurite`` made, else ``PATH`` (under pytest
+    only the last two: tests/conftest.py drops ``RAYLINE_*`` variables at start-up)."""
     for candidate in (os.environ.get("RAYLINE_AZURITE"), str(_TOOLS / "node_modules" / ".bin" / "azurite-blob")):
         if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return shutil.which("azurite-blob")
+            yield candidate
+    if (found := shutil.which("azurite-blob")) is not None:
+        yield found
+
+
+def azurite_binary() -> str | None:
+    """The first of :func:`_candidates`, or None."""
+    return next(_candidates(), None)
 
 
 def runs(binary: str) -> bool:
@@ -71,12 +74,8 @@ def runs(binary: str) -> bool:
 
 
 def working_azurite() -> str | None:
-    """The first ``azurite-blob`` of :func:`azurite_binary`'s places that runs; None when none does."""
-    for candidate in (os.environ.get("RAYLINE_AZURITE"), str(_TOOLS / "node_modules" / ".bin" / "azurite-blob")):
-        if candidate and os.access(candidate, os.X_OK) and runs(candidate):
-            return candidate
-    found = shutil.which("azurite-blob")
-    return found if found and runs(found) else None
+    """The first ``azurite-blob`` of :func:`_candidates` that runs; None when none does."""
+    return next(filter(runs, _candidates()), None)
 
 
 def install_azurite() -> str:
@@ -94,12 +93,9 @@ def install_azurite() -> str:
 
 
 @contextlib.contextmanager
-def azurite(containers: list[str], pid_out: list[int] | None = None) -> Iterator[AzuriteEndpoint]:
+def azurite(containers: list[str]) -> Iterator[AzuriteEndpoint]:
     """Azurite's blob service on a free loopback port with ``containers`` created; stopped by PID on exit.
-
-    ``--loose`` and ``--skipApiVersionCheck`` let any SDK's headers and versions through. ``pid_out``
-    receives its PID (to read its CPU time).
-    """
+    ``--loose`` and ``--skipApiVersionCheck`` let any SDK's headers and versions through."""
     binary = azurite_binary()
     if binary is None:
         raise RuntimeError("azurite-blob not found: call rayline.testing.azurite.install_azurite() (needs npm)")
@@ -116,8 +112,6 @@ def azurite(containers: list[str], pid_out: list[int] | None = None) -> Iterator
         ]  # fmt: skip
         with log.open("wb") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        if pid_out is not None:
-            pid_out.append(proc.pid)
         try:
             _wait_until_listening(endpoint, proc, log)
             for container in containers:
@@ -128,11 +122,8 @@ def azurite(containers: list[str], pid_out: list[int] | None = None) -> Iterator
 
 
 def _wait_until_listening(endpoint: AzuriteEndpoint, proc: subprocess.Popen[bytes], log: Path) -> None:
-    """Retry a signed List Containers until Azurite connects (quoting its log if it never does).
-
-    Azurite answers nothing unsigned with a 2xx (it has no health URL), so ``wait_for_http`` cannot
-    tell when it is up. An HTTP error is an answer: raised at once (a bad signature, say).
-    """
+    """Retry a signed List Containers until Azurite connects (quoting its log if it never does): it answers
+    nothing unsigned with a 2xx (it has no health URL). An HTTP error is an answer: raised at once."""
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -148,20 +139,17 @@ def _wait_until_listening(endpoint: AzuriteEndpoint, proc: subprocess.Popen[byte
 
 
 def create_container(endpoint: AzuriteEndpoint, name: str) -> None:
-    """``PUT <endpoint>/<name>?restype=container``, signed with the account key.
-
-    Signed here with the standard library because obstore (what rayline's tests use for blobs)
-    cannot create containers, and the azure-storage-blob SDK is not a dependency of rayline.
-    """
+    """``PUT <endpoint>/<name>?restype=container``, signed here with the account key: obstore (what rayline's
+    tests use for blobs) cannot create containers, and the azure-storage-blob SDK is not a dependency."""
     _shared_key_request(endpoint, "PUT", name, {"restype": "container"})
 
 
 def _shared_key_request(endpoint: AzuriteEndpoint, method: str, path: str, query: dict[str, str]) -> None:
     """One bodiless request signed with Shared Key (learn.microsoft.com: "Authorize with Shared Key").
 
-    The string to sign is the verb, eleven standard headers (all empty here: no body, no
-    conditions), the ``x-ms-*`` headers sorted, then ``/<account><url path>`` and the query
-    parameters sorted, one ``\\nname:value`` each. Path-style URLs repeat the account in the path.
+    The string to sign is the verb, eleven standard headers (all empty here: no body, no conditions), the
+    ``x-ms-*`` headers sorted, then ``/<account><url path>`` and the query parameters sorted, one
+    ``\\nname:value`` each. Path-style URLs repeat the account in the path.
     """
     headers = {"x-ms-date": formatdate(usegmt=True), "x-ms-version": _API_VERSION}
     url_path = f"/{endpoint.account_name}/{path}" if path else f"/{endpoint.account_name}"

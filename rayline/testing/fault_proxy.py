@@ -3,35 +3,28 @@ cut bodies.
 
 ``python -m rayline.testing.fault_proxy --upstream http://127.0.0.1:<port> --port <port> [--config '<JSON>']``
 
-Every request is forwarded unchanged (its Host header and SigV4 signature
-included) over a pool of keep-alive connections to the upstream server, after
-``latency_ms`` (only those whose path matches ``latency_regex``, when set).
-A request whose method is in ``methods`` and whose path matches
-``key_regex`` may be faulted instead of forwarded: a ``503`` answer
-(S3's ``SlowDown``), a ``500`` (``InternalError``), a ``403`` (``AccessDenied``, what a bucket
-policy that refuses the caller answers), each in the error format of the server's protocol
-(``flavor``: ``s3``'s XML, ``gcs``'s JSON API error, ``azure``'s XML with its ``x-ms-error-code``),
-a ``reset`` (the connection closed with SO_LINGER 0, so the client reads an RST and no answer), or a
-``truncate`` (the upstream's answer forwarded with its Content-Length but
-only the first half of its body, then the connection closed: a body cut
-short). Which ones: those matching ``always_fail`` (a path
-regex), the first ``fail_first_n`` requests of each matching path, and a
-``fault_rate`` fraction of the others (drawn with ``seed``).
+Every request is forwarded unchanged (its Host header and SigV4 signature included) over a pool of keep-alive
+connections to the upstream server, after ``latency_ms`` (only those whose path matches ``latency_regex``, when
+set). A request whose method is in ``methods`` and whose path matches ``key_regex`` may be faulted instead:
+a ``503`` (S3's ``SlowDown``), a ``500`` (``InternalError``), a ``403`` (``AccessDenied``, what a bucket policy
+that refuses the caller answers), each in the error format of the server's protocol (``flavor``: ``s3``'s XML,
+``gcs``'s JSON API error, ``azure``'s XML with its ``x-ms-error-code``); a ``reset`` (closed with SO_LINGER 0:
+the client reads an RST and no answer); or a ``truncate`` (the upstream's answer with its Content-Length but
+only the first half of its body, then the connection closed). Which ones: those matching ``always_fail``
+(a path regex), the first ``fail_first_n`` requests of each matching path, and a ``fault_rate`` fraction of
+the others (drawn with ``seed``).
 
-Two settings play a server or a network that misbehaves without failing:
-``strip_conditional`` forwards every request without its ``If-None-Match``
-and ``If-Match`` headers (an S3-compatible gateway that ignores conditional
-writes answers 200 to all of them), and ``hold_regex`` keeps each request
-whose method is in ``hold_methods`` and whose path matches until
+Two settings play a server or a network that misbehaves without failing: ``strip_conditional`` forwards every
+request without its ``If-None-Match`` and ``If-Match`` headers (a gateway that ignores conditional writes), and
+``hold_regex`` keeps each request whose method is in ``hold_methods`` and whose path matches until
 ``POST /__proxy__/release`` (a write that lands long after its writer sent it).
 
-Control, on the proxy's own port: ``POST /__proxy__/config`` (JSON: the
-fields to change), ``POST /__proxy__/reset`` (no faults, no latency, counters
-zeroed, held requests let go), ``POST /__proxy__/release`` (held requests let go),
-``GET /__proxy__/stats`` (``delayed`` and ``held`` count the requests delayed and held so far).
+Control, on the proxy's own port: ``POST /__proxy__/config`` (JSON: the fields to change), ``POST
+/__proxy__/reset`` (no faults, no latency, counters zeroed, held requests let go), ``POST /__proxy__/release``
+(held requests let go), ``GET /__proxy__/stats`` (``delayed`` and ``held`` count requests delayed and held).
 
-Only the standard library (and uvloop when installed): tests and benches
-start it by path, in its own session, and stop it by PID.
+Only the standard library (and uvloop when installed): tests and benches start it by path, in its own session,
+and stop it by PID.
 """
 
 from __future__ import annotations
@@ -98,10 +91,8 @@ class ProxyConfig:
             raise ValueError(f"fault_kinds must be some of {FAULT_KINDS}")
         if new.flavor not in FLAVORS:
             raise ValueError(f"flavor must be one of {FLAVORS}, not {new.flavor!r}")
-        re.compile(new.key_regex)
-        re.compile(new.latency_regex)
-        re.compile(new.always_fail or "")
-        re.compile(new.hold_regex or "")
+        for pattern in (new.key_regex, new.latency_regex, new.always_fail, new.hold_regex):
+            re.compile(pattern or "")
         return new
 
 
@@ -136,9 +127,7 @@ class _State:
         count = self.seen[path]
         self.seen[path] += 1
         kinds = cfg.fault_kinds
-        if self.always is not None and self.always.search(path):
-            return kinds[count % len(kinds)]
-        if count < cfg.fail_first_n:
+        if (self.always is not None and self.always.search(path)) or count < cfg.fail_first_n:
             return kinds[count % len(kinds)]
         if cfg.fault_rate > 0 and self.rng.random() < cfg.fault_rate:
             return self.rng.choice(kinds)
@@ -148,11 +137,10 @@ class _State:
         return self.hold is not None and method in self.config.hold_methods and bool(self.hold.search(path))
 
 
-def _without_conditions(head: bytes) -> bytes:
-    """The request's head without its conditional headers (the signature still names them: moto ignores it)."""
+def _without(head: bytes, names: tuple[bytes, ...]) -> bytes:
+    """The message's head without the headers ``names`` (lower case)."""
     lines = head.split(b"\r\n")
-    kept = [line for line in lines if line.partition(b":")[0].strip().lower() not in _CONDITIONAL_HEADERS]
-    return b"\r\n".join(kept)
+    return b"\r\n".join(line for line in lines if line.partition(b":")[0].strip().lower() not in names)
 
 
 def _header(head: bytes, name: bytes) -> bytes | None:
@@ -163,8 +151,8 @@ def _header(head: bytes, name: bytes) -> bytes | None:
     return None
 
 
-async def _read_body(reader: asyncio.StreamReader, head: bytes) -> tuple[bytes, bool]:
-    """The message body as sent (chunked bodies verbatim) and whether its end was the connection's end."""
+async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
+    """The message body as sent (chunked bodies verbatim)."""
     if b"chunked" in (_header(head, b"transfer-encoding") or b"").lower():
         parts = []
         while True:
@@ -176,12 +164,12 @@ async def _read_body(reader: asyncio.StreamReader, head: bytes) -> tuple[bytes, 
                     trailer = await reader.readuntil(b"\r\n")
                     parts.append(trailer)
                     if trailer == b"\r\n":
-                        return b"".join(parts), False
+                        return b"".join(parts)
             parts.append(await reader.readexactly(size + 2))
     length = _header(head, b"content-length")
     if length is not None:
-        return await reader.readexactly(int(length)), False
-    return b"", False
+        return await reader.readexactly(int(length))
+    return b""
 
 
 async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> _Request | None:
@@ -193,9 +181,8 @@ async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     if (_header(head, b"expect") or b"").lower() == b"100-continue":
         # answer it here: the body is read before anything is forwarded, and upstream never sees the Expect
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"expect:")]
-        head = b"\r\n".join(lines)
-    body, _ = await _read_body(reader, head)
+        head = _without(head, (b"expect",))
+    body = await _read_body(reader, head)
     connection = (_header(head, b"connection") or b"").lower()
     close = connection == b"close" or (version == "HTTP/1.0" and connection != b"keep-alive")
     return _Request(method, unquote(urlparse(target).path), head, body, close)
@@ -237,7 +224,7 @@ class _Upstream:
         elif _header(head, b"content-length") is None and _header(head, b"transfer-encoding") is None:
             body, to_eof = await reader.read(), True  # the body ends with the connection
         else:
-            body, _ = await _read_body(reader, head)
+            body = await _read_body(reader, head)
         close = to_eof or (_header(head, b"connection") or b"").lower() == b"close"
         if close:
             writer.close()
@@ -249,33 +236,23 @@ class _Upstream:
 def _error_answer(kind: str, method: str, path: str, flavor: str) -> bytes:
     status, codes = _ERRORS[kind]
     code, message = codes[flavor], _MESSAGES[kind]
-    extra = b""
+    with_body = method != "HEAD"
     if flavor == "gcs":
         error = {"code": int(status[:3]), "message": message, "errors": [{"reason": code, "message": message}]}
-        content_type, body = b"application/json", json.dumps({"error": error}).encode()
-    else:
-        content_type = b"application/xml"
-        body = (
-            f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
-            f"<Resource>{path}</Resource><RequestId>rayline-proxy</RequestId></Error>"
-        ).encode()
-        extra = (
-            b"x-ms-error-code: " + code.encode() + b"\r\n"
-            if flavor == "azure"
-            else b"x-amz-request-id: rayline-proxy\r\n"
-        )
-    head = (
-        b"HTTP/1.1 "
-        + status
-        + b"\r\nContent-Type: "
-        + content_type
-        + b"\r\n"
-        + extra
-        + b"Content-Length: "
-        + str(len(body)).encode()
-        + b"\r\n\r\n"
-    )
-    return head if method == "HEAD" else head + body
+        return _answer(status, b"application/json", json.dumps({"error": error}).encode(), with_body=with_body)
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
+        f"<Resource>{path}</Resource><RequestId>rayline-proxy</RequestId></Error>"
+    ).encode()
+    header = f"x-ms-error-code: {code}" if flavor == "azure" else "x-amz-request-id: rayline-proxy"
+    return _answer(status, b"application/xml", body, f"{header}\r\n".encode(), with_body=with_body)
+
+
+def _answer(status: bytes, content_type: bytes, body: bytes, headers: bytes = b"", with_body: bool = True) -> bytes:
+    """A whole HTTP/1.1 answer; ``headers``: more header lines, each ending in CRLF."""
+    head = b"HTTP/1.1 " + status + b"\r\nContent-Type: " + content_type + b"\r\n" + headers
+    head += b"Content-Length: %d\r\n\r\n" % len(body)
+    return head + body if with_body else head
 
 
 def _cut_short(answer: bytes) -> bytes:
@@ -294,11 +271,7 @@ def _reset(writer: asyncio.StreamWriter) -> None:
 
 
 def _json_answer(status: bytes, payload: Any) -> bytes:
-    body = json.dumps(payload).encode()
-    return (
-        b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
-        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-    )
+    return _answer(status, b"application/json", json.dumps(payload).encode())
 
 
 class Proxy:
@@ -314,26 +287,25 @@ class Proxy:
         self.released = asyncio.Event()
 
     def control(self, request: _Request) -> bytes:
-        action = request.path[len(CONTROL) :]
+        action = (request.method, request.path[len(CONTROL) :])
         try:
-            if action == "stats" and request.method == "GET":
+            if action == ("GET", "stats"):
                 return _json_answer(b"200 OK", {**self.state.stats, "config": dataclasses.asdict(self.state.config)})
-            if action == "config" and request.method == "POST":
+            if action == ("POST", "config"):
                 changes = json.loads(request.body or b"{}")
                 stats = self.state.stats
                 self.state.set(self.state.config.updated(changes))
                 self.state.stats = stats  # a new setting keeps the counts; reset zeroes them
-                return _json_answer(b"200 OK", dataclasses.asdict(self.state.config))
-            if action == "reset" and request.method == "POST":
+            elif action == ("POST", "reset"):
                 self.state.set(ProxyConfig())
                 self.release()
-                return _json_answer(b"200 OK", dataclasses.asdict(self.state.config))
-            if action == "release" and request.method == "POST":
+            elif action == ("POST", "release"):
                 self.release()
-                return _json_answer(b"200 OK", dataclasses.asdict(self.state.config))
+            else:
+                return _json_answer(b"404 Not Found", {"error": f"no control {request.method} {request.path}"})
         except (ValueError, TypeError) as exc:
             return _json_answer(b"400 Bad Request", {"error": str(exc)})
-        return _json_answer(b"404 Not Found", {"error": f"no control {request.method} {request.path}"})
+        return _json_answer(b"200 OK", dataclasses.asdict(self.state.config))
 
     async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -361,7 +333,8 @@ class Proxy:
             stats["held"] += 1
             await self.released.wait()
         if self.state.config.strip_conditional:
-            request = dataclasses.replace(request, head=_without_conditions(request.head))
+            # the signature still names them: moto ignores it
+            request = dataclasses.replace(request, head=_without(request.head, _CONDITIONAL_HEADERS))
         fault = self.state.fault_for(request.method, request.path)
         if fault is not None:
             stats["faults"] += 1

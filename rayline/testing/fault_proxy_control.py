@@ -11,6 +11,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +20,19 @@ from rayline.testing.fault_proxy import CONTROL, ProxyConfig
 SERVER = Path(__file__).with_name("fault_proxy.py")
 
 
+@dataclass(frozen=True)
 class FaultProxy:
     """A running proxy: its endpoint (what S3 clients use), its PID, and its control calls."""
 
-    def __init__(self, endpoint: str, pid: int) -> None:
-        self.endpoint = endpoint
-        self.pid = pid
+    endpoint: str
+    pid: int
 
     def _call(self, method: str, action: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
         data = json.dumps(payload).encode() if payload is not None else None
         request = urllib.request.Request(f"{self.endpoint}{CONTROL}{action}", data=data, method=method)
         with urllib.request.urlopen(request, timeout=10) as answer:
             result: dict[str, Any] = json.loads(answer.read())
-            return result
+        return result
 
     def configure(self, **changes: Any) -> dict[str, Any]:
         """Change some settings (``ProxyConfig`` fields); the counters carry on."""
@@ -56,11 +57,8 @@ def fault_proxy(upstream: str, **config: Any) -> Iterator[FaultProxy]:
 
     ProxyConfig().updated(config)  # a bad setting fails here, not in the child
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, str(SERVER), "--upstream", upstream, "--port", str(port), "--config", json.dumps(config)],
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    argv = [sys.executable, str(SERVER), "--upstream", upstream, "--port", str(port), "--config", json.dumps(config)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     try:
         wait_for_http(f"{endpoint}{CONTROL}stats")

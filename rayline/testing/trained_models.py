@@ -1,10 +1,8 @@
 """A trained classifier in seconds, for what random weights cannot show: how reduced precision changes answers.
 
-A ResNet-18 trained from scratch on scikit-learn's digits (8×8, upsampled),
-shared by tests/unit/test_execution_plan.py and bench/night_plan.py. Its
-logits have real margins; a ``weights=None`` network's are nearly tied, so
-any perturbation flips them and an accuracy gate measured on them says
-nothing. Deterministic for a seed on one machine; CPUs differ in the last
+A ResNet-18 trained from scratch on scikit-learn's digits (8×8, upsampled), shared by tests and benches. Its
+logits have real margins; a ``weights=None`` network's are nearly tied, so any perturbation flips them and an
+accuracy gate measured on them says nothing. Deterministic for a seed on one machine; CPUs differ in the last
 bits, which the margins of 60+ steps absorb.
 """
 
@@ -44,5 +42,4 @@ def digits_resnet18(
         torch.autograd.backward(loss)
         optimizer.step()
     model.eval()
-    held_out = images[TRAIN_IMAGES:].numpy(), labels[TRAIN_IMAGES:].numpy()
-    return model.to(memory_format=torch.channels_last), *held_out
+    return model.to(memory_format=torch.channels_last), images[TRAIN_IMAGES:].numpy(), labels[TRAIN_IMAGES:].numpy()
