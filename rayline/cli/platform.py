@@ -31,7 +31,7 @@ from rayline.cli.service_records import SERVICES, ServiceRecord, leader_runs, pi
 from rayline.cli.service_starts import (
     Readiness,
     Started,
-    free_port,
+    free_ports,
     http_ok,
     port_open,
     readiness,
@@ -105,6 +105,7 @@ def ray_temp_dir(state: Path) -> Path:
 
 def _ray_command(state: Path, settings: Settings) -> list[str]:
     cores = os.cpu_count() or 1
+    client, node_manager, object_manager, agent, agent_grpc, runtime_env = free_ports(6)  # distinct
     return [
         str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--disable-usage-stats",
         "--node-ip-address=127.0.0.1", f"--port={settings.ray_port}",
@@ -112,9 +113,9 @@ def _ray_command(state: Path, settings: Settings) -> list[str]:
         "--include-dashboard=true", f"--dashboard-host={settings.dashboard_host}",
         f"--dashboard-port={settings.dashboard_port}", f"--temp-dir={ray_temp_dir(state)}",
         # internal ports: free ones, so that up never clashes with another local cluster
-        f"--ray-client-server-port={free_port()}", f"--node-manager-port={free_port()}",
-        f"--object-manager-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+        f"--ray-client-server-port={client}", f"--node-manager-port={node_manager}",
+        f"--object-manager-port={object_manager}", f"--dashboard-agent-listen-port={agent}",
+        f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={runtime_env}",
         # a fixed metrics port: Prometheus needs a stable target for Ray's and Serve's own metrics
         f"--metrics-export-port={settings.ray_metrics_port}", "--min-worker-port=20000", "--max-worker-port=29999",
     ]  # fmt: skip

@@ -3,6 +3,7 @@ check that gives up early when the process exits (its log says why)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import time
@@ -76,7 +77,11 @@ def readiness(
     return lambda: wait_ready(check, until(predicate, proc, timeout_s), record, timeout_s)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports: each socket stays bound until all are chosen, since ports asked
+    for one at a time can repeat (Ray refuses a node whose two agents got one)."""
+    with contextlib.ExitStack() as bound:
+        socks = [bound.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
