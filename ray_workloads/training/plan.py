@@ -199,14 +199,10 @@ def fine_tune_plan(
 ) -> tuple[str, FineTunePlan | None]:
     """The registry name to train and, for a fine-tune, where it starts.
 
-    * ``init_from`` (``NAME@champion``, ``NAME@v3``): fine-tune that version;
-      the result is ``model_name`` or ``<parent>-ft``.
-    * otherwise, a model whose champion was fine-tuned from a parent (an
-      outside model, say) is retrained the same way: from the same parent
-      version, frozen or not as before unless ``freeze_backbone`` says. This is
-      what makes the event-triggered ``retrain`` deployment fine-tune such a
-      model instead of training its architecture from scratch.
-    * otherwise: plain training of ``model_name`` (default ``digits``).
+    * ``init_from`` (``NAME@champion``, ``NAME@v3``): fine-tune that version, as ``model_name`` or ``<parent>-ft``;
+    * else a model whose champion was fine-tuned from a parent is retrained the same way (frozen or not as
+      before unless ``freeze_backbone`` says): the ``retrain`` deployment never trains such a model from scratch;
+    * else plain training of ``model_name`` (default ``digits``).
     """
     if init_from is not None:
         parent_name, ref = registry.parse_named_ref(init_from)
@@ -231,12 +227,12 @@ def fine_tune_plan(
                 f"{name} has no fine-tuned champion to retrain from its parent"
             )
         return name, None
-    refuse_inference_only(registry.get_version(link.name, link.version))
-    frozen = link.freeze_backbone if freeze_backbone is None else freeze_backbone
+    parent = registry.get_version(link.name, link.version)
+    refuse_inference_only(parent)
     assert champion is not None  # a parent link comes from a champion
     return name, FineTunePlan(
-        parent=registry.get_version(link.name, link.version),
-        freeze_backbone=frozen,
+        parent=parent,
+        freeze_backbone=link.freeze_backbone if freeze_backbone is None else freeze_backbone,
         why=f"champion {name} v{number} was fine-tuned from {link.name} v{link.version}",
         data_source=preprocess.source_of(champion.data_manifest_uri) if champion.data_manifest_uri else None,
     )

@@ -1,15 +1,9 @@
 """Hyper-parameter search: Ray Tune with the ASHA scheduler.
 
-Each trial is a plain function trial running the same epoch loop as the
-Ray Train workers (``loop``) over the same preprocessed datasets
-(``train.dataset_for_split``): no second copy of data preparation, and no
-TorchTrainer start-up per trial. Trials checkpoint every epoch, so an
-interrupted search restores with ``Tuner.restore`` and finished trials are
-not run again.
-
-With MLflow tracking on (``MLFLOW_TRACKING_URI``), Ray's ``MLflowLoggerCallback``
-logs every trial as a run (its sampled config as params, each epoch's report
-as metrics), nested under one parent run per search in the model's experiment.
+Each trial is a function running the Ray Train workers' epoch loop (``loop``) over the same datasets
+(``train.dataset_for_split``): no second data preparation, no TorchTrainer start-up per trial. Trials
+checkpoint every epoch, so an interrupted search restores with ``Tuner.restore`` without rerunning finished
+trials. With MLflow tracking on, every trial is a run nested under one parent run per search.
 """
 
 from __future__ import annotations
@@ -156,14 +150,7 @@ class TuneResult(BaseModel):
 def loop_config(trial: dict[str, Any], base: TrainLoopConfig) -> TrainLoopConfig:
     """A trial's sampled values applied to the base training config."""
     model = base.model.model_copy(update={"arch": trial["arch"], "width": trial["width"]})
-    return base.model_copy(
-        update={
-            "model": model,
-            "lr": trial["lr"],
-            "weight_decay": trial["weight_decay"],
-            "batch_size": trial["batch_size"],
-        }
-    )
+    return base.model_copy(update={"model": model, **{k: trial[k] for k in ("lr", "weight_decay", "batch_size")}})
 
 
 def trial_fn(
@@ -223,8 +210,7 @@ class _TrialProgress(tune.Callback):
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         self.shown.add(1)
 
-    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        self.shown.add(1)
+    on_trial_error = on_trial_complete
 
 
 def tune_config(cfg: TuneJobConfig) -> tune.TuneConfig:
