@@ -54,23 +54,18 @@ def serve_rollout(
 ) -> RolloutResult:
     """Step ``candidate`` (alias or version) through the traffic ``steps`` (default 10 → 50 → 100 %).
 
-    It starts by reconciling serving with the registry: weights a rollout that did not finish (its
-    process killed, its lease expired) left on versions other than the champion go back to the
-    champion, and the result's ``reconciled`` says what was found. Each step soaks for ``soak_s``
-    seconds with canary probes from ``probe_uri`` (default: the candidate's training images, or
-    an outside model's latest night's inputs) and is judged on error rate, p95 latency and — at the
-    first step — agreement with the serving version on ``probe_images`` of those images. A failed gate rolls back
-    and fails the flow with the reason; a full pass makes the candidate
-    champion and retires the old version's deployment.
+    First, weights an unfinished rollout left on versions other than the champion go back to it (the
+    result's ``reconciled``). Each step soaks ``soak_s`` seconds with canary probes from ``probe_uri``
+    (default: the candidate's training images, or an outside model's latest night's inputs), judged on error
+    rate, p95 latency and, at the first step, agreement with the serving version on ``probe_images`` images.
+    A failed gate rolls back and fails the flow; a full pass makes the candidate champion.
 
-    The model's rollout lease is renewed every ``lease_ttl_s`` / 3 seconds: a rollout whose process
-    died is taken over ``lease_ttl_s`` after its last renewal; a second rollout waits up to
-    ``lease_wait_s`` for it.
+    The rollout lease is renewed every ``lease_ttl_s`` / 3 s; a dead rollout's is taken over ``lease_ttl_s``
+    after its last renewal, and a second rollout waits up to ``lease_wait_s`` for it.
 
-    ``require_labelled_win`` (default ``RAYLINE_REQUIRE_LABELLED_WIN``): first, under the rollout lease, the
-    labels must say the candidate beats the champion it would replace, the one its promotion is fenced on
-    (the paired test, docs/quality.md). Inconclusive moves no traffic and ends the run waiting for more
-    labels (``promoted`` false); failed fails it (``QualityGateFailed``).
+    ``require_labelled_win`` (default ``RAYLINE_REQUIRE_LABELLED_WIN``): the labels must first say the
+    candidate beats the champion it would replace (the paired test, docs/quality.md). Inconclusive moves no
+    traffic (``promoted`` false); failed raises ``QualityGateFailed``.
     """
     serve = serve_config()
     version = resolve_version_task(model_name, candidate)
@@ -131,8 +126,8 @@ def _labelled_win(version: ModelVersion, asked: bool | None, champion: int | Non
 def _roll_out(
     cfg: RolloutConfig, version: ModelVersion, serve: ServeConfig, lease: HeldLease, labelled: PairedTest | None
 ) -> RolloutResult:
-    # every traffic move carries the lease's fencing token: one paused past the lease's ttl (after its
-    # ensure_held) is refused by the control actor once the rollout that took over has moved traffic
+    # every traffic move carries the lease's fencing token: a rollout paused past the lease's ttl is refused
+    # once the rollout that took over has moved traffic
     prepared = prepare_rollout_task(version, serve, lease.fencing_token())
     if labelled is not None and prepared.champion != labelled.champion:
         # the promotion moves from the champion prepare read: the labels must have judged against that one
@@ -183,9 +178,8 @@ def _roll_out_prepared(
         raise  # rolled back already
     except AliasConflict as exc:
         if promoting:
-            # The champion moved from the version this rollout prepared against: its lease lapsed and
-            # another writer took over. Serving is that writer's now; a roll back under this rollout's
-            # stale fence would be refused, or undo the other's move.
+            # the champion moved: this rollout's lease lapsed and serving is another writer's now; a roll
+            # back under the stale fence would be refused, or undo the other's move
             raise LeaseLost(
                 f"the rollout of v{version.version} lost the champion to another writer before its move: {exc}; "
                 "serving and the champion are left as that writer set them"
@@ -198,9 +192,7 @@ def _roll_out_prepared(
         _roll_back_after_error(prepared, reports, "lost its lease", serve, promoting)
         raise
     except Exception as exc:  # whatever raised, serving must not be left half-rolled
-        # Not a failed gate: a step or the promotion raised. Left alone, the candidate would keep
-        # its weight, the next rollout would take it for the incumbent, and serving and the
-        # registry's champion would disagree.
+        # left alone, the candidate would keep its weight and serving and the registry would disagree
         _roll_back_after_error(prepared, reports, f"raised {type(exc).__name__}: {exc}", serve, promoting)
         raise
     return RolloutResult(

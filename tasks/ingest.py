@@ -30,10 +30,8 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
         f"; skipped {skipped_text(result.skipped)}: e.g. {result.skipped_examples}" if result.skipped else "",
     )
     record_lineage("ingest", result, parameters=config.model_dump(mode="json"), cached=result.cached)
-    # A new input version: say what arrived since the last one. A retried attempt finds the
-    # version its first attempt committed as "cached" and announces it too (that attempt may have
-    # failed before it did), but not a version an older run committed (announced back then); the
-    # event's id is the version's, so the server keeps one if both attempts announce it.
+    # a new input version: say what arrived. A retry announces the version its first attempt committed too
+    # (that attempt may have failed first), never an older run's; the event's id is the version's: kept once
     committed_by_this_run = (task_run.run_count or 1) > 1 and result.committed_by == holder
     if not result.cached or committed_by_this_run:
         news = ingest.arrivals_since_previous(result)

@@ -1,8 +1,7 @@
 """Prefect tasks: the model registry lookups flows make, and the MLflow mirror they keep in line.
 
-Flows reach the registry only through these, so a lookup that S3 throttles is
-retried like any stage (``rayline.tasks.common.io_task``); a missing alias or a
-malformed reference fails at once with its own message (not transient).
+Flows reach the registry only through these, so a throttled lookup is retried like any stage; a missing
+alias or a malformed reference fails at once with its own message.
 """
 
 from __future__ import annotations

@@ -17,10 +17,7 @@ from rayline.tasks.common import io_task, lease_holder, record_lineage
 @io_task("plan-training")
 def plan_training_task(request: TrainRequest) -> TrainingPlan:
     """:func:`plan_training` as this flow run: its reads get the retry policy, its skipped search is logged.
-
-    A training on the labels exports them first, with lineage from the labels imports; the flow run holds the
-    folder's lease: a retried attempt re-enters it, another run's export waits.
-    """
+    The labels export holds the folder's lease as this flow run: a retry re-enters it, another run waits."""
     exported = None
     if request.labelled:
         cfg = labelled_export(request)

@@ -1,14 +1,12 @@
 """Labels come back: a file of people's answers checked against what the model predicted, then appended.
 
 A label names a photo by ``uri`` (or ``key``, under a base prefix) and optionally the ``etag`` it saw,
-and gives a ``label`` from the model's class list (its name, or its index). It is refused, with its
-reason, when rayline never predicted that photo for the model (``unknown_uri``), when its ETag is not
-the photo's newest predicted one (``stale_etag``: the label was made for an older file), when its class
-is not one of the model's (``unknown_class``), when it has no label (``missing_label``) or a
-``labelled_at`` that is not an ISO 8601 time (``bad_labelled_at``), or when the file labels one photo
-twice differently (``conflicting``). Refused rows go to a CSV beside the import,
-with their line and reason: nothing is dropped unreported. Rows the table already holds (same photo,
-same class) count as ``already_labelled`` and are not appended again.
+and gives a ``label`` from the model's class list (its name, or its index). It is refused when rayline
+never predicted that photo for the model (``unknown_uri``), when its ETag is not the photo's newest
+predicted one (``stale_etag``), when its class is not one of the model's (``unknown_class``), when it has
+no label (``missing_label``) or a ``labelled_at`` that is not ISO 8601 (``bad_labelled_at``), or when the
+file labels one photo twice differently (``conflicting``). Refused rows go to a CSV beside the import,
+with their line and reason. Rows the table already holds (same photo, same class) are ``already_labelled``.
 
 The answer comes from the commit (:class:`rayline.tables.labels.ImportOutcome` in its info): a retry of
 the run that committed the file (``run_id``) reports what that commit added; any other run, "imported
@@ -102,11 +100,8 @@ class LabelsImportResult(BaseModel):
 
 
 def run(cfg: LabelsImportConfig) -> LabelsImportResult:
-    """Read, check and append one labels file (see the module docstring for what is refused).
-
-    A file the table holds already is reported from its commit: as this import's when the same run
-    committed it (a retry after the commit landed), else as imported before, nothing added.
-    """
+    """Read, check and append one labels file (the module docstring says what is refused and what a file the
+    table holds already answers)."""
     body = storage.read_bytes(cfg.file_uri)
     import_id = hashlib.sha256(body).hexdigest()
     rows = read_label_file(cfg.file_uri, body)
@@ -139,18 +134,8 @@ def _reported(
     """The answer a commit gives: its outcome when this run made it (in this attempt, or in one before this
     retry), else "imported before", nothing added."""
     outcome = commit.outcome
-    if outcome is not None and (not commit.already_imported or _same_run(cfg.run_id, outcome.run_id)):
-        return _answer(cfg, import_id, rows_read, outcome, labels_version=commit.version)
-    return LabelsImportResult(
-        model_name=cfg.model_name,
-        file_uri=cfg.file_uri,
-        import_id=import_id,
-        rows_read=rows_read,
-        imported=0,
-        already_imported=True,
-        labels_table_uri=labels_table.labels_uri(cfg.root),
-        labels_version=commit.version,
-    )
+    ours = outcome is not None and (not commit.already_imported or _same_run(cfg.run_id, outcome.run_id))
+    return _answer(cfg, import_id, rows_read, outcome if ours else None, labels_version=commit.version)
 
 
 def _same_run(this: str | None, committing: str | None) -> bool:
@@ -161,21 +146,20 @@ def _answer(
     cfg: LabelsImportConfig,
     import_id: str,
     rows_read: int,
-    outcome: labels_table.ImportOutcome,
+    outcome: labels_table.ImportOutcome | None,
     labels_version: int | None,
 ) -> LabelsImportResult:
+    """The result of ``outcome``; None: the file was imported before, and this run added nothing."""
+    counts = {"imported": 0} if outcome is None else outcome.model_dump(exclude={"run_id"})
     return LabelsImportResult(
         model_name=cfg.model_name,
         file_uri=cfg.file_uri,
         import_id=import_id,
         rows_read=rows_read,
-        imported=outcome.imported,
-        already_labelled=outcome.already_labelled,
-        rejected=outcome.rejected,
-        rejected_uri=outcome.rejected_uri,
+        already_imported=outcome is None,
         labels_table_uri=labels_table.labels_uri(cfg.root),
         labels_version=labels_version,
-        predictions_version=outcome.predictions_version,
+        **counts,
     )
 
 
