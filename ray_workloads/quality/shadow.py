@@ -1,16 +1,13 @@
 """A shadowed night: a second version scored in the same pass as the champion, compared with it.
 
-The predictor decodes each image once and scores it with both versions; the shadow's rows go to the
-``shadow_predictions`` table, keyed like ``predictions`` (model_name, dt; rows by URI and ETag, the
-shadow's version in ``model_version``). It is committed after the errors and before the predictions, whose
-commit stays the night's done marker: a run that dies between them left no committed night, and its rerun
-replaces the shadow's rows with its own.
+The shadow's rows go to the ``shadow_predictions`` table, keyed like ``predictions``. It is committed after
+the errors and before the predictions, whose commit stays the night's done marker: a rerun replaces the
+rows of a run that died between them.
 
 The comparison is summed block by block, so the driver holds counts, never the night's rows: each actor
-counts the block it wrote (:func:`block_counts`; a block's predictions and shadow rows are of the same
-images) and returns the counts with its block report; the driver adds them up (:class:`ShadowCounts`),
-checks them against the compacted shadow files and keeps the summary in the shadow commit's info
-(:func:`summarize`), so a retry after the commit returns it too.
+counts its block (:func:`block_counts`), the driver adds them up (:class:`ShadowCounts`), checks them
+against the compacted shadow files and keeps the summary in the shadow commit's info (:func:`summarize`),
+so a retry after the commit returns it too.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""The labelled photos as training data: each labelled photo copied under its class, ``<class>/<file>``.
+"""The labelled photos as training data: each labelled photo copied under its class, ``<class>/<file>``, in
+rayline's own ``labelled/<model>/`` (never the producers' ``raw/``), so ``train-model`` ingests them like
+``raw/`` (``train_model(labelled=True)``).
 
-The copies are laid out as training input always is, so ``train-model`` ingests them like ``raw/``: a
-retraining on labels fine-tunes the champion on them (``train_model(labelled=True)``). They live under
-rayline's own prefix, ``labelled/<model>/``, never the producers' ``raw/``.
-
-The folder is filled as every committed folder is (:func:`rayline.storage.folders.fill_once`): one export
-at a time holds its lease, reads the labels under it, writes a new generation (``gen-<fence>-<id>/``), and
-commits ``manifest.json`` (:class:`LabelledExportManifest`: the labels table version, the imports it holds,
-every copy's photo) by a compare-and-swap fenced by the lease; the generations of earlier holders are
-removed after it. So two exports never interleave: a photo relabelled between their reads ends under its
-newest class only, and the committed generation holds exactly the files its manifest names. Each copy is
-of the photo at the version it was labelled (its ETag: a photo replaced since is left out and counted);
-a copy the previous generation holds for the same label is carried over from it, so a photo removed from
-its source since keeps training. The manifest's imports are what :func:`pending_labels` counts new labels
-against.
+The folder is filled as every committed folder is (:func:`rayline.storage.folders.fill_once`): one export at
+a time holds its lease, reads the labels under it, writes a new generation and commits its manifest
+(:class:`LabelledExportManifest`) by a compare-and-swap fenced by the lease. So two exports never
+interleave: a photo relabelled between their reads ends under its newest class only. Each copy is of the
+photo at the ETag labelled (a photo replaced since is left out and counted); a copy the previous generation
+holds for the same label is carried over, so a photo removed from its source keeps training. The
+manifest's imports are what :func:`pending_labels` counts new labels against (docs/quality.md).
 """
 
 from __future__ import annotations
