@@ -1,10 +1,9 @@
 """The per-night pieces of ``nightly-inference``, and its run of a range of nights (a backfill).
 
-Not a flow: a helper module of the flows layer (a flow imports no other flow, but a module that defines
-none it may). A range submits one ``batch-inference`` task per night, at most ``max_concurrent_nights``
-at a time: each night is its own Delta commit and task run, and a night that fails (any exception, or
-over its error budget) leaves the others running. The run ends with one table artifact row per night,
-then raises :class:`~rayline.errors.NightsFailed` if any night failed, so the flow run ends Failed naming them.
+Not a flow (a flow imports no other flow). A range submits one ``batch-inference`` task per night, at most
+``max_concurrent_nights`` at a time: each night is its own commit, and a night that fails leaves the others
+running. The run ends with a table artifact row per night, then raises :class:`~rayline.errors.NightsFailed`
+if any night failed.
 """
 
 from __future__ import annotations

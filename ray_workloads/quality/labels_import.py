@@ -311,18 +311,10 @@ def _held(existing: pa.Table) -> set[tuple[str, str, int]]:
 
 
 def _labels_rows(rows: list[dict[str, Any]], cfg: LabelsImportConfig, import_id: str, now: datetime) -> pa.Table:
-    return pa.table(
-        {
-            "uri": [r["uri"] for r in rows],
-            "etag": [r["etag"] for r in rows],
-            "label": [r["label"] for r in rows],
-            "label_index": [r["label_index"] for r in rows],
-            "source": [r["source"] or cfg.source for r in rows],
-            "labelled_at": [r["labelled_at"] or now for r in rows],
-            "import_id": [import_id] * len(rows),
-            "selection": [cfg.selection] * len(rows),
-            "model_name": [cfg.model_name] * len(rows),
-        },
+    """The accepted rows as ``LABELS_SCHEMA`` rows (their ``row`` number dropped), ``cfg``'s marks on each."""
+    marks = {"import_id": import_id, "selection": cfg.selection, "model_name": cfg.model_name}
+    return pa.Table.from_pylist(
+        [{**r, "source": r["source"] or cfg.source, "labelled_at": r["labelled_at"] or now, **marks} for r in rows],
         schema=labels_table.LABELS_SCHEMA,
     )
 

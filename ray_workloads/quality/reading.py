@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from rayline.ray_workloads.quality import metrics
 from rayline.ray_workloads.quality.evidence import gate_evidence, learned_imports
-from rayline.ray_workloads.quality.paired import Evidence, PairedTest, PairedTestPolicy, Photo, holds, paired_test
+from rayline.ray_workloads.quality.paired import PairedTest, Photo, holds, paired_test
 from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE, table_uri
 from rayline.tables.labels import photos_of_imports, read_labels
 from rayline.tables.prediction_reads import committed_nights, nights_of_version
@@ -37,20 +37,6 @@ def version_rows(rows: dict[str, pa.Table], version: int) -> pa.Table:
     return pa.concat_tables([joined.filter(pc.field("model_version") == version) for joined in rows.values()])
 
 
-def compare_versions(
-    rows: dict[str, pa.Table],
-    champion: int,
-    challenger: int,
-    evidence: Evidence,
-    policy: PairedTestPolicy | None = None,
-) -> PairedTest:
-    """The paired test of ``challenger`` against ``champion`` on the labelled photos both predicted that
-    ``evidence`` counts."""
-    return paired_test(
-        version_rows(rows, champion), version_rows(rows, challenger), champion, challenger, policy, evidence
-    )
-
-
 def labelled_gate(root: str, model_name: str, champion: int, challenger: int) -> PairedTest:
     """The promotion gates' question: does ``challenger`` beat ``champion`` on the labels chosen at random that
     neither learned (served and shadow nights alike)? Passed, failed, or inconclusive: it waits for more."""
@@ -64,7 +50,12 @@ def challenger_nights(root: str, model_name: str, challenger: int) -> list[str]:
 
 
 def _gate(root: str, model_name: str, rows: dict[str, pa.Table], champion: int, challenger: int) -> PairedTest:
-    return compare_versions(rows, champion, challenger, gate_evidence(root, model_name, [champion, challenger]))
+    """The paired test of ``challenger`` against ``champion`` on the labelled photos of ``rows`` both
+    predicted that the evidence rule counts."""
+    evidence = gate_evidence(root, model_name, [champion, challenger])
+    return paired_test(
+        version_rows(rows, champion), version_rows(rows, challenger), champion, challenger, None, evidence
+    )
 
 
 def _of_nights(rows: dict[str, pa.Table], nights: list[str]) -> dict[str, pa.Table]:
@@ -75,14 +66,12 @@ def _of_nights(rows: dict[str, pa.Table], nights: list[str]) -> dict[str, pa.Tab
 def labelled_reading(
     root: str, model_name: str, classes: list[str], nights: int, champion: int, challenger: int | None
 ) -> metrics.QualityReading:
-    """Each version's labelled figures on those of the latest ``nights`` committed nights that have labels
-    chosen at random (oldest first, served and shadowed), and the promotion gate's test of ``challenger``
-    against ``champion`` (:func:`labelled_gate`: the nights the challenger predicted).
+    """Each version's labelled figures on the latest ``nights`` committed nights (oldest first, served and
+    shadowed), and the promotion gate's test of ``challenger`` against ``champion`` (:func:`labelled_gate`).
 
-    A version's figures count what the gate counts: photos drawn at random that it did not train on, so that
-    its accuracy is an estimate of its accuracy on the night, not on the photos it was unsure of (those are
-    counted in ``left_out``). Only those nights' partitions are read: what a monitor run reads stays the same
-    as nights accumulate.
+    A version's figures count what the gate counts (photos drawn at random that it did not train on; the rest
+    in ``left_out``): an estimate of its accuracy on the night, not on the photos it was unsure of. Only those
+    nights' partitions are read, so a monitor run reads the same as nights accumulate.
     """
     reported = committed_nights(root, model_name, latest=nights)
     judged = challenger_nights(root, model_name, challenger) if challenger not in (None, champion) else []

@@ -26,6 +26,7 @@ from rayline.ray_workloads.architectures.build import (
 from rayline.ray_workloads.training.request import Hyperparameters
 
 Batch = dict[str, torch.Tensor]
+EpochBatches = Callable[[int], Iterable[Batch]]
 
 
 class InitFrom(BaseModel):
@@ -136,6 +137,26 @@ def run_epoch(
     )
 
 
+def train_epochs(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainLoopConfig,
+    start_epoch: int,
+    batches: tuple[EpochBatches, EpochBatches],
+    device: torch.device,
+    drills: bool = True,
+) -> Iterator[tuple[int, EpochStats, EpochStats]]:
+    """From ``start_epoch`` on, each epoch's number and its training and validation figures (``batches``: the
+    train and val sources), after its fault drills (``drills``) and at its learning rate."""
+    train_batches, val_batches = batches
+    for epoch in range(start_epoch, cfg.epochs):
+        if drills:
+            inject_failure_if_due(cfg, epoch)
+        set_epoch_lr(optimizer, cfg, epoch)
+        train = run_epoch(model, train_batches(epoch), device, optimizer)
+        yield epoch, train, run_epoch(model, val_batches(epoch), device, whole_split=cfg.val_on_every_worker)
+
+
 def materialize(batches: Iterable[Batch]) -> Batch:
     """Concatenate a stream of batches into one in-memory batch."""
     parts: dict[str, list[torch.Tensor]] = {}
@@ -152,9 +173,6 @@ def in_memory_batches(data: Batch, batch_size: int, seed: int | None) -> Iterato
     for start in range(0, size, batch_size):
         index = order[start : start + batch_size] if order is not None else slice(start, start + batch_size)
         yield {key: value[index] for key, value in data.items()}
-
-
-EpochBatches = Callable[[int], Iterable[Batch]]
 
 
 def epoch_batches(stream: Callable[..., Iterable[Batch]], cfg: TrainLoopConfig, shuffle: bool) -> EpochBatches:

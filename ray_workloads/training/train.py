@@ -33,10 +33,8 @@ from rayline.ray_workloads.training.loop import (
     TrainLoopConfig,
     epoch_batches,
     initial_model,
-    inject_failure_if_due,
     make_optimizer,
-    run_epoch,
-    set_epoch_lr,
+    train_epochs,
 )
 from rayline.ray_workloads.training.request import TrainShape
 from rayline.storage.layout import TRAIN_RESULT_FILE, TRAIN_STATE_FILE, WEIGHTS_FILE
@@ -148,8 +146,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     cfg = TrainLoopConfig.model_validate(config)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)  # workers share few cores; more threads only contend
-    context = ray.train.get_context()
-    rank = context.get_world_rank()
+    rank = ray.train.get_context().get_world_rank()
     device = ray.train.torch.get_device()
     # Batch sources first: their first pass then runs while DDP is set up.
     train_batches = epoch_batches(ray.train.get_dataset_shard("train").iter_torch_batches, cfg, shuffle=True)
@@ -161,12 +158,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     history: list[dict[str, Any]] = list(state["history"])  # as the checkpoint keeps it
 
     attempt_started = time.time()
-    for epoch in range(start_epoch, cfg.epochs):
-        if rank == 0:
-            inject_failure_if_due(cfg, epoch)
-        set_epoch_lr(optimizer, cfg, epoch)
-        train = run_epoch(model, train_batches(epoch), device, optimizer)
-        val = run_epoch(model, val_batches(epoch), device, whole_split=cfg.val_on_every_worker)
+    batches = (train_batches, val_batches)
+    for epoch, train, val in train_epochs(model, optimizer, cfg, start_epoch, batches, device, drills=rank == 0):
         metrics = EpochMetrics(
             epoch=epoch,
             attempt_start_epoch=start_epoch,

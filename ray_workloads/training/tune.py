@@ -27,14 +27,7 @@ from rayline.lineage import DatasetRef
 from rayline.models import tracking
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model
 from rayline.ray_workloads.data import preprocess
-from rayline.ray_workloads.training.loop import (
-    TrainLoopConfig,
-    epoch_batches,
-    inject_failure_if_due,
-    make_optimizer,
-    run_epoch,
-    set_epoch_lr,
-)
+from rayline.ray_workloads.training.loop import TrainLoopConfig, epoch_batches, make_optimizer, train_epochs
 from rayline.ray_workloads.training.train import SCORE, dataset_for_split, restore_state, save_state
 
 
@@ -166,11 +159,8 @@ def trial_fn(
     state = restore_state(tune.get_checkpoint(), model, optimizer) or {"epoch": -1, "history": []}
     train_batches = epoch_batches(train_ds.iter_torch_batches, cfg, shuffle=True)
     val_batches = epoch_batches(val_ds.iter_torch_batches, cfg, shuffle=False)
-    for epoch in range(int(state["epoch"]) + 1, cfg.epochs):
-        inject_failure_if_due(cfg, epoch)
-        set_epoch_lr(optimizer, cfg, epoch)
-        train = run_epoch(model, train_batches(epoch), device, optimizer)
-        val = run_epoch(model, val_batches(epoch), device)
+    batches = (train_batches, val_batches)
+    for epoch, train, val in train_epochs(model, optimizer, cfg, int(state["epoch"]) + 1, batches, device):
         metrics = {"epoch": float(epoch), "train_loss": train.loss, "val_loss": val.loss, SCORE: val.accuracy}
         with tempfile.TemporaryDirectory() as folder:
             save_state(folder, model, optimizer, {"epoch": epoch, "history": []})
