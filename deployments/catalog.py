@@ -56,11 +56,8 @@ def _on(
     for_each: set[str] | None = None,
     **parameters: Any,
 ) -> Any:
-    """A reactive trigger: fires on the first matching event, then ignores matches for ``within``.
-
-    ``for_each``: resource labels that split the debounce (one per model: a burst from one model
-    doesn't swallow another model's event).
-    """
+    """A reactive trigger: fires on the first matching event, then ignores matches for ``within``;
+    ``for_each``: resource labels that split the debounce (a burst from one model swallows no other's)."""
     return DeploymentEventTrigger(
         name=name,
         expect={event},

@@ -61,10 +61,9 @@ def nightly_inference(
 ) -> InferenceResult | NightSkipped | BackfillResult:
     """Predict the request's night (default: yesterday, UTC), or each night of its range, and commit it.
 
-    A night fails, after committing, when more than ``max_error_fraction`` of its inputs could not be
-    predicted, and ends Completed without committing (``NightSkipped``) when another run committed it
-    meanwhile. A range returns a ``BackfillResult`` when every night committed or was skipped, and fails
-    naming the failed nights otherwise (the others stay committed).
+    A night fails, after committing, when more than ``max_error_fraction`` of its inputs failed, and ends
+    Completed without committing (``NightSkipped``) when another run committed it meanwhile. A range fails
+    naming its failed nights (the others stay committed), else returns a ``BackfillResult``.
     """
     version = _version(request)
     shadow = _shadow_version(version, request.shadow)

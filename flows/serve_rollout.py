@@ -95,16 +95,22 @@ def serve_rollout(
     return result
 
 
-def _waits_for_labels(version: ModelVersion, labelled: PairedTest) -> RolloutResult:
+def _result(
+    version: ModelVersion, incumbent: int, promoted: bool, reason: str, steps: list[StepReport] | None = None
+) -> RolloutResult:
     return RolloutResult(
         model=version.name,
         candidate=version.version,
-        incumbent=labelled.champion,
-        promoted=False,
-        reason=f"v{version.version} waits for more labels before its rollout: {labelled.describe()}",
-        steps=[],
-        labelled=labelled,
+        incumbent=incumbent,
+        promoted=promoted,
+        reason=reason,
+        steps=steps or [],
     )
+
+
+def _waits_for_labels(version: ModelVersion, labelled: PairedTest) -> RolloutResult:
+    reason = f"v{version.version} waits for more labels before its rollout: {labelled.describe()}"
+    return _result(version, labelled.champion, False, reason).model_copy(update={"labelled": labelled})
 
 
 def _labelled_win(version: ModelVersion, asked: bool | None, champion: int | None = None) -> PairedTest | None:
@@ -159,14 +165,7 @@ def _roll_out_prepared(
 ) -> RolloutResult:
     version = prepared.candidate
     if not prepared.needed:  # the champion serves all traffic (prepare reconciled any other weights)
-        return RolloutResult(
-            model=version.name,
-            candidate=version.version,
-            incumbent=version.version,
-            promoted=True,
-            reason=f"v{version.version} already serves all traffic",
-            steps=[],
-        )
+        return _result(version, version.version, True, f"v{version.version} already serves all traffic")
     reports: list[StepReport] = []
     promoting = False
     try:
@@ -195,14 +194,8 @@ def _roll_out_prepared(
         # left alone, the candidate would keep its weight and serving and the registry would disagree
         _roll_back_after_error(prepared, reports, f"raised {type(exc).__name__}: {exc}", serve, promoting)
         raise
-    return RolloutResult(
-        model=version.name,
-        candidate=prepared.candidate.version,
-        incumbent=prepared.incumbent.version,
-        promoted=True,
-        reason=f"v{prepared.candidate.version} passed {len(reports)} steps and is champion",
-        steps=reports,
-    )
+    reason = f"v{version.version} passed {len(reports)} steps and is champion"
+    return _result(version, prepared.incumbent.version, True, reason, reports)
 
 
 def _step_through(

@@ -1,9 +1,8 @@
 """Prefect tasks over the labels: one labels file checked and appended, with its lineage (``import-labels``);
 the labelled paired test the promotion gates ask.
 
-A retry of an import repeats nothing: the table holds each file's rows once (its SHA-256 is the commit's
-app id), and the refused rows' report is replaced whole. The flow run's id goes into that commit, so a
-retry after the commit landed reports what it added, and the flow announces it and records its lineage.
+A retry of an import repeats nothing: the table holds each file's rows once (its SHA-256 is the commit's app
+id), and the flow run's id in that commit makes a retry after it landed report what it added.
 """
 
 from __future__ import annotations

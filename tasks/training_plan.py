@@ -1,7 +1,5 @@
-"""Prefect task: a ``train-model`` run's plan (``rayline.ray_workloads.training.plan``), made in the flow run.
-
-A task, not flow code: the plan reads the registry and a prepared-data manifest, which flows reach only
-through tasks, and a training on the labels exports them first (with lineage from the labels imports).
+"""Prefect task: a ``train-model`` run's plan (``rayline.ray_workloads.training.plan``), made in the flow run:
+it reads the registry and a manifest, which flows reach only through tasks, and may export the labels first.
 """
 
 from __future__ import annotations

@@ -292,11 +292,8 @@ def _refusal(
 
 
 def class_index(label: str, index_of: dict[str, int], count: int) -> int | None:
-    """The class ``label`` names: a class name, or an ASCII decimal index below ``count``; None for anything else.
-
-    ``str.isdigit`` also holds for superscripts and other scripts' digits, which ``int`` refuses or reads
-    as numbers nobody typed as an index (``"²"``, full-width ``"１"``).
-    """
+    """The class ``label`` names: a class name, or an ASCII decimal index below ``count``; None for anything else
+    (not ``str.isdigit``: it holds for superscripts and other scripts' digits, ``"²"``, full-width ``"１"``)."""
     if label in index_of:
         return index_of[label]
     if label.isascii() and label.isdecimal() and int(label) < count:

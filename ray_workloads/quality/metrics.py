@@ -1,9 +1,8 @@
 """How right each version was, night by night: its predictions joined with people's labels on (URI, ETag).
 
-Per version and night: the labelled count, accuracy, recall of each class labelled there, and the
-expected calibration error (ECE: over ``ECE_BINS`` equal-width confidence bins, the gap between a bin's
-accuracy and its mean confidence, weighted by its share of the photos). A night's rows are the version
-that predicted it; a photo predicted on several nights counts on each.
+Per version and night: the labelled count, accuracy, per-class recall, and the expected calibration error
+(ECE: over ``ECE_BINS`` equal-width confidence bins, the gap between a bin's accuracy and mean confidence,
+weighted by its share). A photo predicted on several nights counts on each.
 """
 
 from __future__ import annotations
@@ -90,11 +89,8 @@ def score(predicted: np.ndarray, labels: np.ndarray, confidence: np.ndarray, cla
 def labelled_predictions(
     root: str, model_name: str, labels: pa.Table, table: str = PREDICTIONS_TABLE, nights: Sequence[str] | None = None
 ) -> pa.Table:
-    """``table``'s rows of ``model_name`` for labelled photos, each with its ``label_index``.
-
-    ``nights`` (``dt`` values) confines the read to those nights' partitions: the files of other nights are
-    never opened. None reads every night.
-    """
+    """``table``'s rows of ``model_name`` for labelled photos, each with its ``label_index``; ``nights`` (``dt``
+    values) confines the read to those nights' partitions (None: every night)."""
     uri = table_uri(root, table)
     nothing = labels.num_rows == 0 or (nights is not None and not nights)
     if nothing or not DeltaTable.is_deltatable(uri, storage_options(uri)):

@@ -106,11 +106,9 @@ def paired_test(
     policy: PairedTestPolicy | None = None,
     evidence: Evidence | None = None,
 ) -> PairedTest:
-    """The test over the labelled photos both versions predicted that ``evidence`` counts (all: None).
-
-    Each table holds one version's labelled predictions (``uri``, ``etag``, ``predicted_index``,
-    ``label_index``, and ``dt``: a photo predicted on several nights counts once, at its newest night).
-    """
+    """The test over the labelled photos both versions predicted that ``evidence`` counts (all: None). Each
+    table holds one version's labelled predictions (``uri``, ``etag``, ``predicted_index``, ``label_index``,
+    ``dt``): a photo predicted on several nights counts once, at its newest night."""
     policy = policy or PairedTestPolicy()
     a, b = _newest_per_photo(champion_rows), _newest_per_photo(challenger_rows)
     both = a.join(b, keys=["uri", "etag"], join_type="inner", left_suffix="_champion", right_suffix="_challenger")

@@ -1,10 +1,7 @@
-"""What the labels say now: each version's figures per night, served and shadowed, and the paired test.
-
-A version's rows come from ``predictions`` (the nights it served) and ``shadow_predictions`` (the nights it
-was scored beside the champion); a night whose shadow rows are some version's and whose served rows another's
-gives each its figures. The paired test takes every labelled photo both versions predicted, in either table,
-at its newest night, that the evidence rule counts (:mod:`rayline.ray_workloads.quality.evidence`), of the
-nights the challenger predicted: the gates and the monitor ask the one test.
+"""What the labels say now: each version's figures per night, served (``predictions``) and shadowed
+(``shadow_predictions``), and the paired test the gates and the monitor ask: every labelled photo both
+versions predicted, in either table, at its newest night, of the nights the challenger predicted, that the
+evidence rule counts (:mod:`rayline.ray_workloads.quality.evidence`).
 """
 
 from __future__ import annotations

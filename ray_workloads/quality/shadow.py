@@ -81,12 +81,9 @@ def class_shift(first: Counter[str], second: Counter[str]) -> float:
 
 @dataclass
 class ShadowCounts:
-    """A shadowed night's comparison in sums that add up block by block: what the driver holds of it.
-
-    A block's predictions and its shadow rows are of the same images, so the night's join on URI is the
-    sum of its blocks' joins. Confidences are summed exactly (``_UNIT_BITS``), and ``uris`` digests the
-    shadow's rows, checked against the compacted files that are committed (:func:`summarize`).
-    """
+    """A shadowed night's comparison in sums that add up block by block (a block's predictions and shadow rows
+    are of the same images): what the driver holds of it. Confidences are summed exactly (``_UNIT_BITS``);
+    ``uris`` digests the shadow's rows, checked against the committed files (:func:`summarize`)."""
 
     rows: int = 0  # the shadow's rows
     compared: int = 0  # images both versions predicted
@@ -186,11 +183,8 @@ def block_counts(predictions: pa.Table, shadow: pa.Table) -> ShadowCounts:
 def summarize(
     counts: ShadowCounts, committed: SetDigest, shadow_version: ModelVersion, table: str, inputs: int
 ) -> ShadowSummary:
-    """The night's summary from its blocks' summed counts (``table_version`` is set at the commit).
-
-    ``committed`` is the digest of the shadow rows in the files to be committed: the counts must describe
-    exactly those rows, and never more rows than the night has inputs.
-    """
+    """The night's summary from its blocks' summed counts (``table_version`` is set at the commit), which must
+    describe exactly the shadow rows of the files to commit (``committed``), and no more than ``inputs``."""
     if counts.rows > inputs:
         raise StorageError(
             f"refusing to commit: the shadow's blocks hold {counts.rows} rows, more than the night's "

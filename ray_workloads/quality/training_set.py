@@ -113,11 +113,8 @@ class _Counts:
 
 
 def run(cfg: ExportConfig) -> ExportResult:
-    """The model's labelled photos committed as one generation of its folder, or the one that holds them already.
-
-    An export that finds the folder committed at the labels version it reads reuses it; else it takes the
-    folder's lease (waiting for an export in progress) and fills a generation (:func:`_fill`).
-    """
+    """The model's labelled photos committed as one generation of its folder, or the one that holds them already
+    (committed at the labels version read); else it fills one under the folder's lease (:func:`_fill`)."""
     folder = labelled_folder(cfg.root, cfg.model_name)
     seen = labels_table.current_version(cfg.root)
     counts = _Counts()
@@ -149,11 +146,8 @@ def run(cfg: ExportConfig) -> ExportResult:
 
 
 def _fill(cfg: ExportConfig, folder: str, generation_folder: str) -> tuple[LabelledExportManifest, _Counts]:
-    """Copy the newest label of every photo into ``generation_folder``; its manifest, uncommitted.
-
-    Run while holding the folder's lease: the labels are read here, after any export before this one
-    committed, and the committed manifest is the one this export's commit replaces.
-    """
+    """Copy the newest label of every photo into ``generation_folder``; its manifest, uncommitted. Run under
+    the folder's lease: the labels are read after any export before this one committed."""
     version = labels_table.current_version(cfg.root)
     labels = labels_table.read_labels(cfg.root, cfg.model_name, version)
     _check_covers(cfg, set(labels["label"].to_pylist()))
@@ -202,10 +196,8 @@ def _check_covers(cfg: ExportConfig, labelled: set[str]) -> None:
 
 
 def _copy(folder: str, sources: Mapping[str, tuple[str, str | None]], concurrency: int) -> set[str]:
-    """Copy each source (copy name → its URI, and the version it must be read at; None: any) into ``folder``.
-
-    Returns the names not copied: their source was replaced (another version) or cannot be read.
-    """
+    """Copy each source (copy name → its URI, and the version it must be read at; None: any) into ``folder``;
+    the names not copied: their source was replaced (another version) or cannot be read."""
     failed: set[str] = set()
     names = list(sources)
     for start in range(0, len(names), FETCH_BATCH):

@@ -1,8 +1,6 @@
 """Where a train-model run starts and what it runs: :func:`plan_training` turns a :class:`TrainRequest` and the
-registry into a :class:`TrainingPlan`, which makes each step's config. The flow only composes the steps.
-
-The plan reads the registry (the parent, the champion and its parent link) and a prepared-data manifest: in
-a flow run it is made in a task (``rayline.tasks.training_plan``), with the retry policy of any read.
+registry into a :class:`TrainingPlan`, which makes each step's config; the flow only composes the steps. It
+reads the registry and a manifest, so a flow run makes it in a task (``rayline.tasks.training_plan``).
 """
 
 from __future__ import annotations
@@ -145,10 +143,7 @@ def labelled_export(request: TrainRequest) -> ExportConfig:
 
 def plan_training(request: TrainRequest, exported: ExportResult | None = None) -> TrainingPlan:
     """The plan of ``request``: the registry name, the fine-tune (if any), the source, the image spec and the loop.
-
-    ``exported``: the labelled photos of a training on the labels (``request.labelled``): its champion is
-    fine-tuned on them (trained anew when it has none).
-    """
+    ``exported``: the labelled photos its champion is fine-tuned on (``request.labelled``; anew with none)."""
     name, init_from = request.model_name, request.init_from
     if exported is not None:
         name = exported.model_name

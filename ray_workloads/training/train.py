@@ -221,11 +221,8 @@ def run_folder(cfg: TrainConfig) -> str:
 
 
 def finished_result(cfg: TrainConfig) -> TrainResult | None:
-    """The result of this run if it already finished with the same data and loop, its best weights still there.
-
-    Ray Train would resume it at its last epoch and train none, after starting a whole worker group; the
-    compute shape does not change what a finished run produced.
-    """
+    """The result of this run if it already finished with the same data and loop, its best weights still there
+    (Ray Train would start a whole worker group to train none); the compute shape changes no result."""
     uri = storage.join(run_folder(cfg), TRAIN_RESULT_FILE)
     if not storage.exists(uri):
         return None

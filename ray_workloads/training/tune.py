@@ -204,11 +204,8 @@ class _TrialProgress(tune.Callback):
 
 
 def tune_config(cfg: TuneJobConfig) -> tune.TuneConfig:
-    """ASHA over ``cfg.num_samples`` seeded variants, at most ``cfg.max_concurrent_trials`` at a time.
-
-    The limit sits on the variant generator: beside a generator of one's own, Ray ignores TuneConfig's
-    ``max_concurrent_trials`` with only a log line, and every trial would run at once.
-    """
+    """ASHA over ``cfg.num_samples`` seeded variants, at most ``cfg.max_concurrent_trials`` at a time: a limit
+    on the variant generator, as beside one Ray ignores TuneConfig's ``max_concurrent_trials``."""
     return tune.TuneConfig(
         metric=SCORE,
         mode="max",
