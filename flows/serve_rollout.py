@@ -69,8 +69,7 @@ def serve_rollout(
     """
     serve = serve_config()
     version = resolve_version_task(model_name, candidate)
-    # held across every task of the rollout, not in one; the labels judge the candidate inside it, against the
-    # champion its promotion will move from (no other writer moves the champion while the lease is held)
+    # held across every task of the rollout: the labels judge against the champion the promotion moves from
     with rollout_lease(model_name, lease_wait_s, lease_ttl_s) as lease:
         labelled = _labelled_win(version, require_labelled_win)
         if labelled is not None and labelled.outcome != "passed":
@@ -132,8 +131,7 @@ def _labelled_win(version: ModelVersion, asked: bool | None, champion: int | Non
 def _roll_out(
     cfg: RolloutConfig, version: ModelVersion, serve: ServeConfig, lease: HeldLease, labelled: PairedTest | None
 ) -> RolloutResult:
-    # every traffic move carries the lease's fencing token: a rollout paused past the lease's ttl is refused
-    # once the rollout that took over has moved traffic
+    # every traffic move carries the lease's fencing token: refused once a rollout that took over moved traffic
     prepared = prepare_rollout_task(version, serve, lease.fencing_token())
     if labelled is not None and prepared.champion != labelled.champion:
         # the promotion moves from the champion prepare read: the labels must have judged against that one

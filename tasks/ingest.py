@@ -30,8 +30,7 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
         f"; skipped {skipped_text(result.skipped)}: e.g. {result.skipped_examples}" if result.skipped else "",
     )
     record_lineage("ingest", result, parameters=config.model_dump(mode="json"), cached=result.cached)
-    # a new input version: say what arrived. A retry announces the version its first attempt committed too
-    # (that attempt may have failed first), never an older run's; the event's id is the version's: kept once
+    # a new input version: say what arrived (a retry too, for its first attempt's version; the event id keeps one)
     committed_by_this_run = (task_run.run_count or 1) > 1 and result.committed_by == holder
     if not result.cached or committed_by_this_run:
         news = ingest.arrivals_since_previous(result)

@@ -134,12 +134,9 @@ def _reported(
     """The answer a commit gives: its outcome when this run made it (in this attempt, or in one before this
     retry), else "imported before", nothing added."""
     outcome = commit.outcome
-    ours = outcome is not None and (not commit.already_imported or _same_run(cfg.run_id, outcome.run_id))
+    same_run = outcome is not None and cfg.run_id is not None and cfg.run_id == outcome.run_id  # None: no run
+    ours = outcome is not None and (not commit.already_imported or same_run)
     return _answer(cfg, import_id, rows_read, outcome if ours else None, labels_version=commit.version)
-
-
-def _same_run(this: str | None, committing: str | None) -> bool:
-    return this is not None and this == committing  # outside a run, every call is one of its own
 
 
 def _answer(

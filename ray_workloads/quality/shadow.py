@@ -66,8 +66,7 @@ class ShadowSummary(BaseModel):
 
 
 _COLUMNS = ["uri", "predicted_class", "confidence"]
-# A float32 value is a whole multiple of 2**-149 (its smallest step): confidences summed as such integers add
-# up exactly, so the night's figures are the same whatever the order its blocks are summed in.
+# a float32 is a whole multiple of 2**-149: summed as such integers, confidences add up alike in any order
 _UNIT_BITS = 149
 
 

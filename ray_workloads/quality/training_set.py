@@ -31,8 +31,7 @@ from rayline.storage.layout import LABELLED_DIR
 from rayline.storage.manifests import LabelledCopy, LabelledExportManifest
 from rayline.tables import labels as labels_table
 
-# the manifest of a folder laid out without generations (<class>/ beside it): its imports count until the
-# first generation's commit removes it
+# a folder laid out without generations keeps its imports here until the first generation's commit
 LEGACY_EXPORT_MANIFEST = "_export.json"
 FETCH_BATCH = 256
 

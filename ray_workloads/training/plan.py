@@ -154,6 +154,9 @@ def plan_training(request: TrainRequest, exported: ExportResult | None = None) -
     check_input_apart_from_checkpoints(source, "source_uri")
     model = fine_tune.parent.model_spec if fine_tune else ModelSpec(arch=request.arch or SMALL_CNN, width=request.width)
     init = fine_tune.init() if fine_tune else None
+    labels = (
+        TrainingLabels(labels_version=exported.labels_version, import_ids=exported.import_ids) if exported else None
+    )
     return TrainingPlan(
         request=request,
         name=name,
@@ -161,11 +164,7 @@ def plan_training(request: TrainRequest, exported: ExportResult | None = None) -
         image=fine_tune.parent.image_spec if fine_tune else squash(DIGITS_IMAGE_SIZE),
         loop=TrainLoopConfig(model=model, init=init, **_fields_of(Hyperparameters, request)),
         fine_tune=fine_tune,
-        trained_on_labels=(
-            TrainingLabels(labels_version=exported.labels_version, import_ids=exported.import_ids)
-            if exported is not None
-            else None
-        ),
+        trained_on_labels=labels,
         labelled_root=root_uri() if labelled_win_required(request.require_labelled_win) else None,
     )
 

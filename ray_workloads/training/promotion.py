@@ -132,11 +132,10 @@ def run(cfg: PromotionConfig) -> PromotionResult:
     decision, moves, labelled = gate_and_move(
         cfg.name, version, answers, cfg, champion_wait_s=cfg.champion_wait_s, labelled_root=cfg.labelled_root
     )
-    alias = moves[0].alias if moves else None
     return PromotionResult(
         version=version,
         decision=decision,
-        alias=alias,
+        alias=moves[0].alias if moves else None,
         moves=moves,
         champion=registry.alias_version(cfg.name, registry.CHAMPION),
         checkpoint_uri=trained.checkpoint_uri,

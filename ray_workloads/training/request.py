@@ -110,8 +110,7 @@ class TrainTarget(BaseModel):
         return self
 
 
-# The groups in reverse: pydantic lists the fields of the last base first, so a form or --help starts with
-# what is trained and ends with the gate.
+# the groups in reverse: pydantic lists the last base's fields first, so --help starts with what is trained
 class TrainRequest(GateOptions, TrainShape, Hyperparameters, TrainTarget):
     """One train-model run: what to train (a fine-tune, a search), its hyper-parameters, compute and gate."""
 

@@ -95,8 +95,7 @@ class TrainResult(BaseModel):
         return [DatasetRef(uri=self.checkpoint_uri, facets={"metrics": self.metrics})]
 
 
-# Splits with fewer rows are read by the driver in one go and handed to Ray Data
-# as in-memory blocks: a streaming read pipeline costs seconds to start per split.
+# smaller splits are read by the driver into in-memory blocks: a streaming read costs seconds to start
 SMALL_SPLIT_ROWS = 50_000
 
 
