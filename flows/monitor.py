@@ -38,17 +38,11 @@ from rayline.tasks.registry_lookups import alias_version_task, reconcile_mirror_
 class MonitorResult(BaseModel):
     serving: mon.ServingHealth | None
     partitions: list[mon.PartitionDrift]
-    quality: list[NightQuality] = Field(
-        default_factory=list, description="Each version's labelled figures on those of the latest nights with labels."
-    )
+    quality: list[NightQuality] = Field(default_factory=list, description="Each version's labelled figures.")
     paired: PairedTest | None = Field(None, description="The challenger against the champion on labelled photos.")
-    shadows: dict[str, ShadowSummary] = Field(
-        default_factory=dict, description="By night: the version scored in its shadow, against the champion."
-    )
+    shadows: dict[str, ShadowSummary] = Field(default_factory=dict, description="By night: its shadow's comparison.")
     metrics_uri: str
-    files_vacuumed: int | None = Field(
-        None, description="Files the vacuum of the night tables deleted; None: none ran."
-    )
+    files_vacuumed: int | None = Field(None, description="Files the vacuum deleted; None: none ran.")
     vacuum_retention_hours: int | None = None
 
     @property

@@ -51,14 +51,10 @@ class LabelsImportConfig(BaseModel):
     key_base: str = Field(description="What a ``key`` column is relative to (default <storage>/incoming).")
     source: str | None = Field(None, description="Who labelled, for rows without a ``source`` column.")
     selection: Literal["random"] | None = Field(
-        None,
-        description="random: the file's photos were chosen uniformly at random, whatever the models answered, so "
-        "its labels may judge a challenger (docs/quality.md); a queue's random draw needs no saying.",
+        None, description="random: the photos were chosen whatever the models answered, so may judge a challenger."
     )
     run_id: str | None = Field(
-        None,
-        description="The run importing (a Prefect flow run id): a retry within it reports what its first attempt "
-        "committed; None: every call is a run of its own.",
+        None, description="The importing flow run: a retry within it reports what its first attempt committed."
     )
 
     @field_validator("file_uri", "root", "key_base")

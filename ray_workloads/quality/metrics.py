@@ -40,9 +40,7 @@ class NightQuality(Quality):
     model_version: int
     dt: str
     table: str = Field(PREDICTIONS_TABLE, description="The table its predictions are in.")
-    left_out: int = Field(
-        0, description="Labelled photos of the night not counted: chosen by their answers, or trained on (evidence)."
-    )
+    left_out: int = Field(0, description="Labelled photos of the night not counted: not evidence (evidence.py).")
 
     @property
     def role(self) -> str:

@@ -52,15 +52,9 @@ class QueueConfig(BaseModel):
     dt: str = Field(description="The night to choose from.")
     budget: int = Field(ge=1, description="Photos to queue, at most.")
     reference_counts: dict[str, int] = Field(default_factory=dict, description="Class counts to judge drift by.")
-    weights: tuple[float, float, float] = Field(
-        (0.5, 0.3, 0.2), description="Of uncertainty, disagreement and drift in a photo's priority."
-    )
+    weights: tuple[float, float, float] = Field((0.5, 0.3, 0.2), description="Of uncertainty, disagreement, drift.")
     random_share: float = Field(
-        0.2,
-        ge=0,
-        le=1,
-        description="Share of the budget drawn uniformly at random from the night's photos: the only labels the "
-        "promotion gate counts (docs/quality.md).",
+        0.2, ge=0, le=1, description="Share of the budget drawn at random: the only labels the promotion gate counts."
     )
 
     @property

@@ -46,9 +46,7 @@ class ShadowSummary(BaseModel):
     agreement: float = Field(description="Share of compared images where both predicted the same class.")
     mean_confidence: float = Field(description="The champion's mean top-1 confidence over the compared images.")
     shadow_mean_confidence: float
-    class_shift: float = Field(
-        description="Total variation distance between the two versions' predicted-class distributions (0..1)."
-    )
+    class_shift: float = Field(description="Total variation distance of the two predicted-class distributions.")
     class_counts: dict[str, int] = Field(default_factory=dict, description="The champion's predictions per class.")
     shadow_class_counts: dict[str, int] = Field(default_factory=dict)
 

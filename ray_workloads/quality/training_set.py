@@ -40,18 +40,14 @@ class ExportConfig(folders.LeasedOutput):
     root: str = Field(description="The storage root: the labels table and the labelled folder live there.")
     model_name: str
     io_concurrency: int = Field(32, ge=1)
-    classes: list[str] = Field(
-        default_factory=list, description="Classes the labelled photos must all cover: the model's (its champion's)."
-    )
+    classes: list[str] = Field(default_factory=list, description="Classes the labelled photos must all cover.")
     # below the export task's five-minute limit, so a run that waits too long fails naming the holder instead
     lease_wait_s: float = Field(240.0, ge=0, description="How long to wait for another export of the model.")
 
 
 class ExportResult(BaseModel):
     model_name: str
-    folder: str = Field(
-        description="The committed generation of labelled/<model>/: a training source (<class>/<file>)."
-    )
+    folder: str = Field(description="The committed generation of labelled/<model>/: <class>/<file>.")
     manifest_uri: str = Field(description="labelled/<model>/manifest.json, which commits that generation.")
     labels_table: str
     labels_version: int | None = Field(description="The labels table version exported.")

@@ -40,9 +40,7 @@ class EvaluationResult(BaseModel):
     confusion: list[list[int]]
     report_uri: str | None = None
     confusion_png_uri: str | None = None
-    answers_uri: str | None = Field(
-        None, description="Its answers on the split, image by image (key, etag, truth, prediction): a Parquet file."
-    )
+    answers_uri: str | None = Field(None, description="Its answers on the split, image by image (Parquet).")
 
     def lineage_inputs(self) -> list[DatasetRef]:
         """The weights evaluated and the preprocessed data holding the split."""

@@ -46,16 +46,11 @@ class PromotionConfig(GateOptions):
     trained: TrainResult
     evaluation: evaluate.EvaluationResult
     parent: ParentModel | None = Field(None, description="The version a fine-tune started from.")
-    trained_on_labels: registry.TrainingLabels | None = Field(
-        None, description="The labels imports its training photos came from (a training on the labels)."
-    )
+    trained_on_labels: registry.TrainingLabels | None = Field(None, description="The labels imports it learned.")
     code_version: str = "unknown"
     flow_run_id: str | None = None
     idempotency_key: str | None = Field(None, description="The same in every attempt: a retry registers nothing new.")
-    champion_wait_s: float = Field(
-        600.0,
-        description="How long a champion move waits for a running rollout of the model to end (then judges again).",
-    )
+    champion_wait_s: float = Field(600.0, description="How long a champion move waits for a running rollout.")
     labelled_root: str | None = Field(
         None,
         description="Where the labels and nights are: the champion then moves only on a labelled win (the paired "

@@ -55,9 +55,7 @@ class TuneJobConfig(BaseModel):
     cpus_per_trial: float = Field(0.5, ge=0.1, description="Tune refuses 0; 0.1 is the floor.")
     max_concurrent_trials: int | None = Field(None, ge=1)
     seed: int = 0
-    tracking_experiment: str | None = Field(
-        None, description="MLflow experiment of the trials (with MLFLOW_TRACKING_URI set); default experiment_name."
-    )
+    tracking_experiment: str | None = Field(None, description="MLflow experiment of the trials (experiment_name).")
 
 
 log = logging.getLogger(__name__)
