@@ -70,9 +70,8 @@ def night_outcome(dt: str, value: NightValue | Exception, max_error_fraction: fl
         check_error_budget(value, max_error_fraction)
     except ErrorBudgetExceeded as exc:  # committed, yet failed: the budget is judged per night
         return NightOutcome(dt=dt, state="failed", message=f"{type(exc).__name__}: {exc}", **counts)
-    return NightOutcome(
-        dt=dt, state="committed", message="replaced an earlier commit" if value.replaced else "", **counts
-    )
+    replaced = "replaced an earlier commit" if value.replaced else ""
+    return NightOutcome(dt=dt, state="committed", message=replaced, **counts)
 
 
 def _run_nights(configs: Sequence[InferenceConfig], width: int) -> dict[str, NightValue | Exception]:

@@ -20,11 +20,6 @@ def vacuum_tables_task(root: str, retention_hours: int) -> int:
     removed = vacuum_tables(root, retention_hours, dry_run=False)
     for table, files in removed.items():
         shown = ", ".join(files[:_LOGGED_FILES]) + (", …" if len(files) > _LOGGED_FILES else "")
-        logger.info(
-            "vacuumed %s (retention %d h): %d files deleted%s",
-            table,
-            retention_hours,
-            len(files),
-            f": {shown}" if files else "",
-        )
+        listed = f": {shown}" if files else ""
+        logger.info("vacuumed %s (retention %d h): %d files deleted%s", table, retention_hours, len(files), listed)
     return sum(len(files) for files in removed.values())

@@ -59,13 +59,8 @@ def rollout_step_task(
         model=prepared.candidate.name,
         fence=prepared.fence,
     )
-    get_run_logger().info(
-        "v%d at %g%%: %s — %s",
-        prepared.candidate.version,
-        weight,
-        "passed" if report.passed else "FAILED",
-        report.reason,
-    )
+    verdict = "passed" if report.passed else "FAILED"
+    get_run_logger().info("v%d at %g%%: %s — %s", prepared.candidate.version, weight, verdict, report.reason)
     return report
 
 

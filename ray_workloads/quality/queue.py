@@ -226,12 +226,8 @@ def select(
             inclusion_probability=draw.inclusion_probability if selection == "random" else 1.0,
         )
 
-    first_random = len(targeted)
-    picks = interleave(
-        [queued(k, "targeted") for k in range(first_random)],
-        [queued(k, "random") for k in range(first_random, len(chosen))],
-    )
-    return picks, draw
+    drawn_picks = [queued(k, "random") for k in range(len(targeted), len(chosen))]
+    return interleave([queued(k, "targeted") for k in range(len(targeted))], drawn_picks), draw
 
 
 def interleave(targeted: list[QueuedPhoto], drawn: list[QueuedPhoto]) -> list[QueuedPhoto]:

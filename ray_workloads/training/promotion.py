@@ -52,9 +52,7 @@ class PromotionConfig(GateOptions):
     idempotency_key: str | None = Field(None, description="The same in every attempt: a retry registers nothing new.")
     champion_wait_s: float = Field(600.0, description="How long a champion move waits for a running rollout.")
     labelled_root: str | None = Field(
-        None,
-        description="Where the labels and nights are: the champion then moves only on a labelled win (the paired "
-        "test passed); inconclusive makes the candidate challenger until labels decide, failed refuses it.",
+        None, description="Where the labels are: the champion then moves only on a labelled win (_labelled_alias)."
     )
 
 
