@@ -134,8 +134,7 @@ def deployment_table() -> list[DeploymentSpec]:
 
 
 def _retrain_deployment(train_model: Flow[..., Any]) -> DeploymentSpec:
-    """Train on labelled data that arrived, fine-tune the champion on enough labels that came back, or
-    retrain a model that drifted."""
+    """Train on labelled data, fine-tune the champion on enough new labels, or retrain a model that drifted."""
     model = "{{ event.payload.model }}"
     retrain_label = {events.RETRAIN_LABEL: "true"}
     triggers = [

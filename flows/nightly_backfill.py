@@ -31,8 +31,7 @@ NightValue = InferenceResult | NightSkipped
 
 
 def night_config(request: NightRequest, day: date, model: ModelVersion, shadow: ModelVersion | None) -> InferenceConfig:
-    """One night's workload config: the night's arrivals through ``model`` (and ``shadow``, scored beside it), in
-    the request's shape, committed under the storage root."""
+    """One night's workload config: its arrivals through ``model`` (and ``shadow`` beside it), committed."""
     run_id = flow_run.get_id()
     return InferenceConfig(
         input_uri=request.input_for(day, root_uri()),

@@ -146,8 +146,7 @@ def _roll_out(
 
 
 def _judged_again(prepared: PreparedRollout, serve: ServeConfig) -> PairedTest | None:
-    """The labels' test against the champion the rollout prepared against; the candidate's deployment goes
-    again unless it passes."""
+    """The labels' test against the champion prepared against; the candidate's deployment goes unless it passes."""
     try:
         test = _labelled_win(prepared.candidate, True, prepared.champion)
     except QualityGateFailed:
@@ -219,8 +218,7 @@ def _step_through(
 def _roll_back_after_error(
     prepared: PreparedRollout, reports: list[StepReport], what: str, serve: ServeConfig, promoting: bool
 ) -> None:
-    """All traffic back on the incumbent, unless this rollout's promotion already landed in the
-    registry (then the candidate is champion and serving it is what agrees with the registry)."""
+    """All traffic back on the incumbent, unless this rollout's promotion landed (serving the candidate agrees)."""
     cand = prepared.candidate
     if promoting and alias_version_task(cand.name, CHAMPION) == cand.version:
         return

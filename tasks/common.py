@@ -115,8 +115,7 @@ def run_context() -> RunContext:
 
 @dataclass
 class _StageRun:
-    """The task running now: its OpenLineage run, when it started, its Ray connection, and the datasets
-    its lineage records named."""
+    """The task running now: its OpenLineage run, start, Ray connection and the datasets its records named."""
 
     identity: openlineage_events.RunIdentity
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))

@@ -49,8 +49,7 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
 
 
 def data_arrived(arrivals: ingest.Arrivals, may_retrain: bool = True, idempotency_key: str | None = None) -> bool:
-    """Announce new objects under a prefix; True when they are enough to retrain on (never with ``may_retrain``
-    False: the caller trains on them)."""
+    """Announce new objects under a prefix; True when enough to retrain on (never when not ``may_retrain``)."""
     eligible = may_retrain and arrivals.new_labelled >= get_settings().retrain_min_new_labelled
     emit(
         events.DATA_ARRIVED,

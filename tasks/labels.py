@@ -17,8 +17,7 @@ from rayline.tasks.common import emit, io_task, record_lineage, run_context
 
 @io_task("import-labels")
 def import_labels_task(cfg: labels_import.LabelsImportConfig) -> labels_import.LabelsImportResult:
-    """``labels_import.run`` as this flow run; lineage from the file (and the predictions it was checked
-    against) to the table."""
+    """``labels_import.run`` as this flow run, with lineage from the file (and predictions checked) to the table."""
     result = labels_import.run(cfg.model_copy(update={"run_id": cfg.run_id or run_context().flow_run_id}))
     if result.imported:
         record_lineage("import-labels", result, parameters={"model_name": cfg.model_name, "source": cfg.source})

@@ -15,8 +15,7 @@ from rayline.tasks.common import DEFAULT_TIMEOUT_S, io_task
 
 @io_task("parse-model-ref")
 def parse_model_ref_task(text: str, default_name: str) -> tuple[str, str]:
-    """``registry.parse_ref``: (name, alias or version). A task, as a bare word is looked up in the
-    registry (an alias of ``default_name``, or another model's name)."""
+    """``registry.parse_ref``: (name, alias or version); a task, as a bare word is looked up in the registry."""
     return registry.parse_ref(text, default_name)
 
 

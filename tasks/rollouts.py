@@ -20,8 +20,7 @@ LEASE_TTL_S = 300.0
 
 @io_task("rollout-probe-source")
 def probe_source_task(version: ModelVersion) -> str:
-    """Where canary probes come from when none are named: ``version``'s training prefix, or an outside
-    model's latest night's inputs (``default_probe_source``)."""
+    """Where canary probes come from by default: ``version``'s training prefix, or its latest night's inputs."""
     return default_probe_source(version, storage.storage_root())
 
 
@@ -53,7 +52,6 @@ def rollout_lease(model_name: str, wait_s: float, ttl_s: float = LEASE_TTL_S) ->
 
 @io_task("rollout-lease-holder")
 def another_rollout_holds_task(model_name: str, holder: str) -> bool:
-    """Whether the rollout lease that ``holder`` lost is live in another run's hands (a takeover after
-    expiry), rather than lost to a storage error with nobody else rolling out."""
+    """Whether the lease ``holder`` lost is live in another run's hands (a takeover), not lost to a storage error."""
     current = leases.read(registry.rollout_lease_uri(model_name))
     return current is not None and current.is_live() and current.holder != holder

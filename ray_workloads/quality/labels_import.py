@@ -96,8 +96,7 @@ class LabelsImportResult(BaseModel):
 
 
 def run(cfg: LabelsImportConfig) -> LabelsImportResult:
-    """Read, check and append one labels file (the module docstring says what is refused and what a file the
-    table holds already answers)."""
+    """Read, check and append one labels file (the module docstring says what is refused)."""
     body = storage.read_bytes(cfg.file_uri)
     import_id = hashlib.sha256(body).hexdigest()
     rows = read_label_file(cfg.file_uri, body)
@@ -127,8 +126,7 @@ def run(cfg: LabelsImportConfig) -> LabelsImportResult:
 def _reported(
     cfg: LabelsImportConfig, import_id: str, rows_read: int, commit: labels_table.LabelsCommit
 ) -> LabelsImportResult:
-    """The answer a commit gives: its outcome when this run made it (in this attempt, or in one before this
-    retry), else "imported before", nothing added."""
+    """The answer a commit gives: its outcome when this run made it (now or before this retry), else none added."""
     outcome = commit.outcome
     same_run = outcome is not None and cfg.run_id is not None and cfg.run_id == outcome.run_id  # None: no run
     ours = outcome is not None and (not commit.already_imported or same_run)

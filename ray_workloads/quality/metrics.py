@@ -132,8 +132,7 @@ def night_quality(
     table: str = PREDICTIONS_TABLE,
     left_out: Mapping[tuple[int, str], int] | None = None,
 ) -> list[NightQuality]:
-    """Each (version, night) of ``joined`` (:func:`labelled_predictions`), oldest night first; ``left_out``:
-    the labelled photos of each (version, night) that were not counted."""
+    """Each (version, night) of ``joined``, oldest night first; ``left_out``: each one's photos not counted."""
     keys = set(zip(joined["model_version"].to_pylist(), joined["dt"].to_pylist(), strict=True))
     return [
         NightQuality(

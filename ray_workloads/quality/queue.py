@@ -240,8 +240,7 @@ def interleave(targeted: list[QueuedPhoto], drawn: list[QueuedPhoto]) -> list[Qu
 
 
 def choose(cfg: QueueConfig) -> tuple[list[QueuedPhoto], RandomDraw, int, int, bool]:
-    """The queued photos, the night's random draw, its unlabelled photos, those labelled already, and whether
-    it was shadowed."""
+    """The queued photos, the draw, the night's unlabelled and labelled counts, and whether it was shadowed."""
     night = read_night(table_uri(cfg.root, PREDICTIONS_TABLE), cfg.model_name, cfg.dt)
     if night.num_rows == 0 and cfg.dt not in committed_nights(cfg.root, cfg.model_name):
         latest = ", ".join(committed_nights(cfg.root, cfg.model_name, 5)) or "none"

@@ -23,8 +23,7 @@ TABLES = (PREDICTIONS_TABLE, SHADOW_TABLE)
 
 
 def labelled_rows(root: str, model_name: str, nights: Sequence[str] | None = None) -> dict[str, pa.Table]:
-    """Each table's labelled predictions of ``model_name`` (:func:`metrics.labelled_predictions`), of ``nights``
-    only when given."""
+    """Each table's labelled predictions of ``model_name`` (of ``nights`` only, when given)."""
     labels = read_labels(root, model_name)
     return {table: metrics.labelled_predictions(root, model_name, labels, table, nights) for table in TABLES}
 
@@ -35,8 +34,7 @@ def version_rows(rows: dict[str, pa.Table], version: int) -> pa.Table:
 
 
 def labelled_gate(root: str, model_name: str, champion: int, challenger: int) -> PairedTest:
-    """The promotion gates' question: does ``challenger`` beat ``champion`` on the labels chosen at random that
-    neither learned (served and shadow nights alike)? Passed, failed, or inconclusive: it waits for more."""
+    """Does ``challenger`` beat ``champion`` on the random labels neither learned? Passed, failed, or inconclusive."""
     nights = challenger_nights(root, model_name, challenger)
     return _gate(root, model_name, labelled_rows(root, model_name, nights), champion, challenger)
 
@@ -47,8 +45,7 @@ def challenger_nights(root: str, model_name: str, challenger: int) -> list[str]:
 
 
 def _gate(root: str, model_name: str, rows: dict[str, pa.Table], champion: int, challenger: int) -> PairedTest:
-    """The paired test of ``challenger`` against ``champion`` on the labelled photos of ``rows`` both
-    predicted that the evidence rule counts."""
+    """The paired test of ``challenger`` against ``champion`` on ``rows`` that the evidence rule counts."""
     evidence = gate_evidence(root, model_name, [champion, challenger])
     return paired_test(
         version_rows(rows, champion), version_rows(rows, challenger), champion, challenger, None, evidence
@@ -87,8 +84,7 @@ def labelled_reading(
 
 
 def _counted_rows(root: str, model_name: str, joined: pa.Table, random: frozenset[Photo]) -> pa.Table:
-    """``joined``'s rows the gate would count for the version that predicted each: drawn at random, and not
-    a photo that version learned."""
+    """``joined``'s rows the gate counts: drawn at random, and not learned by the version that predicted them."""
     parts = []
     for version in sorted(set(joined["model_version"].to_pylist())):
         own = joined.filter(pc.field("model_version") == version)

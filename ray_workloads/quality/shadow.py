@@ -136,8 +136,7 @@ class ShadowCounts:
 
 
 def exact_units(values: np.ndarray) -> tuple[int, bool]:
-    """The exact sum of float32 ``values`` in units of 2**-149, and whether every value was finite (the
-    non-finite ones are left out of the sum)."""
+    """The exact sum of the finite float32 ``values`` in units of 2**-149, and whether every value was finite."""
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
     exponent = (bits >> 23) & 0xFF
     finite = exponent != 0xFF
@@ -157,8 +156,7 @@ def _class_counts(column: pa.ChunkedArray) -> dict[str, int]:
 
 
 def block_counts(predictions: pa.Table, shadow: pa.Table) -> ShadowCounts:
-    """One block's :class:`ShadowCounts`: its predictions joined with its shadow rows on URI (an image one
-    version failed on is in one table only, and compared by neither)."""
+    """One block's :class:`ShadowCounts`: its predictions and shadow rows joined on URI (images both predicted)."""
     champion, shadowed = predictions.select(_COLUMNS), shadow.select(_COLUMNS)
     joined = champion.join(shadowed, "uri", right_suffix="_shadow", join_type="inner")
     same = pc.sum(pc.equal(joined["predicted_class"], joined["predicted_class_shadow"])).as_py() or 0

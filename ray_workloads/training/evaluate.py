@@ -43,11 +43,9 @@ class EvaluationResult(BaseModel):
     answers_uri: str | None = Field(None, description="Its answers on the split, image by image (Parquet).")
 
     def lineage_inputs(self) -> list[DatasetRef]:
-        """The weights evaluated and the preprocessed data holding the split."""
         return [DatasetRef(uri=self.weights_uri), DatasetRef(uri=self.data_manifest_uri)]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """The report, with the accuracy, and the answers image by image; none when they were not written."""
         report = [DatasetRef(uri=self.report_uri, facets={"accuracy": self.accuracy})] if self.report_uri else []
         answers = [DatasetRef(uri=self.answers_uri, facets={"images": self.samples})] if self.answers_uri else []
         return report + answers

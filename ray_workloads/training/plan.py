@@ -133,8 +133,7 @@ def _fields_of(group: type[BaseModel], request: TrainRequest) -> dict[str, objec
 
 
 def labelled_export(request: TrainRequest) -> ExportConfig:
-    """What a training on the labels exports: the model's labelled photos, which must cover its champion's
-    classes (any, while it has none)."""
+    """What a training on the labels exports: the model's labelled photos, covering its champion's classes."""
     name = request.model_name or DEFAULT_MODEL
     champion = registry.alias_version(name, CHAMPION)
     classes = registry.resolve(name, champion).classes if champion is not None else []
@@ -170,8 +169,7 @@ def plan_training(request: TrainRequest, exported: ExportResult | None = None) -
 
 
 def _source(request: TrainRequest, fine_tune: FineTunePlan | None, exported: ExportResult | None) -> str:
-    """The labelled photos exported; else the prefix asked for; else, retraining a fine-tune, the prefix it was
-    fine-tuned on (not the digits); else ``<storage>/raw``."""
+    """The labels exported; else the prefix asked; else a retrained fine-tune's own prefix; else ``<storage>/raw``."""
     if exported is not None:
         return exported.folder
     return request.source_uri or (fine_tune.data_source if fine_tune else None) or under_root(RAW_DIR)

@@ -71,12 +71,10 @@ class PromotionResult(BaseModel):
     labelled: PairedTest | None = Field(None, description="The labelled paired test, when the gate required one.")
 
     def lineage_inputs(self) -> list[DatasetRef]:
-        """The checkpoint, the data it was judged on, and a fine-tune's parent version."""
         parent = [DatasetRef(uri=self.parent.uri, facets={"parent": self.parent.model_dump()})] if self.parent else []
         return [DatasetRef(uri=self.checkpoint_uri), DatasetRef(uri=self.data_manifest_uri), *parent]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """The version, pinned to its data's version, with the gate's decision and the alias moves."""
         facets = {"moves": [m.model_dump(mode="json") for m in self.moves], "gate": self.decision.model_dump()}
         return [DatasetRef(uri=self.version.uri, content_hash=self.data_content_hash, facets=facets)]
 
@@ -140,8 +138,7 @@ def run(cfg: PromotionConfig) -> PromotionResult:
 
 
 def _candidate_answers(cfg: PromotionConfig) -> pa.Table:
-    """The candidate's answers on its test split, image by image: those its evaluation wrote, or evaluated
-    now when it wrote none."""
+    """The candidate's answers on its test split, image by image: those its evaluation wrote, else evaluated now."""
     evaluation = cfg.evaluation
     if evaluation.answers_uri is not None:
         return storage.read_parquet([evaluation.answers_uri], columns=split_answers.SCHEMA.names)

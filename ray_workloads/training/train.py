@@ -86,12 +86,10 @@ class TrainResult(BaseModel):
     reused: bool = Field(False, description="A finished run's result, returned without training again.")
 
     def lineage_inputs(self) -> list[DatasetRef]:
-        """The preprocessed data, and a fine-tune's starting weights."""
         start = [DatasetRef(uri=self.init_weights_uri)] if self.init_weights_uri is not None else []
         return [DatasetRef(uri=self.data_manifest_uri), *start]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """The best checkpoint, with its metrics."""
         return [DatasetRef(uri=self.checkpoint_uri, facets={"metrics": self.metrics})]
 
 

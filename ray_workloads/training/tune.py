@@ -62,8 +62,7 @@ log = logging.getLogger(__name__)
 
 
 class _SafeMLflowLogger(MLflowLoggerCallback):
-    """Ray's callback, except that an MLflow failure turns the logging off instead of failing the search:
-    MLflow mirrors the trials, the Tune experiment on storage is their record."""
+    """Ray's callback, but an MLflow failure turns the logging off: the Tune experiment on storage is the record."""
 
     _failed = False
 
@@ -128,13 +127,11 @@ class TuneResult(BaseModel):
         return [DatasetRef(uri=self.data_manifest_uri)]
 
     def tuned(self, loop: TrainLoopConfig) -> TrainLoopConfig:
-        """``loop`` with what the search found: the best trial's model (arch, width), lr, batch size and weight
-        decay; its epochs and the rest stay ``loop``'s."""
+        """``loop`` with the best trial's model (arch, width), lr, batch size and weight decay; the rest stay."""
         searched = ("model", "lr", "batch_size", "weight_decay")
         return loop.model_copy(update={field: getattr(self.best_config, field) for field in searched})
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """The experiment's folder, with the best configuration found."""
         return [DatasetRef(uri=self.experiment_uri, facets={"best": self.best_config.model_dump(mode="json")})]
 
 
