@@ -1,31 +1,12 @@
 """Every deployment, from one small table (deployments as code).
 
-``prefect.yaml`` at the repository root renders the table for ``prefect
-deploy`` into a work pool, which is what ``rayline up`` does (a ``process``
-pool and a worker); ``build_deployments()`` turns it into Prefect
-``RunnerDeployment``s for teams that prefer ``prefect.serve`` in one process.
+``prefect.yaml`` renders the table for ``prefect deploy`` into a work pool (what ``rayline up`` does);
+``build_deployments()`` turns it into ``RunnerDeployment``s for ``prefect.serve`` in one process.
 
-How the lifecycle runs itself:
-
-* ``nightly-inference`` on a cron (02:00 UTC), yesterday's partition, asked by
-  the ``NightRequest`` that ``[deployments.nightly-inference]`` of ``rayline.toml``
-  sets (or ``prefect.yaml``, which shows each of its fields); run by hand with a
-  ``date_from``/``date_to`` it backfills a range of nights;
-* ``prepare-data`` hourly: an ingest that finds new objects emits
-  ``rayline.data.arrived`` (labelled ``rayline.retrain=true`` when enough of them
-  are labelled);
-* ``retrain`` (the ``train-model`` flow, its winner made ``challenger``) on that
-  event, on ``rayline.labels.arrived`` labelled ``rayline.retrain=true`` (enough
-  labels came back: the champion is fine-tuned on its labelled photos), or on
-  ``rayline.drift.detected`` from the monitor — debounced: a burst of
-  events within ``RETRAIN_DEBOUNCE`` starts one run. It searches with 4 ASHA
-  trials first (the digits); a model whose champion is a fine-tune of another
-  (an outside ResNet, say) is fine-tuned again from that parent with no search
-  — the plan decides (``rayline.ray_workloads.training.plan.plan_training``), since a trial per
-  fine-tune of a torchvision model at 224 px doesn't fit a small CPU cluster;
-* ``serve-rollout`` when a challenger is registered (or by hand);
-* ``monitor`` every 15 minutes, which also vacuums the predictions tables
-  (files no version of the last ``DEFAULT_RETENTION_HOURS`` needs).
+The lifecycle runs itself: nights on a cron, data hourly, a ``retrain`` on new labelled data, labels or
+drift (debounced by ``RETRAIN_DEBOUNCE``, per model), a rollout of each new challenger, and the monitor
+every 15 minutes. Each spec's description says what it does; the plan decides a retrain's search or
+fine-tune (``rayline.ray_workloads.training.plan.plan_training``).
 """
 
 from __future__ import annotations
@@ -75,11 +56,8 @@ def _on(
     for_each: set[str] | None = None,
     **parameters: Any,
 ) -> Any:
-    """A reactive trigger: fires on the first matching event, then ignores matches for ``within``.
-
-    ``for_each``: resource labels that split the debounce (one per model: a burst from one model
-    doesn't swallow another model's event).
-    """
+    """A reactive trigger: fires on the first matching event, then ignores matches for ``within``;
+    ``for_each``: resource labels that split the debounce (a burst from one model swallows no other's)."""
     return DeploymentEventTrigger(
         name=name,
         expect={event},
@@ -126,41 +104,7 @@ def deployment_table() -> list[DeploymentSpec]:
             description="Ingest and preprocess raw/; announces new objects (rayline.data.arrived)",
         ),
         DeploymentSpec(name="train-model", flow=train_model, description="Tune, train, evaluate, register, gate"),
-        DeploymentSpec(
-            name="retrain",
-            flow=train_model,
-            parameters=_retrain(),
-            triggers=[
-                _on(
-                    events.DATA_ARRIVED,
-                    "retrain-on-labelled-data",
-                    RETRAIN_DEBOUNCE,
-                    {events.RETRAIN_LABEL: "true"},
-                    **_retrain(source_uri="{{ event.payload.source_uri }}"),  # train on what arrived
-                ),
-                _on(
-                    events.LABELS_ARRIVED,
-                    "retrain-on-new-labels",
-                    RETRAIN_DEBOUNCE,
-                    {events.RETRAIN_LABEL: "true"},
-                    for_each={"rayline.model"},
-                    # the champion fine-tuned on its labelled photos
-                    **_retrain(model_name="{{ event.payload.model }}", labelled=True),
-                ),
-                _on(
-                    events.DRIFT_DETECTED,
-                    "retrain-on-drift",
-                    RETRAIN_DEBOUNCE,
-                    for_each={"rayline.model"},
-                    **_retrain(model_name="{{ event.payload.model }}"),  # retrain the model that drifted
-                ),
-            ],
-            description=(
-                "Retrain when labelled data arrives or drift is detected (4 ASHA trials first; a fine-tuned "
-                "model is fine-tuned again from its parent, no search), or fine-tune the champion on its labelled "
-                "photos when enough labels came back; a winner becomes challenger"
-            ),
-        ),
+        _retrain_deployment(train_model),
         DeploymentSpec(
             name="serve-rollout",
             flow=serve_rollout,
@@ -187,6 +131,47 @@ def deployment_table() -> list[DeploymentSpec]:
             ),
         ),
     ]
+
+
+def _retrain_deployment(train_model: Flow[..., Any]) -> DeploymentSpec:
+    """Train on labelled data, fine-tune the champion on enough new labels, or retrain a model that drifted."""
+    model = "{{ event.payload.model }}"
+    retrain_label = {events.RETRAIN_LABEL: "true"}
+    triggers = [
+        _on(
+            events.DATA_ARRIVED,
+            "retrain-on-labelled-data",
+            RETRAIN_DEBOUNCE,
+            retrain_label,
+            **_retrain(source_uri="{{ event.payload.source_uri }}"),
+        ),
+        _on(
+            events.LABELS_ARRIVED,
+            "retrain-on-new-labels",
+            RETRAIN_DEBOUNCE,
+            retrain_label,
+            for_each={"rayline.model"},
+            **_retrain(model_name=model, labelled=True),
+        ),
+        _on(
+            events.DRIFT_DETECTED,
+            "retrain-on-drift",
+            RETRAIN_DEBOUNCE,
+            for_each={"rayline.model"},
+            **_retrain(model_name=model),
+        ),
+    ]
+    return DeploymentSpec(
+        name="retrain",
+        flow=train_model,
+        parameters=_retrain(),
+        triggers=triggers,
+        description=(
+            "Retrain when labelled data arrives or drift is detected (4 ASHA trials first; a fine-tuned "
+            "model is fine-tuned again from its parent, no search), or fine-tune the champion on its labelled "
+            "photos when enough labels came back; a winner becomes challenger"
+        ),
+    )
 
 
 def build_deployments() -> list[RunnerDeployment]:

@@ -1,10 +1,8 @@
 """``prefect.yaml`` from the deployment table, for teams that deploy with ``prefect deploy`` to a work pool.
 
-The table in ``catalog.py`` is the one source; this renders it (``python -m
-rayline.deployments.prefect_yaml > prefect.yaml``) and a test keeps the committed file
-equal to the rendering. The work pool comes from ``RAYLINE_WORK_POOL`` at
-deploy time (a ``process`` pool on a VM, or a ``kubernetes`` pool running the
-image of ``deployments/cluster/Dockerfile``).
+The table in ``catalog.py`` is the one source; a test keeps the committed file equal to this rendering.
+The work pool comes from ``RAYLINE_WORK_POOL`` at deploy time (a ``process`` pool on a VM, or a
+``kubernetes`` pool running the image of ``deployments/cluster/Dockerfile``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Flow ``import-labels``: people's labels for a model's predicted photos, into the ``labels`` table.
-
-The model's class list is its champion's; the labels join the nights on (URI, ETag), so each label is
-checked against what the model predicted (``rayline.ray_workloads.quality.labels_import``).
+"""Flow ``import-labels``: people's labels for a model's predicted photos, into the ``labels`` table, each
+checked against what the champion predicted (``rayline.ray_workloads.quality.labels_import``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Flow ``monitor``: serving health and prediction drift; emits events when thresholds are crossed.
 
-It also vacuums the two night tables (``vacuum_retention_hours``): files
-replaced by reruns and files of runs that never committed are deleted once no
-version within the retention needs them, so every version current within it
-stays readable by number (``rayline.tables.prediction_reads``).
-
-Every read and write of the registry, storage and serving goes through a
-task (``rayline.tasks.registry_lookups``, ``rayline.tasks.monitoring``, ``rayline.tasks.maintenance``).
+It also vacuums the two night tables: files no version within ``vacuum_retention_hours`` needs are deleted,
+so every version current within it stays readable by number (``rayline.tables.prediction_reads``).
 """
 
 from __future__ import annotations
@@ -43,17 +38,11 @@ from rayline.tasks.registry_lookups import alias_version_task, reconcile_mirror_
 class MonitorResult(BaseModel):
     serving: mon.ServingHealth | None
     partitions: list[mon.PartitionDrift]
-    quality: list[NightQuality] = Field(
-        default_factory=list, description="Each version's labelled figures on those of the latest nights with labels."
-    )
+    quality: list[NightQuality] = Field(default_factory=list, description="Each version's labelled figures.")
     paired: PairedTest | None = Field(None, description="The challenger against the champion on labelled photos.")
-    shadows: dict[str, ShadowSummary] = Field(
-        default_factory=dict, description="By night: the version scored in its shadow, against the champion."
-    )
+    shadows: dict[str, ShadowSummary] = Field(default_factory=dict, description="By night: its shadow's comparison.")
     metrics_uri: str
-    files_vacuumed: int | None = Field(
-        None, description="Files the vacuum of the night tables deleted; None: none ran."
-    )
+    files_vacuumed: int | None = Field(None, description="Files the vacuum deleted; None: none ran.")
     vacuum_retention_hours: int | None = None
 
     @property
@@ -128,46 +117,52 @@ def monitor(
 ) -> MonitorResult:
     """Check serving health and the latest ``partitions`` committed nights of ``model_name`` for drift.
 
-    ``reference_date`` (YYYY-MM-DD) names the night to compare with; by default
-    a trained champion is compared with its training labels and an outside one
-    with its first committed night. Then vacuums both night tables, for real,
-    keeping every file a version current within ``vacuum_retention_hours``
-    needs (None: no vacuum). A failed vacuum fails the run after the checks are published.
-    Each version's labelled quality covers those of the latest ``quality_nights`` committed nights that have
-    labels, and only their partitions are read.
+    ``reference_date`` (YYYY-MM-DD) names the night to compare with; by default a trained champion is compared
+    with its training labels and an outside one with its first committed night. Each version's labelled
+    quality covers the latest ``quality_nights`` committed nights that have labels. Then vacuums both night
+    tables, for real (``vacuum_retention_hours`` None: no vacuum); a failed vacuum fails the run after the
+    checks are published.
     """
     if vacuum_retention_hours is not None:
         check_retention(vacuum_retention_hours)  # a bad parameter fails before any work
     thresholds = mon.DriftThresholds(
         psi=psi_threshold, max_low_confidence_share=max_low_confidence_share, max_error_fraction=max_error_fraction
     )
-    logger = get_run_logger()
     root = root_uri()
     champion = resolve_version_task(checked_model_name(model_name), CHAMPION)
     reconcile_mirror_task(champion.name)  # every 15 min: completes a mirror that failed earlier (never raises)
     reference = reference_task(champion, root, reference_date, thresholds.low_confidence)
-    logger.info("judging %s v%d's nights against %s", model_name, champion.version, reference.describe())
+    get_run_logger().info("judging %s v%d's nights against %s", model_name, champion.version, reference.describe())
     cfg = config_from_settings()
     serving = serving_health_task(f"http://{cfg.host}:{cfg.port}", thresholds, model_name) if check_serving else None
     drifts = night_drifts_task(root, model_name, partitions, reference, thresholds)
     challenger = alias_version_task(champion.name, CHALLENGER)
     labelled = labelled_quality_task(root, model_name, champion.classes, quality_nights, champion.version, challenger)
-    shadows = shadow_nights_task(root, model_name, [d.dt for d in drifts])
-    metrics_uri = metrics_file_uri(root, model_name)
-    text = mon.prometheus_text(
-        serving, drifts, model_name, labelled.nights, paired=labelled.paired, thresholds=thresholds, shadows=shadows
-    )
-    write_metrics_task(metrics_uri, text)
     result = MonitorResult(
         serving=serving,
         partitions=drifts,
         quality=labelled.nights,
         paired=labelled.paired,
-        shadows=shadows,
-        metrics_uri=metrics_uri,
+        shadows=shadow_nights_task(root, model_name, [d.dt for d in drifts]),
+        metrics_uri=metrics_file_uri(root, model_name),
         vacuum_retention_hours=vacuum_retention_hours,
     )
+    text = mon.prometheus_text(
+        serving, drifts, model_name, result.quality, paired=result.paired, thresholds=thresholds, shadows=result.shadows
+    )
+    write_metrics_task(result.metrics_uri, text)
+    _announce(result, thresholds, model_name)
+    # last: upkeep, which must not hold back the checks' events
+    result.files_vacuumed, vacuum_error = _vacuum(root, vacuum_retention_hours)
+    _publish(result, vacuum_error)
+    if vacuum_error is not None:
+        raise vacuum_error
+    return result
 
+
+def _announce(result: MonitorResult, thresholds: mon.DriftThresholds, model_name: str) -> None:
+    """An event for each night that drifted, and one for unhealthy serving."""
+    logger = get_run_logger()
     for drift in result.drifted:
         logger.warning("drift in %s: %s", drift.night, "; ".join(drift.reasons))
         emit(
@@ -183,12 +178,16 @@ def monitor(
             },
             labels={"rayline.model": model_name},
         )
+    serving = result.serving
     if serving is not None and serving.reachable and not serving.healthy:
         logger.warning("serving unhealthy: %s", serving.problem)
         emit(events.HEALTH_DEGRADED, f"rayline.serve.{serving.url}", payload=serving.model_dump())
-    # last: upkeep, which must not hold back the checks' events
-    result.files_vacuumed, vacuum_error = _vacuum(root, vacuum_retention_hours)
+
+
+def _publish(result: MonitorResult, vacuum_error: Exception | None) -> None:
+    """The run's markdown artifact: the checks, the vacuum, and the charts."""
     markdown = _markdown(result, vacuum_error)
+    drifts = result.partitions
     chart = mon.distribution_png(drifts[0]) if drifts else None
     if chart is not None:
         markdown += "\n" + png_markdown(f"Predicted classes vs {drifts[0].reference}", chart)
@@ -196,9 +195,6 @@ def monitor(
     if accuracy_chart is not None:
         markdown += "\n" + png_markdown("Labelled accuracy per version, night by night", accuracy_chart)
     create_markdown_artifact(key="monitor", markdown=markdown)
-    if vacuum_error is not None:
-        raise vacuum_error
-    return result
 
 
 def _vacuum(root: str, retention_hours: int | None) -> tuple[int | None, RaylineError | None]:

@@ -1,10 +1,9 @@
 """The per-night pieces of ``nightly-inference``, and its run of a range of nights (a backfill).
 
-Not a flow: a helper module of the flows layer (a flow imports no other flow, but a module that defines
-none it may). A range submits one ``batch-inference`` task per night, at most ``max_concurrent_nights``
-at a time: each night is its own Delta commit and task run, and a night that fails (any exception, or
-over its error budget) leaves the others running. The run ends with one table artifact row per night,
-then raises :class:`~rayline.errors.NightsFailed` if any night failed, so the flow run ends Failed naming them.
+Not a flow (a flow imports no other flow). A range submits one ``batch-inference`` task per night, at most
+``max_concurrent_nights`` at a time: each night is its own commit, and a night that fails leaves the others
+running. The run ends with a table artifact row per night, then raises :class:`~rayline.errors.NightsFailed`
+if any night failed.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ NightValue = InferenceResult | NightSkipped
 
 
 def night_config(request: NightRequest, day: date, model: ModelVersion, shadow: ModelVersion | None) -> InferenceConfig:
-    """One night's workload config: the night's arrivals through ``model`` (and ``shadow``, scored beside it), in
-    the request's shape, committed under the storage root."""
+    """One night's workload config: its arrivals through ``model`` (and ``shadow`` beside it), committed."""
     run_id = flow_run.get_id()
     return InferenceConfig(
         input_uri=request.input_for(day, root_uri()),
@@ -71,9 +69,8 @@ def night_outcome(dt: str, value: NightValue | Exception, max_error_fraction: fl
         check_error_budget(value, max_error_fraction)
     except ErrorBudgetExceeded as exc:  # committed, yet failed: the budget is judged per night
         return NightOutcome(dt=dt, state="failed", message=f"{type(exc).__name__}: {exc}", **counts)
-    return NightOutcome(
-        dt=dt, state="committed", message="replaced an earlier commit" if value.replaced else "", **counts
-    )
+    replaced = "replaced an earlier commit" if value.replaced else ""
+    return NightOutcome(dt=dt, state="committed", message=replaced, **counts)
 
 
 def _run_nights(configs: Sequence[InferenceConfig], width: int) -> dict[str, NightValue | Exception]:

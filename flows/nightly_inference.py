@@ -25,16 +25,14 @@ from rayline.tasks.registry_lookups import alias_version_task, parse_model_ref_t
 
 
 def _version(request: NightRequest) -> ModelVersion:
-    """The version the request names: of its model name, else of the model a bare word names (``photos``: its
-    champion), else of the default model."""
+    """The version the request names: of its model name, else of the model a bare word names, else the default's."""
     if request.model_name is not None:
         return resolve_version_task(request.model_name, request.model)
     return resolve_version_task(*parse_model_ref_task(request.model, DEFAULT_MODEL_NAME))
 
 
 def _shadow_version(version: ModelVersion, shadow: str | None) -> ModelVersion | None:
-    """The version to score beside ``version``: the one ``shadow`` names, else the challenger when the
-    settings ask for it and there is one other than ``version``, else none."""
+    """The version scored beside ``version``: ``shadow``'s, else the challenger when the settings ask, else none."""
     if shadow is not None:
         name, ref = parse_model_ref_task(shadow, version.name)
         if name != version.name:
@@ -61,10 +59,9 @@ def nightly_inference(
 ) -> InferenceResult | NightSkipped | BackfillResult:
     """Predict the request's night (default: yesterday, UTC), or each night of its range, and commit it.
 
-    A night fails, after committing, when more than ``max_error_fraction`` of its inputs could not be
-    predicted, and ends Completed without committing (``NightSkipped``) when another run committed it
-    meanwhile. A range returns a ``BackfillResult`` when every night committed or was skipped, and fails
-    naming the failed nights otherwise (the others stay committed).
+    A night fails, after committing, when more than ``max_error_fraction`` of its inputs failed, and ends
+    Completed without committing (``NightSkipped``) when another run committed it meanwhile. A range fails
+    naming its failed nights (the others stay committed), else returns a ``BackfillResult``.
     """
     version = _version(request)
     shadow = _shadow_version(version, request.shadow)

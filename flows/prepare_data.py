@@ -54,14 +54,10 @@ def prepare_data(
 ) -> PrepareDataResult:
     """Ingest ``source_uri`` (default ``<storage>/raw``) and preprocess it for training.
 
-    Images are decoded with ``image`` (a whole spec: a fine-tune uses its
-    parent's), or squashed to ``image_size`` × ``image_size`` (the digits).
-    The preprocessed folder's name hashes the spec, so data prepared under
-    different specs never shares a folder.
-
-    New objects are announced (``rayline.data.arrived``); with ``announce_retrain``
-    False the announcement never asks for a retraining — the caller is about to
-    train on this data itself (``train_model``), so a triggered run would repeat it.
+    Images are decoded with ``image`` (a fine-tune uses its parent's), or squashed to ``image_size`` squares
+    (the digits); the preprocessed folder's name hashes the spec. New objects are announced
+    (``rayline.data.arrived``); ``announce_retrain`` False never asks for a retraining: the caller is about
+    to train on this data itself (``train_model``), so a triggered run would repeat it.
     """
     settings = get_settings()
     ingested = ingest_objects(

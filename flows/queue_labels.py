@@ -1,7 +1,5 @@
-"""Flow ``queue-labels``: a night's photos most worth labelling next, as a Label Studio task file and a CSV.
-
-How each photo is scored: :mod:`rayline.ray_workloads.quality.queue`. Drift is judged against the
-champion's reference, as the monitor judges it.
+"""Flow ``queue-labels``: a night's photos most worth labelling next, as a Label Studio task file and a CSV
+(:mod:`rayline.ray_workloads.quality.queue`); drift is judged against the monitor's reference.
 """
 
 from __future__ import annotations

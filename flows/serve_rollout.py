@@ -54,28 +54,22 @@ def serve_rollout(
 ) -> RolloutResult:
     """Step ``candidate`` (alias or version) through the traffic ``steps`` (default 10 → 50 → 100 %).
 
-    It starts by reconciling serving with the registry: weights a rollout that did not finish (its
-    process killed, its lease expired) left on versions other than the champion go back to the
-    champion, and the result's ``reconciled`` says what was found. Each step soaks for ``soak_s``
-    seconds with canary probes from ``probe_uri`` (default: the candidate's training images, or
-    an outside model's latest night's inputs) and is judged on error rate, p95 latency and — at the
-    first step — agreement with the serving version on ``probe_images`` of those images. A failed gate rolls back
-    and fails the flow with the reason; a full pass makes the candidate
-    champion and retires the old version's deployment.
+    First, weights an unfinished rollout left on versions other than the champion go back to it (the
+    result's ``reconciled``). Each step soaks ``soak_s`` seconds with canary probes from ``probe_uri``
+    (default: the candidate's training images, or an outside model's latest night's inputs), judged on error
+    rate, p95 latency and, at the first step, agreement with the serving version on ``probe_images`` images.
+    A failed gate rolls back and fails the flow; a full pass makes the candidate champion.
 
-    The model's rollout lease is renewed every ``lease_ttl_s`` / 3 seconds: a rollout whose process
-    died is taken over ``lease_ttl_s`` after its last renewal; a second rollout waits up to
-    ``lease_wait_s`` for it.
+    The rollout lease is renewed every ``lease_ttl_s`` / 3 s; a dead rollout's is taken over ``lease_ttl_s``
+    after its last renewal, and a second rollout waits up to ``lease_wait_s`` for it.
 
-    ``require_labelled_win`` (default ``RAYLINE_REQUIRE_LABELLED_WIN``): first, under the rollout lease, the
-    labels must say the candidate beats the champion it would replace, the one its promotion is fenced on
-    (the paired test, docs/quality.md). Inconclusive moves no traffic and ends the run waiting for more
-    labels (``promoted`` false); failed fails it (``QualityGateFailed``).
+    ``require_labelled_win`` (default ``RAYLINE_REQUIRE_LABELLED_WIN``): the labels must first say the
+    candidate beats the champion it would replace (the paired test, docs/quality.md). Inconclusive moves no
+    traffic (``promoted`` false); failed raises ``QualityGateFailed``.
     """
     serve = serve_config()
     version = resolve_version_task(model_name, candidate)
-    # held across every task of the rollout, not in one; the labels judge the candidate inside it, against the
-    # champion its promotion will move from (no other writer moves the champion while the lease is held)
+    # held across every task of the rollout: the labels judge against the champion the promotion moves from
     with rollout_lease(model_name, lease_wait_s, lease_ttl_s) as lease:
         labelled = _labelled_win(version, require_labelled_win)
         if labelled is not None and labelled.outcome != "passed":
@@ -100,16 +94,22 @@ def serve_rollout(
     return result
 
 
-def _waits_for_labels(version: ModelVersion, labelled: PairedTest) -> RolloutResult:
+def _result(
+    version: ModelVersion, incumbent: int, promoted: bool, reason: str, steps: list[StepReport] | None = None
+) -> RolloutResult:
     return RolloutResult(
         model=version.name,
         candidate=version.version,
-        incumbent=labelled.champion,
-        promoted=False,
-        reason=f"v{version.version} waits for more labels before its rollout: {labelled.describe()}",
-        steps=[],
-        labelled=labelled,
+        incumbent=incumbent,
+        promoted=promoted,
+        reason=reason,
+        steps=steps or [],
     )
+
+
+def _waits_for_labels(version: ModelVersion, labelled: PairedTest) -> RolloutResult:
+    reason = f"v{version.version} waits for more labels before its rollout: {labelled.describe()}"
+    return _result(version, labelled.champion, False, reason).model_copy(update={"labelled": labelled})
 
 
 def _labelled_win(version: ModelVersion, asked: bool | None, champion: int | None = None) -> PairedTest | None:
@@ -131,8 +131,7 @@ def _labelled_win(version: ModelVersion, asked: bool | None, champion: int | Non
 def _roll_out(
     cfg: RolloutConfig, version: ModelVersion, serve: ServeConfig, lease: HeldLease, labelled: PairedTest | None
 ) -> RolloutResult:
-    # every traffic move carries the lease's fencing token: one paused past the lease's ttl (after its
-    # ensure_held) is refused by the control actor once the rollout that took over has moved traffic
+    # every traffic move carries the lease's fencing token: refused once a rollout that took over moved traffic
     prepared = prepare_rollout_task(version, serve, lease.fencing_token())
     if labelled is not None and prepared.champion != labelled.champion:
         # the promotion moves from the champion prepare read: the labels must have judged against that one
@@ -147,8 +146,7 @@ def _roll_out(
 
 
 def _judged_again(prepared: PreparedRollout, serve: ServeConfig) -> PairedTest | None:
-    """The labels' test against the champion the rollout prepared against; the candidate's deployment goes
-    again unless it passes."""
+    """The labels' test against the champion prepared against; the candidate's deployment goes unless it passes."""
     try:
         test = _labelled_win(prepared.candidate, True, prepared.champion)
     except QualityGateFailed:
@@ -164,14 +162,7 @@ def _roll_out_prepared(
 ) -> RolloutResult:
     version = prepared.candidate
     if not prepared.needed:  # the champion serves all traffic (prepare reconciled any other weights)
-        return RolloutResult(
-            model=version.name,
-            candidate=version.version,
-            incumbent=version.version,
-            promoted=True,
-            reason=f"v{version.version} already serves all traffic",
-            steps=[],
-        )
+        return _result(version, version.version, True, f"v{version.version} already serves all traffic")
     reports: list[StepReport] = []
     promoting = False
     try:
@@ -183,9 +174,8 @@ def _roll_out_prepared(
         raise  # rolled back already
     except AliasConflict as exc:
         if promoting:
-            # The champion moved from the version this rollout prepared against: its lease lapsed and
-            # another writer took over. Serving is that writer's now; a roll back under this rollout's
-            # stale fence would be refused, or undo the other's move.
+            # the champion moved: this rollout's lease lapsed and serving is another writer's now; a roll
+            # back under the stale fence would be refused, or undo the other's move
             raise LeaseLost(
                 f"the rollout of v{version.version} lost the champion to another writer before its move: {exc}; "
                 "serving and the champion are left as that writer set them"
@@ -198,19 +188,11 @@ def _roll_out_prepared(
         _roll_back_after_error(prepared, reports, "lost its lease", serve, promoting)
         raise
     except Exception as exc:  # whatever raised, serving must not be left half-rolled
-        # Not a failed gate: a step or the promotion raised. Left alone, the candidate would keep
-        # its weight, the next rollout would take it for the incumbent, and serving and the
-        # registry's champion would disagree.
+        # left alone, the candidate would keep its weight and serving and the registry would disagree
         _roll_back_after_error(prepared, reports, f"raised {type(exc).__name__}: {exc}", serve, promoting)
         raise
-    return RolloutResult(
-        model=version.name,
-        candidate=prepared.candidate.version,
-        incumbent=prepared.incumbent.version,
-        promoted=True,
-        reason=f"v{prepared.candidate.version} passed {len(reports)} steps and is champion",
-        steps=reports,
-    )
+    reason = f"v{version.version} passed {len(reports)} steps and is champion"
+    return _result(version, prepared.incumbent.version, True, reason, reports)
 
 
 def _step_through(
@@ -236,8 +218,7 @@ def _step_through(
 def _roll_back_after_error(
     prepared: PreparedRollout, reports: list[StepReport], what: str, serve: ServeConfig, promoting: bool
 ) -> None:
-    """All traffic back on the incumbent, unless this rollout's promotion already landed in the
-    registry (then the candidate is champion and serving it is what agrees with the registry)."""
+    """All traffic back on the incumbent, unless this rollout's promotion landed (serving the candidate agrees)."""
     cand = prepared.candidate
     if promoting and alias_version_task(cand.name, CHAMPION) == cand.version:
         return

@@ -31,13 +31,11 @@ class TrainModelResult(BaseModel):
 def train_model(request: TrainRequest = TrainRequest()) -> TrainModelResult:  # noqa: B008  # frozen: one default
     """Train a classifier on ``request.source_uri`` (default ``<storage>/raw``) and gate it into the registry.
 
-    With ``tune_samples > 0`` an ASHA search runs first and its best hyper-parameters are trained to
-    completion. A model that passes the gate becomes ``promote_to``: the first champion passes ``floor``; a
-    later model must beat the champion on the same test images by ``margin`` in accuracy and by an exact
-    McNemar test at ``alpha``. A fine-tune (``init_from``, a champion that is a fine-tune, or ``labelled``:
-    the champion on its labelled photos) starts from the parent's weights with a new head, prepares the data
-    with the parent's image spec and never searches: :func:`rayline.ray_workloads.training.plan.plan_training`
-    decides, the flow runs its steps.
+    With ``tune_samples > 0`` an ASHA search runs first. A model that passes the gate becomes ``promote_to``:
+    the first champion passes ``floor``; a later model must beat the champion on the same test images by
+    ``margin`` and by an exact McNemar test at ``alpha``. A fine-tune (``init_from``, a fine-tuned champion, or
+    ``labelled``) starts from the parent's weights and image spec, with a new head, and never searches:
+    :func:`rayline.ray_workloads.training.plan.plan_training` decides, the flow runs its steps.
     """
     plan = plan_training_task(request)
     reconcile_mirror_task(plan.name)  # before anything can fail: completes a mirror an earlier run left unfinished

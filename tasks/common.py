@@ -32,8 +32,7 @@ from rayline.models.aliases import AliasMove
 from rayline.ray_cluster import RayConnection
 from rayline.storage import leases
 
-# Backoff for transient failures (S3 throttling/5xx, connection resets, lost
-# Ray workers); jitter spreads retries of parallel runs.
+# backoff for transient failures (S3 throttling, connection resets, lost Ray workers); jitter spreads retries
 RETRY_DELAYS_S: list[float] = [5.0, 20.0, 60.0]
 RETRY_JITTER = 0.5
 # Every task that waits on Ray gets a timeout: a starved cluster hangs silently.
@@ -49,15 +48,10 @@ def ray_task(
 ) -> Callable[[Callable[P, R]], Task[P, R]]:
     """The one retry/timeout/caching policy of every task that runs a Ray workload, and its run's ceremony.
 
-    No Prefect result caching: workloads skip committed outputs themselves
-    (content-addressed folders, resumable runs), which also survives a lost
-    Prefect database. Each run is an OpenLineage run (START, then COMPLETE or FAIL)
-    whose start time and Ray connection :func:`record_lineage` reads from the
-    run's context. Before the task's body runs it connects to Ray
-    (``ray_cluster.connect(preload=preload)``); ``connects=False``: a stage that
-    needs no cluster (its lineage names no Ray job). An attempt that times out
-    or is cancelled stops the Ray work it started before Prefect moves on
-    (``rayline.ray_work``): Prefect's timeout only raises in the task's thread.
+    No Prefect result caching: workloads skip committed outputs themselves, which also survives a lost
+    Prefect database. Each run is an OpenLineage run (START, then COMPLETE or FAIL) that connects to Ray
+    first (``connects=False``: a stage that needs no cluster). An attempt that times out or is cancelled
+    stops the Ray work it started (``rayline.ray_work``): Prefect's timeout only raises in the task's thread.
     """
 
     def decorate(fn: Callable[P, R]) -> Task[P, R]:
@@ -78,11 +72,8 @@ def ray_task(
 
 
 def maintenance_task(name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Callable[[Callable[P, R]], Task[P, R]]:
-    """The same retry/timeout/caching policy, without an OpenLineage run: for upkeep that produces no dataset.
-
-    (A vacuum every monitor run would otherwise add two OpenLineage events
-    every 15 minutes that name no dataset.)
-    """
+    """The same retry/timeout/caching policy, without an OpenLineage run: for upkeep that produces no dataset
+    (a vacuum every monitor run would otherwise add two empty OpenLineage events every 15 minutes)."""
 
     def decorate(fn: Callable[P, R]) -> Task[P, R]:
         return task(
@@ -124,8 +115,7 @@ def run_context() -> RunContext:
 
 @dataclass
 class _StageRun:
-    """The task running now: its OpenLineage run, when it started, its Ray connection, and the datasets
-    its lineage records named."""
+    """The task running now: its OpenLineage run, start, Ray connection and the datasets its records named."""
 
     identity: openlineage_events.RunIdentity
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
@@ -150,10 +140,7 @@ def _run_identity(job_name: str) -> openlineage_events.RunIdentity:
 @contextmanager
 def openlineage_run(job_name: str) -> Iterator[_StageRun]:
     """Start the stage's run: emit START now, then COMPLETE with the datasets recorded meanwhile, or
-    FAIL/ABORT on an exception.
-
-    The exception is re-raised; emission itself never raises.
-    """
+    FAIL/ABORT on an exception (re-raised; emission itself never raises)."""
     run = _StageRun(_run_identity(job_name))
     token = _current_run.set(run)
     openlineage_events.emit("START", run.identity)
@@ -174,11 +161,8 @@ def openlineage_run(job_name: str) -> Iterator[_StageRun]:
 def record_lineage(stage: str, datasets: DeclaresLineage, parameters: dict[str, Any], cached: bool = False) -> str:
     """Write this stage run's lineage record of the datasets ``datasets`` declares; returns its URI.
 
-    The start time and Ray connection are the current run's (``ray_task``);
-    outside one the record starts now and names no Ray job. In a Prefect task
-    run the record's id is derived from the task run and the stage, so a
-    retried attempt finds the record an earlier attempt wrote and adds no
-    second one.
+    The start time and Ray connection are the current run's (``ray_task``; outside one: now, no Ray job).
+    The record's id derives from the task run and the stage: a retried attempt adds no second record.
     """
     run = _current_run.get()
     inputs, outputs = datasets.lineage_inputs(), datasets.lineage_outputs()
@@ -205,12 +189,8 @@ def record_lineage(stage: str, datasets: DeclaresLineage, parameters: dict[str, 
 
 
 def idempotency_key(*inputs: object) -> str:
-    """The same in every attempt of this Prefect task run, different in any other run.
-
-    Side effects a retried attempt would repeat (a registered version, an
-    emitted event) carry it, so the retry finds the first attempt's instead of
-    making a second.
-    """
+    """The same in every attempt of this Prefect task run, different in any other run: side effects a retry
+    would repeat (a registered version, an emitted event) carry it, so the retry finds the first attempt's."""
     run = task_run.get_id() or flow_run.get_id() or uuid.uuid4().hex  # outside Prefect: every call is a run
     joined = "\x1f".join(str(part) for part in (run, *inputs))
     return hashlib.sha256(joined.encode()).hexdigest()[:32]
@@ -235,20 +215,13 @@ def emit(
 def emit_alias_move(move: AliasMove) -> None:
     """The one event of an alias move, whoever made it: the promotion gate, a registration or a rollout.
 
-    Its resource is the version the alias now names, labelled with the model
-    and the alias (``serve-rollout`` listens for ``challenger``); a retried
-    task emits the same move again as the same event.
+    Its resource is the version the alias now names, labelled with the model and the alias (``serve-rollout``
+    listens for ``challenger``); a retried task emits the same move again as the same event.
     """
     emit(
         events.ALIAS_MOVED,
         events.model_resource(move.name, move.version),
-        payload={
-            "model": move.name,
-            "alias": move.alias,
-            "version": move.version,
-            "previous": move.previous,
-            "reason": move.reason,
-        },
+        payload={"model": move.name, **move.model_dump(include={"alias", "version", "previous", "reason"})},
         labels={"rayline.model": move.name, "rayline.alias": move.alias},
         idempotency_key=f"{move.name}:{move.alias}:v{move.version}:from:{move.previous}:{move.moved_at.isoformat()}",
     )
@@ -262,10 +235,8 @@ def png_markdown(title: str, png: bytes, link: str | None = None) -> str:
 
 
 def lease_holder() -> str:
-    """Who takes a lease (``rayline.storage.leases``): this flow run by name and id, on this host and process.
-
-    Outside a flow run, this process (with a random tag: two calls are two holders).
-    """
+    """Who takes a lease (``rayline.storage.leases``): this flow run by name and id, on this host and process;
+    outside a flow run, this process (with a random tag: two calls are two holders)."""
     run_id = _str_or_none(flow_run.get_id())
     return leases.run_holder(f"flow run {flow_run.get_name()} ({run_id})" if run_id else None)
 
@@ -288,17 +259,12 @@ def log_ray_data_stats(stats: str) -> None:
         get_run_logger().info("Ray Data execution stats:\n%s", stats.strip())
 
 
-# A flow's own reads and small writes of the registry and storage (a version resolved, an alias
-# read, a metrics file written) take seconds: one that hangs this long is stuck, not slow.
+# a flow's own reads and small writes of the registry and storage take seconds: one this long is stuck
 IO_TIMEOUT_S = 300
 
 
 def io_task(name: str, timeout_s: float = IO_TIMEOUT_S) -> Callable[[Callable[P, R]], Task[P, R]]:
-    """The policy of the tasks through which flows read and write the registry and storage.
-
-    ``maintenance_task``'s retries on transient errors, timeout and no caching, without an
-    OpenLineage run: a lookup produces no dataset. Flows never call the registry, storage,
-    MLflow or leases themselves (``tests/unit/test_structure.py``): a throttled read retries
-    here as in any stage.
-    """
+    """The policy of the tasks through which flows read and write the registry and storage: ``maintenance_task``'s.
+    Flows never call the registry, storage, MLflow or leases themselves (``tests/unit/test_structure.py``): a
+    throttled read retries here as in any stage."""
     return maintenance_task(name, timeout_s)

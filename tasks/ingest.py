@@ -30,10 +30,7 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
         f"; skipped {skipped_text(result.skipped)}: e.g. {result.skipped_examples}" if result.skipped else "",
     )
     record_lineage("ingest", result, parameters=config.model_dump(mode="json"), cached=result.cached)
-    # A new input version: say what arrived since the last one. A retried attempt finds the
-    # version its first attempt committed as "cached" and announces it too (that attempt may have
-    # failed before it did), but not a version an older run committed (announced back then); the
-    # event's id is the version's, so the server keeps one if both attempts announce it.
+    # a new input version: say what arrived (a retry too, for its first attempt's version; the event id keeps one)
     committed_by_this_run = (task_run.run_count or 1) > 1 and result.committed_by == holder
     if not result.cached or committed_by_this_run:
         news = ingest.arrivals_since_previous(result)
@@ -52,10 +49,7 @@ def ingest_objects(config: ingest.IngestConfig, announce_retrain: bool = True) -
 
 
 def data_arrived(arrivals: ingest.Arrivals, may_retrain: bool = True, idempotency_key: str | None = None) -> bool:
-    """Announce new objects under a prefix; True when they are enough to retrain on.
-
-    ``may_retrain`` False: announced, but never labelled for retraining (the caller trains on them).
-    """
+    """Announce new objects under a prefix; True when enough to retrain on (never when not ``may_retrain``)."""
     eligible = may_retrain and arrivals.new_labelled >= get_settings().retrain_min_new_labelled
     emit(
         events.DATA_ARRIVED,

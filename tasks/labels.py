@@ -1,9 +1,8 @@
 """Prefect tasks over the labels: one labels file checked and appended, with its lineage (``import-labels``);
 the labelled paired test the promotion gates ask.
 
-A retry of an import repeats nothing: the table holds each file's rows once (its SHA-256 is the commit's
-app id), and the refused rows' report is replaced whole. The flow run's id goes into that commit, so a
-retry after the commit landed reports what it added, and the flow announces it and records its lineage.
+A retry of an import repeats nothing: the table holds each file's rows once (its SHA-256 is the commit's app
+id), and the flow run's id in that commit makes a retry after it landed report what it added.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ from rayline.tasks.common import emit, io_task, record_lineage, run_context
 
 @io_task("import-labels")
 def import_labels_task(cfg: labels_import.LabelsImportConfig) -> labels_import.LabelsImportResult:
-    """``labels_import.run`` as this flow run; lineage from the file (and the predictions it was checked
-    against) to the table."""
+    """``labels_import.run`` as this flow run, with lineage from the file (and predictions checked) to the table."""
     result = labels_import.run(cfg.model_copy(update={"run_id": cfg.run_id or run_context().flow_run_id}))
     if result.imported:
         record_lineage("import-labels", result, parameters={"model_name": cfg.model_name, "source": cfg.source})

@@ -1,8 +1,5 @@
-"""Prefect tasks of the ``monitor`` flow: what it reads (the reference, serving health, the nights'
-drift, each version's labelled quality) and the metrics file it writes. The vacuum is ``rayline.tasks.maintenance``'s.
-
-Reads only, apart from the metrics file (replaced whole) and the serving check's event (one per
-task run): a retry repeats nothing.
+"""Prefect tasks of the ``monitor`` flow: what it reads and the metrics file it writes. A retry repeats
+nothing: the metrics file is replaced whole and the serving check's event is one per task run.
 """
 
 from __future__ import annotations

@@ -15,10 +15,7 @@ from rayline.tasks.common import emit_alias_move, ray_task, record_lineage, run_
 @ray_task("register-model", timeout_s=900, connects=False)
 def register_outside_model(request: RegisterRequest) -> RegisterModelResult:
     """Check and store the model as this flow run's; the version's lineage input is the file and its hash.
-
-    Only a factory needs the cluster (its import is checked on every node), so
-    only then does the task connect to Ray.
-    """
+    Only a factory needs the cluster (its import is checked on every node): only then does it connect to Ray."""
     if request.factory is not None:
         ray_cluster.connect()
     run = {"code_version": lineage.code_version(), "flow_run_id": run_context().flow_run_id}

@@ -13,8 +13,7 @@ from rayline.tasks.common import emit_alias_move, idempotency_key, ray_task, rec
 
 @ray_task("register-and-gate")
 def register_and_gate(cfg: promotion.PromotionConfig) -> promotion.PromotionResult:
-    """Register the trained weights and gate them (:func:`promotion.run`) as this flow run's: every attempt
-    has the same idempotency key, so a retry registers nothing new."""
+    """Register and gate the weights (:func:`promotion.run`) as this flow run's: a retry registers nothing new."""
     key = idempotency_key(cfg.name, cfg.trained.weights_uri, cfg.evaluation.data_manifest_uri)
     run = {"code_version": lineage.code_version(), "flow_run_id": run_context().flow_run_id, "idempotency_key": key}
     gated = promotion.run(cfg.model_copy(update=run))

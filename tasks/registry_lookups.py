@@ -1,8 +1,7 @@
 """Prefect tasks: the model registry lookups flows make, and the MLflow mirror they keep in line.
 
-Flows reach the registry only through these, so a lookup that S3 throttles is
-retried like any stage (``rayline.tasks.common.io_task``); a missing alias or a
-malformed reference fails at once with its own message (not transient).
+Flows reach the registry only through these, so a throttled lookup is retried like any stage; a missing
+alias or a malformed reference fails at once with its own message.
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ from rayline.tasks.common import DEFAULT_TIMEOUT_S, io_task
 
 @io_task("parse-model-ref")
 def parse_model_ref_task(text: str, default_name: str) -> tuple[str, str]:
-    """``registry.parse_ref``: (name, alias or version). A task, as a bare word is looked up in the
-    registry (an alias of ``default_name``, or another model's name)."""
+    """``registry.parse_ref``: (name, alias or version); a task, as a bare word is looked up in the registry."""
     return registry.parse_ref(text, default_name)
 
 

@@ -14,15 +14,13 @@ from rayline.ray_workloads.serving.rollout import default_probe_source
 from rayline.storage import leases
 from rayline.tasks.common import io_task, lease_holder
 
-# renewed every ttl/3 while the rollout runs, so it need not outlast a rollout: a crashed
-# holder's lease is taken over this long after its last renewal (the flow's default)
+# renewed every ttl/3 while the rollout runs: a crashed holder's lease is taken over this long after it
 LEASE_TTL_S = 300.0
 
 
 @io_task("rollout-probe-source")
 def probe_source_task(version: ModelVersion) -> str:
-    """Where canary probes come from when none are named: ``version``'s training prefix, or an outside
-    model's latest night's inputs (``default_probe_source``)."""
+    """Where canary probes come from by default: ``version``'s training prefix, or its latest night's inputs."""
     return default_probe_source(version, storage.storage_root())
 
 
@@ -30,13 +28,10 @@ def probe_source_task(version: ModelVersion) -> str:
 def rollout_lease(model_name: str, wait_s: float, ttl_s: float = LEASE_TTL_S) -> Iterator[leases.HeldLease]:
     """Hold ``model_name``'s rollout lease for the ``with`` block: one rollout per model at a time.
 
-    A second rollout (a trigger firing twice) waits up to ``wait_s``, then
-    finds its work done; still busy then, it raises ``RolloutRolledBack``
-    naming the holder. Not a task: the lease is held, and renewed from its own
-    thread, for the whole flow, across every task of the rollout (the flow
-    calls ``ensure_held()`` on it before moving traffic or the alias). A task
-    would release it when it returned. ``ttl_s``: how long after its last renewal a killed
-    rollout's lease is taken over.
+    A second rollout (a trigger firing twice) waits up to ``wait_s``, then finds its work done; still busy
+    then, it raises ``RolloutRolledBack`` naming the holder. Not a task, which would release it on return: it
+    is held (renewed from its own thread) across every task of the rollout. ``ttl_s``: how long after its
+    last renewal a killed rollout's lease is taken over.
     """
     held = leases.held(
         registry.rollout_lease_uri(model_name),
@@ -57,7 +52,6 @@ def rollout_lease(model_name: str, wait_s: float, ttl_s: float = LEASE_TTL_S) ->
 
 @io_task("rollout-lease-holder")
 def another_rollout_holds_task(model_name: str, holder: str) -> bool:
-    """Whether the rollout lease that ``holder`` lost is live in another run's hands (a takeover after
-    expiry), rather than lost to a storage error with nobody else rolling out."""
+    """Whether the lease ``holder`` lost is live in another run's hands (a takeover), not lost to a storage error."""
     current = leases.read(registry.rollout_lease_uri(model_name))
     return current is not None and current.is_live() and current.holder != holder

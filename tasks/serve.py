@@ -21,11 +21,8 @@ from rayline.tasks.common import emit, emit_alias_move, idempotency_key, ray_tas
 def prepare_rollout_task(
     candidate: registry.ModelVersion, serve: ServeConfig, fence: Fence | None = None
 ) -> PreparedRollout:
-    """Serve the incumbent (the champion, after rolling back what a rollout that did not finish left:
-    ``canary.reconcile``) and the candidate at 0%.
-
-    ``fence``: the rollout lease's fencing token; every traffic move of the rollout carries it.
-    """
+    """Serve the incumbent (the champion, after rolling back what an unfinished rollout left:
+    ``canary.reconcile``) and the candidate at 0%; every traffic move carries ``fence``, the lease's token."""
     prepared = canary.prepare(candidate, serve, fence)
     if prepared.reconciled is not None:
         get_run_logger().warning("%s: %s", candidate.name, prepared.reconciled.describe())
@@ -62,13 +59,8 @@ def rollout_step_task(
         model=prepared.candidate.name,
         fence=prepared.fence,
     )
-    get_run_logger().info(
-        "v%d at %g%%: %s — %s",
-        prepared.candidate.version,
-        weight,
-        "passed" if report.passed else "FAILED",
-        report.reason,
-    )
+    verdict = "passed" if report.passed else "FAILED"
+    get_run_logger().info("v%d at %g%%: %s — %s", prepared.candidate.version, weight, verdict, report.reason)
     return report
 
 

@@ -23,15 +23,9 @@ def train_model_task(config: train.TrainConfig, tracking_experiment: str | None 
     logger = get_run_logger()
     if result.reused:
         logger.info("training run %s had finished with this data and loop: its result reused", result.run_name)
-    for epoch in result.history:
-        logger.info(
-            "epoch %d: train loss %.4f acc %.4f, val loss %.4f acc %.4f",
-            epoch.epoch,
-            epoch.train_loss,
-            epoch.train_accuracy,
-            epoch.val_loss,
-            epoch.val_accuracy,
-        )
+    for h in result.history:
+        figures = (h.train_loss, h.train_accuracy, h.val_loss, h.val_accuracy)
+        logger.info("epoch %d: train loss %.4f acc %.4f, val loss %.4f acc %.4f", h.epoch, *figures)
     create_table_artifact(
         key="train-epochs",
         table=[{k: round(float(v), 4) for k, v in h.model_dump().items()} for h in result.history],

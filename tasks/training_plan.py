@@ -1,7 +1,5 @@
-"""Prefect task: a ``train-model`` run's plan (``rayline.ray_workloads.training.plan``), made in the flow run.
-
-A task, not flow code: the plan reads the registry and a prepared-data manifest, which flows reach only
-through tasks, and a training on the labels exports them first (with lineage from the labels imports).
+"""Prefect task: a ``train-model`` run's plan (``rayline.ray_workloads.training.plan``), made in the flow run:
+it reads the registry and a manifest, which flows reach only through tasks, and may export the labels first.
 """
 
 from __future__ import annotations
@@ -17,10 +15,7 @@ from rayline.tasks.common import io_task, lease_holder, record_lineage
 @io_task("plan-training")
 def plan_training_task(request: TrainRequest) -> TrainingPlan:
     """:func:`plan_training` as this flow run: its reads get the retry policy, its skipped search is logged.
-
-    A training on the labels exports them first, with lineage from the labels imports; the flow run holds the
-    folder's lease: a retried attempt re-enters it, another run's export waits.
-    """
+    The labels export holds the folder's lease as this flow run: a retry re-enters it, another run waits."""
     exported = None
     if request.labelled:
         cfg = labelled_export(request)

@@ -1,19 +1,16 @@
 """Which labels may judge a challenger against the champion: the photos chosen whatever they answered, and
 never a photo either version learned.
 
-The paired test's promise (a no-better challenger passes at most alpha/(1-beta) of the time, however often it
-is asked) holds for photos whose choice is independent of the two versions' answers. A queue's targeted
-photos are chosen because the champion was unsure or the shadow disagreed: the photos the champion gets wrong
-more often, on which an equally good challenger wins most disagreements. So the gate counts:
+The paired test's promise (a no-better challenger passes at most alpha/(1-beta) of the time) holds only
+for photos chosen independently of the versions' answers; a queue's targeted photos are those the champion
+gets wrong more often. So the gate counts photos that are
 
-* **random**: the photos of every recorded random draw of the model's nights (``queue.RandomDraw``), and the
-  labels of imports declared random (``labels import --selection random``);
-* **not trained on**: a version trained on the labels (``train-model --labelled``) keeps the imports it
-  learned (``ModelVersion.trained_on_labels``); their photos judge neither it nor anything fine-tuned from it,
-  nor the other version if it learned them.
+* **random**: of every recorded random draw of the model's nights (``queue.RandomDraw``), or of imports
+  declared random (``labels import --selection random``);
+* **not trained on**: the imports a version (or any version it was fine-tuned from) learned
+  (``ModelVersion.trained_on_labels``) judge neither it nor the other version.
 
-A drawn photo left unlabelled is assumed left for reasons that have nothing to do with its answer: label the
-random share whole.
+A drawn photo left unlabelled is assumed left for reasons unrelated to its answer: label the random share whole.
 """
 
 from __future__ import annotations

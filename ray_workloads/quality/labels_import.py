@@ -1,14 +1,12 @@
 """Labels come back: a file of people's answers checked against what the model predicted, then appended.
 
 A label names a photo by ``uri`` (or ``key``, under a base prefix) and optionally the ``etag`` it saw,
-and gives a ``label`` from the model's class list (its name, or its index). It is refused, with its
-reason, when rayline never predicted that photo for the model (``unknown_uri``), when its ETag is not
-the photo's newest predicted one (``stale_etag``: the label was made for an older file), when its class
-is not one of the model's (``unknown_class``), when it has no label (``missing_label``) or a
-``labelled_at`` that is not an ISO 8601 time (``bad_labelled_at``), or when the file labels one photo
-twice differently (``conflicting``). Refused rows go to a CSV beside the import,
-with their line and reason: nothing is dropped unreported. Rows the table already holds (same photo,
-same class) count as ``already_labelled`` and are not appended again.
+and gives a ``label`` from the model's class list (its name, or its index). It is refused when rayline
+never predicted that photo for the model (``unknown_uri``), when its ETag is not the photo's newest
+predicted one (``stale_etag``), when its class is not one of the model's (``unknown_class``), when it has
+no label (``missing_label``) or a ``labelled_at`` that is not ISO 8601 (``bad_labelled_at``), or when the
+file labels one photo twice differently (``conflicting``). Refused rows go to a CSV beside the import,
+with their line and reason. Rows the table already holds (same photo, same class) are ``already_labelled``.
 
 The answer comes from the commit (:class:`rayline.tables.labels.ImportOutcome` in its info): a retry of
 the run that committed the file (``run_id``) reports what that commit added; any other run, "imported
@@ -53,14 +51,10 @@ class LabelsImportConfig(BaseModel):
     key_base: str = Field(description="What a ``key`` column is relative to (default <storage>/incoming).")
     source: str | None = Field(None, description="Who labelled, for rows without a ``source`` column.")
     selection: Literal["random"] | None = Field(
-        None,
-        description="random: the file's photos were chosen uniformly at random, whatever the models answered, so "
-        "its labels may judge a challenger (docs/quality.md); a queue's random draw needs no saying.",
+        None, description="random: the photos were chosen whatever the models answered, so may judge a challenger."
     )
     run_id: str | None = Field(
-        None,
-        description="The run importing (a Prefect flow run id): a retry within it reports what its first attempt "
-        "committed; None: every call is a run of its own.",
+        None, description="The importing flow run: a retry within it reports what its first attempt committed."
     )
 
     @field_validator("file_uri", "root", "key_base")
@@ -102,11 +96,7 @@ class LabelsImportResult(BaseModel):
 
 
 def run(cfg: LabelsImportConfig) -> LabelsImportResult:
-    """Read, check and append one labels file (see the module docstring for what is refused).
-
-    A file the table holds already is reported from its commit: as this import's when the same run
-    committed it (a retry after the commit landed), else as imported before, nothing added.
-    """
+    """Read, check and append one labels file (the module docstring says what is refused)."""
     body = storage.read_bytes(cfg.file_uri)
     import_id = hashlib.sha256(body).hexdigest()
     rows = read_label_file(cfg.file_uri, body)
@@ -136,46 +126,31 @@ def run(cfg: LabelsImportConfig) -> LabelsImportResult:
 def _reported(
     cfg: LabelsImportConfig, import_id: str, rows_read: int, commit: labels_table.LabelsCommit
 ) -> LabelsImportResult:
-    """The answer a commit gives: its outcome when this run made it (in this attempt, or in one before this
-    retry), else "imported before", nothing added."""
+    """The answer a commit gives: its outcome when this run made it (now or before this retry), else none added."""
     outcome = commit.outcome
-    if outcome is not None and (not commit.already_imported or _same_run(cfg.run_id, outcome.run_id)):
-        return _answer(cfg, import_id, rows_read, outcome, labels_version=commit.version)
-    return LabelsImportResult(
-        model_name=cfg.model_name,
-        file_uri=cfg.file_uri,
-        import_id=import_id,
-        rows_read=rows_read,
-        imported=0,
-        already_imported=True,
-        labels_table_uri=labels_table.labels_uri(cfg.root),
-        labels_version=commit.version,
-    )
-
-
-def _same_run(this: str | None, committing: str | None) -> bool:
-    return this is not None and this == committing  # outside a run, every call is one of its own
+    same_run = outcome is not None and cfg.run_id is not None and cfg.run_id == outcome.run_id  # None: no run
+    ours = outcome is not None and (not commit.already_imported or same_run)
+    return _answer(cfg, import_id, rows_read, outcome if ours else None, labels_version=commit.version)
 
 
 def _answer(
     cfg: LabelsImportConfig,
     import_id: str,
     rows_read: int,
-    outcome: labels_table.ImportOutcome,
+    outcome: labels_table.ImportOutcome | None,
     labels_version: int | None,
 ) -> LabelsImportResult:
+    """The result of ``outcome``; None: the file was imported before, and this run added nothing."""
+    counts = {"imported": 0} if outcome is None else outcome.model_dump(exclude={"run_id"})
     return LabelsImportResult(
         model_name=cfg.model_name,
         file_uri=cfg.file_uri,
         import_id=import_id,
         rows_read=rows_read,
-        imported=outcome.imported,
-        already_labelled=outcome.already_labelled,
-        rejected=outcome.rejected,
-        rejected_uri=outcome.rejected_uri,
+        already_imported=outcome is None,
         labels_table_uri=labels_table.labels_uri(cfg.root),
         labels_version=labels_version,
-        predictions_version=outcome.predictions_version,
+        **counts,
     )
 
 
@@ -308,11 +283,8 @@ def _refusal(
 
 
 def class_index(label: str, index_of: dict[str, int], count: int) -> int | None:
-    """The class ``label`` names: a class name, or an ASCII decimal index below ``count``; None for anything else.
-
-    ``str.isdigit`` also holds for superscripts and other scripts' digits, which ``int`` refuses or reads
-    as numbers nobody typed as an index (``"²"``, full-width ``"１"``).
-    """
+    """The class ``label`` names: a class name, or an ASCII decimal index below ``count``; None for anything else
+    (not ``str.isdigit``: it holds for superscripts and other scripts' digits, ``"²"``, full-width ``"１"``)."""
     if label in index_of:
         return index_of[label]
     if label.isascii() and label.isdecimal() and int(label) < count:
@@ -327,18 +299,10 @@ def _held(existing: pa.Table) -> set[tuple[str, str, int]]:
 
 
 def _labels_rows(rows: list[dict[str, Any]], cfg: LabelsImportConfig, import_id: str, now: datetime) -> pa.Table:
-    return pa.table(
-        {
-            "uri": [r["uri"] for r in rows],
-            "etag": [r["etag"] for r in rows],
-            "label": [r["label"] for r in rows],
-            "label_index": [r["label_index"] for r in rows],
-            "source": [r["source"] or cfg.source for r in rows],
-            "labelled_at": [r["labelled_at"] or now for r in rows],
-            "import_id": [import_id] * len(rows),
-            "selection": [cfg.selection] * len(rows),
-            "model_name": [cfg.model_name] * len(rows),
-        },
+    """The accepted rows as ``LABELS_SCHEMA`` rows (their ``row`` number dropped), ``cfg``'s marks on each."""
+    marks = {"import_id": import_id, "selection": cfg.selection, "model_name": cfg.model_name}
+    return pa.Table.from_pylist(
+        [{**r, "source": r["source"] or cfg.source, "labelled_at": r["labelled_at"] or now, **marks} for r in rows],
         schema=labels_table.LABELS_SCHEMA,
     )
 

@@ -1,9 +1,8 @@
 """How right each version was, night by night: its predictions joined with people's labels on (URI, ETag).
 
-Per version and night: the labelled count, accuracy, recall of each class labelled there, and the
-expected calibration error (ECE: over ``ECE_BINS`` equal-width confidence bins, the gap between a bin's
-accuracy and its mean confidence, weighted by its share of the photos). A night's rows are the version
-that predicted it; a photo predicted on several nights counts on each.
+Per version and night: the labelled count, accuracy, per-class recall, and the expected calibration error
+(ECE: over ``ECE_BINS`` equal-width confidence bins, the gap between a bin's accuracy and mean confidence,
+weighted by its share). A photo predicted on several nights counts on each.
 """
 
 from __future__ import annotations
@@ -41,9 +40,7 @@ class NightQuality(Quality):
     model_version: int
     dt: str
     table: str = Field(PREDICTIONS_TABLE, description="The table its predictions are in.")
-    left_out: int = Field(
-        0, description="Labelled photos of the night not counted: chosen by their answers, or trained on (evidence)."
-    )
+    left_out: int = Field(0, description="Labelled photos of the night not counted: not evidence (evidence.py).")
 
     @property
     def role(self) -> str:
@@ -90,11 +87,8 @@ def score(predicted: np.ndarray, labels: np.ndarray, confidence: np.ndarray, cla
 def labelled_predictions(
     root: str, model_name: str, labels: pa.Table, table: str = PREDICTIONS_TABLE, nights: Sequence[str] | None = None
 ) -> pa.Table:
-    """``table``'s rows of ``model_name`` for labelled photos, each with its ``label_index``.
-
-    ``nights`` (``dt`` values) confines the read to those nights' partitions: the files of other nights are
-    never opened. None reads every night.
-    """
+    """``table``'s rows of ``model_name`` for labelled photos, each with its ``label_index``; ``nights`` (``dt``
+    values) confines the read to those nights' partitions (None: every night)."""
     uri = table_uri(root, table)
     nothing = labels.num_rows == 0 or (nights is not None and not nights)
     if nothing or not DeltaTable.is_deltatable(uri, storage_options(uri)):
@@ -138,8 +132,7 @@ def night_quality(
     table: str = PREDICTIONS_TABLE,
     left_out: Mapping[tuple[int, str], int] | None = None,
 ) -> list[NightQuality]:
-    """Each (version, night) of ``joined`` (:func:`labelled_predictions`), oldest night first; ``left_out``:
-    the labelled photos of each (version, night) that were not counted."""
+    """Each (version, night) of ``joined``, oldest night first; ``left_out``: each one's photos not counted."""
     keys = set(zip(joined["model_version"].to_pylist(), joined["dt"].to_pylist(), strict=True))
     return [
         NightQuality(

@@ -1,24 +1,17 @@
 """Is the challenger better than the champion on the photos people labelled? A paired sequential test.
 
-Both versions predicted the same labelled photos, so only the photos where exactly one of them is right
-carry evidence (McNemar's discordant pairs): the challenger right and the champion wrong is a win, the
-reverse a loss. Under "no better" a discordant photo is a win with probability 1/2; under "better" with
-``p_better`` (0.65 by default: of the photos they disagree on, the challenger gets about two in three).
-Wald's sequential probability ratio test adds each pair's log-likelihood ratio and stops at a boundary:
+Only the photos where exactly one version is right carry evidence (McNemar's discordant pairs): a win for
+the challenger, or a loss. Under "no better" a discordant photo is a win with probability 1/2; under
+"better" with ``p_better`` (0.65). Wald's sequential probability ratio test sums each pair's log-likelihood
+ratio: **passed** at log((1-beta)/alpha), **failed** at log(beta/(1-alpha)) (about ``beta`` = 20 % chance
+of failing one better by the margin), **inconclusive** in between: the gate waits for more labels.
 
-* **passed** when the sum reaches log((1-beta)/alpha): the challenger is better;
-* **failed** when it falls to log(beta/(1-alpha)): it is not better (or is worse), with about ``beta``
-  (20 %) chance of failing one better by the margin;
-* **inconclusive** in between: too few discordant labels yet. The gate waits for more labels.
-
-The test is re-run on all the labels so far whenever it is asked, as labels arrive. The likelihood
-ratio is a supermartingale under "no better" (a discordant photo is the challenger's with probability at
-most 1/2), so the chance that it ever reaches the pass boundary for a challenger that is no better,
-however often it is looked at, is at most alpha/(1-beta) (Ville's inequality): 6.25 % by default, where a
-fixed-sample test looked at every night would pass a coin flip sooner or later. That holds only for photos
-chosen whatever the two versions answered: :class:`Evidence` names the labels that may count (drawn at
-random, never trained on by either version), and the rest are left out and counted. Agreement between the
-versions is not evidence: two versions that agree on 99 % of photos are judged on the other 1 %.
+The test is re-run on all the labels whenever it is asked. The likelihood ratio is a supermartingale under
+"no better", so however often it is looked at, a no-better challenger ever passes with probability at most
+alpha/(1-beta) (Ville's inequality): 6.25 % by default, where a fixed-sample test looked at every night
+would pass a coin flip sooner or later. That holds only for photos chosen whatever the versions answered:
+:class:`Evidence` names the labels that may count. Agreement is not evidence: two versions that agree on
+99 % of photos are judged on the other 1 %.
 """
 
 from __future__ import annotations
@@ -113,11 +106,9 @@ def paired_test(
     policy: PairedTestPolicy | None = None,
     evidence: Evidence | None = None,
 ) -> PairedTest:
-    """The test over the labelled photos both versions predicted that ``evidence`` counts (all: None).
-
-    Each table holds one version's labelled predictions (``uri``, ``etag``, ``predicted_index``,
-    ``label_index``, and ``dt``: a photo predicted on several nights counts once, at its newest night).
-    """
+    """The test over the labelled photos both versions predicted that ``evidence`` counts (all: None). Each
+    table holds one version's labelled predictions (``uri``, ``etag``, ``predicted_index``, ``label_index``,
+    ``dt``): a photo predicted on several nights counts once, at its newest night."""
     policy = policy or PairedTestPolicy()
     a, b = _newest_per_photo(champion_rows), _newest_per_photo(challenger_rows)
     both = a.join(b, keys=["uri", "etag"], join_type="inner", left_suffix="_champion", right_suffix="_challenger")

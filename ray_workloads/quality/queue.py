@@ -1,33 +1,16 @@
 """What to label next: a night's photos ranked by how much a label would teach, within a budget, and a share
-drawn at random so that the labels can also judge the versions without bias.
+drawn at random so that the labels can also judge the versions without bias (docs/quality.md).
 
-Each predicted photo of the night gets three scores, each in [0, 1]:
-
-* **uncertainty**: one minus the margin between the champion's two most probable classes (a photo it
-  nearly called otherwise);
-* **disagreement**: 1 when the version scored in the night's shadow predicted another class, else 0;
-* **drift**: how much more often the night predicted the photo's class than the reference does (the
-  champion's training labels, or its first night), ``log(night share / reference share) / log(4)``
-  clipped to [0, 1]: a class predicted four times as often scores 1; where the night's photos moved.
-
-Its priority is ``0.5 · uncertainty + 0.3 · disagreement + 0.2 · drift`` (``QueueConfig.weights``).
-
-Those scores pick the photos the champion is most likely wrong on, which is what training wants and what a
-comparison of two versions must not see: on them a challenger no better than the champion wins most of the
-photos they disagree on. So ``random_share`` of the budget (20 %) is drawn uniformly at random from the
-night's predicted photos, whatever their answers: the night's photos in a permutation seeded by the model
-and night, its first ``round(budget · random_share)`` taken (:class:`RandomDraw`, recorded beside the queue;
-a larger budget later takes a longer prefix of the same permutation). Only labels of drawn photos judge a
-challenger (``rayline.ray_workloads.quality.evidence``). The rest of the budget goes to the highest
-priorities among the photos not drawn (ties by URI). Photos labelled already (at the ETag predicted) are not
-queued again; a drawn one keeps counting with the label it has.
-
-Each queued photo says how it was chosen (``random`` or ``targeted``) and its inclusion probability (drawn /
-predicted photos for a random one; 1 for a targeted one, whose choice the night's answers decide). The queue
-is a Label Studio task file (JSON: the photo, and the champion's answer as a pre-annotation of a ``Choices``
-control named ``label`` on an ``Image`` named ``image``) and a CSV with the same photos, the random ones
-spread evenly among the targeted ones (a team that labels from the top still labels its share of them),
-whose empty ``label`` column, filled in, is what ``rayline labels import`` takes back.
+Each photo's priority is ``0.5 · uncertainty + 0.3 · disagreement + 0.2 · drift`` (``QueueConfig.weights``):
+the photos the champion is most likely wrong on, which is what training wants and what a comparison of two
+versions must not see (a challenger no better than the champion wins most of their disagreements there).
+So ``random_share`` of the budget is drawn uniformly from the night's predicted photos, whatever their
+answers, in a permutation seeded by the model and night (:class:`RandomDraw`, recorded beside the queue; a
+larger budget takes a longer prefix of it). Only labels of drawn photos judge a challenger
+(``rayline.ray_workloads.quality.evidence``). Photos labelled already (at the ETag predicted) are not
+queued again. The queue is a Label Studio task file and a CSV whose ``label`` column, filled in, is what
+``rayline labels import`` takes back; the drawn photos are spread evenly among the targeted ones, so a
+team that labels from the top still labels its share of them.
 """
 
 from __future__ import annotations
@@ -69,15 +52,9 @@ class QueueConfig(BaseModel):
     dt: str = Field(description="The night to choose from.")
     budget: int = Field(ge=1, description="Photos to queue, at most.")
     reference_counts: dict[str, int] = Field(default_factory=dict, description="Class counts to judge drift by.")
-    weights: tuple[float, float, float] = Field(
-        (0.5, 0.3, 0.2), description="Of uncertainty, disagreement and drift in a photo's priority."
-    )
+    weights: tuple[float, float, float] = Field((0.5, 0.3, 0.2), description="Of uncertainty, disagreement, drift.")
     random_share: float = Field(
-        0.2,
-        ge=0,
-        le=1,
-        description="Share of the budget drawn uniformly at random from the night's photos: the only labels the "
-        "promotion gate counts (docs/quality.md).",
+        0.2, ge=0, le=1, description="Share of the budget drawn at random: the only labels the promotion gate counts."
     )
 
     @property
@@ -249,12 +226,8 @@ def select(
             inclusion_probability=draw.inclusion_probability if selection == "random" else 1.0,
         )
 
-    first_random = len(targeted)
-    picks = interleave(
-        [queued(k, "targeted") for k in range(first_random)],
-        [queued(k, "random") for k in range(first_random, len(chosen))],
-    )
-    return picks, draw
+    drawn_picks = [queued(k, "random") for k in range(len(targeted), len(chosen))]
+    return interleave([queued(k, "targeted") for k in range(len(targeted))], drawn_picks), draw
 
 
 def interleave(targeted: list[QueuedPhoto], drawn: list[QueuedPhoto]) -> list[QueuedPhoto]:
@@ -267,8 +240,7 @@ def interleave(targeted: list[QueuedPhoto], drawn: list[QueuedPhoto]) -> list[Qu
 
 
 def choose(cfg: QueueConfig) -> tuple[list[QueuedPhoto], RandomDraw, int, int, bool]:
-    """The queued photos, the night's random draw, its unlabelled photos, those labelled already, and whether
-    it was shadowed."""
+    """The queued photos, the draw, the night's unlabelled and labelled counts, and whether it was shadowed."""
     night = read_night(table_uri(cfg.root, PREDICTIONS_TABLE), cfg.model_name, cfg.dt)
     if night.num_rows == 0 and cfg.dt not in committed_nights(cfg.root, cfg.model_name):
         latest = ", ".join(committed_nights(cfg.root, cfg.model_name, 5)) or "none"
@@ -294,35 +266,19 @@ def queue_folder(root: str, model_name: str, dt: str) -> str:
 
 
 def label_studio_tasks(queued: list[QueuedPhoto], model: str) -> list[dict[str, object]]:
-    """Label Studio's import format: one task per photo, the champion's answer as a pre-annotation."""
-    return [
-        {
-            "data": {
-                "image": q.uri,
-                "uri": q.uri,
-                "etag": q.etag,
-                "priority": round(q.priority, 4),
-                "why": q.why(),
-                "selection": q.selection,
-                "inclusion_probability": q.inclusion_probability,
-            },
-            "predictions": [
-                {
-                    "model_version": model,
-                    "score": round(q.confidence, 4),
-                    "result": [
-                        {
-                            "from_name": "label",
-                            "to_name": "image",
-                            "type": "choices",
-                            "value": {"choices": [q.predicted_class]},
-                        }
-                    ],
-                }
-            ],
-        }
-        for q in queued
-    ]
+    """Label Studio's import format: one task per photo, the champion's answer as a pre-annotation of a
+    ``Choices`` control named ``label`` on an ``Image`` named ``image``."""
+    return [{"data": _task_data(q), "predictions": [_pre_annotation(q, model)]} for q in queued]
+
+
+def _task_data(q: QueuedPhoto) -> dict[str, object]:
+    data = q.model_dump(include={"uri", "etag", "selection", "inclusion_probability"})
+    return {"image": q.uri, **data, "priority": round(q.priority, 4), "why": q.why()}
+
+
+def _pre_annotation(q: QueuedPhoto, model: str) -> dict[str, object]:
+    choice = {"from_name": "label", "to_name": "image", "type": "choices", "value": {"choices": [q.predicted_class]}}
+    return {"model_version": model, "score": round(q.confidence, 4), "result": [choice]}
 
 
 def queue_csv(queued: list[QueuedPhoto]) -> bytes:
@@ -367,10 +323,10 @@ def run(cfg: QueueConfig) -> QueueResult:
 def recorded_draws(root: str, model_name: str) -> list[RandomDraw]:
     """Every random draw recorded for the model's nights (each night's draws of each size)."""
     base = storage.join(storage.normalize(root), LABEL_QUEUES_DIR, model_name)
-    draws = []
-    for night in storage.list_folders(base):
-        folder = storage.join(base, night, DRAWS_DIR)
-        for name in storage.list_names(folder):
-            if name.endswith(".json"):
-                draws.append(RandomDraw.model_validate(storage.read_json(storage.join(folder, name))))
-    return draws
+    folders = [storage.join(base, night, DRAWS_DIR) for night in storage.list_folders(base)]
+    return [
+        RandomDraw.model_validate(storage.read_json(storage.join(folder, name)))
+        for folder in folders
+        for name in storage.list_names(folder)
+        if name.endswith(".json")
+    ]

@@ -1,10 +1,7 @@
-"""What the labels say now: each version's figures per night, served and shadowed, and the paired test.
-
-A version's rows come from ``predictions`` (the nights it served) and ``shadow_predictions`` (the nights it
-was scored beside the champion); a night whose shadow rows are some version's and whose served rows another's
-gives each its figures. The paired test takes every labelled photo both versions predicted, in either table,
-at its newest night, that the evidence rule counts (:mod:`rayline.ray_workloads.quality.evidence`), of the
-nights the challenger predicted: the gates and the monitor ask the one test.
+"""What the labels say now: each version's figures per night, served (``predictions``) and shadowed
+(``shadow_predictions``), and the paired test the gates and the monitor ask: every labelled photo both
+versions predicted, in either table, at its newest night, of the nights the challenger predicted, that the
+evidence rule counts (:mod:`rayline.ray_workloads.quality.evidence`).
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import pyarrow.compute as pc
 
 from rayline.ray_workloads.quality import metrics
 from rayline.ray_workloads.quality.evidence import gate_evidence, learned_imports
-from rayline.ray_workloads.quality.paired import Evidence, PairedTest, PairedTestPolicy, Photo, holds, paired_test
+from rayline.ray_workloads.quality.paired import PairedTest, Photo, holds, paired_test
 from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE, table_uri
 from rayline.tables.labels import photos_of_imports, read_labels
 from rayline.tables.prediction_reads import committed_nights, nights_of_version
@@ -26,8 +23,7 @@ TABLES = (PREDICTIONS_TABLE, SHADOW_TABLE)
 
 
 def labelled_rows(root: str, model_name: str, nights: Sequence[str] | None = None) -> dict[str, pa.Table]:
-    """Each table's labelled predictions of ``model_name`` (:func:`metrics.labelled_predictions`), of ``nights``
-    only when given."""
+    """Each table's labelled predictions of ``model_name`` (of ``nights`` only, when given)."""
     labels = read_labels(root, model_name)
     return {table: metrics.labelled_predictions(root, model_name, labels, table, nights) for table in TABLES}
 
@@ -37,23 +33,8 @@ def version_rows(rows: dict[str, pa.Table], version: int) -> pa.Table:
     return pa.concat_tables([joined.filter(pc.field("model_version") == version) for joined in rows.values()])
 
 
-def compare_versions(
-    rows: dict[str, pa.Table],
-    champion: int,
-    challenger: int,
-    evidence: Evidence,
-    policy: PairedTestPolicy | None = None,
-) -> PairedTest:
-    """The paired test of ``challenger`` against ``champion`` on the labelled photos both predicted that
-    ``evidence`` counts."""
-    return paired_test(
-        version_rows(rows, champion), version_rows(rows, challenger), champion, challenger, policy, evidence
-    )
-
-
 def labelled_gate(root: str, model_name: str, champion: int, challenger: int) -> PairedTest:
-    """The promotion gates' question: does ``challenger`` beat ``champion`` on the labels chosen at random that
-    neither learned (served and shadow nights alike)? Passed, failed, or inconclusive: it waits for more."""
+    """Does ``challenger`` beat ``champion`` on the random labels neither learned? Passed, failed, or inconclusive."""
     nights = challenger_nights(root, model_name, challenger)
     return _gate(root, model_name, labelled_rows(root, model_name, nights), champion, challenger)
 
@@ -64,7 +45,11 @@ def challenger_nights(root: str, model_name: str, challenger: int) -> list[str]:
 
 
 def _gate(root: str, model_name: str, rows: dict[str, pa.Table], champion: int, challenger: int) -> PairedTest:
-    return compare_versions(rows, champion, challenger, gate_evidence(root, model_name, [champion, challenger]))
+    """The paired test of ``challenger`` against ``champion`` on ``rows`` that the evidence rule counts."""
+    evidence = gate_evidence(root, model_name, [champion, challenger])
+    return paired_test(
+        version_rows(rows, champion), version_rows(rows, challenger), champion, challenger, None, evidence
+    )
 
 
 def _of_nights(rows: dict[str, pa.Table], nights: list[str]) -> dict[str, pa.Table]:
@@ -75,14 +60,12 @@ def _of_nights(rows: dict[str, pa.Table], nights: list[str]) -> dict[str, pa.Tab
 def labelled_reading(
     root: str, model_name: str, classes: list[str], nights: int, champion: int, challenger: int | None
 ) -> metrics.QualityReading:
-    """Each version's labelled figures on those of the latest ``nights`` committed nights that have labels
-    chosen at random (oldest first, served and shadowed), and the promotion gate's test of ``challenger``
-    against ``champion`` (:func:`labelled_gate`: the nights the challenger predicted).
+    """Each version's labelled figures on the latest ``nights`` committed nights (oldest first, served and
+    shadowed), and the promotion gate's test of ``challenger`` against ``champion`` (:func:`labelled_gate`).
 
-    A version's figures count what the gate counts: photos drawn at random that it did not train on, so that
-    its accuracy is an estimate of its accuracy on the night, not on the photos it was unsure of (those are
-    counted in ``left_out``). Only those nights' partitions are read: what a monitor run reads stays the same
-    as nights accumulate.
+    A version's figures count what the gate counts (photos drawn at random that it did not train on; the rest
+    in ``left_out``): an estimate of its accuracy on the night, not on the photos it was unsure of. Only those
+    nights' partitions are read, so a monitor run reads the same as nights accumulate.
     """
     reported = committed_nights(root, model_name, latest=nights)
     judged = challenger_nights(root, model_name, challenger) if challenger not in (None, champion) else []
@@ -101,8 +84,7 @@ def labelled_reading(
 
 
 def _counted_rows(root: str, model_name: str, joined: pa.Table, random: frozenset[Photo]) -> pa.Table:
-    """``joined``'s rows the gate would count for the version that predicted each: drawn at random, and not
-    a photo that version learned."""
+    """``joined``'s rows the gate counts: drawn at random, and not learned by the version that predicted them."""
     parts = []
     for version in sorted(set(joined["model_version"].to_pylist())):
         own = joined.filter(pc.field("model_version") == version)

@@ -1,16 +1,13 @@
 """A shadowed night: a second version scored in the same pass as the champion, compared with it.
 
-The predictor decodes each image once and scores it with both versions; the shadow's rows go to the
-``shadow_predictions`` table, keyed like ``predictions`` (model_name, dt; rows by URI and ETag, the
-shadow's version in ``model_version``). It is committed after the errors and before the predictions, whose
-commit stays the night's done marker: a run that dies between them left no committed night, and its rerun
-replaces the shadow's rows with its own.
+The shadow's rows go to the ``shadow_predictions`` table, keyed like ``predictions``. It is committed after
+the errors and before the predictions, whose commit stays the night's done marker: a rerun replaces the
+rows of a run that died between them.
 
 The comparison is summed block by block, so the driver holds counts, never the night's rows: each actor
-counts the block it wrote (:func:`block_counts`; a block's predictions and shadow rows are of the same
-images) and returns the counts with its block report; the driver adds them up (:class:`ShadowCounts`),
-checks them against the compacted shadow files and keeps the summary in the shadow commit's info
-(:func:`summarize`), so a retry after the commit returns it too.
+counts its block (:func:`block_counts`), the driver adds them up (:class:`ShadowCounts`), checks them
+against the compacted shadow files and keeps the summary in the shadow commit's info (:func:`summarize`),
+so a retry after the commit returns it too.
 """
 
 from __future__ import annotations
@@ -49,9 +46,7 @@ class ShadowSummary(BaseModel):
     agreement: float = Field(description="Share of compared images where both predicted the same class.")
     mean_confidence: float = Field(description="The champion's mean top-1 confidence over the compared images.")
     shadow_mean_confidence: float
-    class_shift: float = Field(
-        description="Total variation distance between the two versions' predicted-class distributions (0..1)."
-    )
+    class_shift: float = Field(description="Total variation distance of the two predicted-class distributions.")
     class_counts: dict[str, int] = Field(default_factory=dict, description="The champion's predictions per class.")
     shadow_class_counts: dict[str, int] = Field(default_factory=dict)
 
@@ -69,8 +64,7 @@ class ShadowSummary(BaseModel):
 
 
 _COLUMNS = ["uri", "predicted_class", "confidence"]
-# A float32 value is a whole multiple of 2**-149 (its smallest step): confidences summed as such integers add
-# up exactly, so the night's figures are the same whatever the order its blocks are summed in.
+# a float32 is a whole multiple of 2**-149: summed as such integers, confidences add up alike in any order
 _UNIT_BITS = 149
 
 
@@ -84,12 +78,9 @@ def class_shift(first: Counter[str], second: Counter[str]) -> float:
 
 @dataclass
 class ShadowCounts:
-    """A shadowed night's comparison in sums that add up block by block: what the driver holds of it.
-
-    A block's predictions and its shadow rows are of the same images, so the night's join on URI is the
-    sum of its blocks' joins. Confidences are summed exactly (``_UNIT_BITS``), and ``uris`` digests the
-    shadow's rows, checked against the compacted files that are committed (:func:`summarize`).
-    """
+    """A shadowed night's comparison in sums that add up block by block (a block's predictions and shadow rows
+    are of the same images): what the driver holds of it. Confidences are summed exactly (``_UNIT_BITS``);
+    ``uris`` digests the shadow's rows, checked against the committed files (:func:`summarize`)."""
 
     rows: int = 0  # the shadow's rows
     compared: int = 0  # images both versions predicted
@@ -145,8 +136,7 @@ class ShadowCounts:
 
 
 def exact_units(values: np.ndarray) -> tuple[int, bool]:
-    """The exact sum of float32 ``values`` in units of 2**-149, and whether every value was finite (the
-    non-finite ones are left out of the sum)."""
+    """The exact sum of the finite float32 ``values`` in units of 2**-149, and whether every value was finite."""
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
     exponent = (bits >> 23) & 0xFF
     finite = exponent != 0xFF
@@ -166,8 +156,7 @@ def _class_counts(column: pa.ChunkedArray) -> dict[str, int]:
 
 
 def block_counts(predictions: pa.Table, shadow: pa.Table) -> ShadowCounts:
-    """One block's :class:`ShadowCounts`: its predictions joined with its shadow rows on URI (an image one
-    version failed on is in one table only, and compared by neither)."""
+    """One block's :class:`ShadowCounts`: its predictions and shadow rows joined on URI (images both predicted)."""
     champion, shadowed = predictions.select(_COLUMNS), shadow.select(_COLUMNS)
     joined = champion.join(shadowed, "uri", right_suffix="_shadow", join_type="inner")
     same = pc.sum(pc.equal(joined["predicted_class"], joined["predicted_class_shadow"])).as_py() or 0
@@ -189,11 +178,8 @@ def block_counts(predictions: pa.Table, shadow: pa.Table) -> ShadowCounts:
 def summarize(
     counts: ShadowCounts, committed: SetDigest, shadow_version: ModelVersion, table: str, inputs: int
 ) -> ShadowSummary:
-    """The night's summary from its blocks' summed counts (``table_version`` is set at the commit).
-
-    ``committed`` is the digest of the shadow rows in the files to be committed: the counts must describe
-    exactly those rows, and never more rows than the night has inputs.
-    """
+    """The night's summary from its blocks' summed counts (``table_version`` is set at the commit), which must
+    describe exactly the shadow rows of the files to commit (``committed``), and no more than ``inputs``."""
     if counts.rows > inputs:
         raise StorageError(
             f"refusing to commit: the shadow's blocks hold {counts.rows} rows, more than the night's "

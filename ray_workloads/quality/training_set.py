@@ -1,19 +1,14 @@
-"""The labelled photos as training data: each labelled photo copied under its class, ``<class>/<file>``.
+"""The labelled photos as training data: each labelled photo copied under its class, ``<class>/<file>``, in
+rayline's own ``labelled/<model>/`` (never the producers' ``raw/``), so ``train-model`` ingests them like
+``raw/`` (``train_model(labelled=True)``).
 
-The copies are laid out as training input always is, so ``train-model`` ingests them like ``raw/``: a
-retraining on labels fine-tunes the champion on them (``train_model(labelled=True)``). They live under
-rayline's own prefix, ``labelled/<model>/``, never the producers' ``raw/``.
-
-The folder is filled as every committed folder is (:func:`rayline.storage.folders.fill_once`): one export
-at a time holds its lease, reads the labels under it, writes a new generation (``gen-<fence>-<id>/``), and
-commits ``manifest.json`` (:class:`LabelledExportManifest`: the labels table version, the imports it holds,
-every copy's photo) by a compare-and-swap fenced by the lease; the generations of earlier holders are
-removed after it. So two exports never interleave: a photo relabelled between their reads ends under its
-newest class only, and the committed generation holds exactly the files its manifest names. Each copy is
-of the photo at the version it was labelled (its ETag: a photo replaced since is left out and counted);
-a copy the previous generation holds for the same label is carried over from it, so a photo removed from
-its source since keeps training. The manifest's imports are what :func:`pending_labels` counts new labels
-against.
+The folder is filled as every committed folder is (:func:`rayline.storage.folders.fill_once`): one export at
+a time holds its lease, reads the labels under it, writes a new generation and commits its manifest
+(:class:`LabelledExportManifest`) by a compare-and-swap fenced by the lease. So two exports never
+interleave: a photo relabelled between their reads ends under its newest class only. Each copy is of the
+photo at the ETag labelled (a photo replaced since is left out and counted); a copy the previous generation
+holds for the same label is carried over, so a photo removed from its source keeps training. The
+manifest's imports are what :func:`pending_labels` counts new labels against (docs/quality.md).
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ from rayline.storage.layout import LABELLED_DIR
 from rayline.storage.manifests import LabelledCopy, LabelledExportManifest
 from rayline.tables import labels as labels_table
 
-# the manifest of a folder laid out without generations (<class>/ beside it): its imports count until the
-# first generation's commit removes it
+# a folder laid out without generations keeps its imports here until the first generation's commit
 LEGACY_EXPORT_MANIFEST = "_export.json"
 FETCH_BATCH = 256
 
@@ -46,18 +40,14 @@ class ExportConfig(folders.LeasedOutput):
     root: str = Field(description="The storage root: the labels table and the labelled folder live there.")
     model_name: str
     io_concurrency: int = Field(32, ge=1)
-    classes: list[str] = Field(
-        default_factory=list, description="Classes the labelled photos must all cover: the model's (its champion's)."
-    )
+    classes: list[str] = Field(default_factory=list, description="Classes the labelled photos must all cover.")
     # below the export task's five-minute limit, so a run that waits too long fails naming the holder instead
     lease_wait_s: float = Field(240.0, ge=0, description="How long to wait for another export of the model.")
 
 
 class ExportResult(BaseModel):
     model_name: str
-    folder: str = Field(
-        description="The committed generation of labelled/<model>/: a training source (<class>/<file>)."
-    )
+    folder: str = Field(description="The committed generation of labelled/<model>/: <class>/<file>.")
     manifest_uri: str = Field(description="labelled/<model>/manifest.json, which commits that generation.")
     labels_table: str
     labels_version: int | None = Field(description="The labels table version exported.")
@@ -118,11 +108,8 @@ class _Counts:
 
 
 def run(cfg: ExportConfig) -> ExportResult:
-    """The model's labelled photos committed as one generation of its folder, or the one that holds them already.
-
-    An export that finds the folder committed at the labels version it reads reuses it; else it takes the
-    folder's lease (waiting for an export in progress) and fills a generation (:func:`_fill`).
-    """
+    """The model's labelled photos committed as one generation of its folder, or the one that holds them already
+    (committed at the labels version read); else it fills one under the folder's lease (:func:`_fill`)."""
     folder = labelled_folder(cfg.root, cfg.model_name)
     seen = labels_table.current_version(cfg.root)
     counts = _Counts()
@@ -154,11 +141,8 @@ def run(cfg: ExportConfig) -> ExportResult:
 
 
 def _fill(cfg: ExportConfig, folder: str, generation_folder: str) -> tuple[LabelledExportManifest, _Counts]:
-    """Copy the newest label of every photo into ``generation_folder``; its manifest, uncommitted.
-
-    Run while holding the folder's lease: the labels are read here, after any export before this one
-    committed, and the committed manifest is the one this export's commit replaces.
-    """
+    """Copy the newest label of every photo into ``generation_folder``; its manifest, uncommitted. Run under
+    the folder's lease: the labels are read after any export before this one committed."""
     version = labels_table.current_version(cfg.root)
     labels = labels_table.read_labels(cfg.root, cfg.model_name, version)
     _check_covers(cfg, set(labels["label"].to_pylist()))
@@ -207,10 +191,8 @@ def _check_covers(cfg: ExportConfig, labelled: set[str]) -> None:
 
 
 def _copy(folder: str, sources: Mapping[str, tuple[str, str | None]], concurrency: int) -> set[str]:
-    """Copy each source (copy name → its URI, and the version it must be read at; None: any) into ``folder``.
-
-    Returns the names not copied: their source was replaced (another version) or cannot be read.
-    """
+    """Copy each source (copy name → its URI, and the version it must be read at; None: any) into ``folder``;
+    the names not copied: their source was replaced (another version) or cannot be read."""
     failed: set[str] = set()
     names = list(sources)
     for start in range(0, len(names), FETCH_BATCH):

@@ -1,8 +1,6 @@
 """Evaluation on a held-out split: accuracy, per-class precision/recall, confusion matrix, plots, and the
 answers image by image (``rayline.models.split_answers``) that the promotion gate pairs with the champion's.
-
-Predictions stream from the preprocessed shards through Ray Data; the
-metrics themselves are plain numpy so they can be checked in isolation.
+Predictions stream through Ray Data; the metrics are plain numpy, checked in isolation.
 """
 
 from __future__ import annotations
@@ -42,16 +40,12 @@ class EvaluationResult(BaseModel):
     confusion: list[list[int]]
     report_uri: str | None = None
     confusion_png_uri: str | None = None
-    answers_uri: str | None = Field(
-        None, description="Its answers on the split, image by image (key, etag, truth, prediction): a Parquet file."
-    )
+    answers_uri: str | None = Field(None, description="Its answers on the split, image by image (Parquet).")
 
     def lineage_inputs(self) -> list[DatasetRef]:
-        """The weights evaluated and the preprocessed data holding the split."""
         return [DatasetRef(uri=self.weights_uri), DatasetRef(uri=self.data_manifest_uri)]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """The report, with the accuracy, and the answers image by image; none when they were not written."""
         report = [DatasetRef(uri=self.report_uri, facets={"accuracy": self.accuracy})] if self.report_uri else []
         answers = [DatasetRef(uri=self.answers_uri, facets={"images": self.samples})] if self.answers_uri else []
         return report + answers
@@ -64,9 +58,7 @@ def classification_metrics(
     k = len(classes)
     confusion = np.zeros((k, k), dtype=np.int64)
     np.add.at(confusion, (y_true, y_pred), 1)
-    predicted = confusion.sum(axis=0)
-    actual = confusion.sum(axis=1)
-    diagonal = np.diag(confusion)
+    predicted, actual, diagonal = confusion.sum(axis=0), confusion.sum(axis=1), np.diag(confusion)
     per_class = [
         ClassMetrics(
             name=name,
@@ -102,18 +94,11 @@ def _loaded(spec: ModelSpec, weights_uri: str, prepared: preprocess.PreprocessRe
 
 
 def confusion_png(confusion: np.ndarray, classes: Sequence[str], title: str) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 4.5), dpi=100)
+    fig, ax = _pyplot().subplots(figsize=(5, 4.5), dpi=100)
     ax.imshow(confusion, cmap="Blues")
     ax.set_xticks(range(len(classes)), classes)
     ax.set_yticks(range(len(classes)), classes)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    ax.set_title(title)
+    ax.set(xlabel="predicted", ylabel="true", title=title)
     for (i, j), value in np.ndenumerate(confusion):
         if value:
             colour = "white" if value > confusion.max() / 2 else "black"
@@ -124,19 +109,12 @@ def confusion_png(confusion: np.ndarray, classes: Sequence[str], title: str) -> 
 
 def curves_png(series: Mapping[str, Sequence[tuple[float, float]]], ylabel: str, title: str) -> bytes:
     """Line plot of named (x, y) series: training curves, Tune trial curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    fig, ax = _pyplot().subplots(figsize=(6, 4), dpi=100)
     for name, points in series.items():
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker="o", markersize=3, label=name)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set(xlabel="epoch", ylabel=ylabel, title=title)
     if len(series) <= 12:
         ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -144,12 +122,19 @@ def curves_png(series: Mapping[str, Sequence[tuple[float, float]]], ylabel: str,
     return _png(fig)
 
 
-def _png(fig: Any) -> bytes:
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _png(fig: Any) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
-    plt.close(fig)
+    _pyplot().close(fig)
     return buffer.getvalue()
 
 

@@ -1,8 +1,5 @@
-"""The epoch loop shared by Ray Train workers and Ray Tune trials.
-
-Plain PyTorch over iterables of ``{"image", "label_index"}`` batches: it knows
-nothing of Scaling or Run configs, nor where the batches come from.
-"""
+"""The epoch loop shared by Ray Train workers and Ray Tune trials: plain PyTorch over iterables of
+``{"image", "label_index"}`` batches, whatever their source."""
 
 from __future__ import annotations
 
@@ -29,6 +26,7 @@ from rayline.ray_workloads.architectures.build import (
 from rayline.ray_workloads.training.request import Hyperparameters
 
 Batch = dict[str, torch.Tensor]
+EpochBatches = Callable[[int], Iterable[Batch]]
 
 
 class InitFrom(BaseModel):
@@ -45,10 +43,8 @@ class TrainLoopConfig(Hyperparameters):
     model: ModelSpec = Field(default_factory=ModelSpec)
     init: InitFrom | None = None
     seed: int = 0
-    # Shards are sorted by key (i.e. by class): batches must be shuffled.
-    shuffle_buffer_rows: int = Field(4096, ge=1)
-    # Hold each worker's shard in memory after the first pass: small data sets
-    # then skip Ray Data's per-epoch start-up; large ones should stream.
+    shuffle_buffer_rows: int = Field(4096, ge=1)  # shards are sorted by key (i.e. by class): shuffle
+    # each worker's shard held in memory after the first pass skips Ray Data's per-epoch start-up
     cache_data: bool = True
     # Each data-parallel worker validates on the whole validation split (set by the driver).
     val_on_every_worker: bool = False
@@ -108,11 +104,8 @@ def run_epoch(
     optimizer: torch.optim.Optimizer | None = None,
     whole_split: bool = False,
 ) -> EpochStats:
-    """One pass over ``batches``: trains when given an optimizer, else evaluates.
-
-    Figures are summed across data-parallel workers, unless ``whole_split``
-    says each worker saw the whole split (then its own figures are the answer).
-    """
+    """One pass over ``batches``: trains when given an optimizer, else evaluates. Figures are summed across
+    data-parallel workers, unless ``whole_split`` says each worker saw the whole split."""
     started = time.perf_counter()
     training = optimizer is not None
     model.train(training)
@@ -144,6 +137,26 @@ def run_epoch(
     )
 
 
+def train_epochs(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainLoopConfig,
+    start_epoch: int,
+    batches: tuple[EpochBatches, EpochBatches],
+    device: torch.device,
+    drills: bool = True,
+) -> Iterator[tuple[int, EpochStats, EpochStats]]:
+    """From ``start_epoch`` on, each epoch's number and its training and validation figures (``batches``: the
+    train and val sources), after its fault drills (``drills``) and at its learning rate."""
+    train_batches, val_batches = batches
+    for epoch in range(start_epoch, cfg.epochs):
+        if drills:
+            inject_failure_if_due(cfg, epoch)
+        set_epoch_lr(optimizer, cfg, epoch)
+        train = run_epoch(model, train_batches(epoch), device, optimizer)
+        yield epoch, train, run_epoch(model, val_batches(epoch), device, whole_split=cfg.val_on_every_worker)
+
+
 def materialize(batches: Iterable[Batch]) -> Batch:
     """Concatenate a stream of batches into one in-memory batch."""
     parts: dict[str, list[torch.Tensor]] = {}
@@ -162,23 +175,16 @@ def in_memory_batches(data: Batch, batch_size: int, seed: int | None) -> Iterato
         yield {key: value[index] for key, value in data.items()}
 
 
-EpochBatches = Callable[[int], Iterable[Batch]]
-
-
 def epoch_batches(stream: Callable[..., Iterable[Batch]], cfg: TrainLoopConfig, shuffle: bool) -> EpochBatches:
-    """Per-epoch batch source over a Ray Data iterator's ``iter_torch_batches``.
-
-    Shuffled with a seed per epoch. With ``cfg.cache_data`` the first pass
-    starts at once in the background and is held in memory for every epoch.
-    """
+    """Per-epoch batch source over a Ray Data iterator's ``iter_torch_batches``, shuffled with a seed per epoch.
+    With ``cfg.cache_data`` the first pass starts at once in the background and is held for every epoch."""
     batch_size = cfg.batch_size if shuffle else 256
 
     def seed_for(epoch: int) -> int | None:
         return cfg.seed * 1000 + epoch if shuffle else None
 
     if cfg.cache_data:
-        # The first pass starts now, in a thread: it mostly waits on Ray Data's other
-        # processes, so it overlaps what the caller does next (building the model).
+        # a thread: the pass mostly waits on Ray Data's processes, so it overlaps building the model
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="first-pass")
         first_pass = pool.submit(materialize, stream(batch_size=1024))
         pool.shutdown(wait=False)

@@ -1,8 +1,6 @@
 """Where a train-model run starts and what it runs: :func:`plan_training` turns a :class:`TrainRequest` and the
-registry into a :class:`TrainingPlan`, which makes each step's config. The flow only composes the steps.
-
-The plan reads the registry (the parent, the champion and its parent link) and a prepared-data manifest: in
-a flow run it is made in a task (``rayline.tasks.training_plan``), with the retry policy of any read.
+registry into a :class:`TrainingPlan`, which makes each step's config; the flow only composes the steps. It
+reads the registry and a manifest, so a flow run makes it in a task (``rayline.tasks.training_plan``).
 """
 
 from __future__ import annotations
@@ -135,8 +133,7 @@ def _fields_of(group: type[BaseModel], request: TrainRequest) -> dict[str, objec
 
 
 def labelled_export(request: TrainRequest) -> ExportConfig:
-    """What a training on the labels exports: the model's labelled photos, which must cover its champion's
-    classes (any, while it has none)."""
+    """What a training on the labels exports: the model's labelled photos, covering its champion's classes."""
     name = request.model_name or DEFAULT_MODEL
     champion = registry.alias_version(name, CHAMPION)
     classes = registry.resolve(name, champion).classes if champion is not None else []
@@ -145,10 +142,7 @@ def labelled_export(request: TrainRequest) -> ExportConfig:
 
 def plan_training(request: TrainRequest, exported: ExportResult | None = None) -> TrainingPlan:
     """The plan of ``request``: the registry name, the fine-tune (if any), the source, the image spec and the loop.
-
-    ``exported``: the labelled photos of a training on the labels (``request.labelled``): its champion is
-    fine-tuned on them (trained anew when it has none).
-    """
+    ``exported``: the labelled photos its champion is fine-tuned on (``request.labelled``; anew with none)."""
     name, init_from = request.model_name, request.init_from
     if exported is not None:
         name = exported.model_name
@@ -159,6 +153,9 @@ def plan_training(request: TrainRequest, exported: ExportResult | None = None) -
     check_input_apart_from_checkpoints(source, "source_uri")
     model = fine_tune.parent.model_spec if fine_tune else ModelSpec(arch=request.arch or SMALL_CNN, width=request.width)
     init = fine_tune.init() if fine_tune else None
+    labels = (
+        TrainingLabels(labels_version=exported.labels_version, import_ids=exported.import_ids) if exported else None
+    )
     return TrainingPlan(
         request=request,
         name=name,
@@ -166,18 +163,13 @@ def plan_training(request: TrainRequest, exported: ExportResult | None = None) -
         image=fine_tune.parent.image_spec if fine_tune else squash(DIGITS_IMAGE_SIZE),
         loop=TrainLoopConfig(model=model, init=init, **_fields_of(Hyperparameters, request)),
         fine_tune=fine_tune,
-        trained_on_labels=(
-            TrainingLabels(labels_version=exported.labels_version, import_ids=exported.import_ids)
-            if exported is not None
-            else None
-        ),
+        trained_on_labels=labels,
         labelled_root=root_uri() if labelled_win_required(request.require_labelled_win) else None,
     )
 
 
 def _source(request: TrainRequest, fine_tune: FineTunePlan | None, exported: ExportResult | None) -> str:
-    """The labelled photos exported; else the prefix asked for; else, retraining a fine-tune, the prefix it was
-    fine-tuned on (not the digits); else ``<storage>/raw``."""
+    """The labels exported; else the prefix asked; else a retrained fine-tune's own prefix; else ``<storage>/raw``."""
     if exported is not None:
         return exported.folder
     return request.source_uri or (fine_tune.data_source if fine_tune else None) or under_root(RAW_DIR)
@@ -199,14 +191,10 @@ def fine_tune_plan(
 ) -> tuple[str, FineTunePlan | None]:
     """The registry name to train and, for a fine-tune, where it starts.
 
-    * ``init_from`` (``NAME@champion``, ``NAME@v3``): fine-tune that version;
-      the result is ``model_name`` or ``<parent>-ft``.
-    * otherwise, a model whose champion was fine-tuned from a parent (an
-      outside model, say) is retrained the same way: from the same parent
-      version, frozen or not as before unless ``freeze_backbone`` says. This is
-      what makes the event-triggered ``retrain`` deployment fine-tune such a
-      model instead of training its architecture from scratch.
-    * otherwise: plain training of ``model_name`` (default ``digits``).
+    * ``init_from`` (``NAME@champion``, ``NAME@v3``): fine-tune that version, as ``model_name`` or ``<parent>-ft``;
+    * else a model whose champion was fine-tuned from a parent is retrained the same way (frozen or not as
+      before unless ``freeze_backbone`` says): the ``retrain`` deployment never trains such a model from scratch;
+    * else plain training of ``model_name`` (default ``digits``).
     """
     if init_from is not None:
         parent_name, ref = registry.parse_named_ref(init_from)
@@ -231,12 +219,12 @@ def fine_tune_plan(
                 f"{name} has no fine-tuned champion to retrain from its parent"
             )
         return name, None
-    refuse_inference_only(registry.get_version(link.name, link.version))
-    frozen = link.freeze_backbone if freeze_backbone is None else freeze_backbone
+    parent = registry.get_version(link.name, link.version)
+    refuse_inference_only(parent)
     assert champion is not None  # a parent link comes from a champion
     return name, FineTunePlan(
-        parent=registry.get_version(link.name, link.version),
-        freeze_backbone=frozen,
+        parent=parent,
+        freeze_backbone=link.freeze_backbone if freeze_backbone is None else freeze_backbone,
         why=f"champion {name} v{number} was fine-tuned from {link.name} v{link.version}",
         data_source=preprocess.source_of(champion.data_manifest_uri) if champion.data_manifest_uri else None,
     )

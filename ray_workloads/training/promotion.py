@@ -1,19 +1,12 @@
 """The promotion gate: register trained weights as a new version, judge it against the champion, move an alias.
 
-The candidate is judged on its own test split, image by image against the
-champion (:func:`rayline.models.registry.gate`: an exact McNemar test at
-``alpha`` and the accuracy ``margin``). The champion's answers on that split
-are those kept with it when it answered the same images before (its own
-registration, or an earlier candidate's gate); else it is evaluated on the
-candidate's split (:func:`rayline.ray_workloads.training.evaluate.split_answers_of`,
-on Ray) and its answers kept. A candidate that passes becomes ``promote_to``:
-``champion`` directly, or ``challenger`` when serving decides (a canary
-rollout moves the champion later); the first model that passes the floor is
-champion either way.
+The candidate is judged on its own test split, image by image against the champion
+(:func:`rayline.models.registry.gate`: an exact McNemar test at ``alpha`` and the accuracy ``margin``;
+the champion's answers: :func:`_paired`). A candidate that passes becomes ``promote_to``: ``champion``, or
+``challenger`` when a canary rollout moves the champion later; the first model past the floor is champion.
 
-Every step is safe to repeat: a retry with the same ``idempotency_key`` gets
-the version its first attempt registered, and judges it against the version
-it replaced if that attempt promoted it already.
+Every step is safe to repeat: a retry with the same ``idempotency_key`` gets the version its first attempt
+registered, and judges it against the version it replaced if that attempt promoted it already.
 """
 
 from __future__ import annotations
@@ -53,20 +46,13 @@ class PromotionConfig(GateOptions):
     trained: TrainResult
     evaluation: evaluate.EvaluationResult
     parent: ParentModel | None = Field(None, description="The version a fine-tune started from.")
-    trained_on_labels: registry.TrainingLabels | None = Field(
-        None, description="The labels imports its training photos came from (a training on the labels)."
-    )
+    trained_on_labels: registry.TrainingLabels | None = Field(None, description="The labels imports it learned.")
     code_version: str = "unknown"
     flow_run_id: str | None = None
     idempotency_key: str | None = Field(None, description="The same in every attempt: a retry registers nothing new.")
-    champion_wait_s: float = Field(
-        600.0,
-        description="How long a champion move waits for a running rollout of the model to end (then judges again).",
-    )
+    champion_wait_s: float = Field(600.0, description="How long a champion move waits for a running rollout.")
     labelled_root: str | None = Field(
-        None,
-        description="Where the labels and nights are: the champion then moves only on a labelled win (the paired "
-        "test passed); inconclusive makes the candidate challenger until labels decide, failed refuses it.",
+        None, description="Where the labels are: the champion then moves only on a labelled win (_labelled_alias)."
     )
 
 
@@ -85,12 +71,10 @@ class PromotionResult(BaseModel):
     labelled: PairedTest | None = Field(None, description="The labelled paired test, when the gate required one.")
 
     def lineage_inputs(self) -> list[DatasetRef]:
-        """The checkpoint, the data it was judged on, and a fine-tune's parent version."""
         parent = [DatasetRef(uri=self.parent.uri, facets={"parent": self.parent.model_dump()})] if self.parent else []
         return [DatasetRef(uri=self.checkpoint_uri), DatasetRef(uri=self.data_manifest_uri), *parent]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """The version, pinned to its data's version, with the gate's decision and the alias moves."""
         facets = {"moves": [m.model_dump(mode="json") for m in self.moves], "gate": self.decision.model_dump()}
         return [DatasetRef(uri=self.version.uri, content_hash=self.data_content_hash, facets=facets)]
 
@@ -139,11 +123,10 @@ def run(cfg: PromotionConfig) -> PromotionResult:
     decision, moves, labelled = gate_and_move(
         cfg.name, version, answers, cfg, champion_wait_s=cfg.champion_wait_s, labelled_root=cfg.labelled_root
     )
-    alias = moves[0].alias if moves else None
     return PromotionResult(
         version=version,
         decision=decision,
-        alias=alias,
+        alias=moves[0].alias if moves else None,
         moves=moves,
         champion=registry.alias_version(cfg.name, registry.CHAMPION),
         checkpoint_uri=trained.checkpoint_uri,
@@ -155,8 +138,7 @@ def run(cfg: PromotionConfig) -> PromotionResult:
 
 
 def _candidate_answers(cfg: PromotionConfig) -> pa.Table:
-    """The candidate's answers on its test split, image by image: those its evaluation wrote, or evaluated
-    now when it wrote none."""
+    """The candidate's answers on its test split, image by image: those its evaluation wrote, else evaluated now."""
     evaluation = cfg.evaluation
     if evaluation.answers_uri is not None:
         return storage.read_parquet([evaluation.answers_uri], columns=split_answers.SCHEMA.names)
@@ -189,36 +171,17 @@ def gate_and_move(
     champion_wait_s: float = 0.0,
     labelled_root: str | None = None,
 ) -> tuple[registry.GateDecision, list[registry.AliasMove], PairedTest | None]:
-    """Gate ``version`` against the champion and move the alias it earned (``gate.promote_to``), on that same
-    champion.
+    """Gate ``version`` (``answers``: its own on its test split) against the champion and move the alias it
+    earned (``gate.promote_to``), conditional on that same champion.
 
-    ``answers``: the candidate's on its test split, image by image; the champion is paired with it there.
-
-    The champion move is conditional on the champion the gate judged against;
-    one moved meanwhile (a rollout promoted another version) means judging
-    again, against the new one. A running rollout holding the champion is
-    waited for up to ``champion_wait_s``, then its ``AliasConflict`` is raised.
-    ``labelled_root``: the champion moves only on a labelled win too (:func:`_labelled_alias`).
+    A champion moved meanwhile (a rollout promoted another version) means judging again, against the new one.
+    A running rollout holding the champion is waited for up to ``champion_wait_s``, then its ``AliasConflict``
+    is raised. ``labelled_root``: the champion moves only on a labelled win too (:func:`_labelled_alias`).
     """
     for attempt in range(REGATES):
-        champion = _champion_against(name, version)
-        decision = registry.gate(
-            version,
-            champion,
-            metric=GATE_METRIC,
-            candidate_score=split_answers.accuracy(answers),
-            paired=_paired(champion, version, answers) if champion is not None else None,
-            margin=gate.margin,
-            floor=gate.floor,
-            alpha=gate.alpha,
-        )
-        if not decision.promoted:
-            return decision, [], None
-        alias = registry.CHAMPION if champion is None or gate.promote_to == registry.CHAMPION else registry.CHALLENGER
-        decision, earned, labelled = _labelled_alias(decision, alias, labelled_root, name)
-        if earned is None:
+        decision, alias, labelled = _judge(name, version, answers, gate, labelled_root)
+        if alias is None:
             return decision, [], labelled
-        alias = earned
         # a challenger is judged against the champion too, but moves no champion: any challenger may be replaced
         expected = decision.champion if alias == registry.CHAMPION else registry.Unchecked.ANY
         try:
@@ -236,6 +199,27 @@ def gate_and_move(
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
+def _judge(
+    name: str, version: registry.ModelVersion, answers: pa.Table, gate: GateOptions, labelled_root: str | None
+) -> tuple[registry.GateDecision, str | None, PairedTest | None]:
+    """The gate's decision against the champion now, the alias it earned (None: none) and the labels' test."""
+    champion = _champion_against(name, version)
+    decision = registry.gate(
+        version,
+        champion,
+        metric=GATE_METRIC,
+        candidate_score=split_answers.accuracy(answers),
+        paired=_paired(champion, version, answers) if champion is not None else None,
+        margin=gate.margin,
+        floor=gate.floor,
+        alpha=gate.alpha,
+    )
+    if not decision.promoted:
+        return decision, None, None
+    alias = registry.CHAMPION if champion is None or gate.promote_to == registry.CHAMPION else registry.CHALLENGER
+    return _labelled_alias(decision, alias, labelled_root, name)
+
+
 def _champion_against(name: str, candidate: registry.ModelVersion) -> registry.ModelVersion | None:
     """The champion the candidate is judged against (None: there is none yet)."""
     number = registry.alias_version(name, registry.CHAMPION)
@@ -249,11 +233,9 @@ def _champion_against(name: str, candidate: registry.ModelVersion) -> registry.M
 def _paired(
     champion: registry.ModelVersion, candidate: registry.ModelVersion, answers: pa.Table
 ) -> split_answers.PairedCounts:
-    """Both versions' answers on the candidate's test split, image by image.
-
-    The champion's are those kept with it for these images (its own test split, or an earlier gate's);
-    else it answers them now, on Ray, and they are kept for the next candidate on the same images.
-    """
+    """Both versions' answers on the candidate's test split, image by image. The champion's are those kept
+    with it for these images (its own test split, or an earlier gate's); else it answers them now, on Ray,
+    and they are kept for the next candidate on the same images."""
     theirs = split_answers.read(champion.uri, split_answers.split_digest(answers))
     if theirs is None:
         if candidate.data_manifest_uri is None:

@@ -1,9 +1,7 @@
 """What a train-model run is asked: one typed request, the same from the command line, the flow's form and
-the deployments to the stage (:func:`rayline.ray_workloads.training.plan.plan_training`), checked here alone.
-
-Plain pydantic without torch or Prefect, so that the command line builds its options from the fields
-(``rayline.cli.request_options``). The stage configs inherit the groups they share with it
-(:class:`Hyperparameters`, :class:`TrainShape`, :class:`GateOptions`): each default is written once.
+the deployments, checked here alone. Plain pydantic without torch or Prefect: the command line builds its
+options from the fields. The stage configs inherit the groups they share with it (:class:`Hyperparameters`,
+:class:`TrainShape`, :class:`GateOptions`): each default is written once.
 """
 
 from __future__ import annotations
@@ -112,8 +110,7 @@ class TrainTarget(BaseModel):
         return self
 
 
-# The groups in reverse: pydantic lists the fields of the last base first, so a form or --help starts with
-# what is trained and ends with the gate.
+# the groups in reverse: pydantic lists the last base's fields first, so --help starts with what is trained
 class TrainRequest(GateOptions, TrainShape, Hyperparameters, TrainTarget):
     """One train-model run: what to train (a fine-tune, a search), its hyper-parameters, compute and gate."""
 

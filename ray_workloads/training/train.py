@@ -1,17 +1,11 @@
 """Training: Ray Train's TorchTrainer (V2 API) over the preprocessed shards.
 
-The per-worker function takes a typed config and knows nothing of Scaling or
-Run configs; the driver (:func:`run`) builds those. Checkpoints go to the
-storage root (local or S3), the best N are kept, a worker crash resumes from
-the latest checkpoint (``FailureConfig``), and running again with the same
-run name resumes instead of starting over. A run that finished leaves its
-result beside its checkpoints (``TRAIN_RESULT_FILE``): running it again with the
-same data and loop returns that result without starting a worker group.
+Checkpoints go to the storage root, the best N are kept; a worker crash resumes from the latest one and
+running again with the same run name resumes instead of starting over. A finished run leaves its result
+beside its checkpoints (``TRAIN_RESULT_FILE``), returned again for the same data and loop.
 
-CPU budget on small machines: each worker asks for ``cpus_per_worker``
-logical CPUs (0.5 by default) and uses one torch thread, so two workers plus
-Ray Data's feeding tasks fit in the embedded cluster's oversubscribed CPUs
-without starving each other.
+Each worker asks for ``cpus_per_worker`` logical CPUs (0.5 by default) and uses one torch thread, so two
+workers and Ray Data's feeding tasks share a small machine's CPUs without starving each other.
 """
 
 from __future__ import annotations
@@ -39,10 +33,8 @@ from rayline.ray_workloads.training.loop import (
     TrainLoopConfig,
     epoch_batches,
     initial_model,
-    inject_failure_if_due,
     make_optimizer,
-    run_epoch,
-    set_epoch_lr,
+    train_epochs,
 )
 from rayline.ray_workloads.training.request import TrainShape
 from rayline.storage.layout import TRAIN_RESULT_FILE, TRAIN_STATE_FILE, WEIGHTS_FILE
@@ -63,11 +55,8 @@ class TrainConfig(TrainShape):
 
 
 class EpochMetrics(BaseModel):
-    """What one epoch of a training run reported: its figures, and wall-clock marks to see where a fit's time goes.
-
-    Declared in the order the figures are reported (and logged to MLflow); the
-    checkpoint keeps them as plain dicts (``torch.load(weights_only=True)`` reads no classes).
-    """
+    """One epoch's figures and wall-clock marks, in the order reported (and logged to MLflow); the checkpoint
+    keeps them as plain dicts (``torch.load(weights_only=True)`` reads no classes)."""
 
     epoch: int
     attempt_start_epoch: int = Field(description="The epoch the attempt that ran this one started at (resumes).")
@@ -97,17 +86,14 @@ class TrainResult(BaseModel):
     reused: bool = Field(False, description="A finished run's result, returned without training again.")
 
     def lineage_inputs(self) -> list[DatasetRef]:
-        """The preprocessed data, and a fine-tune's starting weights."""
         start = [DatasetRef(uri=self.init_weights_uri)] if self.init_weights_uri is not None else []
         return [DatasetRef(uri=self.data_manifest_uri), *start]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """The best checkpoint, with its metrics."""
         return [DatasetRef(uri=self.checkpoint_uri, facets={"metrics": self.metrics})]
 
 
-# Splits with fewer rows are read by the driver in one go and handed to Ray Data
-# as in-memory blocks: a streaming read pipeline costs seconds to start per split.
+# smaller splits are read by the driver into in-memory blocks: a streaming read costs seconds to start
 SMALL_SPLIT_ROWS = 50_000
 
 
@@ -157,8 +143,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     cfg = TrainLoopConfig.model_validate(config)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)  # workers share few cores; more threads only contend
-    context = ray.train.get_context()
-    rank = context.get_world_rank()
+    rank = ray.train.get_context().get_world_rank()
     device = ray.train.torch.get_device()
     # Batch sources first: their first pass then runs while DDP is set up.
     train_batches = epoch_batches(ray.train.get_dataset_shard("train").iter_torch_batches, cfg, shuffle=True)
@@ -170,12 +155,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     history: list[dict[str, Any]] = list(state["history"])  # as the checkpoint keeps it
 
     attempt_started = time.time()
-    for epoch in range(start_epoch, cfg.epochs):
-        if rank == 0:
-            inject_failure_if_due(cfg, epoch)
-        set_epoch_lr(optimizer, cfg, epoch)
-        train = run_epoch(model, train_batches(epoch), device, optimizer)
-        val = run_epoch(model, val_batches(epoch), device, whole_split=cfg.val_on_every_worker)
+    batches = (train_batches, val_batches)
+    for epoch, train, val in train_epochs(model, optimizer, cfg, start_epoch, batches, device, drills=rank == 0):
         metrics = EpochMetrics(
             epoch=epoch,
             attempt_start_epoch=start_epoch,
@@ -205,11 +186,6 @@ def _first_failure(exc: ray.train.TrainingFailedError) -> BaseException:
         return workers[min(workers)]
     controller = getattr(exc, "controller_failure", None)
     return controller if isinstance(controller, BaseException) else exc
-
-
-def _checkpoint_uri(path: str, like: str) -> str:
-    """The URI of ``path`` (a path on the filesystem of ``like``'s store) in ``like``'s scheme."""
-    return storage.uri_of_path(path, like)
 
 
 def _use_gpu(cfg: TrainConfig) -> bool:
@@ -242,13 +218,8 @@ def run_folder(cfg: TrainConfig) -> str:
 
 
 def finished_result(cfg: TrainConfig) -> TrainResult | None:
-    """The result of this run if it already finished with the same data and loop, its best weights still there.
-
-    Ray Train would resume such a run at its last epoch and train none: the
-    same result, after starting (and stopping) a whole worker group. The
-    compute shape (workers, CPUs, failures allowed) does not change what a
-    finished run produced.
-    """
+    """The result of this run if it already finished with the same data and loop, its best weights still there
+    (Ray Train would start a whole worker group to train none); the compute shape changes no result."""
     uri = storage.join(run_folder(cfg), TRAIN_RESULT_FILE)
     if not storage.exists(uri):
         return None
@@ -278,7 +249,6 @@ def run(cfg: TrainConfig) -> TrainResult:
 
 
 def _fit(cfg: TrainConfig) -> TrainResult:
-    """Fit with Ray Train, resuming from this run name's checkpoints if any exist."""
     started = time.perf_counter()
     prepared = preprocess.read_manifest(cfg.data_manifest_uri)
     loop = _workers_loop(cfg, prepared)
@@ -294,7 +264,7 @@ def _fit(cfg: TrainConfig) -> TrainResult:
     with fitted.checkpoint.as_directory() as folder:
         saved = torch.load(Path(folder) / TRAIN_STATE_FILE, weights_only=True)["history"]
     history = [EpochMetrics.model_validate(h) for h in saved]
-    best_uri = _checkpoint_uri(best.path, storage.normalize(cfg.output_root))
+    best_uri = storage.uri_of_path(best.path, storage.normalize(cfg.output_root))
     samples = sum(h.train_samples for h in history)
     seconds = sum(h.train_seconds for h in history)
     best_metrics = max(history, key=lambda h: h.val_accuracy)  # the first of equal epochs
@@ -315,10 +285,7 @@ def _fit(cfg: TrainConfig) -> TrainResult:
 
 def _workers_loop(cfg: TrainConfig, prepared: preprocess.PreprocessResult) -> TrainLoopConfig:
     """The loop the workers run: a head for the data's classes, and the fault drill's marker in the run's folder.
-
-    A small validation split is not sharded: every worker validates on all of it (the same figures
-    everywhere), which spares starting a split coordinator.
-    """
+    Every worker validates on all of a small validation split, which spares starting a split coordinator."""
     model = cfg.loop.model.model_copy(update={"num_classes": len(prepared.classes)})
     whole_split = prepared.counts.get("val", 0) <= SMALL_SPLIT_ROWS
     loop = cfg.loop.model_copy(update={"model": model, "val_on_every_worker": whole_split})

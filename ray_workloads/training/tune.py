@@ -1,15 +1,9 @@
 """Hyper-parameter search: Ray Tune with the ASHA scheduler.
 
-Each trial is a plain function trial running the same epoch loop as the
-Ray Train workers (``loop``) over the same preprocessed datasets
-(``train.dataset_for_split``): no second copy of data preparation, and no
-TorchTrainer start-up per trial. Trials checkpoint every epoch, so an
-interrupted search restores with ``Tuner.restore`` and finished trials are
-not run again.
-
-With MLflow tracking on (``MLFLOW_TRACKING_URI``), Ray's ``MLflowLoggerCallback``
-logs every trial as a run (its sampled config as params, each epoch's report
-as metrics), nested under one parent run per search in the model's experiment.
+Each trial is a function running the Ray Train workers' epoch loop (``loop``) over the same datasets
+(``train.dataset_for_split``): no second data preparation, no TorchTrainer start-up per trial. Trials
+checkpoint every epoch, so an interrupted search restores with ``Tuner.restore`` without rerunning finished
+trials. With MLflow tracking on, every trial is a run nested under one parent run per search.
 """
 
 from __future__ import annotations
@@ -33,14 +27,7 @@ from rayline.lineage import DatasetRef
 from rayline.models import tracking
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model
 from rayline.ray_workloads.data import preprocess
-from rayline.ray_workloads.training.loop import (
-    TrainLoopConfig,
-    epoch_batches,
-    inject_failure_if_due,
-    make_optimizer,
-    run_epoch,
-    set_epoch_lr,
-)
+from rayline.ray_workloads.training.loop import TrainLoopConfig, epoch_batches, make_optimizer, train_epochs
 from rayline.ray_workloads.training.train import SCORE, dataset_for_split, restore_state, save_state
 
 
@@ -68,17 +55,14 @@ class TuneJobConfig(BaseModel):
     cpus_per_trial: float = Field(0.5, ge=0.1, description="Tune refuses 0; 0.1 is the floor.")
     max_concurrent_trials: int | None = Field(None, ge=1)
     seed: int = 0
-    tracking_experiment: str | None = Field(
-        None, description="MLflow experiment of the trials (with MLFLOW_TRACKING_URI set); default experiment_name."
-    )
+    tracking_experiment: str | None = Field(None, description="MLflow experiment of the trials (experiment_name).")
 
 
 log = logging.getLogger(__name__)
 
 
 class _SafeMLflowLogger(MLflowLoggerCallback):
-    """Ray's callback, except that an MLflow failure turns the logging off instead of failing the search:
-    MLflow mirrors the trials, the Tune experiment on storage is their record."""
+    """Ray's callback, but an MLflow failure turns the logging off: the Tune experiment on storage is the record."""
 
     _failed = False
 
@@ -143,27 +127,18 @@ class TuneResult(BaseModel):
         return [DatasetRef(uri=self.data_manifest_uri)]
 
     def tuned(self, loop: TrainLoopConfig) -> TrainLoopConfig:
-        """``loop`` with what the search found: the best trial's model (arch, width), lr, batch size and weight
-        decay; its epochs and the rest stay ``loop``'s."""
+        """``loop`` with the best trial's model (arch, width), lr, batch size and weight decay; the rest stay."""
         searched = ("model", "lr", "batch_size", "weight_decay")
         return loop.model_copy(update={field: getattr(self.best_config, field) for field in searched})
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """The experiment's folder, with the best configuration found."""
         return [DatasetRef(uri=self.experiment_uri, facets={"best": self.best_config.model_dump(mode="json")})]
 
 
 def loop_config(trial: dict[str, Any], base: TrainLoopConfig) -> TrainLoopConfig:
     """A trial's sampled values applied to the base training config."""
     model = base.model.model_copy(update={"arch": trial["arch"], "width": trial["width"]})
-    return base.model_copy(
-        update={
-            "model": model,
-            "lr": trial["lr"],
-            "weight_decay": trial["weight_decay"],
-            "batch_size": trial["batch_size"],
-        }
-    )
+    return base.model_copy(update={"model": model, **{k: trial[k] for k in ("lr", "weight_decay", "batch_size")}})
 
 
 def trial_fn(
@@ -179,11 +154,8 @@ def trial_fn(
     state = restore_state(tune.get_checkpoint(), model, optimizer) or {"epoch": -1, "history": []}
     train_batches = epoch_batches(train_ds.iter_torch_batches, cfg, shuffle=True)
     val_batches = epoch_batches(val_ds.iter_torch_batches, cfg, shuffle=False)
-    for epoch in range(int(state["epoch"]) + 1, cfg.epochs):
-        inject_failure_if_due(cfg, epoch)
-        set_epoch_lr(optimizer, cfg, epoch)
-        train = run_epoch(model, train_batches(epoch), device, optimizer)
-        val = run_epoch(model, val_batches(epoch), device)
+    batches = (train_batches, val_batches)
+    for epoch, train, val in train_epochs(model, optimizer, cfg, int(state["epoch"]) + 1, batches, device):
         metrics = {"epoch": float(epoch), "train_loss": train.loss, "val_loss": val.loss, SCORE: val.accuracy}
         with tempfile.TemporaryDirectory() as folder:
             save_state(folder, model, optimizer, {"epoch": epoch, "history": []})
@@ -223,16 +195,12 @@ class _TrialProgress(tune.Callback):
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         self.shown.add(1)
 
-    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        self.shown.add(1)
+    on_trial_error = on_trial_complete
 
 
 def tune_config(cfg: TuneJobConfig) -> tune.TuneConfig:
-    """ASHA over ``cfg.num_samples`` seeded variants, at most ``cfg.max_concurrent_trials`` at a time.
-
-    The limit sits on the variant generator: beside a generator of one's own, Ray ignores TuneConfig's
-    ``max_concurrent_trials`` with only a log line, and every trial would run at once.
-    """
+    """ASHA over ``cfg.num_samples`` seeded variants, at most ``cfg.max_concurrent_trials`` at a time: a limit
+    on the variant generator, as beside one Ray ignores TuneConfig's ``max_concurrent_trials``."""
     return tune.TuneConfig(
         metric=SCORE,
         mode="max",
