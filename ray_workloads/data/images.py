@@ -75,7 +75,7 @@ def decode_rows(
             continue
         try:
             images[i] = decode_image(item, spec)
-        except Exception as exc:
+        except Exception as exc:  # the decoder (PIL, its plugins) may raise anything on a bad image: one bad sample
             stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
     return {
         "image": images,
