@@ -1,75 +1,33 @@
 """Batch inference throughput: nightly_inference's workload vs a plain single-process PyTorch loop.
 
-What is compared:
+* **rayline**: ``batch_inference.run``, the ``nightly-inference`` flow's workload, on an embedded Ray
+  cluster started as its task starts it (``ray_cluster.connect(preload=WORKER_PRELOAD)``).
+* **plain**: one process, no Ray: the seed article's ``TorchPredictor`` loop by hand
+  (bench/support/plain_inference.py): the same listing, reads (on S3 one GET after another),
+  ``decode_image``, batch size, Parquet columns and files per 256 objects, error capture and
+  ``prepare_for_inference``, so that Ray is the only difference; the seed's code verbatim (the model as
+  loaded) is timed too at the first size. Torch gets the faster of 1 thread and all cores.
 
-* **rayline**: ``rayline.ray_workloads.nightly.batch_inference.run``, the workload of the
-  ``nightly-inference`` flow, on an embedded Ray cluster started the way its
-  task starts it (``ray_cluster.connect(preload=WORKER_PRELOAD)``): list the
-  prefix; predictor actors (a Ray Data actor pool) fetch, decode, predict and
-  write Parquet into the night's partition of the two Delta tables; verify
-  exactly-once; commit the night (``phase_s["commit"]``, whose share of the
-  night at 20k is printed).
-* **plain**: one process, no Ray: the seed article's ``TorchPredictor`` loop
-  run by hand. It lists the same prefix with the same function, reads the
-  files one after another (on S3: one GET after another), decodes each with
-  the same ``decode_image``, predicts in batches of the same size and writes
-  Parquet files of the same columns, one per 256 objects like rayline, with
-  the same per-sample error capture. The model is the same and goes through
-  the same ``prepare_for_inference`` as in rayline's actors, so that Ray is
-  the only difference; the seed's code verbatim (the model as loaded) is also
-  timed at the first size, for reference. Torch gets the faster of 1 thread
-  and its default (all cores), chosen by a short calibration.
-
-Model: an untrained ``small_cnn`` of the default width registered as champion
-(throughput does not depend on the weights). Images: synthetic 32 px PNGs from
-``rayline.seed.synthetic_objects``, generated once under
-``$RAYLINE_BENCH_CACHE`` (default /tmp/rayline-bench-inference-cache) and
-reused; they are read once before timing, so both sides read from the page
-cache.
+Model: an untrained ``small_cnn`` registered as champion (throughput does not depend on the weights).
+Images: synthetic 32 px PNGs generated once under ``$RAYLINE_BENCH_CACHE`` and read once before timing.
 
 What each figure includes:
 
-* images/s, both sides: from listing to the last file written (rayline also
-  verifies and commits). The imports of the measuring process are excluded on
-  both sides. On the rayline side ``ray.init`` is excluded (printed apart):
-  a nightly deployment connects to a cluster that is up; the run starts once
-  the cluster is idle. Everything else is included: actor processes, their
-  imports, model loading, the work, teardown. The figure is the first run of
-  the job, as in a nightly process; a second run in the same job is printed
-  for reference (its actors get fresh workers, without the preloaded ones).
-  Beside each: the cores the measured side used and those the rest of the
-  machine used meanwhile, since other work on the machine skews any figure.
-* peak RSS: the sum of the resident set sizes of the measuring process and
-  all its descendants (driver, GCS, raylet, agents, workers, actors), sampled
-  every 0.5 s during the rayline run. Pages shared between processes (torch's
-  libraries, the object store) count once per process, so the proportional
-  set size (PSS) is printed beside it. Each size runs in a process of its own
-  with its own Ray cluster.
-* S3: the images on a loopback S3-protocol server (moto, its own process,
-  counted among "other processes"); plain = one GET after another, as the
-  seed's code does. The server's own ceiling (32 concurrent GETs, no decoding)
-  is printed too.
-* end to end: wall time of a whole ``rayline nightly-inference`` process on
-  20 images, spawn to exit: interpreter, imports, Prefect's ephemeral API
-  (database under the cache folder, created by a first untimed run), a fresh
-  embedded Ray cluster, the flow, teardown.
+* images/s: from listing to the last file written (rayline also verifies and commits), the measuring
+  process's imports excluded. rayline's ``ray.init`` is excluded (printed apart: a nightly deployment
+  connects to a cluster that is up) and its run starts once the cluster is idle; actor start-up, imports,
+  model loading and teardown are in. The figure is the job's first run; a second run in the same job is
+  printed for reference. Beside each: the cores the side used and those the rest of the machine used.
+* peak RSS: summed over the measuring process and all its descendants, sampled every 0.5 s; PSS beside
+  it, since shared pages count once per process. Each size runs in a process and Ray cluster of its own.
+* S3: a loopback moto server (its own process, among "other processes"), and its own ceiling
+  (32 concurrent GETs, no decoding).
+* end to end: a whole ``rayline nightly-inference`` process on 20 images, spawn to exit (Prefect's
+  database under the cache folder, created by a first untimed run).
 
-Reading a night back (``--parts table``, bench/support/table_reads.py): no Ray, no
-model; a predictions table of 30 synthetic nights of 20k rows
-(``--table-nights``, ``--table-rows``), ``read_night`` of night 1 when the
-table holds one night against night 30 when it holds 30.
-
-Compute-bound case (``--parts resnet``, bench/support/resnet_inference.py): ResNet-18
-(``--arch resnet50``) with random weights on 2,000 and 10,000 real-photo JPEGs
-(``--resnet-sizes``), local and/or S3 (``--resnet-storage``), against a plain
-DataLoader loop; on a machine with a GPU both sides also run on it.
-
-Needs nothing started by hand. ``--quick``: small sizes (a smoke test, not the
-figures); ``--parts local,s3,e2e,table,resnet`` picks measurements. Prints
-human lines, then one line of JSON. Targets: ratio >= 0.9 at 20k, >= 1.0 at
-100k, >= 3 on S3; peak RSS at 100k <= 1.3x that at 10k; the commit <= 10 % of
-a night at 20k; reading night 30 of 30 <= 2x reading night 1 of 1; ResNet:
-ratio >= 0.9 at 2k, >= 0.95 at 10k, peak RSS at 10k <= 1.3x that at 2k.
+``--parts table`` (bench/support/table_reads.py) and ``--parts resnet`` (bench/support/resnet_inference.py)
+are described in bench/README.md. ``--quick``: small sizes, a smoke test. Prints human lines, the targets,
+then one line of JSON.
 """
 
 from __future__ import annotations
@@ -80,7 +38,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -89,24 +46,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.support import resnet_inference, table_reads  # noqa: E402
+from bench.support.children import child_env, print_result, run_child, work_dir  # noqa: E402
 from bench.support.inference_images import CACHE, IMAGE_SIZE, ensure_images, input_folder, warm_page_cache  # noqa: E402
-from bench.support.inference_night import DAY, connect_for_night, register_untrained  # noqa: E402
+from bench.support.inference_night import DAY, connect_for_night, register_untrained, resolve_champion  # noqa: E402
 from bench.support.inference_report import commit_share, print_pair, rate  # noqa: E402
 from bench.support.inference_s3 import s3_images, server_ceiling  # noqa: E402
 from bench.support.plain_inference import BATCH_SIZE, choose_torch_threads, plain_loop  # noqa: E402
 from bench.support.process_tree import wait_until_idle, watch_tree  # noqa: E402
 
-RESULT = "BENCH-RESULT "
-
-
 # ---------------------------------------------------------------- measuring processes
-
-
-def _model_version(root: str) -> Any:
-    from rayline.models import registry
-
-    os.environ["RAYLINE_STORAGE"] = root
-    return registry.resolve("digits", "champion")
 
 
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +62,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     from rayline import storage
     from rayline.testing.s3_server import boto3_client
 
-    version = _model_version(spec["root"])
+    version = resolve_champion(spec["root"], "digits")
     prepared = not spec.get("seed_verbatim")
     threads = choose_torch_threads(version, prepared)
     out_dir = storage.join(spec["root"], "plain", spec["name"])
@@ -150,7 +98,7 @@ def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
     from rayline import ray_cluster, storage
     from rayline.ray_workloads.nightly import batch_inference
 
-    version = _model_version(spec["root"])
+    version = resolve_champion(spec["root"], "digits")
     cfg, connect_s, idle_wait_s = connect_for_night(spec, version, batch_size=BATCH_SIZE)
     runs = []
     for attempt in range(spec["runs"]):
@@ -182,32 +130,15 @@ def child_main(spec: dict[str, Any]) -> None:
         result = resnet_inference.child(spec)
     else:
         result = child_plain(spec) if spec["kind"] == "plain" else child_rayline(spec)
-    print(RESULT + json.dumps(result), flush=True)
+    print_result(result)
 
 
 def measure(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    """Run one measurement in a fresh process (its own Ray cluster, its own memory)."""
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"measurement {spec['kind']} {spec['name']} failed (exit {proc.returncode})")
-    return dict(json.loads(lines[-1][len(RESULT) :]))
+    """One measurement in a fresh process (its own Ray cluster, its own memory)."""
+    return run_child(f"measurement {spec['kind']} {spec['name']}", __file__, ["--child", json.dumps(spec)], env)
 
 
-# ---------------------------------------------------------------- set-up and end to end
-
-
-def register_model(root: str) -> None:
-    """An untrained small_cnn of the default width as champion: throughput does not depend on weights."""
-    os.environ["RAYLINE_STORAGE"] = root
-    register_untrained("digits", IMAGE_SIZE)
+# ---------------------------------------------------------------- end to end
 
 
 def end_to_end(root: str, images: list[Path], count: int, env: dict[str, str]) -> tuple[float, str]:
@@ -342,23 +273,17 @@ def main() -> None:
     parts = set(args.parts.split(","))
 
     images = ensure_images(images_needed(args, parts)) if parts & {"local", "s3", "e2e"} else []
-    work = tempfile.mkdtemp(prefix="rlbi-", dir="/tmp")  # short: Ray's socket paths live under it
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYLINE_", "RAY_ADDRESS", "PREFECT_API_URL"))}
-    env.update(
-        {
-            "RAYLINE_STORAGE": work,
-            "RAY_USAGE_STATS_ENABLED": "0",
-            "RAY_TMPDIR": work,  # Ray's session folders go away with the rest
-            "PREFECT_HOME": str(CACHE / "prefect-home"),  # an ephemeral API of our own, DB reused between runs
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        }
-    )
+    work = work_dir("rlbi-")
+    env = child_env(work) | {
+        "PREFECT_HOME": str(CACHE / "prefect-home"),  # an ephemeral API of our own, DB reused between runs
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     local: dict[str, float] = {}
     resnet: dict[str, Any] = {}
     table: dict[str, float] = {}
     s3_ratio = e2e_s = None
     try:
-        register_model(work)
+        register_untrained("digits", IMAGE_SIZE, root=work)
         if "local" in parts:
             local = bench_local(work, images, args.sizes, args.rss_sizes, env)
         if "s3" in parts:

@@ -1,31 +1,16 @@
 """The capacity model, measured and checked: per-image costs here, a 2-node night predicted, run, compared.
 
-``python bench/capacity.py``:
+1. **Per-image costs** (a process of its own, one torch thread, the actors' own code: ``PredictorUDF``'s
+   fetch and decode, its model call, ``write_block``): ResNet-18 on ``--cost-photos`` photos of ~2 MP,
+   in blocks of 32 as a compute-bound night cuts them.
+2. **A 2-node Ray cluster** (``ray.cluster_utils.Cluster``, 2 logical CPUs a node) joined as
+   ``RAY_ADDRESS`` would be: a calibration night of ``--calibrate`` photos gives the fixed start-up, the
+   model predicts the night of ``--photos`` photos, the bench runs it (target: within 25 %).
+3. **The sizing table** (bench/support/capacity_model.py, derived in docs/capacity.md). The driver's CPU
+   per block, compaction's CPU per row and the listing's keys/s default to bench/night_scale.py's figures;
+   the GPU's forward rate (``--gpu-img-s``) is an assumption.
 
-1. **Per-image costs** (a process of its own, one torch thread, the
-   actors' own code: ``PredictorUDF``'s fetch and decode, its model call, and
-   ``write_block``): ResNet-18 (random weights, registered as an outside model)
-   on ``--photos`` JPEG photos of ~2 megapixels read from local disk, in
-   blocks of 32 as a compute-bound night cuts them.
-2. **A 2-node Ray cluster** (``ray.cluster_utils.Cluster``: a head and a
-   worker node, separate raylets, 2 logical CPUs each) that a driver joins as
-   ``RAY_ADDRESS`` would. A calibration night of ``--calibrate`` photos gives
-   the cluster's fixed start-up (actor start, model load, commit); the model
-   then predicts the night of ``--photos`` photos and the bench runs it.
-   Printed: predicted and measured seconds, and their ratio (target: within
-   25 %).
-3. **The sizing table** (``bench/support/capacity_model.py``, derived in
-   docs/capacity.md): nodes of 16 cores, or of one GPU and 8 cores, for a
-   night of 10 M and of 100 M photos in 2 h and in 6 h, and which outside
-   limit comes closest at each (S3 GET/s per prefix, the listing, the driver's
-   blocks/s, the Delta commit). The driver's CPU per block, compaction's CPU
-   per row and the S3 listing's keys/s come from ``bench/night_scale.py``'s
-   figures (flags below; defaults are the figures in bench/README.md). The
-   GPU's forward rate is an assumption (``--gpu-img-s``): no GPU machine was
-   lent to measure it.
-
-Ends with one JSON line: ``predicted_s``, ``measured_s``, ``predicted_vs_measured``
-(measured / predicted), the costs, and the sizing plans.
+Ends with one JSON line (keys in bench/README.md).
 """
 
 from __future__ import annotations
@@ -33,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -53,10 +36,11 @@ from bench.support.capacity_model import (  # noqa: E402
     plan,
     predict_night_s,
 )
+from bench.support.children import child_env, print_result, run_child, work_dir  # noqa: E402
+from bench.support.inference_night import resolve_champion  # noqa: E402
 from bench.support.photo_images import photo_folder, warm_photos  # noqa: E402
 from bench.support.resnet_inference import model_name, register_resnet  # noqa: E402
 
-RESULT = "BENCH-RESULT "
 ARCH = "resnet18"
 DAY = "2026-11-28"
 BLOCK = 32  # objects per task of a compute-bound night (rayline.ray_workloads.nightly.batch_inference)
@@ -71,7 +55,6 @@ def child_costs(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from rayline import storage
-    from rayline.models import registry
     from rayline.ray_workloads.nightly import batch_inference
     from rayline.ray_workloads.nightly.blocks import NightOutput
     from rayline.ray_workloads.nightly.pipeline import run_constants
@@ -79,8 +62,7 @@ def child_costs(spec: dict[str, Any]) -> dict[str, Any]:
     from rayline.tables.delta_tables import Night
 
     torch.set_num_threads(1)
-    os.environ["RAYLINE_STORAGE"] = spec["root"]
-    version = registry.resolve(model_name(ARCH), registry.CHAMPION)
+    version = resolve_champion(spec["root"], model_name(ARCH))
     tables = storage.join(spec["root"], "costs")
     cfg = batch_inference.InferenceConfig(
         input_uri=spec["input"], tables_root=tables, dt=DAY, model=version, code_version="bench"
@@ -122,10 +104,8 @@ def child_cluster(spec: dict[str, Any]) -> dict[str, Any]:
     from ray.cluster_utils import Cluster
 
     from rayline import ray_cluster, storage
-    from rayline.models import registry
     from rayline.ray_workloads.nightly import batch_inference
 
-    os.environ["RAYLINE_STORAGE"] = spec["root"]
     node = {"num_cpus": 2, "object_store_memory": 1 << 30}  # 2 logical CPUs a core, as rayline's embedded cluster
     cluster = Cluster(initialize_head=True, head_node_args=node)
     cluster.add_node(**node)
@@ -133,7 +113,7 @@ def child_cluster(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         ray_cluster.connect()
         nodes = sum(1 for n in ray.nodes() if n["Alive"])  # type: ignore[no-untyped-call]
-        version = registry.resolve(model_name(ARCH), registry.CHAMPION)
+        version = resolve_champion(spec["root"], model_name(ARCH))
         seconds = {}
         for name in ("calibrate", "night"):
             cfg = batch_inference.InferenceConfig(
@@ -156,17 +136,8 @@ def child_cluster(spec: dict[str, Any]) -> dict[str, Any]:
         cluster.shutdown()
 
 
-def run_child(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYLINE_", "RAY_ADDRESS", "PREFECT_API_URL"))}
-    env.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": spec["root"]})
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", kind, json.dumps(spec)], env=env, capture_output=True, text=True
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
-    if done.returncode != 0 or not lines:
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise SystemExit(f"{kind} failed (exit {done.returncode})")
-    return dict(json.loads(lines[-1][len(RESULT) :]))
+def measure(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return run_child(kind, __file__, ["--child", kind, json.dumps(spec)], child_env(spec["root"]))
 
 
 # ---------------------------------------------------------------- 3. the sizing table
@@ -216,20 +187,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         kind, spec = args.child[0], json.loads(args.child[1])
-        print(RESULT + json.dumps(child_costs(spec) if kind == "costs" else child_cluster(spec)), flush=True)
+        print_result(child_costs(spec) if kind == "costs" else child_cluster(spec))
         return
 
-    work = tempfile.mkdtemp(prefix="rlcap-", dir="/tmp")  # short: Ray's socket paths live under it
+    work = work_dir("rlcap-")
     register_resnet(work, ARCH)
     night, calibrate = photo_folder(args.photos), photo_folder(args.calibrate)
     warm_photos(night)
-    measured = run_child("costs", {"root": work, "input": str(night), "count": args.cost_photos + BLOCK})
+    measured = measure("costs", {"root": work, "input": str(night), "count": args.cost_photos + BLOCK})
     print(
         f"per image, one core: fetch+decode {measured['fetch_decode_s'] * 1e3:.1f} ms, "
         f"ResNet-18 forward {measured['forward_s'] * 1e3:.1f} ms, write {measured['write_s'] * 1e3:.2f} ms "
         f"(over {measured['images']} photos)"
     )
-    ran = run_child("cluster", {"root": work, "calibrate": str(calibrate), "night": str(night)})
+    ran = measure("cluster", {"root": work, "calibrate": str(calibrate), "night": str(night)})
     base = Costs(
         fetch_decode_s=measured["fetch_decode_s"],
         forward_s=measured["forward_s"],

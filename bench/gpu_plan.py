@@ -1,21 +1,12 @@
 """The execution plan on a GPU: fp32, fp16 and bf16 at larger batches, and the photo loop end to end.
 
-The GPU machines lent to this project have torch, torchvision, PIL, numpy
-and scikit-learn but no Ray (and nothing can be installed from a registry
-there), so this is bench/night_plan.py's measurement without Ray:
-
-* **model**: ResNet-50 and ResNet-18 (``weights=None``) at batches of 64 and
-  256: ``rayline.ray_workloads.execution.plan.choose`` on the GPU's hardware, every
-  candidate's images/s (numpy in, logits out: the copies a night's actor
-  makes are included) and the plan chosen.
-* **gate**: fp16 and bf16 against fp32 on a ResNet-18 trained on the digits
-  (``rayline.testing.trained_models``, 64 px, trained on the GPU) over its
-  297 held-out images.
-* **loop**: ``--photos`` generated camera photos (bench/support/photo_images.py's
-  mix: a quarter each small, 1, 3 and 12 MP) through a DataLoader with a
-  worker per core, ResNet-50: the documented pattern (full decode, the
-  weights' transforms, fp32 eager, batch 64) against rayline's way (its
-  ``decode_image`` at reduced scale, its chosen plan, batch 256).
+The GPU machines lent to this project have torch, torchvision, PIL, numpy and scikit-learn but no Ray
+(and no registry to install from), so this is bench/night_plan.py's measurement without Ray: every
+candidate plan's images/s for ResNet-50 and ResNet-18 at ``--batches`` (numpy in, logits out: the copies a
+night's actor makes included) and the plan chosen; fp16 and bf16 gated against fp32 on a ResNet-18
+trained on the digits; and ``--photos`` camera photos through a DataLoader with a worker per core,
+ResNet-50: the documented pattern (full decode, the weights' transforms, fp32 eager) against rayline's
+(reduced-scale decode, its chosen plan).
 
 Run with the machine's python3 and pydantic carried as wheels; last line: one line of JSON.
 """

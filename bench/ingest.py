@@ -1,18 +1,9 @@
 """Ingest throughput on a loopback S3-protocol server: rayline vs naive Ray Data vs a raw client.
 
-(a) rayline's ingest workload (list + concurrent fetch in Ray tasks + Parquet shards),
-(b) ``ray.data.read_images`` over the same prefix (one GET after another per read task),
-(c) a plain boto3 client doing 32 concurrent GETs, no Ray, no output.
-
-Each is measured twice: against the bare server, and through the
-fault-injecting proxy (``rayline/testing/fault_proxy.py``, no faults) adding
-``--latency-ms`` (20 by default: real S3's order of magnitude for a small
-GET) to every request, where per-request latency, not the server's CPU,
-bounds throughput.
-
-Needs nothing started by hand: it starts its own S3 server, proxy and Ray. Prints
-images/s and ratios, then one line of JSON. Targets: a/c >= 0.8, a/b >= 5, with
-latency too.
+(a) rayline's ingest workload, (b) ``ray.data.read_images`` over the same prefix, (c) a plain boto3 client
+doing 32 concurrent GETs; each against the bare server and through the fault proxy adding ``--latency-ms``
+to every request, where latency, not the server's CPU, bounds throughput. Starts its own S3 server, proxy
+and Ray. Targets and JSON keys: bench/README.md. Prints images/s and ratios, then one line of JSON.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """What reduced-scale JPEG decoding (``ImageSpec.draft``, the default) costs and saves, on generated photos.
 
-Decodes the same generated photos with the ImageNet spec of ``--arch`` twice:
-at a reduced DCT scale (the default) and fully. The photos are views of
-scikit-learn's two real photos (``--large-share`` of them over 2 megapixels)
-and ``--camera`` camera-sized photos (1, 3 and 12 MP in turn,
-``rayline.seed.camera_photo``). Prints:
-
-* a photo's decode cost (decode + full transform to the model input, median
-  of ``--repeats`` runs of each of ``--timed`` photos) at 1, 3 and 12 MP;
-* the difference of the model inputs, per size, against the bound
-  ``DRAFT_MAX_MEAN_ABS_DIFF`` (the mean over one photo);
-* the top-1 agreement of a proxy classifier on a ``weights=None`` network's
-  features (nothing can be downloaded here; see ``_Top1Proxy``; the number
-  of distinct top-1 classes shows the predictions are spread), over all the
-  photos and over the camera photos.
-
-Ends with one JSON line.
+Decodes the same photos (``--photos`` views of the two real photos, ``--large-share`` over 2 MP, and
+``--camera`` camera-sized ones) with the ImageNet spec of ``--arch`` at a reduced DCT scale and fully.
+Prints a photo's decode cost at 1, 3 and 12 MP, the model inputs' difference against
+``DRAFT_MAX_MEAN_ABS_DIFF``, and a proxy classifier's top-1 agreement (see ``_Top1Proxy``); what each
+figure is: bench/README.md. Ends with one JSON line.
 
     .venv/bin/python bench/preprocessing.py [--photos 300] [--camera 60] [--arch resnet18]
 """

@@ -1,24 +1,10 @@
 """What the monitor's labelled reading reads as nights accumulate: 30 nights stored against 3.
 
-``python bench/quality_reads.py`` builds two storage roots of one model, holding 3 and 30 nights
-(``--stored``): per night, ``--rows`` synthetic predictions of the real columns by v1 in ``predictions``
-and, on the latest ``--challenger-nights`` (3) nights, the same photos scored by v2, the challenger, in
-``shadow_predictions`` (part files of 256 rows, one commit per night and table:
-bench/support/table_reads.py), and people's labels for ``--labelled`` photos of every night, the first of
-each night's rows (a sample chosen whatever the answers: imported as random, so the gate counts them).
-Nights are seeded by their date, so both roots hold the same rows for the nights they share.
-
-Then, on each root, the monitor's reading of the latest ``--report`` nights (3) with the challenger
-(``reading.labelled_reading``: per-night figures, and the promotion gate's paired test, which reads the
-nights the challenger predicted), and for comparison the read of
-every night (``reading.labelled_rows`` without nights: what the monitor read before). Counted during
-each: the bytes read from each table's data files through delta-rs's filesystem (its handler's files
-wrapped to count every byte returned), and every byte the process read (``rchar`` of /proc/self/io:
-the Delta logs and the labels table included).
-
-Prints the figures per root, the 30 / 3 ratios, and one JSON line. Target: the bytes the reading reads
-from the two night tables at 30 nights stored within 1.25 x those at 3 (``nights_bytes_ratio``); the
-read of every night grows with them (``every_night_bytes_ratio``). Local disk only.
+Two storage roots of one model (``--stored`` nights of ``--rows`` synthetic predictions, the challenger's
+shadow rows on the latest ``--challenger-nights``, labels for ``--labelled`` photos a night); on each, the
+bytes ``reading.labelled_reading`` of the latest ``--report`` nights reads against reading every night.
+Nights are seeded by their date, so both roots hold the same rows for the nights they share. What is
+counted, the target and the JSON keys: bench/README.md. Local disk only; ends with one JSON line.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Shipped factory code: what verifying it on every use costs, kept as a zip against unpacked.
 
-``python bench/shipped_code.py [--package timm]`` zips an installed package's
-sources as ``register-model --code`` does (``factory_models.zip_code``), then
-times, best of ``--repeats``:
-
-* ``zip_sha256_ms``: reading and hashing the zip, what every load of a
-  version's code does (``shipped_code.verified_zip``);
-* ``tree_sha256_ms``: walking and hashing the same files unpacked, what
-  verifying an unpacked copy would cost;
-* ``compile_sources_s``: compiling every source, the most a process that
-  imports from the zip pays over one reading cached bytecode;
-
-and, median of ``--imports`` fresh processes each (alternated), importing the
-package first on ``sys.path`` from the zip (``zipimport``: sources compiled on
-every import) and from the unpacked folder once its bytecode is cached.
-Prints each figure, then one JSON line.
+Zips an installed package's sources as ``register-model --code`` does, then times, best of ``--repeats``:
+hashing the zip (what every load of a version's code does), hashing the same files unpacked, compiling
+every source (the most importing from the zip pays over cached bytecode); and, median of ``--imports``
+fresh processes each, importing the package from the zip and from the unpacked folder with its bytecode
+cached. Prints each figure, then one JSON line.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Object-store clients compared on a loopback S3-protocol server: today's path, fsspec's family, obstore.
 
-The three candidates for rayline's one storage seam, each doing what a night
-and an ingest do, on the same moto server in one run:
-
-- **today**: boto3 (the streamed listing's ``ListObjectsV2`` pages, the
-  night's fetches on a thread pool, conditional writes) beside s3fs (the
-  recursive ``find`` of :func:`rayline.storage.list_inputs`);
-- **fsspec**: rayline's storage seam (``rayline.storage.backends.s3``): the
-  same S3 requests on s3fs's aiobotocore client, one event loop and session
-  for every thread (``ListObjectsV2`` pages, ``GetObject`` from a pool of
-  threads, ``PutObject`` with its conditions);
-- **obstore**: Apache Arrow's ``object_store`` (the crate delta-rs uses):
-  ``list`` returning Arrow batches, ``get_async`` under ``asyncio.gather``,
-  ``put(mode="create" | {"e_tag": …})``.
-
-Parts: listing ``--keys`` keys (100,000 by default), 1,000 GETs of 64 KiB
-objects with 64 in flight, 200 conditional puts (create, then replace
-if matching), and the readers': 20 Parquet shards of about 8 MB read
-through a pyarrow filesystem (today's pyarrow ``S3FileSystem`` with its
-defaults, the seam's, s3fs wrapped for pyarrow as on GCS and Azure, and
-obstore's fsspec adapter wrapped the same way). Each is the best of ``--repeats``; it also prints how busy the
-server and this process were. moto is the ceiling of every figure here: a
-ratio says which client asks the least of a server and of the node, not
-what real S3 would give. Ends with one JSON line.
+The candidates for rayline's one storage seam, each doing what a night and an ingest do on the same moto
+server: **today** (boto3's pages, threads and conditional puts, s3fs's ``find``), **fsspec** (the seam,
+``rayline.storage.backends.s3``: s3fs's aiobotocore client, one event loop for every thread) and
+**obstore** (Apache Arrow's ``object_store``, the crate delta-rs uses). The parts, the readers compared
+and the JSON keys: bench/README.md. Each is the best of ``--repeats`` with the server's and this process's
+CPU; moto is the ceiling of every figure, so a ratio says which client asks the least of a server and of
+the node, not what real S3 would give. Ends with one JSON line.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ Shared by the digits (bench/batch_inference.py) and the photos (bench/support/re
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -33,21 +34,27 @@ def connect_for_night(spec: dict[str, Any], version: Any, **settings: Any) -> tu
     return cfg, connect_s, idle_wait_s
 
 
-def register_untrained(name: str, side: int = 32, champion: bool = True) -> Any:
-    """An untrained ``small_cnn`` of the default width, registered (as champion by default): a bench's model.
+def register_untrained(
+    name: str, side: int = 32, champion: bool = True, root: str | None = None, arch: str = "small_cnn", seed: int = 0
+) -> Any:
+    """An untrained ``arch`` (``small_cnn`` of the default width) with 10 classes, registered (as champion by
+    default) in the registry under ``root`` (else ``RAYLINE_STORAGE``): a bench's model, since throughput does
+    not depend on the weights. ``seed`` picks the weights: two versions of one model differ."""
+    import torch
 
-    Throughput does not depend on the weights. ``RAYLINE_STORAGE`` names the registry's storage.
-    """
     from rayline.models import registry
-    from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
+    from rayline.ray_workloads.architectures.build import ModelSpec, build_model, imagenet_image_spec, state_dict_bytes
     from rayline.specs import squash
 
-    spec = ModelSpec(num_classes=10)
+    if root is not None:
+        os.environ["RAYLINE_STORAGE"] = root
+    spec = ModelSpec(arch=arch, num_classes=10)
+    torch.manual_seed(seed)
     version = registry.register(
         name,
         state_dict_bytes(build_model(spec)),
         model_spec=spec,
-        image_spec=squash(side),
+        image_spec=squash(side) if arch == "small_cnn" else imagenet_image_spec(arch),
         classes=[str(i) for i in range(10)],
         metrics={"test_accuracy": 0.1},
         data_manifest_uri="-",
@@ -57,3 +64,11 @@ def register_untrained(name: str, side: int = 32, champion: bool = True) -> Any:
     if champion:
         registry.set_alias(name, registry.CHAMPION, version.version, "bench")
     return version
+
+
+def resolve_champion(root: str, name: str) -> Any:
+    """``name``'s champion in the registry under ``root``: the model a child process measures."""
+    from rayline.models import registry
+
+    os.environ["RAYLINE_STORAGE"] = root
+    return registry.resolve(name, registry.CHAMPION)

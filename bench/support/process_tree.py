@@ -50,6 +50,18 @@ def _pid_cpu_seconds(pid: int) -> float:
     return 0.0
 
 
+def status_kb(field: str) -> int:
+    """A figure of /proc/self/status in kB: ``VmRSS`` now, ``VmHWM`` the peak of this program's memory.
+
+    Not ``ru_maxrss``: Linux carries the parent's RSS at the fork into it across ``exec``, so a child
+    started by a parent holding a built night would report the parent's size.
+    """
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
+
+
 def _cpu_seconds(pids: list[int]) -> float:
     return sum(_pid_cpu_seconds(p) for p in pids)
 
