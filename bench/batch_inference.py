@@ -48,13 +48,11 @@ sys.path.insert(0, str(REPO))
 from bench.support import resnet_inference, table_reads  # noqa: E402
 from bench.support.children import child_env, print_result, run_child, work_dir  # noqa: E402
 from bench.support.inference_images import CACHE, IMAGE_SIZE, ensure_images, input_folder, warm_page_cache  # noqa: E402
-from bench.support.inference_night import DAY, connect_for_night, register_untrained, resolve_champion  # noqa: E402
+from bench.support.inference_night import DAY, measure_nights, register_untrained, resolve_champion  # noqa: E402
 from bench.support.inference_report import commit_share, print_pair, rate  # noqa: E402
 from bench.support.inference_s3 import s3_images, server_ceiling  # noqa: E402
 from bench.support.plain_inference import BATCH_SIZE, choose_torch_threads, plain_loop  # noqa: E402
-from bench.support.process_tree import wait_until_idle, watch_tree  # noqa: E402
-
-# ---------------------------------------------------------------- measuring processes
+from bench.support.process_tree import watch_tree  # noqa: E402
 
 
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
@@ -95,32 +93,8 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
-    from rayline import ray_cluster, storage
-    from rayline.ray_workloads.nightly import batch_inference
-
     version = resolve_champion(spec["root"], "digits")
-    cfg, connect_s, idle_wait_s = connect_for_night(spec, version, batch_size=BATCH_SIZE)
-    runs = []
-    for attempt in range(spec["runs"]):
-        with watch_tree() as peak:
-            began = time.perf_counter()
-            result = batch_inference.run(cfg)
-            seconds = time.perf_counter() - began
-        assert result.inputs == result.predictions == spec["count"], result
-        runs.append(
-            {
-                "seconds": seconds,
-                "images_s": result.inputs / seconds,
-                "phases": result.phase_s,
-                "elapsed_s": result.elapsed_s,
-                **peak,
-            }
-        )
-        if attempt == 0:
-            wait_until_idle()
-    ray_cluster.disconnect()
-    storage.remove_tree(cfg.tables_root)  # both tables of this measurement
-    return {"connect_s": connect_s, "idle_wait_s": idle_wait_s, "runs": runs}
+    return measure_nights(spec, version, spec["runs"], batch_size=BATCH_SIZE)
 
 
 def child_main(spec: dict[str, Any]) -> None:
@@ -136,9 +110,6 @@ def child_main(spec: dict[str, Any]) -> None:
 def measure(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     """One measurement in a fresh process (its own Ray cluster, its own memory)."""
     return run_child(f"measurement {spec['kind']} {spec['name']}", __file__, ["--child", json.dumps(spec)], env)
-
-
-# ---------------------------------------------------------------- end to end
 
 
 def end_to_end(root: str, images: list[Path], count: int, env: dict[str, str]) -> tuple[float, str]:
@@ -158,9 +129,6 @@ def end_to_end(root: str, images: list[Path], count: int, env: dict[str, str]) -
         raise SystemExit(f"rayline nightly-inference failed (exit {proc.returncode})")
     summary = next((line.strip() for line in proc.stdout.splitlines() if "inputs →" in line), "")
     return seconds, summary
-
-
-# ---------------------------------------------------------------- report
 
 
 def bench_local(
@@ -293,10 +261,7 @@ def main() -> None:
         if "table" in parts:
             table = table_reads.bench_table(work, args.table_nights, args.table_rows, args.table_repeats)
         if "resnet" in parts:
-            sizes, storages = sorted(args.resnet_sizes), resnet_inference.storages(args.resnet_storage)
-            resnet = resnet_inference.bench_resnet(
-                work, args.arch, sizes, storages, resnet_inference.overrides(args), env, measure
-            )
+            resnet = resnet_inference.bench_resnet(work, args, env, measure)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

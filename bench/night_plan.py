@@ -36,9 +36,6 @@ SERVE_CONNECTIONS = 8
 TARGETS = {True: {"resnet50": 3.0, "resnet18": 2.5}, False: {"resnet50": 1.3, "resnet18": 1.3}}
 
 
-# ---------------------------------------------------------------- the measuring children
-
-
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     from bench.support.documented_loop import documented_loop
     from bench.support.resnet_inference import _version
@@ -63,9 +60,6 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One side in a fresh process (its own Ray cluster, its own memory)."""
     return run_child(f"measurement {spec['kind']} {spec['name']}", __file__, ["--child", json.dumps(spec)])
-
-
-# ---------------------------------------------------------------- nights
 
 
 def night(work: str, arch: str, folder: Path, count: int, gpu: bool) -> dict[str, Any]:
@@ -117,9 +111,6 @@ def trained_agreement(precision: Precision) -> tuple[float, float]:
     return result.agreement, result.max_prob_diff
 
 
-# ---------------------------------------------------------------- decoding
-
-
 def decode_costs(repeats: int) -> dict[int, dict[str, float]]:
     """ms to decode and transform one camera photo of each size, full and reduced-scale (median of repeats)."""
     import numpy as np
@@ -147,9 +138,6 @@ def decode_costs(repeats: int) -> dict[int, dict[str, float]]:
             f"reduced-scale {figures['reduced']:6.1f} ms, x{figures['full'] / figures['reduced']:.2f}"
         )
     return costs
-
-
-# ---------------------------------------------------------------- serving
 
 
 def serving(work: str, seconds: float) -> dict[str, dict[str, float]]:
@@ -191,9 +179,6 @@ def serving(work: str, seconds: float) -> dict[str, dict[str, float]]:
     finally:
         ray_cluster.disconnect()
     return figures
-
-
-# ---------------------------------------------------------------- the run
 
 
 def main() -> None:

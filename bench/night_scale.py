@@ -38,9 +38,6 @@ DAY = "2026-11-28"
 PREFIXES = 256
 
 
-# ---------------------------------------------------------------- the inputs
-
-
 def local_night(count: int) -> Path:
     """``count`` tiny digit PNGs under ``<hh>/<i>.png`` (256 hashed prefixes); made once, then reused."""
     folder = CACHE / f"local-{count}"
@@ -79,9 +76,6 @@ def s3_night(endpoint: str, count: int) -> str:
         for _ in pool.map(put, range(count), chunksize=256):
             pass
     return "s3://night-scale/in"
-
-
-# ---------------------------------------------------------------- one night, in a driver process of its own
 
 
 def child_main(spec: dict[str, Any]) -> None:

@@ -29,11 +29,10 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 from deltalake.fs import DeltaStorageHandler  # noqa: E402
 
-from bench.support.table_reads import ROWS_PER_FILE, night_rows  # noqa: E402
+from bench.support.table_reads import commit_rows, night_rows  # noqa: E402
 from rayline.ray_workloads.quality import labels_import, reading  # noqa: E402
 from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE, table_uri  # noqa: E402
 from rayline.tables.delta_tables import Night  # noqa: E402
-from rayline.tables.predictions_table import PREDICTIONS_SCHEMA, commit_night, write_data_file  # noqa: E402
 
 MODEL = "digits"
 CLASSES = [str(c) for c in range(10)]
@@ -86,13 +85,7 @@ def _rchar() -> int:
 
 
 def _commit(root: str, table: str, night: Night, data: pa.Table) -> None:
-    uri = table_uri(root, table)
-    run_id = f"bench-{table.replace('_', '-')}-{night.dt}"
-    parts = [
-        write_data_file(uri, night, run_id, part, data.slice(start, ROWS_PER_FILE))
-        for part, start in enumerate(range(0, data.num_rows, ROWS_PER_FILE))
-    ]
-    commit_night(uri, parts, night, run_id, PREDICTIONS_SCHEMA)
+    commit_rows(table_uri(root, table), night, data, f"bench-{table.replace('_', '-')}-{night.dt}")
 
 
 def build(root: str, stored: int, rows: int, labelled: int, challenger_nights: int) -> None:

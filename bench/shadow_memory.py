@@ -27,6 +27,7 @@ import pyarrow as pa  # noqa: E402
 
 from bench.support.children import print_result, run_child  # noqa: E402
 from bench.support.process_tree import status_kb  # noqa: E402
+from bench.support.table_reads import predictions_table  # noqa: E402
 from rayline.ray_workloads.nightly.blocks import NightOutput, block_contents, write_block_files  # noqa: E402
 from rayline.tables.delta_tables import Night  # noqa: E402
 from rayline.tables.predictions_table import ERRORS_SCHEMA, PREDICTIONS_SCHEMA  # noqa: E402
@@ -50,26 +51,10 @@ def _etag(uri: str) -> str:
 
 
 def _predictions(uris: list[str], index: np.ndarray, rng: np.random.Generator, version: int) -> pa.Table:
-    rows = len(uris)
     top = np.stack([index, (index + 1) % len(CLASSES), (index + 2) % len(CLASSES)], axis=1)
-    probs = np.sort(rng.dirichlet(np.ones(TOP_K), rows), axis=1)[:, ::-1]
-    offsets = pa.array(np.arange(0, rows * TOP_K + 1, TOP_K, dtype=np.int32))
-    columns = {
-        "uri": pa.array(uris),
-        "etag": pa.array([_etag(u) for u in uris]),
-        "predicted_index": pa.array(index, pa.int64()),
-        "predicted_class": pa.array(CLASSES[index]),
-        "confidence": pa.array(probs[:, 0], pa.float32()),
-        "top_k_index": pa.ListArray.from_arrays(offsets, pa.array(top.ravel(), pa.int64())),
-        "top_k_prob": pa.ListArray.from_arrays(offsets, pa.array(probs.ravel(), pa.float64())),
-        "top_k_class": pa.ListArray.from_arrays(offsets, pa.array(CLASSES[top.ravel()])),
-        "inference_ms": pa.array(rng.uniform(5, 20, rows), pa.float32()),
-        "model_version": pa.array(np.full(rows, version, dtype=np.int64)),
-        "code_version": pa.array(["bench"] * rows),
-        "flow_run_id": pa.array([""] * rows),
-        "plan": pa.array(["openvino/bf16"] * rows),
-    }
-    return pa.table(columns, schema=PREDICTIONS_SCHEMA)
+    probs = np.sort(rng.dirichlet(np.ones(TOP_K), len(uris)), axis=1)[:, ::-1]
+    etags = [_etag(u) for u in uris]
+    return predictions_table(uris, etags, top, probs, CLASSES, rng.uniform(5, 20, len(uris)), version, "openvino/bf16")
 
 
 def write_block(output: NightOutput, part: str, start: int, rows: int, rng: np.random.Generator) -> None:

@@ -167,22 +167,20 @@ def _get_parts(endpoint: str) -> dict[str, Callable[[], int]]:
     client, fs, store = _boto3(endpoint), _seam(endpoint), _obstore(endpoint)
     keys = [f"big/{i:04d}.jpg" for i in range(GET_COUNT)]
 
-    def boto3_threads() -> int:
-        def get(key: str) -> int:
-            response = client.get_object(Bucket=BUCKET, Key=key)
-            return len(response["Body"].read())
+    def threads(get: Callable[[str], int]) -> Callable[[], int]:
+        def run() -> int:
+            with ThreadPoolExecutor(IN_FLIGHT) as pool:
+                return sum(1 for size in pool.map(get, keys) if size == GET_BYTES)
 
-        with ThreadPoolExecutor(IN_FLIGHT) as pool:
-            return sum(1 for size in pool.map(get, keys) if size == GET_BYTES)
+        return run
 
-    def seam_threads() -> int:
+    def boto3_get(key: str) -> int:
+        return len(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+
+    def seam_get(key: str) -> int:
         # the stages' pattern: a pool of threads, each request on the store's one event loop and session
-        def get(key: str) -> int:
-            found = fs.get(f"s3://{BUCKET}/{key}")
-            return len(found.data) if found is not None else 0
-
-        with ThreadPoolExecutor(IN_FLIGHT) as pool:
-            return sum(1 for size in pool.map(get, keys) if size == GET_BYTES)
+        found = fs.get(f"s3://{BUCKET}/{key}")
+        return len(found.data) if found is not None else 0
 
     def obstore_gather() -> int:
         async def get_all() -> list[int]:
@@ -198,8 +196,8 @@ def _get_parts(endpoint: str) -> dict[str, Callable[[], int]]:
         return sum(1 for size in asyncio.run(get_all()) if size == GET_BYTES)
 
     return {
-        "today (boto3, 64 threads)": boto3_threads,
-        "fsspec (rayline's S3Store)": seam_threads,
+        "today (boto3, 64 threads)": threads(boto3_get),
+        "fsspec (rayline's S3Store)": threads(seam_get),
         "obstore (get_async)": obstore_gather,
     }
 

@@ -1,6 +1,6 @@
-"""The rayline side of a batch-inference measurement, up to the run: connect, wait for quiet, the night's config.
+"""The rayline side of a batch-inference measurement: the bench's models, and nights run as the task runs them.
 
-Shared by the digits (bench/batch_inference.py) and the photos (bench/support/resnet_inference.py).
+Shared by the digits (bench/batch_inference.py, bench/night_scale.py) and the photos (resnet_inference.py).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from typing import Any
 DAY = "2026-11-28"
 
 
-def connect_for_night(spec: dict[str, Any], version: Any, **settings: Any) -> tuple[Any, float, float]:
-    """Connect as tasks/batch_inference.py does and wait until the machine is idle; returns the night's
-    ``InferenceConfig`` (``settings`` on top), the seconds ``ray.init`` took and the seconds waited."""
-    from bench.support.process_tree import wait_until_idle
+def measure_nights(spec: dict[str, Any], version: Any, runs: int = 1, **settings: Any) -> dict[str, Any]:
+    """Connect as tasks/batch_inference.py does and wait until the machine is idle (neither timed), then run
+    the night ``runs`` times in this job (``settings`` on top of the default ``InferenceConfig``), each
+    watched by bench/support/process_tree.py; the cluster and the night's tables are gone after."""
+    from bench.support.process_tree import wait_until_idle, watch_tree
     from rayline import ray_cluster, storage
     from rayline.ray_workloads.nightly import batch_inference
 
@@ -31,7 +32,20 @@ def connect_for_night(spec: dict[str, Any], version: Any, **settings: Any) -> tu
         code_version="bench",
         **settings,
     )
-    return cfg, connect_s, idle_wait_s
+    figures = []
+    for attempt in range(runs):
+        if attempt:
+            wait_until_idle()
+        with watch_tree() as peak:
+            began = time.perf_counter()
+            result = batch_inference.run(cfg)
+            seconds = time.perf_counter() - began
+        assert result.inputs == result.predictions == spec["count"], result
+        night = {"seconds": seconds, "images_s": result.inputs / seconds, "elapsed_s": result.elapsed_s}
+        figures.append({**peak, **night, "phases": result.phase_s, "plans": result.plans})
+    ray_cluster.disconnect()
+    storage.remove_tree(cfg.tables_root)  # both tables of this measurement
+    return {"connect_s": connect_s, "idle_wait_s": idle_wait_s, "runs": figures}
 
 
 def register_untrained(

@@ -1,15 +1,9 @@
 """Photos for the compute-bound benches: JPEG views of two real photos and camera-sized ones, generated once.
 
-``rayline.seed.photo_objects`` (random crops, scales, flips and qualities of
-scikit-learn's two sample photos, ~10 % over 2 megapixels) in chunks of
-``CHUNK``, each with its own seed so that chunks are made in parallel and a
-larger size extends a smaller one instead of replacing it. They live under
-``$RAYLINE_BENCH_CACHE/photos/c<chunk>/<photo>/photo-<n>.jpg``; a folder of
-exactly N of them is hard links, made once per size.
-
-:func:`camera_folder` mixes in what a phone uploads: a quarter small views,
-a quarter each 1, 3 and 12 MP camera photos (``rayline.seed.camera_photo``),
-each photo seeded by its number (``$RAYLINE_BENCH_CACHE/camera/``).
+``rayline.seed.photo_objects`` in chunks of ``CHUNK``, each with its own seed, so that chunks are made in
+parallel and a larger size extends a smaller one; under ``$RAYLINE_BENCH_CACHE/photos``. :func:`camera_folder`
+mixes in what a phone uploads: a quarter small views, a quarter each 1, 3 and 12 MP camera photos, each
+seeded by its number, under ``$RAYLINE_BENCH_CACHE/camera``. A folder of exactly N is hard links.
 """
 
 from __future__ import annotations
