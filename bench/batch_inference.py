@@ -57,39 +57,22 @@ from bench.support.process_tree import watch_tree  # noqa: E402
 
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     import rayline.ray_workloads.data.images  # noqa: F401  (imports happen before the clock starts)
+    from bench.support.resnet_plain import Reader
     from rayline import storage
-    from rayline.testing.s3_server import boto3_client
 
     version = resolve_champion(spec["root"], "digits")
     prepared = not spec.get("seed_verbatim")
     threads = choose_torch_threads(version, prepared)
     out_dir = storage.join(spec["root"], "plain", spec["name"])
-    if spec.get("s3"):
-        client = boto3_client()
-
-        def read(uri: str) -> bytes:
-            bucket, _, key = uri[len("s3://") :].partition("/")
-            return bytes(client.get_object(Bucket=bucket, Key=key)["Body"].read())
-    else:
-
-        def read(uri: str) -> bytes:
-            with open(uri, "rb") as handle:
-                return handle.read()
-
     with watch_tree(sample=False) as cpu:
         began = time.perf_counter()
         objects = storage.list_objects(spec["input"])
-        rows = plain_loop(objects, read, version, out_dir, prepared)
+        rows = plain_loop(objects, Reader(), version, out_dir, prepared)
         seconds = time.perf_counter() - began
     assert rows == len(objects) == spec["count"], (rows, len(objects), spec["count"])
     storage.remove_tree(out_dir)
-    return {
-        "seconds": seconds,
-        "images_s": rows / seconds,
-        "torch_threads": threads,
-        "cores": cpu["cores"],
-        "others_cores": cpu["others_cores"],
-    }
+    cores = {k: cpu[k] for k in ("cores", "others_cores")}
+    return {"seconds": seconds, "images_s": rows / seconds, "torch_threads": threads, **cores}
 
 
 def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:

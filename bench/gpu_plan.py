@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -108,27 +107,6 @@ def photo_loop(paths: list[str], plan_side: bool) -> dict[str, Any]:
     return {"images_s": rows / seconds, "plan": plan}
 
 
-def _write_photo(args: tuple[int, str]) -> None:
-    from rayline.seed import camera_photo, photo_variant, source_photos
-
-    index, folder = args
-    rng = np.random.default_rng(20_000 + index)
-    kind = index % 4
-    if kind == 0:
-        photos = source_photos()
-        data = photo_variant(photos[index % len(photos)], rng)[0]
-    else:
-        data = camera_photo((1, 3, 12)[kind - 1], rng)
-    (Path(folder) / f"photo-{index:05d}.jpg").write_bytes(data)
-
-
-def make_photos(count: int, folder: Path) -> list[str]:
-    folder.mkdir(parents=True, exist_ok=True)
-    with ProcessPoolExecutor(os.cpu_count()) as pool:
-        list(pool.map(_write_photo, [(i, str(folder)) for i in range(count)], chunksize=8))
-    return sorted(str(p) for p in folder.glob("*.jpg"))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--photos", type=int, default=2000)
@@ -153,8 +131,10 @@ def main() -> None:
             figures[f"{arch}_b{batch}"] = model_plans(arch, batch)
     if not args.only_loop:
         figures["gate"] = trained_gate()
+    from bench.support.photo_images import ensure_camera
+
     began = time.perf_counter()
-    paths = make_photos(args.photos, args.folder)
+    paths = [str(path) for path in ensure_camera(args.photos, args.folder)]
     print(f"{len(paths)} photos generated in {time.perf_counter() - began:.0f} s", flush=True)
     documented = photo_loop(paths, plan_side=False)
     rayline = photo_loop(paths, plan_side=True)

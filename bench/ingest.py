@@ -113,19 +113,11 @@ def main() -> None:
         slow = _measure(proxy.endpoint, count, {"S3 server": server_pid[0], "proxy": proxy.pid})
         assert proxy.stats().get("faults", 0) == 0
 
-    figures = {
-        "ingest_img_s": round(bare["ingest"], 1),
-        "naive_img_s": round(bare["naive"], 1),
-        "raw_img_s": round(bare["raw"], 1),
-        "ratio_vs_raw": round(bare["ingest"] / bare["raw"], 3),
-        "ratio_vs_naive": round(bare["ingest"] / bare["naive"], 3),
-        "ingest_img_s_latency": round(slow["ingest"], 1),
-        "naive_img_s_latency": round(slow["naive"], 1),
-        "raw_img_s_latency": round(slow["raw"], 1),
-        "ratio_vs_raw_latency": round(slow["ingest"] / slow["raw"], 3),
-        "ratio_vs_naive_latency": round(slow["ingest"] / slow["naive"], 3),
-        "latency_ms": args.latency_ms,
-    }
+    figures: dict[str, float] = {}
+    for suffix, rates in (("", bare), ("_latency", slow)):
+        figures |= {f"{reader}_img_s{suffix}": round(rates[reader], 1) for reader in ("ingest", "naive", "raw")}
+        figures |= {f"ratio_vs_{b}{suffix}": round(rates["ingest"] / rates[b], 3) for b in ("raw", "naive")}
+    figures["latency_ms"] = args.latency_ms
     print(f"objects: {count} digits PNGs on a loopback S3-protocol server (moto)")
     _print("bare server:", bare)
     _print(f"through the proxy, +{args.latency_ms:g} ms per request:", slow)

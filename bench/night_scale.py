@@ -31,11 +31,13 @@ sys.path.insert(0, str(REPO))
 from bench.support.children import child_env, parse_result, print_result, work_dir  # noqa: E402
 from bench.support.inference_images import warm_page_cache  # noqa: E402
 from bench.support.inference_night import register_untrained, resolve_champion  # noqa: E402
+from bench.support.inference_s3 import loopback_s3  # noqa: E402
 from bench.support.process_tree import _rss_bytes, status_kb, watch_tree  # noqa: E402
 
 CACHE = Path(os.environ.get("RAYLINE_BENCH_CACHE", "/tmp/rayline-bench-night-scale"))
 DAY = "2026-11-28"
 PREFIXES = 256
+BUCKET = "night-scale"
 
 
 def local_night(count: int) -> Path:
@@ -67,15 +69,14 @@ def s3_night(endpoint: str, count: int) -> str:
 
     images = [data for _, data in digit_objects(32)]
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=Config(max_pool_connections=32))
-    client.create_bucket(Bucket="night-scale")
 
     def put(i: int) -> None:
-        client.put_object(Bucket="night-scale", Key=f"in/{i % PREFIXES:02x}/{i:08d}.png", Body=images[i % len(images)])
+        client.put_object(Bucket=BUCKET, Key=f"in/{i % PREFIXES:02x}/{i:08d}.png", Body=images[i % len(images)])
 
     with ThreadPoolExecutor(32) as pool:
         for _ in pool.map(put, range(count), chunksize=256):
             pass
-    return "s3://night-scale/in"
+    return f"s3://{BUCKET}/in"
 
 
 def child_main(spec: dict[str, Any]) -> None:
@@ -268,20 +269,12 @@ def main() -> None:
 
 def s3_measure(count: int, latency_ms: float, work: str, env: dict[str, str]) -> dict[str, Any]:
     from rayline.testing.fault_proxy_control import fault_proxy
-    from rayline.testing.s3_server import s3_server
 
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"})  # moto takes any
-    with s3_server() as endpoint:
+    s3_env = dict(env)
+    with loopback_s3(s3_env, BUCKET) as (endpoint, _):
         prefix = s3_night(endpoint, count)
         with fault_proxy(endpoint, latency_ms=latency_ms, methods=["GET", "HEAD", "PUT", "POST", "DELETE"]) as proxy:
-            s3_env = {
-                **env,
-                "AWS_ENDPOINT_URL": proxy.endpoint,
-                "AWS_ACCESS_KEY_ID": "bench",
-                "AWS_SECRET_ACCESS_KEY": "bench",
-                "AWS_DEFAULT_REGION": "us-east-1",
-            }
-            return measure("s3", prefix, work, s3_env)
+            return measure("s3", prefix, work, s3_env | {"AWS_ENDPOINT_URL": proxy.endpoint})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import itertools
-import queue
 import re
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,22 +140,18 @@ def closed_loop(
             run.latencies_ms += latencies
             run.errors += errors
 
-    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    for thread in threads:
-        thread.join()
+    with ThreadPoolExecutor(concurrency) as pool:
+        waiting = [pool.submit(client_loop) for _ in range(concurrency)]
+        start.wait()
+    for done in waiting:
+        done.result()  # a client's error, raised here
     run.wall_s = time.perf_counter() - began[0]
     return run
 
 
 def open_loop(port: int, path: str, bodies: Sequence[bytes], rate: float, duration_s: float) -> Run:
     """Requests sent at fixed times (``rate`` per second); latency counted from the scheduled time."""
-    count = int(rate * duration_s)
-    jobs: queue.Queue[int] = queue.Queue()
-    for i in range(count):
-        jobs.put(i)
+    jobs = iter(range(int(rate * duration_s)))  # next() on it is atomic: each request goes to one client
     run = Run()
     lock = threading.Lock()
     clients = [Client(port) for _ in range(PACED_CLIENTS)]
@@ -164,11 +160,7 @@ def open_loop(port: int, path: str, bodies: Sequence[bytes], rate: float, durati
     t0 = time.perf_counter() + 0.1
 
     def worker(client: Client) -> None:
-        while True:
-            try:
-                i = jobs.get_nowait()
-            except queue.Empty:
-                break
+        while (i := next(jobs, None)) is not None:
             scheduled = t0 + i / rate
             time.sleep(max(0.0, scheduled - time.perf_counter()))
             ok = client.post(path, bodies[i % len(bodies)])
@@ -179,11 +171,8 @@ def open_loop(port: int, path: str, bodies: Sequence[bytes], rate: float, durati
                     run.errors += 1
         client.close()
 
-    threads = [threading.Thread(target=worker, args=(c,)) for c in clients]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with ThreadPoolExecutor(len(clients)) as pool:
+        list(pool.map(worker, clients))
     run.wall_s = time.perf_counter() - t0
     return run
 

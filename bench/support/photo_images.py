@@ -68,12 +68,12 @@ def warm_photos(folder: Path) -> None:
     warm_page_cache(folder, "*.jpg")
 
 
-def _camera_path(index: int) -> Path:
+def _camera_path(index: int, root: Path = CAMERA) -> Path:
     label = ("china", "flower")[index // len(CAMERA_KINDS) % 2]  # each kind gets both photos
-    return CAMERA / label / f"camera-{index:06d}-{CAMERA_KINDS[index % len(CAMERA_KINDS)]}.jpg"
+    return root / label / f"camera-{index:06d}-{CAMERA_KINDS[index % len(CAMERA_KINDS)]}.jpg"
 
 
-def _write_camera(indices: list[int]) -> int:
+def _write_camera(indices: list[int], root: Path) -> int:
     import numpy as np
 
     from rayline.seed import camera_photo, photo_variant, source_photos
@@ -81,7 +81,7 @@ def _write_camera(indices: list[int]) -> int:
     china, flower = source_photos()
     for index in indices:
         rng = np.random.default_rng((_CAMERA_SEED, index))
-        path = _camera_path(index)
+        path = _camera_path(index, root)
         source = china if path.parent.name == "china" else flower
         kind = CAMERA_KINDS[index % len(CAMERA_KINDS)]
         data = photo_variant(source, rng)[0] if kind == "view" else camera_photo(float(kind[:-2]), rng, source)
@@ -92,15 +92,15 @@ def _write_camera(indices: list[int]) -> int:
     return len(indices)
 
 
-def ensure_camera(count: int) -> list[Path]:
-    """Photos 0 .. count-1 of the mixed set under CAMERA (missing ones generated in parallel), in order."""
-    paths = [_camera_path(index) for index in range(count)]
+def ensure_camera(count: int, root: Path = CAMERA) -> list[Path]:
+    """Photos 0 .. count-1 of the mixed set under ``root`` (missing ones generated in parallel), in order."""
+    paths = [_camera_path(index, root) for index in range(count)]
     missing = [index for index, path in enumerate(paths) if not path.exists()]
     if missing:
-        print(f"generating {len(missing)} photos (views, 1, 3 and 12 MP) under {CAMERA} (once)", flush=True)
+        print(f"generating {len(missing)} photos (views, 1, 3 and 12 MP) under {root} (once)", flush=True)
         batches = [missing[start : start + _CAMERA_BATCH] for start in range(0, len(missing), _CAMERA_BATCH)]
         with ProcessPoolExecutor(min(len(batches), os.cpu_count() or 1)) as pool:
-            assert sum(pool.map(_write_camera, batches)) == len(missing)
+            assert sum(pool.map(_write_camera, batches, [root] * len(batches))) == len(missing)
     return paths
 
 

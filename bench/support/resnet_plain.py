@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 
-class _Reader:
+class Reader:
     """Reads a local file or an S3 object; one boto3 client per process (DataLoader workers are forked)."""
 
     def __init__(self) -> None:
@@ -38,7 +38,7 @@ class PhotoDataset:
     """Map-style dataset for the DataLoader: item i = (i, image or None, (stage, type, message) or None)."""
 
     def __init__(self, uris: list[str], image_spec: Any) -> None:
-        self.uris, self.image_spec, self.read = uris, image_spec, _Reader()
+        self.uris, self.image_spec, self.read = uris, image_spec, Reader()
 
     def __len__(self) -> int:
         return len(self.uris)
