@@ -1,33 +1,14 @@
 """Batch inference throughput: nightly_inference's workload vs a plain single-process PyTorch loop.
 
-* **rayline**: ``batch_inference.run``, the ``nightly-inference`` flow's workload, on an embedded Ray
-  cluster started as its task starts it (``ray_cluster.connect(preload=WORKER_PRELOAD)``).
-* **plain**: one process, no Ray: the seed article's ``TorchPredictor`` loop by hand
-  (bench/support/plain_inference.py): the same listing, reads (on S3 one GET after another),
-  ``decode_image``, batch size, Parquet columns and files per 256 objects, error capture and
-  ``prepare_for_inference``, so that Ray is the only difference; the seed's code verbatim (the model as
-  loaded) is timed too at the first size. Torch gets the faster of 1 thread and all cores.
-
-Model: an untrained ``small_cnn`` registered as champion (throughput does not depend on the weights).
-Images: synthetic 32 px PNGs generated once under ``$RAYLINE_BENCH_CACHE`` and read once before timing.
-
-What each figure includes:
-
-* images/s: from listing to the last file written (rayline also verifies and commits), the measuring
-  process's imports excluded. rayline's ``ray.init`` is excluded (printed apart: a nightly deployment
-  connects to a cluster that is up) and its run starts once the cluster is idle; actor start-up, imports,
-  model loading and teardown are in. The figure is the job's first run; a second run in the same job is
-  printed for reference. Beside each: the cores the side used and those the rest of the machine used.
-* peak RSS: summed over the measuring process and all its descendants, sampled every 0.5 s; PSS beside
-  it, since shared pages count once per process. Each size runs in a process and Ray cluster of its own.
-* S3: a loopback moto server (its own process, among "other processes"), and its own ceiling
-  (32 concurrent GETs, no decoding).
-* end to end: a whole ``rayline nightly-inference`` process on 20 images, spawn to exit (Prefect's
-  database under the cache folder, created by a first untimed run).
-
-``--parts table`` (bench/support/table_reads.py) and ``--parts resnet`` (bench/support/resnet_inference.py)
-are described in bench/README.md. ``--quick``: small sizes, a smoke test. Prints human lines, the targets,
-then one line of JSON.
+rayline (``batch_inference.run`` on an embedded Ray cluster started as the nightly task starts it) against
+the seed article's ``TorchPredictor`` loop by hand, one process, no Ray (bench/support/plain_inference.py:
+the same listing, reads, ``decode_image``, batches, output files and ``prepare_for_inference``, so that Ray
+is the only difference; the seed's code verbatim is timed too at the first size). An untrained
+``small_cnn`` on synthetic 32 px PNGs generated once under ``$RAYLINE_BENCH_CACHE`` and read once before
+timing: from a local folder (``--parts local``), a loopback moto server (``s3``), and a whole
+``rayline nightly-inference`` process (``e2e``); ``--parts table`` and ``resnet`` measure their own cases.
+What each figure includes: bench/README.md. ``--quick``: small sizes, a smoke test. Prints human lines,
+the targets, then one line of JSON.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The capacity model, measured and checked: per-image costs here, a 2-node night predicted, run, compared.
 
-1. **Per-image costs** (a process of its own, one torch thread, the actors' own code: ``PredictorUDF``'s
-   fetch and decode, its model call, ``write_block``): ResNet-18 on ``--cost-photos`` photos of ~2 MP,
-   in blocks of 32 as a compute-bound night cuts them.
-2. **A 2-node Ray cluster** (``ray.cluster_utils.Cluster``, 2 logical CPUs a node) joined as
-   ``RAY_ADDRESS`` would be: a calibration night of ``--calibrate`` photos gives the fixed start-up, the
-   model predicts the night of ``--photos`` photos, the bench runs it (target: within 25 %).
-3. **The sizing table** (bench/support/capacity_model.py, derived in docs/capacity.md). The driver's CPU
-   per block, compaction's CPU per row and the listing's keys/s default to bench/night_scale.py's figures;
-   the GPU's forward rate (``--gpu-img-s``) is an assumption.
-
-Ends with one JSON line (keys in bench/README.md).
+1. ResNet-18's per-image costs with the actors' own code, one torch thread, in a process of its own.
+2. A 2-node Ray cluster joined as ``RAY_ADDRESS`` would be: a calibration night gives the fixed start-up,
+   the model predicts the night of ``--photos`` photos, the bench runs it (target: within 25 %).
+3. The sizing table (bench/support/capacity_model.py, derived in docs/capacity.md); the GPU's forward rate
+   (``--gpu-img-s``) is an assumption. What is measured and the JSON keys: bench/README.md.
 """
 
 from __future__ import annotations

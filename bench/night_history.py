@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 import pyarrow as pa  # noqa: E402
 from deltalake import DeltaTable  # noqa: E402
 
+from bench.support.timing import run_seconds  # noqa: E402
 from rayline.tables import delta_tables  # noqa: E402
 from rayline.tables.delta_tables import PARTITION_COLUMNS, TABLE_CONFIGURATION, Night, NightCommit  # noqa: E402
 
@@ -86,12 +87,7 @@ def build_table(folder: str, commits: int, nights: int) -> str:
 
 def median_s(read: Callable[[], object], repeats: int) -> float:
     read()  # untimed: imports, page cache
-    seconds = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        read()
-        seconds.append(time.perf_counter() - began)
-    return statistics.median(seconds)
+    return statistics.median(run_seconds(read, repeats))
 
 
 def history_scan(uri: str) -> dict[Night, str]:

@@ -21,12 +21,14 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the repository root
 
 from bench.support.children import print_result, run_child  # noqa: E402
+from bench.support.timing import run_seconds  # noqa: E402
 
 if TYPE_CHECKING:
     from rayline.ray_workloads.execution.plan import Precision
@@ -124,14 +126,10 @@ def decode_costs(repeats: int) -> dict[int, dict[str, float]]:
     costs = {}
     for megapixels in (1, 3, 12):
         data = camera_photo(megapixels, np.random.default_rng(megapixels))
-        figures = {}
-        for label, spec in (("full", full), ("reduced", reduced)):
-            times = []
-            for _ in range(repeats):
-                began = time.perf_counter()
-                decode_image(data, spec)
-                times.append((time.perf_counter() - began) * 1000)
-            figures[label] = statistics.median(times)
+        figures = {
+            label: 1000 * statistics.median(run_seconds(partial(decode_image, data, spec), repeats))
+            for label, spec in (("full", full), ("reduced", reduced))
+        }
         costs[megapixels] = figures
         print(
             f"decode + transform, {megapixels:2d} MP ({len(data) / 1e6:.1f} MB): full {figures['full']:6.1f} ms, "

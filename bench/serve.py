@@ -10,22 +10,11 @@ real scikit-learn digits as 32 px PNGs, POSTed as the raw body over a kept-alive
   as its own application by ``model_app``'s deployment (same options), with a subclass that answers HTTP.
   The difference between the paths is the router replica and the extra handle hop.
 
-Latency is per request on the client, send to whole answer read. Figures:
-
-* closed loop: at each ``--concurrency`` level, each client sends its next request once the last is
-  answered; ``--requests`` per path and level in rounds that alternate the paths' order (so background
-  load hits both alike), after a warm-up: p50, p99, requests/s and errors (any answer but 200, or a failed
-  connection). ``router_overhead`` = router p50 / direct p50 - 1 at the first level.
-* open loop: through the router at 20 requests/s for 15 s whatever the answers do, latency from the
-  scheduled send time (a stall counts for every request queued behind it): ``p99_ms_at_20rps``.
-* saturation: ``SATURATION_CONNECTIONS`` connections posting back to back for ``--saturation-s`` on each
-  path, ``--saturation-rounds`` rounds of alternating order, by ``wrk`` when installed, else Python
-  threads (bench/support/http_load.py); the rounds' means. ``--saturation-only`` runs only this.
-* ``errors``: all failed requests of every run above.
-
-Targets: bench/README.md. Serve's logs go to the replicas' files only (``RAY_SERVE_LOG_TO_STDERR=0``).
-The cluster shares the machine with the client, so the load average is printed before and after.
-``--quick``: a smoke test, not the figures. Last line: one line of JSON.
+The closed loop, the open loop and saturation (by ``wrk`` when installed, else Python threads:
+bench/support/http_load.py), what each figure includes and the targets: bench/README.md. Serve's logs go
+to the replicas' files only (``RAY_SERVE_LOG_TO_STDERR=0``). The cluster shares the machine with the
+client, so the load average is printed before and after. ``--quick``: a smoke test, not the figures.
+Last line: one line of JSON.
 """
 
 from __future__ import annotations

@@ -18,14 +18,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.support.timing import run_seconds  # noqa: E402
 from rayline.ray_workloads.architectures.factory_models import zip_code  # noqa: E402
 
 IMPORT = (
@@ -33,15 +32,6 @@ IMPORT = (
     "module = __import__(sys.argv[2]); assert module.__file__.startswith(sys.argv[1]), module.__file__; "
     "print(time.perf_counter() - started)"
 )
-
-
-def _best_ms(measure: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        measure()
-        times.append(time.perf_counter() - started)
-    return min(times) * 1e3
 
 
 def _tree_digests(folder: Path) -> dict[str, str]:
@@ -83,9 +73,9 @@ def main() -> None:
         with zipfile.ZipFile(archive) as opened:
             opened.extractall(unpacked)
             files = len(opened.namelist())
-        zip_ms = _best_ms(lambda: hashlib.sha256(archive.read_bytes()).hexdigest(), args.repeats)
-        tree_ms = _best_ms(lambda: _tree_digests(unpacked), args.repeats)
-        compile_ms = _best_ms(lambda: _compile_all(unpacked), min(args.repeats, 3))
+        zip_ms = min(run_seconds(lambda: hashlib.sha256(archive.read_bytes()).hexdigest(), args.repeats)) * 1e3
+        tree_ms = min(run_seconds(lambda: _tree_digests(unpacked), args.repeats)) * 1e3
+        compile_ms = min(run_seconds(lambda: _compile_all(unpacked), min(args.repeats, 3))) * 1e3
         _import_s(unpacked, args.package)  # writes the bytecode the folder's later imports read
         from_zip, from_folder = [], []
         for _ in range(args.imports):

@@ -83,11 +83,8 @@ def _split_in_memory(prepared: Any, split: str) -> dict[str, Any]:
 
 
 def plain_fit(root: str, prepared: Any, epochs: int) -> dict[str, Any]:
-    """One process, both cores, the splits in memory; per epoch the work the Ray run does too.
-
-    That is: train, validate, and save weights + optimizer state (to a local file).
-    The time of the training passes alone is kept apart (``train_s``).
-    """
+    """One process, both cores, the splits in memory; per epoch the Ray run's work (train, validate, save
+    weights and optimizer state, here to a local file). The training passes alone: ``train_s``."""
     import torch
 
     from rayline.ray_workloads.architectures.build import build_model

@@ -109,10 +109,8 @@ class Client:
 def closed_loop(
     port: int, path: str, bodies: Sequence[bytes], concurrency: int, requests: int, duration_s: float | None = None
 ) -> Run:
-    """``concurrency`` clients, each sending its next request once the last is answered.
-
-    Until ``requests`` are sent, or (``duration_s`` given) until that many seconds have passed.
-    """
+    """``concurrency`` clients, each sending its next request once the last is answered, until ``requests``
+    are sent or (``duration_s`` given) that many seconds have passed."""
     run = Run()
     lock = threading.Lock()
     counter = itertools.count()

@@ -105,9 +105,5 @@ def ensure_camera(count: int, root: Path = CAMERA) -> list[Path]:
 
 
 def camera_folder(count: int) -> Path:
-    """A folder of ``count`` JPEGs: a quarter small views, a quarter each 1, 3 and 12 MP camera photos.
-
-    Deterministic (the same photos every run; a larger count extends a smaller one), made once and kept
-    under CACHE: the folder is hard links, made once per size.
-    """
+    """A folder of the first ``count`` photos of the camera mix (hard links, made once per size)."""
     return linked_folder(CACHE / f"camera-inputs-{count}", lambda: ensure_camera(count), CAMERA)

@@ -15,6 +15,7 @@ from datetime import date, timedelta
 import numpy as np
 import pyarrow as pa
 
+from bench.support.timing import run_seconds
 from rayline.storage.layout import PREDICTIONS_TABLE, table_uri
 from rayline.tables.delta_tables import Night
 from rayline.tables.prediction_reads import read_night
@@ -82,12 +83,7 @@ def commit_rows(table: str, night: Night, data: pa.Table, run_id: str) -> None:
 def median_read_s(table: str, night: Night, rows: int, repeats: int) -> float:
     """Median seconds of ``read_night`` of ``night`` (one untimed read first: imports, page cache)."""
     assert read_night(table, night.model_name, night.dt).num_rows == rows
-    seconds = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        read_night(table, night.model_name, night.dt)
-        seconds.append(time.perf_counter() - began)
-    return statistics.median(seconds)
+    return statistics.median(run_seconds(lambda: read_night(table, night.model_name, night.dt), repeats))
 
 
 def bench_table(work: str, nights: int, rows: int, repeats: int) -> dict[str, float]:
