@@ -31,7 +31,7 @@ from bench.support.children import child_env, print_result, run_child, work_dir 
 from bench.support.inference_images import CACHE, IMAGE_SIZE, ensure_images, input_folder, warm_page_cache  # noqa: E402
 from bench.support.inference_night import DAY, measure_nights, register_untrained, resolve_champion  # noqa: E402
 from bench.support.inference_report import commit_share, print_pair, rate  # noqa: E402
-from bench.support.inference_s3 import s3_images, server_ceiling  # noqa: E402
+from bench.support.inference_s3 import BUCKET, loopback_s3, server_ceiling, upload  # noqa: E402
 from bench.support.plain_inference import BATCH_SIZE, choose_torch_threads, plain_loop  # noqa: E402
 from bench.support.process_tree import watch_tree  # noqa: E402
 
@@ -134,7 +134,8 @@ def bench_local(
 
 def bench_s3(work: str, images: list[Path], count: int, env: dict[str, str]) -> float:
     """rayline vs the plain loop reading one GET after another, images on a loopback S3 server."""
-    with s3_images(images, count, env, DAY) as (endpoint, uri, server_pid):
+    with loopback_s3(env, BUCKET) as (endpoint, server_pid):
+        uri = upload(endpoint, BUCKET, f"incoming/dt={DAY}", images[:count], CACHE / "images")
         base = {"root": work, "input": uri, "count": count, "s3": endpoint, "name": "s3"}
         ray_ = measure({**base, "kind": "rayline", "runs": 1}, env)
         plain = measure({**base, "kind": "plain"}, env)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -31,8 +32,9 @@ from bench.support.capacity_model import (  # noqa: E402
     predict_night_s,
 )
 from bench.support.children import child_env, print_result, run_child, work_dir  # noqa: E402
+from bench.support.inference_images import warm_page_cache  # noqa: E402
 from bench.support.inference_night import resolve_champion  # noqa: E402
-from bench.support.photo_images import photo_folder, warm_photos  # noqa: E402
+from bench.support.photo_images import photo_folder  # noqa: E402
 from bench.support.resnet_inference import model_name, register_resnet  # noqa: E402
 
 ARCH = "resnet18"
@@ -139,28 +141,27 @@ def measure(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 def sizing(costs: Costs, limits: Limits) -> list[dict[str, Any]]:
     plans = []
-    for n in (10_000_000, 100_000_000):
-        for hours in (2, 6):
-            for kind in (cpu_node(costs, limits), gpu_node(costs, limits)):
-                p = plan(n, hours * 3600.0, kind, costs, limits)
-                shares = ", ".join(f"{k} {v:.0%}" for k, v in p.shares.items())
-                print(
-                    f"  {n / 1e6:.0f} M in {hours} h, {kind.name} at {kind.img_s:,.0f} img/s ({kind.bound_by}): "
-                    f"{p.nodes} nodes; limits used: {shares}; closest: {p.bites_first}; "
-                    f"{files_per_table(n, limits):,} files per table"
-                )
-                plans.append(
-                    {
-                        "images": n,
-                        "hours": hours,
-                        "kind": kind.name,
-                        "node_img_s": round(kind.img_s, 1),
-                        "bound_by": kind.bound_by,
-                        "nodes": p.nodes,
-                        "shares": {k: round(v, 4) for k, v in p.shares.items()},
-                        "bites_first": p.bites_first,
-                    }
-                )
+    kinds = (cpu_node(costs, limits), gpu_node(costs, limits))
+    for n, hours, kind in itertools.product((10_000_000, 100_000_000), (2, 6), kinds):
+        p = plan(n, hours * 3600.0, kind, costs, limits)
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in p.shares.items())
+        print(
+            f"  {n / 1e6:.0f} M in {hours} h, {kind.name} at {kind.img_s:,.0f} img/s ({kind.bound_by}): "
+            f"{p.nodes} nodes; limits used: {shares}; closest: {p.bites_first}; "
+            f"{files_per_table(n, limits):,} files per table"
+        )
+        plans.append(
+            {
+                "images": n,
+                "hours": hours,
+                "kind": kind.name,
+                "node_img_s": round(kind.img_s, 1),
+                "bound_by": kind.bound_by,
+                "nodes": p.nodes,
+                "shares": {k: round(v, 4) for k, v in p.shares.items()},
+                "bites_first": p.bites_first,
+            }
+        )
     return plans
 
 
@@ -187,7 +188,7 @@ def main() -> None:
     work = work_dir("rlcap-")
     register_resnet(work, ARCH)
     night, calibrate = photo_folder(args.photos), photo_folder(args.calibrate)
-    warm_photos(night)
+    warm_page_cache(night, "*.jpg")
     measured = measure("costs", {"root": work, "input": str(night), "count": args.cost_photos + BLOCK})
     print(
         f"per image, one core: fetch+decode {measured['fetch_decode_s'] * 1e3:.1f} ms, "

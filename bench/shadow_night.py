@@ -81,14 +81,14 @@ def main() -> None:
         args.digits, args.photos, args.rounds = 2_000, 64, 1
 
     from bench.support.inference_images import ensure_images, input_folder, warm_page_cache
-    from bench.support.photo_images import photo_folder, warm_photos
+    from bench.support.photo_images import photo_folder
     from rayline import ray_cluster
     from rayline.ray_workloads.nightly import batch_inference
 
     digits = input_folder(args.digits, ensure_images(args.digits))
     warm_page_cache(digits)
     photos = photo_folder(args.photos)
-    warm_photos(photos)
+    warm_page_cache(photos, "*.jpg")
     began = time.perf_counter()
     ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD)
     print(f"ray.init: {time.perf_counter() - began:.1f}s (excluded)", flush=True)

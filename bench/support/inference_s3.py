@@ -9,8 +9,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.support.inference_images import CACHE
-
 BUCKET = "rayline-bench-inference"
 
 
@@ -40,13 +38,6 @@ def upload(endpoint: str, bucket: str, prefix: str, files: list[Path], root: Pat
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(put, files))
     return f"s3://{bucket}/{prefix}"
-
-
-@contextlib.contextmanager
-def s3_images(images: list[Path], count: int, env: dict[str, str], day: str) -> Iterator[tuple[str, str, int]]:
-    """``count`` images in a bucket of a loopback moto server; yields (endpoint, input URI, server PID)."""
-    with loopback_s3(env, BUCKET) as (endpoint, pid):
-        yield endpoint, upload(endpoint, BUCKET, f"incoming/dt={day}", images[:count], CACHE / "images"), pid
 
 
 def server_ceiling(endpoint: str, uri: str, server_pid: int) -> tuple[float, float]:

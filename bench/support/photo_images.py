@@ -13,7 +13,7 @@ import shutil
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from bench.support.inference_images import CACHE, linked_folder, warm_page_cache
+from bench.support.inference_images import CACHE, linked_folder
 
 PHOTOS = CACHE / "photos"
 CHUNK = 500
@@ -61,11 +61,6 @@ def ensure_photos(count: int) -> list[Path]:
 def photo_folder(count: int) -> Path:
     """A folder holding exactly the first ``count`` photos (hard links, made once per size)."""
     return linked_folder(CACHE / f"photo-inputs-{count}", lambda: ensure_photos(count), PHOTOS)
-
-
-def warm_photos(folder: Path) -> None:
-    """Read every photo once so that neither side pays for cold disk reads."""
-    warm_page_cache(folder, "*.jpg")
 
 
 def _camera_path(index: int, root: Path = CAMERA) -> Path:

@@ -62,10 +62,6 @@ def status_kb(field: str) -> int:
     raise OSError(f"no {field} in /proc/self/status")
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    return sum(_pid_cpu_seconds(p) for p in pids)
-
-
 def _machine_busy_seconds() -> float:
     """CPU-seconds all processes on this machine have used since boot (all cores)."""
     fields = [int(f) for f in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
@@ -119,8 +115,8 @@ def wait_until_idle(max_wait_s: float = 30.0, below_cores: float = 0.25) -> floa
     started = time.perf_counter()
     while time.perf_counter() - started < max_wait_s:
         pids = _tree_pids(os.getpid())
-        before = _cpu_seconds(pids)
+        before = sum(map(_pid_cpu_seconds, pids))
         time.sleep(1.0)
-        if _cpu_seconds(pids) - before < below_cores:
+        if sum(map(_pid_cpu_seconds, pids)) - before < below_cores:
             break
     return time.perf_counter() - started

@@ -223,11 +223,12 @@ def _sizes_on(
 
 
 def _local_inputs(sizes: list[int]) -> Iterator[tuple[int, str, dict[str, Any]]]:
-    from bench.support.photo_images import photo_folder, warm_photos
+    from bench.support.inference_images import warm_page_cache
+    from bench.support.photo_images import photo_folder
 
     for count in sizes:
         folder = photo_folder(count)
-        warm_photos(folder)
+        warm_page_cache(folder, "*.jpg")
         yield count, str(folder), {}
 
 
