@@ -172,12 +172,8 @@ def _pair(text: str) -> tuple[int, int]:
 
 def images_needed(args: argparse.Namespace, parts: set[str]) -> int:
     """The most images one of the chosen measurements reads: only that many need generating."""
-    counts = [args.e2e_images] if "e2e" in parts else []
-    if "local" in parts:
-        counts += [*args.sizes, *args.rss_sizes]
-    if "s3" in parts:
-        counts.append(args.s3_size)
-    return max(counts, default=0)
+    counts = {"e2e": [args.e2e_images], "local": [*args.sizes, *args.rss_sizes], "s3": [args.s3_size]}
+    return max((count for part in parts & counts.keys() for count in counts[part]), default=0)
 
 
 def main() -> None:

@@ -70,22 +70,21 @@ def child_costs(spec: dict[str, Any]) -> dict[str, Any]:
     measured = 0
     for start in range(0, len(uris), BLOCK):
         block = uris[start : start + BLOCK]
-        t0 = time.perf_counter()
+        stamps = [time.perf_counter()]
         etags = ["-"] * len(block)  # local files: a read has no ETag to compare
         rows = fetch_and_decode(block, etags, udf.spec, udf.io_concurrency)
         rows["uri"] = np.array(block, dtype=object)
         rows["etag"] = np.array(etags, dtype=object)
-        t1 = time.perf_counter()
+        stamps.append(time.perf_counter())
         udf.predict(rows)
         del rows["image"]
-        t2 = time.perf_counter()
+        stamps.append(time.perf_counter())
         write_block(f"p/b{start:09d}", rows, output, {**udf.constants, "plan": "eager/fp32/channels-last"})
-        t3 = time.perf_counter()
+        stamps.append(time.perf_counter())
         if start == 0:
             continue  # the warm-up block: first calls allocate and fill caches
-        spent["fetch_decode"] += t1 - t0
-        spent["forward"] += t2 - t1
-        spent["write"] += t3 - t2
+        for step, (before, after) in zip(spent, itertools.pairwise(stamps), strict=True):
+            spent[step] += after - before
         measured += len(block)
     storage.remove_tree(tables)
     return {f"{k}_s": v / measured for k, v in spent.items()} | {"images": measured}

@@ -1,13 +1,10 @@
 """The execution plan on a GPU: fp32, fp16 and bf16 at larger batches, and the photo loop end to end.
 
 The GPU machines lent to this project have torch, torchvision, PIL, numpy and scikit-learn but no Ray
-(and no registry to install from), so this is bench/night_plan.py's measurement without Ray: every
-candidate plan's images/s for ResNet-50 and ResNet-18 at ``--batches`` (numpy in, logits out: the copies a
-night's actor makes included) and the plan chosen; fp16 and bf16 gated against fp32 on a ResNet-18
-trained on the digits; and ``--photos`` camera photos through a DataLoader with a worker per core,
-ResNet-50: the documented pattern (full decode, the weights' transforms, fp32 eager) against rayline's
-(reduced-scale decode, its chosen plan).
-
+(and no registry to install from), so this is bench/night_plan.py's measurement without Ray: each
+candidate plan's images/s for both ResNets at ``--batches`` (numpy in, logits out) and the plan chosen;
+fp16 and bf16 gated against fp32 on a ResNet-18 trained on the digits; and ``--photos`` camera photos
+through a DataLoader, ResNet-50, the documented pattern against rayline's decoding and plan.
 Run with the machine's python3 and pydantic carried as wheels; last line: one line of JSON.
 """
 

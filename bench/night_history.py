@@ -1,11 +1,9 @@
 """Night lookups against the table's history: what grows from 100 commits to 10,000.
 
 A ``predictions`` table of ``--nights`` nights committed again and again up to ``--small`` and ``--large``
-commits, its log written directly as ``commit_night`` writes it (with a checkpoint every 100 commits, as
-delta-rs writes one): 10,000 real commits would take most of an hour here, and the reads measured are
-the log's. Then, median of ``--repeats`` after one untimed read: opening the table, ``current_runs``,
-``find_commit`` of the newest, the oldest and a never-committed night, and the whole history scanned as
-every lookup read it before. Targets and JSON keys: bench/README.md. Ends with one JSON line.
+commits, its log written directly as ``commit_night`` and delta-rs write it (10,000 real commits would
+take most of an hour here, and the reads measured are the log's); then each lookup, median of
+``--repeats``, against scanning the whole history. Targets and JSON keys: bench/README.md.
 """
 
 from __future__ import annotations

@@ -73,11 +73,10 @@ def night(work: str, arch: str, folder: Path, count: int, gpu: bool) -> dict[str
     register_resnet(root, arch, photo_head=True)  # fresh: the night measures its plan, as a first night does
     settings = choose_settings(cores, gpu=gpu, overrides={"batch_size": 64} if gpu else None)
     base = {"root": root, "arch": arch, "input": str(folder), "count": count, "name": f"{arch}-{count}"}
-    rayline = measure({**base, "kind": "rayline", "settings": asdict(settings), "gpu": gpu})
+    night_spec = {**base, "kind": "rayline", "settings": asdict(settings), "gpu": gpu}
+    rayline = measure(night_spec)
     # the next night of the version: its plan (and an OpenVINO plan's converted model) read from the cache
-    again = measure(
-        {**base, "name": f"{base['name']}-again", "kind": "rayline", "settings": asdict(settings), "gpu": gpu}
-    )
+    again = measure({**night_spec, "name": f"{base['name']}-again"})
     plain = measure({**base, "kind": "plain", "batch": settings.batch_size, "gpu": gpu})
     plans = rayline["plans"]
     chosen = sorted(plans) or ["none recorded"]

@@ -32,7 +32,7 @@ from bench.support.children import child_env, parse_result, print_result, work_d
 from bench.support.inference_images import warm_page_cache  # noqa: E402
 from bench.support.inference_night import register_untrained, resolve_champion  # noqa: E402
 from bench.support.inference_s3 import loopback_s3  # noqa: E402
-from bench.support.process_tree import _rss_bytes, status_kb, watch_tree  # noqa: E402
+from bench.support.process_tree import _rss_bytes, proc_figure, watch_tree  # noqa: E402
 
 CACHE = Path(os.environ.get("RAYLINE_BENCH_CACHE", "/tmp/rayline-bench-night-scale"))
 DAY = "2026-11-28"
@@ -97,7 +97,7 @@ def child_main(spec: dict[str, Any]) -> None:
     result = batch_inference.run(cfg)
     # the night's own peak, before the bench reads the whole night back into this process (that read holds
     # every row: ~280 MB at 1 M, which is the bench's, not the driver's)
-    night_peak_mb = status_kb("VmHWM") / 1024
+    night_peak_mb = proc_figure("VmHWM") / 1024
     began = time.perf_counter()
     table = DeltaTable(result.predictions_table, storage_options=storage_options(result.predictions_table))
     rows = table.to_pyarrow_table(partitions=[(k, "=", v) for k, _, v in Night("digits", DAY).filters]).num_rows

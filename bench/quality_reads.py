@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 from deltalake.fs import DeltaStorageHandler  # noqa: E402
 
+from bench.support.process_tree import proc_figure  # noqa: E402
 from bench.support.table_reads import commit_rows, night_rows  # noqa: E402
 from rayline.ray_workloads.quality import labels_import, reading  # noqa: E402
 from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE, table_uri  # noqa: E402
@@ -77,13 +78,6 @@ def counted_reads() -> Iterator[Counter[str]]:
         DeltaStorageHandler.open_input_file = opened
 
 
-def _rchar() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise OSError("no rchar in /proc/self/io")
-
-
 def _commit(root: str, table: str, night: Night, data: pa.Table) -> None:
     commit_rows(table_uri(root, table), night, data, f"bench-{table.replace('_', '-')}-{night.dt}")
 
@@ -121,9 +115,9 @@ def build(root: str, stored: int, rows: int, labelled: int, challenger_nights: i
 def measure(read: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
     """What ``read`` returns, and the bytes it read: per table's data files, and in all (``rchar``)."""
     with counted_reads() as tally:
-        before = _rchar()
+        before = proc_figure("rchar", "io")
         answer = read()
-        everything = _rchar() - before
+        everything = proc_figure("rchar", "io") - before
     return answer, {**{f"{table}_bytes": n for table, n in sorted(tally.items())}, "rchar_bytes": everything}
 
 

@@ -78,8 +78,7 @@ def compare(port: int, bodies: Sequence[bytes], concurrency: int, requests: int)
 
 
 def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
+    return " ".join(f"{load:.2f}" for load in os.getloadavg()) + f" on {os.cpu_count()} CPUs"
 
 
 def saturation(port: int, body: bytes, connections: int, seconds: float, rounds: int) -> dict[str, Saturation]:

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
 from bench.support.children import print_result, run_child  # noqa: E402
-from bench.support.process_tree import status_kb  # noqa: E402
+from bench.support.process_tree import proc_figure  # noqa: E402
 from bench.support.table_reads import predictions_table  # noqa: E402
 from rayline.ray_workloads.nightly.blocks import NightOutput, block_contents, write_block_files  # noqa: E402
 from rayline.tables.delta_tables import Night  # noqa: E402
@@ -112,7 +112,7 @@ def driver_part(night: dict[str, Any]) -> dict[str, Any]:
     from rayline.ray_workloads.quality.shadow import summarize
     from rayline.storage.digests import SetDigest
 
-    output, baseline = _output(night["folder"]), status_kb("VmRSS")
+    output, baseline = _output(night["folder"]), proc_figure("VmRSS")
     totals = NightTotals()
     for block in night["blocks"]:
         report = written_report(output, block)
@@ -131,7 +131,7 @@ def whole_night_join(night: dict[str, Any]) -> dict[str, Any]:
 
     from rayline import storage
 
-    baseline = status_kb("VmRSS")
+    baseline = proc_figure("VmRSS")
     columns = ["uri", "predicted_class", "confidence"]
     champion = storage.read_parquet([night["files"]["predictions"]], columns=columns)
     shadowed = storage.read_parquet([night["files"]["shadow"]], columns=columns)
@@ -161,7 +161,7 @@ def _measure(way: str, night_file: str) -> None:
     began = time.perf_counter()
     figures = (driver_part if way == "driver" else whole_night_join)(night)
     figures["seconds"] = time.perf_counter() - began
-    figures["peak_kb"] = status_kb("VmHWM")
+    figures["peak_kb"] = proc_figure("VmHWM")
     print_result(figures)
 
 

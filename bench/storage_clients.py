@@ -1,12 +1,11 @@
 """Object-store clients compared on a loopback S3-protocol server: today's path, fsspec's family, obstore.
 
-The candidates for rayline's one storage seam, each doing what a night and an ingest do on the same moto
-server: **today** (boto3's pages, threads and conditional puts, s3fs's ``find``), **fsspec** (the seam,
-``rayline.storage.backends.s3``: s3fs's aiobotocore client, one event loop for every thread) and
-**obstore** (Apache Arrow's ``object_store``, the crate delta-rs uses). The parts, the readers compared
-and the JSON keys: bench/README.md. Each is the best of ``--repeats`` with the server's and this process's
-CPU; moto is the ceiling of every figure, so a ratio says which client asks the least of a server and of
-the node, not what real S3 would give. Ends with one JSON line.
+The candidates for rayline's one storage seam, each doing what a night and an ingest do on one moto server:
+**today** (boto3's pages, threads and conditional puts), **fsspec** (the seam, ``rayline.storage.backends.s3``:
+s3fs's aiobotocore client, one event loop for every thread) and **obstore** (Apache Arrow's ``object_store``).
+Each part is the best of ``--repeats`` with the server's and this process's CPU; moto is the ceiling of every
+figure, so a ratio says which client asks the least of a server and of the node, not what real S3 would
+give. The parts and the JSON keys: bench/README.md. Ends with one JSON line.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Training throughput: Ray Train with 2 workers vs a plain single-process PyTorch loop.
 
-Same preprocessed digits, model, epochs, global batch (2 workers x 32 vs 64) and work per epoch: a
-training pass, a validation pass, the weights and optimizer state saved. Reports samples/s over the whole
-fit (start-up included: what a user waits for), the ratio, the training passes alone and the test
-accuracy. Each length of ``BENCH_EPOCHS`` (default ``12,60``; the last is the headline) is measured, not
-extrapolated, in a process of its own with its own embedded cluster: a fit leaves actors behind that
-would skew the next. Why two lengths, and the target: bench/README.md. Last line: JSON.
+Same preprocessed digits, model, epochs, global batch (2 workers x 32 vs 64) and work per epoch (train,
+validate, save weights and optimizer state). Reports samples/s over the whole fit (start-up included: what
+a user waits for), the ratio, the training passes alone and the test accuracy. Each length of
+``BENCH_EPOCHS`` (default ``12,60``; the last is the headline) runs in a process and cluster of its own:
+a fit leaves actors behind that would skew the next. Why two lengths, the target: bench/README.md.
 """
 
 from __future__ import annotations

@@ -208,9 +208,7 @@ def parse_wrk(out: str) -> Saturation:
     if totals is None or 50 not in percentiles or 99 not in percentiles:
         raise ValueError(f"wrk's report has no request count or latency distribution:\n{out}")
     requests, wall_s = int(totals.group(1)), float(totals.group(2)) * _UNIT_MS[totals.group(3)] / 1000
-    errors = 0
-    for match in _WRK_ERRORS.finditer(out):
-        errors += sum(int(n) for n in match.groups() if n is not None)
+    errors = sum(int(n) for match in _WRK_ERRORS.finditer(out) for n in match.groups() if n is not None)
     return Saturation(
         (requests - errors) / wall_s, percentiles[50], percentiles[99], requests, min(errors, requests), "wrk"
     )

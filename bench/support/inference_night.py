@@ -1,7 +1,4 @@
-"""The rayline side of a batch-inference measurement: the bench's models, and nights run as the task runs them.
-
-Shared by the digits (bench/batch_inference.py, bench/night_scale.py) and the photos (resnet_inference.py).
-"""
+"""The rayline side of a batch-inference measurement: the bench's models, and nights run as the task runs them."""
 
 from __future__ import annotations
 

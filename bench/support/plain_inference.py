@@ -1,7 +1,6 @@
 """The plain side of the batch-inference bench: the seed's TorchPredictor loop run by hand, no Ray.
 
-Same listing, reads, ``decode_image``, batch size, Parquet columns and files
-per 256 objects as rayline's workload, with the same per-sample error capture.
+Same listing, reads, ``decode_image``, batch size, Parquet files and per-sample error capture as rayline's.
 """
 
 from __future__ import annotations
@@ -20,9 +19,8 @@ OBJECTS_PER_FILE = 256  # InferenceConfig.objects_per_task's default: one output
 def plain_loop(objects: list[Any], read: Callable[[str], bytes], version: Any, out_dir: str, prepared: bool) -> int:
     """The seed's TorchPredictor without Ray: read, decode, predict, write Parquet; returns rows written.
 
-    ``prepared``: the model goes through rayline's ``prepare_for_inference``
-    (and gets channels-last input) like rayline's actors, so that only Ray
-    differs; otherwise it runs as loaded, as the seed's code does.
+    ``prepared``: the model goes through ``prepare_for_inference`` (channels-last input) like rayline's
+    actors, so that only Ray differs; otherwise it runs as loaded, as the seed's code does.
     """
     import numpy as np
     import torch

@@ -50,16 +50,14 @@ def _pid_cpu_seconds(pid: int) -> float:
     return 0.0
 
 
-def status_kb(field: str) -> int:
-    """A figure of /proc/self/status in kB: ``VmRSS`` now, ``VmHWM`` the peak of this program's memory.
-
-    Not ``ru_maxrss``: Linux carries the parent's RSS at the fork into it across ``exec``, so a child
-    started by a parent holding a built night would report the parent's size.
-    """
-    for line in Path("/proc/self/status").read_text().splitlines():
+def proc_figure(field: str, file: str = "status") -> int:
+    """A figure of /proc/self/status, in kB: ``VmRSS`` now, ``VmHWM`` the peak of this program's memory (not
+    ``ru_maxrss``: Linux carries the parent's RSS at the fork into a child across ``exec``); or of another
+    file of /proc/self, in its unit (``io``'s ``rchar``: the bytes this process read)."""
+    for line in Path(f"/proc/self/{file}").read_text().splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise OSError(f"no {field} in /proc/self/status")
+    raise OSError(f"no {field} in /proc/self/{file}")
 
 
 def _machine_busy_seconds() -> float:
@@ -71,12 +69,9 @@ def _machine_busy_seconds() -> float:
 
 @contextlib.contextmanager
 def watch_tree(interval_s: float = 0.5, sample: bool = True) -> Iterator[dict[str, float]]:
-    """While the block runs: peak summed RSS and PSS (MB) of this process and its descendants,
-    the CPU they used (in cores, on average) and what the rest of the machine used meanwhile.
-
-    ``sample=False``: CPU only, read at the start and the end (no sampling
-    thread competing with a single-process measurement).
-    """
+    """While the block runs: peak summed RSS and PSS (MB) of this process and its descendants, the CPU they
+    used (in cores, on average) and what the rest of the machine used meanwhile. ``sample=False``: CPU only,
+    read at the start and the end (no sampling thread competing with a single-process measurement)."""
     figures = {"rss_mb": 0.0, "pss_mb": 0.0, "processes": 0.0, "cores": 0.0, "others_cores": 0.0}
     first_cpu = {p: _pid_cpu_seconds(p) for p in _tree_pids(os.getpid())}
     last_cpu = dict(first_cpu)

@@ -1,10 +1,7 @@
 """The plain side of the compute-bound bench: a DataLoader loop in one process, no Ray.
 
-DataLoader workers read (local file or S3 GET) and decode with rayline's
-``decode_image``; the main process runs the model (``prepare_for_inference``,
-channels-last input, the same batch size as rayline) and writes Parquet files
-of rayline's columns, one per ``objects_per_file`` objects, with the same
-per-sample error capture.
+Workers read (a local file or an S3 GET) and decode with rayline's ``decode_image``; the main process runs
+the model as rayline's actors do and writes their Parquet files, with the same per-sample error capture.
 """
 
 from __future__ import annotations
@@ -46,14 +43,13 @@ class PhotoDataset:
     def __getitem__(self, index: int) -> tuple[int, Any, tuple[str, str, str] | None]:
         from rayline.ray_workloads.data.images import decode_image
 
+        stage = "fetch"
         try:
             data = self.read(self.uris[index])
-        except Exception as exc:  # per-sample error capture, as rayline's actors do
-            return index, None, ("fetch", type(exc).__name__, str(exc)[:500])
-        try:
+            stage = "decode"
             return index, decode_image(data, self.image_spec), None
         except Exception as exc:  # per-sample error capture, as rayline's actors do
-            return index, None, ("decode", type(exc).__name__, str(exc)[:500])
+            return index, None, (stage, type(exc).__name__, str(exc)[:500])
 
 
 def collate(items: list[tuple[int, Any, tuple[str, str, str] | None]]) -> dict[str, Any]:
