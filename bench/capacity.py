@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -195,20 +195,13 @@ def main() -> None:
         f"(over {measured['images']} photos)"
     )
     ran = measure("cluster", {"root": work, "calibrate": str(calibrate), "night": str(night)})
-    base = Costs(
-        fetch_decode_s=measured["fetch_decode_s"],
-        forward_s=measured["forward_s"],
-        write_s=measured["write_s"],
-        fixed_s=0.0,
-        driver_s_per_block=args.driver_s_per_block,
-        compact_s_per_row=args.compact_s_per_row,
-        list_keys_per_s=args.list_keys_per_s,
-        commit_s=args.commit_s,
-    )
+    steps = {k: measured[k] for k in ("fetch_decode_s", "forward_s", "write_s")}
+    flags = {k: getattr(args, k) for k in ("driver_s_per_block", "compact_s_per_row", "list_keys_per_s", "commit_s")}
+    base = Costs(**steps, **flags, fixed_s=0.0)
     workers = min(2, os.cpu_count() or 1)  # single-thread actors, one a core: 2 actors on this machine's cores
     # the calibration night's seconds less what the model gives its images: the cluster's fixed start-up
     fixed = max(0.0, ran["calibrate_s"] - predict_night_s(args.calibrate, workers, base, BLOCK))
-    costs = Costs(**{**asdict(base), "fixed_s": fixed})
+    costs = replace(base, fixed_s=fixed)
     predicted = predict_night_s(args.photos, workers, costs, BLOCK)
     ratio = ran["night_s"] / predicted
     print(
