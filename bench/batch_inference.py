@@ -1,75 +1,14 @@
 """Batch inference throughput: nightly_inference's workload vs a plain single-process PyTorch loop.
 
-What is compared:
-
-* **rayline**: ``rayline.ray_workloads.nightly.batch_inference.run``, the workload of the
-  ``nightly-inference`` flow, on an embedded Ray cluster started the way its
-  task starts it (``ray_cluster.connect(preload=WORKER_PRELOAD)``): list the
-  prefix; predictor actors (a Ray Data actor pool) fetch, decode, predict and
-  write Parquet into the night's partition of the two Delta tables; verify
-  exactly-once; commit the night (``phase_s["commit"]``, whose share of the
-  night at 20k is printed).
-* **plain**: one process, no Ray: the seed article's ``TorchPredictor`` loop
-  run by hand. It lists the same prefix with the same function, reads the
-  files one after another (on S3: one GET after another), decodes each with
-  the same ``decode_image``, predicts in batches of the same size and writes
-  Parquet files of the same columns, one per 256 objects like rayline, with
-  the same per-sample error capture. The model is the same and goes through
-  the same ``prepare_for_inference`` as in rayline's actors, so that Ray is
-  the only difference; the seed's code verbatim (the model as loaded) is also
-  timed at the first size, for reference. Torch gets the faster of 1 thread
-  and its default (all cores), chosen by a short calibration.
-
-Model: an untrained ``small_cnn`` of the default width registered as champion
-(throughput does not depend on the weights). Images: synthetic 32 px PNGs from
-``rayline.seed.synthetic_objects``, generated once under
-``$RAYLINE_BENCH_CACHE`` (default /tmp/rayline-bench-inference-cache) and
-reused; they are read once before timing, so both sides read from the page
-cache.
-
-What each figure includes:
-
-* images/s, both sides: from listing to the last file written (rayline also
-  verifies and commits). The imports of the measuring process are excluded on
-  both sides. On the rayline side ``ray.init`` is excluded (printed apart):
-  a nightly deployment connects to a cluster that is up; the run starts once
-  the cluster is idle. Everything else is included: actor processes, their
-  imports, model loading, the work, teardown. The figure is the first run of
-  the job, as in a nightly process; a second run in the same job is printed
-  for reference (its actors get fresh workers, without the preloaded ones).
-  Beside each: the cores the measured side used and those the rest of the
-  machine used meanwhile, since other work on the machine skews any figure.
-* peak RSS: the sum of the resident set sizes of the measuring process and
-  all its descendants (driver, GCS, raylet, agents, workers, actors), sampled
-  every 0.5 s during the rayline run. Pages shared between processes (torch's
-  libraries, the object store) count once per process, so the proportional
-  set size (PSS) is printed beside it. Each size runs in a process of its own
-  with its own Ray cluster.
-* S3: the images on a loopback S3-protocol server (moto, its own process,
-  counted among "other processes"); plain = one GET after another, as the
-  seed's code does. The server's own ceiling (32 concurrent GETs, no decoding)
-  is printed too.
-* end to end: wall time of a whole ``rayline nightly-inference`` process on
-  20 images, spawn to exit: interpreter, imports, Prefect's ephemeral API
-  (database under the cache folder, created by a first untimed run), a fresh
-  embedded Ray cluster, the flow, teardown.
-
-Reading a night back (``--parts table``, bench/support/table_reads.py): no Ray, no
-model; a predictions table of 30 synthetic nights of 20k rows
-(``--table-nights``, ``--table-rows``), ``read_night`` of night 1 when the
-table holds one night against night 30 when it holds 30.
-
-Compute-bound case (``--parts resnet``, bench/support/resnet_inference.py): ResNet-18
-(``--arch resnet50``) with random weights on 2,000 and 10,000 real-photo JPEGs
-(``--resnet-sizes``), local and/or S3 (``--resnet-storage``), against a plain
-DataLoader loop; on a machine with a GPU both sides also run on it.
-
-Needs nothing started by hand. ``--quick``: small sizes (a smoke test, not the
-figures); ``--parts local,s3,e2e,table,resnet`` picks measurements. Prints
-human lines, then one line of JSON. Targets: ratio >= 0.9 at 20k, >= 1.0 at
-100k, >= 3 on S3; peak RSS at 100k <= 1.3x that at 10k; the commit <= 10 % of
-a night at 20k; reading night 30 of 30 <= 2x reading night 1 of 1; ResNet:
-ratio >= 0.9 at 2k, >= 0.95 at 10k, peak RSS at 10k <= 1.3x that at 2k.
+rayline (``batch_inference.run`` on an embedded Ray cluster started as the nightly task starts it) against
+the seed article's ``TorchPredictor`` loop by hand, one process, no Ray (bench/support/plain_inference.py:
+the same listing, reads, ``decode_image``, batches, output files and ``prepare_for_inference``, so that Ray
+is the only difference; the seed's code verbatim is timed too at the first size). An untrained
+``small_cnn`` on synthetic 32 px PNGs generated once under ``$RAYLINE_BENCH_CACHE`` and read once before
+timing: from a local folder (``--parts local``), a loopback moto server (``s3``), and a whole
+``rayline nightly-inference`` process (``e2e``); ``--parts table`` and ``resnet`` measure their own cases.
+What each figure includes: bench/README.md. ``--quick``: small sizes, a smoke test. Prints human lines,
+the targets, then one line of JSON.
 """
 
 from __future__ import annotations
@@ -80,7 +19,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -89,90 +27,38 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.support import resnet_inference, table_reads  # noqa: E402
+from bench.support.children import child_env, print_result, run_child, work_dir  # noqa: E402
 from bench.support.inference_images import CACHE, IMAGE_SIZE, ensure_images, input_folder, warm_page_cache  # noqa: E402
-from bench.support.inference_night import DAY, connect_for_night, register_untrained  # noqa: E402
+from bench.support.inference_night import DAY, measure_nights, register_untrained, resolve_champion  # noqa: E402
 from bench.support.inference_report import commit_share, print_pair, rate  # noqa: E402
-from bench.support.inference_s3 import s3_images, server_ceiling  # noqa: E402
+from bench.support.inference_s3 import BUCKET, loopback_s3, server_ceiling, upload  # noqa: E402
 from bench.support.plain_inference import BATCH_SIZE, choose_torch_threads, plain_loop  # noqa: E402
-from bench.support.process_tree import wait_until_idle, watch_tree  # noqa: E402
-
-RESULT = "BENCH-RESULT "
-
-
-# ---------------------------------------------------------------- measuring processes
-
-
-def _model_version(root: str) -> Any:
-    from rayline.models import registry
-
-    os.environ["RAYLINE_STORAGE"] = root
-    return registry.resolve("digits", "champion")
+from bench.support.process_tree import watch_tree  # noqa: E402
 
 
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     import rayline.ray_workloads.data.images  # noqa: F401  (imports happen before the clock starts)
+    from bench.support.resnet_plain import Reader
     from rayline import storage
-    from rayline.testing.s3_server import boto3_client
 
-    version = _model_version(spec["root"])
+    version = resolve_champion(spec["root"], "digits")
     prepared = not spec.get("seed_verbatim")
     threads = choose_torch_threads(version, prepared)
     out_dir = storage.join(spec["root"], "plain", spec["name"])
-    if spec.get("s3"):
-        client = boto3_client()
-
-        def read(uri: str) -> bytes:
-            bucket, _, key = uri[len("s3://") :].partition("/")
-            return bytes(client.get_object(Bucket=bucket, Key=key)["Body"].read())
-    else:
-
-        def read(uri: str) -> bytes:
-            with open(uri, "rb") as handle:
-                return handle.read()
-
     with watch_tree(sample=False) as cpu:
         began = time.perf_counter()
         objects = storage.list_objects(spec["input"])
-        rows = plain_loop(objects, read, version, out_dir, prepared)
+        rows = plain_loop(objects, Reader(), version, out_dir, prepared)
         seconds = time.perf_counter() - began
     assert rows == len(objects) == spec["count"], (rows, len(objects), spec["count"])
     storage.remove_tree(out_dir)
-    return {
-        "seconds": seconds,
-        "images_s": rows / seconds,
-        "torch_threads": threads,
-        "cores": cpu["cores"],
-        "others_cores": cpu["others_cores"],
-    }
+    cores = {k: cpu[k] for k in ("cores", "others_cores")}
+    return {"seconds": seconds, "images_s": rows / seconds, "torch_threads": threads, **cores}
 
 
 def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
-    from rayline import ray_cluster, storage
-    from rayline.ray_workloads.nightly import batch_inference
-
-    version = _model_version(spec["root"])
-    cfg, connect_s, idle_wait_s = connect_for_night(spec, version, batch_size=BATCH_SIZE)
-    runs = []
-    for attempt in range(spec["runs"]):
-        with watch_tree() as peak:
-            began = time.perf_counter()
-            result = batch_inference.run(cfg)
-            seconds = time.perf_counter() - began
-        assert result.inputs == result.predictions == spec["count"], result
-        runs.append(
-            {
-                "seconds": seconds,
-                "images_s": result.inputs / seconds,
-                "phases": result.phase_s,
-                "elapsed_s": result.elapsed_s,
-                **peak,
-            }
-        )
-        if attempt == 0:
-            wait_until_idle()
-    ray_cluster.disconnect()
-    storage.remove_tree(cfg.tables_root)  # both tables of this measurement
-    return {"connect_s": connect_s, "idle_wait_s": idle_wait_s, "runs": runs}
+    version = resolve_champion(spec["root"], "digits")
+    return measure_nights(spec, version, spec["runs"], batch_size=BATCH_SIZE)
 
 
 def child_main(spec: dict[str, Any]) -> None:
@@ -182,32 +68,12 @@ def child_main(spec: dict[str, Any]) -> None:
         result = resnet_inference.child(spec)
     else:
         result = child_plain(spec) if spec["kind"] == "plain" else child_rayline(spec)
-    print(RESULT + json.dumps(result), flush=True)
+    print_result(result)
 
 
 def measure(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    """Run one measurement in a fresh process (its own Ray cluster, its own memory)."""
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"measurement {spec['kind']} {spec['name']} failed (exit {proc.returncode})")
-    return dict(json.loads(lines[-1][len(RESULT) :]))
-
-
-# ---------------------------------------------------------------- set-up and end to end
-
-
-def register_model(root: str) -> None:
-    """An untrained small_cnn of the default width as champion: throughput does not depend on weights."""
-    os.environ["RAYLINE_STORAGE"] = root
-    register_untrained("digits", IMAGE_SIZE)
+    """One measurement in a fresh process (its own Ray cluster, its own memory)."""
+    return run_child(f"measurement {spec['kind']} {spec['name']}", __file__, ["--child", json.dumps(spec)], env)
 
 
 def end_to_end(root: str, images: list[Path], count: int, env: dict[str, str]) -> tuple[float, str]:
@@ -227,9 +93,6 @@ def end_to_end(root: str, images: list[Path], count: int, env: dict[str, str]) -
         raise SystemExit(f"rayline nightly-inference failed (exit {proc.returncode})")
     summary = next((line.strip() for line in proc.stdout.splitlines() if "inputs →" in line), "")
     return seconds, summary
-
-
-# ---------------------------------------------------------------- report
 
 
 def bench_local(
@@ -271,7 +134,8 @@ def bench_local(
 
 def bench_s3(work: str, images: list[Path], count: int, env: dict[str, str]) -> float:
     """rayline vs the plain loop reading one GET after another, images on a loopback S3 server."""
-    with s3_images(images, count, env, DAY) as (endpoint, uri, server_pid):
+    with loopback_s3(env, BUCKET) as (endpoint, server_pid):
+        uri = upload(endpoint, BUCKET, f"incoming/dt={DAY}", images[:count], CACHE / "images")
         base = {"root": work, "input": uri, "count": count, "s3": endpoint, "name": "s3"}
         ray_ = measure({**base, "kind": "rayline", "runs": 1}, env)
         plain = measure({**base, "kind": "plain"}, env)
@@ -308,12 +172,8 @@ def _pair(text: str) -> tuple[int, int]:
 
 def images_needed(args: argparse.Namespace, parts: set[str]) -> int:
     """The most images one of the chosen measurements reads: only that many need generating."""
-    counts = [args.e2e_images] if "e2e" in parts else []
-    if "local" in parts:
-        counts += [*args.sizes, *args.rss_sizes]
-    if "s3" in parts:
-        counts.append(args.s3_size)
-    return max(counts, default=0)
+    counts = {"e2e": [args.e2e_images], "local": [*args.sizes, *args.rss_sizes], "s3": [args.s3_size]}
+    return max((count for part in parts & counts.keys() for count in counts[part]), default=0)
 
 
 def main() -> None:
@@ -342,23 +202,17 @@ def main() -> None:
     parts = set(args.parts.split(","))
 
     images = ensure_images(images_needed(args, parts)) if parts & {"local", "s3", "e2e"} else []
-    work = tempfile.mkdtemp(prefix="rlbi-", dir="/tmp")  # short: Ray's socket paths live under it
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYLINE_", "RAY_ADDRESS", "PREFECT_API_URL"))}
-    env.update(
-        {
-            "RAYLINE_STORAGE": work,
-            "RAY_USAGE_STATS_ENABLED": "0",
-            "RAY_TMPDIR": work,  # Ray's session folders go away with the rest
-            "PREFECT_HOME": str(CACHE / "prefect-home"),  # an ephemeral API of our own, DB reused between runs
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        }
-    )
+    work = work_dir("rlbi-")
+    env = child_env(work) | {
+        "PREFECT_HOME": str(CACHE / "prefect-home"),  # an ephemeral API of our own, DB reused between runs
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     local: dict[str, float] = {}
     resnet: dict[str, Any] = {}
     table: dict[str, float] = {}
     s3_ratio = e2e_s = None
     try:
-        register_model(work)
+        register_untrained("digits", IMAGE_SIZE, root=work)
         if "local" in parts:
             local = bench_local(work, images, args.sizes, args.rss_sizes, env)
         if "s3" in parts:
@@ -368,10 +222,7 @@ def main() -> None:
         if "table" in parts:
             table = table_reads.bench_table(work, args.table_nights, args.table_rows, args.table_repeats)
         if "resnet" in parts:
-            sizes, storages = sorted(args.resnet_sizes), resnet_inference.storages(args.resnet_storage)
-            resnet = resnet_inference.bench_resnet(
-                work, args.arch, sizes, storages, resnet_inference.overrides(args), env, measure
-            )
+            resnet = resnet_inference.bench_resnet(work, args, env, measure)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -1,43 +1,21 @@
 """The capacity model, measured and checked: per-image costs here, a 2-node night predicted, run, compared.
 
-``python bench/capacity.py``:
-
-1. **Per-image costs** (a process of its own, one torch thread, the
-   actors' own code: ``PredictorUDF``'s fetch and decode, its model call, and
-   ``write_block``): ResNet-18 (random weights, registered as an outside model)
-   on ``--photos`` JPEG photos of ~2 megapixels read from local disk, in
-   blocks of 32 as a compute-bound night cuts them.
-2. **A 2-node Ray cluster** (``ray.cluster_utils.Cluster``: a head and a
-   worker node, separate raylets, 2 logical CPUs each) that a driver joins as
-   ``RAY_ADDRESS`` would. A calibration night of ``--calibrate`` photos gives
-   the cluster's fixed start-up (actor start, model load, commit); the model
-   then predicts the night of ``--photos`` photos and the bench runs it.
-   Printed: predicted and measured seconds, and their ratio (target: within
-   25 %).
-3. **The sizing table** (``bench/support/capacity_model.py``, derived in
-   docs/capacity.md): nodes of 16 cores, or of one GPU and 8 cores, for a
-   night of 10 M and of 100 M photos in 2 h and in 6 h, and which outside
-   limit comes closest at each (S3 GET/s per prefix, the listing, the driver's
-   blocks/s, the Delta commit). The driver's CPU per block, compaction's CPU
-   per row and the S3 listing's keys/s come from ``bench/night_scale.py``'s
-   figures (flags below; defaults are the figures in bench/README.md). The
-   GPU's forward rate is an assumption (``--gpu-img-s``): no GPU machine was
-   lent to measure it.
-
-Ends with one JSON line: ``predicted_s``, ``measured_s``, ``predicted_vs_measured``
-(measured / predicted), the costs, and the sizing plans.
+1. ResNet-18's per-image costs with the actors' own code, one torch thread, in a process of its own.
+2. A 2-node Ray cluster joined as ``RAY_ADDRESS`` would be: a calibration night gives the fixed start-up,
+   the model predicts the night of ``--photos`` photos, the bench runs it (target: within 25 %).
+3. The sizing table (bench/support/capacity_model.py, derived in docs/capacity.md); the GPU's forward rate
+   (``--gpu-img-s``) is an assumption. What is measured and the JSON keys: bench/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +31,12 @@ from bench.support.capacity_model import (  # noqa: E402
     plan,
     predict_night_s,
 )
-from bench.support.photo_images import photo_folder, warm_photos  # noqa: E402
+from bench.support.children import child_env, print_result, run_child, work_dir  # noqa: E402
+from bench.support.inference_images import warm_page_cache  # noqa: E402
+from bench.support.inference_night import resolve_champion  # noqa: E402
+from bench.support.photo_images import photo_folder  # noqa: E402
 from bench.support.resnet_inference import model_name, register_resnet  # noqa: E402
 
-RESULT = "BENCH-RESULT "
 ARCH = "resnet18"
 DAY = "2026-11-28"
 BLOCK = 32  # objects per task of a compute-bound night (rayline.ray_workloads.nightly.batch_inference)
@@ -71,7 +51,6 @@ def child_costs(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from rayline import storage
-    from rayline.models import registry
     from rayline.ray_workloads.nightly import batch_inference
     from rayline.ray_workloads.nightly.blocks import NightOutput
     from rayline.ray_workloads.nightly.pipeline import run_constants
@@ -79,8 +58,7 @@ def child_costs(spec: dict[str, Any]) -> dict[str, Any]:
     from rayline.tables.delta_tables import Night
 
     torch.set_num_threads(1)
-    os.environ["RAYLINE_STORAGE"] = spec["root"]
-    version = registry.resolve(model_name(ARCH), registry.CHAMPION)
+    version = resolve_champion(spec["root"], model_name(ARCH))
     tables = storage.join(spec["root"], "costs")
     cfg = batch_inference.InferenceConfig(
         input_uri=spec["input"], tables_root=tables, dt=DAY, model=version, code_version="bench"
@@ -92,22 +70,21 @@ def child_costs(spec: dict[str, Any]) -> dict[str, Any]:
     measured = 0
     for start in range(0, len(uris), BLOCK):
         block = uris[start : start + BLOCK]
-        t0 = time.perf_counter()
+        stamps = [time.perf_counter()]
         etags = ["-"] * len(block)  # local files: a read has no ETag to compare
         rows = fetch_and_decode(block, etags, udf.spec, udf.io_concurrency)
         rows["uri"] = np.array(block, dtype=object)
         rows["etag"] = np.array(etags, dtype=object)
-        t1 = time.perf_counter()
+        stamps.append(time.perf_counter())
         udf.predict(rows)
         del rows["image"]
-        t2 = time.perf_counter()
+        stamps.append(time.perf_counter())
         write_block(f"p/b{start:09d}", rows, output, {**udf.constants, "plan": "eager/fp32/channels-last"})
-        t3 = time.perf_counter()
+        stamps.append(time.perf_counter())
         if start == 0:
             continue  # the warm-up block: first calls allocate and fill caches
-        spent["fetch_decode"] += t1 - t0
-        spent["forward"] += t2 - t1
-        spent["write"] += t3 - t2
+        for step, (before, after) in zip(spent, itertools.pairwise(stamps), strict=True):
+            spent[step] += after - before
         measured += len(block)
     storage.remove_tree(tables)
     return {f"{k}_s": v / measured for k, v in spent.items()} | {"images": measured}
@@ -122,10 +99,8 @@ def child_cluster(spec: dict[str, Any]) -> dict[str, Any]:
     from ray.cluster_utils import Cluster
 
     from rayline import ray_cluster, storage
-    from rayline.models import registry
     from rayline.ray_workloads.nightly import batch_inference
 
-    os.environ["RAYLINE_STORAGE"] = spec["root"]
     node = {"num_cpus": 2, "object_store_memory": 1 << 30}  # 2 logical CPUs a core, as rayline's embedded cluster
     cluster = Cluster(initialize_head=True, head_node_args=node)
     cluster.add_node(**node)
@@ -133,7 +108,7 @@ def child_cluster(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         ray_cluster.connect()
         nodes = sum(1 for n in ray.nodes() if n["Alive"])  # type: ignore[no-untyped-call]
-        version = registry.resolve(model_name(ARCH), registry.CHAMPION)
+        version = resolve_champion(spec["root"], model_name(ARCH))
         seconds = {}
         for name in ("calibrate", "night"):
             cfg = batch_inference.InferenceConfig(
@@ -156,17 +131,8 @@ def child_cluster(spec: dict[str, Any]) -> dict[str, Any]:
         cluster.shutdown()
 
 
-def run_child(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYLINE_", "RAY_ADDRESS", "PREFECT_API_URL"))}
-    env.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": spec["root"]})
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", kind, json.dumps(spec)], env=env, capture_output=True, text=True
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
-    if done.returncode != 0 or not lines:
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise SystemExit(f"{kind} failed (exit {done.returncode})")
-    return dict(json.loads(lines[-1][len(RESULT) :]))
+def measure(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return run_child(kind, __file__, ["--child", kind, json.dumps(spec)], child_env(spec["root"]))
 
 
 # ---------------------------------------------------------------- 3. the sizing table
@@ -174,28 +140,27 @@ def run_child(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 def sizing(costs: Costs, limits: Limits) -> list[dict[str, Any]]:
     plans = []
-    for n in (10_000_000, 100_000_000):
-        for hours in (2, 6):
-            for kind in (cpu_node(costs, limits), gpu_node(costs, limits)):
-                p = plan(n, hours * 3600.0, kind, costs, limits)
-                shares = ", ".join(f"{k} {v:.0%}" for k, v in p.shares.items())
-                print(
-                    f"  {n / 1e6:.0f} M in {hours} h, {kind.name} at {kind.img_s:,.0f} img/s ({kind.bound_by}): "
-                    f"{p.nodes} nodes; limits used: {shares}; closest: {p.bites_first}; "
-                    f"{files_per_table(n, limits):,} files per table"
-                )
-                plans.append(
-                    {
-                        "images": n,
-                        "hours": hours,
-                        "kind": kind.name,
-                        "node_img_s": round(kind.img_s, 1),
-                        "bound_by": kind.bound_by,
-                        "nodes": p.nodes,
-                        "shares": {k: round(v, 4) for k, v in p.shares.items()},
-                        "bites_first": p.bites_first,
-                    }
-                )
+    kinds = (cpu_node(costs, limits), gpu_node(costs, limits))
+    for n, hours, kind in itertools.product((10_000_000, 100_000_000), (2, 6), kinds):
+        p = plan(n, hours * 3600.0, kind, costs, limits)
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in p.shares.items())
+        print(
+            f"  {n / 1e6:.0f} M in {hours} h, {kind.name} at {kind.img_s:,.0f} img/s ({kind.bound_by}): "
+            f"{p.nodes} nodes; limits used: {shares}; closest: {p.bites_first}; "
+            f"{files_per_table(n, limits):,} files per table"
+        )
+        plans.append(
+            {
+                "images": n,
+                "hours": hours,
+                "kind": kind.name,
+                "node_img_s": round(kind.img_s, 1),
+                "bound_by": kind.bound_by,
+                "nodes": p.nodes,
+                "shares": {k: round(v, 4) for k, v in p.shares.items()},
+                "bites_first": p.bites_first,
+            }
+        )
     return plans
 
 
@@ -216,34 +181,27 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         kind, spec = args.child[0], json.loads(args.child[1])
-        print(RESULT + json.dumps(child_costs(spec) if kind == "costs" else child_cluster(spec)), flush=True)
+        print_result(child_costs(spec) if kind == "costs" else child_cluster(spec))
         return
 
-    work = tempfile.mkdtemp(prefix="rlcap-", dir="/tmp")  # short: Ray's socket paths live under it
+    work = work_dir("rlcap-")
     register_resnet(work, ARCH)
     night, calibrate = photo_folder(args.photos), photo_folder(args.calibrate)
-    warm_photos(night)
-    measured = run_child("costs", {"root": work, "input": str(night), "count": args.cost_photos + BLOCK})
+    warm_page_cache(night, "*.jpg")
+    measured = measure("costs", {"root": work, "input": str(night), "count": args.cost_photos + BLOCK})
     print(
         f"per image, one core: fetch+decode {measured['fetch_decode_s'] * 1e3:.1f} ms, "
         f"ResNet-18 forward {measured['forward_s'] * 1e3:.1f} ms, write {measured['write_s'] * 1e3:.2f} ms "
         f"(over {measured['images']} photos)"
     )
-    ran = run_child("cluster", {"root": work, "calibrate": str(calibrate), "night": str(night)})
-    base = Costs(
-        fetch_decode_s=measured["fetch_decode_s"],
-        forward_s=measured["forward_s"],
-        write_s=measured["write_s"],
-        fixed_s=0.0,
-        driver_s_per_block=args.driver_s_per_block,
-        compact_s_per_row=args.compact_s_per_row,
-        list_keys_per_s=args.list_keys_per_s,
-        commit_s=args.commit_s,
-    )
+    ran = measure("cluster", {"root": work, "calibrate": str(calibrate), "night": str(night)})
+    steps = {k: measured[k] for k in ("fetch_decode_s", "forward_s", "write_s")}
+    flags = {k: getattr(args, k) for k in ("driver_s_per_block", "compact_s_per_row", "list_keys_per_s", "commit_s")}
+    base = Costs(**steps, **flags, fixed_s=0.0)
     workers = min(2, os.cpu_count() or 1)  # single-thread actors, one a core: 2 actors on this machine's cores
     # the calibration night's seconds less what the model gives its images: the cluster's fixed start-up
     fixed = max(0.0, ran["calibrate_s"] - predict_night_s(args.calibrate, workers, base, BLOCK))
-    costs = Costs(**{**asdict(base), "fixed_s": fixed})
+    costs = replace(base, fixed_s=fixed)
     predicted = predict_night_s(args.photos, workers, costs, BLOCK)
     ratio = ran["night_s"] / predicted
     print(

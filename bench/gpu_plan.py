@@ -1,22 +1,10 @@
 """The execution plan on a GPU: fp32, fp16 and bf16 at larger batches, and the photo loop end to end.
 
-The GPU machines lent to this project have torch, torchvision, PIL, numpy
-and scikit-learn but no Ray (and nothing can be installed from a registry
-there), so this is bench/night_plan.py's measurement without Ray:
-
-* **model**: ResNet-50 and ResNet-18 (``weights=None``) at batches of 64 and
-  256: ``rayline.ray_workloads.execution.plan.choose`` on the GPU's hardware, every
-  candidate's images/s (numpy in, logits out: the copies a night's actor
-  makes are included) and the plan chosen.
-* **gate**: fp16 and bf16 against fp32 on a ResNet-18 trained on the digits
-  (``rayline.testing.trained_models``, 64 px, trained on the GPU) over its
-  297 held-out images.
-* **loop**: ``--photos`` generated camera photos (bench/support/photo_images.py's
-  mix: a quarter each small, 1, 3 and 12 MP) through a DataLoader with a
-  worker per core, ResNet-50: the documented pattern (full decode, the
-  weights' transforms, fp32 eager, batch 64) against rayline's way (its
-  ``decode_image`` at reduced scale, its chosen plan, batch 256).
-
+The GPU machines lent to this project have torch, torchvision, PIL, numpy and scikit-learn but no Ray
+(and no registry to install from), so this is bench/night_plan.py's measurement without Ray: each
+candidate plan's images/s for both ResNets at ``--batches`` (numpy in, logits out) and the plan chosen;
+fp16 and bf16 gated against fp32 on a ResNet-18 trained on the digits; and ``--photos`` camera photos
+through a DataLoader, ResNet-50, the documented pattern against rayline's decoding and plan.
 Run with the machine's python3 and pydantic carried as wheels; last line: one line of JSON.
 """
 
@@ -27,7 +15,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -117,27 +104,6 @@ def photo_loop(paths: list[str], plan_side: bool) -> dict[str, Any]:
     return {"images_s": rows / seconds, "plan": plan}
 
 
-def _write_photo(args: tuple[int, str]) -> None:
-    from rayline.seed import camera_photo, photo_variant, source_photos
-
-    index, folder = args
-    rng = np.random.default_rng(20_000 + index)
-    kind = index % 4
-    if kind == 0:
-        photos = source_photos()
-        data = photo_variant(photos[index % len(photos)], rng)[0]
-    else:
-        data = camera_photo((1, 3, 12)[kind - 1], rng)
-    (Path(folder) / f"photo-{index:05d}.jpg").write_bytes(data)
-
-
-def make_photos(count: int, folder: Path) -> list[str]:
-    folder.mkdir(parents=True, exist_ok=True)
-    with ProcessPoolExecutor(os.cpu_count()) as pool:
-        list(pool.map(_write_photo, [(i, str(folder)) for i in range(count)], chunksize=8))
-    return sorted(str(p) for p in folder.glob("*.jpg"))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--photos", type=int, default=2000)
@@ -162,8 +128,10 @@ def main() -> None:
             figures[f"{arch}_b{batch}"] = model_plans(arch, batch)
     if not args.only_loop:
         figures["gate"] = trained_gate()
+    from bench.support.photo_images import ensure_camera
+
     began = time.perf_counter()
-    paths = make_photos(args.photos, args.folder)
+    paths = [str(path) for path in ensure_camera(args.photos, args.folder)]
     print(f"{len(paths)} photos generated in {time.perf_counter() - began:.0f} s", flush=True)
     documented = photo_loop(paths, plan_side=False)
     rayline = photo_loop(paths, plan_side=True)

@@ -1,27 +1,9 @@
 """Night lookups against the table's history: what grows from 100 commits to 10,000.
 
-``python bench/night_history.py`` builds a ``predictions`` table of ``--nights`` nights (default
-100) committed again and again up to ``--small`` and ``--large`` commits (default 100 and
-10,000), the log as ``commit_night`` writes it (a commit info with rayline's keys, one file
-added, the previous run's file removed, the night's and the run's app transactions) with a
-checkpoint every 100 commits, as delta-rs writes one. The commit files are written directly:
-10,000 real commits would take most of an hour here, and the reads measured are the log's.
-
-Then times, median of ``--repeats`` after one untimed read, on the table at each size:
-
-* ``current_runs`` (every night's current run: the vacuum's keep-set, every 15 minutes), and
-  the same answer from the whole history, as every read found it before (``history_scan``);
-* ``find_commit`` of the newest night (the run that just committed, the monitor's latest
-  nights), of the night committed longest ago (a binary search over versions), and of a night
-  never committed.
-
-Prints each figure, its ratio at the large size over the small one, and each lookup's share of the
-history scan at the large size, then one JSON line. What still grows is the snapshot every reader
-and writer loads (``open``: one app transaction per run, the removed files within the retention),
-not a read per commit. Targets at the large size: every lookup at most a fifth of the history scan
-(``*_vs_history``), and the history scan's ratio near the history's (100x) for comparison.
-Local disk only: on S3 every commit file the history reads is one GET, so its growth there is
-larger, and the bounded lookups read the same few objects.
+A ``predictions`` table of ``--nights`` nights committed again and again up to ``--small`` and ``--large``
+commits, its log written directly as ``commit_night`` and delta-rs write it (10,000 real commits would
+take most of an hour here, and the reads measured are the log's); then each lookup, median of
+``--repeats``, against scanning the whole history. Targets and JSON keys: bench/README.md.
 """
 
 from __future__ import annotations
@@ -43,6 +25,7 @@ sys.path.insert(0, str(REPO))
 import pyarrow as pa  # noqa: E402
 from deltalake import DeltaTable  # noqa: E402
 
+from bench.support.timing import run_seconds  # noqa: E402
 from rayline.tables import delta_tables  # noqa: E402
 from rayline.tables.delta_tables import PARTITION_COLUMNS, TABLE_CONFIGURATION, Night, NightCommit  # noqa: E402
 
@@ -102,12 +85,7 @@ def build_table(folder: str, commits: int, nights: int) -> str:
 
 def median_s(read: Callable[[], object], repeats: int) -> float:
     read()  # untimed: imports, page cache
-    seconds = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        read()
-        seconds.append(time.perf_counter() - began)
-    return statistics.median(seconds)
+    return statistics.median(run_seconds(read, repeats))
 
 
 def history_scan(uri: str) -> dict[Night, str]:

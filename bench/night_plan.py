@@ -1,36 +1,14 @@
 """Nights and serving at the speed of the hardware: rayline's execution plan and reduced-scale decoding
 against the plain loop of Ray Data's documented pattern, in one run on one machine.
 
-* **ISA**: what the CPU offers (``rayline.hardware``), printed first: the
-  targets depend on it (with AVX-512-BF16 or AMX: ResNet-50 ≥ 3×, ResNet-18
-  ≥ 2.5× the plain loop; without: ≥ 1.3×).
-* **photos**: ``bench.support.photo_images.camera_folder``: generated JPEGs of
-  mixed sizes, a quarter small views of the two sample photos and a quarter
-  each of 1, 3 and 12 megapixels, as cameras and phones make them.
-* **plain**: bench/support/documented_loop.py, eager fp32, full decoding, the
-  weights' ``transforms()``, a DataLoader with a worker per core and as many
-  torch threads as cores.
-* **rayline**: ``batch_inference.run`` with the settings of
-  ``resnet_inference.choose_settings`` and its defaults: the execution plan
-  chosen by measuring on the night's first images (included in the time: a
-  fresh registration, so nothing is cached) and reduced-scale decoding.
-  Both sides in fresh processes, model loading and start-up included;
-  ``ray.init`` is not timed. The models: random backbones (speed does not
-  depend on the weights) with a 2-class head fitted on their features of
-  the sample photos (bench/support/probe_head.py): the 1,000 random logits
-  of a ``weights=None`` head are tied and fail the gate whatever the plan.
-* **agreement**: the plan chosen for ResNet-18, gated against fp32 on a
-  ResNet-18 trained on the digits (``rayline.testing.trained_models``, 64 px)
-  over its 297 held-out images: random weights' logits are nearly tied and
-  say nothing about a precision's answers.
-* **decode**: one photo's decode and full transform at 1, 3 and 12 MP, full
-  and reduced-scale (median of repeats).
-* **serving**: ``POST /predict`` of a 1 MP photo, 8 kept-alive connections for
-  ``--serve-seconds`` through the router, ResNet-18 on the default
-  ``ServeConfig`` with ``plan`` auto and off (a fresh instance each).
-
-GPU: where ``torch.cuda.is_available()`` both nights run on it too (fp16/bf16
-candidates) with larger batches. Nothing needs a GPU. Last line: one line of JSON.
+Prints the ISA first (the targets depend on it: with AVX-512-BF16 or AMX, ResNet-50 >= 3x and ResNet-18
+>= 2.5x the plain loop; without, >= 1.3x). Then, in fresh processes on the same camera-sized photos, the
+documented loop (bench/support/documented_loop.py) against rayline's night with its defaults (the plan
+measured on the night's first images, inside the timed run); the chosen precision's top-1 agreement on a
+trained ResNet-18; a photo's decode cost; and ``POST /predict`` saturated with the plan and without. The
+models are random backbones with a fitted 2-class head (bench/support/probe_head.py): a ``weights=None``
+head's tied logits fail the gate whatever the plan. What each figure is and the JSON keys:
+bench/README.md. Where ``torch.cuda.is_available()`` both nights run on the GPU too; nothing needs one.
 """
 
 from __future__ import annotations
@@ -39,26 +17,25 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the repository root
 
+from bench.support.children import print_result, run_child  # noqa: E402
+from bench.support.timing import run_seconds  # noqa: E402
+
 if TYPE_CHECKING:
     from rayline.ray_workloads.execution.plan import Precision
 
-RESULT = "RESULT "
 ARCHS = ("resnet50", "resnet18")
 SERVE_CONNECTIONS = 8
 TARGETS = {True: {"resnet50": 3.0, "resnet18": 2.5}, False: {"resnet50": 1.3, "resnet18": 1.3}}
-
-
-# ---------------------------------------------------------------- the measuring children
 
 
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
@@ -84,17 +61,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One side in a fresh process (its own Ray cluster, its own memory)."""
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, check=False
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"measurement {spec['kind']} {spec['name']} failed (exit {proc.returncode})")
-    return dict(json.loads(lines[-1][len(RESULT) :]))
-
-
-# ---------------------------------------------------------------- nights
+    return run_child(f"measurement {spec['kind']} {spec['name']}", __file__, ["--child", json.dumps(spec)])
 
 
 def night(work: str, arch: str, folder: Path, count: int, gpu: bool) -> dict[str, Any]:
@@ -106,11 +73,10 @@ def night(work: str, arch: str, folder: Path, count: int, gpu: bool) -> dict[str
     register_resnet(root, arch, photo_head=True)  # fresh: the night measures its plan, as a first night does
     settings = choose_settings(cores, gpu=gpu, overrides={"batch_size": 64} if gpu else None)
     base = {"root": root, "arch": arch, "input": str(folder), "count": count, "name": f"{arch}-{count}"}
-    rayline = measure({**base, "kind": "rayline", "settings": asdict(settings), "gpu": gpu})
+    night_spec = {**base, "kind": "rayline", "settings": asdict(settings), "gpu": gpu}
+    rayline = measure(night_spec)
     # the next night of the version: its plan (and an OpenVINO plan's converted model) read from the cache
-    again = measure(
-        {**base, "name": f"{base['name']}-again", "kind": "rayline", "settings": asdict(settings), "gpu": gpu}
-    )
+    again = measure({**night_spec, "name": f"{base['name']}-again"})
     plain = measure({**base, "kind": "plain", "batch": settings.batch_size, "gpu": gpu})
     plans = rayline["plans"]
     chosen = sorted(plans) or ["none recorded"]
@@ -146,9 +112,6 @@ def trained_agreement(precision: Precision) -> tuple[float, float]:
     return result.agreement, result.max_prob_diff
 
 
-# ---------------------------------------------------------------- decoding
-
-
 def decode_costs(repeats: int) -> dict[int, dict[str, float]]:
     """ms to decode and transform one camera photo of each size, full and reduced-scale (median of repeats)."""
     import numpy as np
@@ -162,23 +125,16 @@ def decode_costs(repeats: int) -> dict[int, dict[str, float]]:
     costs = {}
     for megapixels in (1, 3, 12):
         data = camera_photo(megapixels, np.random.default_rng(megapixels))
-        figures = {}
-        for label, spec in (("full", full), ("reduced", reduced)):
-            times = []
-            for _ in range(repeats):
-                began = time.perf_counter()
-                decode_image(data, spec)
-                times.append((time.perf_counter() - began) * 1000)
-            figures[label] = statistics.median(times)
+        figures = {
+            label: 1000 * statistics.median(run_seconds(partial(decode_image, data, spec), repeats))
+            for label, spec in (("full", full), ("reduced", reduced))
+        }
         costs[megapixels] = figures
         print(
             f"decode + transform, {megapixels:2d} MP ({len(data) / 1e6:.1f} MB): full {figures['full']:6.1f} ms, "
             f"reduced-scale {figures['reduced']:6.1f} ms, x{figures['full'] / figures['reduced']:.2f}"
         )
     return costs
-
-
-# ---------------------------------------------------------------- serving
 
 
 def serving(work: str, seconds: float) -> dict[str, dict[str, float]]:
@@ -222,9 +178,6 @@ def serving(work: str, seconds: float) -> dict[str, dict[str, float]]:
     return figures
 
 
-# ---------------------------------------------------------------- the run
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -235,7 +188,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="40 photos, 5 s of serving: a smoke test")
     args = parser.parse_args()
     if args.child:
-        print(RESULT + json.dumps(child(json.loads(args.child))), flush=True)
+        print_result(child(json.loads(args.child)))
         return
     if args.quick:
         args.photos, args.serve_seconds, args.decode_repeats = 40, 5.0, 3

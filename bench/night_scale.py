@@ -1,32 +1,15 @@
 """Nights at scale: what grows with the number of images, measured as ratios between sizes of one run.
 
-``python bench/night_scale.py`` runs ``rayline.ray_workloads.nightly.batch_inference.run``
-(the nightly-inference workload) on nights of tiny objects, so that
-orchestration, not the model, dominates: the digits CNN (untrained
-``small_cnn``, 32 px) on ``--sizes`` objects on local disk (default 100,000
-and 1,000,000, in 256 hashed sub-prefixes, as buckets of photos are laid
-out), and ``--s3-size`` objects (default 100,000) on the S3-protocol server
-(moto) through the fault proxy with ``--latency-ms`` of latency per request.
+``batch_inference.run`` on nights of tiny objects, so that orchestration, not the model, dominates: the
+digits CNN (untrained ``small_cnn``, 32 px) on ``--sizes`` objects on local disk in 256 hashed
+sub-prefixes, as buckets of photos are laid out, and ``--s3-size`` objects on moto through the fault
+proxy with ``--latency-ms`` a request. Then ``prepare-data``'s ingest over the same local objects
+(``--no-ingest`` skips it). What is printed, the targets and the JSON keys: bench/README.md.
 
-Each night runs in a fresh driver process on its own embedded Ray cluster,
-after its local objects were read once (a warm page cache: the figures are
-rayline's work, not the disk's cold reads of a million small files).
-Printed per night: the driver process's peak RSS during the night (alone,
-then with the bench's read-back of the whole night, and with the whole
-tree: its Ray cluster and actors), the listing's seconds, the seconds until
-the first block file is written, images/s over the whole night, the data
-files per table, the commit's seconds and the bytes it added to each
-``_delta_log``, and the seconds to read the night back with ``deltalake``.
-
-Targets: driver peak RSS at the large size <= 1.25x at the small one; first
-block within 30 s at the large size; <= 20 files per table at the large
-size; images/s at the large size >= 0.95x the small one; the commit <= 2 %
-of the large night. Then ``prepare-data``'s ingest workload over the same
-local objects at both sizes (``--no-ingest`` skips it): the driver's peak
-RSS at the large size <= 1.25x at the small one (``ingest_rss_ratio``).
-Ends with one JSON line. The objects are generated once
-under ``$RAYLINE_BENCH_CACHE`` (default /tmp/rayline-bench-night-scale) and
-reused. ``--quick``: 2,000 and 20,000 objects (a smoke test, not the figures).
+Each night runs in a fresh driver process on its own embedded Ray cluster, after its local objects were
+read once: the figures are rayline's work, not the disk's cold reads of a million small files. The
+objects are generated once under ``$RAYLINE_BENCH_CACHE`` (default /tmp/rayline-bench-night-scale).
+``--quick``: 2,000 and 20,000 objects (a smoke test, not the figures).
 """
 
 from __future__ import annotations
@@ -37,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,16 +28,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.support.inference_night import register_untrained  # noqa: E402
-from bench.support.process_tree import _rss_bytes, watch_tree  # noqa: E402
+from bench.support.children import child_env, parse_result, print_result, work_dir  # noqa: E402
+from bench.support.inference_images import warm_page_cache  # noqa: E402
+from bench.support.inference_night import register_untrained, resolve_champion  # noqa: E402
+from bench.support.inference_s3 import loopback_s3  # noqa: E402
+from bench.support.process_tree import _rss_bytes, proc_figure, watch_tree  # noqa: E402
 
 CACHE = Path(os.environ.get("RAYLINE_BENCH_CACHE", "/tmp/rayline-bench-night-scale"))
-RESULT = "BENCH-RESULT "
 DAY = "2026-11-28"
 PREFIXES = 256
-
-
-# ---------------------------------------------------------------- the inputs
+BUCKET = "night-scale"
 
 
 def local_night(count: int) -> Path:
@@ -76,19 +58,6 @@ def local_night(count: int) -> Path:
     return folder
 
 
-def warm(folder: Path) -> None:
-    """Read every object once: the night then measures rayline's work, not the disk's cold reads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def read_prefix(prefix: Path) -> None:
-        for entry in os.scandir(prefix):
-            with open(entry.path, "rb") as f:
-                f.read()
-
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(read_prefix, [p for p in folder.iterdir() if p.is_dir()]))
-
-
 def s3_night(endpoint: str, count: int) -> str:
     """``count`` tiny PNGs in a bucket of the S3-protocol server, in 256 hashed prefixes; their prefix."""
     from concurrent.futures import ThreadPoolExecutor
@@ -100,23 +69,14 @@ def s3_night(endpoint: str, count: int) -> str:
 
     images = [data for _, data in digit_objects(32)]
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=Config(max_pool_connections=32))
-    client.create_bucket(Bucket="night-scale")
 
     def put(i: int) -> None:
-        client.put_object(Bucket="night-scale", Key=f"in/{i % PREFIXES:02x}/{i:08d}.png", Body=images[i % len(images)])
+        client.put_object(Bucket=BUCKET, Key=f"in/{i % PREFIXES:02x}/{i:08d}.png", Body=images[i % len(images)])
 
     with ThreadPoolExecutor(32) as pool:
         for _ in pool.map(put, range(count), chunksize=256):
             pass
-    return "s3://night-scale/in"
-
-
-# ---------------------------------------------------------------- one night, in a driver process of its own
-
-
-def register_model(root: str) -> None:
-    os.environ["RAYLINE_STORAGE"] = root
-    register_untrained("digits")
+    return f"s3://{BUCKET}/in"
 
 
 def child_main(spec: dict[str, Any]) -> None:
@@ -126,12 +86,10 @@ def child_main(spec: dict[str, Any]) -> None:
     from deltalake import DeltaTable
 
     from rayline import ray_cluster
-    from rayline.models import registry
     from rayline.ray_workloads.nightly import batch_inference
     from rayline.tables.delta_tables import Night, storage_options
 
-    os.environ["RAYLINE_STORAGE"] = spec["model_root"]
-    version = registry.resolve("digits", "champion")
+    version = resolve_champion(spec["model_root"], "digits")
     ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD)
     cfg = batch_inference.InferenceConfig(
         input_uri=spec["input"], tables_root=spec["tables"], dt=DAY, model=version, code_version="bench", actors=2
@@ -139,35 +97,16 @@ def child_main(spec: dict[str, Any]) -> None:
     result = batch_inference.run(cfg)
     # the night's own peak, before the bench reads the whole night back into this process (that read holds
     # every row: ~280 MB at 1 M, which is the bench's, not the driver's)
-    night_peak_mb = _high_water_mb()
+    night_peak_mb = proc_figure("VmHWM") / 1024
     began = time.perf_counter()
     table = DeltaTable(result.predictions_table, storage_options=storage_options(result.predictions_table))
     rows = table.to_pyarrow_table(partitions=[(k, "=", v) for k, _, v in Night("digits", DAY).filters]).num_rows
     read_s = time.perf_counter() - began
-    summary = {
-        "inputs": result.inputs,
-        "rows": rows,
-        "elapsed_s": result.elapsed_s,
-        "phase_s": result.phase_s,
-        "data_files": result.data_files,
-        "delta_log_bytes": result.delta_log_bytes,
-        "listing_parts": result.listing_parts,
-        "blocks": result.blocks,
-        "read_s": read_s,
-        "night_peak_mb": night_peak_mb,
-        "result_bytes": len(result.model_dump_json()),
-        # the driver's own CPU (all its threads, Ray Data's executor included): its cost per block
-        "driver_cpu_s": time.process_time(),
-    }
-    print(RESULT + json.dumps(summary), flush=True)
-
-
-def _high_water_mb() -> float:
-    """This process's peak RSS so far (VmHWM), in MB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    kept = {"inputs", "elapsed_s", "phase_s", "data_files", "delta_log_bytes", "listing_parts", "blocks"}
+    summary = result.model_dump(mode="json", include=kept) | {"rows": rows, "read_s": read_s}
+    summary |= {"night_peak_mb": night_peak_mb, "result_bytes": len(result.model_dump_json())}
+    # the driver's own CPU (all its threads, Ray Data's executor included): its cost per block
+    print_result(summary | {"driver_cpu_s": time.process_time()})
 
 
 def child_ingest(spec: dict[str, Any]) -> None:
@@ -186,7 +125,7 @@ def child_ingest(spec: dict[str, Any]) -> None:
         "fetch_errors": result.fetch_errors,
         "result_bytes": len(result.model_dump_json()),
     }
-    print(RESULT + json.dumps(summary), flush=True)
+    print_result(summary)
 
 
 def _first_block_s(tables: str, began: float, stop: threading.Event, out: dict[str, float]) -> None:
@@ -229,11 +168,7 @@ def measure(name: str, input_uri: str, work: str, env: dict[str, str], kind: str
         stdout, stderr = proc.communicate()
         stop.set()
         sampler.join()
-    lines = [line for line in stdout.splitlines() if line.startswith(RESULT)]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(stdout[-4000:] + stderr[-4000:])
-        raise SystemExit(f"night {name} failed (exit {proc.returncode})")
-    figures = dict(json.loads(lines[-1][len(RESULT) :]))
+    figures = parse_result(f"night {name}", proc.returncode, stdout, stderr)
     # a night's driver reports its own peak before the read-back (night_peak_mb); the sampled one includes it
     driver_mb = figures.get("night_peak_mb", peak["driver_mb"])
     figures.update(first, driver_rss_mb=driver_mb, process_peak_mb=peak["driver_mb"], tree_rss_mb=tree["rss_mb"])
@@ -276,19 +211,18 @@ def main() -> None:
     if args.quick:
         args.sizes, args.s3_size = [2_000, 20_000], 2_000
     small, large = args.sizes
-    work = tempfile.mkdtemp(prefix="rlns-", dir="/tmp")  # short: Ray's socket paths live under it
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYLINE_", "RAY_ADDRESS", "PREFECT_API_URL"))}
-    env.update({"RAYLINE_STORAGE": work, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": work})
+    work = work_dir("rlns-")
+    env = child_env(work)
     nights: dict[str, dict[str, Any]] = {}
     ingests: dict[str, dict[str, Any]] = {}
     try:
-        register_model(work)
+        register_untrained("digits", root=work)
         for size in (small, large):
-            warm(local_night(size))
+            warm_page_cache(local_night(size))
             nights[f"local {size:,}"] = measure(f"local-{size}", str(local_night(size)), work, env)
             report(f"local {size:,}", nights[f"local {size:,}"])
         for size in () if args.no_ingest else (small, large):
-            warm(local_night(size))
+            warm_page_cache(local_night(size))
             ingests[f"ingest {size:,}"] = measure(f"ingest-{size}", str(local_night(size)), work, env, kind="ingest")
             report_ingest(f"ingest {size:,}", ingests[f"ingest {size:,}"])
         if args.s3_size:
@@ -324,20 +258,12 @@ def main() -> None:
 
 def s3_measure(count: int, latency_ms: float, work: str, env: dict[str, str]) -> dict[str, Any]:
     from rayline.testing.fault_proxy_control import fault_proxy
-    from rayline.testing.s3_server import s3_server
 
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"})  # moto takes any
-    with s3_server() as endpoint:
+    s3_env = dict(env)
+    with loopback_s3(s3_env, BUCKET) as (endpoint, _):
         prefix = s3_night(endpoint, count)
         with fault_proxy(endpoint, latency_ms=latency_ms, methods=["GET", "HEAD", "PUT", "POST", "DELETE"]) as proxy:
-            s3_env = {
-                **env,
-                "AWS_ENDPOINT_URL": proxy.endpoint,
-                "AWS_ACCESS_KEY_ID": "bench",
-                "AWS_SECRET_ACCESS_KEY": "bench",
-                "AWS_DEFAULT_REGION": "us-east-1",
-            }
-            return measure("s3", prefix, work, s3_env)
+            return measure("s3", prefix, work, s3_env | {"AWS_ENDPOINT_URL": proxy.endpoint})
 
 
 if __name__ == "__main__":

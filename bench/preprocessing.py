@@ -1,21 +1,10 @@
 """What reduced-scale JPEG decoding (``ImageSpec.draft``, the default) costs and saves, on generated photos.
 
-Decodes the same generated photos with the ImageNet spec of ``--arch`` twice:
-at a reduced DCT scale (the default) and fully. The photos are views of
-scikit-learn's two real photos (``--large-share`` of them over 2 megapixels)
-and ``--camera`` camera-sized photos (1, 3 and 12 MP in turn,
-``rayline.seed.camera_photo``). Prints:
-
-* a photo's decode cost (decode + full transform to the model input, median
-  of ``--repeats`` runs of each of ``--timed`` photos) at 1, 3 and 12 MP;
-* the difference of the model inputs, per size, against the bound
-  ``DRAFT_MAX_MEAN_ABS_DIFF`` (the mean over one photo);
-* the top-1 agreement of a proxy classifier on a ``weights=None`` network's
-  features (nothing can be downloaded here; see ``_Top1Proxy``; the number
-  of distinct top-1 classes shows the predictions are spread), over all the
-  photos and over the camera photos.
-
-Ends with one JSON line.
+Decodes the same photos (``--photos`` views of the two real photos, ``--large-share`` over 2 MP, and
+``--camera`` camera-sized ones) with the ImageNet spec of ``--arch`` at a reduced DCT scale and fully.
+Prints a photo's decode cost at 1, 3 and 12 MP, the model inputs' difference against
+``DRAFT_MAX_MEAN_ABS_DIFF``, and a proxy classifier's top-1 agreement (see ``_Top1Proxy``); what each
+figure is: bench/README.md. Ends with one JSON line.
 
     .venv/bin/python bench/preprocessing.py [--photos 300] [--camera 60] [--arch resnet18]
 """
@@ -25,7 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,6 +26,10 @@ from rayline.ray_workloads.architectures.build import build_model, imagenet_imag
 from rayline.ray_workloads.data.images import DRAFT_MAX_MEAN_ABS_DIFF, decode_image, decode_rgb
 from rayline.seed import CAMERA_MEGAPIXELS, camera_photos, jpeg_bytes, photo_objects
 from rayline.specs import ImageSpec, ModelSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.support, run as a script
+
+from bench.support.timing import run_seconds  # noqa: E402
 
 
 def _decode_all(photos: list[bytes], spec: ImageSpec) -> tuple[np.ndarray, float]:
@@ -44,14 +40,7 @@ def _decode_all(photos: list[bytes], spec: ImageSpec) -> tuple[np.ndarray, float
 
 def _photo_ms(photos: list[bytes], spec: ImageSpec, repeats: int) -> float:
     """Milliseconds to turn one photo into model input: the median over photos of each one's median run."""
-    per_photo = []
-    for data in photos:
-        runs = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            decode_image(data, spec)
-            runs.append(time.perf_counter() - started)
-        per_photo.append(statistics.median(runs))
+    per_photo = [statistics.median(run_seconds(partial(decode_image, data, spec), repeats)) for data in photos]
     return 1000 * statistics.median(per_photo)
 
 
@@ -66,11 +55,9 @@ def _features(model: torch.nn.Module, inputs: np.ndarray, batch: int = 32) -> np
 class _Top1Proxy:
     """A classifier whose top-1 moves when the features move: standardised features, a random head.
 
-    A ``weights=None`` network's own head gives one or two classes for every
-    photo, so agreement would prove nothing. Its penultimate features still
-    depend on the pixels; standardised over the photos (statistics of the
-    full decodes) and projected on 1,000 random directions they give top-1
-    classes spread over hundreds of classes, which a pixel difference can flip.
+    A ``weights=None`` network's own head gives one or two classes for every photo, so agreement with it
+    would prove nothing; its penultimate features, standardised (statistics of the full decodes) and
+    projected on 1,000 random directions, spread the top-1 over hundreds of classes.
     """
 
     def __init__(self, reference: np.ndarray, seed: int) -> None:

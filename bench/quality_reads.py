@@ -1,24 +1,10 @@
 """What the monitor's labelled reading reads as nights accumulate: 30 nights stored against 3.
 
-``python bench/quality_reads.py`` builds two storage roots of one model, holding 3 and 30 nights
-(``--stored``): per night, ``--rows`` synthetic predictions of the real columns by v1 in ``predictions``
-and, on the latest ``--challenger-nights`` (3) nights, the same photos scored by v2, the challenger, in
-``shadow_predictions`` (part files of 256 rows, one commit per night and table:
-bench/support/table_reads.py), and people's labels for ``--labelled`` photos of every night, the first of
-each night's rows (a sample chosen whatever the answers: imported as random, so the gate counts them).
-Nights are seeded by their date, so both roots hold the same rows for the nights they share.
-
-Then, on each root, the monitor's reading of the latest ``--report`` nights (3) with the challenger
-(``reading.labelled_reading``: per-night figures, and the promotion gate's paired test, which reads the
-nights the challenger predicted), and for comparison the read of
-every night (``reading.labelled_rows`` without nights: what the monitor read before). Counted during
-each: the bytes read from each table's data files through delta-rs's filesystem (its handler's files
-wrapped to count every byte returned), and every byte the process read (``rchar`` of /proc/self/io:
-the Delta logs and the labels table included).
-
-Prints the figures per root, the 30 / 3 ratios, and one JSON line. Target: the bytes the reading reads
-from the two night tables at 30 nights stored within 1.25 x those at 3 (``nights_bytes_ratio``); the
-read of every night grows with them (``every_night_bytes_ratio``). Local disk only.
+Two storage roots of one model (``--stored`` nights of ``--rows`` synthetic predictions, the challenger's
+shadow rows on the latest ``--challenger-nights``, labels for ``--labelled`` photos a night); on each, the
+bytes ``reading.labelled_reading`` of the latest ``--report`` nights reads against reading every night.
+Nights are seeded by their date, so both roots hold the same rows for the nights they share. What is
+counted, the target and the JSON keys: bench/README.md. Local disk only; ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -43,11 +29,11 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 from deltalake.fs import DeltaStorageHandler  # noqa: E402
 
-from bench.support.table_reads import ROWS_PER_FILE, night_rows  # noqa: E402
+from bench.support.process_tree import proc_figure  # noqa: E402
+from bench.support.table_reads import commit_rows, night_rows  # noqa: E402
 from rayline.ray_workloads.quality import labels_import, reading  # noqa: E402
 from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE, table_uri  # noqa: E402
 from rayline.tables.delta_tables import Night  # noqa: E402
-from rayline.tables.predictions_table import PREDICTIONS_SCHEMA, commit_night, write_data_file  # noqa: E402
 
 MODEL = "digits"
 CLASSES = [str(c) for c in range(10)]
@@ -92,21 +78,8 @@ def counted_reads() -> Iterator[Counter[str]]:
         DeltaStorageHandler.open_input_file = opened
 
 
-def _rchar() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise OSError("no rchar in /proc/self/io")
-
-
 def _commit(root: str, table: str, night: Night, data: pa.Table) -> None:
-    uri = table_uri(root, table)
-    run_id = f"bench-{table.replace('_', '-')}-{night.dt}"
-    parts = [
-        write_data_file(uri, night, run_id, part, data.slice(start, ROWS_PER_FILE))
-        for part, start in enumerate(range(0, data.num_rows, ROWS_PER_FILE))
-    ]
-    commit_night(uri, parts, night, run_id, PREDICTIONS_SCHEMA)
+    commit_rows(table_uri(root, table), night, data, f"bench-{table.replace('_', '-')}-{night.dt}")
 
 
 def build(root: str, stored: int, rows: int, labelled: int, challenger_nights: int) -> None:
@@ -142,9 +115,9 @@ def build(root: str, stored: int, rows: int, labelled: int, challenger_nights: i
 def measure(read: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
     """What ``read`` returns, and the bytes it read: per table's data files, and in all (``rchar``)."""
     with counted_reads() as tally:
-        before = _rchar()
+        before = proc_figure("rchar", "io")
         answer = read()
-        everything = _rchar() - before
+        everything = proc_figure("rchar", "io") - before
     return answer, {**{f"{table}_bytes": n for table, n in sorted(tally.items())}, "rchar_bytes": everything}
 
 

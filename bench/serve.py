@@ -1,51 +1,20 @@
 """Online serving latency on loopback: through the router vs the model deployment called directly.
 
-Setup (needs nothing started by hand): an embedded Ray cluster with a temporary
-``RAYLINE_STORAGE``, an untrained digits-sized SmallCNN (``ModelSpec(num_classes=10)``,
-default width; latency does not depend on the weights) registered and served with the
-default ``ServeConfig`` (only the name and a free loopback port differ) at 100% traffic.
-Requests are the real scikit-learn digits as 32 px PNGs (``rayline.seed.digit_objects``),
-sent as the raw body of a POST over a kept-alive ``http.client`` connection per client.
+An embedded Ray cluster with a temporary ``RAYLINE_STORAGE``; an untrained digits-sized SmallCNN served
+with the default ``ServeConfig`` (only the name and a free port differ) at 100% traffic; requests are the
+real scikit-learn digits as 32 px PNGs, POSTed as the raw body over a kept-alive connection per client.
 
-The two paths, both over HTTP from the same client, through the same Serve HTTP proxy:
+* **router**: ``POST /predict`` → Serve's proxy → ``Router`` replica → ``DeploymentHandle`` call → the
+  version's ``ModelServer`` replica.
+* **direct**: ``POST /direct`` → the proxy → a ``ModelServer`` replica of the same version, deployed again
+  as its own application by ``model_app``'s deployment (same options), with a subclass that answers HTTP.
+  The difference between the paths is the router replica and the extra handle hop.
 
-* **router**: ``POST /predict`` → proxy → ``Router`` replica (body read, routing table,
-  weighted choice, sample recording, JSON answer) → ``DeploymentHandle`` call → the
-  version's ``ModelServer`` replica (decode, ``@serve.batch``, forward pass, top-k).
-* **direct**: ``POST /direct`` → proxy → a ``ModelServer`` replica of the same version,
-  deployed a second time as its own application with an HTTP route. The deployment is
-  the one ``serving.model_server.model_app`` builds (same options: replicas, CPUs, batching,
-  ``max_ongoing_requests``, access log); only its class is a subclass whose ``__call__``
-  reads the body and answers ``predict`` as JSON. So the difference between the paths is
-  the router replica and the extra handle hop: what the router adds.
-
-Latency is per request on the client: send → whole answer read. Figures:
-
-* closed loop: at each ``--concurrency`` level, that many clients each send their next
-  request when the previous one is answered; ``--requests`` requests per path and level,
-  split into rounds that alternate the order of the paths (so a change in background load
-  hits both alike), after a warm-up. p50, p99, requests/s (answered / wall time) and
-  errors (any answer but 200, or a failed connection) per path.
-* ``router_overhead`` = router p50 / direct p50 - 1 at the first concurrency level
-  (target <= 0.15).
-* open loop: requests through the router sent at fixed times, 20 per second for 15 s
-  whatever the answers do; latency from the scheduled send time (so a stall counts for
-  every request queued behind it). ``p99_ms_at_20rps`` (target <= 50 ms).
-* saturation: ``SATURATION_CONNECTIONS`` (8) kept-alive connections posting one digit PNG back
-  to back for ``--saturation-s`` (20) seconds, on each path, in ``--saturation-rounds`` (2)
-  rounds of alternating order; by ``wrk`` when it is installed (Debian's package), else by
-  Python threads (``bench/support/http_load.py``). req/s, p50 and p99 per path (the rounds'
-  means). Targets for the router: >= 138 req/s and p99 < 100 ms (what 1c9b899 answered on
-  2026-11-30). ``--saturation-only`` runs only this case.
-* ``errors``: all failed requests of every run above.
-
-Serve's logs (access log included: the default ``ServeConfig`` keeps it on) go to the
-replicas' log files only (rayline's default ``RAY_SERVE_LOG_TO_STDERR=0``), not echoed into
-the client's process.
-
-``--quick`` is a smoke test (few requests, one level, 5 s paced and saturated runs), not the figures.
-The embedded cluster shares the machine with the client: run it on a quiet machine (the
-load average is printed before and after). Last line: one line of JSON.
+The closed loop, the open loop and saturation (by ``wrk`` when installed, else Python threads:
+bench/support/http_load.py), what each figure includes and the targets: bench/README.md. Serve's logs go
+to the replicas' files only (``RAY_SERVE_LOG_TO_STDERR=0``). The cluster shares the machine with the
+client, so the load average is printed before and after. ``--quick``: a smoke test, not the figures.
+Last line: one line of JSON.
 """
 
 from __future__ import annotations
@@ -109,8 +78,7 @@ def compare(port: int, bodies: Sequence[bytes], concurrency: int, requests: int)
 
 
 def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
+    return " ".join(f"{load:.2f}" for load in os.getloadavg()) + f" on {os.cpu_count()} CPUs"
 
 
 def saturation(port: int, body: bytes, connections: int, seconds: float, rounds: int) -> dict[str, Saturation]:

@@ -1,25 +1,9 @@
 """The driver's memory for a shadowed night's comparison: flat from 1 M to 5 M images.
 
-``python bench/shadow_memory.py`` writes, per size (``--sizes``, default 1,000,000 and 5,000,000 images),
-a shadowed night's block files in the night's real layout and schema: per block of ``--block-rows``
-images, the champion's predictions (``PREDICTIONS_SCHEMA``, 1,000 classes, top 3), its error rows (0.5 %
-of the images) and the shadow's rows (the predicted images but 1 % it failed on, another class on about
-one in ten), written by ``blocks.write_block_files`` as an actor writes them, each block's report (with
-its shadow counts) in its predictions file's footer; then compacts them with ``compaction.compact_group``
-into the night's files, as the compaction tasks do.
-
-Then, each in a process of its own started for it, its peak RSS (``VmHWM``) and its RSS once its
-imports are done:
-
-* **driver** (what the driver does now): the block reports summed into ``NightTotals`` as they stream in,
-  read here from the blocks' footers (the JSON an actor returns), then ``shadow.summarize`` against the
-  compacted shadow files' digest;
-* **join** (what the driver did before): the compacted predictions and shadow files read whole, joined
-  on ``uri`` and each side's classes turned into Python lists.
-
-Prints both per size, the 5 M / 1 M ratios, and one JSON line. Target: the driver's peak RSS at 5 M
-within 1.25 x its peak at 1 M (``driver_rss_ratio``). Not measured: the actors (a block at a time each),
-the compaction tasks, Ray Data's own share of the driver.
+Per size (``--sizes``), a shadowed night's block files and compacted files in the real layout, then, each
+in a process of its own, the driver's part (block reports summed, ``shadow.summarize``) against the whole
+night joined in memory as before, by peak RSS. What is built and measured, the target and the JSON keys:
+bench/README.md. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -28,7 +12,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +25,9 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
+from bench.support.children import print_result, run_child  # noqa: E402
+from bench.support.process_tree import proc_figure  # noqa: E402
+from bench.support.table_reads import predictions_table  # noqa: E402
 from rayline.ray_workloads.nightly.blocks import NightOutput, block_contents, write_block_files  # noqa: E402
 from rayline.tables.delta_tables import Night  # noqa: E402
 from rayline.tables.predictions_table import ERRORS_SCHEMA, PREDICTIONS_SCHEMA  # noqa: E402
@@ -65,26 +51,10 @@ def _etag(uri: str) -> str:
 
 
 def _predictions(uris: list[str], index: np.ndarray, rng: np.random.Generator, version: int) -> pa.Table:
-    rows = len(uris)
     top = np.stack([index, (index + 1) % len(CLASSES), (index + 2) % len(CLASSES)], axis=1)
-    probs = np.sort(rng.dirichlet(np.ones(TOP_K), rows), axis=1)[:, ::-1]
-    offsets = pa.array(np.arange(0, rows * TOP_K + 1, TOP_K, dtype=np.int32))
-    columns = {
-        "uri": pa.array(uris),
-        "etag": pa.array([_etag(u) for u in uris]),
-        "predicted_index": pa.array(index, pa.int64()),
-        "predicted_class": pa.array(CLASSES[index]),
-        "confidence": pa.array(probs[:, 0], pa.float32()),
-        "top_k_index": pa.ListArray.from_arrays(offsets, pa.array(top.ravel(), pa.int64())),
-        "top_k_prob": pa.ListArray.from_arrays(offsets, pa.array(probs.ravel(), pa.float64())),
-        "top_k_class": pa.ListArray.from_arrays(offsets, pa.array(CLASSES[top.ravel()])),
-        "inference_ms": pa.array(rng.uniform(5, 20, rows), pa.float32()),
-        "model_version": pa.array(np.full(rows, version, dtype=np.int64)),
-        "code_version": pa.array(["bench"] * rows),
-        "flow_run_id": pa.array([""] * rows),
-        "plan": pa.array(["openvino/bf16"] * rows),
-    }
-    return pa.table(columns, schema=PREDICTIONS_SCHEMA)
+    probs = np.sort(rng.dirichlet(np.ones(TOP_K), len(uris)), axis=1)[:, ::-1]
+    etags = [_etag(u) for u in uris]
+    return predictions_table(uris, etags, top, probs, CLASSES, rng.uniform(5, 20, len(uris)), version, "openvino/bf16")
 
 
 def write_block(output: NightOutput, part: str, start: int, rows: int, rng: np.random.Generator) -> None:
@@ -134,18 +104,6 @@ def build(folder: str, images: int, block_rows: int) -> dict[str, Any]:
     }
 
 
-def _status_kb(field: str) -> int:
-    """A figure of /proc/self/status in kB: ``VmRSS`` now, ``VmHWM`` the peak of this program's memory.
-
-    Not ``ru_maxrss``: Linux carries the parent's RSS at the fork into it across ``exec``, so a child
-    started by a parent holding a built night would report the parent's size.
-    """
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise OSError(f"no {field} in /proc/self/status")
-
-
 def driver_part(night: dict[str, Any]) -> dict[str, Any]:
     """What the driver does with a shadowed night now: sum the blocks' reports, summarize the counts."""
     from rayline.models.registry import ModelVersion
@@ -154,7 +112,7 @@ def driver_part(night: dict[str, Any]) -> dict[str, Any]:
     from rayline.ray_workloads.quality.shadow import summarize
     from rayline.storage.digests import SetDigest
 
-    output, baseline = _output(night["folder"]), _status_kb("VmRSS")
+    output, baseline = _output(night["folder"]), proc_figure("VmRSS")
     totals = NightTotals()
     for block in night["blocks"]:
         report = written_report(output, block)
@@ -173,7 +131,7 @@ def whole_night_join(night: dict[str, Any]) -> dict[str, Any]:
 
     from rayline import storage
 
-    baseline = _status_kb("VmRSS")
+    baseline = proc_figure("VmRSS")
     columns = ["uri", "predicted_class", "confidence"]
     champion = storage.read_parquet([night["files"]["predictions"]], columns=columns)
     shadowed = storage.read_parquet([night["files"]["shadow"]], columns=columns)
@@ -195,13 +153,7 @@ def _version_fields() -> dict[str, Any]:
 
 def _measure_in_child(way: str, night_file: Path) -> dict[str, Any]:
     """One measurement in a process of its own: nothing of the build or the other side in its memory."""
-    done = subprocess.run(
-        [sys.executable, __file__, "--measure", way, "--night", str(night_file)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return run_child(way, __file__, ["--measure", way, "--night", str(night_file)])
 
 
 def _measure(way: str, night_file: str) -> None:
@@ -209,8 +161,8 @@ def _measure(way: str, night_file: str) -> None:
     began = time.perf_counter()
     figures = (driver_part if way == "driver" else whole_night_join)(night)
     figures["seconds"] = time.perf_counter() - began
-    figures["peak_kb"] = _status_kb("VmHWM")
-    print(json.dumps(figures))
+    figures["peak_kb"] = proc_figure("VmHWM")
+    print_result(figures)
 
 
 def main() -> None:

@@ -1,24 +1,15 @@
 """What a shadow costs: a night's images/s with a second version scored in the same pass, against without.
 
-Two cases, each a night run by ``batch_inference.run`` on an embedded Ray cluster (as the task runs it):
-
-* **digits**: an untrained ``small_cnn`` on 32 px synthetic PNGs (bench/support/inference_images.py): a
-  cheap model, where fetching, decoding and writing dominate;
-* **resnet18**: ResNet-18 with random weights on camera-sized JPEGs decoded to 224 px
-  (bench/support/photo_images.py): compute-bound, where the shadow's forward pass is the cost.
-
-Each case registers two versions of one model (v1 champion, v2 the shadow, other random weights) and runs
-the same input as separate nights: without a shadow, with one, in turn (``--rounds`` pairs, the best of
-each kept). Printed per case: images/s of both, their ratio (with / without), and the ratio of the shadowed
-night to two nights, one per version (2 × without): what scoring both in one pass saves over predicting
-the second version's night apart. Ends with one line of JSON.
+Two cases on an embedded Ray cluster: an untrained ``small_cnn`` on 32 px PNGs (fetch, decode and write
+dominate) and ResNet-18 on camera-sized JPEGs (the forward pass dominates). Each registers two versions
+(v1 champion, v2 the shadow) and runs the same input as separate nights, without and with the shadow, in
+turn (``--rounds`` pairs, the best of each kept). JSON keys: bench/README.md. Ends with one line of JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -26,30 +17,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.support, run as a script
-
-
-def _register(name: str, seed: int, arch: str) -> Any:
-    import torch
-
-    from rayline.models import registry
-    from rayline.ray_workloads.architectures.build import build_model, imagenet_image_spec, state_dict_bytes
-    from rayline.specs import ModelSpec, squash
-
-    classes = [str(i) for i in range(10)]
-    spec = ModelSpec(arch=arch, num_classes=len(classes))
-    torch.manual_seed(seed)
-    image = squash(32) if arch == "small_cnn" else imagenet_image_spec(arch)
-    return registry.register(
-        name,
-        state_dict_bytes(build_model(spec)),
-        model_spec=spec,
-        image_spec=image,
-        classes=classes,
-        metrics={"test_accuracy": 0.1},
-        data_manifest_uri="-",
-        data_content_hash="-",
-        code_version="bench",
-    )
 
 
 def _night(root: str, source: Path, model: Any, shadow: Any, day: int, actors: int) -> float:
@@ -73,11 +40,11 @@ def _night(root: str, source: Path, model: Any, shadow: Any, day: int, actors: i
 
 
 def _case(name: str, arch: str, source: Path, count: int, rounds: int, actors: int) -> dict[str, float]:
+    from bench.support.inference_night import register_untrained
     from bench.support.process_tree import wait_until_idle
 
     root = tempfile.mkdtemp(prefix=f"rayline-shadow-{name}-")
-    os.environ["RAYLINE_STORAGE"] = root
-    champion, shadow = _register(name, 0, arch), _register(name, 1, arch)
+    champion, shadow = (register_untrained(name, champion=False, root=root, arch=arch, seed=s) for s in (0, 1))
     _night(root, source, champion, None, 1, actors)  # warm-up: workers, imports, page cache
     plain, shadowed = [], []
     for r in range(rounds):
@@ -114,14 +81,14 @@ def main() -> None:
         args.digits, args.photos, args.rounds = 2_000, 64, 1
 
     from bench.support.inference_images import ensure_images, input_folder, warm_page_cache
-    from bench.support.photo_images import photo_folder, warm_photos
+    from bench.support.photo_images import photo_folder
     from rayline import ray_cluster
     from rayline.ray_workloads.nightly import batch_inference
 
     digits = input_folder(args.digits, ensure_images(args.digits))
     warm_page_cache(digits)
     photos = photo_folder(args.photos)
-    warm_photos(photos)
+    warm_page_cache(photos, "*.jpg")
     began = time.perf_counter()
     ray_cluster.connect(preload=batch_inference.WORKER_PRELOAD)
     print(f"ray.init: {time.perf_counter() - began:.1f}s (excluded)", flush=True)

@@ -1,20 +1,10 @@
 """Shipped factory code: what verifying it on every use costs, kept as a zip against unpacked.
 
-``python bench/shipped_code.py [--package timm]`` zips an installed package's
-sources as ``register-model --code`` does (``factory_models.zip_code``), then
-times, best of ``--repeats``:
-
-* ``zip_sha256_ms``: reading and hashing the zip, what every load of a
-  version's code does (``shipped_code.verified_zip``);
-* ``tree_sha256_ms``: walking and hashing the same files unpacked, what
-  verifying an unpacked copy would cost;
-* ``compile_sources_s``: compiling every source, the most a process that
-  imports from the zip pays over one reading cached bytecode;
-
-and, median of ``--imports`` fresh processes each (alternated), importing the
-package first on ``sys.path`` from the zip (``zipimport``: sources compiled on
-every import) and from the unpacked folder once its bytecode is cached.
-Prints each figure, then one JSON line.
+Zips an installed package's sources as ``register-model --code`` does, then times, best of ``--repeats``:
+hashing the zip (what every load of a version's code does), hashing the same files unpacked, compiling
+every source (the most importing from the zip pays over cached bytecode); and, median of ``--imports``
+fresh processes each, importing the package from the zip and from the unpacked folder with its bytecode
+cached. Prints each figure, then one JSON line.
 """
 
 from __future__ import annotations
@@ -28,14 +18,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.support.timing import run_seconds  # noqa: E402
 from rayline.ray_workloads.architectures.factory_models import zip_code  # noqa: E402
 
 IMPORT = (
@@ -43,15 +32,6 @@ IMPORT = (
     "module = __import__(sys.argv[2]); assert module.__file__.startswith(sys.argv[1]), module.__file__; "
     "print(time.perf_counter() - started)"
 )
-
-
-def _best_ms(measure: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        measure()
-        times.append(time.perf_counter() - started)
-    return min(times) * 1e3
 
 
 def _tree_digests(folder: Path) -> dict[str, str]:
@@ -93,9 +73,9 @@ def main() -> None:
         with zipfile.ZipFile(archive) as opened:
             opened.extractall(unpacked)
             files = len(opened.namelist())
-        zip_ms = _best_ms(lambda: hashlib.sha256(archive.read_bytes()).hexdigest(), args.repeats)
-        tree_ms = _best_ms(lambda: _tree_digests(unpacked), args.repeats)
-        compile_ms = _best_ms(lambda: _compile_all(unpacked), min(args.repeats, 3))
+        zip_ms = min(run_seconds(lambda: hashlib.sha256(archive.read_bytes()).hexdigest(), args.repeats)) * 1e3
+        tree_ms = min(run_seconds(lambda: _tree_digests(unpacked), args.repeats)) * 1e3
+        compile_ms = min(run_seconds(lambda: _compile_all(unpacked), min(args.repeats, 3))) * 1e3
         _import_s(unpacked, args.package)  # writes the bytecode the folder's later imports read
         from_zip, from_folder = [], []
         for _ in range(args.imports):

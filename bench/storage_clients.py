@@ -1,28 +1,11 @@
 """Object-store clients compared on a loopback S3-protocol server: today's path, fsspec's family, obstore.
 
-The three candidates for rayline's one storage seam, each doing what a night
-and an ingest do, on the same moto server in one run:
-
-- **today**: boto3 (the streamed listing's ``ListObjectsV2`` pages, the
-  night's fetches on a thread pool, conditional writes) beside s3fs (the
-  recursive ``find`` of :func:`rayline.storage.list_inputs`);
-- **fsspec**: rayline's storage seam (``rayline.storage.backends.s3``): the
-  same S3 requests on s3fs's aiobotocore client, one event loop and session
-  for every thread (``ListObjectsV2`` pages, ``GetObject`` from a pool of
-  threads, ``PutObject`` with its conditions);
-- **obstore**: Apache Arrow's ``object_store`` (the crate delta-rs uses):
-  ``list`` returning Arrow batches, ``get_async`` under ``asyncio.gather``,
-  ``put(mode="create" | {"e_tag": …})``.
-
-Parts: listing ``--keys`` keys (100,000 by default), 1,000 GETs of 64 KiB
-objects with 64 in flight, 200 conditional puts (create, then replace
-if matching), and the readers': 20 Parquet shards of about 8 MB read
-through a pyarrow filesystem (today's pyarrow ``S3FileSystem`` with its
-defaults, the seam's, s3fs wrapped for pyarrow as on GCS and Azure, and
-obstore's fsspec adapter wrapped the same way). Each is the best of ``--repeats``; it also prints how busy the
-server and this process were. moto is the ceiling of every figure here: a
-ratio says which client asks the least of a server and of the node, not
-what real S3 would give. Ends with one JSON line.
+The candidates for rayline's one storage seam, each doing what a night and an ingest do on one moto server:
+**today** (boto3's pages, threads and conditional puts), **fsspec** (the seam, ``rayline.storage.backends.s3``:
+s3fs's aiobotocore client, one event loop for every thread) and **obstore** (Apache Arrow's ``object_store``).
+Each part is the best of ``--repeats`` with the server's and this process's CPU; moto is the ceiling of every
+figure, so a ratio says which client asks the least of a server and of the node, not what real S3 would
+give. The parts and the JSON keys: bench/README.md. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -183,22 +166,20 @@ def _get_parts(endpoint: str) -> dict[str, Callable[[], int]]:
     client, fs, store = _boto3(endpoint), _seam(endpoint), _obstore(endpoint)
     keys = [f"big/{i:04d}.jpg" for i in range(GET_COUNT)]
 
-    def boto3_threads() -> int:
-        def get(key: str) -> int:
-            response = client.get_object(Bucket=BUCKET, Key=key)
-            return len(response["Body"].read())
+    def threads(get: Callable[[str], int]) -> Callable[[], int]:
+        def run() -> int:
+            with ThreadPoolExecutor(IN_FLIGHT) as pool:
+                return sum(1 for size in pool.map(get, keys) if size == GET_BYTES)
 
-        with ThreadPoolExecutor(IN_FLIGHT) as pool:
-            return sum(1 for size in pool.map(get, keys) if size == GET_BYTES)
+        return run
 
-    def seam_threads() -> int:
+    def boto3_get(key: str) -> int:
+        return len(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+
+    def seam_get(key: str) -> int:
         # the stages' pattern: a pool of threads, each request on the store's one event loop and session
-        def get(key: str) -> int:
-            found = fs.get(f"s3://{BUCKET}/{key}")
-            return len(found.data) if found is not None else 0
-
-        with ThreadPoolExecutor(IN_FLIGHT) as pool:
-            return sum(1 for size in pool.map(get, keys) if size == GET_BYTES)
+        found = fs.get(f"s3://{BUCKET}/{key}")
+        return len(found.data) if found is not None else 0
 
     def obstore_gather() -> int:
         async def get_all() -> list[int]:
@@ -214,8 +195,8 @@ def _get_parts(endpoint: str) -> dict[str, Callable[[], int]]:
         return sum(1 for size in asyncio.run(get_all()) if size == GET_BYTES)
 
     return {
-        "today (boto3, 64 threads)": boto3_threads,
-        "fsspec (rayline's S3Store)": seam_threads,
+        "today (boto3, 64 threads)": threads(boto3_get),
+        "fsspec (rayline's S3Store)": threads(seam_get),
         "obstore (get_async)": obstore_gather,
     }
 

@@ -1,38 +1,27 @@
 """Training throughput: Ray Train with 2 workers vs a plain single-process PyTorch loop.
 
-Same preprocessed digits, same model, same epochs, the same global batch
-(2 workers x 32 vs 64) and the same work per epoch: a training pass, a
-validation pass, and the weights + optimizer state saved (the plain loop to a
-local file, Ray Train as its checkpoint). Reports samples/s over the whole
-fit (start-up included: what a user waits for), the ratio, the training
-passes alone on both sides, and the test accuracy of the Ray-trained model.
-
-Two run lengths, each measured (not extrapolated): the demo's 12 epochs, and
-a sustained run of 60 epochs, the headline figure. Ray Train's start-up is a
-fixed cost (a chain of new processes - the controller and its helper actors,
-two workers importing torch, ``ray.train`` and, for DDP, ``torch._dynamo``,
-Ray Data's dataset manager and split coordinator), about as long as the whole
-12-epoch plain run (bench/README.md), so the short run shows the cost of
-starting and the long run the throughput. Target: ratio >= 0.7.
-Each length runs in a process of its own with its own embedded cluster (a fit
-leaves actors behind that would skew the next). ``BENCH_EPOCHS=12,60`` sets
-the lengths (the last is the headline). Needs nothing started by hand. Last
-line: JSON.
+Same preprocessed digits, model, epochs, global batch (2 workers x 32 vs 64) and work per epoch (train,
+validate, save weights and optimizer state). Reports samples/s over the whole fit (start-up included: what
+a user waits for), the ratio, the training passes alone and the test accuracy. Each length of
+``BENCH_EPOCHS`` (default ``12,60``; the last is the headline) runs in a process and cluster of its own:
+a fit leaves actors behind that would skew the next. Why two lengths, the target: bench/README.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.support, run as a script
+
+from bench.support.children import print_result, run_child  # noqa: E402
+
 LENGTHS = [int(e) for e in os.environ.get("BENCH_EPOCHS", "12,60").split(",")]
-RESULT = "BENCH-RESULT "
 
 
 def prepare(root: str) -> Any:
@@ -93,11 +82,8 @@ def _split_in_memory(prepared: Any, split: str) -> dict[str, Any]:
 
 
 def plain_fit(root: str, prepared: Any, epochs: int) -> dict[str, Any]:
-    """One process, both cores, the splits in memory; per epoch the work the Ray run does too.
-
-    That is: train, validate, and save weights + optimizer state (to a local file).
-    The time of the training passes alone is kept apart (``train_s``).
-    """
+    """One process, both cores, the splits in memory; per epoch the Ray run's work (train, validate, save
+    weights and optimizer state, here to a local file). The training passes alone: ``train_s``."""
     import torch
 
     from rayline.ray_workloads.architectures.build import build_model
@@ -172,16 +158,9 @@ def measure(epochs: int) -> dict[str, Any]:
 
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(RESULT + json.dumps(measure(int(sys.argv[2]))), flush=True)
+        print_result(measure(int(sys.argv[2])))
         return
-    figures: dict[int, dict[str, Any]] = {}
-    for epochs in LENGTHS:  # a process each: a fit leaves Ray Data and Train actors behind that skew the next
-        child = subprocess.run(
-            [sys.executable, __file__, "--child", str(epochs)], capture_output=True, text=True, check=True
-        )
-        lines = child.stdout.splitlines()
-        print("\n".join(line for line in lines if not line.startswith(RESULT)), flush=True)
-        figures[epochs] = json.loads(next(line for line in lines if line.startswith(RESULT))[len(RESULT) :])
+    figures = {e: run_child(f"{e} epochs", __file__, ["--child", str(e)], echo=True) for e in LENGTHS}
     headline = dict(figures[LENGTHS[-1]])
     headline.update({f"ratio_{epochs}_epochs": figures[epochs]["ratio"] for epochs in LENGTHS})
     print(

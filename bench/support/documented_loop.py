@@ -1,14 +1,9 @@
 """The plain loop of Ray Data's documented batch-inference pattern, without Ray: what a new user writes.
 
-Ray Data's "Image Classification Batch Inference with PyTorch" example reads
-images whole (``read_images``: PIL, full decode, RGB), applies the torchvision
-weights' own ``transforms()`` and calls the model in eager fp32 under
-``torch.inference_mode()``. Here the same steps run in one process: a
-DataLoader whose workers (one per core) read, decode and transform, the main
-process running the model with as many torch threads as cores, top-1 and its
-probability written to one Parquet file. Nothing of rayline's (no draft
-decoding, no channels-last, no plan) is used: this is the baseline the
-execution plan and reduced-scale decoding are measured against.
+Ray Data's "Image Classification Batch Inference with PyTorch" example, in one process: a DataLoader whose
+workers (one per core) read images whole (PIL, full decode, RGB) and apply the weights' ``transforms()``,
+the model in eager fp32 under ``torch.inference_mode()`` with a torch thread per core, top-1 written to
+one Parquet file. Nothing of rayline's (draft decoding, channels-last, plans): the baseline they beat.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import itertools
-import queue
 import re
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,10 +109,8 @@ class Client:
 def closed_loop(
     port: int, path: str, bodies: Sequence[bytes], concurrency: int, requests: int, duration_s: float | None = None
 ) -> Run:
-    """``concurrency`` clients, each sending its next request once the last is answered.
-
-    Until ``requests`` are sent, or (``duration_s`` given) until that many seconds have passed.
-    """
+    """``concurrency`` clients, each sending its next request once the last is answered, until ``requests``
+    are sent or (``duration_s`` given) that many seconds have passed."""
     run = Run()
     lock = threading.Lock()
     counter = itertools.count()
@@ -140,22 +138,18 @@ def closed_loop(
             run.latencies_ms += latencies
             run.errors += errors
 
-    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    for thread in threads:
-        thread.join()
+    with ThreadPoolExecutor(concurrency) as pool:
+        waiting = [pool.submit(client_loop) for _ in range(concurrency)]
+        start.wait()
+    for done in waiting:
+        done.result()  # a client's error, raised here
     run.wall_s = time.perf_counter() - began[0]
     return run
 
 
 def open_loop(port: int, path: str, bodies: Sequence[bytes], rate: float, duration_s: float) -> Run:
     """Requests sent at fixed times (``rate`` per second); latency counted from the scheduled time."""
-    count = int(rate * duration_s)
-    jobs: queue.Queue[int] = queue.Queue()
-    for i in range(count):
-        jobs.put(i)
+    jobs = iter(range(int(rate * duration_s)))  # next() on it is atomic: each request goes to one client
     run = Run()
     lock = threading.Lock()
     clients = [Client(port) for _ in range(PACED_CLIENTS)]
@@ -164,11 +158,7 @@ def open_loop(port: int, path: str, bodies: Sequence[bytes], rate: float, durati
     t0 = time.perf_counter() + 0.1
 
     def worker(client: Client) -> None:
-        while True:
-            try:
-                i = jobs.get_nowait()
-            except queue.Empty:
-                break
+        while (i := next(jobs, None)) is not None:
             scheduled = t0 + i / rate
             time.sleep(max(0.0, scheduled - time.perf_counter()))
             ok = client.post(path, bodies[i % len(bodies)])
@@ -179,11 +169,8 @@ def open_loop(port: int, path: str, bodies: Sequence[bytes], rate: float, durati
                     run.errors += 1
         client.close()
 
-    threads = [threading.Thread(target=worker, args=(c,)) for c in clients]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with ThreadPoolExecutor(len(clients)) as pool:
+        list(pool.map(worker, clients))
     run.wall_s = time.perf_counter() - t0
     return run
 
@@ -221,9 +208,7 @@ def parse_wrk(out: str) -> Saturation:
     if totals is None or 50 not in percentiles or 99 not in percentiles:
         raise ValueError(f"wrk's report has no request count or latency distribution:\n{out}")
     requests, wall_s = int(totals.group(1)), float(totals.group(2)) * _UNIT_MS[totals.group(3)] / 1000
-    errors = 0
-    for match in _WRK_ERRORS.finditer(out):
-        errors += sum(int(n) for n in match.groups() if n is not None)
+    errors = sum(int(n) for match in _WRK_ERRORS.finditer(out) for n in match.groups() if n is not None)
     return Saturation(
         (requests - errors) / wall_s, percentiles[50], percentiles[99], requests, min(errors, requests), "wrk"
     )

@@ -40,11 +40,8 @@ def _chunk_done(chunk: int) -> Path:
 
 
 def ensure_images(count: int = MAX_IMAGES) -> list[Path]:
-    """At least ``count`` synthetic PNGs under CACHE/images, whole chunks generated once; in a fixed order.
-
-    Only the chunks ``count`` needs are made, so that a smoke test at small sizes does not first
-    generate all 100k images.
-    """
+    """At least ``count`` synthetic PNGs under CACHE/images, in a fixed order: only the chunks they need are
+    generated (once), so that a smoke test does not first generate all 100k images."""
     chunks = range(min(-(-count // CHUNK), MAX_IMAGES // CHUNK))
     everything = (CACHE / f"images-complete-{MAX_IMAGES}").exists()  # the marker of a cache made all at once
     missing = [chunk for chunk in chunks if not everything and not _chunk_done(chunk).exists()]

@@ -9,33 +9,35 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.support.inference_images import CACHE
-
 BUCKET = "rayline-bench-inference"
 
 
 @contextlib.contextmanager
-def s3_images(images: list[Path], count: int, env: dict[str, str], day: str) -> Iterator[tuple[str, str, int]]:
-    """``count`` images in a bucket of a loopback moto server; yields (endpoint, input URI, server PID)."""
-    import boto3
-
+def loopback_s3(env: dict[str, str], bucket: str) -> Iterator[tuple[str, int]]:
+    """A moto server holding ``bucket``, its credentials set here and in the children's ``env``; yields its
+    endpoint and PID."""
     from rayline.testing.s3_server import S3_ENV, create_bucket, s3_server
 
     os.environ.update(S3_ENV)
     env.update(S3_ENV)
     server: list[int] = []
     with s3_server(server) as endpoint:
-        create_bucket(endpoint, BUCKET)
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        prefix = f"incoming/dt={day}"
+        create_bucket(endpoint, bucket)
+        yield endpoint, server[0]
 
-        def put(source: Path) -> None:
-            key = f"{prefix}/{source.relative_to(CACHE / 'images')}"
-            client.put_object(Bucket=BUCKET, Key=key, Body=source.read_bytes())
 
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(put, images[:count]))
-        yield endpoint, f"s3://{BUCKET}/{prefix}", server[0]
+def upload(endpoint: str, bucket: str, prefix: str, files: list[Path], root: Path) -> str:
+    """``files`` under ``prefix`` at their paths below ``root``, 16 PUTs at a time; the prefix's URI."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+
+    def put(source: Path) -> None:
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{source.relative_to(root)}", Body=source.read_bytes())
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(put, files))
+    return f"s3://{bucket}/{prefix}"
 
 
 def server_ceiling(endpoint: str, uri: str, server_pid: int) -> tuple[float, float]:

@@ -1,15 +1,9 @@
 """Photos for the compute-bound benches: JPEG views of two real photos and camera-sized ones, generated once.
 
-``rayline.seed.photo_objects`` (random crops, scales, flips and qualities of
-scikit-learn's two sample photos, ~10 % over 2 megapixels) in chunks of
-``CHUNK``, each with its own seed so that chunks are made in parallel and a
-larger size extends a smaller one instead of replacing it. They live under
-``$RAYLINE_BENCH_CACHE/photos/c<chunk>/<photo>/photo-<n>.jpg``; a folder of
-exactly N of them is hard links, made once per size.
-
-:func:`camera_folder` mixes in what a phone uploads: a quarter small views,
-a quarter each 1, 3 and 12 MP camera photos (``rayline.seed.camera_photo``),
-each photo seeded by its number (``$RAYLINE_BENCH_CACHE/camera/``).
+``rayline.seed.photo_objects`` in chunks of ``CHUNK``, each with its own seed, so that chunks are made in
+parallel and a larger size extends a smaller one; under ``$RAYLINE_BENCH_CACHE/photos``. :func:`camera_folder`
+mixes in what a phone uploads: a quarter small views, a quarter each 1, 3 and 12 MP camera photos, each
+seeded by its number, under ``$RAYLINE_BENCH_CACHE/camera``. A folder of exactly N is hard links.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ import shutil
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from bench.support.inference_images import CACHE, linked_folder, warm_page_cache
+from bench.support.inference_images import CACHE, linked_folder
 
 PHOTOS = CACHE / "photos"
 CHUNK = 500
@@ -69,17 +63,12 @@ def photo_folder(count: int) -> Path:
     return linked_folder(CACHE / f"photo-inputs-{count}", lambda: ensure_photos(count), PHOTOS)
 
 
-def warm_photos(folder: Path) -> None:
-    """Read every photo once so that neither side pays for cold disk reads."""
-    warm_page_cache(folder, "*.jpg")
-
-
-def _camera_path(index: int) -> Path:
+def _camera_path(index: int, root: Path = CAMERA) -> Path:
     label = ("china", "flower")[index // len(CAMERA_KINDS) % 2]  # each kind gets both photos
-    return CAMERA / label / f"camera-{index:06d}-{CAMERA_KINDS[index % len(CAMERA_KINDS)]}.jpg"
+    return root / label / f"camera-{index:06d}-{CAMERA_KINDS[index % len(CAMERA_KINDS)]}.jpg"
 
 
-def _write_camera(indices: list[int]) -> int:
+def _write_camera(indices: list[int], root: Path) -> int:
     import numpy as np
 
     from rayline.seed import camera_photo, photo_variant, source_photos
@@ -87,7 +76,7 @@ def _write_camera(indices: list[int]) -> int:
     china, flower = source_photos()
     for index in indices:
         rng = np.random.default_rng((_CAMERA_SEED, index))
-        path = _camera_path(index)
+        path = _camera_path(index, root)
         source = china if path.parent.name == "china" else flower
         kind = CAMERA_KINDS[index % len(CAMERA_KINDS)]
         data = photo_variant(source, rng)[0] if kind == "view" else camera_photo(float(kind[:-2]), rng, source)
@@ -98,22 +87,18 @@ def _write_camera(indices: list[int]) -> int:
     return len(indices)
 
 
-def ensure_camera(count: int) -> list[Path]:
-    """Photos 0 .. count-1 of the mixed set under CAMERA (missing ones generated in parallel), in order."""
-    paths = [_camera_path(index) for index in range(count)]
+def ensure_camera(count: int, root: Path = CAMERA) -> list[Path]:
+    """Photos 0 .. count-1 of the mixed set under ``root`` (missing ones generated in parallel), in order."""
+    paths = [_camera_path(index, root) for index in range(count)]
     missing = [index for index, path in enumerate(paths) if not path.exists()]
     if missing:
-        print(f"generating {len(missing)} photos (views, 1, 3 and 12 MP) under {CAMERA} (once)", flush=True)
+        print(f"generating {len(missing)} photos (views, 1, 3 and 12 MP) under {root} (once)", flush=True)
         batches = [missing[start : start + _CAMERA_BATCH] for start in range(0, len(missing), _CAMERA_BATCH)]
         with ProcessPoolExecutor(min(len(batches), os.cpu_count() or 1)) as pool:
-            assert sum(pool.map(_write_camera, batches)) == len(missing)
+            assert sum(pool.map(_write_camera, batches, [root] * len(batches))) == len(missing)
     return paths
 
 
 def camera_folder(count: int) -> Path:
-    """A folder of ``count`` JPEGs: a quarter small views, a quarter each 1, 3 and 12 MP camera photos.
-
-    Deterministic (the same photos every run; a larger count extends a smaller one), made once and kept
-    under CACHE: the folder is hard links, made once per size.
-    """
+    """A folder of the first ``count`` photos of the camera mix (hard links, made once per size)."""
     return linked_folder(CACHE / f"camera-inputs-{count}", lambda: ensure_camera(count), CAMERA)

@@ -1,7 +1,6 @@
 """The plain side of the batch-inference bench: the seed's TorchPredictor loop run by hand, no Ray.
 
-Same listing, reads, ``decode_image``, batch size, Parquet columns and files
-per 256 objects as rayline's workload, with the same per-sample error capture.
+Same listing, reads, ``decode_image``, batch size, Parquet files and per-sample error capture as rayline's.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from typing import Any
 
 from bench.support.inference_images import IMAGE_SIZE
 
+CODE_VERSION = "bench"
 BATCH_SIZE = 64  # nightly_inference's default
 OBJECTS_PER_FILE = 256  # InferenceConfig.objects_per_task's default: one output file per block
 
@@ -19,15 +19,12 @@ OBJECTS_PER_FILE = 256  # InferenceConfig.objects_per_task's default: one output
 def plain_loop(objects: list[Any], read: Callable[[str], bytes], version: Any, out_dir: str, prepared: bool) -> int:
     """The seed's TorchPredictor without Ray: read, decode, predict, write Parquet; returns rows written.
 
-    ``prepared``: the model goes through rayline's ``prepare_for_inference``
-    (and gets channels-last input) like rayline's actors, so that only Ray
-    differs; otherwise it runs as loaded, as the seed's code does.
+    ``prepared``: the model goes through ``prepare_for_inference`` (channels-last input) like rayline's
+    actors, so that only Ray differs; otherwise it runs as loaded, as the seed's code does.
     """
     import numpy as np
-    import pyarrow as pa
     import torch
 
-    from rayline import storage
     from rayline.ray_workloads.architectures.build import load_model, prepare_for_inference
     from rayline.ray_workloads.data.images import decode_image
 
@@ -35,8 +32,7 @@ def plain_loop(objects: list[Any], read: Callable[[str], bytes], version: Any, o
     model = load_model(version.model_spec, version.weights_uri)
     layout = torch.channels_last if prepared else torch.contiguous_format
     model = prepare_for_inference(model) if prepared else model
-    classes = np.array(version.classes, dtype=object)
-    top_k = min(3, len(classes))
+    top_k = min(3, len(version.classes))
     written = 0
     for start in range(0, len(objects), OBJECTS_PER_FILE):
         part = objects[start : start + OBJECTS_PER_FILE]
@@ -56,32 +52,51 @@ def plain_loop(objects: list[Any], read: Callable[[str], bytes], version: Any, o
             n = len(images[b : b + BATCH_SIZE])
             millis.extend([(time.perf_counter() - began) * 1000 / n] * n)
         name = f"part-{start // OBJECTS_PER_FILE:05d}.parquet"
-        if good:
-            values, indices = torch.cat(probs).topk(top_k, dim=1)
-            table = pa.table(
-                {
-                    "uri": [o.uri for o in good],
-                    "etag": [o.etag for o in good],
-                    "predicted_index": indices[:, 0].numpy(),
-                    "predicted_class": classes[indices[:, 0].numpy()].tolist(),
-                    "confidence": values[:, 0].numpy(),
-                    "top_k_index": indices.numpy().tolist(),
-                    "top_k_prob": values.numpy().astype(np.float64).tolist(),
-                    "inference_ms": np.array(millis, dtype=np.float32),
-                    "model_name": [version.name] * len(good),
-                    "model_version": [version.version] * len(good),
-                    "code_version": ["bench"] * len(good),
-                    "flow_run_id": [""] * len(good),
-                }
-            )
-            storage.write_parquet_atomic(f"{out_dir}/predictions/{name}", table)
-            written += table.num_rows
-        if errors:
-            columns = ["uri", "stage", "error_type", "error_message"]
-            table = pa.table({c: [e[i] for e in errors] for i, c in enumerate(columns)})
-            storage.write_parquet_atomic(f"{out_dir}/errors/{name}", table)
-            written += table.num_rows
+        values, indices = torch.cat(probs).topk(top_k, dim=1) if good else (torch.empty(0), torch.empty(0))
+        written += write_files(out_dir, name, version, good, indices.tolist(), values.tolist(), millis, errors)
     return written
+
+
+def write_files(
+    out_dir: str,
+    name: str,
+    version: Any,
+    good: list[Any],
+    top: list[list[int]],
+    probs: list[list[float]],
+    millis: list[float],
+    errors: list[tuple[str, str, str, str]],
+) -> int:
+    """One file of each table, as an actor writes a block: the ``good`` objects' predictions (``top`` class
+    indices and their ``probs`` a row) and the ``(uri, stage, type, message)`` errors; the rows written."""
+    import pyarrow as pa
+
+    from rayline import storage
+
+    if good:
+        n = len(good)
+        table = pa.table(
+            {
+                "uri": [o.uri for o in good],
+                "etag": [o.etag for o in good],
+                "predicted_index": pa.array([t[0] for t in top], pa.int64()),
+                "predicted_class": [version.classes[t[0]] for t in top],
+                "confidence": pa.array([p[0] for p in probs], pa.float32()),
+                "top_k_index": pa.array(top, pa.list_(pa.int64())),
+                "top_k_prob": pa.array(probs, pa.list_(pa.float64())),
+                "inference_ms": pa.array(millis, pa.float32()),
+                "model_name": [version.name] * n,
+                "model_version": [version.version] * n,
+                "code_version": [CODE_VERSION] * n,
+                "flow_run_id": [""] * n,
+            }
+        )
+        storage.write_parquet_atomic(f"{out_dir}/predictions/{name}", table)
+    if errors:
+        columns = ["uri", "stage", "error_type", "error_message"]
+        table = pa.table({c: [e[i] for e in errors] for i, c in enumerate(columns)})
+        storage.write_parquet_atomic(f"{out_dir}/errors/{name}", table)
+    return len(good) + len(errors)
 
 
 def choose_torch_threads(version: Any, prepared: bool) -> int:

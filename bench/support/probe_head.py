@@ -1,13 +1,9 @@
 """A random backbone with a trained linear head: logits with real margins, for a bench that gates precision.
 
-A ``weights=None`` ResNet's 1,000 logits are nearly tied on photos, so any
-change of precision flips its top class and rayline's accuracy gate rightly
-refuses bf16 (ResNet-50: 0.81 top-1 agreement on 16 photos, measured here).
-Nothing pretrained can be downloaded, so the bench's model is what a user's
-fine-tuned classifier resembles: the backbone (random, which sets the
-speed) and a head fitted by logistic regression on its features of views
-of scikit-learn's two sample photos, which tells them apart with margins.
-The nights' photos are views of the same two photos.
+A ``weights=None`` ResNet's 1,000 logits are nearly tied on photos, so the accuracy gate rightly refuses
+any lower precision on them (bench/README.md). Nothing pretrained can be downloaded, so the bench's model
+is what a user's fine-tuned classifier resembles: the random backbone (which sets the speed) and a head
+fitted on its features of views of scikit-learn's two sample photos, the photos the nights score.
 """
 
 from __future__ import annotations

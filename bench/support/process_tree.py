@@ -50,8 +50,14 @@ def _pid_cpu_seconds(pid: int) -> float:
     return 0.0
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    return sum(_pid_cpu_seconds(p) for p in pids)
+def proc_figure(field: str, file: str = "status") -> int:
+    """A figure of /proc/self/status, in kB: ``VmRSS`` now, ``VmHWM`` the peak of this program's memory (not
+    ``ru_maxrss``: Linux carries the parent's RSS at the fork into a child across ``exec``); or of another
+    file of /proc/self, in its unit (``io``'s ``rchar``: the bytes this process read)."""
+    for line in Path(f"/proc/self/{file}").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/{file}")
 
 
 def _machine_busy_seconds() -> float:
@@ -63,12 +69,9 @@ def _machine_busy_seconds() -> float:
 
 @contextlib.contextmanager
 def watch_tree(interval_s: float = 0.5, sample: bool = True) -> Iterator[dict[str, float]]:
-    """While the block runs: peak summed RSS and PSS (MB) of this process and its descendants,
-    the CPU they used (in cores, on average) and what the rest of the machine used meanwhile.
-
-    ``sample=False``: CPU only, read at the start and the end (no sampling
-    thread competing with a single-process measurement).
-    """
+    """While the block runs: peak summed RSS and PSS (MB) of this process and its descendants, the CPU they
+    used (in cores, on average) and what the rest of the machine used meanwhile. ``sample=False``: CPU only,
+    read at the start and the end (no sampling thread competing with a single-process measurement)."""
     figures = {"rss_mb": 0.0, "pss_mb": 0.0, "processes": 0.0, "cores": 0.0, "others_cores": 0.0}
     first_cpu = {p: _pid_cpu_seconds(p) for p in _tree_pids(os.getpid())}
     last_cpu = dict(first_cpu)
@@ -107,8 +110,8 @@ def wait_until_idle(max_wait_s: float = 30.0, below_cores: float = 0.25) -> floa
     started = time.perf_counter()
     while time.perf_counter() - started < max_wait_s:
         pids = _tree_pids(os.getpid())
-        before = _cpu_seconds(pids)
+        before = sum(map(_pid_cpu_seconds, pids))
         time.sleep(1.0)
-        if _cpu_seconds(pids) - before < below_cores:
+        if sum(map(_pid_cpu_seconds, pids)) - before < below_cores:
             break
     return time.perf_counter() - started

@@ -1,27 +1,9 @@
-"""The compute-bound case of the batch-inference bench: ResNet on real-photo JPEGs.
+"""The compute-bound case of the batch-inference bench (``--parts resnet``): ResNet on real-photo JPEGs.
 
-* **model**: torchvision's ResNet-18 (``--arch resnet50`` as an option) with
-  random weights, saved as a state dict and registered as an outside model is:
-  1,000 ImageNet classes, the ImageNet preprocessing of the arch's own
-  torchvision weights entry (ResNet-18: resize 256, centre crop 224).
-  Throughput does not depend on the weights.
-* **images**: ``rayline.seed.photo_objects`` JPEGs (bench/support/photo_images.py),
-  from a local folder (read once before timing: page cache) or from a
-  loopback moto S3 server.
-* **rayline**: ``rayline.ray_workloads.nightly.batch_inference.run`` with the settings of
-  :func:`choose_settings`, on an embedded cluster started as the nightly task
-  starts it; ``ray.init`` is not timed.
-* **plain**: one process, no Ray: a ``torch.utils.data.DataLoader`` whose
-  workers (one per core) read and decode with the same ``decode_image``, torch
-  threads = cores in the main process, the same ``prepare_for_inference`` and
-  batch size, Parquet files of the same columns with the same objects per file.
-
-Both sides are timed from listing to the last file written, model loading and
-process start-up included. Peak RSS/PSS is that of the whole measuring
-process tree (bench/support/process_tree.py), sampled every 0.5 s on both sides.
-With a GPU (``torch.cuda.is_available()``) both sides are measured a second
-time on it: rayline's actors share the GPU (``gpus_per_actor`` = 1/actors),
-the plain loop moves its batches to it. Nothing needs a GPU.
+rayline's night with the settings of :func:`choose_settings` against a plain DataLoader loop
+(bench/support/resnet_plain.py), from a local folder and from a loopback moto server; on a machine with a
+GPU both sides run a second time on it. The model, the photos, what each figure includes and the JSON
+keys: bench/README.md.
 """
 
 from __future__ import annotations
@@ -36,14 +18,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.support.inference_night import DAY, connect_for_night
+from bench.support.inference_night import DAY, measure_nights, resolve_champion
+from bench.support.inference_report import cores as _cores
 
 ARCHS = ("resnet18", "resnet50")
 BUCKET = "rayline-bench-photos"
 MODEL_CODE_VERSION = "bench"
-
-
-# ---------------------------------------------------------------- rayline's settings for this case
 
 
 @dataclass(frozen=True)
@@ -68,27 +48,11 @@ class RaylineSettings:
 
 
 def choose_settings(cores: int, gpu: bool, overrides: dict[str, Any] | None = None) -> RaylineSettings:
-    """rayline's settings for a compute-bound model on ``cores`` cores.
+    """rayline's settings for a compute-bound model on ``cores`` cores, ``overrides`` on top.
 
-    * one actor per core, one torch thread each (PredictorUDF gives an actor
-      as many threads as whole CPUs it holds, at least one), since two
-      single-thread processes run ResNet-18 as fast as one two-thread process;
-      while one actor decodes (a fraction of its forward pass) the other
-      computes, so decode overlaps the forward pass across actors with no
-      extra threads.
-    * 0.5 CPU each: the embedded cluster declares 2 logical CPUs per core; a
-      fractional share leaves room for Ray Data's own tasks (whole CPUs per
-      actor can starve them).
-    * batch 32: ResNet-18 on one thread runs no slower at 16-32 images per
-      call than at 64, with half the activations.
-    * 32 objects per task (one model call per block): the run ends when the
-      last block does, so small blocks keep both actors busy to the end (a
-      short tail of one actor instead of a long one with 256), and an actor's
-      decoded block is 19 MB instead of 154 MB (ResNet input is 3x224x224
-      float32), which keeps peak RSS flat with the input size.
-
-    The figures behind each choice are in bench/README.md.
-    * GPU: the actors share it (1/actors each); decode stays on the CPU cores.
+    One single-thread actor per core at 0.5 CPU each (the embedded cluster declares 2 logical CPUs a core:
+    a fractional share leaves room for Ray Data's own tasks), batch 32, 32 objects per task; on a GPU the
+    actors share it. Why each, with the figures: bench/README.md.
     """
     chosen = RaylineSettings(
         actors=max(1, cores),
@@ -106,9 +70,6 @@ def choose_settings(cores: int, gpu: bool, overrides: dict[str, Any] | None = No
 def _gpu_share(actors: int) -> float:
     """1/actors of one GPU, rounded down to Ray's resource precision (1e-4) so that they all fit on it."""
     return math.floor(10_000 / max(1, actors)) / 10_000
-
-
-# ---------------------------------------------------------------- model
 
 
 def model_name(arch: str) -> str:
@@ -139,8 +100,8 @@ def register_resnet(root: str, arch: str, photo_head: bool = False) -> None:
     spec = ModelSpec(arch=arch, num_classes=len(classes))
     saved = Path(root) / "outside" / f"{arch}-random.pt"  # what a user would hand over
     saved.parent.mkdir(parents=True, exist_ok=True)
-    saved.write_bytes(state_dict_bytes(model))
-    weights = saved.read_bytes()
+    weights = state_dict_bytes(model)
+    saved.write_bytes(weights)
     version = registry.register(
         model_name(arch),
         weights,
@@ -157,13 +118,7 @@ def register_resnet(root: str, arch: str, photo_head: bool = False) -> None:
 
 
 def _version(spec: dict[str, Any]) -> Any:
-    from rayline.models import registry
-
-    os.environ["RAYLINE_STORAGE"] = spec["root"]
-    return registry.resolve(model_name(spec["arch"]), registry.CHAMPION)
-
-
-# ---------------------------------------------------------------- the measuring processes
+    return resolve_champion(spec["root"], model_name(spec["arch"]))
 
 
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
@@ -195,40 +150,14 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     return {**figures, "seconds": seconds, "images_s": rows / seconds, "torch_threads": cores, "workers": cores}
 
 
-# ---------------------------------------------------------------- rayline
-
-
 def child_rayline(spec: dict[str, Any]) -> dict[str, Any]:
     """Measure ``batch_inference.run`` with the chosen settings (in a process of its own)."""
-    from bench.support.process_tree import watch_tree
-    from rayline import ray_cluster, storage
-    from rayline.ray_workloads.nightly import batch_inference
-
-    version = _version(spec)
-    cfg, connect_s, idle_wait_s = connect_for_night(spec, version, **spec["settings"])
-    with watch_tree() as figures:
-        began = time.perf_counter()
-        result = batch_inference.run(cfg)
-        seconds = time.perf_counter() - began
-    assert result.inputs == result.predictions == spec["count"], result
-    ray_cluster.disconnect()
-    storage.remove_tree(cfg.tables_root)  # both tables of this measurement
-    return {
-        **figures,
-        "seconds": seconds,
-        "images_s": result.inputs / seconds,
-        "phases": result.phase_s,
-        "connect_s": connect_s,
-        "idle_wait_s": idle_wait_s,
-        "plans": result.plans,
-    }
+    measured = measure_nights(spec, _version(spec), **spec["settings"])
+    return {**measured["runs"][0], "connect_s": measured["connect_s"], "idle_wait_s": measured["idle_wait_s"]}
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     return child_plain(spec) if spec["kind"] == "resnet-plain" else child_rayline(spec)
-
-
-# ---------------------------------------------------------------- the parent: sizes x storages
 
 
 Measure = Callable[[dict[str, Any], dict[str, str]], dict[str, Any]]
@@ -247,10 +176,6 @@ class Pair:
     @property
     def ratio(self) -> float:
         return float(self.rayline["images_s"]) / float(self.plain["images_s"])
-
-
-def _cores(figures: dict[str, Any]) -> str:
-    return f"used {figures['cores']:.2f} cores, other processes {figures['others_cores']:.2f}"
 
 
 def _memory(figures: dict[str, Any]) -> str:
@@ -298,51 +223,35 @@ def _sizes_on(
 
 
 def _local_inputs(sizes: list[int]) -> Iterator[tuple[int, str, dict[str, Any]]]:
-    from bench.support.photo_images import photo_folder, warm_photos
+    from bench.support.inference_images import warm_page_cache
+    from bench.support.photo_images import photo_folder
 
     for count in sizes:
         folder = photo_folder(count)
-        warm_photos(folder)
+        warm_page_cache(folder, "*.jpg")
         yield count, str(folder), {}
 
 
 def _s3_inputs(sizes: list[int], env: dict[str, str]) -> Iterator[tuple[int, str, dict[str, Any]]]:
     """Each size under a prefix of its own in a bucket of a loopback moto server (started here, stopped after)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import boto3
-
+    from bench.support.inference_s3 import loopback_s3, upload
     from bench.support.photo_images import PHOTOS, ensure_photos
-    from rayline.testing.s3_server import S3_ENV, create_bucket, s3_server
 
-    os.environ.update(S3_ENV)
-    env.update(S3_ENV)
-    with s3_server() as endpoint:
-        create_bucket(endpoint, BUCKET)
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    with loopback_s3(env, BUCKET) as (endpoint, _):
         for count in sizes:
-            prefix = f"photos-{count}/dt={DAY}"
-
-            def put(source: Path, prefix: str = prefix) -> None:
-                client.put_object(Bucket=BUCKET, Key=f"{prefix}/{source.relative_to(PHOTOS)}", Body=source.read_bytes())
-
-            with ThreadPoolExecutor(16) as pool:
-                list(pool.map(put, ensure_photos(count)))
-            yield count, f"s3://{BUCKET}/{prefix}", {"s3": endpoint}
+            uri = upload(endpoint, BUCKET, f"photos-{count}/dt={DAY}", ensure_photos(count), PHOTOS)
+            yield count, uri, {"s3": endpoint}
 
 
-def bench_resnet(
-    work: str,
-    arch: str,
-    sizes: list[int],
-    storages: list[str],
-    overrides: dict[str, Any],
-    env: dict[str, str],
-    measure: Measure,
-) -> dict[str, Any]:
-    """Run the case; returns the closing JSON's ``resnet_*`` keys."""
+def bench_resnet(work: str, args: argparse.Namespace, env: dict[str, str], measure: Measure) -> dict[str, Any]:
+    """Run the case as ``args`` (see :func:`add_arguments`) say; returns the closing JSON's ``resnet_*`` keys."""
     import torch
 
+    arch, sizes = args.arch, sorted(args.resnet_sizes)
+    storages = ["local", "s3"] if args.resnet_storage == "both" else [args.resnet_storage]
+    overrides = {
+        k: getattr(args, f"resnet_{k}") for k in ("actors", "batch_size", "objects_per_task", "cpus_per_actor")
+    }
     cores = os.cpu_count() or 1
     settings = {"cpu": choose_settings(cores, gpu=False, overrides=overrides)}
     if torch.cuda.is_available():  # exercised only where there is one; nothing here needs it
@@ -372,31 +281,31 @@ def summarize(
     def ratio(pair: Pair | None) -> float | None:
         return None if pair is None else round(pair.ratio, 3)
 
+    def img_s(pair: Pair | None) -> float | None:
+        return None if pair is None else round(float(pair.rayline["images_s"]), 1)
+
     main = storages[0]
     lo, hi = find(main, small), find(main, large)
-    rss_ratio = None if lo is None or hi is None else hi.rayline["rss_mb"] / lo.rayline["rss_mb"]
-    if rss_ratio is not None and lo is not None and hi is not None:
+    rss_ratio = None
+    if lo is not None and hi is not None:
+        rss_ratio = hi.rayline["rss_mb"] / lo.rayline["rss_mb"]
         print(
             f"peak RSS of rayline's process tree ({main}): {hi.rayline['rss_mb']:.0f} MB at {large} / "
             f"{lo.rayline['rss_mb']:.0f} MB at {small} = {rss_ratio:.2f}"
         )
-    gpu_hi = find(main, large, "gpu")
     return {
         "resnet_ratio_2k": ratio(lo),
         "resnet_ratio_10k": ratio(hi),
         "resnet_rss_ratio": None if rss_ratio is None else round(rss_ratio, 3),
-        "resnet_img_s_10k": None if hi is None else round(float(hi.rayline["images_s"]), 1),
+        "resnet_img_s_10k": img_s(hi),
         "resnet_s3_ratio_2k": ratio(find("s3", small)),
         "resnet_s3_ratio_10k": ratio(find("s3", large)),
-        "resnet_gpu_ratio_10k": ratio(gpu_hi),
-        "resnet_gpu_img_s_10k": None if gpu_hi is None else round(float(gpu_hi.rayline["images_s"]), 1),
+        "resnet_gpu_ratio_10k": ratio(find(main, large, "gpu")),
+        "resnet_gpu_img_s_10k": img_s(find(main, large, "gpu")),
         "resnet_storage": main,
         "resnet_sizes": [small, large],
         "resnet_settings": asdict(settings["cpu"]),
     }
-
-
-# ---------------------------------------------------------------- command line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -409,16 +318,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--resnet-batch-size", type=int)
     group.add_argument("--resnet-objects-per-task", type=int)
     group.add_argument("--resnet-cpus-per-actor", type=float)
-
-
-def storages(choice: str) -> list[str]:
-    return ["local", "s3"] if choice == "both" else [choice]
-
-
-def overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "actors": args.resnet_actors,
-        "batch_size": args.resnet_batch_size,
-        "objects_per_task": args.resnet_objects_per_task,
-        "cpus_per_actor": args.resnet_cpus_per_actor,
-    }

@@ -1,10 +1,7 @@
 """The plain side of the compute-bound bench: a DataLoader loop in one process, no Ray.
 
-DataLoader workers read (local file or S3 GET) and decode with rayline's
-``decode_image``; the main process runs the model (``prepare_for_inference``,
-channels-last input, the same batch size as rayline) and writes Parquet files
-of rayline's columns, one per ``objects_per_file`` objects, with the same
-per-sample error capture.
+Workers read (a local file or an S3 GET) and decode with rayline's ``decode_image``; the main process runs
+the model as rayline's actors do and writes their Parquet files, with the same per-sample error capture.
 """
 
 from __future__ import annotations
@@ -13,10 +10,8 @@ import os
 import time
 from typing import Any
 
-CODE_VERSION = "bench"
 
-
-class _Reader:
+class Reader:
     """Reads a local file or an S3 object; one boto3 client per process (DataLoader workers are forked)."""
 
     def __init__(self) -> None:
@@ -40,7 +35,7 @@ class PhotoDataset:
     """Map-style dataset for the DataLoader: item i = (i, image or None, (stage, type, message) or None)."""
 
     def __init__(self, uris: list[str], image_spec: Any) -> None:
-        self.uris, self.image_spec, self.read = uris, image_spec, _Reader()
+        self.uris, self.image_spec, self.read = uris, image_spec, Reader()
 
     def __len__(self) -> int:
         return len(self.uris)
@@ -48,14 +43,13 @@ class PhotoDataset:
     def __getitem__(self, index: int) -> tuple[int, Any, tuple[str, str, str] | None]:
         from rayline.ray_workloads.data.images import decode_image
 
+        stage = "fetch"
         try:
             data = self.read(self.uris[index])
-        except Exception as exc:  # per-sample error capture, as rayline's actors do
-            return index, None, ("fetch", type(exc).__name__, str(exc)[:500])
-        try:
+            stage = "decode"
             return index, decode_image(data, self.image_spec), None
         except Exception as exc:  # per-sample error capture, as rayline's actors do
-            return index, None, ("decode", type(exc).__name__, str(exc)[:500])
+            return index, None, (stage, type(exc).__name__, str(exc)[:500])
 
 
 def collate(items: list[tuple[int, Any, tuple[str, str, str] | None]]) -> dict[str, Any]:
@@ -72,7 +66,7 @@ def collate(items: list[tuple[int, Any, tuple[str, str, str] | None]]) -> dict[s
 
 
 class _Files:
-    """Collects rows and writes one predictions (and errors) Parquet file per ``per_file`` objects."""
+    """Collects rows and writes one predictions (and errors) file per ``per_file`` objects."""
 
     def __init__(self, objects: list[Any], version: Any, out_dir: str, per_file: int) -> None:
         self.objects, self.version, self.out_dir, self.per_file = objects, version, out_dir, per_file
@@ -87,39 +81,13 @@ class _Files:
             self.flush()
 
     def flush(self) -> None:
-        import pyarrow as pa
+        from bench.support.plain_inference import write_files
 
-        from rayline import storage
-
+        good = [self.objects[i] for i, *_ in self.predictions]
+        top, probs, millis = ([p[k] for p in self.predictions] for k in (1, 2, 3))
+        errors = [(self.objects[i].uri, *rest) for i, *rest in self.errors]
         name = f"part-{self.files:05d}.parquet"
-        if self.predictions:
-            objs = [self.objects[i] for i, *_ in self.predictions]
-            top_index = [p[1] for p in self.predictions]
-            n = len(objs)
-            table = pa.table(
-                {
-                    "uri": [o.uri for o in objs],
-                    "etag": [o.etag for o in objs],
-                    "predicted_index": [t[0] for t in top_index],
-                    "predicted_class": [self.version.classes[t[0]] for t in top_index],
-                    "confidence": pa.array([p[2][0] for p in self.predictions], pa.float32()),
-                    "top_k_index": pa.array(top_index, pa.list_(pa.int64())),
-                    "top_k_prob": pa.array([p[2] for p in self.predictions], pa.list_(pa.float64())),
-                    "inference_ms": pa.array([p[3] for p in self.predictions], pa.float32()),
-                    "model_name": [self.version.name] * n,
-                    "model_version": [self.version.version] * n,
-                    "code_version": [CODE_VERSION] * n,
-                    "flow_run_id": [""] * n,
-                }
-            )
-            storage.write_parquet_atomic(f"{self.out_dir}/predictions/{name}", table)
-            self.rows += n
-        if self.errors:
-            columns = ["uri", "stage", "error_type", "error_message"]
-            rows = [(self.objects[i].uri, *rest) for i, *rest in self.errors]
-            table = pa.table({c: [r[k] for r in rows] for k, c in enumerate(columns)})
-            storage.write_parquet_atomic(f"{self.out_dir}/errors/{name}", table)
-            self.rows += len(rows)
+        self.rows += write_files(self.out_dir, name, self.version, good, top, probs, millis, errors)
         self.predictions, self.errors, self.files = [], [], self.files + 1
 
 

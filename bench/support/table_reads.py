@@ -1,16 +1,9 @@
 """Reading one night from a predictions table that holds many (``--parts table``): does it cost one night?
 
-Builds a ``predictions`` Delta table as nightly inference fills it, without
-Ray or a model: per night, synthetic prediction rows of the real columns
-(``PREDICTIONS_SCHEMA``) in part files of ``ROWS_PER_FILE`` rows, one per
-actor block, written with ``write_data_file`` and committed with
-``commit_night``, one commit per night (no checkpoint: Delta writes the first
-at 100 commits). Then times ``rayline.tables.prediction_reads.read_night``, the
-reader of the monitor, rollouts and the CLI: night 1 while the table holds
-only night 1, and the newest night once the table holds ``nights`` of them
-(median of ``repeats`` reads each, after one untimed read). What grows with
-the table is the log to replay (one commit and ~``rows / ROWS_PER_FILE``
-file entries per night); the files read stay those of one night.
+A ``predictions`` Delta table filled as nightly inference fills it, without Ray or a model (synthetic rows
+of the real columns in part files of ``ROWS_PER_FILE``, one commit a night), then ``read_night`` of night 1
+while it holds one night against the newest once it holds ``nights``. What grows is the log to replay; the
+files read stay one night's. Also the synthetic tables of bench/quality_reads.py and shadow_memory.py.
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ from datetime import date, timedelta
 import numpy as np
 import pyarrow as pa
 
+from bench.support.timing import run_seconds
 from rayline.storage.layout import PREDICTIONS_TABLE, table_uri
 from rayline.tables.delta_tables import Night
 from rayline.tables.prediction_reads import read_night
@@ -31,40 +25,57 @@ MODEL = "digits"
 # what an actor writes per block for small images (batch_inference.objects_per_task): one file each
 ROWS_PER_FILE = 256
 TOP_K = 3
+CLASSES = np.array([str(c) for c in range(10)], dtype=object)
 FIRST_NIGHT = date(2026, 11, 1)
 
 
-def night_rows(night: Night, rows: int, rng: np.random.Generator) -> pa.Table:
-    """``rows`` synthetic predictions of ``night`` with the table's real columns (10 classes, top 3)."""
-    classes = np.array([str(c) for c in range(10)], dtype=object)
-    top = np.argsort(rng.random((rows, 10)), axis=1)[:, :TOP_K]
-    probs = np.sort(rng.random((rows, TOP_K)), axis=1)[:, ::-1]
-    offsets = pa.array(np.arange(0, rows * TOP_K + 1, TOP_K, dtype=np.int32))
+def predictions_table(
+    uris: list[str],
+    etags: list[str],
+    top: np.ndarray,
+    probs: np.ndarray,
+    classes: np.ndarray,
+    inference_ms: np.ndarray,
+    version: int,
+    plan: str,
+) -> pa.Table:
+    """Prediction rows with the table's real columns: the ``top`` class indices of each row and their ``probs``."""
+    rows, top_k = top.shape
+    offsets = pa.array(np.arange(0, rows * top_k + 1, top_k, dtype=np.int32))
     columns = {
-        "uri": pa.array([f"s3://bench/incoming/dt={night.dt}/{i % 10}/image-{i:07d}.png" for i in range(rows)]),
-        "etag": pa.array([f"{i:032x}" for i in range(rows)]),
+        "uri": pa.array(uris),
+        "etag": pa.array(etags),
         "predicted_index": pa.array(top[:, 0], pa.int64()),
         "predicted_class": pa.array(classes[top[:, 0]]),
         "confidence": pa.array(probs[:, 0], pa.float32()),
         "top_k_index": pa.ListArray.from_arrays(offsets, pa.array(top.ravel(), pa.int64())),
         "top_k_prob": pa.ListArray.from_arrays(offsets, pa.array(probs.ravel(), pa.float64())),
         "top_k_class": pa.ListArray.from_arrays(offsets, pa.array(classes[top.ravel()])),
-        "inference_ms": pa.array(rng.uniform(0.5, 2.0, rows), pa.float32()),
-        "model_version": pa.array(np.ones(rows, dtype=np.int64)),
+        "inference_ms": pa.array(inference_ms, pa.float32()),
+        "model_version": pa.array(np.full(rows, version, dtype=np.int64)),
         "code_version": pa.array(["bench"] * rows),
         "flow_run_id": pa.array([""] * rows),
-        "plan": pa.array(["eager/fp32/channels-last"] * rows),
+        "plan": pa.array([plan] * rows),
     }
     return pa.table(columns, schema=PREDICTIONS_SCHEMA)
 
 
-def commit_synthetic_night(table: str, night: Night, rows: int, rng: np.random.Generator) -> None:
-    """One night as a run commits it: part files in the night's folder, then one commit."""
-    data = night_rows(night, rows, rng)
-    run_id = f"bench-{night.dt}"
+def night_rows(night: Night, rows: int, rng: np.random.Generator) -> pa.Table:
+    """``rows`` synthetic predictions of ``night`` by version 1 (10 classes, top 3)."""
+    top = np.argsort(rng.random((rows, 10)), axis=1)[:, :TOP_K]
+    probs = np.sort(rng.random((rows, TOP_K)), axis=1)[:, ::-1]
+    uris = [f"s3://bench/incoming/dt={night.dt}/{i % 10}/image-{i:07d}.png" for i in range(rows)]
+    etags = [f"{i:032x}" for i in range(rows)]
+    return predictions_table(
+        uris, etags, top, probs, CLASSES, rng.uniform(0.5, 2.0, rows), 1, "eager/fp32/channels-last"
+    )
+
+
+def commit_rows(table: str, night: Night, data: pa.Table, run_id: str) -> None:
+    """``data`` as a run commits a night: part files of ``ROWS_PER_FILE`` rows in its folder, then one commit."""
     parts = [
         write_data_file(table, night, run_id, part, data.slice(start, ROWS_PER_FILE))
-        for part, start in enumerate(range(0, rows, ROWS_PER_FILE))
+        for part, start in enumerate(range(0, data.num_rows, ROWS_PER_FILE))
     ]
     commit_night(table, parts, night, run_id, PREDICTIONS_SCHEMA)
 
@@ -72,12 +83,7 @@ def commit_synthetic_night(table: str, night: Night, rows: int, rng: np.random.G
 def median_read_s(table: str, night: Night, rows: int, repeats: int) -> float:
     """Median seconds of ``read_night`` of ``night`` (one untimed read first: imports, page cache)."""
     assert read_night(table, night.model_name, night.dt).num_rows == rows
-    seconds = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        read_night(table, night.model_name, night.dt)
-        seconds.append(time.perf_counter() - began)
-    return statistics.median(seconds)
+    return statistics.median(run_seconds(lambda: read_night(table, night.model_name, night.dt), repeats))
 
 
 def bench_table(work: str, nights: int, rows: int, repeats: int) -> dict[str, float]:
@@ -85,11 +91,11 @@ def bench_table(work: str, nights: int, rows: int, repeats: int) -> dict[str, fl
     table = table_uri(f"{work}/table-reads", PREDICTIONS_TABLE)
     rng = np.random.default_rng(0)
     all_nights = [Night(MODEL, (FIRST_NIGHT + timedelta(days=i)).isoformat()) for i in range(nights)]
-    commit_synthetic_night(table, all_nights[0], rows, rng)
+    commit_rows(table, all_nights[0], night_rows(all_nights[0], rows, rng), f"bench-{all_nights[0].dt}")
     first_s = median_read_s(table, all_nights[0], rows, repeats)
     began = time.perf_counter()
     for night in all_nights[1:]:
-        commit_synthetic_night(table, night, rows, rng)
+        commit_rows(table, night, night_rows(night, rows, rng), f"bench-{night.dt}")
     built_s = time.perf_counter() - began
     last_s = median_read_s(table, all_nights[-1], rows, repeats)
     ratio = last_s / first_s
