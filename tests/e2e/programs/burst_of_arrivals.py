@@ -26,12 +26,12 @@ def arrival(prefix: str, eligible: str) -> None:
 
 
 async def retrain_runs() -> list[Any]:
-    """The ``source_uri`` parameter of every run of the retrain deployment."""
+    """The ``source_uri`` of every run of the retrain deployment: a field of its one ``request`` parameter."""
     async with get_client() as client:
         found = await client.read_flow_runs(
             deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["retrain"]))
         )
-    return [r.parameters.get("source_uri") for r in found]
+    return [r.parameters.get("request", {}).get("source_uri") for r in found]
 
 
 def main(prefix: str) -> None:
