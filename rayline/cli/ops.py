@@ -62,7 +62,7 @@ serve_app = typer.Typer(
 
 @serve_app.command(
     "start",
-    help="Deploy a registered model version (--model NAME[@alias|vN]) behind the router: it takes all of its "
+    help="Deploy a registered model version (--model NAME\\[@alias|vN]) behind the router: it takes all of its "
     "model's traffic when no other version of that model serves, else it waits at 0 % for `rayline serve rollout`. "
     "Runs on the cluster of RAY_ADDRESS (e.g. `rayline up`'s); without it on an embedded cluster, "
     "which dies with this command, so serving ends when it returns unless --block keeps it up.",
