@@ -7,6 +7,7 @@ test shares them; each test writes under its own unique prefix.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -98,6 +99,24 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.update(PROCESS_DEFAULTS)
     os.environ.update(S3_TEST_ENV)
     os.environ.update(_TEST_SETTINGS)
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End the run with its status once every fixture, report and plugin is done, skipping the interpreter's
+    teardown: a full run's pytest (a Ray driver with Ray's, gRPC's and torch's native threads) was seen to die
+    of a segfault there, after its summary and after faulthandler was off, failing a run whatever its tests."""
+    if (status := config.stash.get(_EXIT_STATUS, None)) is not None:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(status)
 
 
 @pytest.fixture(scope="session")

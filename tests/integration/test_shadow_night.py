@@ -66,7 +66,7 @@ def test_the_shadow_scores_each_decoded_image_once_and_answers_as_it_would_alone
         decodes.append(1)
         return real_decode(data, spec)
 
-    monkeypatch.setattr(predictor, "decode_image", counted)
+    monkeypatch.setattr(images, "decode_image", counted)  # decode_rows, the predictor's decode, calls it
     night = Night("digits", DAY)
     tables = [table_uri(local_storage, t) for t in (PREDICTIONS_TABLE, ERRORS_TABLE, SHADOW_TABLE)]
     constants = {"model_version": champion.version, "code_version": "test", "flow_run_id": ""}
