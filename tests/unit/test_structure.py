@@ -1,4 +1,4 @@
-"""The shape of the project: one-way layers, no side effects at import, and one error tree.
+"""The shape of the project: one-way layers, and no side effects at import (the error tree: test_error_tree).
 
 Imports run one way::
 
@@ -17,11 +17,9 @@ names the module, the import and its line.
 from __future__ import annotations
 
 import ast
-import builtins
 import functools
 import importlib
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,12 +28,14 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO_ROOT
+from tests.unit.source_walk import LAYERS, WALKED
+from tests.unit.source_walk import nodes as _nodes
+from tests.unit.source_walk import sources as _sources
+from tests.unit.source_walk import tree as _tree
+from tests.unit.source_walk import within as _within
 
 pytestmark = pytest.mark.unit
 
-LAYERS = ("ray_workloads", "tasks", "flows", "deployments")  # folders at the top, imported as rayline.<layer>
-FOLDERS = ["rayline", *LAYERS]
-WALKED = [*FOLDERS, "bench"]
 SHELL = "rayline.cli"
 WORKLOADS, TASKS, FLOWS, DEPLOYMENTS = (f"rayline.{layer}" for layer in LAYERS)
 
@@ -52,37 +52,9 @@ class Import:
         return f"{self.importer} imports {self.target} (line {self.line})"
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
-    if parts[0] in LAYERS:
-        parts = ("rayline", *parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-@functools.cache
-def _sources() -> dict[str, Path]:
-    """Every module of the walked folders, by name (rglob does not descend rayline/'s links to the layers)."""
-    return {_module_name(p): p for folder in WALKED for p in sorted((REPO_ROOT / folder).rglob("*.py"))}
-
-
 def _modules(package: str) -> list[str]:
     """The package's modules, subpackages included; not ``__main__`` (importing it runs the command)."""
     return [m for m in _sources() if _within(m, package) and not m.endswith(".__main__")]
-
-
-@functools.cache
-def _tree(module: str) -> ast.Module:
-    return ast.parse(_sources()[module].read_text())
-
-
-@functools.cache
-def _nodes(module: str) -> tuple[ast.AST, ...]:
-    """Every node of ``module``, parsed and walked once for all the rules below."""
-    return tuple(ast.walk(_tree(module)))
-
-
-def _within(name: str, *packages: str) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in packages)
 
 
 def _layer(module: str) -> str:
@@ -453,127 +425,3 @@ def test_the_distribution_installs_one_top_level_package(tmp_path: Path) -> None
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[0] == "['rayline', 'rayline.flows', 'rayline.tasks']"
-
-
-# --- one error tree: every error derives from RaylineError, lives where the tree says and is drawn there -----
-
-ERRORS = "rayline.errors"
-
-
-@dataclass(frozen=True)
-class DefinedClass:
-    module: str
-    name: str
-    line: int
-    bases: tuple[str, ...]  # each base by its last name: `errors.InputDataError` → InputDataError
-
-    def __str__(self) -> str:
-        return f"{self.module}.{self.name} (line {self.line}, bases {', '.join(self.bases) or 'none'})"
-
-
-@functools.cache
-def _package_classes() -> tuple[DefinedClass, ...]:
-    """Every class of rayline and its layers, nested ones too."""
-    return tuple(
-        DefinedClass(module, node.name, node.lineno, tuple(filter(None, (_last_name(b) for b in node.bases))))
-        for module in _sources()
-        if _within(module, "rayline")
-        for node in _nodes(module)
-        if isinstance(node, ast.ClassDef)
-    )
-
-
-def _last_name(node: ast.expr) -> str | None:
-    node = node.value if isinstance(node, ast.Subscript) else node  # Generic[T]
-    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
-
-
-@functools.cache
-def _exception_classes() -> tuple[tuple[DefinedClass, bool], ...]:
-    """Each exception class of the package, and whether it derives from RaylineError.
-
-    A base is an exception when it is a builtin exception, an exception class of
-    the package, or another library's class named like one (``…Error``, ``…Exception``).
-    """
-    classes = _package_classes()
-    by_name: dict[str, list[DefinedClass]] = {}
-    for c in classes:
-        by_name.setdefault(c.name, []).append(c)
-
-    @functools.cache
-    def kind(name: str) -> tuple[bool, bool]:  # (is an exception, derives from RaylineError)
-        if name == "RaylineError":
-            return True, True
-        builtin = getattr(builtins, name, None)
-        if isinstance(builtin, type) and issubclass(builtin, BaseException):
-            return True, False
-        if name not in by_name:
-            return name.endswith(("Error", "Exception")), False
-        bases = [kind(b) for c in by_name[name] for b in c.bases if b != name]
-        return any(e for e, _ in bases), any(r for _, r in bases)
-
-    return tuple((c, kind(c.name)[1]) for c in classes if kind(c.name)[0])
-
-
-def _the_tree() -> tuple[set[str], set[str]]:
-    """The class names drawn in rayline/errors.py's docstring, and the stage ``errors`` modules it names."""
-    doc = ast.get_docstring(_tree(ERRORS)) or ""
-    drawing = doc.partition("::\n\n")[2].partition("\n\n")[0]
-    stage_modules = set(re.findall(r"``(rayline\.[\w.]+\.errors)``", doc))
-    return set(re.findall(r"\b[A-Z]\w+", drawing)), stage_modules
-
-
-def test_every_error_derives_from_rayline_error_and_lives_in_the_tree_module() -> None:
-    found = _exception_classes()
-    _, stage_modules = _the_tree()
-    assert any(c.name == "HttpError" and c.module == ERRORS for c, _ in found), "the walk must see errors.py"
-    outside = [c for c, ours in found if not ours]
-    assert not outside, "every exception rayline defines derives from RaylineError:\n" + "\n".join(
-        f"  {c}" for c in outside
-    )
-    elsewhere = [c for c, _ in found if c.module not in {ERRORS, *stage_modules}]
-    assert not elsewhere, (
-        "every exception lives in rayline/errors.py, or in a stage's errors.py that errors.py's docstring names "
-        "(``rayline.ray_workloads.<stage>.errors``):\n" + "\n".join(f"  {c}" for c in elsewhere)
-    )
-
-
-def test_the_drawn_tree_names_every_error_and_only_those() -> None:
-    drawn, stage_modules = _the_tree()
-    defined = {c.name for c, _ in _exception_classes() if c.module in {ERRORS, *stage_modules}}
-    assert drawn == defined, (
-        f"rayline/errors.py's drawing lacks {sorted(defined - drawn)} and draws no such error as "
-        f"{sorted(drawn - defined)}"
-    )
-
-
-_PRAGMAS = re.compile(r"noqa(:\s*[A-Z]+\d+(,\s*[A-Z]+\d+)*)?|type:\s*ignore(\[[^\]]*\])?|pragma:\s*no cover")
-
-
-def _why(lines: list[str], handler: ast.ExceptHandler) -> str:
-    """The comment on the handler's line, or on a line of its own just above, less pragmas (``noqa``, …)."""
-    own, above = lines[handler.lineno - 1], lines[handler.lineno - 2].strip()
-    comment = own.partition("#")[2] if "#" in own else above[1:] if above.startswith("#") else ""
-    return _PRAGMAS.sub("", comment).strip(" -:;")
-
-
-def _catches_everything(handler: ast.ExceptHandler) -> bool:
-    if handler.type is None:
-        return True
-    caught = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
-    return any(_last_name(c) in ("Exception", "BaseException") for c in caught)
-
-
-def test_each_broad_except_says_why_nothing_narrower_will_do() -> None:
-    """An ``except Exception`` (``BaseException``, a bare ``except:``) carries a comment, on its line or the one
-    above, saying why: a library that raises many classes, a user's code that may raise anything, a re-raise."""
-    unexplained, seen = [], 0
-    for module, path in _sources().items():
-        handlers = [n for n in _nodes(module) if isinstance(n, ast.ExceptHandler) and _catches_everything(n)]
-        lines = path.read_text().splitlines() if handlers else []
-        seen += len(handlers)
-        unexplained += [
-            f"  {path.relative_to(REPO_ROOT)}:{h.lineno}" for h in handlers if len(_why(lines, h).split()) < 3
-        ]
-    assert seen > 10, "the walk must see the broad excepts"
-    assert not unexplained, "say why nothing narrower than Exception will do, in a comment:\n" + "\n".join(unexplained)
