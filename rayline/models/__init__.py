@@ -1,6 +1,7 @@
 """Models: the registry of trained models and what mirrors it.
 
-- ``registry``: immutable versions, movable aliases (``champion``, ``challenger``), the promotion gate;
+- ``registry``: immutable versions, movable aliases (``champion``, ``challenger``);
+- ``promotion_gate``: whether a candidate beats the champion on its test split (exact McNemar);
 - ``aliases``: one alias move as a compare-and-swap;
 - ``class_lists``: the rule a new version's classes keep (every class of its versions at the same index);
 - ``split_answers``: a version's answers on a test split, image by image, kept with it, and the exact McNemar

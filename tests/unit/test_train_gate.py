@@ -17,14 +17,14 @@ from rayline.models.split_answers import PairedCounts
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
 from rayline.ray_workloads.training import promotion
 from rayline.ray_workloads.training.request import GateOptions
-from rayline.specs import ImageSpec
+from rayline.specs import GATE_ALPHA, ImageSpec
 from tests.unit.test_registry_and_models import _register, answers_right_on
 
 pytestmark = pytest.mark.unit
 
 SPLIT = 360  # test images of one registration in the simulations
 REGISTRATIONS = 2000
-ALPHA = registry.GATE_ALPHA
+ALPHA = GATE_ALPHA
 
 
 def _version(number: int) -> registry.ModelVersion:
