@@ -23,6 +23,9 @@ from prefect.schedules import Cron, Interval, Schedule
 
 from rayline import events
 from rayline.config import deployment_request
+from rayline.ray_workloads.data.request import PrepareRequest
+from rayline.ray_workloads.monitoring.request import MonitorRequest
+from rayline.ray_workloads.serving.request import RolloutRequest
 from rayline.ray_workloads.training.request import TrainRequest
 from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS
 
@@ -101,6 +104,7 @@ def deployment_table() -> list[DeploymentSpec]:
             name="prepare-data",
             flow=prepare_data,
             interval=timedelta(hours=1),
+            parameters={"request": deployment_request("prepare-data", PrepareRequest)},
             description="Ingest and preprocess raw/; announces new objects (rayline.data.arrived)",
         ),
         DeploymentSpec(name="train-model", flow=train_model, description="Tune, train, evaluate, register, gate"),
@@ -108,14 +112,19 @@ def deployment_table() -> list[DeploymentSpec]:
         DeploymentSpec(
             name="serve-rollout",
             flow=serve_rollout,
+            parameters={"request": deployment_request("serve-rollout", RolloutRequest)},
             triggers=[
                 _on(
                     events.ALIAS_MOVED,
                     "roll-out-new-challenger",
                     timedelta(0),
                     match={"rayline.alias": "challenger"},
-                    candidate="v{{ event.payload.version }}",
-                    model_name="{{ event.payload.model }}",
+                    # a trigger's parameters replace the deployment's: the whole request, the event's version in it
+                    request={
+                        **deployment_request("serve-rollout", RolloutRequest),
+                        "candidate": "v{{ event.payload.version }}",
+                        "model_name": "{{ event.payload.model }}",
+                    },
                 )
             ],
             description="Canary a challenger 10 → 50 → 100 %, promote or roll back",
@@ -124,7 +133,7 @@ def deployment_table() -> list[DeploymentSpec]:
             name="monitor",
             flow=monitor,
             interval=timedelta(minutes=15),
-            parameters={"vacuum_retention_hours": DEFAULT_RETENTION_HOURS},
+            parameters={"request": deployment_request("monitor", MonitorRequest)},
             description=(
                 "Serving health and prediction drift; emits rayline.drift.detected; vacuums the predictions tables "
                 f"({DEFAULT_RETENTION_HOURS} h retention: time travel reaches that far)"

@@ -4,15 +4,13 @@ checked against what the champion predicted (``rayline.ray_workloads.quality.lab
 
 from __future__ import annotations
 
-from typing import Literal
-
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from rayline.models.registry import CHAMPION
-from rayline.ray_workloads.quality.labels_import import LabelsImportConfig, LabelsImportResult
+from rayline.ray_workloads.quality.labels_import import LabelsImportResult
+from rayline.ray_workloads.quality.requests import LabelsImportRequest as LabelsImportRequest  # with the flow
 from rayline.storage.layout import INCOMING_DIR, root_uri, under_root
-from rayline.storage.layout import model_name as checked_model_name
 from rayline.tasks.labels import announce_labels_task, import_labels_task
 from rayline.tasks.registry_lookups import resolve_version_task
 
@@ -34,29 +32,13 @@ def _markdown(result: LabelsImportResult) -> str:
 
 
 @flow(name="import-labels")
-def import_labels(
-    file: str,
-    model_name: str = "digits",
-    key_base: str | None = None,
-    source: str | None = None,
-    selection: Literal["random"] | None = None,
-) -> LabelsImportResult:
-    """Import ``file`` (CSV, Parquet or JSON Lines: ``uri`` or ``key``, ``label``, optionally ``etag``,
-    ``source``, ``labelled_at``) as labels of ``model_name``; ``key`` is relative to ``key_base``
-    (default ``<storage>/incoming``). Refused rows are counted by reason and listed in a report.
-    ``selection="random"``: the file's photos were chosen uniformly at random, whatever the models answered,
-    so its labels may judge a challenger (docs/quality.md)."""
-    name = checked_model_name(model_name)
+def import_labels(request: LabelsImportRequest) -> LabelsImportResult:
+    """Import the request's file as labels of its model, each checked against what the champion predicted;
+    refused rows are counted by reason and listed in a report. Labels of photos chosen at random
+    (``selection``) may judge a challenger (docs/quality.md)."""
+    name = request.model_name
     champion = resolve_version_task(name, CHAMPION)
-    cfg = LabelsImportConfig(
-        file_uri=file,
-        root=root_uri(),
-        model_name=name,
-        classes=champion.classes,
-        key_base=key_base or under_root(INCOMING_DIR),
-        source=source,
-        selection=selection,
-    )
+    cfg = request.config(root_uri(), champion.classes, under_root(INCOMING_DIR))
     result = import_labels_task(cfg)
     logger = get_run_logger()
     logger.info("%s: %d labels imported, %d refused", result.file_uri, result.imported, result.rejected_total)

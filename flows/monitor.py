@@ -14,14 +14,13 @@ from rayline import events
 from rayline.errors import RaylineError
 from rayline.models.registry import CHALLENGER, CHAMPION
 from rayline.ray_workloads.monitoring import monitor as mon
+from rayline.ray_workloads.monitoring.request import MonitorRequest as MonitorRequest  # callers import it with the flow
 from rayline.ray_workloads.quality.metrics import NightQuality
 from rayline.ray_workloads.quality.paired import PairedTest
 from rayline.ray_workloads.quality.shadow import ShadowSummary
 from rayline.ray_workloads.serving.config import config_from_settings
 from rayline.storage.layout import metrics_uri as metrics_file_uri
-from rayline.storage.layout import model_name as checked_model_name
 from rayline.storage.layout import root_uri
-from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS, check_retention
 from rayline.tasks.common import emit, png_markdown
 from rayline.tasks.maintenance import vacuum_tables_task
 from rayline.tasks.monitoring import (
@@ -104,40 +103,27 @@ def _vacuum_line(result: MonitorResult, error: Exception | None) -> str:
 
 
 @flow(name="monitor")
-def monitor(
-    model_name: str = "digits",
-    partitions: int = 1,
-    check_serving: bool = True,
-    reference_date: str | None = None,
-    psi_threshold: float = 0.2,
-    max_low_confidence_share: float = 0.3,
-    max_error_fraction: float = 0.05,
-    vacuum_retention_hours: int | None = DEFAULT_RETENTION_HOURS,
-    quality_nights: int = 14,
-) -> MonitorResult:
-    """Check serving health and the latest ``partitions`` committed nights of ``model_name`` for drift.
+def monitor(request: MonitorRequest = MonitorRequest()) -> MonitorResult:  # noqa: B008  # frozen: one default
+    """Check serving health and the latest committed nights of the request's model for drift.
 
-    ``reference_date`` (YYYY-MM-DD) names the night to compare with; by default a trained champion is compared
-    with its training labels and an outside one with its first committed night. Each version's labelled
-    quality covers the latest ``quality_nights`` committed nights that have labels. Then vacuums both night
-    tables, for real (``vacuum_retention_hours`` None: no vacuum); a failed vacuum fails the run after the
-    checks are published.
+    By default a trained champion is compared with its training labels and an outside one with its first
+    committed night. Each version's labelled quality covers the latest ``quality_nights`` committed nights that
+    have labels. Then vacuums both night tables, for real (``vacuum_retention_hours`` None: no vacuum); a failed
+    vacuum fails the run after the checks are published.
     """
-    if vacuum_retention_hours is not None:
-        check_retention(vacuum_retention_hours)  # a bad parameter fails before any work
-    thresholds = mon.DriftThresholds(
-        psi=psi_threshold, max_low_confidence_share=max_low_confidence_share, max_error_fraction=max_error_fraction
-    )
+    model_name, thresholds = request.model_name, request.thresholds
+    reference_date = request.reference_date.isoformat() if request.reference_date else None
     root = root_uri()
-    champion = resolve_version_task(checked_model_name(model_name), CHAMPION)
+    champion = resolve_version_task(model_name, CHAMPION)
     reconcile_mirror_task(champion.name)  # every 15 min: completes a mirror that failed earlier (never raises)
     reference = reference_task(champion, root, reference_date, thresholds.low_confidence)
     get_run_logger().info("judging %s v%d's nights against %s", model_name, champion.version, reference.describe())
-    cfg = config_from_settings()
-    serving = serving_health_task(f"http://{cfg.host}:{cfg.port}", thresholds, model_name) if check_serving else None
-    drifts = night_drifts_task(root, model_name, partitions, reference, thresholds)
+    serving = _serving_health(thresholds, model_name) if request.check_serving else None
+    drifts = night_drifts_task(root, model_name, request.partitions, reference, thresholds)
     challenger = alias_version_task(champion.name, CHALLENGER)
-    labelled = labelled_quality_task(root, model_name, champion.classes, quality_nights, champion.version, challenger)
+    labelled = labelled_quality_task(
+        root, model_name, champion.classes, request.quality_nights, champion.version, challenger
+    )
     result = MonitorResult(
         serving=serving,
         partitions=drifts,
@@ -145,7 +131,7 @@ def monitor(
         paired=labelled.paired,
         shadows=shadow_nights_task(root, model_name, [d.dt for d in drifts]),
         metrics_uri=metrics_file_uri(root, model_name),
-        vacuum_retention_hours=vacuum_retention_hours,
+        vacuum_retention_hours=request.vacuum_retention_hours,
     )
     text = mon.prometheus_text(
         serving, drifts, model_name, result.quality, paired=result.paired, thresholds=thresholds, shadows=result.shadows
@@ -153,11 +139,16 @@ def monitor(
     write_metrics_task(result.metrics_uri, text)
     _announce(result, thresholds, model_name)
     # last: upkeep, which must not hold back the checks' events
-    result.files_vacuumed, vacuum_error = _vacuum(root, vacuum_retention_hours)
+    result.files_vacuumed, vacuum_error = _vacuum(root, request.vacuum_retention_hours)
     _publish(result, vacuum_error)
     if vacuum_error is not None:
         raise vacuum_error
     return result
+
+
+def _serving_health(thresholds: mon.DriftThresholds, model_name: str) -> mon.ServingHealth:
+    cfg = config_from_settings()
+    return serving_health_task(f"http://{cfg.host}:{cfg.port}", thresholds, model_name)
 
 
 def _announce(result: MonitorResult, thresholds: mon.DriftThresholds, model_name: str) -> None:

@@ -17,18 +17,16 @@ from rayline.flows.nightly_backfill import check_error_budget, night_config, run
 from rayline.models.registry import CHALLENGER, ModelVersion
 from rayline.ray_workloads.execution.plan import plans_text
 from rayline.ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
-from rayline.ray_workloads.nightly.request import DEFAULT_MODEL_NAME, BackfillResult
+from rayline.ray_workloads.nightly.request import BackfillResult
 from rayline.ray_workloads.nightly.request import NightRequest as NightRequest  # callers import it with the flow
 from rayline.skipped import skipped_text
 from rayline.tasks.batch_inference import batch_inference_task
-from rayline.tasks.registry_lookups import alias_version_task, parse_model_ref_task, resolve_version_task
-
-
-def _version(request: NightRequest) -> ModelVersion:
-    """The version the request names: of its model name, else of the model a bare word names, else the default's."""
-    if request.model_name is not None:
-        return resolve_version_task(request.model_name, request.model)
-    return resolve_version_task(*parse_model_ref_task(request.model, DEFAULT_MODEL_NAME))
+from rayline.tasks.registry_lookups import (
+    alias_version_task,
+    parse_model_ref_task,
+    requested_version,
+    resolve_version_task,
+)
 
 
 def _shadow_version(version: ModelVersion, shadow: str | None) -> ModelVersion | None:
@@ -63,7 +61,7 @@ def nightly_inference(
     Completed without committing (``NightSkipped``) when another run committed it meanwhile. A range fails
     naming its failed nights (the others stay committed), else returns a ``BackfillResult``.
     """
-    version = _version(request)
+    version = requested_version(request.model, request.model_name)
     shadow = _shadow_version(version, request.shadow)
     if request.is_range:
         return run_range(request, version, shadow)

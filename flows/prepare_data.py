@@ -7,13 +7,13 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
 from rayline.config import get_settings
-from rayline.ray_workloads.data.images import ImageSpec
 from rayline.ray_workloads.data.ingest import IngestConfig, IngestResult
 from rayline.ray_workloads.data.preprocess import PreprocessConfig, PreprocessResult, error_sample
-from rayline.specs import DIGITS_IMAGE_SIZE, squash
+from rayline.ray_workloads.data.request import PrepareRequest as PrepareRequest  # callers import it with the flow
 from rayline.storage.layout import INGESTED_DIR, PREPROCESSED_DIR, RAW_DIR, under_root
 from rayline.tasks.ingest import ingest_objects
 from rayline.tasks.preprocess import preprocess_images
+from rayline.tasks.registry_lookups import requested_version
 
 
 class PrepareDataResult(BaseModel):
@@ -45,36 +45,30 @@ def _publish_summary(ingested: IngestResult, prepared: PreprocessResult) -> None
 
 
 @flow(name="prepare-data")
-def prepare_data(
-    source_uri: str | None = None,
-    image_size: int = DIGITS_IMAGE_SIZE,
-    force: bool = False,
-    announce_retrain: bool = True,
-    image: ImageSpec | None = None,
-) -> PrepareDataResult:
-    """Ingest ``source_uri`` (default ``<storage>/raw``) and preprocess it for training.
+def prepare_data(request: PrepareRequest = PrepareRequest()) -> PrepareDataResult:  # noqa: B008  # frozen: one default
+    """Ingest the request's source (default ``<storage>/raw``) and preprocess it for training.
 
-    Images are decoded with ``image`` (a fine-tune uses its parent's), or squashed to ``image_size`` squares
-    (the digits); the preprocessed folder's name hashes the spec. New objects are announced
-    (``rayline.data.arrived``); ``announce_retrain`` False never asks for a retraining: the caller is about
-    to train on this data itself (``train_model``), so a triggered run would repeat it.
+    The preprocessed folder's name hashes the image spec. New objects are announced (``rayline.data.arrived``);
+    without ``announce_retrain`` they never ask for a retraining: the caller is about to train on this data
+    itself (``train_model``), so a triggered run would repeat it.
     """
     settings = get_settings()
+    like = requested_version(request.like, None).image_spec if request.like else None  # refused before any work
     ingested = ingest_objects(
         IngestConfig(
-            source_uri=source_uri or under_root(RAW_DIR),
+            source_uri=request.source_uri or under_root(RAW_DIR),
             output_root=under_root(INGESTED_DIR),
             io_concurrency=settings.io_concurrency,
-            force=force,
+            force=request.force,
         ),
-        announce_retrain=announce_retrain,
+        announce_retrain=request.announce_retrain,
     )
     prepared = preprocess_images(
         PreprocessConfig(
             ingest_manifest_uri=ingested.manifest_uri,
             output_root=under_root(PREPROCESSED_DIR),
-            image=image if image is not None else squash(image_size),
-            force=force,
+            image=request.image_spec(like),
+            force=request.force,
         )
     )
     _publish_summary(ingested, prepared)

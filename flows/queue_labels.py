@@ -9,27 +9,23 @@ from prefect.artifacts import create_table_artifact
 
 from rayline.models.registry import CHAMPION
 from rayline.ray_workloads.monitoring.monitor import DriftThresholds
-from rayline.ray_workloads.quality.queue import QueueConfig, QueueResult
-from rayline.storage.layout import model_name as checked_model_name
-from rayline.storage.layout import parse_day, root_uri
+from rayline.ray_workloads.quality.queue import QueueResult
+from rayline.ray_workloads.quality.requests import LabelQueueRequest as LabelQueueRequest  # with the flow
+from rayline.storage.layout import root_uri
 from rayline.tasks.labels import label_queue_task
 from rayline.tasks.monitoring import reference_task
 from rayline.tasks.registry_lookups import resolve_version_task
 
 
 @flow(name="queue-labels")
-def queue_labels(night: str, budget: int = 100, model_name: str = "digits", random_share: float = 0.2) -> QueueResult:
-    """Queue ``budget`` photos of ``night`` (YYYY-MM-DD): ``random_share`` of them drawn at random (the labels
+def queue_labels(request: LabelQueueRequest) -> QueueResult:
+    """Queue ``budget`` photos of the request's night: ``random_share`` of them drawn at random (the labels
     that may judge a challenger), the rest those whose labels would teach most: unsure, disputed by the
     night's shadow version, or of classes the night predicted far more often than the reference."""
-    name = checked_model_name(model_name)
-    day = parse_day(night, "night").isoformat()
-    root = root_uri()
+    name, day, root = request.model_name, request.night.isoformat(), root_uri()
     champion = resolve_version_task(name, CHAMPION)
     reference = reference_task(champion, root, None, DriftThresholds().low_confidence)
-    cfg = QueueConfig(
-        root=root, model_name=name, dt=day, budget=budget, reference_counts=reference.counts, random_share=random_share
-    )
+    cfg = request.config(root, reference.counts)
     result = label_queue_task(cfg)
     create_table_artifact(
         key="label-queue",

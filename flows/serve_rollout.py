@@ -10,12 +10,13 @@ from rayline.errors import AliasConflict, LeaseLost, QualityGateFailed, RolloutR
 from rayline.models.registry import CHAMPION, ModelVersion
 from rayline.ray_workloads.quality.paired import PairedTest
 from rayline.ray_workloads.serving.config import ServeConfig, config_from_settings
-from rayline.ray_workloads.serving.rollout import GateConfig, RolloutConfig, StepReport
+from rayline.ray_workloads.serving.request import RolloutRequest as RolloutRequest  # callers import it with the flow
+from rayline.ray_workloads.serving.rollout import RolloutConfig, StepReport
 from rayline.storage.layout import root_uri
 from rayline.storage.leases import HeldLease
 from rayline.tasks.labels import labelled_gate_task
-from rayline.tasks.registry_lookups import alias_version_task, resolve_version_task
-from rayline.tasks.rollouts import LEASE_TTL_S, another_rollout_holds_task, probe_source_task, rollout_lease
+from rayline.tasks.registry_lookups import alias_version_task, requested_version
+from rayline.tasks.rollouts import another_rollout_holds_task, probe_source_task, rollout_lease
 from rayline.tasks.serve import PreparedRollout, prepare_rollout_task, promote_task, roll_back_task, rollout_step_task
 
 
@@ -36,58 +37,27 @@ def serve_config() -> ServeConfig:
 
 
 @flow(name="serve-rollout")
-def serve_rollout(
-    candidate: str = "challenger",
-    model_name: str = "digits",
-    steps: list[float] | None = None,
-    soak_s: float = 10.0,
-    probe_rps: float = 20.0,
-    probe_uri: str | None = None,
-    probe_images: int = 64,
-    max_error_rate: float = 0.01,
-    max_p95_ratio: float = 1.5,
-    min_agreement: float = 0.9,
-    min_requests: int = 20,
-    lease_wait_s: float = 1800.0,
-    lease_ttl_s: float = LEASE_TTL_S,
-    require_labelled_win: bool | None = None,
-) -> RolloutResult:
-    """Step ``candidate`` (alias or version) through the traffic ``steps`` (default 10 → 50 → 100 %).
+def serve_rollout(request: RolloutRequest = RolloutRequest()) -> RolloutResult:  # noqa: B008  # frozen: one default
+    """Step the request's candidate through its traffic steps (default 10 → 50 → 100 %).
 
     First, weights an unfinished rollout left on versions other than the champion go back to it (the
-    result's ``reconciled``). Each step soaks ``soak_s`` seconds with canary probes from ``probe_uri``
-    (default: the candidate's training images, or an outside model's latest night's inputs), judged on error
-    rate, p95 latency and, at the first step, agreement with the serving version on ``probe_images`` images.
-    A failed gate rolls back and fails the flow; a full pass makes the candidate champion.
+    result's ``reconciled``). Each step soaks with canary probes, judged on error rate, p95 latency and, at
+    the first step, agreement with the serving version. A failed gate rolls back and fails the flow; a full
+    pass makes the candidate champion. One rollout per model at a time: a second waits for the lease (a
+    dead rollout's is taken over ``lease_ttl_s`` after its last renewal).
 
-    The rollout lease is renewed every ``lease_ttl_s`` / 3 s; a dead rollout's is taken over ``lease_ttl_s``
-    after its last renewal, and a second rollout waits up to ``lease_wait_s`` for it.
-
-    ``require_labelled_win`` (default ``RAYLINE_REQUIRE_LABELLED_WIN``): the labels must first say the
-    candidate beats the champion it would replace (the paired test, docs/quality.md). Inconclusive moves no
-    traffic (``promoted`` false); failed raises ``QualityGateFailed``.
+    With ``require_labelled_win``, the labels must first say the candidate beats the champion it would
+    replace (the paired test, docs/quality.md): inconclusive moves no traffic (``promoted`` false); failed
+    raises ``QualityGateFailed``.
     """
     serve = serve_config()
-    version = resolve_version_task(model_name, candidate)
+    version = requested_version(request.candidate, request.model_name)
     # held across every task of the rollout: the labels judge against the champion the promotion moves from
-    with rollout_lease(model_name, lease_wait_s, lease_ttl_s) as lease:
-        labelled = _labelled_win(version, require_labelled_win)
+    with rollout_lease(version.name, request.lease_wait_s, request.lease_ttl_s) as lease:
+        labelled = _labelled_win(version, request.require_labelled_win)
         if labelled is not None and labelled.outcome != "passed":
             return _waits_for_labels(version, labelled)
-        cfg = RolloutConfig(
-            steps=steps or [10.0, 50.0, 100.0],
-            soak_s=soak_s,
-            probe_rps=probe_rps,
-            probe_uri=probe_uri or probe_source_task(version),
-            probe_images=probe_images,
-            gates=GateConfig(
-                max_error_rate=max_error_rate,
-                max_p95_ratio=max_p95_ratio,
-                min_agreement=min_agreement,
-                min_requests=min_requests,
-            ),
-            serve=serve,
-        )
+        cfg = request.config(request.probe_uri or probe_source_task(version), serve)
         result = _roll_out(cfg, version, serve, lease, labelled)
     if not result.steps and lease.waited_s > 1.0:  # say why there was nothing to do
         result.reason += f" (another rollout promoted it while this one waited {lease.waited_s:.0f} s for the lease)"

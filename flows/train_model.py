@@ -6,7 +6,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
-from rayline.flows.prepare_data import PrepareDataResult, prepare_data
+from rayline.flows.prepare_data import PrepareDataResult, PrepareRequest, prepare_data
 from rayline.ray_workloads.training.evaluate import EvaluationResult
 from rayline.ray_workloads.training.promotion import PromotionResult
 from rayline.ray_workloads.training.request import TrainRequest
@@ -39,7 +39,8 @@ def train_model(request: TrainRequest = TrainRequest()) -> TrainModelResult:  # 
     """
     plan = plan_training_task(request)
     reconcile_mirror_task(plan.name)  # before anything can fail: completes a mirror an earlier run left unfinished
-    data = prepare_data(source_uri=plan.source_uri, image=plan.image, announce_retrain=False)  # training on it now
+    # not announced as asking for a retraining: this run trains on it now
+    data = prepare_data(PrepareRequest(source_uri=plan.source_uri, image=plan.image, announce_retrain=False))
     searched = tune_task(plan.search(data.preprocess), plan.loop) if plan.searches else None
     training = plan.training(data.preprocess, searched)
     trained = train_model_task(training, tracking_experiment=plan.name)

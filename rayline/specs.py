@@ -31,6 +31,7 @@ RESIZE_CROP = "resize_crop"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 DIGITS_IMAGE_SIZE = 32  # the side images are squashed to when no image spec is given
+DEFAULT_MODEL_NAME = "digits"  # the registry name a request means when it names none
 # the most often the train gate promotes a candidate that is no better than its champion on the test split's population
 GATE_ALPHA = 0.05
 

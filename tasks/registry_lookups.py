@@ -10,6 +10,7 @@ from rayline.models import registry
 from rayline.models.mlflow_mirror import MirrorReport
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.registration import mlflow_models
+from rayline.specs import DEFAULT_MODEL_NAME
 from rayline.tasks.common import DEFAULT_TIMEOUT_S, io_task
 
 
@@ -23,6 +24,14 @@ def parse_model_ref_task(text: str, default_name: str) -> tuple[str, str]:
 def resolve_version_task(name: str, ref: str | int) -> ModelVersion:
     """The committed version ``ref`` (an alias, ``v3``, or a number) names."""
     return registry.resolve(name, ref)
+
+
+def requested_version(ref: str, model_name: str | None) -> ModelVersion:
+    """The version a request's ``ref`` names: of ``model_name``, else of the model a bare word names (``photos``
+    is photos@champion), else of the default model (``v3``)."""
+    if model_name is not None:
+        return resolve_version_task(model_name, ref)
+    return resolve_version_task(*parse_model_ref_task(ref, DEFAULT_MODEL_NAME))
 
 
 @io_task("read-model-alias")

@@ -10,12 +10,10 @@ from rayline import storage
 from rayline.errors import LeaseBusy, RolloutRolledBack
 from rayline.models import registry
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.serving.request import LEASE_TTL_S
 from rayline.ray_workloads.serving.rollout import default_probe_source
 from rayline.storage import leases
 from rayline.tasks.common import io_task, lease_holder
-
-# renewed every ttl/3 while the rollout runs: a crashed holder's lease is taken over this long after it
-LEASE_TTL_S = 300.0
 
 
 @io_task("rollout-probe-source")

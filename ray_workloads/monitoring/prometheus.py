@@ -77,35 +77,51 @@ def prometheus_text(
         _family(GaugeMetricFamily, "rayline_monitor_last_run_timestamp_seconds", "When the monitor wrote this file.",
                 [(ran, time_module.time() if now is None else now)]),
     ]  # fmt: skip
-    if thresholds is not None:
-        families += [
-            _family(GaugeMetricFamily, "rayline_predictions_error_budget_fraction",
-                    "The share of a night's inputs that may get error rows (the monitor's max_error_fraction).",
-                    [(ran, thresholds.max_error_fraction)]),
-            _family(GaugeMetricFamily, "rayline_predictions_psi_threshold", "The class PSI the monitor calls drift.",
-                    [(ran, thresholds.psi)]),
-        ]  # fmt: skip
-    if health is not None:
-        serve = {"model": model, "stage": "serve"}
-        per_version = [({**serve, "model_version": str(v.version)}, v) for v in health.versions]
-        families += [
-            _family(GaugeMetricFamily, "rayline_serve_up", "1 when the router answers and some version takes traffic.",
-                    [(serve, float(health.healthy and health.served))]),
-            _family(CounterMetricFamily, "rayline_serve_requests", "Requests answered per version since stats reset.",
-                    [(labels, v.requests) for labels, v in per_version]),
-            _family(CounterMetricFamily, "rayline_serve_errors", "5xx answers per version since the stats reset.",
-                    [(labels, v.errors) for labels, v in per_version]),
-            _family(GaugeMetricFamily, "rayline_serve_weight", "Traffic weight per version.",
-                    [(labels, v.weight) for labels, v in per_version]),
-            _family(GaugeMetricFamily, "rayline_serve_champion_mismatch",
-                    "1 when the version with the most traffic is not the registry's champion and no rollout runs.",
-                    [(serve, float(health.champion_mismatch))]),
-        ]  # fmt: skip
+    families += _threshold_families(ran, thresholds) if thresholds is not None else []
+    families += _serving_families(model, health) if health is not None else []
     batch = [
         ({"model": model, "stage": "batch_inference", "model_version": d.model, "night": str(back)}, d)
         for back, d in enumerate(sorted(drifts, key=lambda d: d.dt, reverse=True))
     ]
-    families += _gauges(batch, [
+    families += _night_families(batch)
+    families += _shadow_families(model, [d.dt for _, d in batch], shadows or {})
+    families += _quality_families(model, quality)
+    families += _paired_families(model, paired) if paired is not None else []
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(families))
+    return generate_latest(registry).decode()
+
+
+def _threshold_families(ran: dict[str, str], thresholds: DriftThresholds) -> list[Metric]:
+    return [
+        _family(GaugeMetricFamily, "rayline_predictions_error_budget_fraction",
+                "The share of a night's inputs that may get error rows (the monitor's max_error_fraction).",
+                [(ran, thresholds.max_error_fraction)]),
+        _family(GaugeMetricFamily, "rayline_predictions_psi_threshold", "The class PSI the monitor calls drift.",
+                [(ran, thresholds.psi)]),
+    ]  # fmt: skip
+
+
+def _serving_families(model: str, health: ServingHealth) -> list[Metric]:
+    serve = {"model": model, "stage": "serve"}
+    per_version = [({**serve, "model_version": str(v.version)}, v) for v in health.versions]
+    return [
+        _family(GaugeMetricFamily, "rayline_serve_up", "1 when the router answers and some version takes traffic.",
+                [(serve, float(health.healthy and health.served))]),
+        _family(CounterMetricFamily, "rayline_serve_requests", "Requests answered per version since stats reset.",
+                [(labels, v.requests) for labels, v in per_version]),
+        _family(CounterMetricFamily, "rayline_serve_errors", "5xx answers per version since the stats reset.",
+                [(labels, v.errors) for labels, v in per_version]),
+        _family(GaugeMetricFamily, "rayline_serve_weight", "Traffic weight per version.",
+                [(labels, v.weight) for labels, v in per_version]),
+        _family(GaugeMetricFamily, "rayline_serve_champion_mismatch",
+                "1 when the version with the most traffic is not the registry's champion and no rollout runs.",
+                [(serve, float(health.champion_mismatch))]),
+    ]  # fmt: skip
+
+
+def _night_families(batch: list[tuple[dict[str, str], PartitionDrift]]) -> list[Metric]:
+    return _gauges(batch, [
         ("rayline_predictions_night_timestamp_seconds", "The night's date (UTC midnight).",
          lambda d: _night_timestamp(d.dt)),
         ("rayline_predictions_rows", "Prediction rows of a committed night.", lambda d: d.predictions),
@@ -116,20 +132,17 @@ def prometheus_text(
          lambda d: d.low_confidence_share),
         ("rayline_predictions_drifted", "1 when the monitor judged the night drifted.", lambda d: float(d.drifted)),
     ])  # fmt: skip
-    families += _shadow_families(model, [d.dt for _, d in batch], shadows or {})
-    families += _quality_families(model, quality)
-    if paired is not None:
-        pair = {"model": model, "champion": str(paired.champion), "challenger": str(paired.challenger)}
-        families += [
-            _family(GaugeMetricFamily, "rayline_quality_paired_outcome",
-                    "The paired test of the challenger against the champion: 1 better, -1 not better, 0 not yet known.",
-                    [(pair, PAIRED_OUTCOME_VALUE[paired.outcome])]),
-            _family(GaugeMetricFamily, "rayline_quality_paired_labelled",
-                    "Labelled photos both the champion and the challenger predicted.", [(pair, paired.paired)]),
-        ]  # fmt: skip
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(families))
-    return generate_latest(registry).decode()
+
+
+def _paired_families(model: str, paired: PairedTest) -> list[Metric]:
+    pair = {"model": model, "champion": str(paired.champion), "challenger": str(paired.challenger)}
+    return [
+        _family(GaugeMetricFamily, "rayline_quality_paired_outcome",
+                "The paired test of the challenger against the champion: 1 better, -1 not better, 0 not yet known.",
+                [(pair, PAIRED_OUTCOME_VALUE[paired.outcome])]),
+        _family(GaugeMetricFamily, "rayline_quality_paired_labelled",
+                "Labelled photos both the champion and the challenger predicted.", [(pair, paired.paired)]),
+    ]  # fmt: skip
 
 
 def _shadow_families(model: str, nights: list[str], shadows: Mapping[str, ShadowSummary]) -> list[Metric]:

@@ -18,14 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from rayline import storage
 from rayline.errors import ConfigError
+from rayline.models.request_fields import a_day, label, split_named_ref
 from rayline.ray_workloads.execution.plan import PlanPolicy
-from rayline.storage.layout import INCOMING_DIR, parse_day, partition_for, yesterday_utc
+from rayline.specs import DEFAULT_MODEL_NAME
+from rayline.storage.layout import INCOMING_DIR, partition_for, yesterday_utc
 
 # A year of nights (a leap year's included): longer ranges are more likely a typo than a backfill.
 MAX_NIGHTS = 366
 # Where a night's day goes in an input prefix given for a range (every night reads its own prefix).
 DT_PLACEHOLDER = "{dt}"
-DEFAULT_MODEL_NAME = "digits"
 
 
 class NightShape(BaseModel):
@@ -42,11 +43,6 @@ class NightShape(BaseModel):
         starts) hold all the actors of; more would only queue their actors. Between 1 and ``nights``."""
         per_night = self.actors * self.cpus_per_actor
         return max(1, min(nights, math.floor(cluster_cpus / per_night)))
-
-
-def _label(info: ValidationInfo, field: str) -> str:
-    """What the caller calls ``field``: the name in the validation context (``--from``), else the field's own."""
-    return str((info.context or {}).get(field, field))
 
 
 class NightRequest(BaseModel):
@@ -79,28 +75,16 @@ class NightRequest(BaseModel):
     )
     shape: NightShape = Field(default_factory=NightShape)
 
-    @field_validator("date", "date_from", "date_to", mode="before")
-    @classmethod
-    def _a_day(cls, value: object, info: ValidationInfo) -> object:
-        return parse_day(value, _label(info, str(info.field_name))) if isinstance(value, str) else value
+    _a_day = field_validator("date", "date_from", "date_to", mode="before")(a_day)
 
     @model_validator(mode="before")
     @classmethod
     def _split_a_named_model(cls, data: Any, info: ValidationInfo) -> Any:
-        """``NAME@ref`` names the model as well as its version: split once, here."""
-        if not isinstance(data, dict) or "@" not in str(data.get("model", "")):
-            return data
-        from rayline.models.registry import parse_named_ref  # the registry loads Ray: only for a NAME@ref
-
-        name, ref = parse_named_ref(data["model"])
-        given = data.get("model_name")
-        if given is not None and given != name:
-            raise ConfigError(f"{data['model']} names model {name!r} but {_label(info, 'model_name')} is {given!r}")
-        return {**data, "model": ref, "model_name": name}
+        return split_named_ref(data, "model", info)
 
     @model_validator(mode="after")
     def _one_night_or_a_bounded_range(self, info: ValidationInfo) -> NightRequest:
-        name, first, last = functools.partial(_label, info), self.date_from, self.date_to
+        name, first, last = functools.partial(label, info), self.date_from, self.date_to
         if first is None and last is None:
             return self
         if self.date is not None:

@@ -26,7 +26,6 @@ from rayline.errors import (
     RaylineError,
     TransientError,
 )
-from rayline.ray_workloads.nightly.request import DEFAULT_MODEL_NAME
 
 
 class ExitCode(IntEnum):
@@ -116,13 +115,3 @@ def before_flow(quiet: bool = True) -> None:
         for name in ("ray", "ray.data", "ray.data._internal"):
             logging.getLogger(name).setLevel(logging.WARNING)
     get_settings()
-
-
-def model_ref(model: str, model_name: str | None) -> tuple[str, str]:
-    """(name, alias or version) from ``--model`` and ``--model-name``; the two must not disagree."""
-    from rayline.models import registry
-
-    name, ref = registry.parse_ref(model, model_name or DEFAULT_MODEL_NAME)
-    if model_name is not None and name != model_name:
-        raise ConfigError(f"{model} names model {name!r} but --model-name is {model_name!r}: give one")
-    return name, ref

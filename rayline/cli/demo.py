@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # for the types only: the flows load Prefect, Ray and torch, 
     from rayline.flows.serve_rollout import RolloutResult
     from rayline.flows.train_model import TrainModelResult
     from rayline.models.registry import ModelVersion
-    from rayline.ray_workloads.nightly.batch_inference import InferenceResult
+    from rayline.ray_workloads.nightly.batch_inference import InferenceResult, NightSkipped
+    from rayline.ray_workloads.nightly.request import BackfillResult
     from rayline.ray_workloads.quality.labels_import import LabelsImportResult
     from rayline.ray_workloads.registration.outside_models import RegisterModelResult
 
@@ -62,7 +63,6 @@ def demo(
     before_flow()
     from rayline.flows.nightly_inference import NightRequest, nightly_inference
     from rayline.flows.train_model import train_model
-    from rayline.lineage import lineage_dir
     from rayline.seed import seed as write_seed
     from rayline.seed import seed_incoming
     from rayline.storage.layout import INCOMING_DIR, RAW_DIR, partition_for, yesterday_utc
@@ -103,14 +103,30 @@ def demo(
     with _stage("outside model", times):
         # at most one broken photo in 19, within the night's default 5 % error budget, and 3 at most
         walk = _walk_outside_model(root, day, photos, corrupt=min(3, photos // 19)) if photos else None
-    summaries.print_prepare_summary(result.data)
-    summaries.print_model_summary(result)
+    _print_story(result, rollout, predictions, checked, walk)
+    _print_where_to_look(started, times)
+
+
+def _print_story(
+    trained: TrainModelResult,
+    rollout: RolloutResult | None,
+    night: InferenceResult | NightSkipped | BackfillResult,
+    checked: tuple[LabelsImportResult, MonitorResult],
+    walk: OutsideModelWalk | None,
+) -> None:
+    summaries.print_prepare_summary(trained.data)
+    summaries.print_model_summary(trained)
     if rollout is not None:
         ops.print_rollout_summary(rollout)
-    summaries.print_nightly_summary(predictions)
+    summaries.print_nightly_summary(night)
     _print_quality(*checked)
     if walk is not None:
         _print_walk(walk)
+
+
+def _print_where_to_look(started: float, times: dict[str, float]) -> None:
+    from rayline.lineage import lineage_dir
+
     typer.echo(f"  lineage records    {lineage_dir()}")
     typer.echo(f"  demo took          {(time.perf_counter() - started) / 60:.1f} min ({_slowest(times)})")
     api = os.environ.get("PREFECT_API_URL")
@@ -143,7 +159,7 @@ def _roll_out_under_load(
     import threading
 
     from rayline.errors import RolloutRolledBack
-    from rayline.flows.serve_rollout import serve_rollout
+    from rayline.flows.serve_rollout import RolloutRequest, serve_rollout
     from rayline.models import registry
     from rayline.ray_workloads.serving import rollout
 
@@ -161,7 +177,7 @@ def _roll_out_under_load(
     clients = threading.Thread(target=load.run_for, args=(3600.0, stop), daemon=True)
     clients.start()
     try:
-        result = serve_rollout(candidate=registry.CHALLENGER, model_name=champion.name, soak_s=soak_s)
+        result = serve_rollout(RolloutRequest(candidate=registry.CHALLENGER, model_name=champion.name, soak_s=soak_s))
     except RolloutRolledBack as exc:
         typer.secho(f"rollout rolled back: {exc}", fg=typer.colors.YELLOW)
         result = None
@@ -187,8 +203,9 @@ _DIGIT_KEY = re.compile(r"(?P<label>\d)/digit-\d+\.png")
 def _label_and_measure(root: str, day: str, check_serving: bool) -> tuple[LabelsImportResult, MonitorResult]:
     """The quality loop's first turn: people label a sample of the night's digits (a digit's folder is its
     class), the labels come back, and the monitor measures the version that predicted the night on them."""
-    from rayline.flows.import_labels import import_labels
-    from rayline.flows.monitor import monitor
+    from rayline.flows.import_labels import LabelsImportRequest, import_labels
+    from rayline.flows.monitor import MonitorRequest, monitor
+    from rayline.ray_workloads.quality.requests import Selection
     from rayline.storage.layout import INCOMING_DIR, LABEL_IMPORTS_DIR, partition_for
 
     night = partition_for(date.fromisoformat(day))
@@ -197,8 +214,8 @@ def _label_and_measure(root: str, day: str, check_serving: bool) -> tuple[Labels
     labels_uri = storage.join(root, LABEL_IMPORTS_DIR, "digits", f"demo-labels-{day}.csv")
     rows = "".join(f"{night}/{key},{label},demo\n" for key, label in digits)
     storage.write_bytes_atomic(labels_uri, f"key,label,source\n{rows}".encode())
-    imported = import_labels(file=labels_uri, model_name="digits", selection="random")
-    return imported, monitor(model_name="digits", check_serving=check_serving)
+    imported = import_labels(LabelsImportRequest(file=labels_uri, model_name="digits", selection=Selection.random))
+    return imported, monitor(MonitorRequest(model_name="digits", check_serving=check_serving))
 
 
 def _other_version(first: ModelVersion, second: ModelVersion) -> str | None:

@@ -22,7 +22,9 @@ from rayline.cli.common import (
 from rayline.cli.request_options import request_options
 from rayline.config import get_settings
 from rayline.errors import NightsFailed, RaylineError
-from rayline.ray_workloads.nightly.request import DEFAULT_MODEL_NAME, NightRequest
+from rayline.ray_workloads.data.request import PrepareRequest
+from rayline.ray_workloads.monitoring.request import MonitorRequest
+from rayline.ray_workloads.nightly.request import NightRequest
 from rayline.ray_workloads.registration.request import RegisterRequest
 from rayline.ray_workloads.training.request import TrainRequest
 from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS, MIN_SAFE_RETENTION_HOURS
@@ -129,22 +131,13 @@ def seed_data(
 
 @app.command("prepare-data")
 @reports_errors
-def prepare_data_command(
-    source: Annotated[str | None, typer.Option(help="Prefix to ingest; default <storage>/raw.")] = None,
-    image_size: Annotated[int, typer.Option(min=4, max=1024, help="Square side the images are squashed to.")] = 32,
-    force: Annotated[bool, typer.Option(help="Recompute even if the input is unchanged.")] = False,
-    like: Annotated[
-        str | None, typer.Option(help="Decode with a registered model's image spec instead (NAME@champion, NAME@v3).")
-    ] = None,
-    as_json: JsonOption = False,
-) -> None:
+@request_options(PrepareRequest, {"source_uri": "--source"}, hidden=frozenset({"image", "announce_retrain"}))
+def prepare_data_command(request: PrepareRequest, as_json: JsonOption = False) -> None:
     """Run the prepare-data flow (ingest → preprocess) once."""
     before_flow()
     from rayline.flows.prepare_data import prepare_data
-    from rayline.models import registry
 
-    image = registry.resolve(*registry.parse_named_ref(like)).image_spec if like else None
-    result = prepare_data(source_uri=source, image_size=image_size, force=force, image=image)
+    result = prepare_data(request)
     echo_json(result) if as_json else summaries.print_prepare_summary(result)
 
 
@@ -192,23 +185,13 @@ def nightly_inference_command(request: NightRequest, as_json: JsonOption = False
 
 @app.command("monitor")
 @reports_errors
-def monitor_command(
-    model: Annotated[str, typer.Option("--model", help="Registry name whose nights to judge.")] = DEFAULT_MODEL_NAME,
-    partitions: Annotated[int, typer.Option(min=1, help="Latest committed nights to judge.")] = 1,
-    reference_date: Annotated[
-        str | None,
-        typer.Option(help="Night (YYYY-MM-DD) to compare with; default training labels, else the first night."),
-    ] = None,
-    check_serving: Annotated[bool, typer.Option(help="Also check the serving router.")] = True,
-    as_json: JsonOption = False,
-) -> None:
-    """Run the monitor flow once: drift of a model's latest nights (and serving health)."""
+@request_options(MonitorRequest, {"model_name": "--model"})
+def monitor_command(request: MonitorRequest, as_json: JsonOption = False) -> None:
+    """Run the monitor flow once: drift of a model's latest nights (and serving health), then vacuum."""
     before_flow(quiet=False)
     from rayline.flows.monitor import monitor
 
-    result = monitor(
-        model_name=model, partitions=partitions, reference_date=reference_date, check_serving=check_serving
-    )
+    result = monitor(request)
     echo_json(result) if as_json else summaries.print_monitor_summary(result)
 
 

@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from rayline.cli import platform, summaries
-from rayline.cli.common import JsonOption, before_flow, echo_json, fail, model_ref, reports_errors
+from rayline.cli.common import JsonOption, before_flow, echo_json, fail, reports_errors
+from rayline.cli.request_options import request_options
 from rayline.config import get_settings
 from rayline.errors import ConfigError, RaylineError
+from rayline.ray_workloads.serving.request import RolloutRequest
 
 if TYPE_CHECKING:  # for the type only: the flows load Prefect, Ray and torch, which `rayline --help` does without
     from rayline.flows.serve_rollout import RolloutResult
@@ -195,20 +197,13 @@ def _row(*cells: object) -> None:
 
 @serve_app.command("rollout")
 @reports_errors
-def serve_rollout_command(
-    candidate: Annotated[
-        str, typer.Option(help="NAME@challenger, NAME@v3, or an alias (challenger) / version (v3) of --model-name.")
-    ] = "challenger",
-    model_name: Annotated[str | None, typer.Option(help="Registry name when --candidate has no NAME@.")] = None,
-    soak_s: Annotated[float, typer.Option(min=0.1, help="Seconds each traffic step holds.")] = 10.0,
-    as_json: JsonOption = False,
-) -> None:
+@request_options(RolloutRequest, {"steps": "--step"})
+def serve_rollout_command(request: RolloutRequest, as_json: JsonOption = False) -> None:
     """Run the serve-rollout flow: canary the candidate 10 → 50 → 100 %, promote or roll back."""
     before_flow()
     from rayline.flows.serve_rollout import serve_rollout
 
-    name, ref = model_ref(candidate, model_name)
-    result = serve_rollout(candidate=ref, model_name=name, soak_s=soak_s)
+    result = serve_rollout(request)
     echo_json(result) if as_json else print_rollout_summary(result)
 
 

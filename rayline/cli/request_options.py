@@ -26,13 +26,21 @@ from rayline.errors import ConfigError, RaylineError
 Command = Callable[..., None]
 
 
-def request_options(model: type[BaseModel], flags: Mapping[str, str] | None = None) -> Callable[[Command], Command]:
+def request_options(
+    model: type[BaseModel],
+    flags: Mapping[str, str] | None = None,
+    *,
+    arguments: frozenset[str] = frozenset(),
+    hidden: frozenset[str] = frozenset(),
+) -> Callable[[Command], Command]:
     """Give a command taking ``request: model`` (and options of its own) an option per field of ``model``.
 
     ``flags``: an option's spelling where it is not the field's name (``{"source_uri": "--source"}``).
+    ``arguments``: fields given as positional arguments (``labels import FILE``); ``hidden``: fields the command
+    line leaves to their defaults (what only a flow or a deployment sets).
     """
-    fields = list(_fields(model))
-    spelled = {name: (flags or {}).get(name, "--" + name.replace("_", "-")) for _, name, _ in fields}
+    fields = [f for f in _fields(model) if f[1] not in hidden]
+    spelled = {name: (flags or {}).get(name, _flag(name, field)) for _, name, field in fields}
     labels = {name: flag.split("/")[0] for name, flag in spelled.items()}
     assert len(spelled) == len(fields), f"two fields of {model.__name__} share a name: spell one's option"
 
@@ -44,7 +52,7 @@ def request_options(model: type[BaseModel], flags: Mapping[str, str] | None = No
             given: dict[str, Any] = {}
             try:
                 for parent, name, field in fields:
-                    if (value := values.pop(name)) is not None:  # left out: the field's default
+                    if (value := values.pop(name)) not in (None, [], ()):  # left out: the field's default
                         value = _json_object(labels[name], value) if _is_dict(field) else value
                         (given.setdefault(parent, {}) if parent else given)[name] = value
                 request = model.model_validate(given, context=labels)
@@ -54,13 +62,20 @@ def request_options(model: type[BaseModel], flags: Mapping[str, str] | None = No
                 fail(exc)
             command(request=request, **values)
 
-        options = [_option(name, field, spelled[name]) for _, name, field in fields]
+        options = [_option(name, field, spelled[name], name in arguments) for _, name, field in fields]
         parameters = [*options, *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own)]
         run.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]  # what typer reads
         run.__annotations__ = {p.name: p.annotation for p in parameters}
         return run
 
     return decorate
+
+
+def _flag(name: str, field: FieldInfo) -> str:
+    """``--name``; a yes/no field's both ways (``--check-serving/--no-check-serving``): a default of yes can be
+    turned off, and a default of none (the settings decide) told either way."""
+    flag = "--" + name.replace("_", "-")
+    return f"{flag}/--no-{flag[2:]}" if bool in (field.annotation, *typing.get_args(field.annotation)) else flag
 
 
 def _fields(model: type[BaseModel]) -> Iterator[tuple[str | None, str, FieldInfo]]:
@@ -93,10 +108,12 @@ def _json_object(flag: str, text: str) -> dict[str, Any]:
     return value
 
 
-def _option(name: str, field: FieldInfo, flag: str) -> inspect.Parameter:
+def _option(name: str, field: FieldInfo, flag: str, positional: bool) -> inspect.Parameter:
     """The option of a field: typer takes no dict, so a JSON object goes as text, and a day goes as text for the
     model to parse (naming the option), since typer's own dates want a time too."""
-    kind = str if _is_dict(field) or date in typing.get_args(field.annotation) else field.annotation
+    kind = (
+        str if _is_dict(field) or date in (field.annotation, *typing.get_args(field.annotation)) else field.annotation
+    )
     default = inspect.Parameter.empty if field.is_required() else None if field.default_factory else field.default
-    option = typer.Option(flag, help=field.description)
+    option = typer.Argument(help=field.description) if positional else typer.Option(flag, help=field.description)
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, option])

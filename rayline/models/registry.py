@@ -187,18 +187,11 @@ def register(
     if samples is not None:  # refused before a version number is claimed
         _check_samples(samples, ImageSpec.model_validate(image_spec))
     class_lists.check_kept(name, classes, {v.version: v.classes for v in list_versions(name)})
-    number = _version_claimed_with(name, idempotency_key) if idempotency_key else None
-    if number is not None:
-        if (done := _read_version(name, number)) is not None:
-            return done
-    else:
-        number = _claim_next_version(name, idempotency_key)
+    number, done = _claim(name, idempotency_key)
+    if done is not None:
+        return done
     uri = storage.join(model_root(name), f"v{number}")
-    weights_uri = storage.join(uri, MODEL_FILES[ModelSpec.model_validate(model_spec).format])
-    storage.write_bytes_atomic(weights_uri, weights)
-    samples_uri = _store_samples(uri, samples) if samples is not None else None
-    if answers is not None:
-        split_answers.store(uri, answers)
+    weights_uri, samples_uri = _store_files(uri, weights, ModelSpec.model_validate(model_spec), samples, answers)
     version = ModelVersion(
         name=name,
         version=number,
@@ -220,6 +213,25 @@ def register(
     )
     storage.write_json_atomic(storage.join(uri, VERSION_FILE), version.model_dump(mode="json"))
     return version
+
+
+def _claim(name: str, idempotency_key: str | None) -> tuple[int, ModelVersion | None]:
+    """The version number this registration writes, and that version when an earlier attempt finished it."""
+    number = _version_claimed_with(name, idempotency_key) if idempotency_key else None
+    if number is None:
+        return _claim_next_version(name, idempotency_key), None
+    return number, _read_version(name, number)
+
+
+def _store_files(
+    uri: str, weights: bytes, spec: ModelSpec, samples: np.ndarray | None, answers: pa.Table | None
+) -> tuple[str, str | None]:
+    """The version's files, all written before its ``version.json``: (weights URI, samples URI)."""
+    weights_uri = storage.join(uri, MODEL_FILES[spec.format])
+    storage.write_bytes_atomic(weights_uri, weights)
+    if answers is not None:
+        split_answers.store(uri, answers)
+    return weights_uri, _store_samples(uri, samples) if samples is not None else None
 
 
 def _check_samples(samples: np.ndarray, image: ImageSpec) -> None:

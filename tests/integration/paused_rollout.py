@@ -50,9 +50,9 @@ def paused_move(argv: list[str]) -> None:
 
 
 def whole_flow(parameters: str) -> None:
-    from rayline.flows.serve_rollout import serve_rollout  # Prefect only for this mode
+    from rayline.flows.serve_rollout import RolloutRequest, serve_rollout  # Prefect only for this mode
 
-    serve_rollout(**json.loads(parameters))
+    serve_rollout(RolloutRequest.model_validate_json(parameters))
 
 
 if __name__ == "__main__":

@@ -115,11 +115,11 @@ def test_two_concurrent_prepare_data_runs_both_complete(local_storage: str) -> N
     from prefect import flow
     from prefect.client.schemas.objects import State
 
-    from rayline.flows.prepare_data import PrepareDataResult, prepare_data
+    from rayline.flows.prepare_data import PrepareDataResult, PrepareRequest, prepare_data
 
     @flow(name="retrain-like")
     def retrain_like() -> PrepareDataResult:
-        return prepare_data(announce_retrain=False)
+        return prepare_data(PrepareRequest(announce_retrain=False))
 
     seed(storage.join(local_storage, "raw"), digits=False, synthetic=60, corrupt=2)
     runs: list[Callable[[], State[PrepareDataResult]]] = [

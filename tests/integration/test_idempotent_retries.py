@@ -26,7 +26,7 @@ import rayline.tasks.preprocess
 import rayline.tasks.register
 from rayline import events, lineage, ray_cluster, storage
 from rayline.errors import TransientError
-from rayline.flows.prepare_data import prepare_data
+from rayline.flows.prepare_data import PrepareRequest, prepare_data
 from rayline.models import registry, split_answers
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
 from rayline.ray_workloads.data import preprocess
@@ -57,7 +57,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PreprocessRes
         raw = storage.join(root, "raw")
         for key, data in list(digit_objects(32))[:150]:
             storage.write_bytes_atomic(storage.join(raw, key), data)
-        yield prepare_data(source_uri=raw, announce_retrain=False).preprocess
+        yield prepare_data(PrepareRequest(source_uri=raw, announce_retrain=False)).preprocess
 
 
 def _fail_once_after(module: ModuleType, name: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -16,9 +16,9 @@ import pytest
 import rayline.flows.import_labels as import_labels_flow
 from rayline import events, lineage, storage
 from rayline.errors import QualityGateFailed, TransientStorageError
-from rayline.flows.import_labels import import_labels
-from rayline.flows.queue_labels import queue_labels
-from rayline.flows.serve_rollout import serve_rollout
+from rayline.flows.import_labels import LabelsImportRequest, import_labels
+from rayline.flows.queue_labels import LabelQueueRequest, queue_labels
+from rayline.flows.serve_rollout import RolloutRequest, serve_rollout
 from rayline.flows.train_model import train_model
 from rayline.lineage.graph import LineageNode, build_graph
 from rayline.models import registry, split_answers
@@ -93,7 +93,7 @@ def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_pho
     truth = _planted_night(local_storage)
     monkeypatch.setenv("RAYLINE_RETRAIN_MIN_NEW_LABELS", "200")
 
-    queued = queue_labels(night=DAY, budget=40)
+    queued = queue_labels(LabelQueueRequest(night=DAY, budget=40))
     assert len(queued.queued) == 40 and queued.candidates == len(truth) and queued.shadowed
     assert queued.drawn == 8 and sum(q.selection == "random" for q in queued.queued) == 8  # the default 20 %
     priorities = [q.priority for q in queued.queued if q.selection == "targeted"]
@@ -116,16 +116,18 @@ def test_a_queue_labelled_and_imported_retrains_the_champion_on_its_labelled_pho
     writer.writerows(rows)
     storage.write_bytes_atomic(labels_file, out.getvalue().encode())
     read_back_failed = _read_after_the_append_fails_once(monkeypatch)
-    imported = import_labels(file=labels_file)  # its first attempt commits, then its read back fails: retried
+    imported = import_labels(
+        LabelsImportRequest(file=labels_file)
+    )  # its first attempt commits, then its read back fails: retried
     assert read_back_failed and imported.imported == len(rows) > 200 and not imported.rejected
     assert imported.labels_version == read_back_failed[0] and not imported.already_imported
-    later = import_labels(file=labels_file)  # a run of its own: nothing added, nothing announced
+    later = import_labels(LabelsImportRequest(file=labels_file))  # a run of its own: nothing added, nothing announced
     assert later.already_imported and later.imported == 0
 
     arrived = one_stored_event(prefect_api, events.LABELS_ARRIVED, "rayline.labels.digits", since=test_started)
     assert arrived["resource"][events.RETRAIN_LABEL] == "true" and arrived["payload"]["pending"] == len(rows)
     assert [r.outputs[0].facets["rows"] for r in lineage.read_records("import-labels")] == [len(rows)]
-    again = queue_labels(night=DAY, budget=40)
+    again = queue_labels(LabelQueueRequest(night=DAY, budget=40))
     assert again.already_labelled == len(rows)
     assert not {q.uri for q in again.queued} & {r["uri"] for r in rows}, "labelled photos are not queued again"
 
@@ -160,7 +162,7 @@ def test_a_rollout_that_requires_a_labelled_win_waits_for_labels_and_refuses_a_w
     champion = register_untrained(trained_here=False)
     registry.set_alias("digits", registry.CHAMPION, champion.version, "test")
     candidate = register_untrained(seed=1, trained_here=False)
-    waiting = serve_rollout(candidate=f"v{candidate.version}", require_labelled_win=True)
+    waiting = serve_rollout(RolloutRequest(candidate=f"v{candidate.version}", require_labelled_win=True))
     assert not waiting.promoted and not waiting.steps and "waits for more labels" in waiting.reason
     assert waiting.labelled is not None and waiting.labelled.paired == 0
     assert registry.alias_version("digits", registry.CHAMPION) == champion.version
@@ -168,5 +170,5 @@ def test_a_rollout_that_requires_a_labelled_win_waits_for_labels_and_refuses_a_w
     champion_right = champion_right_answers()
     plant_paired_night(local_storage, tmp_path, champion_right, worse_but_alike(champion_right))
     with pytest.raises(QualityGateFailed, match=r"digits v2 is not rolled out: failed"):
-        serve_rollout(candidate=f"v{candidate.version}", require_labelled_win=True)
+        serve_rollout(RolloutRequest(candidate=f"v{candidate.version}", require_labelled_win=True))
     assert registry.alias_version("digits", registry.CHAMPION) == champion.version

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from rayline import lineage, storage
 from rayline.cli import app
 from rayline.flows.nightly_inference import NightRequest, nightly_inference
-from rayline.flows.prepare_data import prepare_data
+from rayline.flows.prepare_data import PrepareRequest, prepare_data
 from rayline.lineage import DatasetRef
 from rayline.lineage.graph import LineageNode, build_graph, render_text
 from rayline.models import registry
@@ -62,7 +62,7 @@ def _write_images(prefix: str, count: int) -> dict[str, str]:
 @pytest.mark.usefixtures("ray_session", "prefect_api")
 def test_a_night_names_its_delta_version_and_leads_back_to_raw_objects_with_etags(local_storage: str) -> None:
     raw = _write_images(storage.join(local_storage, "raw"), 40)
-    prepared = prepare_data(source_uri=storage.join(local_storage, "raw")).preprocess
+    prepared = prepare_data(PrepareRequest(source_uri=storage.join(local_storage, "raw"))).preprocess
     run_uri = storage.join(local_storage, "training", "digits-test")
     checkpoint = storage.join(run_uri, "checkpoint_000001")
     record_lineage("train", Declared([DatasetRef(uri=prepared.manifest_uri)], [DatasetRef(uri=checkpoint)]), {})

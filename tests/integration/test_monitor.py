@@ -16,10 +16,10 @@ from typer.testing import CliRunner
 from rayline import events, storage
 from rayline.cli import app
 from rayline.cli.common import ExitCode
-from rayline.flows.import_labels import import_labels
-from rayline.flows.monitor import monitor
+from rayline.flows.import_labels import LabelsImportRequest, import_labels
+from rayline.flows.monitor import MonitorRequest, monitor
 from rayline.flows.nightly_inference import NightRequest, nightly_inference
-from rayline.flows.prepare_data import prepare_data
+from rayline.flows.prepare_data import PrepareRequest, prepare_data
 from rayline.models import registry
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
 from rayline.ray_workloads.monitoring.monitor import DriftThresholds
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "p
 
 def _train_champion(root: str) -> None:
     """A few in-process epochs on the prepared digits: a model that knows them, registered as champion."""
-    prepared = prepare_data(source_uri=storage.join(root, "raw")).preprocess
+    prepared = prepare_data(PrepareRequest(source_uri=storage.join(root, "raw"))).preprocess
     table = storage.read_parquet(prepared.read_files()["train"]).sort_by("key")  # shard order varies run to run
     data = {
         "image": torch.from_numpy(table.column("image").combine_chunks().to_numpy_ndarray().copy()),
@@ -104,10 +104,12 @@ def test_drift_is_detected_on_unfamiliar_images_only(local_storage: str, prefect
     assert answer.exit_code == ExitCode.REFUSED, answer.output  # a row was refused: the others are in
     imported = LabelsImportResult.model_validate_json(answer.stdout)
     assert (imported.imported, imported.rejected) == (len(list(digit_objects(32))[::3]), {"unknown_class": 1})
-    assert import_labels(file=str(labels_file)).already_imported  # the same file again adds nothing
+    assert import_labels(
+        LabelsImportRequest(file=str(labels_file))
+    ).already_imported  # the same file again adds nothing
 
     started = time.time()
-    result = monitor(partitions=2, check_serving=False)
+    result = monitor(MonitorRequest(partitions=2, check_serving=False))
     verdicts = {p.partition: p for p in result.partitions}
     familiar, unfamiliar = verdicts["dt=2026-11-27"], verdicts["dt=2026-11-28"]
     assert not familiar.drifted and familiar.psi < DriftThresholds().psi / 2, familiar

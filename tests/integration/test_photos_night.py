@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from rayline import storage
 from rayline.cli import app
-from rayline.flows.monitor import monitor
+from rayline.flows.monitor import MonitorRequest, monitor
 from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.lineage.graph import build_graph, render_text
 from rayline.ray_workloads.architectures.build import imagenet_classes
@@ -94,7 +94,7 @@ def test_monitor_and_lineage_of_an_outside_champions_nights(local_storage: str) 
         nightly_inference(NightRequest(date=day, model_name="photos", input_uri=incoming, shape=NightShape(actors=1)))
 
     # no training labels: the first committed night is the reference (judged against itself: no drift)
-    result = monitor(model_name="photos", partitions=2, check_serving=False)
+    result = monitor(MonitorRequest(model_name="photos", partitions=2, check_serving=False))
     by_day = {p.partition: p for p in result.partitions}
     assert set(by_day) == {f"dt={DAY}", f"dt={NEXT_DAY}"}
     first = by_day[f"dt={DAY}"]
@@ -107,10 +107,12 @@ def test_monitor_and_lineage_of_an_outside_champions_nights(local_storage: str) 
     # both nights, as "nights back" (bounded labels), their dates as values
     assert 'night="0"' in metrics and 'night="1"' in metrics and 'model="photos"' in metrics
 
-    named = monitor(model_name="photos", partitions=1, check_serving=False, reference_date=NEXT_DAY)
+    named = monitor(MonitorRequest(model_name="photos", partitions=1, check_serving=False, reference_date=NEXT_DAY))
     (latest,) = named.partitions
     assert latest.reference == f"reference night dt={NEXT_DAY}" and latest.psi == pytest.approx(0.0)
-    missing = monitor(model_name="photos", check_serving=False, reference_date="2026-01-01", return_state=True)
+    missing = monitor(
+        MonitorRequest(model_name="photos", check_serving=False, reference_date="2026-01-01"), return_state=True
+    )
     assert missing.is_failed() and "no committed night photos dt=2026-01-01" in str(missing.message)
 
     # lineage: the night → the model version → where its weights came from (no training run)

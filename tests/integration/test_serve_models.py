@@ -20,12 +20,13 @@ from typer.testing import CliRunner
 
 from rayline import storage
 from rayline.cli import app
-from rayline.flows.serve_rollout import serve_config, serve_rollout
+from rayline.flows.serve_rollout import RolloutRequest, serve_config, serve_rollout
 from rayline.models import registry
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.architectures.build import imagenet_classes
 from rayline.ray_workloads.serving import control as serve_control
 from rayline.ray_workloads.serving.http_api import ANSWER_HEADER, MODEL_HEADER
+from rayline.ray_workloads.serving.rollout import GateConfig
 from rayline.seed import digit_objects, jpeg_bytes, photo_objects, source_photos
 from tests.integration.helpers import ClientThreads, register_outside, register_untrained
 from tests.support import free_port
@@ -255,15 +256,16 @@ def test_canary_rollout_of_the_outside_model_leaves_the_other_model_alone(served
         answer_before = client.post(f"/models/{DIGITS}/predict", content=_digit()).json()["top_k"]
 
     started = time.monotonic()
-    result = serve_rollout(
+    request = RolloutRequest(
         candidate=registry.CHALLENGER,
         model_name=PHOTOS,
         steps=[50.0, 100.0],
         soak_s=2.0,
-        min_requests=10,
+        gates=GateConfig(min_requests=10),
         probe_uri=served.probe_uri,
         probe_images=8,  # of the 24 probes: each pinned to both versions, one after another, for agreement
     )
+    result = serve_rollout(request)
     print(f"photos rollout in {time.monotonic() - started:.1f} s: {result.reason}")
 
     assert result.promoted and result.model == PHOTOS and result.candidate == twin.version

@@ -27,7 +27,7 @@ from ray.serve.schema import ApplicationStatus
 
 from rayline import events, lineage, storage
 from rayline.errors import ClusterError
-from rayline.flows.serve_rollout import serve_config, serve_rollout
+from rayline.flows.serve_rollout import RolloutRequest, serve_config, serve_rollout
 from rayline.models import registry
 from rayline.models.registry import ModelVersion
 from rayline.ray_cluster import NAMESPACE
@@ -46,7 +46,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "p
 
 # short windows; the gates are the production ones. 8 probe images (64 by default): the agreement
 # check pins each to both versions, one request after another, before the first step's weight moves
-FAST = {"soak_s": 3.0, "min_requests": 10, "probe_images": 8}
+FAST = {"soak_s": 3.0, "gates": {"min_requests": 10}, "probe_images": 8}
+
+
+def _fast(gates: dict[str, float] | None = None, **fields: object) -> RolloutRequest:
+    """A rollout request with short soaks and few probes: ``fields`` and ``gates`` on top."""
+    return RolloutRequest.model_validate({**FAST, "gates": {"min_requests": 10, **(gates or {})}, **fields})
+
+
 # a stopping replica looks every 2 s (Serve's default) whether it has drained: every rollback,
 # retirement and removal here waited at least that long for its replica to go
 _SERVE_SETTINGS = {"RAYLINE_SERVE_GRACEFUL_SHUTDOWN_WAIT_LOOP_S": "0.1"}
@@ -121,7 +128,7 @@ def test_rollout_under_load_promotes_with_no_failed_request(
     registry.set_alias("digits", registry.CHALLENGER, twin.version, "test")
 
     with Load(champion_serving, _probe_image()) as load:
-        result = serve_rollout(**FAST)  # type: ignore[arg-type]
+        result = serve_rollout(_fast())
 
     assert result.promoted and [s.weight for s in result.steps] == [10.0, 50.0, 100.0]
     assert all(s.passed for s in result.steps) and result.steps[0].agreement == 1.0
@@ -147,7 +154,7 @@ def test_a_broken_challenger_is_rolled_back_at_the_first_step(champion_serving: 
 
     with Load(champion_serving, _probe_image()) as load:
         # agreement off: the live error-rate gate must catch it on its own
-        state = serve_rollout(min_agreement=0.0, return_state=True, **FAST)  # type: ignore[arg-type]
+        state = serve_rollout(_fast({"min_agreement": 0.0}), return_state=True)
 
     assert state.is_failed()
     message = str(state.message)
@@ -170,14 +177,14 @@ def test_a_rollout_waits_for_the_lease_and_gives_up_naming_its_holder(champion_s
     otherwise fails naming the run that holds it."""
     other = leases.try_acquire(registry.rollout_lease_uri("digits"), "flow run other-rollout on host-9 pid 1", 60)
     assert other is not None
-    state = serve_rollout(candidate="champion", lease_wait_s=1.0, return_state=True, **FAST)  # type: ignore[arg-type]
+    state = serve_rollout(_fast(candidate="champion", lease_wait_s=1.0), return_state=True)
     assert state.is_failed()
     message = str(state.message)
     assert "another rollout of digits still holds the lease after 1 s" in message, message
     assert "holder flow run other-rollout on host-9 pid 1, expires in" in message, message
 
     threading.Timer(2.0, leases.release, args=(other,)).start()
-    result = serve_rollout(candidate="champion", lease_wait_s=30.0, **FAST)  # type: ignore[arg-type]
+    result = serve_rollout(_fast(candidate="champion", lease_wait_s=30.0))
     assert "already serves all traffic (another rollout promoted it while this one waited" in result.reason
     current = leases.read(registry.rollout_lease_uri("digits"))
     assert current is not None and current.released and "flow run" in current.holder, "released at the end"
@@ -245,7 +252,7 @@ def test_a_rollout_that_raises_rolls_back_and_serving_agrees_with_the_registry(
     # First step at 50 %, not 10 %: it must pass, and at 10 % of a few probes per second a 9 s window
     # (3 × soak_s at most) held fewer than min_requests candidate answers now and then (6 of 10 seen
     # in CI), which rolls back for "no evidence" before the injected failure is reached.
-    state = serve_rollout(steps=[50.0, 100.0], return_state=True, **FAST)  # type: ignore[arg-type]
+    state = serve_rollout(_fast(steps=[50.0, 100.0]), return_state=True)
 
     assert state.is_failed() and "injected" in str(state.message), state.message
     cfg = serve_control.ServeConfig(port=serve_config().port)
@@ -397,9 +404,9 @@ def test_a_rollout_killed_mid_soak_is_reconciled_by_the_next_one(champion_servin
         "PREFECT_API_URL": prefect_api,
     }
     # one step at 100 % soaking far longer than the test waits: the kill lands in the last soak
-    parameters = {"steps": [100.0], "soak_s": 300.0, "min_requests": 10, "probe_images": 8, "lease_ttl_s": 3.0}
+    parameters = _fast(steps=[100.0], soak_s=300.0, lease_ttl_s=3.0).model_dump_json()
     dying = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.paused_rollout", "flow", json.dumps(parameters)],
+        [sys.executable, "-m", "tests.integration.paused_rollout", "flow", parameters],
         cwd=REPO_ROOT,
         env=env,
     )
@@ -434,7 +441,7 @@ def test_a_rollout_killed_mid_soak_is_reconciled_by_the_next_one(champion_servin
         timeout_s=30,
     )
 
-    result = serve_rollout(steps=[100.0], lease_ttl_s=3.0, lease_wait_s=30.0, **FAST)  # type: ignore[arg-type]
+    result = serve_rollout(_fast(steps=[100.0], lease_ttl_s=3.0, lease_wait_s=30.0))
     assert result.reconciled is not None and "rolled all traffic back" in result.reconciled, result
     assert f"v{twin.version} at 100%" in result.reconciled and f"champion v{champion.version}" in result.reconciled
     assert result.promoted and [s.weight for s in result.steps] == [100.0], result

@@ -11,6 +11,7 @@ from rayline import events
 from rayline.config import get_settings
 from rayline.deployments.catalog import RETRAIN_DEBOUNCE, build_deployments, deployment_table
 from rayline.errors import ConfigError
+from rayline.ray_workloads.serving.request import RolloutRequest
 
 pytestmark = pytest.mark.unit
 
@@ -22,7 +23,8 @@ def test_every_deployment_builds_with_its_schedule() -> None:
     assert nightly.schedule.cron == "0 2 * * *" and nightly.schedule.timezone == "UTC"
     (monitoring,) = built["monitor"].schedules
     assert monitoring.schedule.interval == timedelta(minutes=15)
-    assert built["monitor"].parameters == {"vacuum_retention_hours": 168}, "the monitor vacuums the night tables"
+    (monitor_request,) = built["monitor"].parameters.values()
+    assert monitor_request["vacuum_retention_hours"] == 168, "the monitor vacuums the night tables"
     (hourly,) = built["prepare-data"].schedules
     assert hourly.schedule.interval == timedelta(hours=1)
     assert not built["train-model"].schedules and not built["retrain"].schedules
@@ -92,10 +94,11 @@ def test_retraining_and_rollout_are_event_triggered() -> None:
     (rollout,) = built["serve-rollout"].triggers
     assert rollout.expect == {events.ALIAS_MOVED}
     assert rollout.match.model_dump() == {"rayline.alias": "challenger"}, "only a challenger is canaried"
-    assert rollout.parameters == {
-        "candidate": "v{{ event.payload.version }}",
-        "model_name": "{{ event.payload.model }}",
-    }
+    asked = rollout.parameters["request"]  # the whole request: a trigger's parameters replace the deployment's
+    assert (asked["candidate"], asked["model_name"]) == ("v{{ event.payload.version }}", "{{ event.payload.model }}")
+    assert RolloutRequest.model_validate({**asked, "candidate": "v3", "model_name": "digits"}) == RolloutRequest(
+        candidate="v3", model_name="digits"
+    ), "the rest: the deployment's request"
 
 
 def test_prefect_yaml_is_the_table_and_valid_for_prefect_deploy() -> None:
@@ -124,9 +127,11 @@ def test_train_model_takes_one_request_and_each_retrain_trigger_carries_a_whole_
 
     from rayline.ray_workloads.training.request import TrainRequest
 
+    for spec in deployment_table():  # each flow's form is its request, and a deployment's parameters are one
+        schema = parameter_schema(spec.flow)
+        assert set(schema.properties) == {"request"} and not schema.required, spec.name
+        assert set(spec.parameters) <= {"request"}, spec.name
     (retrain,) = [s for s in deployment_table() if s.name == "retrain"]
-    schema = parameter_schema(retrain.flow)
-    assert set(schema.properties) == {"request"} and not schema.required, "one form, every field with a default"
     for trigger in retrain.triggers:  # Prefect replaces the deployment's request with the trigger's, whole
         asked = {k: "digits" if "{{" in str(v) else v for k, v in trigger.parameters["request"].items()}
         request = TrainRequest(**asked)

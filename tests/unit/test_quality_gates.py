@@ -162,7 +162,7 @@ def test_a_rollout_is_judged_against_the_champion_it_replaces_when_that_changed_
         return reading.labelled_gate(root, name, champion, challenger)
 
     monkeypatch.setattr(serve_rollout, "rollout_lease", announced_lease)
-    monkeypatch.setattr(serve_rollout, "resolve_version_task", registry.resolve)
+    monkeypatch.setattr(serve_rollout, "requested_version", lambda ref, name: registry.resolve(name or "digits", ref))
     monkeypatch.setattr(serve_rollout, "probe_source_task", lambda version: "mem://probes")
     monkeypatch.setattr(serve_rollout, "alias_version_task", registry.alias_version)
     monkeypatch.setattr(serve_rollout, "labelled_gate_task", gate)
@@ -171,7 +171,11 @@ def test_a_rollout_is_judged_against_the_champion_it_replaces_when_that_changed_
 
     def roll_out_v3() -> None:
         try:
-            outcome.append(serve_rollout.serve_rollout.fn(candidate="v3", require_labelled_win=True, lease_wait_s=60))
+            outcome.append(
+                serve_rollout.serve_rollout.fn(
+                    serve_rollout.RolloutRequest(candidate="v3", require_labelled_win=True, lease_wait_s=60)
+                )
+            )
         except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
             outcome.append(exc)
 

@@ -19,7 +19,8 @@ from rayline.ray_workloads.architectures.build import (
     load_model,
     state_dict_bytes,
 )
-from rayline.specs import ImageSpec
+from rayline.ray_workloads.nightly.request import NightRequest
+from rayline.specs import DEFAULT_MODEL_NAME, ImageSpec
 from rayline.storage import layout
 
 pytestmark = pytest.mark.unit
@@ -160,14 +161,11 @@ def test_unfinished_versions_are_never_resolved(local_storage: str) -> None:
 def test_the_nightly_model_option_takes_the_old_forms_and_name_at_ref(
     model: str, model_name: str | None, expected: tuple[str, str], local_storage: str
 ) -> None:
-    from rayline.cli.common import model_ref as _model_ref
-
     assert _model_ref(model, model_name) == expected
 
 
 def test_a_bare_registered_model_name_means_its_champion(local_storage: str) -> None:
     """``--model photos`` is photos@champion, not an alias 'photos' of digits; digits' own aliases still win."""
-    from rayline.cli.common import model_ref as _model_ref
 
     assert _model_ref("photos", None) == ("digits", "photos")  # nothing named photos: an alias of digits
     registry.register("photos", b"w", model_spec=ModelSpec(), image_spec=ImageSpec(), classes=["a", "b"],
@@ -175,8 +173,7 @@ def test_a_bare_registered_model_name_means_its_champion(local_storage: str) -> 
     assert _model_ref("photos", None) == ("photos", "champion")
     assert registry.parse_named_ref("photos") == ("photos", "champion")
     assert registry.parse_named_ref("photos@v1") == ("photos", "v1")
-    with pytest.raises(ConfigError, match="names model 'photos' but --model-name is 'digits'"):
-        _model_ref("photos", "digits")
+    assert _model_ref("photos", "digits") == ("digits", "photos")  # a model named: its alias, whatever else exists
 
 
 @pytest.mark.parametrize(
@@ -191,10 +188,17 @@ def test_a_bare_registered_model_name_means_its_champion(local_storage: str) -> 
 def test_a_bad_nightly_model_option_is_named(
     model: str, model_name: str | None, message: str, local_storage: str
 ) -> None:
-    from rayline.cli.common import model_ref as _model_ref
-
     with pytest.raises(ConfigError, match=re.escape(message)):
         _model_ref(model, model_name)
+
+
+def _model_ref(model: str, model_name: str | None) -> tuple[str, str]:
+    """(name, ref) as a night request given ``--model`` and ``--model-name`` means them (``requested_version``)."""
+    given = {"model": model} | ({"model_name": model_name} if model_name is not None else {})
+    request = NightRequest.model_validate(given, context={"model_name": "--model-name"})
+    if request.model_name is not None:
+        return request.model_name, request.model
+    return registry.parse_ref(request.model, DEFAULT_MODEL_NAME)
 
 
 def _register_keyed(key: str | None) -> registry.ModelVersion:
