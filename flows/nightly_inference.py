@@ -84,6 +84,7 @@ def _report(result: InferenceResult) -> None:
         {"item": "errors", "value": f"{result.errors} ({result.error_fraction:.2%}) {result.error_types}"},
         {"item": "skipped (not inputs)", "value": _skipped(result)},
         {"item": "rows/s", "value": round(result.inputs / max(result.elapsed_s, 1e-9), 1)},
+        {"item": "CPU", "value": result.cost_text()},
         {"item": "model", "value": result.model},
         {"item": "execution plan", "value": plans_text(result.plans)},
         {"item": "predictions table", "value": f"{result.predictions_table} version {result.predictions_version}"},

@@ -39,6 +39,7 @@ def measure_nights(spec: dict[str, Any], version: Any, runs: int = 1, **settings
             seconds = time.perf_counter() - began
         assert result.inputs == result.predictions == spec["count"], result
         night = {"seconds": seconds, "images_s": result.inputs / seconds, "elapsed_s": result.elapsed_s}
+        night["core_seconds"] = result.core_seconds or 0.0  # its actors' CPU and its driver's
         figures.append({**peak, **night, "phases": result.phase_s, "plans": result.plans})
     ray_cluster.disconnect()
     storage.remove_tree(cfg.tables_root)  # both tables of this measurement

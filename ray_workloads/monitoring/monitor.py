@@ -100,6 +100,7 @@ class PartitionDrift(BaseModel):
     drifted: bool
     reasons: list[str]
     reference: str = "training labels"
+    core_seconds: float | None = Field(None, description="CPU seconds the night's run took (its commit's record).")
 
     @property
     def error_fraction(self) -> float:
@@ -286,4 +287,5 @@ def night_drift(
         drifted=bool(reasons),
         reasons=reasons,
         reference=ref.describe(),
+        core_seconds=night.commit.core_seconds,
     )

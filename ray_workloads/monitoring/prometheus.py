@@ -121,7 +121,13 @@ def _serving_families(model: str, health: ServingHealth) -> list[Metric]:
 
 
 def _night_families(batch: list[tuple[dict[str, str], PartitionDrift]]) -> list[Metric]:
-    return _gauges(batch, [
+    costed = [(labels, d) for labels, d in batch if d.core_seconds]  # nights committed with their CPU figure
+    return _gauges(costed, [
+        ("rayline_predictions_core_seconds", "CPU seconds a night's run took: its actors' and its driver's.",
+         lambda d: d.core_seconds or 0.0),
+        ("rayline_predictions_images_per_core_second", "A night's inputs per CPU second: what a core buys.",
+         lambda d: d.inputs / (d.core_seconds or 1.0)),
+    ]) + _gauges(batch, [
         ("rayline_predictions_night_timestamp_seconds", "The night's date (UTC midnight).",
          lambda d: _night_timestamp(d.dt)),
         ("rayline_predictions_rows", "Prediction rows of a committed night.", lambda d: d.predictions),

@@ -165,6 +165,7 @@ class NightRun:
     started: float
     phases: dict[str, float] = field(default_factory=dict)  # wall-clock seconds per step: where the time goes
     lapped: float = field(default_factory=time.perf_counter)
+    cpu_started: float = field(default_factory=time.process_time)  # the driver's CPU, for the night's core-seconds
     # set by the steps: the fence and staging folder of this holding, then what predict found
     fence: int = field(init=False)
     staging: str = field(init=False)
@@ -276,6 +277,7 @@ class NightRun:
             error_types=dict(sorted(self.totals.error_types.items())),
             plans=sorted(self.totals.plans),
             plan_use=_plan_use(plans),
+            core_seconds=round(self.totals.actor_cpu_s + time.process_time() - self.cpu_started, 3),
         )
 
     def _observed(self, commits: dict[str, NightCommit], plans: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ SPANS_PER_ACTOR = 16
 # A predictor call returns one row, its blocks' reports as a JSON list (reports_batch): with the night's
 # target_max_block_size of 1 each output row is a Ray Data block, and a row per block cost ~0.5 s a span.
 REPORT_COLUMN = "reports"
+CPU_COLUMN = "cpu_s"  # beside the reports: the actor's CPU seconds since its previous call (its set-up in the first)
 _REPORT_KEY = b"rayline.block"
 
 
@@ -132,9 +133,13 @@ class BlockReport:
         return cls(**{**{f.name: row[f.name] for f in dataclasses.fields(cls) if f.name in row}, **decoded})
 
 
-def reports_batch(reports: list[BlockReport]) -> dict[str, np.ndarray]:
-    """Block reports as a (tiny) output batch of the predictor UDF: one row, the reports as a JSON list."""
-    return {REPORT_COLUMN: np.array([json.dumps([r.row() for r in reports], sort_keys=True)], dtype=object)}
+def reports_batch(reports: list[BlockReport], cpu_s: float = 0.0) -> dict[str, np.ndarray]:
+    """Block reports as a (tiny) output batch of the predictor UDF: one row, the reports as a JSON list, and the
+    CPU seconds the actor spent on them (not in the reports: a reused block's report is an earlier run's)."""
+    return {
+        REPORT_COLUMN: np.array([json.dumps([r.row() for r in reports], sort_keys=True)], dtype=object),
+        CPU_COLUMN: np.array([cpu_s], dtype=np.float64),
+    }
 
 
 def objects_reported(batch: dict[str, np.ndarray]) -> int:

@@ -84,6 +84,7 @@ class NightTotals:
     # (plan name, its cache key) -> the night's model calls under it, and those fp32 answered (execution.fallback)
     plan_use: dict[tuple[str, str], PlanUse] = field(default_factory=dict)
     shadow: ShadowCounts = field(default_factory=ShadowCounts)  # a shadowed night's comparison, summed
+    actor_cpu_s: float = 0.0  # the predictor actors' CPU seconds, as their calls reported them
 
     def add(self, report: BlockReport) -> None:
         if report.plan.get("plan"):

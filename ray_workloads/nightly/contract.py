@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, computed_field, model_validator
 
 from rayline.config import lease_ttl
 from rayline.errors import ConfigError
@@ -137,6 +137,17 @@ class InferenceResult(BaseModel):
         "that demoted it for later nights, the fp32 reason cached in its place (demoted).",
     )
     shadow: ShadowSummary | None = Field(None, description="The shadow version's night, when one was scored.")
+    core_seconds: float | None = Field(
+        None,
+        description="CPU seconds the night took: its predictor actors' (set-up and plan included) and its driver "
+        "process's. What a night costs: core-seconds × the price of a core-second (docs/capacity.md).",
+    )
+
+    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented use
+    @property
+    def images_per_core_second(self) -> float | None:
+        """The night's inputs per core-second: its throughput per unit of what it is billed for."""
+        return round(self.inputs / self.core_seconds, 3) if self.core_seconds else None
 
     @classmethod
     def from_commit(cls, cfg: InferenceConfig, commits: dict[str, NightCommit], **run: Any) -> InferenceResult:
@@ -165,6 +176,7 @@ class InferenceResult(BaseModel):
                     kind: commits[kind].files for kind in ("predictions", "errors", "shadow") if kind in commits
                 },
                 "shadow": None if shadow is None else committed_summary(shadow),
+                "core_seconds": predictions.core_seconds,
                 **run,
             }
         )
@@ -172,6 +184,12 @@ class InferenceResult(BaseModel):
     @property
     def error_fraction(self) -> float:
         return self.errors / self.inputs if self.inputs else 0.0
+
+    def cost_text(self) -> str:
+        """What the night cost in CPU: ``412.3 core-seconds (1.2 images per core-second)``."""
+        if not self.core_seconds:
+            return "not recorded"
+        return f"{self.core_seconds:.1f} core-seconds ({self.images_per_core_second} images per core-second)"
 
     @property
     def night(self) -> str:

@@ -20,6 +20,7 @@ from rayline import errors, progress, ray_work
 from rayline.errors import RaylineError, RetriesExhausted
 from rayline.ray_workloads.execution.interface import remote_options
 from rayline.ray_workloads.nightly.blocks import (
+    CPU_COLUMN,
     Cutting,
     NightOutput,
     any_block_written,
@@ -158,6 +159,7 @@ def sum_reports(reports: Dataset) -> NightTotals:
         for row in reports.iter_rows():  # streamed: spans of blocks are reported as their actors finish them
             for report in reports_of(row):
                 totals.add(report)
+            totals.actor_cpu_s += float(row.get(CPU_COLUMN, 0.0))
     except Exception as exc:  # Ray wraps an actor's error in classes of its own: the causes decide
         causes = list(errors.causes(exc))
         # the remote exception itself, not Ray's RayTaskError(...) subclass that wraps it

@@ -86,6 +86,7 @@ class PredictorUDF:
         plan_policy: PlanPolicy | None = None,
         shadow: ModelVersion | None = None,
     ) -> None:
+        self.cpu_mark = time.process_time()  # the actor's CPU from here on is the night's (its core-seconds)
         import torch  # here, not at module level: only the actors need it
 
         torch.set_num_threads(torch_threads(_assigned_cpus()))
@@ -119,7 +120,8 @@ class PredictorUDF:
                 # a block an earlier attempt of the same night wrote with these rows is reused, not predicted
                 reused = reused_report(self.output, block, uris, etags) if span["resuming"] else None
                 reports.append(reused or self.run_block(block, uris, etags))
-        return reports_batch(reports)
+        spent, self.cpu_mark = time.process_time() - self.cpu_mark, time.process_time()
+        return reports_batch(reports, spent)
 
     def run_block(self, block: str, uris: list[str], etags: list[str]) -> BlockReport:
         """Fetch, decode and predict the block a chunk at a time; write the block's rows once.

@@ -96,6 +96,7 @@ def print_inference_summary(result: InferenceResult | NightSkipped) -> None:
     if result.skipped:
         typer.echo(f"  skipped            {skipped_text(result.skipped)}")
     typer.echo(f"  execution plan     {plans_text(result.plans)}")
+    typer.echo(f"  CPU                {result.cost_text()}")
     if result.reused_blocks:
         reused = f"{result.reused_blocks} of {result.blocks}"
         typer.echo(f"  resumed            {reused} blocks of an earlier attempt reused")

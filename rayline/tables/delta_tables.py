@@ -104,6 +104,7 @@ class NightCommit(BaseModel):
     plans: list[str] | None = None
     plan_use: dict[str, dict[str, Any]] | None = None
     shadow_summary: dict[str, Any] | None = None
+    core_seconds: float | None = None
     version: int = Field(-1, exclude=True)
     already_committed: bool = Field(False, exclude=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 
@@ -76,6 +77,11 @@ def test_every_input_once_and_reruns_replace_the_partition(local_storage: str) -
     assert set(rows.column("model_version").to_pylist()) == {1} and rows.num_rows == len(predicted)
     assert DeltaTable(result.errors_table).version() == result.errors_version
     assert committed_nights(local_storage, "digits") == [DAY]
+    # what the night cost: its actors' and driver's CPU, never more than the machine's cores gave it meanwhile
+    cores = os.cpu_count() or 1
+    assert result.core_seconds is not None and 0 < result.core_seconds <= result.elapsed_s * cores * 1.05 + 1
+    assert result.images_per_core_second == round(result.inputs / result.core_seconds, 3)
+    assert table.history(1)[0]["rayline.core_seconds"] == result.core_seconds, "in the commit's info too"
 
     # a crashed run's leftovers never show: readers go by the Delta log, not the folder
     night_folder = storage.join(result.predictions_table, "model_name=digits", f"dt={DAY}")

@@ -106,6 +106,8 @@ def test_monitor_and_lineage_of_an_outside_champions_nights(local_storage: str) 
     metrics = storage.read_bytes(result.metrics_uri).decode()
     # both nights, as "nights back" (bounded labels), their dates as values
     assert 'night="0"' in metrics and 'night="1"' in metrics and 'model="photos"' in metrics
+    assert all(p.core_seconds for p in result.partitions), "each night's commit records what it cost"
+    assert "rayline_predictions_core_seconds{" in metrics and "rayline_predictions_images_per_core_second{" in metrics
 
     named = monitor(MonitorRequest(model_name="photos", partitions=1, check_serving=False, reference_date=NEXT_DAY))
     (latest,) = named.partitions
