@@ -2,12 +2,12 @@
 against the plain loop of Ray Data's documented pattern, in one run on one machine.
 
 Prints the ISA first (the first night's targets depend on it: with AMX, ResNet-50 >= 4x and ResNet-18 >= 3x
-the plain loop; with AVX-512-BF16, >= 3x and >= 2.5x; with neither, >= 1.5x). Then, in fresh processes on the same camera-sized photos, the
-documented loop (bench/support/documented_loop.py) against rayline's night with its defaults (the plan
-measured on the night's first images, inside the timed run); the chosen precision's top-1 agreement on a
-trained ResNet-18; a photo's decode cost; and ``POST /predict`` saturated with the plan and without. The
-models are random backbones with a fitted 2-class head (bench/support/probe_head.py): a ``weights=None``
-head's tied logits fail the gate whatever the plan. What each figure is and the JSON keys:
+the plain loop; with AVX-512-BF16, >= 3x and >= 2.5x; with neither, >= 1.5x). Then, in fresh processes on the
+same camera-sized photos, the documented loop (bench/support/documented_loop.py) against rayline's night with
+its defaults (the plan measured on the night's first images, inside the timed run); the chosen precision's
+top-1 agreement on a trained ResNet-18; a photo's decode cost; and ``POST /predict`` saturated with the plan
+and without. The models are random backbones with a fitted 2-class head (bench/support/probe_head.py): a
+``weights=None`` head's tied logits fail the gate whatever the plan. What each figure is and the JSON keys:
 bench/README.md. Where ``torch.cuda.is_available()`` both nights run on the GPU too; nothing needs one.
 """
 

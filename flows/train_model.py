@@ -12,6 +12,7 @@ from rayline.ray_workloads.training.promotion import PromotionResult
 from rayline.ray_workloads.training.request import TrainRequest
 from rayline.ray_workloads.training.train import TrainResult
 from rayline.ray_workloads.training.tune import TuneResult
+from rayline.tasks.plans import measure_plan_task
 from rayline.tasks.register import register_and_gate
 from rayline.tasks.registry_lookups import reconcile_mirror_task
 from rayline.tasks.train import evaluate_task, train_model_task
@@ -46,6 +47,8 @@ def train_model(request: TrainRequest = TrainRequest()) -> TrainModelResult:  # 
     trained = train_model_task(training, tracking_experiment=plan.name)
     evaluation = evaluate_task(training, trained, tracking_experiment=plan.name)
     gated = register_and_gate(plan.promotion(training, trained, evaluation))
+    if gated.alias is not None:  # a version nights will run: its plan measured before the first one
+        measure_plan_task(gated.version)
     _publish_summary(trained, evaluation, gated)
     return TrainModelResult(data=data, tuned=searched, trained=trained, evaluation=evaluation, registration=gated)
 

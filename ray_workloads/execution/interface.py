@@ -96,10 +96,7 @@ class LoadedModel:
         if self.module is None:
             plan = Plan(backend="onnxruntime") if self.spec.format == "onnx" else REFERENCE
             return self.adopt(PlanChoice(plan, hardware, f"fp32: a {self.spec.format} file runs as it was saved"))
-        module = self.module
-        wanted = get_settings().plan_openvino or policy.backend == "openvino"  # a pin overrides the setting
-        with_openvino = self.device == "cpu" and wanted and openvino_backend.available()
-        backends: tuple[Backend, ...] = ("eager", "openvino") if with_openvino else ("eager",)
+        module, backends = self.module, backends_at_hand(self.device, policy)
         converted: list[openvino_backend.OpenVinoModel] = []
 
         def make_run(plan: Plan) -> Logits:
@@ -178,6 +175,12 @@ def load(
     if optimize:
         module = prepare_for_inference(module)
     return LoadedModel(spec, image_spec, torch_run(module, Plan(channels_last=optimize)), module)
+
+
+def backends_at_hand(device: str, policy: PlanPolicy) -> tuple[Backend, ...]:
+    """The backends a plan may use on ``device``: eager, and OpenVINO on a CPU where it is installed and wanted."""
+    wanted = get_settings().plan_openvino or policy.backend == "openvino"  # a pin overrides the setting
+    return ("eager", "openvino") if device == "cpu" and wanted and openvino_backend.available() else ("eager",)
 
 
 def load_version(version: ModelVersion, **options: Any) -> LoadedModel:

@@ -15,6 +15,7 @@ from rayline import storage
 from rayline.errors import OutOfMemory, RetriesExhausted, is_transient
 from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.models import registry
+from rayline.ray_workloads.execution.ahead import measure_ahead
 from rayline.ray_workloads.execution.cache import cached_plan, plan_for, plan_uri
 from rayline.ray_workloads.execution.interface import load_version
 from rayline.ray_workloads.execution.plan import REFERENCE, Plan, PlanPolicy, softmax, torch_run
@@ -57,10 +58,19 @@ def _rows(root: str, model: str = "digits") -> tuple[list[str], list[str], Count
 
 
 def test_every_input_once_and_reruns_replace_the_partition(local_storage: str) -> None:
-    register_untrained_champion()
+    version = register_untrained_champion()
     _, inputs = _incoming(local_storage, corrupt=8)
-    result = nightly_inference(NightRequest(date=DAY, max_error_fraction=0.05))
+    # the plan measured where the version is made (a pin: measured on any CPU), on a night actor's CPUs; its
+    # first night adopts it (the marker the test writes into the cached plan is the night's reason)
+    pinned = PlanPolicy(precision="bf16")
+    ahead = measure_ahead(version, pinned, cpus=NightShape().cpus_per_actor)
+    assert ahead is not None and ahead.key, ahead
+    cached_uri = plan_uri(version.uri, ahead.key)
+    record = json.loads(storage.read_bytes(cached_uri))
+    storage.write_bytes_atomic(cached_uri, json.dumps({**record, "reason": "measured ahead"}).encode())
+    result = nightly_inference(NightRequest(date=DAY, max_error_fraction=0.05, plan=pinned))
     assert isinstance(result, InferenceResult)
+    assert [p["reason"] for p in result.plans.values()] == ["measured ahead"], result.plans
     predicted, errored, error_types = _rows(local_storage)
     assert len(predicted) + len(errored) == len(inputs) == 1797 + 2 + 8
     assert set(predicted) | set(errored) == inputs and not set(predicted) & set(errored)
