@@ -29,6 +29,11 @@ def measure_nights(spec: dict[str, Any], version: Any, runs: int = 1, **settings
         code_version="bench",
         **settings,
     )
+    if spec.get("registered"):  # as register-model does: the plan measured before the first night (not timed)
+        from rayline.ray_workloads.execution.ahead import measure_ahead
+
+        measure_ahead(version, cfg.plan, cfg.cpus_per_actor)
+        wait_until_idle()
     figures = []
     for attempt in range(runs):
         if attempt:
