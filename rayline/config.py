@@ -174,6 +174,15 @@ class Settings(BaseSettings):
     serve_precision: Literal["fp32", "bf16", "fp16"] | None = Field(
         None, description="Pin the model replicas' precision (still gated against fp32); unset: measured."
     )
+    serve_replicas: int = Field(1, ge=1, description="Model replicas of each served version.")
+    serve_cpus_per_replica: float = Field(0.25, gt=0, description="Logical CPUs each model replica holds.")
+    serve_router_replicas: int = Field(1, ge=1, description="Replicas of the router in front of the models.")
+    serve_max_replicas_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="At most this many replicas of one deployment (the router, or a version) on a node: 1 spreads "
+        "them, so a lost node leaves the others serving; unset: Serve places them freely.",
+    )
     serve_graceful_shutdown_wait_loop_s: float = Field(
         2.0,
         gt=0,

@@ -89,11 +89,19 @@ def config_from_settings() -> ServeConfig:
             port=settings.serve_port,
             default_model=settings.serve_default_model,
             graceful_shutdown_wait_loop_s=settings.serve_graceful_shutdown_wait_loop_s,
+            replicas=settings.serve_replicas,
+            cpus_per_replica=settings.serve_cpus_per_replica,
+            router_replicas=settings.serve_router_replicas,
+            max_replicas_per_node=settings.serve_max_replicas_per_node,
             plan=PlanPolicy(mode=settings.serve_plan, precision=settings.serve_precision),
         )
-    except ValidationError as exc:  # every field here comes from RAYLINE_SERVE_<FIELD>
-        problems = "; ".join(
-            f"RAYLINE_SERVE_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']} (got {e.get('input')!r})"
-            for e in exc.errors()
-        )
+    except ValidationError as exc:  # every field here comes from a RAYLINE_SERVE_… setting: named as the user sets it
+        problems = "; ".join(f"{_setting_of(e['loc'])}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors())
         raise ConfigError(f"invalid serving settings: {problems}") from exc
+
+
+def _setting_of(loc: tuple[int | str, ...]) -> str:
+    """The variable a field of the config came from: ``RAYLINE_SERVE_<FIELD>``, the plan's two its own."""
+    if loc and loc[0] == "plan":
+        return "RAYLINE_SERVE_PRECISION" if "precision" in loc else "RAYLINE_SERVE_PLAN"
+    return f"RAYLINE_SERVE_{str(loc[0]).upper()}" if loc else "RAYLINE_SERVE_…"

@@ -88,6 +88,17 @@ def test_the_default_model_comes_from_settings(monkeypatch: pytest.MonkeyPatch) 
         config_from_settings()
 
 
+def test_serving_is_sized_by_the_settings_the_docs_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rayline.ray_workloads.serving.config import config_from_settings
+
+    sizes = {"REPLICAS": "2", "CPUS_PER_REPLICA": "0.1", "ROUTER_REPLICAS": "2", "MAX_REPLICAS_PER_NODE": "1"}
+    for name, value in sizes.items():
+        monkeypatch.setenv(f"RAYLINE_SERVE_{name}", value)
+    cfg = config_from_settings()
+    assert (cfg.replicas, cfg.cpus_per_replica, cfg.router_replicas) == (2, 0.1, 2)
+    assert cfg.placement() == {"max_replicas_per_node": 1}
+
+
 def _form(*parts: bytes, boundary: bytes = b"XyZ") -> bytes:
     return b"".join(b"--" + boundary + b"\r\n" + part + b"\r\n" for part in parts) + b"--" + boundary + b"--\r\n"
 
