@@ -178,10 +178,7 @@ class Settings(BaseSettings):
     serve_cpus_per_replica: float = Field(0.25, gt=0, description="Logical CPUs each model replica holds.")
     serve_router_replicas: int = Field(1, ge=1, description="Replicas of the router in front of the models.")
     serve_max_replicas_per_node: int | None = Field(
-        None,
-        ge=1,
-        description="At most this many replicas of one deployment (the router, or a version) on a node: 1 spreads "
-        "them, so a lost node leaves the others serving; unset: Serve places them freely.",
+        None, ge=1, description="ServeConfig.max_replicas_per_node: 1 spreads each deployment's replicas over nodes."
     )
     serve_graceful_shutdown_wait_loop_s: float = Field(
         2.0,
