@@ -134,12 +134,13 @@ def test_two_ups_at_once_neither_orphans_the_other(tmp_path: Path) -> None:
             # while it is frozen, so that it lands the moment it runs again: sent after SIGCONT, a test process
             # the machine's load held back between the two let the `up` finish first and end 0.
             os.kill(first.pid, signal.SIGINT)
+            frozen_with = _signal_state(first.pid)  # SIGINT pending, caught and not blocked, unless `up` lost it
             os.kill(first.pid, signal.SIGCONT)
         out, err = first.communicate(timeout=120)
         busy = f"another `rayline up` (pid {first.pid}) holds the state folder {state}"
         assert second.returncode != 0 and busy in second.stderr, second.stdout + second.stderr
         assert second_down.returncode != 0 and busy in second_down.stderr, second_down.stdout + second_down.stderr
-        assert first.returncode != 0, out + err
+        assert first.returncode != 0, f"{out}{err}\nthe frozen `up` when SIGINT was sent: {frozen_with}"
         assert _services_gone(root) == [], "a service of either `up` outlived them"
         assert not Path(f"/proc/{prefect_pid}").exists()
         assert not list((state / "pids").glob("*.json")), "the interrupted `up` removes the PID files it wrote"
@@ -151,6 +152,14 @@ def test_two_ups_at_once_neither_orphans_the_other(tmp_path: Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(prefect_pid, signal.SIGKILL)
         _kill_leftovers(root)
+
+
+def _signal_state(pid: int) -> str:
+    """The signal masks /proc shows for ``pid`` (pending, blocked, ignored, caught; each bit n-1 is signal n)."""
+    with contextlib.suppress(OSError):
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        return "; ".join(line for line in lines if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")))
+    return "gone"
 
 
 def _kill_leftovers(root: Path) -> None:
