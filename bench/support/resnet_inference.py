@@ -37,7 +37,7 @@ class RaylineSettings:
     objects_per_task: int
 
     def describe(self) -> str:
-        from rayline.ray_workloads.nightly.predictor import torch_threads
+        from rayline.ray_workloads.execution.interface import torch_threads
 
         gpus = f", {self.gpus_per_actor:g} GPU each" if self.gpus_per_actor else ""
         threads = torch_threads(self.cpus_per_actor)  # what PredictorUDF sets from the actor's CPUs

@@ -8,16 +8,17 @@ other hardware (a GPU node, another CPU) finds no plan for its key and measures 
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 from rayline.hardware import detect
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.execution.cache import plan_for, probe_set
-from rayline.ray_workloads.execution.interface import backends_at_hand, load_version, remote_options
+from rayline.ray_workloads.execution.interface import (
+    assigned_cpus,
+    backends_at_hand,
+    load_version,
+    remote_options,
+    torch_threads,
+)
 from rayline.ray_workloads.execution.plan import PlanChoice, PlanPolicy, candidates
-
-logger = logging.getLogger(__name__)
 
 
 def measure_ahead(version: ModelVersion, policy: PlanPolicy, cpus: float) -> PlanChoice | None:
@@ -35,12 +36,9 @@ def measure_ahead(version: ModelVersion, policy: PlanPolicy, cpus: float) -> Pla
 def _measure_here(version: ModelVersion, policy: PlanPolicy) -> PlanChoice | None:
     """In the task: the version loaded on the threads a night actor of these CPUs runs, judged on its samples;
     nothing loaded where this CPU has no plan to measure (a night there runs fp32 unmeasured too)."""
-    import ray
-
     if not candidates(detect(with_gpu=False), "cpu", policy, backends_at_hand("cpu", policy)):
         return None
-    assigned: dict[str, Any] = ray.get_runtime_context().get_assigned_resources()  # type: ignore[no-untyped-call]
-    model = load_version(version, threads=max(1, int(float(assigned.get("CPU", 1.0)))))
+    model = load_version(version, threads=torch_threads(assigned_cpus()))
     probe = probe_set(version, version.image_spec)
     if probe is None:  # no samples and no stand-ins: the night measures on its own first images
         return None

@@ -183,6 +183,25 @@ def backends_at_hand(device: str, policy: PlanPolicy) -> tuple[Backend, ...]:
     return ("eager", "openvino") if device == "cpu" and wanted and openvino_backend.available() else ("eager",)
 
 
+def torch_threads(assigned_cpus: float) -> int:
+    """Intra-op threads for an actor granted ``assigned_cpus`` logical CPUs: the whole CPUs, at least one.
+
+    A fractional share (the default 0.5) gets one thread: two single-thread actors match one with two
+    threads on a compute-bound model, each one's decode overlapping the other's forward pass.
+    """
+    return max(1, int(assigned_cpus))
+
+
+def assigned_cpus() -> float:
+    """The CPUs Ray granted the calling actor or task; 0 outside one (a UDF built in a driver or a test)."""
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_task_id() is None:
+        return 0.0  # a driver has no assigned resources (Ray asserts on asking)
+    assigned = ray.get_runtime_context().get_assigned_resources()  # type: ignore[no-untyped-call]
+    return float(assigned.get("CPU", 0.0))
+
+
 def load_version(version: ModelVersion, **options: Any) -> LoadedModel:
     """A registered version, loaded with its own image spec (see :func:`load` for ``options``)."""
     return load(version.model_spec, version.weights_uri, version.image_spec, **options)

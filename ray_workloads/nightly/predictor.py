@@ -53,25 +53,6 @@ def fetch_and_decode(uris: list[str], etags: list[str], spec: ImageSpec, concurr
     return decode_rows([i.data for i in items], failed, spec)
 
 
-def torch_threads(assigned_cpus: float) -> int:
-    """Intra-op threads for an actor granted ``assigned_cpus`` logical CPUs: the whole CPUs, at least one.
-
-    A fractional share (the default 0.5) gets one thread: two single-thread actors match one with two
-    threads on a compute-bound model, each one's decode overlapping the other's forward pass.
-    """
-    return max(1, int(assigned_cpus))
-
-
-def _assigned_cpus() -> float:
-    """The CPUs Ray granted the calling actor; 0 outside a Ray actor (e.g. a UDF built in a driver or a test)."""
-    import ray
-
-    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
-        return 0.0  # a driver has no assigned resources (Ray asserts on asking)
-    assigned = ray.get_runtime_context().get_assigned_resources()  # type: ignore[no-untyped-call]
-    return float(assigned.get("CPU", 0.0))
-
-
 class PredictorUDF:
     """Callable class for ``map_batches``: the model is loaded once per actor; a call writes whole blocks."""
 
@@ -89,7 +70,9 @@ class PredictorUDF:
         self.cpu_mark = time.process_time()  # the actor's CPU from here on is the night's (its core-seconds)
         import torch  # here, not at module level: only the actors need it
 
-        torch.set_num_threads(torch_threads(_assigned_cpus()))
+        from rayline.ray_workloads.execution.interface import assigned_cpus, torch_threads
+
+        torch.set_num_threads(torch_threads(assigned_cpus()))
         self.spec = model.image_spec
         self.top_k = min(top_k, len(model.classes))
         self.names = np.array(model.classes, dtype=object)
@@ -120,7 +103,8 @@ class PredictorUDF:
                 # a block an earlier attempt of the same night wrote with these rows is reused, not predicted
                 reused = reused_report(self.output, block, uris, etags) if span["resuming"] else None
                 reports.append(reused or self.run_block(block, uris, etags))
-        spent, self.cpu_mark = time.process_time() - self.cpu_mark, time.process_time()
+        now = time.process_time()
+        spent, self.cpu_mark = now - self.cpu_mark, now
         return reports_batch(reports, spent)
 
     def run_block(self, block: str, uris: list[str], etags: list[str]) -> BlockReport:
@@ -276,9 +260,9 @@ def concat_rows(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 def _load_for_inference(model: ModelVersion, device: Any) -> LoadedModel:
-    from rayline.ray_workloads.execution.interface import load_version
+    from rayline.ray_workloads.execution.interface import assigned_cpus, load_version, torch_threads
 
-    return load_version(model, device=device, threads=torch_threads(_assigned_cpus()))
+    return load_version(model, device=device, threads=torch_threads(assigned_cpus()))
 
 
 def _prediction_table(rows: dict[str, np.ndarray], selected: np.ndarray, constants: dict[str, Any]) -> pa.Table:

@@ -8,10 +8,10 @@ import pyarrow as pa
 import pytest
 
 from rayline import storage
+from rayline.ray_workloads.execution.interface import torch_threads
 from rayline.ray_workloads.nightly.blocks import BlockReport, reports_batch, reports_of
 from rayline.ray_workloads.nightly.contract import block_size
 from rayline.ray_workloads.nightly.holding import listing_staging_uri, night_listings, remove_earlier_listings
-from rayline.ray_workloads.nightly.predictor import torch_threads
 from rayline.storage.digests import SetDigest
 from rayline.tables.delta_tables import Night
 
