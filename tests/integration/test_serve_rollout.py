@@ -7,16 +7,13 @@ sending requests through the router.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -27,9 +24,8 @@ from ray.serve.schema import ApplicationStatus
 
 from rayline import events, lineage, storage
 from rayline.errors import ClusterError
-from rayline.flows.serve_rollout import RolloutRequest, serve_config, serve_rollout
+from rayline.flows.serve_rollout import serve_config, serve_rollout
 from rayline.models import registry
-from rayline.models.registry import ModelVersion
 from rayline.ray_cluster import NAMESPACE
 from rayline.ray_workloads.monitoring import monitor as mon
 from rayline.ray_workloads.serving import canary, rollout
@@ -39,28 +35,26 @@ from rayline.ray_workloads.serving.model_server import MODEL_DEPLOYMENT, ModelSe
 from rayline.seed import digit_objects
 from rayline.storage import leases
 from rayline.tasks.monitoring import serving_health_task
-from tests.integration.helpers import ClientThreads, one_stored_event, register_untrained, stored_events
+from tests.integration.helpers import one_stored_event, stored_events
+from tests.integration.rollout_support import (
+    Load,
+    app_status,
+    fast,
+    lease_expired,
+    line_from,
+    probe_image,
+    register_digits,
+    replica_ids,
+    run_app,
+    wait_until,
+)
 from tests.support import REPO_ROOT, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_session", "prefect_api")]
 
-# short windows; the gates are the production ones. 8 probe images (64 by default): the agreement
-# check pins each to both versions, one request after another, before the first step's weight moves
-FAST = {"soak_s": 3.0, "gates": {"min_requests": 10}, "probe_images": 8}
-
-
-def _fast(gates: dict[str, float] | None = None, **fields: object) -> RolloutRequest:
-    """A rollout request with short soaks and few probes: ``fields`` and ``gates`` on top."""
-    return RolloutRequest.model_validate({**FAST, "gates": {"min_requests": 10, **(gates or {})}, **fields})
-
-
 # a stopping replica looks every 2 s (Serve's default) whether it has drained: every rollback,
 # retirement and removal here waited at least that long for its replica to go
 _SERVE_SETTINGS = {"RAYLINE_SERVE_GRACEFUL_SHUTDOWN_WAIT_LOOP_S": "0.1"}
-
-
-def _register(seed: int, broken: bool = False) -> ModelVersion:
-    return register_untrained("digits", seed=seed, broken=broken)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +69,7 @@ def champion_serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         probes = storage.join(root, "raw")
         for key, data in list(digit_objects(32))[:200]:
             storage.write_bytes_atomic(storage.join(probes, key), data)
-        champion = _register(seed=0)
+        champion = register_digits(seed=0)
         registry.set_alias("digits", registry.CHAMPION, champion.version, "test")
         cfg = serve_config()
         try:
@@ -87,48 +81,15 @@ def champion_serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             serve_control.shutdown(cfg)
 
 
-class Load(ClientThreads):
-    """Client threads posting images through the router until stopped; every outcome kept.
-
-    Each client waits ``PAUSE_S`` between its requests: three of them back to back kept both
-    cores busy with requests, slowing the deploys and the flow under test (and the latency
-    samples the gate judges) for no more evidence than tens of requests a second give.
-    """
-
-    PAUSE_S = 0.05
-
-    def __init__(self, url: str, image: bytes) -> None:
-        self.url, self.image = url, image
-        self.statuses: Counter[int] = Counter()
-        self.by_version: Counter[tuple[str, int]] = Counter()
-        self.connection_errors: list[str] = []
-        super().__init__(self._client_loop, 3, join_timeout_s=60)
-
-    def _client_loop(self, _: int) -> None:
-        with httpx.Client(base_url=self.url, timeout=30) as client:
-            while not self.stop.wait(self.PAUSE_S):
-                try:
-                    answer = client.post("/predict", content=self.image)
-                except httpx.HTTPError as exc:
-                    self.connection_errors.append(f"{type(exc).__name__}: {exc}")
-                    continue
-                self.statuses[answer.status_code] += 1
-                self.by_version[(answer.headers.get(ANSWER_HEADER, "?"), answer.status_code)] += 1
-
-
-def _probe_image() -> bytes:
-    return next(iter(digit_objects(32)))[1]
-
-
 def test_rollout_under_load_promotes_with_no_failed_request(
     champion_serving: str, prefect_api: str, test_started: float
 ) -> None:
     incumbent = registry.resolve("digits", registry.CHAMPION)
-    twin = _register(seed=0)  # same weights: agrees with the champion everywhere
+    twin = register_digits(seed=0)  # same weights: agrees with the champion everywhere
     registry.set_alias("digits", registry.CHALLENGER, twin.version, "test")
 
-    with Load(champion_serving, _probe_image()) as load:
-        result = serve_rollout(_fast())
+    with Load(champion_serving, probe_image()) as load:
+        result = serve_rollout(fast())
 
     assert result.promoted and [s.weight for s in result.steps] == [10.0, 50.0, 100.0]
     assert all(s.passed for s in result.steps) and result.steps[0].agreement == 1.0
@@ -149,12 +110,12 @@ def test_rollout_under_load_promotes_with_no_failed_request(
 
 def test_a_broken_challenger_is_rolled_back_at_the_first_step(champion_serving: str) -> None:
     incumbent = registry.resolve("digits", registry.CHAMPION)
-    broken = _register(seed=3, broken=True)
+    broken = register_digits(seed=3, broken=True)
     registry.set_alias("digits", registry.CHALLENGER, broken.version, "test")
 
-    with Load(champion_serving, _probe_image()) as load:
+    with Load(champion_serving, probe_image()) as load:
         # agreement off: the live error-rate gate must catch it on its own
-        state = serve_rollout(_fast({"min_agreement": 0.0}), return_state=True)
+        state = serve_rollout(fast({"min_agreement": 0.0}), return_state=True)
 
     assert state.is_failed()
     message = str(state.message)
@@ -177,29 +138,17 @@ def test_a_rollout_waits_for_the_lease_and_gives_up_naming_its_holder(champion_s
     otherwise fails naming the run that holds it."""
     other = leases.try_acquire(registry.rollout_lease_uri("digits"), "flow run other-rollout on host-9 pid 1", 60)
     assert other is not None
-    state = serve_rollout(_fast(candidate="champion", lease_wait_s=1.0), return_state=True)
+    state = serve_rollout(fast(candidate="champion", lease_wait_s=1.0), return_state=True)
     assert state.is_failed()
     message = str(state.message)
     assert "another rollout of digits still holds the lease after 1 s" in message, message
     assert "holder flow run other-rollout on host-9 pid 1, expires in" in message, message
 
     threading.Timer(2.0, leases.release, args=(other,)).start()
-    result = serve_rollout(_fast(candidate="champion", lease_wait_s=30.0))
+    result = serve_rollout(fast(candidate="champion", lease_wait_s=30.0))
     assert "already serves all traffic (another rollout promoted it while this one waited" in result.reason
     current = leases.read(registry.rollout_lease_uri("digits"))
     assert current is not None and current.released and "flow run" in current.holder, "released at the end"
-
-
-def _replica_ids(app: str) -> set[str]:
-    """Ids of ``app``'s replicas, whatever their state (Serve's own client: status() has no replica details).
-
-    The raw dict: building ``ServeInstanceDetails`` pickles Serve's request-router class with
-    process-global cloudpickle settings, which races a deploy running in another thread.
-    """
-    client = serve.context._get_global_client()
-    assert client is not None
-    found = client.get_serve_details()["applications"].get(app)
-    return {r["replica_id"] for d in found["deployments"].values() for r in d["replicas"]} if found else set()
 
 
 def test_a_rollout_racing_another_waits_for_its_deploys_and_reads_settled_weights(champion_serving: str) -> None:
@@ -207,24 +156,24 @@ def test_a_rollout_racing_another_waits_for_its_deploys_and_reads_settled_weight
     neither restarts what the first is deploying nor acts on weights the routers don't route by yet."""
     cfg = serve_config()
     champion = registry.resolve("digits", registry.CHAMPION)
-    other = _register(seed=0)
+    other = register_digits(seed=0)
     app = cfg.version_app("digits", other.version)
 
     first = threading.Thread(target=serve_control.deploy_version, args=(other, cfg))
     first.start()
     deadline = time.monotonic() + 60
-    while not (starting := _replica_ids(app)) and time.monotonic() < deadline:
+    while not (starting := replica_ids(app)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert starting and serve.status().applications[app].status in ("NOT_STARTED", "DEPLOYING")
     serve_control.deploy_version(other, cfg)  # the second caller: waits for it, submits nothing
     first.join(timeout=120)
-    assert _replica_ids(app) == starting, "the version was submitted again: its replica was replaced"
+    assert replica_ids(app) == starting, "the version was submitted again: its replica was replaced"
 
     control = ray.get_actor(cfg.control_actor_name, namespace=NAMESPACE)
     ray.get(control.set_weights.remote({other.version: 1.0}))  # the first caller's move: routers not told yet
     assert rollout.incumbent_version(cfg) == other.version  # read settled: routers route by it now
     with httpx.Client(base_url=champion_serving, timeout=30) as client:
-        answered = [client.post("/predict", content=_probe_image()).headers.get(ANSWER_HEADER) for _ in range(5)]
+        answered = [client.post("/predict", content=probe_image()).headers.get(ANSWER_HEADER) for _ in range(5)]
     assert answered == [str(other.version)] * 5
 
     serve_control.set_weights({champion.version: 100.0}, cfg)
@@ -236,7 +185,7 @@ def test_a_rollout_that_raises_rolls_back_and_serving_agrees_with_the_registry(
 ) -> None:
     """Not a failed gate: the 100 % step raises after the candidate got all the traffic."""
     incumbent = registry.resolve("digits", registry.CHAMPION)
-    twin = _register(seed=0)
+    twin = register_digits(seed=0)
     registry.set_alias("digits", registry.CHALLENGER, twin.version, "test")
     real_run_step = rollout.run_step
 
@@ -252,7 +201,7 @@ def test_a_rollout_that_raises_rolls_back_and_serving_agrees_with_the_registry(
     # First step at 50 %, not 10 %: it must pass, and at 10 % of a few probes per second a 9 s window
     # (3 × soak_s at most) held fewer than min_requests candidate answers now and then (6 of 10 seen
     # in CI), which rolls back for "no evidence" before the injected failure is reached.
-    state = serve_rollout(_fast(steps=[50.0, 100.0]), return_state=True)
+    state = serve_rollout(fast(steps=[50.0, 100.0]), return_state=True)
 
     assert state.is_failed() and "injected" in str(state.message), state.message
     cfg = serve_control.ServeConfig(port=serve_config().port)
@@ -263,22 +212,6 @@ def test_a_rollout_that_raises_rolls_back_and_serving_agrees_with_the_registry(
     (record,) = [r for r in lineage.read_records("serve_rollout") if r.outputs[0].uri == twin.uri]
     assert record.outputs[0].facets["outcome"] == "rolled back"
     assert "raised RuntimeError: injected" in record.outputs[0].facets["reason"]
-
-
-def _wait_until(what: str, done: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
-        time.sleep(0.1)
-
-
-def _run_app(name: str, app: object) -> None:
-    serve.run_many([serve.RunTarget(app, name=name, route_prefix=None)], wait_for_applications_running=False)
-
-
-def _app_status(name: str) -> ApplicationStatus | None:
-    found = serve.status().applications.get(name)
-    return found.status if found is not None else None
 
 
 def test_a_deploy_timing_out_on_the_live_incumbent_leaves_it_serving(champion_serving: str) -> None:
@@ -298,41 +231,21 @@ def test_a_deploy_timing_out_on_the_live_incumbent_leaves_it_serving(champion_se
         ray_actor_options={"num_cpus": cfg.cpus_per_replica, "resources": {"rayline-test-absent": 1.0}},
         max_surge_percent=100,
     )(ModelServer).bind(champion, cfg.top_k, cfg.max_pixels)
-    _run_app(app, unplaceable)
+    run_app(app, unplaceable)
     try:
-        _wait_until(f"{app} deploying", lambda: _app_status(app) == ApplicationStatus.DEPLOYING)
-        with Load(champion_serving, _probe_image()) as load:
+        wait_until(f"{app} deploying", lambda: app_status(app) == ApplicationStatus.DEPLOYING)
+        with Load(champion_serving, probe_image()) as load:
             with pytest.raises(ClusterError, match=f"{app}: DEPLOYING after 2 s"):
                 serve_control.deploy_version(champion, cfg.model_copy(update={"deploy_timeout_s": 2.0}))
             answered = sum(load.statuses.values())
             # the time a deletion needs to stop the replica: long enough to see requests fail if it did
-            _wait_until("60 more answers", lambda: sum(load.statuses.values()) > answered + 60)
+            wait_until("60 more answers", lambda: sum(load.statuses.values()) > answered + 60)
         assert load.connection_errors == [] and set(load.statuses) == {200}, (load.statuses, load.connection_errors)
-        assert _app_status(app) == ApplicationStatus.DEPLOYING, "the incumbent was deleted"
+        assert app_status(app) == ApplicationStatus.DEPLOYING, "the incumbent was deleted"
         assert serve_control.get_weights(cfg, model="digits") == {champion.version: 100.0}
     finally:
-        _run_app(app, model_app(champion, cfg))  # its own version again: the unplaceable replica goes
-        _wait_until(f"{app} running again", lambda: _app_status(app) == ApplicationStatus.RUNNING)
-
-
-def _lease_expired(uri: str) -> bool:
-    current = leases.read(uri)
-    return current is not None and not current.is_live()
-
-
-def _line_from(process: subprocess.Popen[str], timeout_s: float = 120.0) -> dict[str, object]:
-    """The next line ``process`` prints, as JSON; fails (rather than hangs) when none comes."""
-    lines: queue.Queue[str] = queue.Queue()
-    assert process.stdout is not None
-    stdout = process.stdout
-    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
-    try:
-        line = lines.get(timeout=timeout_s)
-    except queue.Empty:
-        raise AssertionError(f"the paused rollout printed nothing within {timeout_s:.0f} s") from None
-    assert line, f"the paused rollout exited ({process.wait(timeout=30)}) without a word"
-    parsed: dict[str, object] = json.loads(line)
-    return parsed
+        run_app(app, model_app(champion, cfg))  # its own version again: the unplaceable replica goes
+        wait_until(f"{app} running again", lambda: app_status(app) == ApplicationStatus.RUNNING)
 
 
 def test_a_rollout_paused_past_its_lease_cannot_move_traffic_over_the_one_that_took_over(
@@ -343,7 +256,7 @@ def test_a_rollout_paused_past_its_lease_cannot_move_traffic_over_the_one_that_t
     the control actor (its lease generation is older) and the weights stay the second one's."""
     cfg = serve_config()
     champion = registry.resolve("digits", registry.CHAMPION)
-    twin = _register(seed=0)
+    twin = register_digits(seed=0)
     serve_control.deploy_version(twin, cfg)
     prepared = canary.PreparedRollout(base_url=champion_serving, incumbent=champion, candidate=twin)
     uri = registry.rollout_lease_uri("digits")
@@ -356,16 +269,16 @@ def test_a_rollout_paused_past_its_lease_cannot_move_traffic_over_the_one_that_t
         )
         assert paused.stdin is not None
         try:
-            holding = _line_from(paused)
+            holding = line_from(paused)
             os.kill(paused.pid, signal.SIGSTOP)  # between its check and its move: its renewer stops too
-            _wait_until("the paused rollout's lease expired", lambda: _lease_expired(uri))
+            wait_until("the paused rollout's lease expired", lambda: lease_expired(uri))
             taken = leases.try_acquire(uri, "flow run taking-over on host-9 pid 1", 60)
             assert taken is not None and taken.fence > int(str(holding["holding"]))
             serve_control.set_weights({twin.version: 100.0}, cfg, model="digits", fence=taken.fencing_token())
             os.kill(paused.pid, signal.SIGCONT)
             paused.stdin.write("move\n")
             paused.stdin.flush()
-            outcome = _line_from(paused)
+            outcome = line_from(paused)
             assert paused.wait(timeout=60) == 0
         finally:
             if paused.poll() is None:
@@ -377,7 +290,7 @@ def test_a_rollout_paused_past_its_lease_cannot_move_traffic_over_the_one_that_t
         assert f"generation {holding['holding']} of lease {taken.uri}" in refused, refused
         assert f"flow run taking-over on host-9 pid 1 has since acted with generation {taken.fence}" in refused, refused
         assert serve_control.get_weights(cfg, model="digits") == {champion.version: 0.0, twin.version: 100.0}
-        assert _app_status(cfg.version_app("digits", twin.version)) == ApplicationStatus.RUNNING
+        assert app_status(cfg.version_app("digits", twin.version)) == ApplicationStatus.RUNNING
     finally:  # serving as the module had it: the champion at 100 %, the twin gone
         fence = taken.fencing_token() if taken is not None else None
         serve_control.set_weights({champion.version: 100.0}, cfg, model="digits", fence=fence)
@@ -394,7 +307,7 @@ def test_a_rollout_killed_mid_soak_is_reconciled_by_the_next_one(champion_servin
     started = time.time()
     cfg = serve_config()
     champion = registry.resolve("digits", registry.CHAMPION)
-    twin = _register(seed=0)
+    twin = register_digits(seed=0)
     registry.set_alias("digits", registry.CHALLENGER, twin.version, "test")
     uri = registry.rollout_lease_uri("digits")
     env = {
@@ -404,14 +317,14 @@ def test_a_rollout_killed_mid_soak_is_reconciled_by_the_next_one(champion_servin
         "PREFECT_API_URL": prefect_api,
     }
     # one step at 100 % soaking far longer than the test waits: the kill lands in the last soak
-    parameters = _fast(steps=[100.0], soak_s=300.0, lease_ttl_s=3.0).model_dump_json()
+    parameters = fast(steps=[100.0], soak_s=300.0, lease_ttl_s=3.0).model_dump_json()
     dying = subprocess.Popen(
         [sys.executable, "-m", "tests.integration.paused_rollout", "flow", parameters],
         cwd=REPO_ROOT,
         env=env,
     )
     try:
-        _wait_until(
+        wait_until(
             "the candidate at 100 %",
             lambda: serve_control.get_weights(cfg, model="digits").get(twin.version) == 100.0,
             timeout_s=120,
@@ -427,7 +340,7 @@ def test_a_rollout_killed_mid_soak_is_reconciled_by_the_next_one(champion_servin
     under_way = serving_health_task.fn(champion_serving, thresholds, "digits")
     assert under_way.healthy, "while the killed run's lease lasts, the candidate at 100 % is a rollout under way"
 
-    _wait_until("the killed rollout's lease expired", lambda: _lease_expired(uri), timeout_s=30)
+    wait_until("the killed rollout's lease expired", lambda: lease_expired(uri), timeout_s=30)
     health = serving_health_task.fn(champion_serving, thresholds, "digits")
     assert not health.healthy, health
     assert f"v{twin.version} has the most traffic (100%)" in str(health.problem), health.problem
@@ -435,13 +348,13 @@ def test_a_rollout_killed_mid_soak_is_reconciled_by_the_next_one(champion_servin
     families = {f.name: f for f in text_string_to_metric_families(mon.prometheus_text(health, [], "digits"))}
     (mismatch,) = families["rayline_serve_champion_mismatch"].samples
     assert mismatch.value == 1.0
-    _wait_until(
+    wait_until(
         "the champion-mismatch event",
         lambda: bool(stored_events(prefect_api, events.CHAMPION_NOT_SERVED, since=started)),
         timeout_s=30,
     )
 
-    result = serve_rollout(_fast(steps=[100.0], lease_ttl_s=3.0, lease_wait_s=30.0))
+    result = serve_rollout(fast(steps=[100.0], lease_ttl_s=3.0, lease_wait_s=30.0))
     assert result.reconciled is not None and "rolled all traffic back" in result.reconciled, result
     assert f"v{twin.version} at 100%" in result.reconciled and f"champion v{champion.version}" in result.reconciled
     assert result.promoted and [s.weight for s in result.steps] == [100.0], result
