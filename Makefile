@@ -5,7 +5,12 @@
 # other extra, the emulators, pytest, moto, ruff, mypy, playwright) on top.
 # `make check` is the inner loop: lint, types and the unit tier only (no Ray,
 # no S3 server, no Prefect API).
-PYTHON ?= python3.11
+# The interpreter .venv is made with: PYTHON when given (`make demo PYTHON=python3.12`), else the first of PYTHONS
+# that runs (a pyenv shim may be on PATH for a version it will not run); python3.11 first, the one CI and
+# constraints.txt are for.
+PYTHONS := python3.11 python3.12 python3.13
+PYTHON ?= $(shell for p in $(PYTHONS); do $$p -c '' >/dev/null 2>&1 && { echo $$p; break; }; done)
+NO_PYTHON := none of $(PYTHONS) runs here: install one, or name it (make demo PYTHON=/path/to/python3.12)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
@@ -19,7 +24,7 @@ LOOPBACK_ONLY := tests/loopback-only
 .PHONY: install install-dev demo test suite check lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml constraints.txt
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(BIN)/python || { test -n "$(PYTHON)" || { echo "$(NO_PYTHON)" >&2; exit 1; }; $(PYTHON) -m venv $(VENV); }
 	$(PIP) -e '.[train]'
 	@touch $(STAMP)
 

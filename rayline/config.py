@@ -7,11 +7,13 @@ depends on the environment. Secrets are never fields here: credentials come from
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
 import tomllib
-from functools import lru_cache
+from collections.abc import Collection, Mapping
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +23,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rayline.errors import ConfigError
 
 DEFAULT_STORAGE = "./rayline-data"
+ENV_PREFIX = "RAYLINE_"
 
 # The object stores a URI may name, and the form each URI must take.
 CLOUD_SCHEMES = {"s3": "s3://bucket[/prefix]", "gs": "gs://bucket[/prefix]", "az": "az://container[/prefix]"}
@@ -52,7 +55,7 @@ def unsupported_scheme(uri: str) -> str | None:
 class Settings(BaseSettings):
     """rayline's environment, read from ``RAYLINE_*`` and standard variables."""
 
-    model_config = SettingsConfigDict(env_prefix="RAYLINE_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
     storage: str = Field(
         DEFAULT_STORAGE,
@@ -214,6 +217,75 @@ class Settings(BaseSettings):
         return max(2, round(cores * self.ray_cpu_oversubscription))
 
 
+# The RAYLINE_* variables that are no field of Settings, each read by something else. Any other RAYLINE_* variable
+# is refused when the settings are read (check_variables), so that a misspelt setting fails instead of leaving its
+# default silently in force; tests/unit/test_config_and_errors.py fails on a RAYLINE_* name of the code base that
+# is neither a setting nor listed here.
+OUTSIDE_SETTINGS: frozenset[str] = frozenset(
+    {
+        "RAYLINE_CONFIG",  # the settings file (config_file): read before the settings it holds
+        "RAYLINE_HOME",  # prefect.yaml's pull step, {{ $RAYLINE_HOME }}: resolved by `prefect deploy`
+        "RAYLINE_FACTORY_CODE_SHA256",  # a Ray worker's runtime env: the shipped model code it imports
+        "RAYLINE_AZURITE",  # the Azure emulator's program (rayline.testing.azurite), for the tests
+        "RAYLINE_TEST_ARTIFACTS",  # where the e2e tests save their screenshots
+        "RAYLINE_TEST_STALL_AFTER",  # the stalling predictor of tests/integration/night_driver.py, in a night
+        "RAYLINE_BENCH_CACHE",  # bench/'s generated inputs
+        # envsubst's variables for deployments/cluster/*.yaml and the image's tags (deployments/cluster/README.md),
+        # exported in the shell that may also run rayline
+        "RAYLINE_CLUSTER_NAME",
+        "RAYLINE_ADMIN_CIDR",
+        "RAYLINE_HEAD_INSTANCE_PROFILE",
+        "RAYLINE_WORKER_INSTANCE_PROFILE",
+        "RAYLINE_NAMESPACE",
+        "RAYLINE_IMAGE",
+        "RAYLINE_GPU_IMAGE",
+        "RAYLINE_SERVICE_ACCOUNT",
+    }
+)
+
+
+@cache
+def setting_variables() -> frozenset[str]:
+    """The RAYLINE_* variables Settings reads: each field's prefixed name, or its aliases that carry the prefix
+    (``RAYLINE_S3_ENDPOINT_URL``). Settings has no nested model (no ``env_nested_delimiter``), so there are no
+    others."""
+    names: set[str] = set()
+    for name, field in Settings.model_fields.items():
+        alias = field.validation_alias
+        if alias is None:
+            names.add(f"{ENV_PREFIX}{name}".upper())
+        elif isinstance(alias, str):
+            names.add(alias.upper())
+        else:
+            choices = alias.choices if isinstance(alias, AliasChoices) else []
+            names.update(choice.upper() for choice in choices if isinstance(choice, str))
+    return frozenset(n for n in names if n.startswith(ENV_PREFIX))
+
+
+def check_variables(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a RAYLINE_* variable that nothing reads, naming the setting it most likely misspells: Settings
+    ignores unknown names (other tools' variables share its environment), so a typo would go unnoticed.
+    Names are compared ignoring case, as pydantic-settings reads them."""
+    env = os.environ if environ is None else environ
+    known = setting_variables() | OUTSIDE_SETTINGS
+    unknown = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
+    if unknown:
+        problems = "; ".join(_no_such_setting(name, known, ENV_PREFIX) for name in unknown)
+        raise ConfigError(f"invalid rayline settings: {problems}; rayline's variables: docs/configuration.md")
+
+
+def _no_such_setting(name: str, known: Collection[str], prefix: str = "") -> str:
+    """Why ``name`` is refused, with the known name it most likely misspells, if one is close. Compared without
+    the prefix every name shares, which alone would make any two look alike, and ignoring case."""
+
+    def stem(text: str) -> str:
+        return text.lower().removeprefix(prefix.lower())
+
+    stems = {stem(k): k for k in known}
+    close = difflib.get_close_matches(stem(name), list(stems), n=1)
+    return f"{name} is no rayline setting" + (f" (did you mean {stems[close[0]]}?)" if close else "")
+
+
 PROCESS_DEFAULTS = {
     # Prefect's ephemeral API can miss its 20 s start-up on a fresh database.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
@@ -241,7 +313,8 @@ def apply_process_defaults() -> None:
 
 
 def load_settings() -> Settings:
-    """Read settings from the environment, failing with a readable message."""
+    """Read settings from the environment, failing with a readable message (an unknown RAYLINE_* variable too)."""
+    check_variables()
     try:
         return Settings()
     except ValidationError as exc:
@@ -328,7 +401,8 @@ def _read_file(path: str, _mtime_ns: int) -> dict[str, Any]:
     known = {name for name, field in Settings.model_fields.items() if field.validation_alias is None}
     unknown = sorted(set(values) - known - {DEPLOYMENTS_TABLE})
     if unknown:
-        raise ConfigError(f"{path}: {', '.join(unknown)} is no rayline setting; known: {', '.join(sorted(known))}")
+        problems = "; ".join(_no_such_setting(name, known) for name in unknown)
+        raise ConfigError(f"{path}: {problems}; known: {', '.join(sorted(known))}")
     return values
 
 

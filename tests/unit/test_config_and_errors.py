@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -234,11 +235,84 @@ def test_a_settings_file_is_read_under_the_environment(tmp_path: Path, monkeypat
 
     (tmp_path / "other.toml").write_text('storage = "s3://bucket/x"\nstorage_root = "typo"\n')
     monkeypatch.setenv("RAYLINE_CONFIG", str(tmp_path / "other.toml"))
-    with pytest.raises(ConfigError, match=r"other.toml: storage_root is no rayline setting; known: .*storage"):
+    refused = r"other.toml: storage_root is no rayline setting \(did you mean storage\?\); known: .*storage"
+    with pytest.raises(ConfigError, match=refused):
         get_settings()
     monkeypatch.setenv("RAYLINE_CONFIG", str(tmp_path / "missing.toml"))
     with pytest.raises(ConfigError, match="RAYLINE_CONFIG=.*missing.toml: no such file"):
         get_settings()
+
+
+# Names no code reads, set on purpose below: the scan of the code base leaves them out.
+_MISSPELT = "RAYLINE_SERVE_CPUS_PER_REPLCA"
+_FAR_FROM_EVERY_NAME = "RAYLINE_QQQ_XYZZY"
+_DELIBERATELY_UNKNOWN = frozenset({_MISSPELT, _FAR_FROM_EVERY_NAME})
+
+
+@pytest.mark.parametrize(
+    ("variable", "meant"),
+    [(_MISSPELT, "RAYLINE_SERVE_CPUS_PER_REPLICA"), ("rayline_storge", "RAYLINE_STORAGE")],
+)
+def test_a_misspelt_variable_is_refused_naming_the_setting_meant(
+    monkeypatch: pytest.MonkeyPatch, variable: str, meant: str
+) -> None:
+    """pydantic-settings ignores a name it does not know: the typo would leave the default in force, unnoticed."""
+    from rayline.config import get_settings, setting_variables
+
+    assert meant in setting_variables()
+    monkeypatch.setenv(variable, "1")
+    refused = rf"^invalid rayline settings: {variable} is no rayline setting \(did you mean {meant}\?\)"
+    with pytest.raises(ConfigError, match=refused):
+        get_settings()
+
+
+def test_a_variable_far_from_every_name_is_refused_without_a_guess(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_FAR_FROM_EVERY_NAME, "1")
+    with pytest.raises(ConfigError, match=f"{_FAR_FROM_EVERY_NAME} is no rayline setting") as info:
+        load_settings()
+    assert "did you mean" not in str(info.value) and "docs/configuration.md" in str(info.value)
+
+
+def test_variables_read_outside_the_settings_and_the_aliases_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rayline.config import OUTSIDE_SETTINGS
+
+    for name in [*OUTSIDE_SETTINGS, "RAYLINE_S3_ENDPOINT_URL", "RAYLINE_RAY_ADDRESS"]:
+        monkeypatch.setenv(name, "127.0.0.1:1")
+    settings = load_settings()
+    assert settings.aws_endpoint_url == settings.ray_address == "127.0.0.1:1"
+
+
+def _names_in_the_code_base() -> dict[str, set[str]]:
+    """Every RAYLINE_* name the repository's code, docs and deployment files write, and where."""
+    from tests.support import REPO_ROOT
+
+    folders = [".ci", "bench", "deployments", "docs", "flows", "ray_workloads", "rayline", "tasks", "tests"]
+    files = [p for f in folders for p in (REPO_ROOT / f).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    files += [REPO_ROOT / name for name in ("Makefile", "README.md", "prefect.yaml", "pyproject.toml")]
+    found: dict[str, set[str]] = {}
+    for path in files:
+        for name in re.findall(r"RAYLINE_[A-Z0-9_]+", path.read_text(errors="replace")):
+            found.setdefault(name, set()).add(str(path.relative_to(REPO_ROOT)))
+    return found
+
+
+def test_every_rayline_variable_of_the_code_base_is_a_setting_or_read_outside_them() -> None:
+    """A name used anywhere must pass check_variables, or setting it would be refused; ``RAYLINE_SERVE_`` and
+    the like are the heads of names built in code. Each name allowed outside the settings is still used."""
+    from rayline.config import OUTSIDE_SETTINGS, Settings, setting_variables
+
+    assert not Settings.model_config.get("env_nested_delimiter"), "a nested setting's names: setting_variables"
+    known = setting_variables() | OUTSIDE_SETTINGS
+    found = _names_in_the_code_base()
+    unknown = {
+        name: sorted(where)
+        for name, where in found.items()
+        if name not in known | _DELIBERATELY_UNKNOWN
+        and not (name.endswith("_") and any(k.startswith(name) for k in known))
+    }
+    assert not unknown, f"neither a setting nor in rayline.config.OUTSIDE_SETTINGS: {unknown}"
+    stale = sorted(n for n in OUTSIDE_SETTINGS if not found.get(n, set()) - {"rayline/config.py"})
+    assert not stale, f"allowed outside the settings but used nowhere: {stale}"
 
 
 def test_joining_an_address_where_nothing_answers_fails_at_once_naming_it() -> None:
