@@ -12,7 +12,9 @@ within ``IMAGENET_MAX_ABS_DIFF`` (tests/unit/test_preprocessing.py). By default 
 size is decoded at a reduced DCT scale (never below twice that size), and the antialiased resize samples
 the same geometry as the full decode: a 12 MP photo decodes ~4x faster, and the model input stays within
 ``DRAFT_MAX_MEAN_ABS_DIFF`` of full decoding (``bench/preprocessing.py``; figures in bench/README.md).
-``draft=False`` (``register-model --full-decode``) keeps equality with torchvision's transforms().
+``draft=False`` (``register-model --full-decode``) keeps equality with torchvision's transforms(). A
+version's execution plan may instead decode right down to the needed side (:data:`Decode` "1x"), where the
+model's answers on the night's photos say it may (execution.decoding).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import io
 import warnings
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
@@ -34,7 +36,16 @@ from rayline.errors import (
 )
 from rayline.specs import DEFAULT_MAX_PIXELS, RESIZE_CROP, ImageSpec
 
-__all__ = ["DEFAULT_MAX_PIXELS", "ImageSpec", "Reduced", "decode_image", "decode_rgb", "decode_rows", "to_model_input"]
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "Decode",
+    "ImageSpec",
+    "Reduced",
+    "decode_image",
+    "decode_rgb",
+    "decode_rows",
+    "to_model_input",
+]
 
 # float32 rounding of the normalisation: torchvision divides by 255 then normalises in float32
 # tensors, this module does the same arithmetic in numpy; measured differences are ~5e-7.
@@ -45,6 +56,12 @@ IMAGENET_MAX_ABS_DIFF = 1e-5
 DRAFT_MAX_MEAN_ABS_DIFF = 0.015
 BACKGROUND = (255, 255, 255)
 
+# How a JPEG is decoded: in full, or at the largest DCT reduction keeping both sides at least twice ("2x") or
+# once ("1x") the side the spec needs. A version's plan chooses it by the model's answers (execution.decoding);
+# without a plan, a spec with ``draft`` decodes at 2x and one without in full.
+Decode = Literal["full", "2x", "1x"]
+DRAFT_FACTORS: dict[str, int] = {"2x": 2, "1x": 1}
+
 
 class Reduced(NamedTuple):
     """Where a reduced-scale decode came from: the upright full size, and the box of the image that holds it."""
@@ -53,14 +70,25 @@ class Reduced(NamedTuple):
     box: tuple[float, float, float, float]
 
 
-def decode_image(data: bytes | None, spec: ImageSpec) -> np.ndarray:
-    """Bytes → normalised float32 array of shape (3, crop, crop); an :class:`ImageDecodeError` names what is wrong."""
-    rgb, reduced = _decode(data, spec)
+def decode_image(data: bytes | None, spec: ImageSpec, decode: Decode | None = None) -> np.ndarray:
+    """Bytes → normalised float32 array of shape (3, crop, crop); an :class:`ImageDecodeError` names what is wrong.
+
+    ``decode``: a plan's choice (:data:`Decode`); None, the spec's own (2x with ``draft``, else full).
+    """
+    rgb, reduced = _decode(data, spec, decode)
     return to_model_input(rgb, spec, reduced)
 
 
+def default_decode(spec: ImageSpec) -> Decode:
+    """What a spec decodes with when no plan chose: reduced to 2x with ``draft``, else in full."""
+    return "2x" if spec.draft else "full"
+
+
 def decode_rows(
-    data: Sequence[bytes | None] | np.ndarray, fetch_errors: Sequence[tuple[str, str] | None], spec: ImageSpec
+    data: Sequence[bytes | None] | np.ndarray,
+    fetch_errors: Sequence[tuple[str, str] | None],
+    spec: ImageSpec,
+    decode: Decode | None = None,
 ) -> dict[str, np.ndarray]:
     """Decode each row's image; a fetch error (type, message) or a bad image, whatever the decoder raised,
     becomes the row's error fields: one bad sample is one error row, never an exception."""
@@ -74,7 +102,7 @@ def decode_rows(
             stage[i], (error_type[i], message[i]) = "fetch", fetch_error
             continue
         try:
-            images[i] = decode_image(item, spec)
+            images[i] = decode_image(item, spec, decode)
         except Exception as exc:  # the decoder (PIL, its plugins) may raise anything on a bad image: one bad sample
             stage[i], error_type[i], message[i] = "decode", type(exc).__name__, str(exc)[:500]
     return {
@@ -86,12 +114,24 @@ def decode_rows(
     }
 
 
+def reducible(data: bytes | None, spec: ImageSpec) -> bool:
+    """Whether a plan's decode can change this photo: a JPEG whose shorter side is at least twice the needed
+    side (reduced at 1x, it decodes at half scale or less), read from the header alone."""
+    if not data or not spec.draft:
+        return False
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.format == "JPEG" and min(img.size) >= 2 * spec.needed_side
+    except (OSError, SyntaxError, ValueError):  # not an image: its decode fails every way alike
+        return False
+
+
 def decode_rgb(data: bytes | None, spec: ImageSpec) -> Image.Image:
     """Bytes → an upright RGB image (EXIF orientation applied, transparency on white), maybe at a reduced scale."""
     return _decode(data, spec)[0]
 
 
-def _decode(data: bytes | None, spec: ImageSpec) -> tuple[Image.Image, Reduced | None]:
+def _decode(data: bytes | None, spec: ImageSpec, decode: Decode | None = None) -> tuple[Image.Image, Reduced | None]:
     if not data:
         raise EmptyImageError("object is empty (0 bytes)")
     try:
@@ -104,7 +144,8 @@ def _decode(data: bytes | None, spec: ImageSpec) -> tuple[Image.Image, Reduced |
                     raise ImageTooLargeError(
                         f"image is {width}x{height} = {width * height} pixels, limit is {spec.max_pixels}"
                     )
-                reduced = _draft(img, spec) if spec.draft and img.format == "JPEG" else None
+                factor = DRAFT_FACTORS.get(decode or default_decode(spec))
+                reduced = _draft(img, spec, factor) if factor and img.format == "JPEG" else None
                 return _to_rgb(ImageOps.exif_transpose(img)), reduced
     except ImageDecodeError:
         raise
@@ -117,12 +158,14 @@ def _decode(data: bytes | None, spec: ImageSpec) -> tuple[Image.Image, Reduced |
         raise CorruptImageError(f"corrupt image data: {exc}") from exc
 
 
-def _draft(img: Image.Image, spec: ImageSpec) -> Reduced | None:
-    """Ask the JPEG decoder for the largest DCT reduction that keeps both sides >= twice the needed side."""
+def _draft(img: Image.Image, spec: ImageSpec, factor: int) -> Reduced | None:
+    """Ask the JPEG decoder for the largest DCT reduction that keeps both sides >= ``factor`` × the needed side.
+
+    2x stays within DRAFT_MAX_MEAN_ABS_DIFF of full decoding on camera photos; 1x is 1.2-1.4x faster again but
+    2-3x further in pixels, so a plan takes it only where the model's answers agree (execution.decoding).
+    """
     full_size = img.size
-    # twice, not once: decoding right down to the needed side was measured 1.2-1.7x faster again but 2-3x
-    # further from full decoding, past DRAFT_MAX_MEAN_ABS_DIFF on camera photos (bench/README.md)
-    side = 2 * spec.needed_side
+    side = factor * spec.needed_side
     drafted = img.draft("RGB", (side, side))
     if drafted is None or img.size == full_size:
         return None

@@ -21,7 +21,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ from rayline.errors import ConfigError, StorageError
 from rayline.hardware import Hardware, detect
 from rayline.models.registry import ModelVersion, read_samples
 from rayline.ray_workloads.data.images import decode_image
+from rayline.ray_workloads.execution.decoding import probe_photos
 from rayline.ray_workloads.execution.fallback import PlanUse, demotion_reason
 from rayline.ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanChoice, PlanPolicy
 from rayline.specs import ImageSpec
@@ -95,52 +96,106 @@ def store_plan(uri: str, choice: PlanChoice, extra: dict[str, Any]) -> PlanChoic
     return cached_plan(uri) or choice
 
 
-def plan_for(model: LoadedModel, version_uri: str, probe: np.ndarray, policy: PlanPolicy) -> PlanChoice:
-    """Adopt this version's cached plan for this machine, or choose one on ``probe`` and cache it."""
+# the decoded images a plan is measured on, or what makes them (only where no cached plan spares the work)
+Probe = np.ndarray | Callable[[], np.ndarray]
+
+
+def plan_for(
+    model: LoadedModel, version_uri: str, probe: Probe, policy: PlanPolicy, photos: Sequence[bytes | None] = ()
+) -> PlanChoice:
+    """Adopt this version's cached plan for this machine, or choose one on ``probe`` and cache it.
+
+    ``photos``: a night's first photos as bytes. Where some can judge a decode and the plan has none judged
+    (measured where the version was made, on decoded samples), the decode is judged on them and cached too.
+    """
     hardware = detect()
-    if policy.mode == "off" or model.module is None:
-        choice = model.choose_plan(probe, policy, hardware)
+    if policy.mode == "off" or model.module is None:  # nothing measured: the probe is not made
+        choice = model.choose_plan(np.zeros((0, 3, 1, 1), np.float32), policy, hardware)
         logger.info("execution plan of %s: %s", model.spec.describe(), choice.reason)
         return choice
+    judging = probe_photos(list(photos), model.image_spec) if model.image_spec else []
     versions = libraries()
     key = plan_key(hardware, policy, versions)
-    uri = plan_uri(version_uri, key)
+    uri, claimed_at = plan_uri(version_uri, key), claim_uri(version_uri, key)
     found, claim = cached_plan(uri), None
-    if found is None:
-        claim = _claim(claim_uri(version_uri, key))
+    if not _complete(found, judging):
+        claim = _claim(claimed_at)
         if claim is None:
-            found = _await_plan(uri, claim_uri(version_uri, key))
-    if found is not None:
+            found = _await_plan(uri, claimed_at, judging)
+    try:
+        if found is None:
+            return _measure_and_store(model, version_uri, (key, uri), (probe, judging), policy, (hardware, versions))
         adopted = model.adopt(replace(found, key=key), _artifact_uri(version_uri, found))
+        if not _complete(found, judging):
+            return _judge_decode_and_store(model, (version_uri, uri), judging, policy)
         logger.info("execution plan of %s (cached at %s): %s", model.spec.describe(), uri, adopted.reason)
         return adopted
-    try:
-        return _measure_and_store(model, version_uri, (key, uri), probe, policy, (hardware, versions))
     finally:
         if claim is not None:
-            _release(claim_uri(version_uri, key), claim)
+            _release(claimed_at, claim)
+
+
+def _complete(found: PlanChoice | None, judging: list[bytes]) -> bool:
+    """A cached plan this actor can run as it is: one with its decode judged, or no photos to judge one on."""
+    return found is not None and (found.decode is not None or not judging)
 
 
 def _measure_and_store(
     model: LoadedModel,
     version_uri: str,
     where: tuple[str, str],
-    probe: np.ndarray,
+    probes: tuple[Probe, list[bytes]],
     policy: PlanPolicy,
     machine: tuple[Hardware, dict[str, str]],
 ) -> PlanChoice:
-    """Measure the plan on ``probe`` and cache it at ``where`` (its key and URI), with its converted model."""
-    (key, uri), (hardware, versions) = where, machine
-    measured = model.plan = replace(model.choose_plan(probe, policy, hardware), key=key)
+    """Measure the plan on the probe (decoded images, and photos to judge its decode) and cache it at ``where``
+    (its key and URI), with its converted model."""
+    (key, uri), (hardware, versions), (probe, photos) = where, machine, probes
+    measured = model.plan = replace(model.choose_plan(_images(probe), policy, hardware), key=key)
+    if photos:
+        measured = model.judge_decode(photos, policy)
     logger.info("execution plan of %s: %s", model.spec.describe(), measured.reason)
     if model.converted is not None and measured.plan.backend == "openvino":
         measured = _store_converted(model, version_uri, key, measured)
         if measured.artifact is None:  # a plan whose model is not stored would fail every other actor: not cached
             return measured
-    stored = store_plan(uri, measured, {"libraries": versions, "policy": policy.model_dump(mode="json")})
+    stored = store_plan(uri, measured, _extra(policy, versions))
     if stored is measured:
         return measured
+    model.forget()  # another actor's plan: this one's probe scores may be of another decode
     return model.adopt(replace(stored, key=key), _artifact_uri(version_uri, stored))
+
+
+def _images(probe: Probe) -> np.ndarray:
+    return probe() if callable(probe) else probe
+
+
+def _judge_decode_and_store(
+    model: LoadedModel, where: tuple[str, str], photos: list[bytes], policy: PlanPolicy
+) -> PlanChoice:
+    """Judge the adopted plan's decode on ``photos`` and add it to the cached record at ``where`` (the version's
+    URI and the plan's), unless another actor added one first (then that plan runs)."""
+    (version_uri, uri), judged = where, model.judge_decode(photos, policy)
+    logger.info("execution plan of %s, its decode judged: %s", model.spec.describe(), judged.reason)
+    try:
+        found = conditional.read_versioned(uri)
+        record = json.loads(found.data) if found else {}
+        if found is None or PlanChoice.from_record(record).decode is None:
+            data = json.dumps({**record, **judged.record()}, indent=2, sort_keys=True).encode()
+            if found is None or conditional.replace_if_match(uri, data, found.token) is not None:
+                return judged
+    except (OSError, StorageError, ValueError) as exc:
+        logger.warning("could not add the judged decode to the execution plan at %s (%s): uncached", uri, exc)
+        return judged
+    stored = cached_plan(uri)
+    if stored is None or stored.decode is None:
+        return judged
+    model.forget()
+    return model.adopt(replace(stored, key=judged.key), _artifact_uri(version_uri, stored))
+
+
+def _extra(policy: PlanPolicy, versions: dict[str, str]) -> dict[str, Any]:
+    return {"libraries": versions, "policy": policy.model_dump(mode="json")}
 
 
 def demote(version_uri: str, key: str, reason: str) -> PlanChoice | None:
@@ -219,13 +274,14 @@ def _release(uri: str, token: str) -> None:
         logger.warning("could not release the plan's measurement claim at %s (%s)", uri, exc)
 
 
-def _await_plan(uri: str, claim: str) -> PlanChoice | None:
-    """The plan another actor is measuring, once stored; None when its claim is released or outlives the wait."""
+def _await_plan(uri: str, claim: str, judging: list[bytes]) -> PlanChoice | None:
+    """The plan another actor is measuring (with its decode judged, where ``judging`` could judge one), once
+    stored; what is stored when its claim is released or outlives the wait."""
     deadline = time.monotonic() + MEASURE_WAIT_S
     logger.info("waiting for another actor's execution plan at %s", uri)
     while time.monotonic() < deadline:
         found = cached_plan(uri)
-        if found is not None:
+        if _complete(found, judging):
             return found
         try:
             held = conditional.read_versioned(claim)
@@ -235,7 +291,7 @@ def _await_plan(uri: str, claim: str) -> PlanChoice | None:
             pass  # the plan file, not the claim, is what ends the wait
         time.sleep(CLAIM_POLL_S)
     logger.warning("no execution plan at %s after %.0f s: measuring here", uri, MEASURE_WAIT_S)
-    return None
+    return cached_plan(uri)
 
 
 def _artifact_uri(version_uri: str, choice: PlanChoice) -> str | None:

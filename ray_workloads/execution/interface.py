@@ -9,6 +9,7 @@ loaded, never at import: the night's driver and Serve's router import this modul
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from rayline.hardware import Hardware, detect
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.architectures import factory_models
 from rayline.ray_workloads.execution import openvino_backend
+from rayline.ray_workloads.execution.decoding import choose_decode
 from rayline.ray_workloads.execution.fallback import PlanUse
 from rayline.ray_workloads.execution.plan import (
     REFERENCE,
@@ -59,19 +61,52 @@ class LoadedModel:
         self.converted: openvino_backend.OpenVinoModel | None = None  # the module as OpenVINO runs it, if chosen
         self._fp32: Logits | None = None  # the reference, while another plan runs: for batches it cannot answer
         self.use = PlanUse()  # the calls so far, and those the reference answered (execution.fallback)
+        self._known: dict[bytes, np.ndarray] = {}  # scores already computed (a plan's probe), by image digest
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
         """Raw scores (N, classes) for a float32 batch (N, 3, S, S); under a plan other than fp32 eager, a batch
-        whose scores are not all finite is predicted again in fp32, counted in :attr:`use` (execution.fallback)."""
+        whose scores are not all finite is predicted again in fp32, counted in :attr:`use` (execution.fallback).
+        Images whose scores a plan's measurement computed (:meth:`remember`) are not predicted again."""
         batch = np.asarray(batch, dtype=np.float32)
         if not batch.flags.writeable:  # Ray Data's read-only views: torch.from_numpy warns on them
             batch = batch.copy()
-        out = self._shaped(self._logits(batch), batch)
-        fell_back = False
-        if self._fp32 is not None and not finite_rows(out).all():
-            out, fell_back = self._shaped(self._fp32(batch), batch), True
+        known = [self._known.pop(_digest(image), None) for image in batch] if self._known else [None] * len(batch)
+        todo = [i for i, row in enumerate(known) if row is None]
+        out, fell_back = self._computed(batch if len(todo) == len(batch) else batch[todo]) if todo else (None, False)
+        if out is None or len(todo) < len(batch):
+            computed = iter(() if out is None else out)
+            out = np.stack([row if row is not None else next(computed) for row in known])
         self.use = self.use.called(len(batch), fell_back)
         return out
+
+    def _computed(self, batch: np.ndarray) -> tuple[np.ndarray, bool]:
+        """The batch's scores, and whether fp32 answered them for a plan whose scores were not finite."""
+        out = self._shaped(self._logits(batch), batch)
+        if self._fp32 is not None and not finite_rows(out).all():
+            return self._shaped(self._fp32(batch), batch), True
+        return out, False
+
+    def remember(self, images: np.ndarray, logits: np.ndarray) -> None:
+        """Scores computed while measuring the plan: the night's :meth:`logits` use them for these images."""
+        self._known = {_digest(image): row for image, row in zip(images, logits, strict=True)}
+
+    def forget(self) -> None:
+        """Drop remembered scores no batch asked for (the probe's photos were all predicted, or never will be)."""
+        self._known = {}
+
+    def judge_decode(self, photos: list[bytes], policy: PlanPolicy) -> PlanChoice:
+        """Choose how JPEGs are decoded under the adopted plan, by its answers on ``photos`` (execution.decoding);
+        where no decode passes in the plan's precision, fp32 eager runs instead. Remembers the probe's scores."""
+        assert self.plan is not None and self.image_spec is not None
+        reference = self._fp32 or self._logits
+        outcome = choose_decode(photos, self.image_spec, self._logits, reference, policy)
+        choice = self.plan
+        if not outcome.keeps_precision and choice.plan != REFERENCE:
+            fp32 = PlanChoice(REFERENCE, choice.hardware, f"fp32 eager: {outcome.judged.reason}", key=choice.key)
+            choice = self.adopt(fp32)
+        self.plan = replace(choice, decode=outcome.judged)
+        self.remember(outcome.images, outcome.logits)
+        return self.plan
 
     def _shaped(self, out: np.ndarray, batch: np.ndarray) -> np.ndarray:
         """``out``, once it is one row of scores per image of ``batch``."""
@@ -143,6 +178,10 @@ class LoadedModel:
         if self.module is None:
             return "cpu"
         return next((p.device.type for p in self.module.parameters()), "cpu")
+
+
+def _digest(image: np.ndarray) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(image).tobytes(), digest_size=16).digest()
 
 
 def load(

@@ -21,6 +21,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayline.hardware import Hardware
+from rayline.ray_workloads.data.images import Decode
 from rayline.ray_workloads.execution.fallback import PlanUse
 
 if TYPE_CHECKING:
@@ -124,6 +125,40 @@ def gate(reference_logits: np.ndarray, candidate_logits: np.ndarray) -> Gate:
 
 
 @dataclass(frozen=True)
+class DecodeJudged:
+    """The decode a plan runs with, and the evidence: its answers against full decoding in fp32."""
+
+    decode: Decode
+    reason: str
+    gate: Gate | None = None  # None: not measured (the version decodes in full as registered)
+    ms_per_photo: dict[str, float] = field(default_factory=dict)  # decode + transform, each way measured
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "decode": self.decode,
+            "decode_reason": self.reason,
+            "decode_top1_agreement": self.gate.agreement if self.gate else None,
+            "decode_max_prob_diff": self.gate.max_prob_diff if self.gate else None,
+            "decode_photos": self.gate.images if self.gate else None,
+            "decode_ms_per_photo": dict(self.ms_per_photo),
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> DecodeJudged | None:
+        decode = record.get("decode")
+        if decode is None:
+            return None
+        if decode not in get_args(Decode):
+            raise ValueError(f"unknown decode {decode!r}, expected one of {get_args(Decode)}")
+        agreement = record.get("decode_top1_agreement")
+        measured = None
+        if agreement is not None:
+            measured = Gate(float(agreement), float(record["decode_max_prob_diff"]), int(record["decode_photos"]))
+        ms = {str(k): float(v) for k, v in (record.get("decode_ms_per_photo") or {}).items()}
+        return cls(decode, str(record.get("decode_reason", "")), measured, ms)
+
+
+@dataclass(frozen=True)
 class PlanChoice:
     """The plan a model runs with on a machine, and what it was chosen on: for records and logs."""
 
@@ -135,10 +170,16 @@ class PlanChoice:
     artifact: str | None = None  # where its converted model is, relative to the version (openvino)
     prepare_s: float | None = None  # converting, or loading and compiling, the backend's model
     key: str | None = None  # the cache's key of the version's plan on this machine (execution.cache), once cached
+    decode: DecodeJudged | None = None  # how JPEGs are decoded, once judged on a night's photos (execution.decoding)
+
+    @property
+    def name(self) -> str:
+        """The plan and, once judged, its decode: what a night's rows and records name."""
+        return self.plan.name if self.decode is None else f"{self.plan.name}+decode-{self.decode.decode}"
 
     def record(self) -> dict[str, Any]:
         return {
-            "plan": self.plan.name,
+            "plan": self.name,
             "backend": self.plan.backend,
             "precision": self.plan.precision,
             "channels_last": self.plan.channels_last,
@@ -151,6 +192,7 @@ class PlanChoice:
             "artifact": self.artifact,
             "prepare_s": None if self.prepare_s is None else round(self.prepare_s, 2),
             "key": self.key,
+            **(self.decode.record() if self.decode else {}),
         }
 
     @classmethod
@@ -172,6 +214,7 @@ class PlanChoice:
                 {str(k): float(v) for k, v in record.get("images_per_s", {}).items()},
                 str(artifact) if artifact else None,
                 key=str(key) if key else None,
+                decode=DecodeJudged.from_record(record),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a plan record ({type(exc).__name__}: {exc}): {record!r:.200}") from exc

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,9 +20,9 @@ import pyarrow as pa
 
 from rayline import errors
 from rayline.models.registry import ModelVersion
-from rayline.ray_workloads.data.images import ImageSpec, decode_rows
+from rayline.ray_workloads.data.images import Decode, ImageSpec, decode_image, decode_rows
 from rayline.ray_workloads.execution.cache import plan_for, probe_set
-from rayline.ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanPolicy
+from rayline.ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanChoice, PlanPolicy
 from rayline.ray_workloads.nightly.blocks import (
     SPAN_COLUMNS,
     BlockReport,
@@ -38,8 +40,8 @@ if TYPE_CHECKING:
     from rayline.ray_workloads.execution.interface import LoadedModel
 
 
-def fetch_and_decode(uris: list[str], etags: list[str], spec: ImageSpec, concurrency: int) -> dict[str, np.ndarray]:
-    """Fetch the objects and decode each image; a bad object becomes error fields, not an exception.
+def fetch(uris: list[str], etags: list[str], concurrency: int) -> list[fetching.Fetched]:
+    """Fetch the objects; a bad object carries its error rather than raising.
 
     An object whose ETag differs from the listing's (``etags``) was replaced since: its row would name a
     version it was not predicted from, so it is a ``fetch`` error (``ObjectChangedError``), as in ingest.
@@ -48,9 +50,26 @@ def fetch_and_decode(uris: list[str], etags: list[str], spec: ImageSpec, concurr
     as ``StorageAccessDenied`` (the night's policy, not its inputs).
     """
     fetched = fetching.fetch_many(uris, concurrency)
-    items = [fetching.as_listed(f, etag) for f, etag in zip(fetched, etags, strict=True)]
+    return [fetching.as_listed(f, etag) for f, etag in zip(fetched, etags, strict=True)]
+
+
+def decode_fetched(items: list[fetching.Fetched], spec: ImageSpec, decode: Decode | None) -> dict[str, np.ndarray]:
+    """Decode each fetched image as the plan says; a fetch error or a bad image becomes the row's error fields."""
     failed = [None if i.error is None else (type(i.error).__name__, str(i.error)[:500]) for i in items]
-    return decode_rows([i.data for i in items], failed, spec)
+    return decode_rows([i.data for i in items], failed, spec, decode)
+
+
+def first_images(photos: list[bytes | None], spec: ImageSpec) -> np.ndarray:
+    """The first :data:`PROBE_IMAGES` photos that decode (the spec's own decode): a plan's measurement probe."""
+    images: list[np.ndarray] = []
+    for photo in photos:
+        if len(images) == PROBE_IMAGES:
+            break
+        try:
+            images.append(decode_image(photo, spec))
+        except Exception:  # a bad photo is no probe image; its row's error comes from the chunk's decode
+            continue
+    return np.stack(images) if images else np.zeros((0, 3, spec.size, spec.size), dtype=np.float32)
 
 
 class PredictorUDF:
@@ -118,7 +137,9 @@ class PredictorUDF:
         step = chunk_size(self.spec.size, self.batch_size)
         for start in range(0, len(uris), step):
             stop = start + step
-            rows = fetch_and_decode(uris[start:stop], etags[start:stop], self.spec, self.io_concurrency)
+            items = fetch(uris[start:stop], etags[start:stop], self.io_concurrency)
+            decode = self.plans([i.data for i in items])
+            rows = decode_fetched(items, self.spec, decode)
             rows["uri"] = np.array(uris[start:stop], dtype=object)
             rows["etag"] = np.array(etags[start:stop], dtype=object)
             shadow = self.shadow_rows(rows)  # before the champion's model calls turn failed rows into errors
@@ -129,11 +150,39 @@ class PredictorUDF:
                 shadow_parts.append(shadow)
             del rows["image"]  # the pixels are done with: keep only the chunk's prediction columns
             parts.append(rows)
+            self.model.forget()  # probe scores the chunk did not use: its photos failed to decode
         plan: dict[str, Any] = self.model.plan.record() if self.model.plan else {"plan": REFERENCE.name}
         plan.update((self.model.use - used_before).record())  # the block's calls, and those fp32 answered
         shadow_table = self._shadow_table(shadow_parts) if shadow_parts else None
         constants = {**self.constants, "plan": plan["plan"]}
         return write_block(block, concat_rows(parts), self.output, constants, plan, shadow_table)
+
+    def plans(self, photos: list[bytes | None]) -> Decode | None:
+        """The decode the night's plan runs with, the plans chosen on the first photos an actor fetches.
+
+        The champion's plan is measured, or adopted from the cache, with its decode judged on ``photos``; the
+        shadow version scores the champion's pixels, so its plan names the champion's decode.
+        """
+        if self.model.plan is None:
+            self._plan_for(self.model, self.version, photos, judge_decode=True)
+        if self.shadow_model is not None and self.shadow_model.plan is None and self.shadow is not None:
+            shadow = self._plan_for(self.shadow_model, self.shadow, photos, judge_decode=False)
+            assert self.model.plan is not None
+            self.shadow_model.plan = replace(shadow, decode=self.model.plan.decode)
+        judged = self.model.plan.decode if self.model.plan else None
+        return judged.decode if judged else None
+
+    def _plan_for(
+        self, model: LoadedModel, version: ModelVersion, photos: Sequence[bytes | None], *, judge_decode: bool
+    ) -> PlanChoice:
+        """The version's plan, its probe set the version's samples and the night's first images."""
+
+        def probe() -> np.ndarray:  # made only where a plan is measured
+            night = first_images(list(photos), self.spec)
+            judged_on = probe_set(version, self.spec, night)
+            return night if judged_on is None else judged_on
+
+        return plan_for(model, version.uri, probe, self.plan_policy, photos if judge_decode else ())
 
     def shadow_rows(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         """The chunk's decoded images for the shadow version: the same pixels, its own prediction columns."""
@@ -188,18 +237,8 @@ class PredictorUDF:
             rows["top_k_class"][i] = [str(self.names[j]) for j in row] if row[0] >= 0 else []
 
     def _predict_batch(self, rows: dict[str, np.ndarray], batch: np.ndarray, shadowing: bool) -> None:
-        if shadowing:
-            assert self.shadow_model is not None and self.shadow is not None
-            model, uri = self.shadow_model, self.shadow.uri
-        else:
-            model, uri = self.model, self.version_uri
-        if model.plan is None:  # the version's samples and the night's first images: the plan's probe set
-            probe = rows["image"][batch[:PROBE_IMAGES]]
-            if self.plan_policy.mode != "off":  # off runs fp32 eager unmeasured: no samples to read
-                version = self.shadow if shadowing and self.shadow else self.version
-                judged_on = probe_set(version, self.spec, probe)  # never None: the night's images are in it
-                probe = probe if judged_on is None else judged_on
-            plan_for(model, uri, probe, self.plan_policy)
+        model = self.shadow_model if shadowing else self.model
+        assert model is not None
         started = time.perf_counter()
         probabilities = model.probabilities(rows["image"][batch])
         indices = top_k_indices(probabilities, self.top_k)

@@ -47,7 +47,9 @@ class ModelServer:
         probe = probe_set(model, self.image_spec)
         if probe is None:  # nothing to judge a faster plan on: the reference
             policy, probe = policy.model_copy(update={"mode": "off"}), self._probe
-        self.plan = plan_for(self.net, model.uri, probe, policy).plan.name
+        choice = plan_for(self.net, model.uri, probe, policy)
+        # a night's judged decode, so that a photo gets the same answer served as predicted at night
+        self.plan, self.decode = choice.name, choice.decode.decode if choice.decode else None
         self._last_forward = 0.0
 
     async def reconfigure(self, config: dict[str, Any]) -> None:
@@ -64,7 +66,7 @@ class ModelServer:
     async def predict(self, data: bytes) -> dict[str, Any]:
         """Bytes → prediction; bad input is an answer (``ok`` False), a broken model raises."""
         try:
-            image = await asyncio.to_thread(decode_image, data, self.image_spec)
+            image = await asyncio.to_thread(decode_image, data, self.image_spec, self.decode)
         except Exception as exc:  # whatever the decoder raised, it is this input's fault
             if isinstance(exc, ImageDecodeError):
                 status, detail = DECODE_STATUS.get(type(exc), 422), str(exc)

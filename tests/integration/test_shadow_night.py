@@ -62,9 +62,9 @@ def test_the_shadow_scores_each_decoded_image_once_and_answers_as_it_would_alone
     decodes: list[int] = []
     real_decode = images.decode_image
 
-    def counted(data: bytes, spec: Any) -> np.ndarray:
+    def counted(data: bytes, spec: Any, decode: Any = None) -> np.ndarray:
         decodes.append(1)
-        return real_decode(data, spec)
+        return real_decode(data, spec, decode)
 
     monkeypatch.setattr(images, "decode_image", counted)  # decode_rows, the predictor's decode, calls it
     night = Night("digits", DAY)
