@@ -21,7 +21,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,7 @@ from rayline.models.registry import ModelVersion, read_samples
 from rayline.ray_workloads.data.images import decode_image
 from rayline.ray_workloads.execution.decoding import probe_photos
 from rayline.ray_workloads.execution.fallback import PlanUse, demotion_reason
-from rayline.ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanChoice, PlanPolicy
+from rayline.ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanChoice, PlanPolicy, Probe
 from rayline.specs import ImageSpec
 from rayline.storage import conditional
 from rayline.storage.layout import PLANS_DIR
@@ -96,10 +96,6 @@ def store_plan(uri: str, choice: PlanChoice, extra: dict[str, Any]) -> PlanChoic
     return cached_plan(uri) or choice
 
 
-# the decoded images a plan is measured on, or what makes them (only where no cached plan spares the work)
-Probe = np.ndarray | Callable[[], np.ndarray]
-
-
 def plan_for(
     model: LoadedModel, version_uri: str, probe: Probe, policy: PlanPolicy, photos: Sequence[bytes | None] = ()
 ) -> PlanChoice:
@@ -109,8 +105,8 @@ def plan_for(
     (measured where the version was made, on decoded samples), the decode is judged on them and cached too.
     """
     hardware = detect()
-    if policy.mode == "off" or model.module is None:  # nothing measured: the probe is not made
-        choice = model.choose_plan(np.zeros((0, 3, 1, 1), np.float32), policy, hardware)
+    if policy.mode == "off" or model.module is None:
+        choice = model.choose_plan(probe, policy, hardware)
         logger.info("execution plan of %s: %s", model.spec.describe(), choice.reason)
         return choice
     judging = probe_photos(list(photos), model.image_spec) if model.image_spec else []
@@ -151,7 +147,7 @@ def _measure_and_store(
     """Measure the plan on the probe (decoded images, and photos to judge its decode) and cache it at ``where``
     (its key and URI), with its converted model."""
     (key, uri), (hardware, versions), (probe, photos) = where, machine, probes
-    measured = model.plan = replace(model.choose_plan(_images(probe), policy, hardware), key=key)
+    measured = model.plan = replace(model.choose_plan(probe, policy, hardware), key=key)
     if photos:
         measured = model.judge_decode(photos, policy)
     logger.info("execution plan of %s: %s", model.spec.describe(), measured.reason)
@@ -164,10 +160,6 @@ def _measure_and_store(
         return measured
     model.forget()  # another actor's plan: this one's probe scores may be of another decode
     return model.adopt(replace(stored, key=key), _artifact_uri(version_uri, stored))
-
-
-def _images(probe: Probe) -> np.ndarray:
-    return probe() if callable(probe) else probe
 
 
 def _judge_decode_and_store(

@@ -54,16 +54,19 @@ def choose_decode(
     """
     decoded: dict[str, np.ndarray] = {}
     ms: dict[str, float] = {}
-    decode: Decode
-    for decode in ("full", *FASTEST_FIRST):
-        decoded[decode], ms[decode] = _decoded(photos, spec, decode)
-    reference = reference_run(decoded["full"])
+
+    def images(decode: Decode) -> np.ndarray:  # each decode made once, and only when its pair is judged
+        if decode not in decoded:
+            decoded[decode], ms[decode] = _decoded(photos, spec, decode)
+        return decoded[decode]
+
+    reference = reference_run(images("full"))
     pairs: list[tuple[Decode, bool]] = [(d, True) for d in (*FASTEST_FIRST, "full")]
     if plan_run is not reference_run:
         pairs += [(d, False) for d in FASTEST_FIRST]
     refusals: list[str] = []
     for decode, in_plan in pairs:
-        logits = (plan_run if in_plan else reference_run)(decoded[decode])
+        logits = (plan_run if in_plan else reference_run)(images(decode))
         result = gate(reference, logits)
         refusal = result.refusal(policy)
         if refusal is None:

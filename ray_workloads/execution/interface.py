@@ -32,8 +32,10 @@ from rayline.ray_workloads.execution.plan import (
     Plan,
     PlanChoice,
     PlanPolicy,
+    Probe,
     choose,
     finite_rows,
+    probe_images,
     softmax,
     torch_run,
 )
@@ -121,8 +123,9 @@ class LoadedModel:
         """Class probabilities (N, classes), each row summing to 1."""
         return softmax(self.logits(batch)).astype(np.float32)
 
-    def choose_plan(self, probe: np.ndarray, policy: PlanPolicy, hardware: Hardware | None = None) -> PlanChoice:
-        """Measure the plans this model may run with on ``probe`` (decoded images), adopt the chosen one.
+    def choose_plan(self, probe: Probe, policy: PlanPolicy, hardware: Hardware | None = None) -> PlanChoice:
+        """Measure the plans this model may run with on ``probe`` (decoded images, or what makes them, called
+        only where there is something to measure), adopt the chosen one.
 
         Only a module rayline built has candidates: a code-free file runs as saved, in fp32, unmeasured. An
         OpenVINO candidate converts the module once; :attr:`converted` keeps it, if chosen, for the cache.
@@ -138,10 +141,11 @@ class LoadedModel:
             if plan.backend != "openvino":
                 return torch_run(module, plan)
             if not converted:
-                converted.append(openvino_backend.OpenVinoModel.convert(module, probe))
+                converted.append(openvino_backend.OpenVinoModel.convert(module, images()))
             return converted[0].run(plan.precision)
 
-        choice = choose(make_run, probe, hardware, self.device, policy, backends)
+        images = probe_images(probe)
+        choice = choose(make_run, images, hardware, self.device, policy, backends)
         if choice.plan.backend == "openvino":
             self.converted = converted[0]
             choice = replace(choice, prepare_s=converted[0].prepare_s)

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 Precision = Literal["fp32", "bf16", "fp16"]
 Backend = Literal["eager", "onnxruntime", "openvino"]
 Logits = Callable[[np.ndarray], np.ndarray]
+# the decoded images a plan is measured on, or what makes them: made only where there is something to measure
+Probe = np.ndarray | Callable[[], np.ndarray]
 
 # A candidate must be this much faster than the reference to be worth its different answers; below it,
 # timing noise decides (a digits CNN's bf16 runs at 1.0-1.15x fp32) and versions of one model would differ.
@@ -286,9 +288,21 @@ def timing_slice(probe: np.ndarray, device: str) -> np.ndarray:
     return probe if device == "cuda" else probe[: max(1, len(probe) // 4)]
 
 
+def probe_images(probe: Probe) -> Callable[[], np.ndarray]:
+    """``probe``'s images, made on the first call and kept."""
+    made: list[np.ndarray] = []
+
+    def images() -> np.ndarray:
+        if not made:
+            made.append(probe() if callable(probe) else probe)
+        return made[0]
+
+    return images
+
+
 def choose(
     make_run: Callable[[Plan], Logits],
-    probe: np.ndarray,
+    probe: Callable[[], np.ndarray] | np.ndarray,
     hardware: Hardware,
     device: str,
     policy: PlanPolicy,
@@ -308,6 +322,7 @@ def choose(
     if not plans:
         fp32 = policy.precision == "fp32"
         return PlanChoice(REFERENCE, hardware, "fp32 eager: pinned" if fp32 else no_fast_path(hardware, device))
+    probe = probe() if callable(probe) else probe  # only now: there is something to measure
     timed = timing_slice(probe, device)
     reference_logits, reference_speed = measure(make_run(REFERENCE), probe, timed)
     speeds = {REFERENCE.name: reference_speed}
