@@ -34,6 +34,7 @@ from bench.support.inference_report import commit_share, print_pair, rate  # noq
 from bench.support.inference_s3 import BUCKET, loopback_s3, server_ceiling, upload  # noqa: E402
 from bench.support.plain_inference import BATCH_SIZE, choose_torch_threads, plain_loop  # noqa: E402
 from bench.support.process_tree import watch_tree  # noqa: E402
+from bench.support.results import emit  # noqa: E402
 
 
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
@@ -250,7 +251,7 @@ def main() -> None:
         "resnet_ratio_2k >= 0.9, resnet_ratio_10k >= 0.95, resnet_rss_ratio <= 1.3"
         + (" (--quick: not the issue's sizes)" if args.quick else "")
     )
-    print(json.dumps(result))
+    emit("batch_inference", result)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from bench.support.inference_images import warm_page_cache  # noqa: E402
 from bench.support.inference_night import resolve_champion  # noqa: E402
 from bench.support.photo_images import photo_folder  # noqa: E402
 from bench.support.resnet_inference import model_name, register_resnet  # noqa: E402
+from bench.support.results import emit  # noqa: E402
 
 ARCH = "resnet18"
 DAY = "2026-11-28"
@@ -138,8 +139,9 @@ def measure(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- 3. the sizing table
 
 
-def sizing(costs: Costs, limits: Limits) -> list[dict[str, Any]]:
-    plans = []
+def sizing(costs: Costs, limits: Limits) -> dict[str, dict[str, Any]]:
+    """The table's rows, keyed ``<N>M_<h>h_<cpu|gpu>_<prefixes>p``: what docs/capacity.md names each figure by."""
+    plans: dict[str, dict[str, Any]] = {}
     kinds = (cpu_node(costs, limits), gpu_node(costs, limits))
     for n, hours, kind in itertools.product((10_000_000, 100_000_000), (2, 6), kinds):
         p = plan(n, hours * 3600.0, kind, costs, limits)
@@ -149,18 +151,17 @@ def sizing(costs: Costs, limits: Limits) -> list[dict[str, Any]]:
             f"{p.nodes} nodes; limits used: {shares}; closest: {p.bites_first}; "
             f"{files_per_table(n, limits):,} files per table"
         )
-        plans.append(
-            {
-                "images": n,
-                "hours": hours,
-                "kind": kind.name,
-                "node_img_s": round(kind.img_s, 1),
-                "bound_by": kind.bound_by,
-                "nodes": p.nodes,
-                "shares": {k: round(v, 4) for k, v in p.shares.items()},
-                "bites_first": p.bites_first,
-            }
-        )
+        node = "gpu" if "GPU" in kind.name else "cpu"
+        plans[f"{n // 1_000_000}M_{hours}h_{node}_{limits.prefixes}p"] = {
+            "images": n,
+            "hours": hours,
+            "kind": kind.name,
+            "node_img_s": round(kind.img_s, 1),
+            "bound_by": kind.bound_by,
+            "nodes": p.nodes,
+            "shares": {k: round(v, 4) for k, v in p.shares.items()},
+            "bites_first": p.bites_first,
+        }
     return plans
 
 
@@ -170,8 +171,8 @@ def main() -> None:
     parser.add_argument("--photos", type=int, default=1_500, help="the measured night (default 1,500)")
     parser.add_argument("--calibrate", type=int, default=64, help="the calibration night (default 64)")
     parser.add_argument("--cost-photos", type=int, default=160, help="photos the per-image costs are taken over")
-    # bench/night_scale.py, 2026-12-03 (spans of blocks): 15 s of driver CPU for 3,933 blocks, 5 s for 391;
-    # compaction 25 s on 2 idle cores for 1,000,000 rows (bench/README.md)
+    # rounded up from bench/night_scale.py's (bench/results/night_scale-2026-12-03-2core.json): 11 s of driver
+    # CPU for 3,933 blocks, ~3 ms a block; compaction 21.2 s on 2 cores for 1,000,000 rows, ~0.04 ms a row
     parser.add_argument("--driver-s-per-block", type=float, default=0.004, help="bench/night_scale.py's figure")
     parser.add_argument("--compact-s-per-row", type=float, default=5e-5, help="bench/night_scale.py's figure")
     parser.add_argument("--list-keys-per-s", type=float, default=20_000.0, help="one S3 listing stream")
@@ -210,24 +211,23 @@ def main() -> None:
         f"measured {ran['night_s']:.1f} s: measured / predicted {ratio:.2f} (target 0.75-1.25)"
     )
     # the sizing table: a production cluster's fixed start-up is its own (measured the same way); this one's
-    plans = []
+    plans: dict[str, dict[str, Any]] = {}
     for prefixes in (args.prefixes, 1):
         limits = Limits(gpu_img_s=args.gpu_img_s, prefixes=prefixes)
         layout = f"{prefixes} hashed key prefixes" if prefixes > 1 else "a flat prefix"
         print(f"sizing, {layout} (the GPU's forward rate, {args.gpu_img_s:,.0f} img/s, is an assumption):")
-        plans += [{**plan, "prefixes": prefixes} for plan in sizing(costs, limits)]
-    print(
-        json.dumps(
-            {
-                "predicted_s": round(predicted, 2),
-                "measured_s": round(ran["night_s"], 2),
-                "predicted_vs_measured": round(ratio, 3),
-                "nodes": ran["nodes"],
-                "costs": asdict(costs),
-                "plans": plans,
-            }
-        )
-    )
+        plans |= {key: {**row, "prefixes": prefixes} for key, row in sizing(costs, limits).items()}
+    figures = {
+        "calibrate_s": round(ran["calibrate_s"], 2),
+        "predicted_s": round(predicted, 2),
+        "measured_s": round(ran["night_s"], 2),
+        "predicted_vs_measured": round(ratio, 3),
+        "nodes": ran["nodes"],
+        "costs": asdict(costs),
+        "cpu_s_per_image": round(costs.cpu_s_per_image, 6),
+        "plans": plans,
+    }
+    emit("capacity", figures)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ Run with the machine's python3 and pydantic carried as wheels; last line: one li
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,6 +20,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the repository root
+
+from bench.support.results import emit  # noqa: E402
 
 ARCHS = ("resnet50", "resnet18")
 DEVICE = {"name": "cuda"}  # --dry-run: "cpu", to try the script where there is no GPU
@@ -139,7 +140,7 @@ def main() -> None:
     figures["loop_rayline_img_s"] = round(rayline["images_s"], 1)
     figures["loop_plan"] = rayline["plan"]
     figures["loop_speedup"] = round(rayline["images_s"] / documented["images_s"], 2)
-    print(json.dumps(figures))
+    emit("gpu_plan", figures)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,19 @@ and Ray. Targets and JSON keys: bench/README.md. Prints images/s and ratios, the
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from rayline.testing.fault_proxy_control import fault_proxy
 from rayline.testing.s3_server import S3_ENV, create_bucket, process_cpu_seconds, s3_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.support, run as a script
+
+from bench.support.results import emit  # noqa: E402
 
 BUCKET = "rayline-bench"
 REPEATS = 3
@@ -121,7 +126,7 @@ def main() -> None:
     print(f"objects: {count} digits PNGs on a loopback S3-protocol server (moto)")
     _print("bare server:", bare)
     _print(f"through the proxy, +{args.latency_ms:g} ms per request:", slow)
-    print(json.dumps(figures))
+    emit("ingest", figures)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO))
 import pyarrow as pa  # noqa: E402
 from deltalake import DeltaTable  # noqa: E402
 
+from bench.support.results import emit  # noqa: E402
 from bench.support.timing import run_seconds  # noqa: E402
 from rayline.tables import delta_tables  # noqa: E402
 from rayline.tables.delta_tables import PARTITION_COLUMNS, TABLE_CONFIGURATION, Night, NightCommit  # noqa: E402
@@ -157,7 +158,7 @@ def main() -> None:
         **ratios,
         **{f"{name}_{size}": round(value, 6) for size, f in figures.items() for name, value in f.items()},
     }
-    print(json.dumps(result))
+    emit("night_history", result)
 
 
 if __name__ == "__main__":

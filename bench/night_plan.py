@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the repository root
 
 from bench.support.children import print_result, run_child  # noqa: E402
+from bench.support.results import emit  # noqa: E402
 from bench.support.timing import run_seconds  # noqa: E402
 
 if TYPE_CHECKING:
@@ -286,7 +287,7 @@ def main() -> None:
     figures["serve_p99_ms"] = round(served["plan"]["p99_ms"], 1)
     figures["serve_p99_ms_fp32"] = round(served["fp32"]["p99_ms"], 1)
     figures["serve_rps"] = round(served["plan"]["rps"], 1)
-    print(json.dumps(figures))
+    emit("night_plan", figures)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from bench.support.inference_images import warm_page_cache  # noqa: E402
 from bench.support.inference_night import register_untrained, resolve_champion  # noqa: E402
 from bench.support.inference_s3 import loopback_s3  # noqa: E402
 from bench.support.process_tree import _rss_bytes, proc_figure, watch_tree  # noqa: E402
+from bench.support.results import emit  # noqa: E402
 
 CACHE = Path(os.environ.get("RAYLINE_BENCH_CACHE", "/tmp/rayline-bench-night-scale"))
 DAY = "2026-11-28"
@@ -253,7 +254,7 @@ def main() -> None:
         f"img/s ratio {summary['img_s_ratio_1m_100k']} (>= 0.95), commit share {summary['commit_share_1m']} (<= 0.02), "
         f"ingest driver RSS ratio {summary['ingest_rss_ratio']} (<= 1.25)"
     )
-    print(json.dumps(summary))
+    emit("night_scale", summary)
 
 
 def s3_measure(count: int, latency_ms: float, work: str, env: dict[str, str]) -> dict[str, Any]:

@@ -12,7 +12,6 @@ figure is: bench/README.md. Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ from rayline.specs import ImageSpec, ModelSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.support, run as a script
 
+from bench.support.results import emit  # noqa: E402
 from bench.support.timing import run_seconds  # noqa: E402
 
 
@@ -153,27 +153,26 @@ def main() -> None:
         f"{agrees[drafted_rows].mean():.1%} of the {int(drafted_rows.sum())} photos reduced-scale decoding "
         f"changed; saving each photo once more as JPEG q90 agrees {agreement_reencoded:.1%}"
     )
-    print(
-        json.dumps(
-            {
-                "photos": len(photos),
-                "camera_photos": len(camera),
-                "large_share": args.large_share,
-                **costs,
-                "draft_speedup": round(full_s / drafted_s, 3),
-                "draft_max_abs_diff": round(float(diff.max()), 4),
-                "draft_mean_abs_diff": round(float(diff.mean()), 5),
-                **per_size,
-                "draft_max_photo_mean_abs_diff": round(float(photo_diff.max()), 5),
-                "draft_mean_abs_diff_bound": DRAFT_MAX_MEAN_ABS_DIFF,
-                "draft_top1_agreement": round(float(agrees.mean()), 4),
-                "draft_top1_agreement_camera": round(float(agrees[is_camera].mean()), 4),
-                "draft_top1_agreement_changed": round(float(agrees[drafted_rows].mean()), 4),
-                "draft_changed_photos": int(drafted_rows.sum()),
-                "jpeg_q90_resave_top1_agreement": round(agreement_reencoded, 4),
-                "distinct_top1": len(set(top_full)),
-            }
-        )
+    emit(
+        "preprocessing",
+        {
+            "photos": len(photos),
+            "camera_photos": len(camera),
+            "large_share": args.large_share,
+            **costs,
+            "draft_speedup": round(full_s / drafted_s, 3),
+            "draft_max_abs_diff": round(float(diff.max()), 4),
+            "draft_mean_abs_diff": round(float(diff.mean()), 5),
+            **per_size,
+            "draft_max_photo_mean_abs_diff": round(float(photo_diff.max()), 5),
+            "draft_mean_abs_diff_bound": DRAFT_MAX_MEAN_ABS_DIFF,
+            "draft_top1_agreement": round(float(agrees.mean()), 4),
+            "draft_top1_agreement_camera": round(float(agrees[is_camera].mean()), 4),
+            "draft_top1_agreement_changed": round(float(agrees[drafted_rows].mean()), 4),
+            "draft_changed_photos": int(drafted_rows.sum()),
+            "jpeg_q90_resave_top1_agreement": round(agreement_reencoded, 4),
+            "distinct_top1": len(set(top_full)),
+        },
     )
 
 

@@ -10,7 +10,6 @@ counted, the target and the JSON keys: bench/README.md. Local disk only; ends wi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ import pyarrow as pa  # noqa: E402
 from deltalake.fs import DeltaStorageHandler  # noqa: E402
 
 from bench.support.process_tree import proc_figure  # noqa: E402
+from bench.support.results import emit  # noqa: E402
 from bench.support.table_reads import commit_rows, night_rows  # noqa: E402
 from rayline.ray_workloads.quality import labels_import, reading  # noqa: E402
 from rayline.storage.layout import PREDICTIONS_TABLE, SHADOW_TABLE, table_uri  # noqa: E402
@@ -167,7 +167,7 @@ def main() -> None:
         for way, f in ways.items():
             for key, value in f.items():
                 result[f"{way}_{key}_{stored}"] = value
-    print(json.dumps(result))
+    emit("quality_reads", result)
 
 
 if __name__ == "__main__":

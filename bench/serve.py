@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -38,6 +37,7 @@ from starlette.responses import JSONResponse
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.support.http_load import Run, Saturation, closed_loop, open_loop, saturate  # noqa: E402
+from bench.support.results import emit  # noqa: E402
 from rayline.ray_workloads.serving.model_server import ModelServer  # noqa: E402
 
 ROUTER_PATH = "/predict"
@@ -197,7 +197,7 @@ def main() -> None:
             ray_cluster.disconnect()
             storage_dir.cleanup()
     print(f"load average after: {load_average()}")
-    print(json.dumps(figures(results, levels, paced, saturated, total_errors)))
+    emit("serve", figures(results, levels, paced, saturated, total_errors))
 
 
 def figures(

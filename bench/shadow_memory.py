@@ -27,6 +27,7 @@ import pyarrow as pa  # noqa: E402
 
 from bench.support.children import print_result, run_child  # noqa: E402
 from bench.support.process_tree import proc_figure  # noqa: E402
+from bench.support.results import emit  # noqa: E402
 from bench.support.table_reads import predictions_table  # noqa: E402
 from rayline.ray_workloads.nightly.blocks import NightOutput, block_contents, write_block_files  # noqa: E402
 from rayline.tables.delta_tables import Night  # noqa: E402
@@ -203,7 +204,7 @@ def main() -> None:
         for way, f in ways.items():
             result[f"{way}_peak_mb_{images}"] = round(f["peak_kb"] / 1024, 1)
             result[f"{way}_seconds_{images}"] = round(f["seconds"], 2)
-    print(json.dumps(result))
+    emit("shadow_memory", result)
 
 
 if __name__ == "__main__":

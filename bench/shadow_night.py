@@ -9,7 +9,6 @@ turn (``--rounds`` pairs, the best of each kept). JSON keys: bench/README.md. En
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.support, run as a script
+
+from bench.support.results import emit  # noqa: E402
 
 
 def _night(root: str, source: Path, model: Any, shadow: Any, day: int, actors: int) -> float:
@@ -96,7 +97,7 @@ def main() -> None:
         "digits": _case("digits", "small_cnn", digits, args.digits, args.rounds, args.actors),
         "resnet18": _case("photos", "resnet18", photos, args.photos, args.rounds, args.actors),
     }
-    print(json.dumps({"bench": "shadow_night", **report}))
+    emit("shadow_night", {"bench": "shadow_night", **report})
 
 
 if __name__ == "__main__":

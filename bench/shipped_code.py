@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import statistics
@@ -24,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.support.results import emit  # noqa: E402
 from bench.support.timing import run_seconds  # noqa: E402
 from rayline.ray_workloads.architectures.factory_models import zip_code  # noqa: E402
 
@@ -94,7 +94,7 @@ def main() -> None:
         }
     for key, value in result.items():
         print(f"{key}: {value}")
-    print(json.dumps(result))
+    emit("shipped_code", result)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from rayline.testing.s3_server import S3_ENV, create_bucket, process_cpu_seconds, s3_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.support, run as a script
+
+from bench.support.results import emit  # noqa: E402
 
 BUCKET = "rayline-clients"
 GET_COUNT, GET_BYTES, IN_FLIGHT, CONDITIONAL = 1000, 64 * 1024, 64, 200
@@ -308,7 +313,7 @@ def main() -> None:
             summary[f"{part}_client_cpu_s_{family}"] = f["client_cpu_s"]
             summary[f"{part}_server_cpu_s_{family}"] = f["server_cpu_s"]
     summary.update({f"odd_keys_{name}": verdict == "all" for name, verdict in odd.items()})
-    print(json.dumps(summary))
+    emit("storage_clients", summary)
 
 
 if __name__ == "__main__":

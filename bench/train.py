@@ -9,7 +9,6 @@ a fit leaves actors behind that would skew the next. Why two lengths, the target
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.support, run as a script
 
 from bench.support.children import print_result, run_child  # noqa: E402
+from bench.support.results import emit  # noqa: E402
 
 LENGTHS = [int(e) for e in os.environ.get("BENCH_EPOCHS", "12,60").split(",")]
 
@@ -167,7 +167,7 @@ def main() -> None:
         f"ratio at {LENGTHS[-1]} epochs {headline['ratio']:.2f} (target >= 0.7); by length: "
         + ", ".join(f"{e} epochs {figures[e]['ratio']:.2f}" for e in LENGTHS)
     )
-    print(json.dumps(headline))
+    emit("train", headline)
 
 
 if __name__ == "__main__":

@@ -230,6 +230,7 @@ OUTSIDE_SETTINGS: frozenset[str] = frozenset(
         "RAYLINE_TEST_ARTIFACTS",  # where the e2e tests save their screenshots
         "RAYLINE_TEST_STALL_AFTER",  # the stalling predictor of tests/integration/night_driver.py, in a night
         "RAYLINE_BENCH_CACHE",  # bench/'s generated inputs
+        "RAYLINE_BENCH_RESULTS",  # the folder a bench saves its result file in (bench/results/README.md)
         # envsubst's variables for deployments/cluster/*.yaml and the image's tags (deployments/cluster/README.md),
         # exported in the shell that may also run rayline
         "RAYLINE_CLUSTER_NAME",

@@ -140,7 +140,7 @@ class ImageSpec(BaseModel):
     draft: bool = Field(
         True,
         description="JPEG: decode at a reduced DCT scale when the photo is over twice the size the spec needs "
-        "(~4x faster on 12 MP photos, within images.DRAFT_MAX_MEAN_ABS_DIFF of full decoding: bench/README.md); "
+        "(faster the larger the photo, within images.DRAFT_MAX_MEAN_ABS_DIFF of full decoding: docs/models.md); "
         "False decodes fully, equal to torchvision's transforms().",
     )
 

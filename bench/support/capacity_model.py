@@ -38,7 +38,7 @@ class Limits:
     """What rayline does not control: the store's, the GPU's and the node shapes' figures."""
 
     s3_get_per_prefix: float = 5_500.0  # AWS: GET/HEAD requests per second per partitioned prefix
-    gpu_img_s: float = 2_000.0  # ASSUMED one GPU's forward rate for the model (no GPU was lent to measure it)
+    gpu_img_s: float = 2_000.0  # ASSUMED one GPU's forward rate for the model (an H200's: docs/capacity.md)
     cpu_node_cores: int = 16
     gpu_node_cores: int = 8  # the CPU cores beside the one GPU (decode and writes run on them)
     image_side: int = 224  # the model's input: a compute-bound night's blocks (nightly.contract.block_size)

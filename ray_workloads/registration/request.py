@@ -56,8 +56,8 @@ class RegisterRequest(BaseModel):
     crop: int | None = Field(None, ge=4, le=1024, description="Side of the square the model sees.")
     draft: bool = Field(
         True,
-        description="Decode JPEGs over twice the needed size at a reduced scale (~4x faster on 12 MP photos, close "
-        "to full decoding), or fully: equal to torchvision's transforms().",
+        description="Decode JPEGs over twice the needed size at a reduced scale (faster the larger the photo, close "
+        "to full decoding: docs/models.md), or fully: equal to torchvision's transforms().",
     )
     samples: str | None = Field(
         None,
