@@ -171,6 +171,11 @@ class Settings(BaseSettings):
         description="Measure OpenVINO as a CPU execution plan where it is installed (rayline[openvino]); its "
         "first measurement per version and machine converts the model (seconds).",
     )
+    plan_onnxruntime: bool = Field(
+        True,
+        description="Measure ONNX Runtime in fp32 as a CPU execution plan where it is installed (rayline[onnx]); "
+        "its first measurement per version and machine exports the model (a second or two for a ResNet-50).",
+    )
     serve_plan: Literal["auto", "off"] = Field(
         "auto", description="auto: each model replica runs the fastest plan that passes the gate; off: fp32 eager."
     )

@@ -43,6 +43,8 @@ _TEST_SETTINGS = {
     # every test's fresh version would convert its model to OpenVINO at its first actor or replica (seconds
     # each): tests/unit/test_execution_plan.py covers that backend
     "RAYLINE_PLAN_OPENVINO": "0",
+    # and to ONNX Runtime: tests/unit/test_onnx_plan.py covers that one
+    "RAYLINE_PLAN_ONNXRUNTIME": "0",
 }
 
 

@@ -151,7 +151,7 @@ def _measure_and_store(
     if photos:
         measured = model.judge_decode(photos, policy)
     logger.info("execution plan of %s: %s", model.spec.describe(), measured.reason)
-    if model.converted is not None and measured.plan.backend == "openvino":
+    if model.converted is not None and measured.plan.backend in ("openvino", "onnxruntime"):
         measured = _store_converted(model, version_uri, key, measured)
         if measured.artifact is None:  # a plan whose model is not stored would fail every other actor: not cached
             return measured

@@ -22,7 +22,7 @@ from rayline.errors import InputDataError
 from rayline.hardware import Hardware, detect
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.architectures import factory_models
-from rayline.ray_workloads.execution import openvino_backend
+from rayline.ray_workloads.execution import onnx_backend, openvino_backend
 from rayline.ray_workloads.execution.decoding import choose_decode
 from rayline.ray_workloads.execution.fallback import PlanUse
 from rayline.ray_workloads.execution.plan import (
@@ -44,6 +44,21 @@ from rayline.specs import ImageSpec, ModelSpec
 if TYPE_CHECKING:
     from torch import nn
 
+Converted = openvino_backend.OpenVinoModel | onnx_backend.OnnxModel
+
+
+class Converter:
+    """A backend that runs a converted module: how to convert, load and tell whether it is installed."""
+
+    def __init__(self, model: type[openvino_backend.OpenVinoModel] | type[onnx_backend.OnnxModel], module: Any) -> None:
+        self.convert, self.load, self.available = model.convert, model.load, module.available
+
+
+CONVERTERS: dict[Backend, Converter] = {
+    "openvino": Converter(openvino_backend.OpenVinoModel, openvino_backend),
+    "onnxruntime": Converter(onnx_backend.OnnxModel, onnx_backend),
+}
+
 
 class LoadedModel:
     """A model ready to predict: ``probabilities(batch)`` for a batch decoded with :attr:`image_spec`."""
@@ -60,7 +75,7 @@ class LoadedModel:
         self._logits = logits
         self.module = module  # the torch module, for formats rayline builds (None for a code-free file)
         self.plan: PlanChoice | None = None  # how it runs, once chosen (choose_plan); fp32 until then
-        self.converted: openvino_backend.OpenVinoModel | None = None  # the module as OpenVINO runs it, if chosen
+        self.converted: Converted | None = None  # the module as the chosen plan's backend runs it (OpenVINO, ONNX)
         self._fp32: Logits | None = None  # the reference, while another plan runs: for batches it cannot answer
         self.use = PlanUse()  # the calls so far, and those the reference answered (execution.fallback)
         self._known: dict[bytes, np.ndarray] = {}  # scores already computed (a plan's probe), by image digest
@@ -135,20 +150,20 @@ class LoadedModel:
             plan = Plan(backend="onnxruntime") if self.spec.format == "onnx" else REFERENCE
             return self.adopt(PlanChoice(plan, hardware, f"fp32: a {self.spec.format} file runs as it was saved"))
         module, backends = self.module, backends_at_hand(self.device, policy)
-        converted: list[openvino_backend.OpenVinoModel] = []
+        converted: dict[Backend, Converted] = {}
 
         def make_run(plan: Plan) -> Logits:
-            if plan.backend != "openvino":
+            if plan.backend not in CONVERTERS:
                 return torch_run(module, plan)
-            if not converted:
-                converted.append(openvino_backend.OpenVinoModel.convert(module, images()))
-            return converted[0].run(plan.precision)
+            if plan.backend not in converted:  # once per backend, whatever precisions it is measured in
+                converted[plan.backend] = CONVERTERS[plan.backend].convert(module, images())
+            return converted[plan.backend].run(plan.precision)
 
         images = probe_images(probe)
         choice = choose(make_run, images, hardware, self.device, policy, backends)
-        if choice.plan.backend == "openvino":
-            self.converted = converted[0]
-            choice = replace(choice, prepare_s=converted[0].prepare_s)
+        if choice.plan.backend in converted:
+            self.converted = converted[choice.plan.backend]
+            choice = replace(choice, prepare_s=self.converted.prepare_s)
         return self.adopt(choice)
 
     def adopt(self, choice: PlanChoice, artifact_uri: str | None = None) -> PlanChoice:
@@ -157,12 +172,12 @@ class LoadedModel:
         if self.module is None:
             self.plan = choice
             return choice
-        if choice.plan.backend == "openvino":
+        if choice.plan.backend in CONVERTERS:
             try:
                 if self.converted is None:
                     if artifact_uri is None:
                         raise ValueError("the plan names no stored model")
-                    self.converted = openvino_backend.OpenVinoModel.load(artifact_uri)
+                    self.converted = CONVERTERS[choice.plan.backend].load(artifact_uri)
                 self._logits = self.converted.run(choice.plan.precision)
                 choice = replace(choice, prepare_s=self.converted.prepare_s)
             except Exception as exc:  # a plan that cannot run here is no plan: the reference, saying why
@@ -170,7 +185,7 @@ class LoadedModel:
                     f"fp32 eager: the {choice.plan.name} plan's model could not be loaded ({type(exc).__name__}: {exc})"
                 )
                 choice = PlanChoice(REFERENCE, choice.hardware, reason[:500])
-        if choice.plan.backend != "openvino":
+        if choice.plan.backend not in CONVERTERS:
             self._logits = torch_run(self.module, choice.plan)
         self._fp32 = None if choice.plan == REFERENCE else torch_run(self.module, REFERENCE)
         self.plan = choice
@@ -221,9 +236,17 @@ def load(
 
 
 def backends_at_hand(device: str, policy: PlanPolicy) -> tuple[Backend, ...]:
-    """The backends a plan may use on ``device``: eager, and OpenVINO on a CPU where it is installed and wanted."""
-    wanted = get_settings().plan_openvino or policy.backend == "openvino"  # a pin overrides the setting
-    return ("eager", "openvino") if device == "cpu" and wanted and openvino_backend.available() else ("eager",)
+    """The backends a plan may use on ``device``: eager, and on a CPU OpenVINO and ONNX Runtime where each is
+    installed and wanted (a pin overrides the setting)."""
+    if device != "cpu":
+        return ("eager",)
+    settings = get_settings()
+    wanted: dict[Backend, bool] = {"openvino": settings.plan_openvino, "onnxruntime": settings.plan_onnxruntime}
+    at_hand: list[Backend] = ["eager"]
+    at_hand += [
+        b for b, converter in CONVERTERS.items() if (wanted[b] or policy.backend == b) and converter.available()
+    ]
+    return tuple(at_hand)
 
 
 def torch_threads(assigned_cpus: float) -> int:

@@ -36,7 +36,11 @@ Probe = np.ndarray | Callable[[], np.ndarray]
 # A candidate must be this much faster than the reference to be worth its different answers; below it,
 # timing noise decides (a digits CNN's bf16 runs at 1.0-1.15x fp32) and versions of one model would differ.
 MIN_SPEEDUP = 1.2
+# A candidate in fp32 on another backend (ONNX Runtime) answers as the reference does, to float rounding: it
+# needs only to pay for its conversion.
+MIN_SPEEDUP_FP32 = 1.1
 PROBE_IMAGES = 16
+CPU_TIMED_IMAGES = 8  # a CPU night's model call at 224 px (nightly.predictor.PIXELS_PER_MODEL_CALL)
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,10 @@ class PlanPolicy(BaseModel):
 
     mode: Literal["auto", "off"] = Field("auto", description="auto: measure the candidates; off: fp32 eager.")
     precision: Precision | None = Field(None, description="Pin the precision (still gated against fp32).")
-    backend: Literal["eager", "openvino"] | None = Field(
-        None, description="Pin the backend (openvino: CPUs, with the rayline[openvino] extra)."
+    backend: Literal["eager", "openvino", "onnxruntime"] | None = Field(
+        None,
+        description="Pin the backend (openvino: CPUs, with the rayline[openvino] extra; onnxruntime: CPUs, fp32, "
+        "with the rayline[onnx] extra).",
     )
     min_agreement: float = Field(0.995, gt=0, le=1, description="Top-1 agreement with fp32 a plan needs.")
     max_prob_diff: float = Field(
@@ -247,8 +253,9 @@ def candidates(
 ) -> list[Plan]:
     """The plans other than the reference worth measuring on this hardware, or the ones pinned.
 
-    The narrower precisions the hardware computes natively, on each backend at hand (OpenVINO on CPUs only).
-    A pinned precision is measured wherever it is asked for; fp32 pinned on eager is the reference.
+    The narrower precisions the hardware computes natively, on each backend at hand (OpenVINO on CPUs only);
+    and on a CPU, ONNX Runtime in fp32 (its CPU kernels have no bf16 path). A pinned precision is measured
+    wherever it is asked for; fp32 pinned without a backend is the reference.
     """
     if policy.precision == "fp32" and policy.backend in (None, "eager"):
         return []  # fp32 pinned: the reference
@@ -260,7 +267,16 @@ def candidates(
     if policy.precision is not None:
         precisions = [policy.precision]
     chosen = [b for b in backends if policy.backend in (None, b)]
-    return [Plan(b, p, b == "eager") for b in chosen for p in precisions if (b, p) != ("eager", "fp32")]
+    plans = [
+        Plan(b, p, b == "eager")
+        for b in chosen
+        if b != "onnxruntime"
+        for p in precisions
+        if (b, p) != ("eager", "fp32")
+    ]
+    if device == "cpu" and "onnxruntime" in chosen and policy.precision in (None, "fp32"):
+        plans.append(Plan("onnxruntime", "fp32", False))
+    return plans
 
 
 def no_fast_path(hardware: Hardware, device: str) -> str:
@@ -282,10 +298,10 @@ def measure(
 
 
 def timing_slice(probe: np.ndarray, device: str) -> np.ndarray:
-    """What a plan's speed is timed on: the whole probe on a GPU (its speed depends on the batch), a
-    quarter of it on a CPU, whose images/s barely do, so that an actor's first images are not spent
-    three times over on timing the plans (ResNet-50 fp32 on one thread: ~0.1 s an image)."""
-    return probe if device == "cuda" else probe[: max(1, len(probe) // 4)]
+    """What a plan's speed is timed on: the whole probe on a GPU (its speed depends on the batch), a CPU
+    night's model call on a CPU (eager's images/s at 224 px fell by 18-20 % from 8 images a call to 32),
+    so that an actor's first images are not spent three times over on timing the plans."""
+    return probe if device == "cuda" else probe[:CPU_TIMED_IMAGES]
 
 
 def probe_images(probe: Probe) -> Callable[[], np.ndarray]:
@@ -311,7 +327,7 @@ def choose(
     """Measure the reference and each candidate on ``probe``; the fastest that passes the gate, else fp32.
 
     A pinned precision (or backend other than eager) is used when it passes the gate, faster or not; a chosen
-    one must also be :data:`MIN_SPEEDUP` times faster than fp32.
+    one must also be :data:`MIN_SPEEDUP` times faster than fp32 (:data:`MIN_SPEEDUP_FP32` in fp32).
     """
     if policy.mode == "off":
         return PlanChoice(REFERENCE, hardware, "fp32 eager: the plan's choice is off")
@@ -344,7 +360,8 @@ def choose(
         speeds[plan.name] = speed
         result = gate(reference_logits, logits)
         refusal = result.refusal(policy)
-        if refusal is None and not pinned and speed < MIN_SPEEDUP * reference_speed:
+        needed = MIN_SPEEDUP_FP32 if plan.precision == "fp32" else MIN_SPEEDUP
+        if refusal is None and not pinned and speed < needed * reference_speed:
             refusal = f"{speed:.1f} img/s is not faster than fp32's {reference_speed:.1f}"
         if refusal is None:
             accepted.append((speed, plan, result))

@@ -71,7 +71,8 @@ def test_model_calls_are_bounded_by_pixels() -> None:
     from rayline.ray_workloads.nightly.predictor import model_batch_size
 
     assert model_batch_size(32, 64) == 64  # the digits: as asked
-    assert model_batch_size(224, 64) == 32 and model_batch_size(224, 8) == 8
+    assert model_batch_size(224, 64) == 8 and model_batch_size(224, 4) == 4  # a CPU: its caches
+    assert model_batch_size(224, 64, "cuda") == 32  # a GPU: large batches
     assert model_batch_size(1024, 64) == 1
 
 
