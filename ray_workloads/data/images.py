@@ -10,8 +10,8 @@ torchvision's own functional transforms, as a weights entry's ``transforms()`` d
 With full decoding (``ImageSpec.draft`` false) a ``resize_crop`` spec's output equals ``weights.transforms()``
 within ``IMAGENET_MAX_ABS_DIFF`` (tests/unit/test_preprocessing.py). By default a JPEG over twice the needed
 size is decoded at a reduced DCT scale (never below twice that size), and the antialiased resize samples
-the same geometry as the full decode: a 12 MP photo decodes ~4x faster, and the model input stays within
-``DRAFT_MAX_MEAN_ABS_DIFF`` of full decoding (``bench/preprocessing.py``; figures in bench/README.md).
+the same geometry as the full decode: a 12 MP photo decodes several times faster, and the model input stays
+within ``DRAFT_MAX_MEAN_ABS_DIFF`` of full decoding (``bench/preprocessing.py``; figures in bench/README.md).
 ``draft=False`` (``register-model --full-decode``) keeps equality with torchvision's transforms(). A
 version's execution plan may instead decode right down to the needed side (:data:`Decode` "1x"), where the
 model's answers on the night's photos say it may (execution.decoding).
