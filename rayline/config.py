@@ -7,12 +7,11 @@ depends on the environment. Secrets are never fields here: credentials come from
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import re
 import tomllib
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -21,9 +20,9 @@ from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_vali
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rayline.errors import ConfigError
+from rayline.setting_names import ENV_PREFIX, OUTSIDE_SETTINGS, no_such_setting, refuse_unknown_variables
 
 DEFAULT_STORAGE = "./rayline-data"
-ENV_PREFIX = "RAYLINE_"
 
 # The object stores a URI may name, and the form each URI must take.
 CLOUD_SCHEMES = {"s3": "s3://bucket[/prefix]", "gs": "gs://bucket[/prefix]", "az": "az://container[/prefix]"}
@@ -222,34 +221,6 @@ class Settings(BaseSettings):
         return max(2, round(cores * self.ray_cpu_oversubscription))
 
 
-# The RAYLINE_* variables that are no field of Settings, each read by something else. Any other RAYLINE_* variable
-# is refused when the settings are read (check_variables), so that a misspelt setting fails instead of leaving its
-# default silently in force; tests/unit/test_config_and_errors.py fails on a RAYLINE_* name of the code base that
-# is neither a setting nor listed here.
-OUTSIDE_SETTINGS: frozenset[str] = frozenset(
-    {
-        "RAYLINE_CONFIG",  # the settings file (config_file): read before the settings it holds
-        "RAYLINE_HOME",  # prefect.yaml's pull step, {{ $RAYLINE_HOME }}: resolved by `prefect deploy`
-        "RAYLINE_FACTORY_CODE_SHA256",  # a Ray worker's runtime env: the shipped model code it imports
-        "RAYLINE_AZURITE",  # the Azure emulator's program (rayline.testing.azurite), for the tests
-        "RAYLINE_TEST_ARTIFACTS",  # where the e2e tests save their screenshots
-        "RAYLINE_TEST_STALL_AFTER",  # the stalling predictor of tests/integration/night_driver.py, in a night
-        "RAYLINE_BENCH_CACHE",  # bench/'s generated inputs
-        "RAYLINE_BENCH_RESULTS",  # the folder a bench saves its result file in (bench/results/README.md)
-        # envsubst's variables for deployments/cluster/*.yaml and the image's tags (deployments/cluster/README.md),
-        # exported in the shell that may also run rayline
-        "RAYLINE_CLUSTER_NAME",
-        "RAYLINE_ADMIN_CIDR",
-        "RAYLINE_HEAD_INSTANCE_PROFILE",
-        "RAYLINE_WORKER_INSTANCE_PROFILE",
-        "RAYLINE_NAMESPACE",
-        "RAYLINE_IMAGE",
-        "RAYLINE_GPU_IMAGE",
-        "RAYLINE_SERVICE_ACCOUNT",
-    }
-)
-
-
 @cache
 def setting_variables() -> frozenset[str]:
     """The RAYLINE_* variables Settings reads: each field's prefixed name, or its aliases that carry the prefix
@@ -269,27 +240,8 @@ def setting_variables() -> frozenset[str]:
 
 
 def check_variables(environ: Mapping[str, str] | None = None) -> None:
-    """Refuse a RAYLINE_* variable that nothing reads, naming the setting it most likely misspells: Settings
-    ignores unknown names (other tools' variables share its environment), so a typo would go unnoticed.
-    Names are compared ignoring case, as pydantic-settings reads them."""
-    env = os.environ if environ is None else environ
-    known = setting_variables() | OUTSIDE_SETTINGS
-    unknown = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
-    if unknown:
-        problems = "; ".join(_no_such_setting(name, known, ENV_PREFIX) for name in unknown)
-        raise ConfigError(f"invalid rayline settings: {problems}; rayline's variables: docs/configuration.md")
-
-
-def _no_such_setting(name: str, known: Collection[str], prefix: str = "") -> str:
-    """Why ``name`` is refused, with the known name it most likely misspells, if one is close. Compared without
-    the prefix every name shares, which alone would make any two look alike, and ignoring case."""
-
-    def stem(text: str) -> str:
-        return text.lower().removeprefix(prefix.lower())
-
-    stems = {stem(k): k for k in known}
-    close = difflib.get_close_matches(stem(name), list(stems), n=1)
-    return f"{name} is no rayline setting" + (f" (did you mean {stems[close[0]]}?)" if close else "")
+    """Refuse a RAYLINE_* variable that nothing reads (rayline.setting_names), naming the likely setting."""
+    refuse_unknown_variables(os.environ if environ is None else environ, setting_variables() | OUTSIDE_SETTINGS)
 
 
 PROCESS_DEFAULTS = {
@@ -407,7 +359,7 @@ def _read_file(path: str, _mtime_ns: int) -> dict[str, Any]:
     known = {name for name, field in Settings.model_fields.items() if field.validation_alias is None}
     unknown = sorted(set(values) - known - {DEPLOYMENTS_TABLE})
     if unknown:
-        problems = "; ".join(_no_such_setting(name, known) for name in unknown)
+        problems = "; ".join(no_such_setting(name, known) for name in unknown)
         raise ConfigError(f"{path}: {problems}; known: {', '.join(sorted(known))}")
     return values
 

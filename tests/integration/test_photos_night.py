@@ -7,6 +7,7 @@ reference, not accuracy.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -18,6 +19,7 @@ from rayline.cli import app
 from rayline.flows.monitor import MonitorRequest, monitor
 from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.lineage.graph import build_graph, render_text
+from rayline.lineage.records import lineage_dir
 from rayline.ray_workloads.architectures.build import imagenet_classes
 from rayline.ray_workloads.nightly.batch_inference import InferenceResult
 from rayline.ray_workloads.nightly.blocks import NightOutput, block_file_uri
@@ -130,6 +132,10 @@ def test_monitor_and_lineage_of_an_outside_champions_nights(local_storage: str) 
     assert weights.uri == "test://random-weights" and weights.content_hash == "seed-0"
     assert "training run" not in [n.kind for n in model.upstream]
     assert "outside weights  test://random-weights  (sha256 seed-0)" in render_text(graph)
+    # each night's record names the plan its rows came from, the decode judged on the night's photos with it
+    records = [json.loads(storage.read_bytes(o.uri)) for o in storage.list_objects(lineage_dir("batch_inference"))]
+    plans = [i["facets"]["plans"] for r in records for i in r["inputs"] if "plans" in i["facets"]]
+    assert len(plans) == 2 and all(p["decode"] and p["decode_reason"] for night in plans for p in night.values())
 
 
 def test_a_block_predicted_in_small_chunks_gives_the_rows_of_one_chunk(

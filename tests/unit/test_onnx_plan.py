@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from rayline.hardware import Hardware
 from rayline.ray_workloads.execution import onnx_backend
