@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -34,13 +34,11 @@ from rayline.models.registry import ModelVersion, read_samples
 from rayline.ray_workloads.data.images import decode_image
 from rayline.ray_workloads.execution.decoding import probe_photos
 from rayline.ray_workloads.execution.fallback import PlanUse, demotion_reason
+from rayline.ray_workloads.execution.interface import CONVERTERS, LoadedModel
 from rayline.ray_workloads.execution.plan import PROBE_IMAGES, REFERENCE, PlanChoice, PlanPolicy, Probe
 from rayline.specs import ImageSpec
 from rayline.storage import conditional
 from rayline.storage.layout import PLANS_DIR
-
-if TYPE_CHECKING:
-    from rayline.ray_workloads.execution.interface import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +149,7 @@ def _measure_and_store(
     if photos:
         measured = model.judge_decode(photos, policy)
     logger.info("execution plan of %s: %s", model.spec.describe(), measured.reason)
-    if model.converted is not None and measured.plan.backend in ("openvino", "onnxruntime"):
+    if model.converted is not None and measured.plan.backend in CONVERTERS:
         measured = _store_converted(model, version_uri, key, measured)
         if measured.artifact is None:  # a plan whose model is not stored would fail every other actor: not cached
             return measured

@@ -13,6 +13,7 @@ measured within 5 % of it on camera photos (bench/README.md), so they do not pay
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -40,8 +41,8 @@ class DecodeOutcome:
 
 def probe_photos(photos: list[bytes | None], spec: ImageSpec) -> list[bytes]:
     """The photos that can judge a decode: the first :data:`DECODE_PROBE_PHOTOS` a decode can change."""
-    found = [p for p in photos if p is not None and reducible(p, spec)]
-    return found[:DECODE_PROBE_PHOTOS]
+    found = (p for p in photos if p is not None and reducible(p, spec))  # headers read until enough are found
+    return list(itertools.islice(found, DECODE_PROBE_PHOTOS))
 
 
 def choose_decode(

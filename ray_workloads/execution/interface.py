@@ -10,6 +10,7 @@ loaded, never at import: the night's driver and Serve's router import this modul
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -45,18 +46,10 @@ if TYPE_CHECKING:
     from torch import nn
 
 Converted = openvino_backend.OpenVinoModel | onnx_backend.OnnxModel
-
-
-class Converter:
-    """A backend that runs a converted module: how to convert, load and tell whether it is installed."""
-
-    def __init__(self, model: type[openvino_backend.OpenVinoModel] | type[onnx_backend.OnnxModel], module: Any) -> None:
-        self.convert, self.load, self.available = model.convert, model.load, module.available
-
-
-CONVERTERS: dict[Backend, Converter] = {
-    "openvino": Converter(openvino_backend.OpenVinoModel, openvino_backend),
-    "onnxruntime": Converter(onnx_backend.OnnxModel, onnx_backend),
+# the backends that run a module converted once (per version and machine) and stored beside its plan
+CONVERTERS: dict[Backend, type[openvino_backend.OpenVinoModel] | type[onnx_backend.OnnxModel]] = {
+    "openvino": openvino_backend.OpenVinoModel,
+    "onnxruntime": onnx_backend.OnnxModel,
 }
 
 
@@ -243,10 +236,12 @@ def backends_at_hand(device: str, policy: PlanPolicy) -> tuple[Backend, ...]:
     settings = get_settings()
     wanted: dict[Backend, bool] = {"openvino": settings.plan_openvino, "onnxruntime": settings.plan_onnxruntime}
     at_hand: list[Backend] = ["eager"]
-    at_hand += [
-        b for b, converter in CONVERTERS.items() if (wanted[b] or policy.backend == b) and converter.available()
-    ]
+    at_hand += [b for b, kind in CONVERTERS.items() if (wanted[b] or policy.backend == b) and _installed(kind.PACKAGE)]
     return tuple(at_hand)
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
 
 
 def torch_threads(assigned_cpus: float) -> int:

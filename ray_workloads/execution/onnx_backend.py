@@ -10,7 +10,6 @@ actors and Serve replicas read it and build a session (well under a second).
 
 from __future__ import annotations
 
-import importlib.util
 import tempfile
 import time
 import warnings
@@ -30,12 +29,10 @@ MODEL_FILE = "model.onnx"
 OPSET = 17
 
 
-def available() -> bool:
-    return importlib.util.find_spec("onnxruntime") is not None
-
-
 class OnnxModel:
     """A module as an ONNX graph, run by ONNX Runtime on this process's torch threads."""
+
+    PACKAGE = "onnxruntime"  # what must be installed for it to be a candidate
 
     def __init__(self, data: bytes, prepare_s: float) -> None:
         self.data = data

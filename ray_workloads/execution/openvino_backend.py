@@ -10,7 +10,6 @@ chose it, in a folder of the measuring actor's own, and later actors read and co
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import tempfile
 import threading
@@ -29,10 +28,6 @@ if TYPE_CHECKING:
 
 MODEL_FILES = ("model.xml", "model.bin")
 OV_PRECISION = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
-
-
-def available() -> bool:
-    return importlib.util.find_spec("openvino") is not None
 
 
 def _openvino() -> Any:
@@ -70,6 +65,8 @@ def _no_telemetry() -> None:
 
 class OpenVinoModel:
     """A module converted to OpenVINO: compiled per precision on demand, for this process's threads."""
+
+    PACKAGE = "openvino"  # what must be installed for it to be a candidate
 
     def __init__(self, model: Any, prepare_s: float) -> None:
         self.model = model
