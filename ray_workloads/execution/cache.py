@@ -100,7 +100,8 @@ def plan_for(
     """Adopt this version's cached plan for this machine, or choose one on ``probe`` and cache it.
 
     ``photos``: a night's first photos as bytes. Where some can judge a decode and the plan has none judged
-    (measured where the version was made, on decoded samples), the decode is judged on them and cached too.
+    (measured where the version was made, on decoded samples), the decode is judged on them and cached too;
+    while another actor judges it, the plan runs with the unjudged decode, marked ``decode_pending``.
     """
     hardware = detect()
     if policy.mode == "off" or model.module is None:
@@ -111,15 +112,21 @@ def plan_for(
     versions = libraries()
     key = plan_key(hardware, policy, versions)
     uri, claimed_at = plan_uri(version_uri, key), claim_uri(version_uri, key)
-    found, claim = cached_plan(uri), None
+    found, claim, pending = cached_plan(uri), None, False
     if not _complete(found, judging):
         claim = _claim(claimed_at)
-        if claim is None:
+        # another actor judges the cached plan's decode: rather than leave a core idle meanwhile, this one runs
+        # the plan with the unjudged decode and looks again on its next chunk
+        pending = claim is None and found is not None
+        if claim is None and found is None:  # another actor measures: timing beside it would skew both
             found = _await_plan(uri, claimed_at, judging)
     try:
         if found is None:
             return _measure_and_store(model, version_uri, (key, uri), (probe, judging), policy, (hardware, versions))
         adopted = model.adopt(replace(found, key=key), _artifact_uri(version_uri, found))
+        if pending:
+            model.plan = replace(adopted, decode_pending=True)
+            return model.plan
         if not _complete(found, judging):
             return _judge_decode_and_store(model, (version_uri, uri), judging, policy)
         logger.info("execution plan of %s (cached at %s): %s", model.spec.describe(), uri, adopted.reason)

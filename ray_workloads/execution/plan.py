@@ -179,6 +179,8 @@ class PlanChoice:
     prepare_s: float | None = None  # converting, or loading and compiling, the backend's model
     key: str | None = None  # the cache's key of the version's plan on this machine (execution.cache), once cached
     decode: DecodeJudged | None = None  # how JPEGs are decoded, once judged on a night's photos (execution.decoding)
+    # another actor is judging the decode: this one runs the unjudged decode meanwhile and looks again next chunk
+    decode_pending: bool = False
 
     @property
     def name(self) -> str:

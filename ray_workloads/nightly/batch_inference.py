@@ -47,8 +47,16 @@ from rayline.tables.predictions_table import check_night_unchanged, commit_night
 
 # Imported by every worker of a batch-inference process's embedded cluster at start
 # (``ray_cluster.connect(preload=...)``), so a predictor actor need not wait for them (bench/README.md);
-# ray.util.state is what unpickling Ray Data's context imports.
-WORKER_PRELOAD = ("torch", "ray.data", "ray.util.state", "rayline.ray_workloads.nightly.predictor")
+# ray.util.state is what unpickling Ray Data's context imports; torchvision (which imports torch._dynamo: ~1.8 s
+# on these cores) and the model interface are what loading a model imports.
+WORKER_PRELOAD = (
+    "torch",
+    "torchvision.models",
+    "ray.data",
+    "ray.util.state",
+    "rayline.ray_workloads.nightly.predictor",
+    "rayline.ray_workloads.execution.interface",
+)
 TABLES = {"predictions": PREDICTIONS_TABLE, "errors": ERRORS_TABLE, "shadow": SHADOW_TABLE}
 
 

@@ -125,6 +125,11 @@ def _spans(listing: ListingStart, output: NightOutput, size: int, per_span: int)
     # every span its own Ray Data block, for every actor to take spans as it is free: flat_map would put a
     # part's spans into one block for one actor (a streaming repartition: ~7 s slower to the first block)
     context.target_max_block_size = 1
+    # Ray Data's object-store budgets start at zero until a predictor task finishes, and read one span of the
+    # cutters until then: every other actor idled through the first span (a first night's judging one). The
+    # spans and reports are a few hundred bytes each and the images never enter the object store, so there is
+    # nothing for those budgets to bound here.
+    context.op_resource_reservation_enabled = False
     # On the driver's node, as from_items puts them, so the spans outlive a lost worker node (Ray Data waited
     # in vain for a lost row's task to run again). Hard affinity and no CPU: a soft one fell back to the
     # worker node whenever the actors held the head's CPUs, and a CPU asked could wait behind them. As many

@@ -163,13 +163,13 @@ class PredictorUDF:
         The champion's plan is measured, or adopted from the cache, with its decode judged on ``photos``; the
         shadow version scores the champion's pixels, so its plan names the champion's decode.
         """
-        if self.model.plan is None:
+        if self.model.plan is None or self.model.plan.decode_pending:  # pending: another actor judges it
             self._plan_for(self.model, self.version, photos, judge_decode=True)
-        if self.shadow_model is not None and self.shadow_model.plan is None and self.shadow is not None:
-            shadow = self._plan_for(self.shadow_model, self.shadow, photos, judge_decode=False)
-            assert self.model.plan is not None
-            self.shadow_model.plan = replace(shadow, decode=self.model.plan.decode)
         judged = self.model.plan.decode if self.model.plan else None
+        shadow_model, shadow = self.shadow_model, self.shadow
+        if shadow_model is not None and shadow is not None:
+            chosen = shadow_model.plan or self._plan_for(shadow_model, shadow, photos, judge_decode=False)
+            shadow_model.plan = replace(chosen, decode=judged)
         return judged.decode if judged else None
 
     def _plan_for(
