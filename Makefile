@@ -51,7 +51,10 @@ typecheck: $(DEV_STAMP)
 test: lint
 	@$(MAKE) --no-print-directory -j2 typecheck suite
 
+# The MLflow model's test runs it in a virtualenv of its own requirements (no rayline): made here, where the package
+# index is reachable, once per set of pins under .tools/mlflow-env (tests/mlflow_env.py).
 suite: $(DEV_STAMP)
+	$(BIN)/python -m tests.mlflow_env
 	$(LOOPBACK_ONLY) $(BIN)/pytest $(PYTEST_ARGS)
 
 unit: $(DEV_STAMP)

@@ -11,6 +11,7 @@ from rayline.models.registry import CHAMPION
 from rayline.ray_workloads.quality.labels_import import LabelsImportResult
 from rayline.ray_workloads.quality.requests import LabelsImportRequest as LabelsImportRequest  # with the flow
 from rayline.storage.layout import INCOMING_DIR, root_uri, under_root
+from rayline.tasks.flow_lineage import openlineage_flow
 from rayline.tasks.labels import announce_labels_task, import_labels_task
 from rayline.tasks.registry_lookups import resolve_version_task
 
@@ -31,6 +32,7 @@ def _markdown(result: LabelsImportResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+@openlineage_flow
 @flow(name="import-labels")
 def import_labels(request: LabelsImportRequest) -> LabelsImportResult:
     """Import the request's file as labels of its model, each checked against what the champion predicted;

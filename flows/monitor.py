@@ -22,6 +22,7 @@ from rayline.ray_workloads.serving.config import config_from_settings
 from rayline.storage.layout import metrics_uri as metrics_file_uri
 from rayline.storage.layout import root_uri
 from rayline.tasks.common import emit, png_markdown
+from rayline.tasks.flow_lineage import openlineage_flow
 from rayline.tasks.maintenance import vacuum_tables_task
 from rayline.tasks.monitoring import (
     labelled_quality_task,
@@ -102,6 +103,7 @@ def _vacuum_line(result: MonitorResult, error: Exception | None) -> str:
     return head + (f"FAILED: {error}" if error is not None else f"{result.files_vacuumed} files deleted")
 
 
+@openlineage_flow
 @flow(name="monitor")
 def monitor(request: MonitorRequest = MonitorRequest()) -> MonitorResult:  # noqa: B008  # frozen: one default
     """Check serving health and the latest committed nights of the request's model for drift.

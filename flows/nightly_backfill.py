@@ -40,6 +40,7 @@ def night_config(request: NightRequest, day: date, model: ModelVersion, shadow: 
         model=model,
         shadow=shadow,
         plan=request.plan,
+        max_error_fraction=request.max_error_fraction,
         io_concurrency=get_settings().io_concurrency,
         code_version=code_version(),
         flow_run_id=str(run_id) if run_id else None,

@@ -21,6 +21,7 @@ from rayline.ray_workloads.nightly.request import BackfillResult
 from rayline.ray_workloads.nightly.request import NightRequest as NightRequest  # callers import it with the flow
 from rayline.skipped import skipped_text
 from rayline.tasks.batch_inference import batch_inference_task
+from rayline.tasks.flow_lineage import openlineage_flow
 from rayline.tasks.registry_lookups import (
     alias_version_task,
     parse_model_ref_task,
@@ -51,6 +52,7 @@ def _skipped(result: InferenceResult) -> str:
     return f"{skipped_text(result.skipped)}: e.g. {result.skipped_examples}"
 
 
+@openlineage_flow
 @flow(name="nightly-inference")
 def nightly_inference(
     request: NightRequest = NightRequest(),  # noqa: B008  # frozen: one default instance is safe to share

@@ -11,6 +11,7 @@ from rayline.ray_workloads.data.ingest import IngestConfig, IngestResult
 from rayline.ray_workloads.data.preprocess import PreprocessConfig, PreprocessResult, error_sample
 from rayline.ray_workloads.data.request import PrepareRequest as PrepareRequest  # callers import it with the flow
 from rayline.storage.layout import INGESTED_DIR, PREPROCESSED_DIR, RAW_DIR, under_root
+from rayline.tasks.flow_lineage import openlineage_flow
 from rayline.tasks.ingest import ingest_objects
 from rayline.tasks.preprocess import preprocess_images
 from rayline.tasks.registry_lookups import requested_version
@@ -44,6 +45,7 @@ def _publish_summary(ingested: IngestResult, prepared: PreprocessResult) -> None
         )
 
 
+@openlineage_flow
 @flow(name="prepare-data")
 def prepare_data(request: PrepareRequest = PrepareRequest()) -> PrepareDataResult:  # noqa: B008  # frozen: one default
     """Ingest the request's source (default ``<storage>/raw``) and preprocess it for training.

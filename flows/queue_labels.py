@@ -12,11 +12,13 @@ from rayline.ray_workloads.monitoring.monitor import DriftThresholds
 from rayline.ray_workloads.quality.queue import QueueResult
 from rayline.ray_workloads.quality.requests import LabelQueueRequest as LabelQueueRequest  # with the flow
 from rayline.storage.layout import root_uri
+from rayline.tasks.flow_lineage import openlineage_flow
 from rayline.tasks.labels import label_queue_task
 from rayline.tasks.monitoring import reference_task
 from rayline.tasks.registry_lookups import resolve_version_task
 
 
+@openlineage_flow
 @flow(name="queue-labels")
 def queue_labels(request: LabelQueueRequest) -> QueueResult:
     """Queue ``budget`` photos of the request's night: ``random_share`` of them drawn at random (the labels

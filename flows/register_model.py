@@ -6,10 +6,12 @@ from prefect import flow
 
 from rayline.ray_workloads.registration.outside_models import RegisterModelResult
 from rayline.ray_workloads.registration.request import RegisterRequest
+from rayline.tasks.flow_lineage import openlineage_flow
 from rayline.tasks.outside_models import register_outside_model
 from rayline.tasks.plans import measure_plan_task
 
 
+@openlineage_flow
 @flow(name="register-model")
 def register_model(request: RegisterRequest) -> RegisterModelResult:
     """Check the model file ``request.weights_uri`` and register it as a new version of ``request.name``.

@@ -14,6 +14,7 @@ from rayline.ray_workloads.serving.request import RolloutRequest as RolloutReque
 from rayline.ray_workloads.serving.rollout import RolloutConfig, StepReport
 from rayline.storage.layout import root_uri
 from rayline.storage.leases import HeldLease
+from rayline.tasks.flow_lineage import openlineage_flow
 from rayline.tasks.labels import labelled_gate_task
 from rayline.tasks.registry_lookups import alias_version_task, requested_version
 from rayline.tasks.rollouts import another_rollout_holds_task, probe_source_task, rollout_lease
@@ -36,6 +37,7 @@ def serve_config() -> ServeConfig:
     return config_from_settings()
 
 
+@openlineage_flow
 @flow(name="serve-rollout")
 def serve_rollout(request: RolloutRequest = RolloutRequest()) -> RolloutResult:  # noqa: B008  # frozen: one default
     """Step the request's candidate through its traffic steps (default 10 → 50 → 100 %).

@@ -12,6 +12,7 @@ from rayline.ray_workloads.training.promotion import PromotionResult
 from rayline.ray_workloads.training.request import TrainRequest
 from rayline.ray_workloads.training.train import TrainResult
 from rayline.ray_workloads.training.tune import TuneResult
+from rayline.tasks.flow_lineage import openlineage_flow
 from rayline.tasks.plans import measure_plan_task
 from rayline.tasks.register import register_and_gate
 from rayline.tasks.registry_lookups import reconcile_mirror_task
@@ -28,6 +29,7 @@ class TrainModelResult(BaseModel):
     registration: PromotionResult
 
 
+@openlineage_flow
 @flow(name="train-model")
 def train_model(request: TrainRequest = TrainRequest()) -> TrainModelResult:  # noqa: B008  # frozen: one default
     """Train a classifier on ``request.source_uri`` (default ``<storage>/raw``) and gate it into the registry.

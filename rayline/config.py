@@ -3,6 +3,8 @@
 Per-stage parameters (image size, shard size …) are pydantic models next to each workload; this module holds only what
 depends on the environment. Secrets are never fields here: credentials come from each cloud SDK's standard variables
 (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_*``) or the machine's identity, read by the SDK itself.
+The one exception is the password a PostgreSQL URL may carry, as Prefect's and MLflow's own URLs do: a ``SecretStr``,
+masked wherever it is shown (or left out, for libpq's ``PGPASSWORD`` / ``~/.pgpass``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rayline.errors import ConfigError
@@ -149,6 +151,15 @@ class Settings(BaseSettings):
     )
     state_dir: str | None = Field(
         None, description="Local folder of `rayline up` (PID files, logs, SQLite); default <storage>/state."
+    )
+    database_url: SecretStr | None = Field(
+        None,
+        description="PostgreSQL of `rayline up`, postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE: the Prefect "
+        "server's database; MLflow's backend store is RAYLINE_MLFLOW_DATABASE on the same server, as the same user. "
+        "Unset: SQLite in the state folder.",
+    )
+    mlflow_database: str = Field(
+        "mlflow", min_length=1, description="Database of MLflow's backend store on RAYLINE_DATABASE_URL's server."
     )
     prefect_port: int = Field(4200, ge=1, le=65535, description="Port of the Prefect server `rayline up` starts.")
     ray_port: int = Field(6379, ge=1, le=65535, description="GCS port of the Ray head `rayline up` starts.")

@@ -1,10 +1,11 @@
 """rayline's exception tree: every error it raises on purpose, chained ``from exc`` to its cause::
 
     RaylineError
-    ├── ConfigError             (ConditionalWritesUnsupported, DeltaWritesUnsupported, InferenceOnlyFormat)
+    ├── ConfigError             (ConditionalWritesUnsupported, DeltaWritesUnsupported, InferenceOnlyFormat,
+    │                            DatabaseUnusable)
     ├── InputDataError          (ErrorBudgetExceeded, NoLineageError, UnsafeCheckpointError, UnsafeModelFileError,
-    │                            WeightsMismatchError, ImageDecodeError → EmptyImageError, UnsupportedFormatError,
-    │                            CorruptImageError, ImageTooLargeError)
+    │                            WeightsMismatchError, ModelExportError, ImageDecodeError → EmptyImageError,
+    │                            UnsupportedFormatError, CorruptImageError, ImageTooLargeError)
     ├── StorageError            (StorageAccessDenied)
     ├── LeaseError              (LeaseBusy, LeaseLost → StaleFence)
     ├── ObjectChangedError, OutOfMemory, RolloutRolledBack, QualityGateFailed, NightCommittedElsewhere,
@@ -48,6 +49,11 @@ class InferenceOnlyFormat(ConfigError):
     """A code-free model file (TorchScript, .pt2, ONNX) asked to be trained: rayline cannot rebuild its module."""
 
 
+class DatabaseUnusable(ConfigError):
+    """The PostgreSQL database ``rayline up`` was given cannot serve: its server is unreachable, it refused the
+    credentials, or the database does not exist. Raised before any service starts; not retried."""
+
+
 class InputDataError(RaylineError):
     """The input data (prefix, manifest, URI) is unusable as given."""
 
@@ -70,6 +76,11 @@ class UnsafeModelFileError(InputDataError):
 
 class WeightsMismatchError(InputDataError):
     """A state dict whose keys or shapes don't fit the architecture it is registered as."""
+
+
+class ModelExportError(InputDataError):
+    """A version's module that does not export to ONNX, or whose export answers otherwise than the module: the
+    MLflow mirror leaves that version out (saying why) rather than publish a model that predicts something else."""
 
 
 class ImageDecodeError(InputDataError):

@@ -22,6 +22,7 @@ _WHERE = {
     "register_outside_model": "rayline.tasks.outside_models",
     "RegisterModelConfig": "rayline.ray_workloads.registration.outside_models",
     "resolve_version_task": "rayline.tasks.registry_lookups",
+    "openlineage_flow": "rayline.tasks.flow_lineage",
     "vacuum_tables_task": "rayline.tasks.maintenance",
 }
 __all__ = sorted(_WHERE)

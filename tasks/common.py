@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import logging
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any, ParamSpec, TypeVar
 
 from prefect import Task, get_run_logger, task
+from prefect.assets import Asset, AssetProperties, add_asset_metadata, materialize
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.context import TaskRunContext
@@ -26,8 +28,8 @@ from prefect.events import emit_event
 from prefect.runtime import flow_run, task_run
 
 from rayline import events, lineage, ray_cluster, ray_work
-from rayline.errors import is_transient
-from rayline.lineage import DatasetRef, DeclaresLineage, LineageRecord, RunContext, openlineage_events
+from rayline.errors import RaylineError, is_transient
+from rayline.lineage import DatasetRef, DeclaresLineage, LineageRecord, RunContext, openlineage_events, written
 from rayline.models.aliases import AliasMove
 from rayline.ray_cluster import RayConnection
 from rayline.storage import leases
@@ -161,11 +163,14 @@ def openlineage_run(job_name: str) -> Iterator[_StageRun]:
 def record_lineage(stage: str, datasets: DeclaresLineage, parameters: dict[str, Any], cached: bool = False) -> str:
     """Write this stage run's lineage record of the datasets ``datasets`` declares; returns its URI.
 
-    The start time and Ray connection are the current run's (``ray_task``; outside one: now, no Ray job).
-    The record's id derives from the task run and the stage: a retried attempt adds no second record.
+    Each dataset's schema (and an output's size) is read back from what was written first; the outputs the run
+    wrote become Prefect assets. The start time and Ray connection are the current run's (``ray_task``; outside
+    one: now, no Ray job). The record's id derives from the task run and the stage: a retried attempt adds no
+    second record.
     """
     run = _current_run.get()
-    inputs, outputs = datasets.lineage_inputs(), datasets.lineage_outputs()
+    inputs = [_read_back(ref, statistics=False) for ref in datasets.lineage_inputs()]
+    outputs = [_read_back(ref) for ref in datasets.lineage_outputs()]
     run_id = task_run.get_id()
     identity = {"record_id": uuid.uuid5(uuid.NAMESPACE_URL, f"rayline:{run_id}:{stage}").hex} if run_id else {}
     record = LineageRecord(
@@ -185,7 +190,82 @@ def record_lineage(stage: str, datasets: DeclaresLineage, parameters: dict[str, 
     else:  # COMPLETE (or FAIL, if the task fails later) is emitted when the task returns
         run.inputs.extend(inputs)
         run.outputs.extend(outputs)
+    if not cached:  # found committed by an earlier run: not materialized by this one
+        _materialize(run.identity.job_name if run else stage, inputs, outputs, on_ray=bool(run and run.connection))
     return uri
+
+
+def warn_in_run(message: str, *args: object) -> None:
+    """A warning in the task's log inside a task run, else in rayline's."""
+    logger = get_run_logger() if TaskRunContext.get() else logging.getLogger(__name__)
+    logger.warning(message, *args)
+
+
+def _read_back(ref: DatasetRef, statistics: bool = True) -> DatasetRef:
+    """``ref`` with its schema (and ``statistics``: its size) read from storage; as it was when that fails: the
+    record and the run stand without them."""
+    try:
+        found = written.describe(ref, statistics=statistics)
+    except RaylineError as exc:
+        warn_in_run("lineage: the schema of %s not read back: %s", ref.uri, exc)
+        return ref
+    return ref if found is None else ref.model_copy(update={"written": found})
+
+
+def _asset(ref: DatasetRef) -> Asset | None:
+    """The Prefect asset of a stored dataset: its key the dataset's OpenLineage URI, its name the OpenLineage name."""
+    if not lineage.is_storage_uri(ref.uri):
+        return None
+    try:
+        return Asset(
+            key=openlineage_events.dataset_uri(ref.uri),
+            properties=AssetProperties(name=openlineage_events.dataset_id(ref.uri)[1]),
+        )
+    except ValueError as exc:  # a key Prefect refuses (a space, a '%' in a path): the run stands without it
+        warn_in_run("lineage: %s is not declared a Prefect asset: %s", ref.uri, exc)
+        return None
+
+
+def _asset_metadata(ref: DatasetRef) -> dict[str, Any]:
+    """What a materialization adds to its asset: the rows, bytes and files written, and the version."""
+    found = ref.written
+    sizes = found.model_dump(include={"rows", "bytes", "files"}) if found else {}
+    version = ref.table_version if ref.table_version is not None else ref.content_hash or ref.etag
+    quality = ref.quality.model_dump() | {"error_fraction": ref.quality.error_fraction} if ref.quality else None
+    namespace, name = openlineage_events.dataset_id(ref.uri)
+    metadata = {**sizes, "version": version, "openlineage": {"namespace": namespace, "name": name}}
+    return {k: v for k, v in {**metadata, "error_budget": quality}.items() if v is not None}
+
+
+def _materialize(job: str, inputs: list[DatasetRef], outputs: list[DatasetRef], on_ray: bool) -> None:
+    """Declare the outputs the run wrote as Prefect assets (its inputs their upstream), with their metadata.
+
+    Their keys are known only now, after the stage: a materializing task made for them runs inside this task run.
+    A version an alias moved to was not written by the run; outside a task run there is no run to declare it.
+    """
+    if TaskRunContext.get() is None:
+        return
+    made = [(asset, ref) for ref in outputs if ref.stored_as != "alias" and (asset := _asset(ref)) is not None]
+    if not made:
+        return
+    upstream: list[Asset | str] = [asset for ref in inputs if (asset := _asset(ref)) is not None]
+
+    def add_metadata() -> None:
+        for asset, ref in made:
+            add_asset_metadata(asset, _asset_metadata(ref))
+
+    declare = materialize(
+        *[asset for asset, _ in made],
+        by="ray" if on_ray else None,
+        name=f"{job}-assets",
+        asset_deps=upstream,
+        cache_policy=NO_CACHE,
+        persist_result=False,
+    )
+    try:
+        declare(add_metadata)()
+    except Exception as exc:  # like OpenLineage's events, Prefect's assets never fail the stage that wrote them
+        warn_in_run("lineage: %s not declared Prefect assets: %s: %s", job, type(exc).__name__, exc)
 
 
 def idempotency_key(*inputs: object) -> str:

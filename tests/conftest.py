@@ -66,6 +66,7 @@ _SERVICE_FIXTURES = frozenset(
         "azure_storage",
         "ray_session",
         "prefect_api",
+        "postgres",
     }
 )
 

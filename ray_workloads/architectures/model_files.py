@@ -125,6 +125,13 @@ class FileModel:
         return np.concatenate(outputs) if len(outputs) > 1 else outputs[0]
 
 
+# torch.onnx.export writes the weights to a second file (NAME.onnx.data) unless told not to; a model is one file
+_ONE_ONNX_FILE = (
+    "; its weights are in a separate file (ONNX external data), which is not read: export it as one file, "
+    "torch.onnx.export(..., external_data=False)"
+)
+
+
 def load_file_model(fmt: str, data: bytes, uri: str, threads: int | None = None) -> FileModel:
     """Load a code-free file safely (see the module's docstring); the file's own errors are named with it."""
     try:
@@ -140,6 +147,7 @@ def load_file_model(fmt: str, data: bytes, uri: str, threads: int | None = None)
     except Exception as exc:  # each format's loader has its own classes: any is a file that does not load
         raise InputDataError(
             f"{uri} does not load as {FORMAT_NAMES.get(fmt, fmt)}: {type(exc).__name__}: {str(exc)[:300]}"
+            + (_ONE_ONNX_FILE if fmt == ONNX and "external data" in str(exc).lower() else "")
         ) from exc
     raise ConfigError(f"unknown model file format {fmt!r}; expected one of {', '.join(FORMAT_NAMES)}")
 

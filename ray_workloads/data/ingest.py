@@ -120,7 +120,12 @@ class IngestResult(BaseModel):
     def lineage_outputs(self) -> list[DatasetRef]:
         """The manifest that commits the shards, pinned to the same version; how many (the manifest lists them)."""
         return [
-            DatasetRef(uri=self.manifest_uri, content_hash=self.content_hash, facets={"shard_count": self.shard_count})
+            DatasetRef(
+                uri=self.manifest_uri,
+                content_hash=self.content_hash,
+                facets={"shard_count": self.shard_count},
+                stored_as="manifest",
+            )
         ]
 
 

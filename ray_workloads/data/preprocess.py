@@ -88,12 +88,14 @@ class PreprocessResult(PreprocessCounts):
 
     def lineage_inputs(self) -> list[DatasetRef]:
         """The ingest manifest, pinned to its input's version."""
-        return [DatasetRef(uri=self.input_manifest_uri, content_hash=self.input_content_hash)]
+        return [DatasetRef(uri=self.input_manifest_uri, content_hash=self.input_content_hash, stored_as="manifest")]
 
     def lineage_outputs(self) -> list[DatasetRef]:
         """The manifest of the splits: derived from that version, with its counts (the manifest lists the files)."""
         facets = {"file_counts": self.file_counts, "counts": self.counts, "error_count": self.error_count}
-        return [DatasetRef(uri=self.manifest_uri, content_hash=self.input_content_hash, facets=facets)]
+        return [
+            DatasetRef(uri=self.manifest_uri, content_hash=self.input_content_hash, facets=facets, stored_as="manifest")
+        ]
 
 
 def split_for_key(key: str, fractions: SplitFractions) -> str:

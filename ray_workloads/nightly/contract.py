@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, computed_field, model_validator
 
 from rayline.config import lease_ttl
 from rayline.errors import ConfigError
-from rayline.lineage import DatasetRef
+from rayline.lineage import DatasetRef, ErrorBudget
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.execution.plan import PlanPolicy
 from rayline.ray_workloads.nightly.request import NightShape
@@ -63,6 +63,12 @@ class InferenceConfig(LeasedOutput, NightShape):
     )
     min_file_bytes: int = Field(64 * 2**20, ge=1, description="Bytes a committed data file reaches, at most.")
     top_k: int = Field(3, ge=1)
+    max_error_fraction: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="The night's error budget (its request's), stated in its lineage: the flow judges it.",
+    )
     code_version: str = "unknown"
     flow_run_id: str | None = None
     plan: PlanPolicy = Field(
@@ -114,6 +120,7 @@ class InferenceResult(BaseModel):
     predictions: int
     errors: int
     error_types: dict[str, int]
+    error_budget: float = Field(0.05, description="The share of inputs the night allows to fail (max_error_fraction).")
     skipped: dict[str, int] = Field(default_factory=dict, description="Listed objects that are no inputs, by reason.")
     skipped_examples: dict[str, list[str]] = Field(default_factory=dict, description="The first keys of each reason.")
     input_content_hash: str
@@ -170,6 +177,7 @@ class InferenceResult(BaseModel):
                 "predictions": predictions.rows,
                 "errors": errors.rows,
                 "error_types": errors.error_types or {},
+                "error_budget": cfg.max_error_fraction,
                 "input_digest": predictions.input_digest or "",
                 "model": f"{cfg.model.name} v{cfg.model.version}",
                 "data_files": {
@@ -205,18 +213,29 @@ class InferenceResult(BaseModel):
         ]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """Both tables, at the versions holding this run's commit of the night, with how many files it has."""
+        """Both tables, at the versions holding this run's commit of the night, with how many files it has; the
+        night's rows against its error budget on each."""
         night: dict[str, Any] = {"model_name": self.model_name, "dt": self.dt, "run_id": self.run_id}
+        budget = ErrorBudget(rows=self.inputs, error_rows=self.errors, budget=self.error_budget)
         refs = [
-            DatasetRef(uri=uri, facets={**night, "version": version, "data_files": self.data_files[kind]})
+            DatasetRef(
+                uri=uri,
+                facets={**night, "version": version, "data_files": self.data_files[kind]},
+                stored_as="delta",
+                table_version=version,
+                quality=budget,
+            )
             for kind, uri, version in (
                 ("predictions", self.predictions_table, self.predictions_version),
                 ("errors", self.errors_table, self.errors_version),
             )
         ]
         if self.shadow is not None:
-            facets = {**night, "version": self.shadow.table_version, "model_version": self.shadow.model_version}
-            refs.append(DatasetRef(uri=self.shadow.table, facets=facets))
+            shadow = self.shadow
+            facets = {**night, "version": shadow.table_version, "model_version": shadow.model_version}
+            refs.append(
+                DatasetRef(uri=shadow.table, facets=facets, stored_as="delta", table_version=shadow.table_version)
+            )
         return refs
 
 

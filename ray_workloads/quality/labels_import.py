@@ -85,14 +85,18 @@ class LabelsImportResult(BaseModel):
         refs = [DatasetRef(uri=self.file_uri, content_hash=f"sha256:{self.import_id}")]
         if self.predictions_version is not None:
             predictions = table_uri(self.labels_table_uri.rsplit("/", 1)[0], PREDICTIONS_TABLE)
-            refs.append(DatasetRef(uri=predictions, facets={"version": self.predictions_version}))
+            version = self.predictions_version
+            refs.append(
+                DatasetRef(uri=predictions, facets={"version": version}, stored_as="delta", table_version=version)
+            )
         return refs
 
     def lineage_outputs(self) -> list[DatasetRef]:
         if self.labels_version is None:
             return []
         facets = {"version": self.labels_version, "model_name": self.model_name, "rows": self.imported}
-        return [DatasetRef(uri=self.labels_table_uri, facets=facets)]
+        version = self.labels_version
+        return [DatasetRef(uri=self.labels_table_uri, facets=facets, stored_as="delta", table_version=version)]
 
 
 def run(cfg: LabelsImportConfig) -> LabelsImportResult:

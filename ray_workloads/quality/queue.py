@@ -116,7 +116,11 @@ class QueueResult(BaseModel):
         return [DatasetRef(uri=self.predictions_table, facets={"model_name": self.model_name, "dt": self.dt})]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        return [DatasetRef(uri=self.label_studio_uri), DatasetRef(uri=self.csv_uri), DatasetRef(uri=self.draw_uri)]
+        return [
+            DatasetRef(uri=self.label_studio_uri, stored_as="json"),
+            DatasetRef(uri=self.csv_uri, stored_as="csv"),
+            DatasetRef(uri=self.draw_uri, stored_as="json"),
+        ]
 
 
 def uncertainty(top_k_prob: pa.Array | pa.ChunkedArray) -> np.ndarray:

@@ -60,10 +60,18 @@ class ExportResult(BaseModel):
 
     def lineage_inputs(self) -> list[DatasetRef]:
         facets = {"version": self.labels_version, "model_name": self.model_name, "import_ids": self.import_ids}
-        return [DatasetRef(uri=self.labels_table, facets=facets)]
+        version = self.labels_version
+        return [
+            DatasetRef(
+                uri=self.labels_table,
+                facets=facets,
+                stored_as="delta" if version is not None else None,
+                table_version=version,
+            )
+        ]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        return [DatasetRef(uri=self.folder, facets={"photos": self.photos})]
+        return [DatasetRef(uri=self.folder, facets={"photos": self.photos}, stored_as="folder")]
 
 
 def labelled_folder(root: str, model_name: str) -> str:

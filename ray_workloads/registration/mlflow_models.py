@@ -1,11 +1,14 @@
 """Each registered version as a real MLflow model, for the registry mirror (``rayline.models.mlflow_mirror``).
 
-An MLflow pyfunc written as code (``mlflow_pyfunc``) with the version's own files as artifacts, so
+An MLflow pyfunc written as code (``mlflow_pyfunc``) over the version as one ONNX file (``onnx_export``: an
+ONNX version's own file, any other format's module exported and checked against rayline's answers), so that
 ``mlflow.pyfunc.load_model("models:/<name>@champion")`` predicts what rayline predicts from image bytes,
-preprocessing included, for every format. Not ``mlflow.pytorch``, nor a cloudpickled ``PythonModel``: both
-pickle, and rayline keeps pickles out of its registry. Not ``mlflow.onnx``: ONNX only, and it takes
-normalised tensors. This layer, not the core mirror, says how a version becomes an MLflow model because
-that needs rayline's model interface, which the core may not import. Tasks call :func:`reconcile` here.
+preprocessing included, where only MLflow, ONNX Runtime, numpy, pandas and Pillow are installed: no rayline,
+no torch, no user code (a factory's module is exported where its code is). Not ``mlflow.pytorch``, nor a
+cloudpickled ``PythonModel``: both pickle, and rayline keeps pickles out of its registry. Not ``mlflow.onnx``:
+it takes normalised tensors, not images. This layer, not the core mirror, says how a version becomes an MLflow
+model because that needs rayline's model interface, which the core may not import. Tasks call
+:func:`reconcile` here.
 """
 
 from __future__ import annotations
@@ -16,18 +19,17 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rayline import storage
 from rayline.models import mlflow_mirror, registry
 from rayline.models.mlflow_mirror import MirrorReport
-from rayline.specs import ONNX, ModelSpec
 from rayline.storage import layout
 
 if TYPE_CHECKING:
     from mlflow.models import ModelSignature
 
 PYFUNC_CODE = Path(__file__).with_name("mlflow_pyfunc.py")
-# what the pyfunc imports itself; rayline's other dependencies come with rayline
-_ALWAYS = ("mlflow", "torch", "torchvision", "numpy", "pandas", "pillow", "pydantic")
+ONNX_FILE = "model.onnx"
+# what the pyfunc imports (mlflow-skinny brings the scoring server `mlflow models serve` runs: FastAPI, uvicorn)
+REQUIREMENTS = ("mlflow-skinny", "onnxruntime", "numpy", "pandas", "pillow")
 
 
 def reconcile(name: str) -> MirrorReport | None:
@@ -35,19 +37,11 @@ def reconcile(name: str) -> MirrorReport | None:
     return mlflow_mirror.reconcile(name, save_version)
 
 
-def pip_requirements(spec: ModelSpec) -> list[str]:
-    """The loading environment, pinned to what logged it: rayline, and the packages the pyfunc and
-    ``spec``'s format import (given, since MLflow's inference loads the model in a subprocess)."""
-    wanted = [*_ALWAYS]
-    if spec.format == ONNX:
-        wanted.append("onnxruntime")
-    if spec.timm_name is not None:
-        wanted.append("timm")
-    if spec.factory is not None and spec.factory.package is not None:
-        wanted.append(spec.factory.package)
-    wanted.append("rayline")
+def pip_requirements() -> list[str]:
+    """The loading environment, whatever the version's format: :data:`REQUIREMENTS` pinned to the versions that
+    logged it (given, since MLflow's inference would otherwise load the model in a subprocess to find them)."""
     pins = []
-    for dist in wanted:
+    for dist in REQUIREMENTS:
         try:
             pins.append(f"{dist}=={importlib.metadata.version(dist)}")
         except importlib.metadata.PackageNotFoundError:
@@ -56,21 +50,20 @@ def pip_requirements(spec: ModelSpec) -> list[str]:
 
 
 def save_version(version: registry.ModelVersion, model_file: bytes, path: Path) -> None:
-    """Write ``version`` (its model file's bytes given) as an MLflow pyfunc model at ``path``."""
+    """Write ``version`` (its model file's bytes given) as an MLflow pyfunc model at ``path``; a
+    :class:`~rayline.errors.ModelExportError` for a version that is no ONNX file and does not export to one."""
     import mlflow.pyfunc
 
     from rayline.ray_workloads.registration import mlflow_pyfunc as code
+    from rayline.ray_workloads.registration.onnx_export import version_onnx
 
+    onnx = version_onnx(version, model_file)
     with tempfile.TemporaryDirectory(prefix="rayline-mlflow-") as tmp:
         staged = Path(tmp)
         artifacts = {
             code.VERSION_ARTIFACT: _write(staged / layout.VERSION_FILE, version.model_dump_json(indent=2).encode()),
-            code.MODEL_ARTIFACT: _write(staged / _name(version.weights_uri), model_file),
+            code.MODEL_ARTIFACT: _write(staged / ONNX_FILE, onnx),
         }
-        factory = version.model_spec.factory
-        if factory is not None and factory.code_uri is not None:
-            zipped = storage.read_bytes(factory.code_uri)
-            artifacts[code.CODE_ARTIFACT] = _write(staged / _name(factory.code_uri), zipped)
         with warnings.catch_warnings():
             # no input example on purpose: MLflow would load and run the model to check it, at every mirror
             warnings.filterwarnings("ignore", ".*An input example was not provided", UserWarning)
@@ -79,13 +72,14 @@ def save_version(version: registry.ModelVersion, model_file: bytes, path: Path) 
                 python_model=str(PYFUNC_CODE),
                 artifacts=artifacts,
                 signature=signature(),
-                pip_requirements=pip_requirements(version.model_spec),
-                metadata={"rayline.name": version.name, "rayline.version": version.version, "rayline.uri": version.uri},
+                pip_requirements=pip_requirements(),
+                metadata={
+                    "rayline.name": version.name,
+                    "rayline.version": version.version,
+                    "rayline.uri": version.uri,
+                    "rayline.format": version.model_spec.format,
+                },
             )
-
-
-def _name(uri: str) -> str:
-    return uri.rstrip("/").rpartition("/")[2]
 
 
 def _write(path: Path, data: bytes) -> str:

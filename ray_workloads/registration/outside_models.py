@@ -100,7 +100,8 @@ class RegisterModelResult(BaseModel):
     def lineage_outputs(self) -> list[DatasetRef]:
         """The version, pinned to its weights' SHA-256, with the alias it got."""
         facets = {"moves": [self.alias_move.model_dump(mode="json")] if self.alias_move else [], "reused": self.reused}
-        return [DatasetRef(uri=self.version.uri, content_hash=self.weights_source.sha256, facets=facets)]
+        sha256 = self.weights_source.sha256
+        return [DatasetRef(uri=self.version.uri, content_hash=sha256, facets=facets, stored_as="model")]
 
 
 def _names_from(lines: list[str], source: str) -> list[str]:

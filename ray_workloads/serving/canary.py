@@ -76,12 +76,13 @@ class RolloutOutcome(BaseModel):
 
     def lineage_inputs(self) -> list[DatasetRef]:
         """The version that served, and the candidate."""
-        return [DatasetRef(uri=self.prepared.incumbent.uri), DatasetRef(uri=self.prepared.candidate.uri)]
+        versions = (self.prepared.incumbent, self.prepared.candidate)
+        return [DatasetRef(uri=version.uri, stored_as="model") for version in versions]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        """The candidate, with the outcome."""
+        """The candidate, with the outcome: an alias moved to it (or not), nothing written into it."""
         facets = {"outcome": self.outcome, "reason": self.reason, **self.details()}
-        return [DatasetRef(uri=self.prepared.candidate.uri, facets=facets)]
+        return [DatasetRef(uri=self.prepared.candidate.uri, facets=facets, stored_as="alias")]
 
 
 class Promotion(RolloutOutcome):

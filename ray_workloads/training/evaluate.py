@@ -43,12 +43,15 @@ class EvaluationResult(BaseModel):
     answers_uri: str | None = Field(None, description="Its answers on the split, image by image (Parquet).")
 
     def lineage_inputs(self) -> list[DatasetRef]:
-        return [DatasetRef(uri=self.weights_uri), DatasetRef(uri=self.data_manifest_uri)]
+        return [DatasetRef(uri=self.weights_uri), DatasetRef(uri=self.data_manifest_uri, stored_as="manifest")]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        report = [DatasetRef(uri=self.report_uri, facets={"accuracy": self.accuracy})] if self.report_uri else []
-        answers = [DatasetRef(uri=self.answers_uri, facets={"images": self.samples})] if self.answers_uri else []
-        return report + answers
+        refs = []
+        if self.report_uri:
+            refs.append(DatasetRef(uri=self.report_uri, facets={"accuracy": self.accuracy}, stored_as="json"))
+        if self.answers_uri:
+            refs.append(DatasetRef(uri=self.answers_uri, facets={"images": self.samples}, stored_as="parquet"))
+        return refs
 
 
 def classification_metrics(

@@ -71,12 +71,16 @@ class PromotionResult(BaseModel):
     labelled: PairedTest | None = Field(None, description="The labelled paired test, when the gate required one.")
 
     def lineage_inputs(self) -> list[DatasetRef]:
-        parent = [DatasetRef(uri=self.parent.uri, facets={"parent": self.parent.model_dump()})] if self.parent else []
-        return [DatasetRef(uri=self.checkpoint_uri), DatasetRef(uri=self.data_manifest_uri), *parent]
+        parent = self.parent
+        started = (
+            [DatasetRef(uri=parent.uri, facets={"parent": parent.model_dump()}, stored_as="model")] if parent else []
+        )
+        checkpoint = DatasetRef(uri=self.checkpoint_uri, stored_as="folder")
+        return [checkpoint, DatasetRef(uri=self.data_manifest_uri, stored_as="manifest"), *started]
 
     def lineage_outputs(self) -> list[DatasetRef]:
         facets = {"moves": [m.model_dump(mode="json") for m in self.moves], "gate": self.decision.model_dump()}
-        return [DatasetRef(uri=self.version.uri, content_hash=self.data_content_hash, facets=facets)]
+        return [DatasetRef(uri=self.version.uri, content_hash=self.data_content_hash, facets=facets, stored_as="model")]
 
 
 def test_samples(prepared: preprocess.PreprocessResult, count: int = PROBE_IMAGES) -> np.ndarray | None:

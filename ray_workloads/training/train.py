@@ -87,10 +87,10 @@ class TrainResult(BaseModel):
 
     def lineage_inputs(self) -> list[DatasetRef]:
         start = [DatasetRef(uri=self.init_weights_uri)] if self.init_weights_uri is not None else []
-        return [DatasetRef(uri=self.data_manifest_uri), *start]
+        return [DatasetRef(uri=self.data_manifest_uri, stored_as="manifest"), *start]
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        return [DatasetRef(uri=self.checkpoint_uri, facets={"metrics": self.metrics})]
+        return [DatasetRef(uri=self.checkpoint_uri, facets={"metrics": self.metrics}, stored_as="folder")]
 
 
 # smaller splits are read by the driver into in-memory blocks: a streaming read costs seconds to start

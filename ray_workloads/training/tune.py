@@ -124,7 +124,7 @@ class TuneResult(BaseModel):
     data_manifest_uri: str = Field(description="The preprocessed data the trials trained on.")
 
     def lineage_inputs(self) -> list[DatasetRef]:
-        return [DatasetRef(uri=self.data_manifest_uri)]
+        return [DatasetRef(uri=self.data_manifest_uri, stored_as="manifest")]
 
     def tuned(self, loop: TrainLoopConfig) -> TrainLoopConfig:
         """``loop`` with the best trial's model (arch, width), lr, batch size and weight decay; the rest stay."""
@@ -132,7 +132,8 @@ class TuneResult(BaseModel):
         return loop.model_copy(update={field: getattr(self.best_config, field) for field in searched})
 
     def lineage_outputs(self) -> list[DatasetRef]:
-        return [DatasetRef(uri=self.experiment_uri, facets={"best": self.best_config.model_dump(mode="json")})]
+        best = self.best_config.model_dump(mode="json")
+        return [DatasetRef(uri=self.experiment_uri, facets={"best": best}, stored_as="folder")]
 
 
 def loop_config(trial: dict[str, Any], base: TrainLoopConfig) -> TrainLoopConfig:

@@ -6,9 +6,11 @@ import dataclasses
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from pydantic import SecretStr
 
 from rayline.cli import platform, summaries
 from rayline.cli.common import JsonOption, before_flow, echo_json, fail, reports_errors
+from rayline.cli.platform_database import shown_databases
 from rayline.cli.request_options import request_options
 from rayline.config import get_settings
 from rayline.errors import ConfigError, RaylineError
@@ -19,20 +21,39 @@ if TYPE_CHECKING:  # for the type only: the flows load Prefect, Ray and torch, w
 
 
 @reports_errors
-def up(as_json: JsonOption = False) -> None:
+def up(
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            help="PostgreSQL for the Prefect server and MLflow, postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE "
+            "(RAYLINE_DATABASE_URL; a password here is in your shell's history: prefer the variable, PGPASSWORD "
+            "or ~/.pgpass). Unset: SQLite in the state folder.",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
     """Start a Prefect server, a Ray head, and a work pool of every deployment with its worker (loopback)."""
     settings = get_settings()
+    if database_url is not None:
+        settings = settings.model_copy(update={"database_url": SecretStr(database_url)})
     ends, outcome = platform.up(settings)
+    state = platform.state_dir(settings)
+    databases = shown_databases(settings, state)
     if as_json:
-        state = str(platform.state_dir(settings))
-        echo_json({"services": outcome, "endpoints": dataclasses.asdict(ends), "state": state})
+        echo_json(
+            {"services": outcome, "endpoints": dataclasses.asdict(ends), "state": str(state), "databases": databases}
+        )
         return
     _print_services(outcome)
     typer.echo(f"Prefect UI       {ends.prefect_ui}")
     typer.echo(f"Ray dashboard    {ends.dashboard}")
     typer.echo(f"Ray metrics      {ends.ray_metrics}")
     typer.echo(f"MLflow UI        {ends.mlflow_ui}")
-    typer.echo(f"state and logs   {platform.state_dir(settings)}")
+    typer.echo(f"Prefect database {databases['prefect']}")
+    if "mlflow" in databases:
+        typer.echo(f"MLflow database  {databases['mlflow']}")
+    typer.echo(f"state and logs   {state}")
     typer.echo("Point rayline at it (e.g. before `rayline demo`):")
     typer.echo(
         f"  export PREFECT_API_URL={ends.prefect_api} RAY_ADDRESS={ends.ray_address} RAY_AUTH_MODE=token "

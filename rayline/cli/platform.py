@@ -5,6 +5,8 @@ a Prefect server (``prefect``), a Ray head (``ray``), an MLflow server unless ``
 one (``mlflow``), and a worker polling the work pool of every deployment (``worker``, ``rayline.cli.work_pool``).
 ``down`` stops exactly those process groups, only while each record's identity still holds
 (``rayline.cli.service_records``); ``up`` twice starts nothing new, and a failed ``up`` stops what it started.
+Prefect's and MLflow's tables are in SQLite under the state folder, or on the PostgreSQL server of
+``RAYLINE_DATABASE_URL`` (``rayline.cli.platform_database``), checked before anything starts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ from pathlib import Path
 from rayline import storage
 from rayline.cli import work_pool
 from rayline.cli.interrupts import interruptible, uninterrupted
+from rayline.cli.platform_database import (
+    DATABASE_URL_VARIABLE,
+    PREFECT_DATABASE_VARIABLE,
+    PlatformDatabases,
+    checked_databases,
+    mlflow_sqlite,
+    prefect_sqlite,
+)
 from rayline.cli.service_records import SERVICES, ServiceRecord, leader_runs, pid_file, read_records, state_lock, stop
 from rayline.cli.service_starts import (
     Readiness,
@@ -83,10 +93,15 @@ def _auth_headers() -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(secret.encode()).decode()} if secret else {}
 
 
+def _service_environ() -> dict[str, str]:
+    """This process's environment less the database URL (and its password): only the two servers that use it
+    get it, each as its own tool's variable; the worker's flow runs and Ray's processes never see it."""
+    return {k: v for k, v in os.environ.items() if k.upper() != DATABASE_URL_VARIABLE}
+
+
 def _prefect_env(state: Path, settings: Settings) -> dict[str, str]:
-    env = dict(os.environ)
+    env = _service_environ()
     env.setdefault("PREFECT_HOME", str(state / "prefect"))
-    env.setdefault("PREFECT_SERVER_DATABASE_CONNECTION_URL", f"sqlite+aiosqlite:///{state / 'prefect' / 'prefect.db'}")
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     env["PREFECT_API_URL"] = endpoints(settings).prefect_api
     # the server's own client (UI settings, services) authenticates like any client
@@ -147,7 +162,9 @@ def _up(
 ) -> tuple[Endpoints, dict[str, str]]:
     ends = endpoints(settings)
     starting = [name for name in SERVICES if name not in existing]
-    _check_ports_free(settings, starting)  # before anything starts: a taken port fails `up` with nothing to undo
+    # before anything starts: a taken port or a database that refuses fails `up` with nothing to undo
+    _check_ports_free(settings, starting)
+    databases = checked_databases(settings, starting)
     outcome = {name: "running" for name in SERVICES if name in existing}
     # Everything starts at once and is waited for afterwards: the start-ups (imports, database migrations, the
     # Ray head's processes, rendering prefect.yaml) overlap instead of adding up. Only the worker's steps need
@@ -159,11 +176,11 @@ def _up(
     try:
         waiting: dict[str, Readiness] = {}
         if "prefect" in starting:
-            waiting["prefect"] = _start_prefect(settings, state, started, ends, timeout_s)
+            waiting["prefect"] = _start_prefect(settings, state, started, ends, databases, timeout_s)
         if "ray" in starting:
             waiting["ray"] = _start_ray(settings, state, started, ends, timeout_s)
         if "mlflow" in starting:
-            outcome["mlflow"], mlflow_ready = _start_mlflow(settings, state, started, timeout_s)
+            outcome["mlflow"], mlflow_ready = _start_mlflow(settings, state, started, databases, timeout_s)
             if mlflow_ready is not None:
                 waiting["mlflow"] = mlflow_ready
         if "prefect" in waiting:
@@ -191,16 +208,28 @@ def _check_ports_free(settings: Settings, starting: list[str]) -> None:
         check_port_free(settings.mlflow_port, "the MLflow server (RAYLINE_MLFLOW_PORT)")
 
 
-def _start_prefect(settings: Settings, state: Path, started: Started, ends: Endpoints, timeout_s: float) -> Readiness:
+def _start_prefect(
+    settings: Settings,
+    state: Path,
+    started: Started,
+    ends: Endpoints,
+    databases: PlatformDatabases | None,
+    timeout_s: float,
+) -> Readiness:
     prefect = str(Path(sys.executable).parent / "prefect")
     command = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(settings.prefect_port)]
-    record, proc = start_service(state, started, "prefect", command, _prefect_env(state, settings), ends.prefect_ui)
+    env = _prefect_env(state, settings)
+    if databases is not None:
+        env[PREFECT_DATABASE_VARIABLE] = databases.prefect.prefect_url()
+    else:  # a URL of Prefect's own variable wins over SQLite
+        env.setdefault(PREFECT_DATABASE_VARIABLE, prefect_sqlite(state))
+    record, proc = start_service(state, started, "prefect", command, env, ends.prefect_ui)
     health = f"{ends.prefect_api}/health"
     return readiness(health, lambda: http_ok(health, _auth_headers()), record, proc, timeout_s)
 
 
 def _start_ray(settings: Settings, state: Path, started: Started, ends: Endpoints, timeout_s: float) -> Readiness:
-    env = dict(os.environ)
+    env = _service_environ()
     env.pop("RAY_ADDRESS", None)
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "5")
     for key, value in RAY_ENV_DEFAULTS.items():  # the head's own processes (Serve's controller, proxy) too
@@ -263,16 +292,16 @@ def _start_worker(
     return readiness(f"a worker polling work pool {pool}", lambda: _worker_online(ends, pool), record, proc, timeout_s)
 
 
-def mlflow_command(state: Path, settings: Settings) -> list[str]:
-    """MLflow's server on loopback: runs and the registry in SQLite, artifacts under the storage root
-    (``--artifacts-destination``: clients upload through the server, so they need no storage credentials)."""
+def mlflow_command(settings: Settings) -> list[str]:
+    """MLflow's server on loopback, artifacts under the storage root (``--artifacts-destination``: clients upload
+    through the server, so they need no storage credentials). Its backend store (runs and the registry) is in its
+    environment, ``MLFLOW_BACKEND_STORE_URI``: a PostgreSQL URL's password stays off the command line."""
     root = storage.storage_root()
     artifacts = (
         storage.hadoop_uri(storage.join(root, MLFLOW_ARTIFACTS_DIR)) if storage.is_remote(root) else _local_dir(root)
     )
     return [
         sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", f"sqlite:///{state / 'mlflow' / 'mlflow.db'}",
         "--artifacts-destination", artifacts,
         "--host", "127.0.0.1", "--port", str(settings.mlflow_port),
         "--workers", "1",  # one user's UI and a few flow runs: one uvicorn worker serves them
@@ -285,7 +314,9 @@ def _local_dir(root: str) -> str:
     return str(path)
 
 
-def _start_mlflow(settings: Settings, state: Path, started: Started, timeout_s: float) -> tuple[str, Readiness | None]:
+def _start_mlflow(
+    settings: Settings, state: Path, started: Started, databases: PlatformDatabases | None, timeout_s: float
+) -> tuple[str, Readiness | None]:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return "external", None  # the user's own tracking server: flow runs log there
     try:  # the full distribution: mlflow-skinny (the [mlflow] extra) has no server
@@ -296,11 +327,12 @@ def _start_mlflow(settings: Settings, state: Path, started: Started, timeout_s: 
             "or set MLFLOW_TRACKING_URI to a tracking server of your own"
         ) from exc
     (state / "mlflow").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = _service_environ()
+    env["MLFLOW_BACKEND_STORE_URI"] = databases.mlflow.mlflow_uri() if databases else mlflow_sqlite(state)
     # MLflow's job runner (GenAI jobs) is not used here; without it the server starts and stops faster
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     ui = endpoints(settings).mlflow_ui
-    record, proc = start_service(state, started, "mlflow", mlflow_command(state, settings), env, ui)
+    record, proc = start_service(state, started, "mlflow", mlflow_command(settings), env, ui)
     health = f"{ui}/health"
     return "started", readiness(health, lambda: http_ok(health, {}), record, proc, timeout_s)
 

@@ -2,7 +2,9 @@
 
 - ``records``: the typed records every stage writes beside its outputs (this package's face:
   ``from rayline import lineage``; ``lineage.write_record(...)``, ``lineage.DatasetRef``);
-- ``openlineage_events``: the same runs as OpenLineage events (START, COMPLETE, FAIL, ABORT);
+- ``written``: each dataset's schema and size, read back from what a run wrote;
+- ``openlineage_events``, ``openlineage_facets``: the same runs as OpenLineage events (START, COMPLETE, FAIL,
+  ABORT) and their datasets' facets;
 - ``graph``, ``nights``: the upstream graph of any stored output, and the Delta tables' nights in it.
 
 It sits on top of the core's subpackages: it may import ``rayline.storage``, ``rayline.tables`` and
@@ -11,8 +13,10 @@ It sits on top of the core's subpackages: it may import ``rayline.storage``, ``r
 
 from rayline.lineage.records import (
     LINEAGE_DIR,
+    Column,
     DatasetRef,
     DeclaresLineage,
+    ErrorBudget,
     LineageRecord,
     RunContext,
     code_version,
@@ -25,8 +29,10 @@ from rayline.lineage.records import (
 
 __all__ = [
     "LINEAGE_DIR",
+    "Column",
     "DatasetRef",
     "DeclaresLineage",
+    "ErrorBudget",
     "LineageRecord",
     "RunContext",
     "code_version",

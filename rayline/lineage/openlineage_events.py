@@ -1,4 +1,8 @@
-"""OpenLineage run events for stage runs: START, then COMPLETE, FAIL or ABORT.
+"""OpenLineage run events for stage runs and flow runs: START, then COMPLETE, FAIL or ABORT.
+
+A stage's run (a Prefect task) names its flow run as its parent; a flow run names its calling flow run (a subflow)
+or the deployment's schedule or trigger that started it (:func:`trigger_run`, whose run has events of its own).
+Datasets carry what their refs read back (:mod:`rayline.lineage.openlineage_facets`).
 
 Events are built with ``openlineage-python``'s models and sent through its ``OpenLineageClient``, so the client's own
 configuration decides where they go, as in every other OpenLineage integration: an ``openlineage.yml``
@@ -32,12 +36,11 @@ from openlineage.client.client import OpenLineageClient
 from openlineage.client.constants import __version__ as CLIENT_VERSION
 from openlineage.client.event_v2 import InputDataset, Job, OutputDataset, Run, RunEvent, RunState
 from openlineage.client.facet_v2 import (
-    DatasetFacet,
     JobFacet,
     RunFacet,
-    dataset_version_dataset,
     error_message_run,
     job_type_job,
+    nominal_time_run,
     parent_run,
     processing_engine_run,
 )
@@ -47,6 +50,7 @@ from openlineage.client.transport.transport import Config, Transport
 
 from rayline import lineage, storage
 from rayline.lineage import DatasetRef
+from rayline.lineage.openlineage_facets import dataset_facets, output_facets
 from rayline.storage import layout
 
 log = logging.getLogger(__name__)
@@ -56,14 +60,56 @@ DEFAULT_NAMESPACE = "rayline"
 State = Literal["START", "COMPLETE", "FAIL", "ABORT"]
 
 
+# The kinds of job rayline's events name (the ``jobType`` facet): a stage (a Prefect task running Ray work),
+# a Prefect flow run, and what started a deployment's flow run: one of its schedules or a trigger (an automation).
+JobType = Literal["TASK", "FLOW", "SCHEDULE", "TRIGGER"]
+
+
 @dataclass(frozen=True)
 class RunIdentity:
-    """Which OpenLineage run an event belongs to, and the run (flow) that spawned it."""
+    """Which OpenLineage run an event belongs to, and the run that spawned it: a task's flow run, a subflow's
+    calling flow run, a deployment's flow run's schedule or trigger."""
 
     run_id: str
     job_name: str
     parent_run_id: str | None = None
     parent_job_name: str | None = None
+    job_type: JobType = "TASK"
+    nominal_time: datetime | None = None  # a scheduled run's slot
+
+
+def trigger_run(
+    kind: str | None,
+    trigger_id: str | None,
+    trigger_name: str | None,
+    deployment: str | None,
+    flow_run_id: str,
+    scheduled_slot: str | None = None,
+    nominal_time: datetime | None = None,
+) -> RunIdentity | None:
+    """The run that started a deployment's flow run, from Prefect's ``created_by``: a schedule's tick (``kind``
+    ``SCHEDULE``; one run per slot, its id derived from the slot Prefect keys it by) or an automation's firing
+    (``AUTOMATION``). None for anything else: a run started by hand, a flow called directly.
+
+    Its job is named after the deployment (``<flow>/<deployment>``) and the schedule or automation, as the
+    Prefect UI names them."""
+    if not deployment or not trigger_id:
+        return None
+    label = trigger_name or trigger_id
+    if kind == "SCHEDULE":
+        return RunIdentity(
+            run_id=as_run_id(scheduled_slot or f"{trigger_id}:{flow_run_id}"),
+            job_name=f"{deployment}/schedule/{label}",
+            job_type="SCHEDULE",
+            nominal_time=nominal_time,
+        )
+    if kind == "AUTOMATION":
+        return RunIdentity(
+            run_id=as_run_id(f"{trigger_id}:{flow_run_id}"),
+            job_name=f"{deployment}/trigger/{label}",
+            job_type="TRIGGER",
+        )
+    return None
 
 
 def namespace() -> str:
@@ -90,6 +136,15 @@ def dataset_id(uri: str) -> tuple[str, str]:
     return "file", storage.normalize(uri)
 
 
+def dataset_uri(uri: str) -> str:
+    """The dataset's URI by the same naming: ``<namespace>/<name>`` (``file://`` + the absolute path locally), the
+    key other tools (Prefect's assets) know it by."""
+    space, name = dataset_id(uri)
+    if space == "file":
+        return f"file://{name}"
+    return space if name == "/" else f"{space}/{name}"
+
+
 @lru_cache(maxsize=2)
 def _installed(package: str) -> str | None:
     try:
@@ -103,29 +158,34 @@ def producer() -> str:
     return f"urn:rayline:{installed}" if installed else "urn:rayline"
 
 
-def _dataset_facets(ref: DatasetRef) -> dict[str, DatasetFacet]:
-    pinned = ref.content_hash or ref.etag
-    if not pinned:
-        return {}
-    return {"version": dataset_version_dataset.DatasetVersionDatasetFacet(datasetVersion=pinned, producer=producer())}
+def _engine(run: RunIdentity) -> processing_engine_run.ProcessingEngineRunFacet:
+    """A stage runs on Ray; a flow run, and what started it, on Prefect."""
+    name, package = ("Ray", "ray") if run.job_type == "TASK" else ("Prefect", "prefect")
+    return processing_engine_run.ProcessingEngineRunFacet(
+        version=_installed(package) or "unknown",
+        name=name,
+        openlineageAdapterVersion=CLIENT_VERSION,
+        producer=producer(),
+    )
 
 
-def _run_facets(run: RunIdentity, error: BaseException | None) -> dict[str, RunFacet]:
-    facets: dict[str, RunFacet] = {
-        "processing_engine": processing_engine_run.ProcessingEngineRunFacet(
-            version=_installed("ray") or "unknown",
-            name="Ray",
-            openlineageAdapterVersion=CLIENT_VERSION,
-            producer=producer(),
-        )
-    }
+def _run_facets(run: RunIdentity, error: BaseException | str | None) -> dict[str, RunFacet]:
+    facets: dict[str, RunFacet] = {"processing_engine": _engine(run)}
     if run.parent_run_id and run.parent_job_name:
         facets["parent"] = parent_run.ParentRunFacet(
             run=parent_run.Run(runId=as_run_id(run.parent_run_id)),
             job=parent_run.Job(namespace=namespace(), name=run.parent_job_name),
             producer=producer(),
         )
-    if error is not None:
+    if run.nominal_time is not None:
+        facets["nominalTime"] = nominal_time_run.NominalTimeRunFacet(
+            nominalStartTime=run.nominal_time.astimezone(UTC).isoformat(), producer=producer()
+        )
+    if isinstance(error, str):  # what the orchestrator said of a run that failed elsewhere (a flow's task)
+        facets["errorMessage"] = error_message_run.ErrorMessageRunFacet(
+            message=error[:2000], programmingLanguage="python", producer=producer()
+        )
+    elif error is not None:
         facets["errorMessage"] = error_message_run.ErrorMessageRunFacet(
             message=f"{type(error).__name__}: {error}"[:2000],
             programmingLanguage="python",
@@ -135,10 +195,10 @@ def _run_facets(run: RunIdentity, error: BaseException | None) -> dict[str, RunF
     return facets
 
 
-def _job_facets() -> dict[str, JobFacet]:
+def _job_facets(run: RunIdentity) -> dict[str, JobFacet]:
     return {
         "jobType": job_type_job.JobTypeJobFacet(
-            processingType="BATCH", integration="RAYLINE", jobType="TASK", producer=producer()
+            processingType="BATCH", integration="RAYLINE", jobType=run.job_type, producer=producer()
         )
     }
 
@@ -148,7 +208,7 @@ def build_event(
     run: RunIdentity,
     inputs: Sequence[DatasetRef] = (),
     outputs: Sequence[DatasetRef] = (),
-    error: BaseException | None = None,
+    error: BaseException | str | None = None,
     event_time: datetime | None = None,
 ) -> RunEvent:
     """A RunEvent in the client's model (its validators check time, run id and URIs)."""
@@ -156,9 +216,14 @@ def build_event(
         eventType=RunState[state],
         eventTime=(event_time or datetime.now(UTC)).isoformat(),
         run=Run(runId=as_run_id(run.run_id), facets=_run_facets(run, error)),
-        job=Job(namespace=namespace(), name=run.job_name, facets=_job_facets()),
-        inputs=[InputDataset(*dataset_id(r.uri), facets=_dataset_facets(r)) for r in _unique(inputs)],
-        outputs=[OutputDataset(*dataset_id(r.uri), facets=_dataset_facets(r)) for r in _unique(outputs)],
+        job=Job(namespace=namespace(), name=run.job_name, facets=_job_facets(run)),
+        inputs=[InputDataset(*dataset_id(r.uri), facets=dataset_facets(r, producer())) for r in _unique(inputs)],
+        outputs=[
+            OutputDataset(
+                *dataset_id(r.uri), facets=dataset_facets(r, producer()), outputFacets=output_facets(r, producer())
+            )
+            for r in _unique(outputs)
+        ],
         producer=producer(),
     )
 
@@ -259,9 +324,10 @@ def emit(
     run: RunIdentity,
     inputs: Sequence[DatasetRef] = (),
     outputs: Sequence[DatasetRef] = (),
-    error: BaseException | None = None,
+    error: BaseException | str | None = None,
 ) -> str | None:
-    """Build and deliver an event; never raises (a failure is logged as a warning and dropped)."""
+    """Build and deliver an event (``error``: the exception, or only its message); never raises (a failure is
+    logged as a warning and dropped)."""
     try:
         return send(build_event(state, run, inputs, outputs, error))
     except Exception as exc:  # emission never fails a stage: any transport or encoding error is logged

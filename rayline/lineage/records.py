@@ -12,13 +12,52 @@ import subprocess
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
 from rayline import storage
 from rayline.errors import InputDataError
 from rayline.storage.layout import LINEAGE_DIR as LINEAGE_DIR
+
+# How a dataset is stored, so that its schema and size can be read back (rayline.lineage.written): a Delta table at
+# a version, a rayline manifest committing Parquet files (or photo copies), one Parquet, JSON or CSV file, a registry
+# version, a folder of files, or a registry version a run moved an alias to (it wrote nothing into the version).
+StoredAs = Literal["delta", "manifest", "parquet", "json", "csv", "model", "folder", "alias"]
+
+
+class Column(BaseModel):
+    """One field of a dataset's schema as it was written: its name, its type as the format names it, nested fields."""
+
+    name: str
+    type: str
+    description: str | None = None
+    fields: list[Column] = Field(default_factory=list)
+
+
+class Written(BaseModel):
+    """A dataset as read back from storage: its columns, and what the run wrote to it where known."""
+
+    columns: list[Column] = Field(default_factory=list)
+    rows: int | None = None
+    bytes: int | None = None
+    files: int | None = None
+
+
+class ErrorBudget(BaseModel):
+    """A night's rows against the share of failed inputs it allows: the predictions tables' data quality."""
+
+    rows: int = Field(description="The night's inputs: rows of predictions plus rows of errors.")
+    error_rows: int
+    budget: float = Field(description="The share of inputs that may fail (the night's max_error_fraction).")
+
+    @property
+    def error_fraction(self) -> float:
+        return self.error_rows / self.rows if self.rows else 0.0
+
+    @property
+    def within(self) -> bool:
+        return self.error_fraction <= self.budget
 
 
 class DatasetRef(BaseModel):
@@ -28,6 +67,10 @@ class DatasetRef(BaseModel):
     content_hash: str | None = None
     etag: str | None = None
     facets: dict[str, Any] = Field(default_factory=dict)
+    stored_as: StoredAs | None = Field(None, description="How it is stored: what its schema and size are read from.")
+    table_version: int | None = Field(None, description="A Delta table's version that holds the run's commit.")
+    written: Written | None = Field(None, description="Its schema and size, read back when the run recorded it.")
+    quality: ErrorBudget | None = None
 
 
 class DeclaresLineage(Protocol):

@@ -6,11 +6,13 @@ rayline's registry (``rayline.models.registry``) stays the source of truth; this
 * one MLflow model version per rayline version, matched by the ``rayline.version`` tag, never by number (MLflow
   numbers its versions itself). Each is a real MLflow model written by the caller's ``save_model`` under
   ``model/`` in a run of its own (experiment = model name), with the version's metrics. The tasks pass
-  ``rayline.ray_workloads.registration.mlflow_models.save_version`` (a pyfunc logged from code, no pickle, that
-  ``mlflow.pyfunc.load_model("models:/<name>@champion")`` loads): it runs rayline's model interface, which the
-  core may not import, hence the callback. A version an older mirror logged as a bare weights file (no
-  ``rayline.model_path`` tag) is replaced, then deleted;
-* the ``champion`` and ``challenger`` aliases on the same versions.
+  ``rayline.ray_workloads.registration.mlflow_models.save_version`` (a pyfunc logged from code over an ONNX file,
+  no pickle, that ``mlflow.pyfunc.load_model("models:/<name>@champion")`` loads without rayline): making it
+  needs rayline's model interface, which the core may not import, hence the callback. A version an older
+  mirror logged as a bare weights file (no ``rayline.model_path`` tag) is replaced, then deleted. A version
+  ``save_model`` refuses (:class:`~rayline.errors.ModelExportError`: no such model answers as it does) is left
+  out, named in the report and the log, and tried again by the next reconcile;
+* the ``champion`` and ``challenger`` aliases on the same versions (none on a version left out).
 
 :func:`reconcile` compares and fixes, so it is idempotent: called after every registration and alias move,
 and at the start of training, it completes what an earlier call could not (server down, say). It never raises.
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from rayline import storage
+from rayline.errors import ModelExportError
 from rayline.models import registry, tracking
 
 if TYPE_CHECKING:
@@ -41,7 +44,7 @@ ALIASES = (registry.CHAMPION, registry.CHALLENGER)
 MODEL_PATH = "model"  # the MLflow model's folder among its run's artifacts
 # on a version whose source is an MLflow model; one without it mirrored a bare weights file (before MLmodels)
 MODEL_TAG = "rayline.model_path"
-# writes a version, given its model file's bytes, as an MLflow model in a new folder
+# writes a version, given its model file's bytes, as an MLflow model in a new folder; ModelExportError where it cannot
 SaveModel = Callable[[registry.ModelVersion, bytes, Path], None]
 
 
@@ -52,6 +55,7 @@ class MirrorReport(BaseModel):
     created: list[int]  # rayline versions that got an MLflow model version now
     versions: dict[int, str]  # rayline version → MLflow version number
     aliases: dict[str, int | None]  # alias → rayline version, as mirrored
+    left_out: dict[int, str] = {}  # rayline versions no MLflow model can stand for → why
 
 
 def reconcile(name: str, save_model: SaveModel) -> MirrorReport | None:
@@ -69,17 +73,22 @@ def reconcile(name: str, save_model: SaveModel) -> MirrorReport | None:
 def _reconcile(mlflow: MlflowClient, name: str, save_model: SaveModel) -> MirrorReport:
     _ensure_registered_model(mlflow, name)
     mirrored = mirrored_versions(mlflow, name)
-    created = []
+    created, left_out = [], {}
     for version in registry.list_versions(name):
-        if version.version not in mirrored:
+        if version.version in mirrored:
+            continue
+        try:
             mirrored[version.version] = _mirror_version(mlflow, version, save_model)
-            created.append(version.version)
+        except ModelExportError as exc:
+            log.warning("MLflow mirror: %s v%d is left out: %s", name, version.version, exc)
+            left_out[version.version] = str(exc)
+            continue
+        created.append(version.version)
     aliases = {alias: _mirror_alias(mlflow, name, alias, mirrored) for alias in ALIASES}
     for bare in bare_versions(mlflow, name):  # replaced above by a loadable model, aliases moved already
         mlflow.delete_model_version(name, bare.version)
-    return MirrorReport(
-        name=name, created=created, versions={k: v.version for k, v in mirrored.items()}, aliases=aliases
-    )
+    versions = {k: v.version for k, v in mirrored.items()}
+    return MirrorReport(name=name, created=created, versions=versions, aliases=aliases, left_out=left_out)
 
 
 def _ensure_registered_model(mlflow: MlflowClient, name: str) -> None:
@@ -120,9 +129,17 @@ def bare_versions(mlflow: MlflowClient, name: str) -> list[MlflowVersion]:
 
 
 def _mirror_version(mlflow: MlflowClient, version: registry.ModelVersion, save_model: SaveModel) -> MlflowVersion:
-    """A run holding the MLflow model and the metrics, and a model version whose source is that model."""
+    """A run holding the MLflow model and the metrics, and a model version whose source is that model. The model
+    is written first: a version ``save_model`` refuses leaves no run behind."""
     model_file = storage.read_bytes(version.weights_uri)
     sha256 = hashlib.sha256(model_file).hexdigest()
+    with tempfile.TemporaryDirectory(prefix="rayline-mlflow-") as tmp:
+        folder = Path(tmp) / MODEL_PATH
+        save_model(version, model_file, folder)
+        return _log_version(mlflow, version, sha256, folder)
+
+
+def _log_version(mlflow: MlflowClient, version: registry.ModelVersion, sha256: str, folder: Path) -> MlflowVersion:
     run_tags = {tracking.STAGE_TAG: "registry", VERSION_TAG: str(version.version)}
     run_id = tracking.keyed_run(mlflow, version.name, version.uri, f"{version.name}-v{version.version}", run_tags)
     params = {
@@ -135,10 +152,7 @@ def _mirror_version(mlflow: MlflowClient, version: registry.ModelVersion, save_m
     tracking.log_params(mlflow, run_id, tracking.flatten(params))
     if version.metrics:
         tracking.log_metrics(mlflow, run_id, version.metrics)
-    with tempfile.TemporaryDirectory(prefix="rayline-mlflow-") as tmp:
-        folder = Path(tmp) / MODEL_PATH
-        save_model(version, model_file, folder)
-        mlflow.log_artifacts(run_id, str(folder), MODEL_PATH)  # a retry overwrites the same files
+    mlflow.log_artifacts(run_id, str(folder), MODEL_PATH)  # a retry overwrites the same files
     mlflow.set_terminated(run_id, "FINISHED")
     source = f"{mlflow.get_run(run_id).info.artifact_uri}/{MODEL_PATH}"
     tags = {
@@ -153,7 +167,8 @@ def _mirror_version(mlflow: MlflowClient, version: registry.ModelVersion, save_m
         f"rayline {version.name} v{version.version} ({version.model_spec.describe()}, {version.model_spec.format} "
         f"file sha256 {sha256}): load it with mlflow.pyfunc.load_model('models:/{version.name}/<version>') and "
         "predict on a DataFrame with a binary column 'image' (encoded image files); it answers class_index, "
-        "class_name, confidence and the top classes. "
+        "class_name, confidence and the top classes. It needs neither rayline nor torch: its requirements.txt "
+        "is MLflow, ONNX Runtime, numpy, pandas and Pillow. "
         f"Metrics: {', '.join(f'{k} {v:.4f}' for k, v in version.metrics.items()) or 'none'}."
     )
     # await_creation_for=0: the artifacts are logged already; waiting would only print "Waiting up to 300 seconds"

@@ -6,7 +6,8 @@ table's whole history:
 
 * every app transaction as of a version (:func:`app_transactions`): the newest checkpoint at or before it
   (Delta keeps every ``txn`` there) and the commit files after it (at most a checkpoint interval, 100);
-* the commit info of one version (:func:`commit_info`): that one commit file;
+* the commit info of one version (:func:`commit_info`), or the files it added (:func:`commit_files`): that one
+  commit file;
 * the version that set an app transaction (:func:`version_setting`): a binary search over the checkpoints,
   then the commit files after the last checkpoint before it, instead of loading the table at a version per
   step (each load lists the log and replays it from the checkpoint before that version).
@@ -60,6 +61,15 @@ def commit_info(uri: str, version: int) -> dict[str, Any] | None:
         if "commitInfo" in action:
             return {**action["commitInfo"], "version": version}
     return None
+
+
+def commit_files(uri: str, version: int) -> list[dict[str, Any]] | None:
+    """The ``add`` actions of commit ``version``: each data file it wrote, with its ``size`` and ``stats`` (JSON
+    text naming ``numRecords``); None when its commit file is gone (Delta's log cleanup)."""
+    text = _read_text(_log_uri(uri, f"{version:020d}.json"))
+    if text is None:
+        return None
+    return [action["add"] for action in _actions(text) if "add" in action]
 
 
 def _checkpoint_files(uri: str, version: int) -> list[str] | None:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -94,18 +95,46 @@ def platform_env(root: Path) -> dict[str, str]:
     return env
 
 
+def up_env(platform: dict[str, str]) -> dict[str, str]:
+    """The environment the platform's `up` ran in: the platform's, less what a user exports to work against it
+    (with ``MLFLOW_TRACKING_URI`` set, `up` would take that server for one of the user's own and start none)."""
+    return {k: v for k, v in platform.items() if k not in (*_OUTSIDE, "RAY_AUTH_MODE")}
+
+
+def password_shown(root: Path, database_url: str, *outputs: str) -> list[str]:
+    """Where the password of ``database_url`` shows: in ``outputs``, a PID file, a service's log or command line."""
+    password = urllib.parse.unquote(urllib.parse.urlsplit(database_url).password or "")
+    assert password, "a URL with a password"
+    state = root / "state"
+    places = [f"output {i}" for i, text in enumerate(outputs) if password in text]
+    files = [*state.glob("pids/*.json"), *state.glob("logs/*.log")]
+    places += [str(f) for f in files if password.encode() in f.read_bytes()]
+    for name, record in service_records(root).items():
+        with contextlib.suppress(OSError):  # ended meanwhile
+            if password.encode() in Path(f"/proc/{record.pid}/cmdline").read_bytes():
+                places.append(f"{name}'s command line")
+    return places
+
+
 @contextlib.contextmanager
-def running_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """`rayline up` (API basic auth on) on free loopback ports in a fresh storage root; `down` after, by PID.
+def running_platform(
+    tmp_path_factory: pytest.TempPathFactory, database_url: str | None = None
+) -> Iterator[dict[str, str]]:
+    """`rayline up` (API basic auth on) on free loopback ports in a fresh storage root, its Prefect and MLflow
+    servers on the PostgreSQL of ``database_url`` (RAYLINE_DATABASE_URL) when given; `down` after, by PID.
 
     Yields the environment a user exports to work against it (docs/operations.md).
     """
     root = tmp_path_factory.mktemp("platform") / "data"
     env = platform_env(root)
+    if database_url is not None:
+        env["RAYLINE_DATABASE_URL"] = database_url
     try:
         started = run_rayline(["up"], env)  # in the try: an `up` that timed out leaves services for `down`
         assert started.returncode == 0, started.stdout + started.stderr
         assert all(f"{name:<12} started" in started.stdout for name in SERVICES), started.stdout
+        if database_url is not None:
+            assert password_shown(root, database_url, started.stdout, started.stderr) == []
         yield {
             **env,
             "PREFECT_API_URL": f"http://127.0.0.1:{env['RAYLINE_PREFECT_PORT']}/api",

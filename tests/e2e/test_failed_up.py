@@ -1,8 +1,9 @@
 """`rayline up` and `down` signal only what they started: never a process a stale PID file names, never the
 services of another `up` running at the same time on the same state folder.
 
-Cheap on purpose: each `up` here fails at a port taken by a socket of the test's own, before it starts
-anything, or is interrupted while its services start, so no test starts more than one Prefect server.
+Cheap on purpose: each `up` here fails at a port taken by a socket of the test's own or at a PostgreSQL database
+that refuses it, before it starts anything, or is interrupted while its services start, so no test starts more
+than one Prefect server.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import pytest
 
 from rayline.cli.platform import SERVICES, ray_temp_dir
 from tests.e2e.platform_support import BIN, platform_env, processes_under, run_rayline
+from tests.postgres_support import ROLE, PostgresServer
+from tests.support import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -230,3 +233,42 @@ def test_a_head_dying_during_its_start_up_is_started_again_and_up_never_takes_it
     finally:
         for record, proc in started:
             stop(record, timeout_s=10, reap=proc.poll)
+
+
+def test_a_wrong_database_password_fails_up_at_once_naming_the_database_not_the_password(
+    tmp_path: Path, postgres: PostgresServer
+) -> None:
+    """`up --database-url` with a wrong password: refused before any service starts, naming each database the
+    password was tried on and the reason, never the password."""
+    root = tmp_path / "data"
+    env = platform_env(root)
+    wrong = "not-the-password-" + os.urandom(4).hex()
+    failed = run_rayline(["up", "--database-url", postgres.url(password=wrong)], env, timeout=120)
+    assert failed.returncode != 0, failed.stdout
+    for whose, database in (("the Prefect server", "prefect"), ("MLflow", "mlflow")):
+        masked = f"postgresql://{ROLE}:***@127.0.0.1:{postgres.port}/{database}"
+        assert f"{whose}'s database {masked}: authentication failed for user {ROLE}" in failed.stderr, failed.stderr
+    assert wrong not in failed.stdout + failed.stderr
+    assert not list(root.glob("state/pids/*.json")) and not list(root.glob("state/logs/*.log")), "nothing started"
+    assert _processes_of(root) == []
+
+
+@pytest.mark.parametrize("fault", ["missing database", "refused"])
+def test_a_database_that_cannot_serve_is_named_with_the_reason(postgres: PostgresServer, fault: str) -> None:
+    """The check `up` makes first, on the two other ways a URL fails: no such database, nothing listening."""
+    from rayline.cli.platform_database import check, parse
+    from rayline.errors import DatabaseUnusable
+
+    if fault == "missing database":
+        database, reason = parse(postgres.url("prefect_typo")), "database prefect_typo does not exist; create it"
+    else:
+        closed = free_port()  # nothing listens there
+        database = parse(postgres.url().replace(f":{postgres.port}/", f":{closed}/"))
+        reason = f"connection refused (is PostgreSQL listening on 127.0.0.1:{closed}?)"
+    with pytest.raises(DatabaseUnusable) as refused:
+        check([("the Prefect server", database)])
+    where = f"postgresql://{ROLE}:***@127.0.0.1:{database.port}/{database.name}"
+    assert str(refused.value) == f"the Prefect server's database {where}: {reason}" + (
+        f" (CREATE DATABASE prefect_typo OWNER {ROLE})" if fault == "missing database" else ""
+    )
+    assert postgres.password not in str(refused.value)

@@ -1,5 +1,6 @@
-"""The operated system on loopback: `rayline up`, the demo against it, the Prefect UI, event-driven retraining,
-cancellation reaching Ray, and `rayline down` leaving no process behind.
+"""The operated system on loopback: `rayline up` on PostgreSQL, the demo against it, the Prefect UI, event-driven
+retraining, cancellation reaching Ray, `down` and `up` again keeping the runs, and `rayline down` leaving no process
+behind.
 
 One `up` for the module (it costs a Prefect server, a Ray head and a Prefect worker); the tests run in
 file order, each on what the previous ones left, as a user's session would.
@@ -16,8 +17,18 @@ import httpx
 import pytest
 
 from rayline.cli.platform import SERVICES
+from rayline.lineage.openlineage_events import dataset_id, dataset_uri
+from rayline.lineage.openlineage_facets import ERROR_BUDGET_FACET
 from rayline.ray_workloads.architectures.build import imagenet_classes
-from tests.e2e.platform_support import AUTH, program_output, run_program, run_rayline, service_records
+from tests.e2e.platform_support import (
+    AUTH,
+    password_shown,
+    program_output,
+    run_program,
+    run_rayline,
+    service_records,
+    up_env,
+)
 from tests.e2e.programs import (
     burst_of_arrivals,
     cancel_training_run,
@@ -25,7 +36,9 @@ from tests.e2e.programs import (
     newest_completed_run,
     ray_lines_in_prefect_logs,
 )
+from tests.lineage_support import assert_drawable, stored_events, wait_for_materializations
 from tests.monitoring_configs import dashboard_queries, scraped_series, series_in
+from tests.postgres_support import ROLE, PostgresServer
 from tests.support import REPO_ROOT, debian_tool
 
 pytestmark = pytest.mark.e2e
@@ -128,6 +141,41 @@ def test_demo_runs_on_the_platform(platform: dict[str, str]) -> None:
         time.sleep(2)
 
 
+def test_the_demos_openlineage_events_draw_its_runs(platform: dict[str, str]) -> None:
+    """The demo's events read back from the file transport (docs/lineage.md): its flow runs parent their tasks',
+    the subflow its caller's, the triggered rollout its trigger's run, and every output has its facets."""
+    events = stored_events(platform["RAYLINE_STORAGE"])
+    flows = ("train-model", "prepare-data", "serve-rollout", "nightly-inference", "import-labels", "register-model")
+    assert_drawable(events, flows)
+    parents = {
+        (e["job"]["name"], e["run"]["facets"]["parent"]["job"]["name"])
+        for e in events
+        if "parent" in e["run"]["facets"]
+    }
+    assert ("prepare-data", "train-model") in parents and ("batch-inference", "nightly-inference") in parents
+    assert any(job == "serve-rollout" and "/trigger/" in parent for job, parent in parents), sorted(parents)
+    budgets = [
+        o["facets"][ERROR_BUDGET_FACET] for e in events for o in e["outputs"] if ERROR_BUDGET_FACET in o["facets"]
+    ]
+    assert {(b["rows"], b["errorRows"]) for b in budgets} >= {(1803, 4), (103, 3)}, budgets
+
+
+def test_the_demos_tables_and_registry_versions_are_prefect_assets(platform: dict[str, str]) -> None:
+    """What the OpenLineage events say each night wrote, Prefect's API holds as asset events under the same URI."""
+    root = platform["RAYLINE_STORAGE"]
+    table, *versions = (str(Path(root) / name) for name in ("predictions", "models/digits/v2", "models/photos/v1"))
+    keys = {dataset_uri(uri) for uri in (table, *versions)}
+    user, password = AUTH.split(":", 1)
+    found = wait_for_materializations(platform["PREFECT_API_URL"], lambda made: keys <= set(made), (user, password))
+    outputs = [o for e in stored_events(root) if e["eventType"] == "COMPLETE" for o in e["outputs"]]
+    written = {
+        (o["facets"]["version"]["datasetVersion"], o["outputFacets"]["outputStatistics"]["rowCount"])
+        for o in outputs if o["name"] == dataset_id(table)[1]
+    }  # fmt: skip
+    made = {(str(m["payload"]["version"]), m["payload"]["rows"]) for m in found[dataset_uri(table)]}
+    assert made == written and len(made) >= 2, (made, written)
+
+
 def test_ray_metrics_port_exports_serves_own_metrics(platform: dict[str, str]) -> None:
     """Prometheus' stable target (docs/monitoring.md): Ray's fixed metrics port carries Serve's
     per-deployment series."""
@@ -214,3 +262,62 @@ def test_cancelling_a_flow_run_stops_its_ray_work(platform: dict[str, str]) -> N
     assert "training ['" in out and "RayTrainWorker" in out, out
     assert "after cancel []" in out, "Ray Train actors outlived the cancelled flow run: " + out
     assert "state CANCELLED" in out, out
+
+
+def test_down_then_up_again_keeps_the_runs_and_the_mlflow_mirror(
+    platform: dict[str, str], postgres: PostgresServer
+) -> None:
+    """The Prefect server and MLflow keep their tables on the platform's PostgreSQL (RAYLINE_DATABASE_URL):
+    after `down` and `up` again the demo's runs and the registry's MLflow mirror are as they were. Last of the
+    module: test_work_pool.py goes on on the platform this `up` started."""
+    root = Path(platform["RAYLINE_STORAGE"])
+    runs, mirror = _completed_runs(platform), _mlflow_mirror(platform["MLFLOW_TRACKING_URI"])
+    # the demo's: digits v1 and v2, the champion among them
+    assert len(runs) >= 4 and len(mirror["digits"][0]) >= 2 and "champion" in mirror["digits"][1], (runs, mirror)
+    stopped = run_rayline(["down"], up_env(platform), timeout=120)
+    assert stopped.returncode == 0 and all(f"{n:<12} stopped" in stopped.stdout for n in SERVICES), stopped.stdout
+    # nothing runs: what is kept is on PostgreSQL, none of it in SQLite files of the state folder
+    assert _count(postgres, "prefect", "SELECT count(*) FROM flow_run WHERE state_type = 'COMPLETED'") >= len(runs)
+    assert _count(postgres, "mlflow", "SELECT count(*) FROM model_versions") == sum(len(v) for v, _ in mirror.values())
+    assert not list((root / "state").glob("**/*.db"))
+    again = run_rayline(["up"], up_env(platform))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert all(f"{name:<12} started" in again.stdout for name in SERVICES), again.stdout
+    server = f"postgresql://{ROLE}:***@127.0.0.1:{postgres.port}"
+    assert f"Prefect database {server}/prefect" in again.stdout and f"MLflow database  {server}/mlflow" in again.stdout
+    assert password_shown(root, platform["RAYLINE_DATABASE_URL"], stopped.stdout, again.stdout, again.stderr) == []
+    assert runs <= _completed_runs(platform)
+    assert _mlflow_mirror(platform["MLFLOW_TRACKING_URI"]) == mirror
+
+
+def _completed_runs(platform: dict[str, str]) -> set[str]:
+    done = {"flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}
+    user, password = AUTH.split(":", 1)
+    answer = httpx.post(f"{platform['PREFECT_API_URL']}/flow_runs/filter", json=done, auth=(user, password), timeout=30)
+    answer.raise_for_status()
+    return {run["id"] for run in answer.json()}
+
+
+def _mlflow_mirror(tracking_uri: str) -> dict[str, tuple[list[tuple[str, str | None]], dict[str, str]]]:
+    """Each registered model's versions (MLflow's number, the ``rayline.version`` tag) and its aliases."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    return {
+        model.name: (
+            sorted(
+                (v.version, v.tags.get("rayline.version")) for v in client.search_model_versions(f"name='{model.name}'")
+            ),
+            dict(model.aliases),
+        )
+        for model in client.search_registered_models()
+    }
+
+
+def _count(postgres: PostgresServer, database: str, query: str) -> int:
+    import psycopg
+
+    with psycopg.connect(postgres.url(database), connect_timeout=10) as connection:
+        row = connection.execute(query).fetchone()
+    assert row is not None
+    return int(row[0])

@@ -24,7 +24,7 @@ from rayline import lineage, storage
 from rayline.cli import app
 from rayline.flows.nightly_inference import NightRequest, nightly_inference
 from rayline.flows.prepare_data import PrepareRequest, prepare_data
-from rayline.lineage import DatasetRef
+from rayline.lineage import DatasetRef, openlineage_events, openlineage_facets
 from rayline.lineage.graph import LineageNode, build_graph, render_text
 from rayline.models import registry
 from rayline.ray_workloads.architectures.build import ModelSpec, build_model, state_dict_bytes
@@ -33,6 +33,7 @@ from rayline.ray_workloads.nightly.request import NightShape
 from rayline.seed import digit_objects
 from rayline.tables.delta_tables import night_commit
 from rayline.tasks.common import openlineage_run, record_lineage
+from tests.lineage_support import assert_drawable, stored_events, wait_for_materializations
 from tests.unit.test_lineage_graph import DAY, _record
 from tests.unit.test_openlineage import Declared, validate
 from tests.unit.test_predictions_table import found
@@ -59,8 +60,10 @@ def _write_images(prefix: str, count: int) -> dict[str, str]:
     return {o.uri: o.etag for o in storage.list_objects(prefix)}
 
 
-@pytest.mark.usefixtures("ray_session", "prefect_api")
-def test_a_night_names_its_delta_version_and_leads_back_to_raw_objects_with_etags(local_storage: str) -> None:
+@pytest.mark.usefixtures("ray_session")
+def test_a_night_names_its_delta_version_and_leads_back_to_raw_objects_with_etags(
+    local_storage: str, prefect_api: str
+) -> None:
     raw = _write_images(storage.join(local_storage, "raw"), 40)
     prepared = prepare_data(PrepareRequest(source_uri=storage.join(local_storage, "raw"))).preprocess
     run_uri = storage.join(local_storage, "training", "digits-test")
@@ -124,11 +127,7 @@ def test_a_night_names_its_delta_version_and_leads_back_to_raw_objects_with_etag
     assert {n["uri"]: n["etag"] for n in _json_walk(tree) if n["kind"] == "raw object"} == raw
 
     # the same runs as OpenLineage events: START/COMPLETE per task run, parented by the flow run
-    events = [
-        storage.read_json(o.uri) for o in storage.list_objects(storage.join(local_storage, "lineage", "openlineage"))
-    ]
-    for payload in events:
-        validate(payload)
+    events = stored_events(local_storage)  # each validated against the client's event model
     by_job = {(e["job"]["name"], e["eventType"]) for e in events}
     for job in ("ingest", "preprocess", "batch-inference"):
         assert {(job, "START"), (job, "COMPLETE")} <= by_job, by_job
@@ -140,6 +139,34 @@ def test_a_night_names_its_delta_version_and_leads_back_to_raw_objects_with_etag
         storage.join(local_storage, "incoming", f"dt={DAY}"),
         version.weights_uri,
     }
+    _assert_drawable(events, night)
+    _assert_materialized(prefect_api, night, prepared.manifest_uri)
+
+
+def _assert_drawable(events: list[dict[str, Any]], night: InferenceResult) -> None:
+    """The flow runs are runs of their own and the parents of the stages' runs; the night's tables, with what was
+    written and the night's error budget."""
+    assert_drawable(events, ("prepare-data", "nightly-inference"), stood_in=("train",))
+    parents = {e["run"]["facets"]["parent"]["job"]["name"] for e in events if "parent" in e["run"]["facets"]}
+    assert parents == {"prepare-data", "nightly-inference"}
+    outputs = [o for e in events if e["eventType"] == "COMPLETE" for o in e["outputs"]]
+    table = next(o for o in outputs if o["name"] == openlineage_events.dataset_id(night.predictions_table)[1])
+    assert table["outputFacets"]["outputStatistics"]["rowCount"] == night.predictions
+    budget = table["facets"][openlineage_facets.ERROR_BUDGET_FACET]
+    assert (budget["rows"], budget["errorRows"], budget["budget"]) == (night.inputs, night.errors, 0.05)
+
+
+def _assert_materialized(api: str, night: InferenceResult, manifest_uri: str) -> None:
+    """The tables and folders the tasks wrote are Prefect assets under their OpenLineage URIs and names."""
+    table, manifest = (openlineage_events.dataset_uri(u) for u in (night.predictions_table, manifest_uri))
+    found = wait_for_materializations(api, lambda made: {table, manifest} <= set(made))
+    (made,) = found[table]
+    payload = made["payload"]
+    assert (payload["rows"], payload["version"]) == (night.predictions, night.predictions_version), payload
+    assert payload["openlineage"]["name"] == made["resource"]["prefect.resource.name"]
+    assert payload["openlineage"]["name"] == openlineage_events.dataset_id(night.predictions_table)[1]
+    roles = {r["prefect.resource.role"] for r in made["related"]}
+    assert {"asset", "flow-run", "task-run"} <= roles, "its upstream assets and the run that made it"
 
 
 def test_openlineage_events_land_in_an_s3_storage_root(s3_storage: str) -> None:

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torchvision
 from mlflow import MlflowClient
-from mlflow.artifacts import download_artifacts
 from PIL import Image
 
 from rayline import storage
@@ -105,16 +104,20 @@ def _onnx_file(path: Path, num_classes: int) -> Path:
     return path
 
 
-def _factory_version(name: str, tmp_path: Path, classes: list[str]) -> registry.ModelVersion:
-    """The user's own class, its package shipped with the version (``--code``), registered without Ray."""
-    package = f"mlfnet_{uuid.uuid4().hex[:8]}"  # a fresh name: the code must come from the logged zip
+def _factory_version(name: str, tmp_path: Path, classes: list[str], last: str = "") -> registry.ModelVersion:
+    """The user's own class, its package shipped with the version (``--code``), registered without Ray;
+    ``last``: a module of the package's own applied to the scores."""
+    package = f"mlfnet_{uuid.uuid4().hex[:8]}"  # a fresh name: the code must come from the registered zip
     folder = tmp_path / package
     folder.mkdir()
     (folder / "__init__.py").write_text(
-        "from torch import nn\n\n"
+        "import torch\nfrom torch import nn\n\n"
+        "class Cumulative(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return torch.cummax(x, dim=1).values\n\n"
         "def build(num_classes):\n"
         "    return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),"
-        " nn.Linear(8, num_classes))\n"
+        f" nn.Linear(8, num_classes){', ' + last + '()' if last else ''})\n"
     )
     code_uri, sha256 = factory_models.store_code(
         registry.model_root(name), factory_models.zip_code(str(folder), package)
@@ -152,19 +155,24 @@ def test_mlflow_loads_every_mirrored_version_and_predicts_what_rayline_predicts(
     onnx = register_model(  # the format read from the file: a code-free model, run by ONNX Runtime
         RegisterModelConfig(**common, weights_uri=str(_onnx_file(tmp_path / "m.onnx", 3)), alias="challenger")
     ).version
-    factory = _factory_version(name, tmp_path, classes)
+    factory = _factory_version(name, tmp_path, classes)  # exported here, where its code is: none is logged
+    unexportable = _factory_version(name, tmp_path, classes, last="Cumulative")  # cummax: no ONNX operator
     assert (state_dict.model_spec.format, onnx.model_spec.format) == ("state_dict", "onnx")
     assert registry.alias_version(name, registry.CHALLENGER) == onnx.version
 
     report = mlflow_models.reconcile(name)
     assert report is not None and report.created == [1, 2, 3]
-    assert_mirror_equals_registry(tracking, name)
+    assert list(report.left_out) == [unexportable.version], report
+    assert "does not export to ONNX" in report.left_out[unexportable.version]
+    assert_mirror_equals_registry(tracking, name, left_out=(unexportable.version,))
     mirrored = mlflow_mirror.mirrored_versions(tracking, name)
-    factory_files = {f.path for f in tracking.list_artifacts(mirrored[3].run_id, "model/artifacts")}
-    assert factory.model_spec.factory is not None and factory.model_spec.factory.code_uri is not None
-    assert f"model/artifacts/{factory.model_spec.factory.code_uri.rpartition('/')[2]}" in factory_files, "its code"
-    requirements = Path(download_artifacts(artifact_uri=f"{mirrored[2].source}/requirements.txt")).read_text()
-    assert "onnxruntime==" in requirements and "rayline==" in requirements, requirements
+    registry.set_alias(name, registry.CHALLENGER, unexportable.version, "test")  # no MLflow version to point at
+    assert mlflow_models.reconcile(name) == report.model_copy(
+        update={"created": [], "aliases": {**report.aliases, "challenger": None}}
+    )
+    assert "challenger" not in tracking.get_registered_model(name).aliases
+    registry.set_alias(name, registry.CHALLENGER, onnx.version, "test")
+    mlflow_models.reconcile(name)
 
     photos = _photos()
     frame = pd.DataFrame({"image": [*photos, b"not an image"]})

@@ -8,9 +8,11 @@ instance), and its last test stops everything through the CLI.
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -24,10 +26,12 @@ from rayline.flows.serve_rollout import RolloutRequest, serve_config, serve_roll
 from rayline.models import registry
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.architectures.build import imagenet_classes
+from rayline.ray_workloads.registration import mlflow_models
 from rayline.ray_workloads.serving import control as serve_control
 from rayline.ray_workloads.serving.http_api import ANSWER_HEADER, MODEL_HEADER
 from rayline.ray_workloads.serving.rollout import GateConfig
 from rayline.seed import digit_objects, jpeg_bytes, photo_objects, source_photos
+from tests import mlflow_env
 from tests.integration.helpers import ClientThreads, register_outside, register_untrained
 from tests.support import free_port
 
@@ -191,6 +195,41 @@ def _by_kind(
 
 def _p99_ms(requests: list[tuple[float, float]]) -> float:
     return float(np.percentile([(end - start) * 1000 for start, end in requests], 99))
+
+
+def test_the_champion_in_mlflow_loads_and_serves_without_rayline_answering_as_predict(
+    served: Served, mlflow_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The served champion, mirrored to MLflow, in a virtualenv of its requirements alone (no rayline, no torch):
+    ``load_model("models:/photos@champion")`` and ``mlflow models serve``'s ``/invocations`` give the photo the
+    class that rayline's ``/predict`` gives it."""
+    pins = mlflow_env.requirements()
+    python = mlflow_env.python(pins)
+    assert python is not None, f"make the environment of {pins} first: .venv/bin/python -m tests.mlflow_env"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    champion = registry.alias_version(PHOTOS, registry.CHAMPION)
+    report = mlflow_models.reconcile(PHOTOS)
+    assert report is not None and report.aliases[registry.CHAMPION] == champion, report
+    photo = tmp_path / "photo.jpg"
+    photo.write_bytes(_photo())
+    uri = f"models:/{PHOTOS}@champion"
+    with mlflow_env.model_server(python, uri, mlflow_uri, tmp_path) as url:
+        loaded = mlflow_env.predict_in(python, uri, photo, mlflow_uri)  # meanwhile the server starts
+        mlflow_env.wait_until_serving(url, tmp_path)
+        body = {"dataframe_split": {"columns": ["image"], "data": [[base64.b64encode(photo.read_bytes()).decode()]]}}
+        invocation = httpx.post(f"{url}/invocations", json=body, timeout=120, trust_env=False)
+    assert invocation.status_code == 200, invocation.text
+    served_by_mlflow = invocation.json()["predictions"][0]
+    with _client(served) as client:
+        pinned = {"X-Rayline-Version": str(champion)}
+        predict = client.post(f"/models/{PHOTOS}/predict", content=photo.read_bytes(), headers=pinned)
+    assert predict.status_code == 200, predict.text
+    answer = predict.json()
+    assert loaded["class_name"] == served_by_mlflow["class_name"] == answer["class_name"], (loaded, answer)
+    assert loaded["class_index"] == served_by_mlflow["class_index"] == answer["class_index"]
+    assert served_by_mlflow["confidence"] == pytest.approx(loaded["confidence"], rel=1e-6)
+    assert [c["name"] for c in loaded["inputs"]] == ["image"] and loaded["inputs"][0]["type"] == "binary"
+    assert {"class_index", "class_name", "confidence", "top_classes", "top_confidences"} <= set(loaded["outputs"])
 
 
 def test_a_many_part_body_is_refused_without_stalling_the_router(served: Served) -> None:

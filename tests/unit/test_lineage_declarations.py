@@ -13,7 +13,7 @@ import pytest
 
 from rayline import storage
 from rayline.errors import StorageError
-from rayline.lineage import DatasetRef
+from rayline.lineage import DatasetRef, ErrorBudget
 from rayline.models import registry
 from rayline.ray_workloads.data import ingest
 from rayline.ray_workloads.data.ingest import IngestResult
@@ -60,6 +60,7 @@ def test_an_ingest_declares_its_listing_and_its_manifest() -> None:
             uri="s3://b/ingested/x/manifest.json",
             content_hash="abc",
             facets={"shard_count": 2},  # not the shards: the manifest lists them
+            stored_as="manifest",  # its schema and size are read back from the shards it commits
         )
     ]
 
@@ -86,13 +87,16 @@ def test_a_preprocess_declares_the_ingest_manifest_and_its_own() -> None:
         summary_uri="s3://b/prepared/y/summary.json",
         errors_uri="s3://b/prepared/y/errors",
     )
-    assert result.lineage_inputs() == [DatasetRef(uri="s3://b/ingested/x/manifest.json", content_hash="abc")]
+    assert result.lineage_inputs() == [
+        DatasetRef(uri="s3://b/ingested/x/manifest.json", content_hash="abc", stored_as="manifest")
+    ]
     assert result.lineage_outputs() == [
         DatasetRef(
             uri="s3://b/prepared/y/manifest.json",
             content_hash="abc",
             # how many files, not which: the manifest lists them
             facets={"file_counts": {"train": 1, "errors": 1}, "counts": result.counts, "error_count": 1},
+            stored_as="manifest",
         )
     ]
 
@@ -119,15 +123,30 @@ def test_a_night_declares_its_inputs_the_weights_and_both_tables_at_its_versions
         data_files=files,
         elapsed_s=1.0,
         plans={"eager/bf16/channels-last": {"reason": "eager/bf16/channels-last: 2.10x fp32's speed"}},
+        error_budget=0.25,
     )
     night = {"model_name": "digits", "dt": "2026-11-28", "run_id": "task-1"}
+    budget = ErrorBudget(rows=3, error_rows=1, budget=0.25)  # a third failed: over the night's budget
+    assert (round(budget.error_fraction, 3), budget.within) == (0.333, False)
     assert result.lineage_inputs() == [
         DatasetRef(uri="s3://b/incoming/dt=2026-11-28", content_hash="def"),
         DatasetRef(uri="s3://b/models/digits/v3/weights.pt", facets={"model": "digits v3", "plans": result.plans}),
     ]
     assert result.lineage_outputs() == [
-        DatasetRef(uri="s3://b/predictions", facets={**night, "version": 4, "data_files": 2}),
-        DatasetRef(uri="s3://b/prediction_errors", facets={**night, "version": 5, "data_files": 1}),
+        DatasetRef(
+            uri="s3://b/predictions",
+            facets={**night, "version": 4, "data_files": 2},
+            stored_as="delta",
+            table_version=4,
+            quality=budget,
+        ),
+        DatasetRef(
+            uri="s3://b/prediction_errors",
+            facets={**night, "version": 5, "data_files": 1},
+            stored_as="delta",
+            table_version=5,
+            quality=budget,
+        ),
     ]
 
 
@@ -148,11 +167,14 @@ def _trained(init_weights_uri: str | None = None) -> TrainResult:
 
 
 def test_a_training_run_declares_its_data_a_fine_tunes_start_and_its_best_checkpoint() -> None:
-    checkpoint = DatasetRef(uri="s3://b/training/digits-1/checkpoint_000002", facets={"metrics": {"val_accuracy": 0.9}})
-    assert _trained().lineage_inputs() == [DatasetRef(uri="s3://b/prepared/y/manifest.json")]
+    checkpoint = DatasetRef(
+        uri="s3://b/training/digits-1/checkpoint_000002", facets={"metrics": {"val_accuracy": 0.9}}, stored_as="folder"
+    )
+    data = DatasetRef(uri="s3://b/prepared/y/manifest.json", stored_as="manifest")
+    assert _trained().lineage_inputs() == [data]
     assert _trained().lineage_outputs() == [checkpoint]
     assert _trained("s3://b/models/digits/v2/weights.pt").lineage_inputs() == [
-        DatasetRef(uri="s3://b/prepared/y/manifest.json"),
+        data,
         DatasetRef(uri="s3://b/models/digits/v2/weights.pt"),
     ]
 
@@ -171,11 +193,11 @@ def test_an_evaluation_declares_the_weights_the_data_its_report_and_its_answers(
     )
     assert result.lineage_inputs() == [
         DatasetRef(uri="s3://b/training/digits-1/checkpoint_000002/weights.pt"),
-        DatasetRef(uri="s3://b/prepared/y/manifest.json"),
+        DatasetRef(uri="s3://b/prepared/y/manifest.json", stored_as="manifest"),
     ]
     assert result.lineage_outputs() == [
-        DatasetRef(uri="s3://b/training/digits-1/evaluation-test.json", facets={"accuracy": 0.8}),
-        DatasetRef(uri="s3://b/training/digits-1/answers-test.parquet", facets={"images": 10}),
+        DatasetRef(uri="s3://b/training/digits-1/evaluation-test.json", facets={"accuracy": 0.8}, stored_as="json"),
+        DatasetRef(uri="s3://b/training/digits-1/answers-test.parquet", facets={"images": 10}, stored_as="parquet"),
     ]
     assert result.model_copy(update={"report_uri": None, "answers_uri": None}).lineage_outputs() == []
 
@@ -191,9 +213,9 @@ def test_a_search_declares_its_data_and_its_experiment_with_the_best_config() ->
         elapsed_s=1.0,
         data_manifest_uri="s3://b/prepared/y/manifest.json",
     )
-    assert result.lineage_inputs() == [DatasetRef(uri="s3://b/prepared/y/manifest.json")]
+    assert result.lineage_inputs() == [DatasetRef(uri="s3://b/prepared/y/manifest.json", stored_as="manifest")]
     assert result.lineage_outputs() == [
-        DatasetRef(uri="s3://b/tuning/digits-tune8", facets={"best": best.model_dump(mode="json")})
+        DatasetRef(uri="s3://b/tuning/digits-tune8", facets={"best": best.model_dump(mode="json")}, stored_as="folder")
     ]
 
 
@@ -234,6 +256,7 @@ def test_an_outside_model_declares_its_weights_file_and_its_version() -> None:
             uri="s3://b/models/digits/v4",
             content_hash=source.sha256,
             facets={"moves": [_move(4).model_dump(mode="json")], "reused": False},
+            stored_as="model",
         )
     ]
     again = RegisterModelResult(version=_version(4, weights_source=source), reused=True)
@@ -265,15 +288,16 @@ def test_a_gated_version_declares_its_checkpoint_data_parent_and_the_decision() 
         parent=parent,
     )
     assert result.lineage_inputs() == [
-        DatasetRef(uri="s3://b/training/digits-1/checkpoint_000002"),
-        DatasetRef(uri="s3://b/prepared/y/manifest.json"),
-        DatasetRef(uri="s3://b/models/digits/v4", facets={"parent": parent.model_dump()}),
+        DatasetRef(uri="s3://b/training/digits-1/checkpoint_000002", stored_as="folder"),
+        DatasetRef(uri="s3://b/prepared/y/manifest.json", stored_as="manifest"),
+        DatasetRef(uri="s3://b/models/digits/v4", facets={"parent": parent.model_dump()}, stored_as="model"),
     ]
     assert result.lineage_outputs() == [
         DatasetRef(
             uri="s3://b/models/digits/v5",
             content_hash="abc",
             facets={"moves": [_move(5).model_dump(mode="json")], "gate": decision.model_dump()},
+            stored_as="model",
         )
     ]
     assert len(result.model_copy(update={"parent": None}).lineage_inputs()) == 2
@@ -295,16 +319,17 @@ def test_a_rollouts_outcome_declares_both_versions_and_the_candidate_with_why() 
     move = _move(5).model_copy(update={"alias": "champion"})
     promoted = canary.Promotion(prepared=prepared, steps=steps, reason="passed every step", alias_move=move)
     rolled_back = canary.RolloutOutcome(outcome=canary.ROLLED_BACK, prepared=prepared, steps=steps, reason="5xx")
-    both = [DatasetRef(uri="s3://b/models/digits/v4"), DatasetRef(uri="s3://b/models/digits/v5")]
+    both = [DatasetRef(uri=f"s3://b/models/digits/v{n}", stored_as="model") for n in (4, 5)]
     assert promoted.lineage_inputs() == rolled_back.lineage_inputs() == both
     assert promoted.lineage_outputs() == [
         DatasetRef(
             uri="s3://b/models/digits/v5",
             facets={"outcome": "promoted", "reason": "passed every step", "alias_move": move.model_dump(mode="json")},
+            stored_as="alias",  # an alias moved to it: the rollout wrote nothing into the version
         )
     ]
     assert rolled_back.lineage_outputs() == [
-        DatasetRef(uri="s3://b/models/digits/v5", facets={"outcome": "rolled back", "reason": "5xx"})
+        DatasetRef(uri="s3://b/models/digits/v5", facets={"outcome": "rolled back", "reason": "5xx"}, stored_as="alias")
     ]
 
 

@@ -144,6 +144,18 @@ def test_a_crop_the_onnx_file_does_not_take_names_its_declared_input(
     assert f"the file declares input ['batch', 3, {SIDE}, {SIDE}]" in message and "--crop" in message
 
 
+def test_an_onnx_file_whose_weights_are_in_a_second_file_is_refused_with_how_to_export_one(
+    files: dict[str, Path], local_storage: str, tmp_path: Path
+) -> None:
+    """torch.onnx.export's default since torch 2.9: the weights in NAME.onnx.data, beside the graph."""
+    import onnx
+
+    split = tmp_path / "split.onnx"
+    onnx.save_model(onnx.load(str(files["model.onnx"])), str(split), save_as_external_data=True, size_threshold=0)
+    with pytest.raises(InputDataError, match=r"separate file .* torch\.onnx\.export\(\.\.\., external_data=False\)"):
+        _register(files, "split", split)
+
+
 @pytest.mark.parametrize("file", ["b1.onnx", "b1.pt2"])
 def test_a_file_exported_for_one_image_runs_any_batch_in_slices(
     files: dict[str, Path], local_storage: str, file: str

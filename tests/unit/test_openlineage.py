@@ -25,8 +25,11 @@ from openlineage.client.facet_v2 import (
     dataset_version_dataset,
     error_message_run,
     job_type_job,
+    nominal_time_run,
+    output_statistics_output_dataset,
     parent_run,
     processing_engine_run,
+    schema_dataset,
     tags_run,
 )
 from openlineage.client.serde import Serde
@@ -34,7 +37,7 @@ from openlineage.client.serde import Serde
 import rayline.tasks.common
 from rayline import lineage, storage
 from rayline.errors import StorageError
-from rayline.lineage import DatasetRef, openlineage_events
+from rayline.lineage import DatasetRef, openlineage_events, openlineage_facets
 from rayline.ray_cluster import RayConnection
 from rayline.tasks.common import openlineage_run, ray_task, record_lineage
 
@@ -48,6 +51,10 @@ FACETS: dict[str, type[BaseFacet]] = {
     "parent": parent_run.ParentRunFacet,
     "processing_engine": processing_engine_run.ProcessingEngineRunFacet,
     "tags": tags_run.TagsRunFacet,  # the client adds its version as a run tag
+    "nominalTime": nominal_time_run.NominalTimeRunFacet,
+    "schema": schema_dataset.SchemaDatasetFacet,
+    "outputStatistics": output_statistics_output_dataset.OutputStatisticsOutputDatasetFacet,
+    openlineage_facets.ERROR_BUDGET_FACET: openlineage_facets.ErrorBudgetDatasetFacet,
 }
 
 
