@@ -21,12 +21,35 @@ import numpy as np
 from rayline import storage
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from rayline.ray_workloads.execution.plan import Logits
 
 MODEL_FILE = "model.onnx"
 OPSET = 17
+
+
+def export(module: nn.Module, example: torch.Tensor, dynamic_batch: bool) -> bytes:
+    """``module`` traced on ``example`` by torch's TorchScript-based exporter (the light one: nothing beyond
+    torch) as one ONNX file, input ``images`` and output ``logits``, their batch dimension dynamic or not."""
+    import torch
+
+    dynamic = {"images": {0: "batch"}, "logits": {0: "batch"}} if dynamic_batch else None
+    with tempfile.TemporaryDirectory(prefix="rayline-onnx-") as folder, warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+        path = Path(folder) / MODEL_FILE
+        torch.onnx.export(
+            module,
+            (example,),
+            str(path),
+            input_names=["images"],
+            output_names=["logits"],
+            dynamic_axes=dynamic,
+            opset_version=OPSET,
+            dynamo=False,
+        )
+        return path.read_bytes()
 
 
 class OnnxModel:
@@ -44,22 +67,7 @@ class OnnxModel:
         import torch
 
         began = time.perf_counter()
-        example = torch.from_numpy(np.ascontiguousarray(probe[:1]))
-        folder = tempfile.TemporaryDirectory(prefix="rayline-onnx-")
-        path = Path(folder.name) / MODEL_FILE
-        with folder, warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice: it is the light one
-            torch.onnx.export(
-                module,
-                (example,),
-                str(path),
-                input_names=["images"],
-                output_names=["logits"],
-                dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}},
-                opset_version=OPSET,
-                dynamo=False,
-            )
-            data = path.read_bytes()
+        data = export(module, torch.from_numpy(np.ascontiguousarray(probe[:1])), dynamic_batch=True)
         return cls(data, time.perf_counter() - began)
 
     @classmethod

@@ -12,10 +12,7 @@ control flow, answers otherwise and is refused (:class:`ModelExportError`) rathe
 
 from __future__ import annotations
 
-import tempfile
-import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,10 +21,10 @@ from torch import nn
 
 from rayline.errors import ConfigError, ModelExportError
 from rayline.models.registry import ModelVersion
+from rayline.ray_workloads.execution.onnx_backend import export
 from rayline.ray_workloads.execution.plan import softmax
 from rayline.specs import ONNX, STATE_DICT, TORCH_EXPORT
 
-OPSET = 17
 CHECK_BATCH = 3  # the check's batch when the export's is dynamic: not the traced one (1)
 # the largest difference of any class probability between the export and rayline's model: fp32 rounding differs
 # by ~1e-6 (ResNet-18); a wrong shape or branch differs by far more
@@ -91,22 +88,7 @@ class _Program(nn.Module):
 
 
 def _export(module: nn.Module, size: int, fixed_batch: int | None) -> bytes:
-    example = torch.zeros(fixed_batch or 1, 3, size, size)
-    dynamic = None if fixed_batch else {"images": {0: "batch"}, "logits": {0: "batch"}}
-    with tempfile.TemporaryDirectory(prefix="rayline-onnx-") as folder, warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # the TorchScript-based exporter's deprecation notices: it is the light one
-        path = Path(folder) / "model.onnx"
-        torch.onnx.export(
-            module,
-            (example,),
-            str(path),
-            input_names=["images"],
-            output_names=["logits"],
-            dynamic_axes=dynamic,
-            opset_version=OPSET,
-            dynamo=False,
-        )
-        return path.read_bytes()
+    return export(module, torch.zeros(fixed_batch or 1, 3, size, size), dynamic_batch=fixed_batch is None)
 
 
 def _check(version: ModelVersion, data: bytes, reference: Logits, batch: int) -> None:
