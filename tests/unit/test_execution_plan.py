@@ -109,7 +109,7 @@ def test_a_faster_plan_that_agrees_is_chosen_and_says_why() -> None:
     choice = choose(_fake_runs({FP32: 0.02, BF16_PLAN: 0.002}), PROBE, BF16, "cpu", PlanPolicy())
     assert choice.plan == Plan(precision="bf16")
     assert choice.gate == Gate(1.0, 0.0, len(PROBE))
-    assert choice.speeds[BF16_PLAN] > 5 * choice.speeds[FP32]
+    assert choice.speeds[BF16_PLAN] > choice.speeds[FP32], "chosen for being faster (by how much: the sleeps)"
     assert choice.reason.startswith("eager/bf16/channels-last: ") and "top-1 agreement 1.0000" in choice.reason
 
 
