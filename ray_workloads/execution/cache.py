@@ -123,7 +123,16 @@ def plan_for(
     try:
         if found is None:
             return _measure_and_store(model, version_uri, (key, uri), (probe, judging), policy, (hardware, versions))
-        adopted = model.adopt(replace(found, key=key), _artifact_uri(version_uri, found))
+        running = model.plan
+        if (
+            running is not None
+            and running.decode_pending
+            and (running.plan, running.artifact) == (found.plan, found.artifact)
+        ):
+            # looking again for the judged decode: the plan's model runs already (a session or a compile apiece)
+            adopted = model.plan = replace(running, decode=found.decode, decode_pending=False)
+        else:
+            adopted = model.adopt(replace(found, key=key), _artifact_uri(version_uri, found))
         if pending:
             model.plan = replace(adopted, decode_pending=True)
             return model.plan

@@ -159,5 +159,6 @@ def test_an_actor_runs_the_unjudged_decode_while_another_judges_it_then_adopts_t
     assert judged.decode is not None and not judged.decode_pending
     # the waiter's next chunk adopts it, without judging
     monkeypatch.setattr(LoadedModel, "judge_decode", lambda *_: pytest.fail("a judged decode was judged again"))
+    monkeypatch.setattr(LoadedModel, "adopt", lambda *_: pytest.fail("the running plan's model was loaded again"))
     adopted = plan_for(waiter, version, probe, POLICY, photos)
     assert adopted.decode == judged.decode and not adopted.decode_pending and waiter.plan == adopted
