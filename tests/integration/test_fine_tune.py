@@ -269,10 +269,15 @@ def test_fine_tuning_an_onnx_parent_is_refused_before_any_cluster_time(fine_tune
     _cli("register-model", "--name", "from-onnx", "--weights", str(onnx), "--sidecar",
          _sidecar(fine_tuned, tmp_path), "--alias", "champion")  # fmt: skip
 
-    def written() -> set[str]:  # but the command's own log file
-        return {o.key for o in storage.list_objects(fine_tuned.root) if "/logs/" not in f"/{o.key}"}
+    def written() -> set[str]:  # but the command's own log file and its run's lineage events
+        keys = {o.key for o in storage.list_objects(fine_tuned.root)}
+        return {k for k in keys if "/logs/" not in f"/{k}" and not k.startswith("lineage/openlineage/")}
 
-    before = written()
+    def lineage_events() -> list[str]:
+        keys = {o.key for o in storage.list_objects(fine_tuned.root)}
+        return sorted(k for k in keys if k.startswith("lineage/openlineage/"))
+
+    before, events_before = written(), lineage_events()
 
     result = CliRunner().invoke(
         app, ["train-model", "--init-from", "from-onnx@champion", "--source", fine_tuned.labelled]
@@ -282,4 +287,7 @@ def test_fine_tuning_an_onnx_parent_is_refused_before_any_cluster_time(fine_tune
     assert "from-onnx v1 is an ONNX file, an inference-only format" in message, message
     assert "--arch" in message and "--factory" in message, "it says what to register instead"
     assert written() == before, "nothing prepared, trained or registered"
+    new_events = [k for k in lineage_events() if k not in events_before]
+    states = [k.split("-train-model-")[1].split("-")[0] for k in new_events]
+    assert states == ["START", "FAIL"], f"a lineage consumer sees the refused run as failed: {new_events}"
     assert registry.alias_version("from-onnx-ft", registry.CHAMPION) is None
