@@ -25,16 +25,9 @@ from rayline.ray_workloads.data import preprocess
 from rayline.ray_workloads.monitoring.charts import accuracy_png as accuracy_png  # the monitor's charts
 from rayline.ray_workloads.monitoring.charts import distribution_png as distribution_png
 from rayline.ray_workloads.monitoring.prometheus import prometheus_text as prometheus_text  # the monitor's file
+from rayline.ray_workloads.monitoring.thresholds import DriftThresholds as DriftThresholds  # the request's too
 from rayline.storage.layout import PREDICTIONS_TABLE, parse_day, table_uri
 from rayline.tables.prediction_reads import committed_nights, read_night_pair
-
-
-class DriftThresholds(BaseModel):
-    psi: float = Field(0.2, gt=0, description="Class PSI against the reference above which a night drifted.")
-    low_confidence: float = Field(0.5, gt=0, lt=1, description="A prediction under this confidence is unsure.")
-    max_low_confidence_share: float = Field(0.3, ge=0, le=1, description="Share of unsure predictions a night allows.")
-    max_error_fraction: float = Field(0.05, ge=0, le=1, description="Share of unreadable inputs a night allows.")
-    max_serving_error_rate: float = Field(0.01, ge=0, le=1, description="5xx share a serving version allows.")
 
 
 class VersionHealth(BaseModel):

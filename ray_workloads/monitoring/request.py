@@ -8,7 +8,7 @@ from datetime import date
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rayline.models.request_fields import a_day
-from rayline.ray_workloads.monitoring.monitor import DriftThresholds
+from rayline.ray_workloads.monitoring.thresholds import DriftThresholds
 from rayline.specs import DEFAULT_MODEL_NAME, check_model_name
 from rayline.tables.prediction_reads import DEFAULT_RETENTION_HOURS, check_retention
 

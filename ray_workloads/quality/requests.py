@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from datetime import date
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rayline.models.request_fields import a_day
-from rayline.ray_workloads.quality.labels_import import LabelsImportConfig
-from rayline.ray_workloads.quality.queue import QueueConfig
 from rayline.specs import DEFAULT_MODEL_NAME, check_model_name
+
+if TYPE_CHECKING:  # the stages load pyarrow.compute and deltalake, which the CLI's start does without
+    from rayline.ray_workloads.quality.labels_import import LabelsImportConfig
+    from rayline.ray_workloads.quality.queue import QueueConfig
 
 
 class Selection(StrEnum):
@@ -40,6 +43,8 @@ class LabelsImportRequest(BaseModel):
 
     def config(self, root: str, classes: list[str], incoming: str) -> LabelsImportConfig:
         """The stage's config: keys relative to ``incoming`` unless the request says otherwise."""
+        from rayline.ray_workloads.quality.labels_import import LabelsImportConfig
+
         return LabelsImportConfig(
             file_uri=self.file,
             root=root,
@@ -70,6 +75,8 @@ class LabelQueueRequest(BaseModel):
     _a_name = field_validator("model_name")(check_model_name)
 
     def config(self, root: str, reference_counts: dict[str, int]) -> QueueConfig:
+        from rayline.ray_workloads.quality.queue import QueueConfig
+
         return QueueConfig(
             root=root,
             model_name=self.model_name,

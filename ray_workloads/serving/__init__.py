@@ -22,7 +22,8 @@ A request (``POST /models/<name>/predict``; ``/predict`` for the default model):
                                ▼
                              ServeControl: routing table, StatsBook            routing, stats
 
-``rollout`` steps a candidate's weight and judges it; ``canary`` is the registry's side (the incumbent, the
-champion alias); ``champion`` checks that the version with the most traffic is the champion. Imports ``data``,
-``execution`` and ``monitoring``; nothing here, so the control actor loads ``routing`` alone, without torch.
+``rollout`` steps a candidate's weight and judges it by ``rollout_config`` (plain models, which the request
+reads without Ray Serve); ``canary`` is the registry's side (the incumbent, the champion alias); ``champion``
+checks that the version with the most traffic is the champion. Imports ``data``, ``execution`` and
+``monitoring``; nothing here, so the control actor loads ``routing`` alone, without torch.
 """

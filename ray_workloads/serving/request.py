@@ -9,7 +9,7 @@ from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from rayline.models.request_fields import split_named_ref
 from rayline.ray_workloads.serving.config import ServeConfig
-from rayline.ray_workloads.serving.rollout import Canary, RolloutConfig
+from rayline.ray_workloads.serving.rollout_config import Canary, RolloutConfig
 from rayline.specs import DEFAULT_MODEL_NAME
 
 # renewed every ttl/3 while the rollout runs: a crashed holder's lease is taken over this long after it

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 import httpx
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel
 
 from rayline import storage
 from rayline.errors import ConfigError, ImageDecodeError, InputDataError
@@ -38,6 +38,9 @@ from rayline.ray_workloads.serving import control
 from rayline.ray_workloads.serving.config import ServeConfig
 from rayline.ray_workloads.serving.control import VersionStats
 from rayline.ray_workloads.serving.http_api import VERSION_HEADER
+from rayline.ray_workloads.serving.rollout_config import Canary as Canary  # the stage's config, declared apart
+from rayline.ray_workloads.serving.rollout_config import GateConfig as GateConfig
+from rayline.ray_workloads.serving.rollout_config import RolloutConfig as RolloutConfig
 from rayline.storage import fetching
 from rayline.storage.fencing import Fence
 from rayline.storage.layout import RAW_DIR
@@ -46,38 +49,6 @@ from rayline.storage.layout import RAW_DIR
 def predict_path(model: str | None) -> str:
     """The router's predict route for ``model`` (None: the default model's ``/predict``)."""
     return "/predict" if model is None else f"/models/{model}/predict"
-
-
-class GateConfig(BaseModel):
-    max_error_rate: float = Field(0.01, ge=0.0, le=1.0, description="The candidate's 5xx share a window allows.")
-    max_p95_ratio: float = Field(1.5, gt=0.0, description="Candidate p95 / incumbent p95.")
-    p95_slack_ms: float = Field(15.0, ge=0.0, description="Absolute latency slack added to the ratio bound.")
-    min_agreement: float = Field(0.9, ge=0.0, le=1.0, description="Agreement with the incumbent the first step needs.")
-    min_requests: int = Field(20, ge=1, description="Candidate answers a window needs before it can pass.")
-
-
-class Canary(BaseModel):
-    """How a rollout steps and judges: declared once, for the request and the stage's config alike."""
-
-    steps: list[float] = Field(
-        default_factory=lambda: [10.0, 50.0, 100.0], description="The candidate's traffic %, rising to 100."
-    )
-    soak_s: float = Field(10.0, gt=0.0, description="How long each step holds before it is judged.")
-    probe_rps: float = Field(20.0, ge=0.0, description="Canary requests per second sent during each soak.")
-    probe_images: int = Field(64, ge=1, description="Images of the first step's agreement check.")
-    gates: GateConfig = Field(default_factory=GateConfig)
-
-    @field_validator("steps")
-    @classmethod
-    def _steps_rise_to_100(cls, steps: list[float]) -> list[float]:
-        if not steps or any(not 0 < s <= 100 for s in steps) or steps != sorted(set(steps)) or steps[-1] != 100:
-            raise ValueError(f"steps must rise strictly within (0, 100] and end at 100, got {steps}")
-        return steps
-
-
-class RolloutConfig(Canary):
-    probe_uri: str = Field(description="Prefix of images used for canary probes and the agreement check.")
-    serve: ServeConfig = Field(default_factory=ServeConfig)
 
 
 class StepReport(BaseModel):
