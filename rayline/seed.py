@@ -24,6 +24,7 @@ from PIL import Image, ImageDraw
 
 from rayline import storage
 from rayline.errors import ConfigError
+from rayline.extras import install_hint
 
 CORRUPT_KINDS = ("zero-bytes", "truncated-png", "text-as-png", "binary-as-png")
 PHOTO_CORRUPT_KINDS = ("zero-bytes", "truncated-jpeg", "text-as-jpeg")
@@ -278,6 +279,6 @@ def _sklearn_dataset(name: str) -> Any:
         from sklearn import datasets
     except ImportError as exc:
         raise ConfigError(
-            "the demo's data (scikit-learn's digits and sample photos) needs scikit-learn: pip install 'rayline[train]'"
+            f"the demo's data (scikit-learn's digits and sample photos) needs scikit-learn: {install_hint('train')}"
         ) from exc
     return getattr(datasets, name)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from rayline.errors import ConfigError, InputDataError, UnsafeModelFileError
+from rayline.extras import install_hint
 from rayline.specs import ONNX, TORCH_EXPORT, TORCHSCRIPT
 
 FORMAT_NAMES = {TORCHSCRIPT: "TorchScript", TORCH_EXPORT: "torch.export program (.pt2)", ONNX: "ONNX"}
@@ -190,9 +191,7 @@ def _onnx(data: bytes, threads: int | None) -> FileModel:
     try:
         import onnxruntime as ort
     except ImportError as exc:
-        raise ConfigError(
-            "ONNX models run with ONNX Runtime, which is not installed: pip install 'rayline[onnx]'"
-        ) from exc
+        raise ConfigError(f"ONNX models run with ONNX Runtime, which is not installed: {install_hint('onnx')}") from exc
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads

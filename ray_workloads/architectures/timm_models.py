@@ -13,9 +13,10 @@ from typing import Any
 from torch import nn
 
 from rayline.errors import ConfigError
+from rayline.extras import install_hint
 from rayline.specs import IMAGENET_MEAN, IMAGENET_STD, RESIZE_CROP, TIMM_PREFIX, ImageSpec
 
-INSTALL_HINT = "pip install 'rayline[timm]'"
+INSTALL_HINT = install_hint("timm")
 
 
 def timm_module() -> Any:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from rayline.errors import ConfigError, ModelExportError
+from rayline.extras import install_hint
 from rayline.models.registry import ModelVersion
 from rayline.ray_workloads.execution.onnx_backend import export
 from rayline.ray_workloads.execution.plan import softmax
@@ -97,7 +98,7 @@ def _check(version: ModelVersion, data: bytes, reference: Logits, batch: int) ->
         import onnxruntime as ort
     except ImportError as exc:
         raise ConfigError(
-            "checking a model's ONNX export needs ONNX Runtime, which is not installed: pip install 'rayline[mlflow]'"
+            f"checking a model's ONNX export needs ONNX Runtime, which is not installed: {install_hint('mlflow')}"
         ) from exc
     size = version.image_spec.size
     inputs = np.random.default_rng(0).standard_normal((batch, 3, size, size)).astype(np.float32)

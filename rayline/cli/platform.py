@@ -51,6 +51,7 @@ from rayline.cli.service_starts import (
 )
 from rayline.config import Settings, get_settings
 from rayline.errors import ConfigError
+from rayline.extras import install_hint
 from rayline.ray_cluster import RAY_ENV_DEFAULTS
 from rayline.storage.layout import MLFLOW_ARTIFACTS_DIR
 
@@ -323,7 +324,7 @@ def _start_mlflow(
         importlib.metadata.distribution("mlflow")
     except importlib.metadata.PackageNotFoundError as exc:
         raise ConfigError(
-            "rayline up starts an MLflow server, which is not installed: pip install 'rayline[platform]', "
+            f"rayline up starts an MLflow server, which is not installed: {install_hint('platform')}, "
             "or set MLFLOW_TRACKING_URI to a tracking server of your own"
         ) from exc
     (state / "mlflow").mkdir(parents=True, exist_ok=True)

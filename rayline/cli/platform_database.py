@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rayline.errors import ConfigError, DatabaseUnusable
+from rayline.extras import install_hint
 
 if TYPE_CHECKING:
     from rayline.config import Settings
@@ -111,7 +112,7 @@ def checked_databases(settings: Settings, starting: list[str]) -> PlatformDataba
     using = [("the Prefect server", databases.prefect)] if "prefect" in starting else []
     if "mlflow" in starting and not os.environ.get("MLFLOW_TRACKING_URI"):
         if importlib.util.find_spec("psycopg") is None:
-            raise ConfigError("MLflow's backend store on PostgreSQL needs psycopg 3: pip install 'rayline[platform]'")
+            raise ConfigError(f"MLflow's backend store on PostgreSQL needs psycopg 3: {install_hint('platform')}")
         using.append(("MLflow", databases.mlflow))
     if using:
         check(using)

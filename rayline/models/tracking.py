@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rayline.errors import ConfigError
+from rayline.extras import install_hint
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -45,7 +46,7 @@ def tracking_uri() -> str | None:
             importlib.import_module("mlflow")  # what every caller of a set URI imports next
         except ImportError as exc:
             raise ConfigError(
-                f"{TRACKING_URI_ENV} is {uri}, but MLflow is not installed: pip install 'rayline[mlflow]', "
+                f"{TRACKING_URI_ENV} is {uri}, but MLflow is not installed: {install_hint('mlflow')}, "
                 f"or unset {TRACKING_URI_ENV} to run without tracking"
             ) from exc
     return uri

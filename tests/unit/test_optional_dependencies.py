@@ -50,14 +50,14 @@ PROGRAM = textwrap.dedent(
     try:
         tracking.tracking_uri()
     except ConfigError as exc:
-        assert "pip install 'rayline[mlflow]'" in str(exc), exc
+        assert "pip install '.[mlflow]' from rayline's clone" in str(exc), exc
     else:
         raise AssertionError("tracking asked for, MLflow absent: no error")
     from rayline import seed
     try:
         seed.source_photos()
     except ConfigError as exc:
-        assert "pip install 'rayline[train]'" in str(exc), exc
+        assert "pip install '.[train]' from rayline's clone" in str(exc), exc
     else:
         raise AssertionError("the demo's photos without scikit-learn: no error")
     from rayline.ray_workloads.monitoring.charts import distribution_png
@@ -84,7 +84,7 @@ def test_a_version_without_samples_and_without_stand_ins_runs_fp32_eager(
     from rayline.specs import ModelSpec, squash
 
     def no_scikit_learn(*_: object) -> np.ndarray:
-        raise ConfigError("the demo's data needs scikit-learn: pip install 'rayline[train]'")
+        raise ConfigError("the demo's data needs scikit-learn: pip install '.[train]' from rayline's clone")
 
     monkeypatch.setattr(cache, "_stand_in_photos", no_scikit_learn)
     version = registry.register("bare", b"\\0", model_spec=ModelSpec(num_classes=2), image_spec=squash(32),

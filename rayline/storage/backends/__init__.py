@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rayline.config import CLOUD_SCHEMES, get_settings
 from rayline.errors import ConfigError
+from rayline.extras import install_hint
 from rayline.storage.backends.base import ObjectStore, Page, Stat, StoragePolicy, Versioned
 
 __all__ = ["CLOUD_SCHEMES", "ObjectStore", "Page", "Stat", "StoragePolicy", "Versioned", "scheme_of", "store_for"]
@@ -33,13 +34,13 @@ def store_for(uri: str) -> ObjectStore:
         try:
             from rayline.storage.backends.gcs import GCSStore
         except ImportError as exc:
-            raise ConfigError(f"{uri}: gs:// storage needs gcsfs: pip install 'rayline[gcs]' ({exc})") from exc
+            raise ConfigError(f"{uri}: gs:// storage needs gcsfs: {install_hint('gcs')} ({exc})") from exc
         return GCSStore(policy)
     if scheme == "az":
         try:
             from rayline.storage.backends.azure import AzureStore
         except ImportError as exc:
-            raise ConfigError(f"{uri}: az:// storage needs adlfs: pip install 'rayline[azure]' ({exc})") from exc
+            raise ConfigError(f"{uri}: az:// storage needs adlfs: {install_hint('azure')} ({exc})") from exc
         return AzureStore(policy)
     from rayline.storage.backends.local import LocalStore
 
