@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rayline.errors import ConfigError
+from rayline.models.refs import parse_named_ref
 from rayline.specs import DIGITS_IMAGE_SIZE, GATE_ALPHA, check_model_name
 
 
@@ -84,8 +85,6 @@ class TrainTarget(BaseModel):
     @classmethod
     def _a_named_version(cls, ref: str | None) -> str | None:
         if ref is not None:
-            from rayline.models.registry import parse_named_ref  # the registry loads storage: not for --help
-
             parse_named_ref(ref)  # a malformed reference fails here, naming itself
         return ref
 

@@ -41,6 +41,9 @@ from rayline.models.aliases import AliasMove as AliasMove
 from rayline.models.aliases import Unchecked as Unchecked
 from rayline.models.promotion_gate import GateDecision as GateDecision
 from rayline.models.promotion_gate import gate as gate
+from rayline.models.refs import CHAMPION as CHAMPION
+from rayline.models.refs import check_ref, split_ref
+from rayline.models.refs import parse_named_ref as parse_named_ref
 from rayline.specs import NAME_PATTERN, ImageSpec, ModelSpec, ParentModel, WeightsSource, check_model_name
 from rayline.storage import conditional, leases
 from rayline.storage.layout import (
@@ -61,7 +64,6 @@ MODEL_FILES = {
     "torch_export": "model.pt2",
     "onnx": "model.onnx",
 }
-CHAMPION = "champion"
 CHALLENGER = "challenger"
 # a champion move outside a rollout holds the rollout lease for one compare-and-swap
 CHAMPION_MOVE_TTL_S = 60.0
@@ -315,38 +317,14 @@ def parse_ref(text: str, default_name: str, *, default_ref: str = CHAMPION) -> t
     that is no alias of ``default_name`` but a registered model's name means that model's ``default_ref``
     (``--model photos`` = ``photos@champion``).
     """
-    name, ref = _split_ref(text)
+    name, ref = split_ref(text)
     if name is not None:
-        return check_model_name(name), _check_ref(ref or default_ref)
-    token = _check_ref(ref or default_ref)
+        return check_model_name(name), check_ref(ref or default_ref)
+    token = check_ref(ref or default_ref)
     is_version = token.lstrip("v").isdigit()
     if not is_version and alias_version(default_name, token) is None and _claimed_versions(token):
         return token, default_ref
     return check_model_name(default_name), token
-
-
-def parse_named_ref(text: str, *, default_ref: str = CHAMPION) -> tuple[str, str]:
-    """``NAME``, ``NAME@alias`` or ``NAME@vN`` → (name, alias or version); a bare name means ``default_ref``."""
-    name, ref = _split_ref(text)
-    if name is None:  # a bare word is the name; the ref is the default
-        return check_model_name(ref), _check_ref(default_ref)
-    return check_model_name(name), _check_ref(ref)
-
-
-def _split_ref(text: str) -> tuple[str | None, str]:
-    """``NAME@REF`` → (NAME, REF); a bare word → (None, word)."""
-    name, at, ref = text.strip().partition("@")
-    if not at:
-        return None, name
-    if not ref:
-        raise ConfigError(f"model reference {text!r}: nothing after '@' (try {name}@champion or {name}@v3)")
-    return name, ref
-
-
-def _check_ref(ref: str) -> str:
-    if ref.lstrip("v").isdigit() or NAME_PATTERN.match(ref):
-        return ref
-    raise ConfigError(f"{ref!r} is neither an alias (champion, challenger) nor a version (v3)")
 
 
 def set_alias(

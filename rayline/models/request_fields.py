@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import ValidationInfo
 
 from rayline.errors import ConfigError
+from rayline.models.refs import parse_named_ref
 from rayline.storage.layout import parse_day
 
 
@@ -26,8 +27,6 @@ def split_named_ref(data: Any, ref_field: str, info: ValidationInfo) -> Any:
     must agree with a ``model_name`` given too."""
     if not isinstance(data, dict) or "@" not in str(data.get(ref_field, "")):
         return data
-    from rayline.models.registry import parse_named_ref  # the registry loads Ray: only for a NAME@ref
-
     name, ref = parse_named_ref(data[ref_field])
     given = data.get("model_name")
     if given is not None and given != name:
