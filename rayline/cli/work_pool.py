@@ -10,6 +10,7 @@ Ray, torch), which the ``up`` process itself never needs.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import subprocess
@@ -23,6 +24,7 @@ from rayline.errors import ClusterError, ConfigError
 POOL_TYPE = "process"
 ZOMBIE_AUTOMATION = "rayline: crash zombie flow runs"
 _DEPLOY_TIMEOUT_S = 600.0
+DEPLOY_STAMP = "prefect.yaml.deployed"
 
 
 def project_root() -> Path:
@@ -85,15 +87,57 @@ class PrefectYamlRendering:
             self._proc.communicate()
 
 
-def deploy_all(pool: str, env: dict[str, str], state: Path, rendered: str) -> Path:
-    """``prefect deploy --all`` the ``rendered`` ``prefect.yaml`` into ``pool``; returns the file written."""
+def deploy_all(pool: str, env: dict[str, str], state: Path, rendered: str) -> bool:
+    """``prefect deploy --all`` the ``rendered`` ``prefect.yaml`` into ``pool``; False when that was not needed.
+
+    ``up`` again after ``down`` finds its deployments in the server's database: when the file, the pool, the
+    project's folder and the flows' code are those of the last deploy (a stamp in the state folder) and the
+    server holds every deployment the file names, deploying again (about a minute of Prefect building each
+    flow's parameter schema) would change nothing.
+    """
     root = project_root()
-    prefect_file = state / "prefect.yaml"
+    prefect_file, stamp_file = state / "prefect.yaml", state / DEPLOY_STAMP
+    stamp = deploy_stamp(pool, root, rendered)
+    if stamp_file.is_file() and stamp_file.read_text() == stamp and _all_deployed(rendered, pool, env):
+        return False
+    stamp_file.unlink(missing_ok=True)  # a deploy that fails half-way leaves no stamp for the next `up`
     prefect_file.write_text(rendered)
     # prefect deploy resolves both placeholders now: the pool, and where the worker's runs start
     deploy_env = {**env, "RAYLINE_WORK_POOL": pool, "RAYLINE_HOME": str(root)}
     _run(_prefect("deploy", "--all", "--prefect-file", str(prefect_file)), deploy_env, root, "prefect deploy")
-    return prefect_file
+    stamp_file.write_text(stamp)
+    return True
+
+
+def deploy_stamp(pool: str, root: Path, rendered: str) -> str:
+    """What a deploy depends on: the file, the pool, the folder runs start in, the flows' and deployments'
+    code (their parameter schemas), and the Prefect and rayline versions that deployed them."""
+    from prefect import __version__ as prefect_version
+
+    from rayline import __version__ as rayline_version
+
+    digest = hashlib.sha256()
+    for part in (rendered, pool, str(root), prefect_version, rayline_version):
+        digest.update(part.encode() + b"\0")
+    for package in ("flows", "tasks", "deployments"):
+        for source in sorted((root / package).rglob("*.py")):
+            digest.update(str(source.relative_to(root)).encode() + b"\0" + source.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _all_deployed(rendered: str, pool: str, env: dict[str, str]) -> bool:
+    """Whether the Prefect server of ``env`` holds, in ``pool``, every deployment ``rendered`` names."""
+    import yaml  # type: ignore[import-untyped]  # no stubs installed; only safe_load is used
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import WorkPoolFilter, WorkPoolFilterName
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    wanted = {deployment["name"] for deployment in yaml.safe_load(rendered).get("deployments") or []}
+    in_pool = WorkPoolFilter(name=WorkPoolFilterName(any_=[pool]))
+    updates = {PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_API_AUTH_STRING: env.get("PREFECT_API_AUTH_STRING")}
+    with temporary_settings(updates=updates), get_client(sync_client=True) as client:
+        held = {deployment.name for deployment in client.read_deployments(work_pool_filter=in_pool)}
+    return bool(wanted) and wanted <= held
 
 
 def worker_command(pool: str) -> list[str]:

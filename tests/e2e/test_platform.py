@@ -272,6 +272,7 @@ def test_down_then_up_again_keeps_the_runs_and_the_mlflow_mirror(
     module: test_work_pool.py goes on on the platform this `up` started."""
     root = Path(platform["RAYLINE_STORAGE"])
     runs, mirror = _completed_runs(platform), _mlflow_mirror(platform["MLFLOW_TRACKING_URI"])
+    deployed = _deployments_updated(platform)
     # the demo's: digits v1 and v2, the champion among them
     assert len(runs) >= 4 and len(mirror["digits"][0]) >= 2 and "champion" in mirror["digits"][1], (runs, mirror)
     stopped = run_rayline(["down"], up_env(platform), timeout=120)
@@ -288,6 +289,16 @@ def test_down_then_up_again_keeps_the_runs_and_the_mlflow_mirror(
     assert password_shown(root, platform["RAYLINE_DATABASE_URL"], stopped.stdout, again.stdout, again.stderr) == []
     assert runs <= _completed_runs(platform)
     assert _mlflow_mirror(platform["MLFLOW_TRACKING_URI"]) == mirror
+    # the same file, pool and flows: `up` again kept the deployments rather than deploying them again
+    assert len(deployed) == 6 and _deployments_updated(platform) == deployed
+
+
+def _deployments_updated(platform: dict[str, str]) -> dict[str, str]:
+    """Each deployment's name and when the server last changed it."""
+    user, password = AUTH.split(":", 1)
+    answer = httpx.post(f"{platform['PREFECT_API_URL']}/deployments/filter", json={}, auth=(user, password), timeout=30)
+    answer.raise_for_status()
+    return {deployment["name"]: deployment["updated"] for deployment in answer.json()}
 
 
 def _completed_runs(platform: dict[str, str]) -> set[str]:

@@ -136,3 +136,18 @@ def test_train_model_takes_one_request_and_each_retrain_trigger_carries_a_whole_
         asked = {k: "digits" if "{{" in str(v) else v for k, v in trigger.parameters["request"].items()}
         request = TrainRequest(**asked)
         assert (request.tune_samples, request.promote_to) == (4, "challenger"), trigger.name
+
+
+def test_up_deploys_again_when_the_file_pool_folder_or_flows_code_changed(tmp_path: Path) -> None:
+    """`up` again skips `prefect deploy` only on an unchanged stamp: any of its inputs changed deploys again."""
+    from rayline.cli.work_pool import deploy_stamp
+
+    for package in ("flows", "tasks", "deployments"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "one.py").write_text("def one(request: int) -> None: ...\n")
+    stamp = deploy_stamp("rayline", tmp_path, "deployments: []\n")
+    assert deploy_stamp("rayline", tmp_path, "deployments: []\n") == stamp, "the same inputs, the same stamp"
+    assert deploy_stamp("other-pool", tmp_path, "deployments: []\n") != stamp
+    assert deploy_stamp("rayline", tmp_path, "deployments: [x]\n") != stamp
+    (tmp_path / "flows" / "one.py").write_text("def one(request: str) -> None: ...\n")  # a parameter's schema
+    assert deploy_stamp("rayline", tmp_path, "deployments: []\n") != stamp
