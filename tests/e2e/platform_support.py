@@ -91,6 +91,11 @@ def platform_env(root: Path) -> dict[str, str]:
         # of its winner behind the later tests (docs/demo.md); that trigger's own tests: test_deployments.py,
         # tests/integration/test_label_loop.py
         RAYLINE_RETRAIN_MIN_NEW_LABELS="100000",
+        # each version's first actor or replica would convert it to OpenVINO and ONNX Runtime (tens of seconds on
+        # 2 cores, every version the platform's tests make): tests/unit/test_execution_plan.py and
+        # test_onnx_plan.py cover those backends, as tests/conftest.py says for the other tiers
+        RAYLINE_PLAN_OPENVINO="0",
+        RAYLINE_PLAN_ONNXRUNTIME="0",
     )
     return env
 
