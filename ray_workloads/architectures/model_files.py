@@ -122,8 +122,16 @@ class FileModel:
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
         step = self.max_batch or len(batch)
-        outputs = [self._run(np.ascontiguousarray(batch[i : i + step])) for i in range(0, len(batch), step)]
+        outputs = [self._run_padded(batch[i : i + step], step) for i in range(0, len(batch), step)]
         return np.concatenate(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _run_padded(self, part: np.ndarray, step: int) -> np.ndarray:
+        """A file with a fixed batch takes that batch only: a shorter slice (one /predict request, a night's last
+        images) is padded with copies of its last image, whose answers are dropped."""
+        short = step - len(part)
+        if short > 0:
+            part = np.concatenate([part, np.repeat(part[-1:], short, axis=0)])
+        return self._run(np.ascontiguousarray(part))[: step - short]
 
 
 # torch.onnx.export writes the weights to a second file (NAME.onnx.data) unless told not to; a model is one file
